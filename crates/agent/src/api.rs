@@ -1,0 +1,126 @@
+//! The agent's HTTP API (all under `/api/v1`, all requiring the cluster
+//! credential). Handlers only translate HTTP to [`Agent`] calls.
+//!
+//! | method | path | does |
+//! |---|---|---|
+//! | GET | /host | host, memory, NICs, VMs |
+//! | GET/POST | /vms | list / create (body: `VmSpec`) |
+//! | GET | /vms/{name}/check | guest check |
+//! | DELETE | /vms/{name} | stop and remove |
+//! | POST | /vms/{name}/migrate | move (body: `MigrateRequest`), NDJSON events |
+//! | POST | /incoming | target: reserve + skeleton (body: `IncomingRequest`) |
+//! | GET/DELETE | /incoming/{id} | target: status / discard |
+//! | POST | /incoming/{id}/commit | target: final check and adopt |
+
+use std::sync::Arc;
+
+use axum::{
+    extract::{Path, State},
+    middleware,
+    response::{IntoResponse, Response},
+    routing::{get, post},
+    Json, Router,
+};
+use ferry_api::server::{ndjson, not_found, require_credential, ApiJson, ErrorResponse};
+use ferry_api::{IncomingRequest, MigrateRequest, VmSpec};
+use tokio_stream_shim::ReceiverStream;
+
+use crate::Agent;
+
+type R<T> = Result<Json<T>, ErrorResponse>;
+
+async fn host(State(a): State<Arc<Agent>>) -> R<ferry_api::HostInfo> {
+    Ok(Json(a.host_info().await))
+}
+
+async fn list_vms(State(a): State<Arc<Agent>>) -> R<Vec<ferry_api::VmInfo>> {
+    Ok(Json(a.list_vms().await))
+}
+
+async fn create_vm(State(a): State<Arc<Agent>>, ApiJson(spec): ApiJson<VmSpec>) -> R<ferry_api::VmInfo> {
+    Ok(Json(a.create_vm(spec).await?))
+}
+
+async fn check_vm(State(a): State<Arc<Agent>>, Path(name): Path<String>) -> R<ferry_api::CheckResult> {
+    Ok(Json(a.check_vm(&name).await?))
+}
+
+async fn remove_vm(State(a): State<Arc<Agent>>, Path(name): Path<String>) -> R<serde_json::Value> {
+    a.remove_vm(&name).await?;
+    Ok(Json(serde_json::json!({ "removed": name })))
+}
+
+async fn migrate(
+    State(a): State<Arc<Agent>>,
+    Path(name): Path<String>,
+    ApiJson(req): ApiJson<MigrateRequest>,
+) -> Response {
+    match a.start_migration(&name, req).await {
+        Ok(rx) => ndjson(ReceiverStream(rx)),
+        Err(e) => ErrorResponse(e).into_response(),
+    }
+}
+
+async fn incoming(State(a): State<Arc<Agent>>, ApiJson(req): ApiJson<IncomingRequest>) -> R<ferry_api::IncomingReply> {
+    Ok(Json(a.prepare_incoming(req).await?))
+}
+
+async fn incoming_status(State(a): State<Arc<Agent>>, Path(id): Path<String>) -> R<ferry_api::IncomingStatus> {
+    Ok(Json(a.incoming_status(&id).await?))
+}
+
+async fn incoming_commit(State(a): State<Arc<Agent>>, Path(id): Path<String>) -> R<ferry_api::CheckResult> {
+    Ok(Json(a.commit_incoming(&id).await?))
+}
+
+async fn incoming_abort(State(a): State<Arc<Agent>>, Path(id): Path<String>) -> R<serde_json::Value> {
+    a.abort_incoming(&id).await?;
+    Ok(Json(serde_json::json!({ "discarded": id })))
+}
+
+pub fn router(agent: Arc<Agent>) -> Router {
+    let cred = agent.cred.clone();
+    let api = Router::new()
+        .route("/host", get(host))
+        .route("/vms", get(list_vms).post(create_vm))
+        .route("/vms/{name}", axum::routing::delete(remove_vm))
+        .route("/vms/{name}/check", get(check_vm))
+        .route("/vms/{name}/migrate", post(migrate))
+        .route("/incoming", post(incoming))
+        .route("/incoming/{id}", get(incoming_status).delete(incoming_abort))
+        .route("/incoming/{id}/commit", post(incoming_commit))
+        .with_state(agent);
+    Router::new()
+        .nest(ferry_api::API_PREFIX, api)
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(cred, require_credential))
+}
+
+/// Serves the agent until the process ends; reaps dead skeletons every 2 s.
+pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(agent.cfg.listen).await?;
+    tracing::info!(host = %agent.cfg.name, listen = %agent.cfg.listen, "agent serving");
+    let reaper = agent.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+            reaper.reap_incoming().await;
+        }
+    });
+    axum::serve(listener, router(agent)).await
+}
+
+/// A `Stream` over a tokio mpsc receiver (what tokio-stream's wrapper does).
+mod tokio_stream_shim {
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    pub struct ReceiverStream<T>(pub tokio::sync::mpsc::Receiver<T>);
+
+    impl<T> futures::Stream for ReceiverStream<T> {
+        type Item = T;
+        fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
+            self.0.poll_recv(cx)
+        }
+    }
+}

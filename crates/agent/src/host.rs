@@ -1,0 +1,281 @@
+//! The host an agent runs: its VMs, its memory budget, its NICs, and the
+//! guest check ("is this guest intact and still running?").
+//!
+//! Memory is reserved under the state lock before any QEMU starts, so two
+//! concurrent requests can never overcommit a host: a VM being created or
+//! arriving by migration holds its reservation from the first moment.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_api::{ApiError, CheckResult, HostInfo, NicInfo, VmInfo, VmSpec};
+use ferry_lab::console;
+
+use crate::qemu::{self, QemuVm};
+use crate::AgentConfig;
+
+/// Host memory QEMU itself needs per VM beyond guest RAM.
+pub const VM_OVERHEAD: u64 = 64 << 20;
+
+/// What a VM slot is doing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// QEMU is being started.
+    Starting,
+    /// Running here.
+    Running,
+    /// A skeleton waiting for (or receiving) a migration.
+    Incoming { migration_id: String, source: String },
+}
+
+pub struct VmSlot {
+    pub spec: VmSpec,
+    pub role: Role,
+    pub qemu: Option<Arc<QemuVm>>,
+    /// An outgoing migration is under way.
+    pub migrating: bool,
+}
+
+#[derive(Default)]
+pub struct HostState {
+    pub vms: BTreeMap<String, VmSlot>,
+}
+
+impl HostState {
+    pub fn reserved(&self) -> u64 {
+        self.vms.values().map(|v| v.spec.memory + VM_OVERHEAD).sum()
+    }
+}
+
+pub struct Agent {
+    pub cfg: AgentConfig,
+    pub cred: ferry_api::auth::Credential,
+    pub state: tokio::sync::Mutex<HostState>,
+}
+
+impl Agent {
+    pub fn new(cfg: AgentConfig, cred: ferry_api::auth::Credential) -> Arc<Agent> {
+        Arc::new(Agent { cfg, cred, state: Default::default() })
+    }
+
+    pub fn vm_dir(&self, name: &str, suffix: &str) -> PathBuf {
+        self.cfg.state_dir.join("vms").join(format!("{name}{suffix}"))
+    }
+
+    /// Reserves memory and a name for a VM that is about to start. Fails with
+    /// `InsufficientMemory` or `AlreadyExists` before anything starts.
+    pub async fn reserve(&self, spec: &VmSpec, role: Role) -> Result<(), ApiError> {
+        spec.validate()?;
+        let mut st = self.state.lock().await;
+        if st.vms.contains_key(&spec.name) {
+            return Err(ApiError::AlreadyExists { kind: "vm".into(), name: spec.name.clone() });
+        }
+        let available = self.cfg.memory.saturating_sub(st.reserved());
+        let needed = spec.memory + VM_OVERHEAD;
+        if needed > available {
+            return Err(ApiError::InsufficientMemory { host: self.cfg.name.clone(), needed, available });
+        }
+        st.vms.insert(spec.name.clone(), VmSlot { spec: spec.clone(), role, qemu: None, migrating: false });
+        Ok(())
+    }
+
+    /// Drops a reservation and returns its QEMU, if any, for the caller to stop.
+    pub async fn release(&self, name: &str) -> Option<Arc<QemuVm>> {
+        self.state.lock().await.vms.remove(name).and_then(|s| s.qemu)
+    }
+
+    /// Creates and boots a VM.
+    pub async fn create_vm(&self, spec: VmSpec) -> Result<VmInfo, ApiError> {
+        self.reserve(&spec, Role::Starting).await?;
+        let dir = self.vm_dir(&spec.name, "");
+        match qemu::launch(&self.cfg.qemu, &spec, &dir, false).await {
+            Ok(vm) => {
+                let vm = Arc::new(vm);
+                let mut st = self.state.lock().await;
+                if let Some(slot) = st.vms.get_mut(&spec.name) {
+                    slot.qemu = Some(vm.clone());
+                    slot.role = Role::Running;
+                }
+                drop(st);
+                tracing::info!(vm = %spec.name, pid = vm.pid, "vm started");
+                Ok(self.vm_info(&spec, &Role::Running, Some(&vm)).await)
+            }
+            Err(e) => {
+                self.release(&spec.name).await;
+                Err(ApiError::internal(format!("starting QEMU for {}: {}", spec.name, error_chain(&e))))
+            }
+        }
+    }
+
+    async fn vm_info(&self, spec: &VmSpec, role: &Role, qemu: Option<&Arc<QemuVm>>) -> VmInfo {
+        let state = match (role, qemu) {
+            (Role::Starting, _) => "starting".to_string(),
+            (Role::Incoming { .. }, _) => "incoming".to_string(),
+            (Role::Running, Some(q)) => match q.qmp.status().await {
+                Ok(s) => s.status,
+                Err(_) if !q.alive().await => "exited".to_string(),
+                Err(_) => "unreachable".to_string(),
+            },
+            (Role::Running, None) => "unknown".to_string(),
+        };
+        VmInfo {
+            name: spec.name.clone(),
+            host: self.cfg.name.clone(),
+            spec: spec.clone(),
+            state,
+            pid: qemu.map(|q| q.pid),
+        }
+    }
+
+    pub async fn list_vms(&self) -> Vec<VmInfo> {
+        let slots: Vec<_> = {
+            let st = self.state.lock().await;
+            st.vms.values().map(|s| (s.spec.clone(), s.role.clone(), s.qemu.clone())).collect()
+        };
+        let mut out = Vec::new();
+        for (spec, role, q) in slots {
+            out.push(self.vm_info(&spec, &role, q.as_ref()).await);
+        }
+        out
+    }
+
+    /// The running VM `name` (not a skeleton, not starting).
+    pub async fn running_vm(&self, name: &str) -> Result<(VmSpec, Arc<QemuVm>), ApiError> {
+        let st = self.state.lock().await;
+        match st.vms.get(name) {
+            Some(VmSlot { spec, role: Role::Running, qemu: Some(q), .. }) => Ok((spec.clone(), q.clone())),
+            Some(_) => Err(ApiError::Conflict { reason: format!("vm {name} is not running here yet") }),
+            None => Err(ApiError::not_found("vm", name)),
+        }
+    }
+
+    pub async fn remove_vm(&self, name: &str) -> Result<(), ApiError> {
+        {
+            let st = self.state.lock().await;
+            match st.vms.get(name) {
+                None => return Err(ApiError::not_found("vm", name)),
+                Some(s) if s.migrating || s.role != Role::Running => {
+                    return Err(ApiError::Conflict { reason: format!("vm {name} is migrating") })
+                }
+                Some(_) => {}
+            }
+        }
+        if let Some(q) = self.release(name).await {
+            q.stop().await;
+            let _ = std::fs::remove_dir_all(&q.dir);
+        }
+        tracing::info!(vm = name, "vm removed");
+        Ok(())
+    }
+
+    pub async fn check_vm(&self, name: &str) -> Result<CheckResult, ApiError> {
+        let (_, q) = self.running_vm(name).await?;
+        Ok(check(&self.cfg.name, name, &q, Duration::from_secs(8)).await)
+    }
+
+    pub async fn host_info(&self) -> HostInfo {
+        let vms = self.list_vms().await;
+        let reserved = self.state.lock().await.reserved();
+        HostInfo {
+            name: self.cfg.name.clone(),
+            agent_url: self.cfg.url.clone(),
+            memory_total: self.cfg.memory,
+            memory_reserved: reserved,
+            memory_free: self.cfg.memory.saturating_sub(reserved),
+            nics: nics(),
+            vms,
+        }
+    }
+}
+
+/// The error and its sources on one line, for messages that cross the wire.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+fn read_u64(path: PathBuf) -> u64 {
+    std::fs::read_to_string(path).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+}
+
+/// This host's migration NICs: interfaces named `nic*` with an IPv4 address,
+/// read from sysfs and `ip -j addr` in the agent's own network namespace.
+pub fn nics() -> Vec<NicInfo> {
+    let addrs = std::process::Command::new("ip")
+        .args(["-j", "-4", "addr", "show"])
+        .output()
+        .ok()
+        .and_then(|o| serde_json::from_slice::<Vec<serde_json::Value>>(&o.stdout).ok())
+        .unwrap_or_default();
+    let mut out: Vec<NicInfo> = addrs
+        .iter()
+        .filter_map(|l| {
+            let name = l["ifname"].as_str()?;
+            ferry_lab::topology::nic_index(name)?;
+            let address = l["addr_info"].as_array()?.first()?["local"].as_str()?.to_string();
+            let sys = PathBuf::from("/sys/class/net").join(name);
+            Some(NicInfo {
+                name: name.to_string(),
+                fabric: ferry_lab::topology::fabric_of_addr(&address).unwrap_or(0),
+                address,
+                mtu: read_u64(sys.join("mtu")) as u32,
+                up: read_u64(sys.join("carrier")) == 1,
+                tx_bytes: read_u64(sys.join("statistics/tx_bytes")),
+                rx_bytes: read_u64(sys.join("statistics/rx_bytes")),
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+/// Checks a guest: QEMU's run state, the workload's counter advancing over
+/// the check, and no integrity error or panic on its console. Waits up to
+/// `wait` for a tick, then for a newer one.
+pub async fn check(host: &str, name: &str, q: &QemuVm, wait: Duration) -> CheckResult {
+    let qemu_status = match q.qmp.status().await {
+        Ok(s) => s.status,
+        Err(_) => "unreachable".into(),
+    };
+    let deadline = tokio::time::Instant::now() + wait;
+    let path = q.console_path();
+    let read = || console::parse_log(&console::read_tail(&path, 256 << 10).unwrap_or_default());
+    let mut first = None;
+    let mut state = read();
+    loop {
+        if first.is_none() {
+            first = state.last;
+        }
+        let advanced = matches!((first, state.last), (Some(a), Some(b)) if b.tick > a.tick);
+        if advanced || !state.problems.is_empty() || tokio::time::Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        state = read();
+    }
+    // problems anywhere in the whole log, not just the tail
+    let full = console::parse_log(&std::fs::read_to_string(&path).unwrap_or_default());
+    let last = state.last;
+    let errors = last.map(|t| t.errors).unwrap_or(0);
+    CheckResult {
+        vm: name.into(),
+        host: host.into(),
+        running: qemu_status == "running",
+        qemu_status,
+        tick_first: first.map(|t| t.tick),
+        tick_last: last.map(|t| t.tick),
+        sweeps: last.map(|t| t.sweeps),
+        errors,
+        advancing: matches!((first, last), (Some(a), Some(b)) if b.tick > a.tick),
+        intact: errors == 0 && full.problems.is_empty() && last.is_some(),
+        problems: full.problems,
+    }
+}

@@ -1,0 +1,37 @@
+//! Ferry's per-host agent.
+//!
+//! One agent runs on every host (in the lab: inside each host's network
+//! namespace). It owns the host's QEMU processes and its memory budget, and it
+//! carries out live migrations with peer agents:
+//!
+//! - [`qmp`]: typed QMP commands over the `qapi` crate, each with a deadline.
+//! - [`qemu`]: starting/stopping one VM's QEMU; skeletons for migration targets.
+//! - [`host`]: the host's state: VMs, reservations, NICs, the guest check.
+//! - [`migration`]: the ten steps, source side and target side.
+//! - [`datapath`]: the seam where a migration's bytes leave QEMU (today QEMU's
+//!   own TCP stream over one NIC; Ferry's multi-NIC transport plugs in here).
+//! - [`api`]: the authenticated HTTP API the control service and peer agents call.
+
+pub mod api;
+pub mod datapath;
+pub mod host;
+pub mod migration;
+pub mod qemu;
+pub mod qmp;
+
+use std::path::PathBuf;
+
+/// Everything an agent is started with (`ferry agent …`).
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    pub name: String,
+    pub listen: std::net::SocketAddr,
+    /// This agent's own URL as peers reach it.
+    pub url: String,
+    pub state_dir: PathBuf,
+    /// Memory this host offers to VMs, bytes.
+    pub memory: u64,
+    pub qemu: qemu::QemuConfig,
+}
+
+pub use host::Agent;

@@ -1,0 +1,527 @@
+//! Live migration: the ten steps of seed 000's checklist, carried out by the
+//! source agent with the target agent, QEMU doing the memory copy.
+//!
+//! ```text
+//!  source agent                                   target agent
+//!  1 establish   GET  /host ───────────────────────▶ (credential checked)
+//!  2 permission  (a refused credential ends here)
+//!  3 memory      POST /incoming ───────────────────▶ reserve memory or refuse
+//!  4 skeleton                                        QEMU -incoming defer,
+//!                ◀─────────────────── uri ────────── migrate-incoming tcp:NIC:0
+//!  5 connection  QMP migrate uri ══ QEMU stream ══▶
+//!  6 copy        query-migrate every 250 ms; watch target, stall, deadline
+//!  7 iterate     (dirty-sync-count > 1)
+//!  8 blackout    QEMU pauses the source and sends the rest
+//!  9 final-check POST /incoming/ID/commit ─────────▶ running? counter advancing?
+//!                                                    no errors? → adopt the VM
+//! 10 cleanup     quit source QEMU, free its memory
+//! ```
+//!
+//! Failure rule: until the target has passed its final check the source is
+//! authoritative. Any failure cancels QEMU's migration, discards the target's
+//! skeleton (DELETE /incoming/ID), and makes sure the source guest runs.
+//! A target agent that dies takes its QEMU with it (PR_SET_PDEATHSIG), so
+//! resuming the source can never produce a twin.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_api::client::Client;
+use ferry_api::{
+    ApiError, CheckResult, HostInfo, IncomingReply, IncomingRequest, IncomingStatus, MigrateRequest,
+    MigrationEvent, MigrationProgress, MigrationReport, VmSpec,
+};
+use tokio::sync::mpsc;
+
+use crate::datapath::{DataPath, QemuTcp};
+use crate::host::{check, error_chain, nics, Agent, Role, VmSlot};
+use crate::qemu::{self, QemuVm};
+use crate::qmp::MigrationParameters;
+
+/// No byte moved for this long: the data path is down.
+pub const STALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Consecutive failed polls of the target agent before giving up on it.
+pub const TARGET_POLL_FAILURES: u32 = 2;
+/// Downtime QEMU may use for the blackout.
+pub const DOWNTIME_LIMIT_MS: u64 = 300;
+const POLL: Duration = Duration::from_millis(250);
+
+/// Time allowed for the copy: a base plus a budget per GiB of guest memory.
+pub fn copy_deadline(memory: u64) -> Duration {
+    Duration::from_secs(60 + 120 * memory.div_ceil(1 << 30))
+}
+
+struct Failure {
+    step: &'static str,
+    reason: String,
+    /// An API error to pass through as is (e.g. `InsufficientMemory`).
+    passthrough: Option<ApiError>,
+}
+
+fn fail(step: &'static str, reason: impl Into<String>) -> Failure {
+    Failure { step, reason: reason.into(), passthrough: None }
+}
+
+struct Events(mpsc::Sender<MigrationEvent>);
+
+impl Events {
+    async fn send(&self, e: MigrationEvent) {
+        // a departed listener does not stop the migration
+        let _ = self.0.send(e).await;
+    }
+    async fn step(&self, step: &str, detail: String) {
+        tracing::info!(step, %detail, "migration step");
+        self.send(MigrationEvent::Step { step: step.into(), detail }).await;
+    }
+}
+
+fn nic_tx() -> BTreeMap<String, u64> {
+    nics().into_iter().map(|n| (n.name, n.tx_bytes)).collect()
+}
+
+impl Agent {
+    /// Starts moving VM `name` to `req.target`; returns the event stream.
+    /// Refuses at once (nothing started) if the VM is unknown or already moving.
+    pub async fn start_migration(
+        self: &Arc<Self>,
+        name: &str,
+        req: MigrateRequest,
+    ) -> Result<mpsc::Receiver<MigrationEvent>, ApiError> {
+        if req.target == self.cfg.name {
+            return Err(ApiError::invalid("to", format!("vm {name} already runs on {}", req.target)));
+        }
+        let (spec, vm) = {
+            let mut st = self.state.lock().await;
+            let slot = st.vms.get_mut(name).ok_or_else(|| ApiError::not_found("vm", name))?;
+            if slot.migrating {
+                return Err(ApiError::Conflict { reason: format!("vm {name} is already migrating") });
+            }
+            let (Role::Running, Some(q)) = (&slot.role, &slot.qemu) else {
+                return Err(ApiError::Conflict { reason: format!("vm {name} is not running here") });
+            };
+            slot.migrating = true;
+            (slot.spec.clone(), q.clone())
+        };
+        let (tx, rx) = mpsc::channel(64);
+        let agent = self.clone();
+        tokio::spawn(async move {
+            let events = Events(tx);
+            let started = Instant::now();
+            let id = format!("{:016x}", rand::random::<u64>());
+            let outcome = agent.migrate(&id, &spec, &vm, &req, &events, started).await;
+            match outcome {
+                Ok(report) => {
+                    tracing::info!(vm = %spec.name, to = %req.target, total_ms = report.total_ms, downtime_ms = report.downtime_ms, "migration completed");
+                    events.send(MigrationEvent::Completed(Box::new(report))).await;
+                }
+                Err(f) => {
+                    if let Some(s) = agent.state.lock().await.vms.get_mut(&spec.name) {
+                        s.migrating = false;
+                    }
+                    tracing::warn!(vm = %spec.name, step = f.step, reason = %f.reason, "migration failed");
+                    let error = f.passthrough.unwrap_or_else(|| ApiError::MigrationFailed {
+                        vm: spec.name.clone(),
+                        step: f.step.into(),
+                        reason: f.reason,
+                        running_on: agent.cfg.name.clone(),
+                    });
+                    events.send(MigrationEvent::Failed { error }).await;
+                }
+            }
+        });
+        Ok(rx)
+    }
+
+    async fn migrate(
+        &self,
+        id: &str,
+        spec: &VmSpec,
+        vm: &Arc<QemuVm>,
+        req: &MigrateRequest,
+        ev: &Events,
+        started: Instant,
+    ) -> Result<MigrationReport, Failure> {
+        let datapath = QemuTcp;
+        // 1. establish
+        let target = Client::new(&format!("agent {}", req.target), &req.target_url, self.cred.clone());
+        let tinfo: HostInfo = target
+            .get("/host", Duration::from_secs(5))
+            .await
+            .map_err(|e| match e {
+                ApiError::Unauthorized => fail("permission", format!("{} refused the cluster credential", req.target)),
+                e => fail("establish", e.to_string()),
+            })?;
+        if tinfo.name != req.target {
+            return Err(fail("establish", format!("the agent at {} is {}, not {}", req.target_url, tinfo.name, req.target)));
+        }
+        ev.step("establish", format!("{} → {} (agent {})", self.cfg.name, req.target, req.target_url)).await;
+        // 2. permission
+        ev.step("permission", format!("{} accepted the cluster credential", req.target)).await;
+        // 3. memory + 4. skeleton (the target reserves before it starts anything)
+        ev.step(
+            "memory",
+            format!("{} has {} bytes free; the VM needs {}", req.target, tinfo.memory_free, spec.memory),
+        )
+        .await;
+        let fabrics_up = nics().iter().filter(|n| n.up).map(|n| n.fabric).collect();
+        let incoming = IncomingRequest {
+            migration_id: id.into(),
+            source: self.cfg.name.clone(),
+            spec: spec.clone(),
+            source_fabrics_up: fabrics_up,
+        };
+        let reply: IncomingReply = target
+            .post("/incoming", &incoming, Duration::from_secs(30))
+            .await
+            .map_err(|e| match e {
+                e @ ApiError::InsufficientMemory { .. } => Failure { step: "memory", reason: e.to_string(), passthrough: Some(e) },
+                e => fail("skeleton", e.to_string()),
+            })?;
+        ev.step("skeleton", format!("QEMU on {} waits on {} ({})", req.target, reply.uri, reply.nic)).await;
+
+        let result = self.transfer(id, spec, vm, &target, &reply, ev, &datapath, started).await;
+        match result {
+            Ok(report) => Ok(report),
+            Err(f) => {
+                self.roll_back(id, vm, &target).await;
+                Err(f)
+            }
+        }
+    }
+
+    /// Steps 5-10; on error the caller rolls back.
+    #[allow(clippy::too_many_arguments)]
+    async fn transfer(
+        &self,
+        id: &str,
+        spec: &VmSpec,
+        vm: &Arc<QemuVm>,
+        target: &Client,
+        reply: &IncomingReply,
+        ev: &Events,
+        datapath: &dyn DataPath,
+        started: Instant,
+    ) -> Result<MigrationReport, Failure> {
+        // 5. connection
+        let qmp = &vm.qmp;
+        let q = |step: &'static str| move |e: crate::qmp::QmpError| fail(step, error_chain(&e));
+        qmp.set_parameters(MigrationParameters {
+            // Ferry paces migrations itself; QEMU's 128 MiB/s default would cap fast links
+            max_bandwidth: Some(100 << 30),
+            downtime_limit: Some(DOWNTIME_LIMIT_MS),
+        })
+        .await
+        .map_err(q("connection"))?;
+        let tx_before = nic_tx();
+        qmp.migrate(&reply.uri).await.map_err(q("connection"))?;
+        ev.step("connection", format!("{} stream to {} over {}", datapath.name(), reply.uri, reply.nic)).await;
+
+        // 6-8. copy, iterate, blackout
+        let deadline = Instant::now() + copy_deadline(spec.memory);
+        let mut last_transferred = 0u64;
+        let mut last_change = Instant::now();
+        let mut last_sample = (Instant::now(), 0u64);
+        let mut target_failures = 0u32;
+        let mut last_target_poll = Instant::now();
+        let (mut copy_seen, mut iterate_seen, mut blackout_seen) = (false, false, false);
+        let info = loop {
+            tokio::time::sleep(POLL).await;
+            let info = qmp.query_migrate().await.map_err(q("copy"))?;
+            let status = info.status.clone().unwrap_or_default();
+            let ram = info.ram.clone().unwrap_or_default();
+            match status.as_str() {
+                "completed" => break info,
+                "failed" => {
+                    return Err(fail("copy", format!("QEMU: {}", info.error_desc.unwrap_or_else(|| "failed".into()))))
+                }
+                "cancelled" | "cancelling" => return Err(fail("copy", "QEMU cancelled the migration")),
+                _ => {}
+            }
+            let now = Instant::now();
+            if ram.transferred != last_transferred {
+                last_transferred = ram.transferred;
+                last_change = now;
+            } else if now - last_change > STALL_TIMEOUT {
+                return Err(fail(
+                    "copy",
+                    format!("no bytes moved for {} s: the data path over {} is down", STALL_TIMEOUT.as_secs(), reply.nic),
+                ));
+            }
+            if now > deadline {
+                return Err(fail("copy", format!("not converged within {} s", copy_deadline(spec.memory).as_secs())));
+            }
+            if now - last_target_poll >= Duration::from_secs(1) {
+                last_target_poll = now;
+                match target.get::<IncomingStatus>(&format!("/incoming/{id}"), Duration::from_secs(2)).await {
+                    Ok(s) if !s.qemu_alive => return Err(fail("copy", "the target QEMU exited")),
+                    Ok(_) => target_failures = 0,
+                    Err(e) => {
+                        target_failures += 1;
+                        if target_failures >= TARGET_POLL_FAILURES {
+                            return Err(fail("copy", format!("lost the target agent: {e}")));
+                        }
+                    }
+                }
+            }
+            if !copy_seen && status == "active" {
+                copy_seen = true;
+                ev.step("copy", format!("dirty tracking on; first pass over {} bytes", ram.total)).await;
+            }
+            if !iterate_seen && ram.dirty_sync_count > 1 {
+                iterate_seen = true;
+                ev.step("iterate", "re-sending pages dirtied during the first pass".into()).await;
+            }
+            if !blackout_seen && (status == "device" || status == "pre-switchover") {
+                blackout_seen = true;
+                ev.step("blackout", "source paused; sending the last dirty pages and device state".into()).await;
+            }
+            let dt = (now - last_sample.0).as_secs_f64().max(1e-3);
+            let throughput = ram.transferred.saturating_sub(last_sample.1) as f64 / dt;
+            last_sample = (now, ram.transferred);
+            let page = if ram.page_size == 0 { 4096 } else { ram.page_size };
+            ev.send(MigrationEvent::Progress(MigrationProgress {
+                elapsed_ms: started.elapsed().as_millis() as u64,
+                status,
+                transferred: ram.transferred,
+                remaining: ram.remaining,
+                total: ram.total,
+                throughput,
+                dirty_rate: ram.dirty_pages_rate * page,
+                rounds: ram.dirty_sync_count,
+                expected_downtime_ms: info.expected_downtime,
+                eta_ms: (throughput > 0.0).then(|| (ram.remaining as f64 / throughput * 1000.0) as u64),
+            }))
+            .await;
+        };
+        let tx_after = nic_tx();
+        let downtime_ms = info.downtime.unwrap_or(0);
+        let ram = info.ram.clone().unwrap_or_default();
+        if !blackout_seen {
+            ev.step("blackout", format!("source paused for {downtime_ms} ms of downtime")).await;
+        }
+        let tick_before = ferry_lab::console::parse_log(
+            &ferry_lab::console::read_tail(&vm.console_path(), 64 << 10).unwrap_or_default(),
+        )
+        .last
+        .map(|t| t.tick);
+
+        // 9. final check on the target before the source is stopped
+        let check: CheckResult = target
+            .post(&format!("/incoming/{id}/commit"), &serde_json::json!({}), Duration::from_secs(40))
+            .await
+            .map_err(|e| fail("final-check", e.to_string()))?;
+        if let (Some(before), Some(after)) = (tick_before, check.tick_last) {
+            if after <= before {
+                return Err(fail("final-check", format!("guest counter went back from {before} to {after}")));
+            }
+        }
+        ev.step(
+            "final-check",
+            format!(
+                "{} runs the guest: counter {}→{}, {} integrity errors",
+                check.host,
+                check.tick_first.unwrap_or(0),
+                check.tick_last.unwrap_or(0),
+                check.errors
+            ),
+        )
+        .await;
+
+        // 10. cleanup on the source
+        if let Some(q) = self.release(&spec.name).await {
+            q.stop().await;
+            let _ = std::fs::remove_dir_all(&q.dir);
+        }
+        ev.step("cleanup", format!("source QEMU on {} stopped and removed", self.cfg.name)).await;
+
+        let nic_tx_bytes = tx_after
+            .iter()
+            .map(|(n, after)| (n.clone(), after.saturating_sub(*tx_before.get(n).unwrap_or(after))))
+            .collect();
+        let qemu_total_ms = info.total_time.unwrap_or(0);
+        Ok(MigrationReport {
+            vm: spec.name.clone(),
+            from: self.cfg.name.clone(),
+            to: check.host.clone(),
+            status: "completed".into(),
+            data_path: datapath.name().into(),
+            total_ms: started.elapsed().as_millis() as u64,
+            qemu_total_ms,
+            setup_ms: info.setup_time.unwrap_or(0),
+            downtime_ms,
+            bytes_transferred: ram.transferred,
+            throughput: if qemu_total_ms > 0 { ram.transferred as f64 * 1000.0 / qemu_total_ms as f64 } else { 0.0 },
+            nic_tx_bytes,
+            rounds: ram.dirty_sync_count,
+            tick_before,
+            check,
+        })
+    }
+
+    /// Cancels QEMU's migration, discards the target's skeleton, and makes
+    /// sure the guest runs on this host again.
+    async fn roll_back(&self, id: &str, vm: &Arc<QemuVm>, target: &Client) {
+        let qmp = &vm.qmp;
+        let _ = qmp.migrate_cancel().await;
+        for _ in 0..40 {
+            match qmp.query_migrate().await.ok().and_then(|i| i.status) {
+                Some(s) if s == "active" || s == "cancelling" || s == "device" || s == "setup" => {
+                    tokio::time::sleep(Duration::from_millis(250)).await
+                }
+                _ => break,
+            }
+        }
+        // the target goes first: it must never run alongside the resumed source
+        if let Err(e) = target.delete::<serde_json::Value>(&format!("/incoming/{id}"), Duration::from_secs(5)).await {
+            tracing::warn!(error = %e, "could not discard the target skeleton; its QEMU dies with its agent");
+        }
+        match qmp.status().await {
+            Ok(s) if !s.running => {
+                tracing::warn!(status = %s.status, "resuming the source guest");
+                if let Err(e) = qmp.cont().await {
+                    tracing::error!(error = %e, "could not resume the source guest");
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::error!(error = %e, "source QEMU does not answer"),
+        }
+    }
+
+    // ---- target side ----
+
+    /// Step 3-4 on the target: reserve memory, start a skeleton VM waiting on
+    /// the chosen NIC, and report where the source should send.
+    pub async fn prepare_incoming(&self, req: IncomingRequest) -> Result<IncomingReply, ApiError> {
+        let datapath = QemuTcp;
+        let nic = nics()
+            .into_iter()
+            .filter(|n| n.up && req.source_fabrics_up.contains(&n.fabric))
+            .min_by_key(|n| n.fabric)
+            .ok_or_else(|| {
+                ApiError::unavailable(
+                    format!("a migration path from {} to {}", req.source, self.cfg.name),
+                    "no fabric has a NIC up on both hosts",
+                )
+            })?;
+        let role = Role::Incoming { migration_id: req.migration_id.clone(), source: req.source.clone() };
+        self.reserve(&req.spec, role).await?;
+        let dir = self.vm_dir(&req.spec.name, &format!(".in-{}", req.migration_id));
+        let started = async {
+            let vm = qemu::launch(&self.cfg.qemu, &req.spec, &dir, true)
+                .await
+                .map_err(|e| ApiError::internal(format!("starting skeleton QEMU: {}", error_chain(&e))))?;
+            let vm = Arc::new(vm);
+            // registered first, so a failure below still kills this QEMU
+            if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
+                slot.qemu = Some(vm.clone());
+            }
+            let qerr = |e: crate::qmp::QmpError| ApiError::internal(error_chain(&e));
+            vm.qmp.migrate_incoming(&datapath.incoming_uri(&nic.address)).await.map_err(qerr)?;
+            let info = vm.qmp.query_migrate().await.map_err(qerr)?;
+            let port = info
+                .socket_address
+                .unwrap_or_default()
+                .into_iter()
+                .find_map(|a| a.port)
+                .ok_or_else(|| ApiError::internal("QEMU did not report its listening port"))?;
+            Ok::<_, ApiError>(datapath.source_uri(&nic.address, &port))
+        }
+        .await;
+        match started {
+            Ok(uri) => {
+                tracing::info!(vm = %req.spec.name, source = %req.source, %uri, "skeleton waiting");
+                Ok(IncomingReply { migration_id: req.migration_id, uri, fabric: nic.fabric, nic: nic.name })
+            }
+            Err(e) => {
+                if let Some(q) = self.release(&req.spec.name).await {
+                    q.kill().await;
+                }
+                let _ = std::fs::remove_dir_all(&dir);
+                Err(e)
+            }
+        }
+    }
+
+    async fn incoming_slot(&self, id: &str) -> Result<(String, Option<Arc<QemuVm>>), ApiError> {
+        let st = self.state.lock().await;
+        st.vms
+            .iter()
+            .find(|(_, s)| matches!(&s.role, Role::Incoming { migration_id, .. } if migration_id == id))
+            .map(|(n, s)| (n.clone(), s.qemu.clone()))
+            .ok_or_else(|| ApiError::not_found("incoming migration", id))
+    }
+
+    pub async fn incoming_status(&self, id: &str) -> Result<IncomingStatus, ApiError> {
+        let (_, q) = self.incoming_slot(id).await?;
+        let (alive, status) = match q {
+            Some(q) => (q.alive().await, q.qmp.status().await.map(|s| s.status).unwrap_or_else(|_| "unreachable".into())),
+            None => (true, "starting".into()),
+        };
+        Ok(IncomingStatus { migration_id: id.into(), qemu_status: status, qemu_alive: alive })
+    }
+
+    /// Step 9 on the target: wait for the guest to run, check it, adopt it.
+    pub async fn commit_incoming(&self, id: &str) -> Result<CheckResult, ApiError> {
+        let (name, q) = self.incoming_slot(id).await?;
+        let q = q.ok_or_else(|| ApiError::Conflict { reason: "skeleton QEMU is still starting".into() })?;
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if !q.alive().await {
+                return Err(ApiError::internal("the target QEMU exited"));
+            }
+            match q.qmp.status().await {
+                Ok(s) if s.running => break,
+                Ok(s) if Instant::now() > deadline => {
+                    return Err(ApiError::internal(format!("guest not running on the target: {}", s.status)))
+                }
+                Err(e) if Instant::now() > deadline => return Err(ApiError::internal(error_chain(&e))),
+                _ => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        let result = check(&self.cfg.name, &name, &q, Duration::from_secs(10)).await;
+        if !result.ok() {
+            return Err(ApiError::internal(format!(
+                "guest check failed on {}: running={} advancing={} intact={} problems={:?}",
+                self.cfg.name, result.running, result.advancing, result.intact, result.problems
+            )));
+        }
+        let mut st = self.state.lock().await;
+        if let Some(slot) = st.vms.get_mut(&name) {
+            *slot = VmSlot { spec: slot.spec.clone(), role: Role::Running, qemu: Some(q), migrating: false };
+        }
+        tracing::info!(vm = %name, "migration committed; vm runs here");
+        Ok(result)
+    }
+
+    /// Discards a skeleton (the source rolled back).
+    pub async fn abort_incoming(&self, id: &str) -> Result<(), ApiError> {
+        let (name, _) = self.incoming_slot(id).await?;
+        if let Some(q) = self.release(&name).await {
+            q.kill().await;
+            let _ = std::fs::remove_dir_all(&q.dir);
+        }
+        tracing::info!(vm = %name, migration = id, "skeleton discarded");
+        Ok(())
+    }
+
+    /// Discards skeletons whose QEMU exited on its own (a failed incoming
+    /// migration makes QEMU exit); run periodically.
+    pub async fn reap_incoming(&self) {
+        let dead: Vec<String> = {
+            let st = self.state.lock().await;
+            let mut out = Vec::new();
+            for s in st.vms.values() {
+                if let (Role::Incoming { migration_id, .. }, Some(q)) = (&s.role, &s.qemu) {
+                    if !q.alive().await {
+                        out.push(migration_id.clone());
+                    }
+                }
+            }
+            out
+        };
+        for id in dead {
+            let _ = self.abort_incoming(&id).await;
+        }
+    }
+}

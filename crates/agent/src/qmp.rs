@@ -1,0 +1,241 @@
+//! QMP, QEMU's control protocol, through the `qapi` crate's tokio client.
+//!
+//! The commands Ferry uses are declared here as small typed structs
+//! implementing `qapi::Command`, with reply types that accept every field
+//! QEMU 9/10 may add (unknown fields are ignored, statuses are strings), so a
+//! newer QEMU cannot break decoding. Every call has a deadline: a QEMU whose
+//! monitor is stuck must never stall an agent.
+
+use std::path::Path;
+use std::time::Duration;
+
+use qapi::futures::{QapiService, QmpStreamTokio};
+use serde::{Deserialize, Serialize};
+use tokio::io::WriteHalf;
+use tokio::net::UnixStream;
+
+#[derive(Debug, thiserror::Error)]
+pub enum QmpError {
+    #[error("Cannot connect to QMP socket {path}")]
+    Connect {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("QMP command {command} failed: {reason}")]
+    Command { command: &'static str, reason: String },
+    #[error("QMP command {command} got no reply within {secs} s")]
+    Timeout { command: &'static str, secs: u64 },
+}
+
+type Service = QapiService<QmpStreamTokio<WriteHalf<UnixStream>>>;
+
+macro_rules! qmp_command {
+    ($ty:ident, $name:literal, $ok:ty) => {
+        impl qapi::Command for $ty {
+            type Ok = $ok;
+            const NAME: &'static str = $name;
+            const ALLOW_OOB: bool = false;
+        }
+        impl qapi::qmp::QmpCommand for $ty {}
+    };
+}
+
+#[derive(Serialize)]
+struct QueryStatus {}
+#[derive(Debug, Clone, Deserialize)]
+pub struct StatusInfo {
+    pub status: String,
+    pub running: bool,
+}
+qmp_command!(QueryStatus, "query-status", StatusInfo);
+
+#[derive(Serialize)]
+struct QueryMigrate {}
+qmp_command!(QueryMigrate, "query-migrate", MigrationInfo);
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct RamStats {
+    #[serde(default)]
+    pub transferred: u64,
+    #[serde(default)]
+    pub remaining: u64,
+    #[serde(default)]
+    pub total: u64,
+    #[serde(default)]
+    pub dirty_pages_rate: u64,
+    #[serde(default)]
+    pub mbps: f64,
+    #[serde(default)]
+    pub dirty_sync_count: u64,
+    #[serde(default)]
+    pub page_size: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct SocketAddr {
+    #[serde(default)]
+    pub host: Option<String>,
+    #[serde(default)]
+    pub port: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct MigrationInfo {
+    #[serde(default)]
+    pub status: Option<String>,
+    #[serde(default)]
+    pub ram: Option<RamStats>,
+    #[serde(default)]
+    pub total_time: Option<u64>,
+    #[serde(default)]
+    pub expected_downtime: Option<u64>,
+    #[serde(default)]
+    pub downtime: Option<u64>,
+    #[serde(default)]
+    pub setup_time: Option<u64>,
+    #[serde(default)]
+    pub error_desc: Option<String>,
+    #[serde(default)]
+    pub socket_address: Option<Vec<SocketAddr>>,
+}
+
+#[derive(Serialize)]
+struct Migrate {
+    uri: String,
+}
+qmp_command!(Migrate, "migrate", qapi::Empty);
+
+#[derive(Serialize)]
+struct MigrateIncoming {
+    uri: String,
+}
+qmp_command!(MigrateIncoming, "migrate-incoming", qapi::Empty);
+
+#[derive(Serialize)]
+struct MigrateCancel {}
+qmp_command!(MigrateCancel, "migrate_cancel", qapi::Empty);
+
+/// The subset of `migrate-set-parameters` Ferry sets.
+#[derive(Serialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub struct MigrationParameters {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_bandwidth: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub downtime_limit: Option<u64>,
+}
+qmp_command!(MigrationParameters, "migrate-set-parameters", qapi::Empty);
+
+#[derive(Serialize)]
+struct Capability {
+    capability: &'static str,
+    state: bool,
+}
+#[derive(Serialize)]
+struct SetCapabilities {
+    capabilities: Vec<Capability>,
+}
+qmp_command!(SetCapabilities, "migrate-set-capabilities", qapi::Empty);
+
+#[derive(Serialize)]
+struct Cont {}
+qmp_command!(Cont, "cont", qapi::Empty);
+
+#[derive(Serialize)]
+struct Quit {}
+qmp_command!(Quit, "quit", qapi::Empty);
+
+/// A negotiated QMP session with one QEMU.
+pub struct Qmp {
+    svc: Service,
+    events: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Qmp {
+    fn drop(&mut self) {
+        self.events.abort();
+    }
+}
+
+const DEFAULT_DEADLINE: Duration = Duration::from_secs(10);
+
+impl Qmp {
+    /// Connects to QEMU's QMP socket, retrying until `wait` has passed (QEMU
+    /// creates the socket shortly after it starts).
+    pub async fn connect(path: &Path, wait: Duration) -> Result<Qmp, QmpError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let shown = path.display().to_string();
+        loop {
+            let attempt = async {
+                let neg = QmpStreamTokio::open_uds(path).await?;
+                neg.negotiate().await
+            };
+            match tokio::time::timeout(Duration::from_secs(5), attempt).await {
+                Ok(Ok(stream)) => {
+                    let (svc, events) = stream.spawn_tokio();
+                    return Ok(Qmp { svc, events });
+                }
+                Ok(Err(e)) if tokio::time::Instant::now() >= deadline => {
+                    return Err(QmpError::Connect { path: shown, source: e });
+                }
+                Err(_) if tokio::time::Instant::now() >= deadline => {
+                    let e = std::io::Error::new(std::io::ErrorKind::TimedOut, "no QMP greeting");
+                    return Err(QmpError::Connect { path: shown, source: e });
+                }
+                _ => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+
+    async fn call<C>(&self, cmd: C, deadline: Duration) -> Result<C::Ok, QmpError>
+    where
+        C: qapi::Command + qapi::qmp::QmpCommand + 'static,
+    {
+        let name = C::NAME;
+        match tokio::time::timeout(deadline, self.svc.execute(cmd)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(QmpError::Command { command: name, reason: e.to_string() }),
+            Err(_) => Err(QmpError::Timeout { command: name, secs: deadline.as_secs() }),
+        }
+    }
+
+    pub async fn status(&self) -> Result<StatusInfo, QmpError> {
+        self.call(QueryStatus {}, DEFAULT_DEADLINE).await
+    }
+
+    pub async fn query_migrate(&self) -> Result<MigrationInfo, QmpError> {
+        self.call(QueryMigrate {}, DEFAULT_DEADLINE).await
+    }
+
+    pub async fn migrate(&self, uri: &str) -> Result<(), QmpError> {
+        self.call(Migrate { uri: uri.into() }, DEFAULT_DEADLINE).await.map(drop)
+    }
+
+    pub async fn migrate_incoming(&self, uri: &str) -> Result<(), QmpError> {
+        self.call(MigrateIncoming { uri: uri.into() }, DEFAULT_DEADLINE).await.map(drop)
+    }
+
+    pub async fn migrate_cancel(&self) -> Result<(), QmpError> {
+        self.call(MigrateCancel {}, Duration::from_secs(5)).await.map(drop)
+    }
+
+    pub async fn set_parameters(&self, p: MigrationParameters) -> Result<(), QmpError> {
+        self.call(p, DEFAULT_DEADLINE).await.map(drop)
+    }
+
+    pub async fn set_capabilities(&self, caps: &[(&'static str, bool)]) -> Result<(), QmpError> {
+        let capabilities = caps.iter().map(|(c, s)| Capability { capability: c, state: *s }).collect();
+        self.call(SetCapabilities { capabilities }, DEFAULT_DEADLINE).await.map(drop)
+    }
+
+    pub async fn cont(&self) -> Result<(), QmpError> {
+        self.call(Cont {}, DEFAULT_DEADLINE).await.map(drop)
+    }
+
+    pub async fn quit(&self) -> Result<(), QmpError> {
+        self.call(Quit {}, Duration::from_secs(3)).await.map(drop)
+    }
+}

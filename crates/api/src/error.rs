@@ -1,0 +1,125 @@
+//! [`ApiError`]: the errors that cross Ferry's API, on the control service and
+//! on agents alike. Each variant names what was wrong; [`ApiError::http_status`]
+//! is the one mapping from error to HTTP status. On the wire an error is the
+//! JSON form of this enum (tagged by `code`) plus a human `message`.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[serde(tag = "code", rename_all = "snake_case")]
+pub enum ApiError {
+    #[error("No {kind} named '{name}'")]
+    NotFound { kind: String, name: String },
+    #[error("A {kind} named '{name}' already exists")]
+    AlreadyExists { kind: String, name: String },
+    #[error("Invalid {field}: {reason}")]
+    InvalidArgument { field: String, reason: String },
+    #[error("Host {host} has {available} bytes of memory free, {needed} needed")]
+    InsufficientMemory { host: String, needed: u64, available: u64 },
+    #[error("Request refused: missing or wrong cluster credential")]
+    Unauthorized,
+    #[error("Conflict: {reason}")]
+    Conflict { reason: String },
+    #[error("{what} is unavailable: {reason}")]
+    Unavailable { what: String, reason: String },
+    #[error("Migration of {vm} failed at step '{step}': {reason}; the VM keeps running on {running_on}")]
+    MigrationFailed { vm: String, step: String, reason: String, running_on: String },
+    #[error("Internal error: {reason}")]
+    Internal { reason: String },
+}
+
+impl ApiError {
+    /// The HTTP status each error is served with.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            ApiError::NotFound { .. } => 404,
+            ApiError::AlreadyExists { .. } | ApiError::Conflict { .. } => 409,
+            ApiError::InvalidArgument { .. } => 400,
+            ApiError::InsufficientMemory { .. } => 507,
+            ApiError::Unauthorized => 401,
+            ApiError::Unavailable { .. } => 503,
+            ApiError::MigrationFailed { .. } => 502,
+            ApiError::Internal { .. } => 500,
+        }
+    }
+
+    pub fn not_found(kind: &str, name: &str) -> Self {
+        ApiError::NotFound { kind: kind.into(), name: name.into() }
+    }
+
+    pub fn invalid(field: &str, reason: impl Into<String>) -> Self {
+        ApiError::InvalidArgument { field: field.into(), reason: reason.into() }
+    }
+
+    pub fn internal(reason: impl std::fmt::Display) -> Self {
+        ApiError::Internal { reason: reason.to_string() }
+    }
+
+    pub fn unavailable(what: impl Into<String>, reason: impl std::fmt::Display) -> Self {
+        ApiError::Unavailable { what: what.into(), reason: reason.to_string() }
+    }
+
+    /// The JSON body an error is served as: the tagged enum plus `message`.
+    pub fn to_body(&self) -> serde_json::Value {
+        let mut v = serde_json::to_value(self).unwrap_or_else(|_| serde_json::json!({}));
+        if let Some(o) = v.as_object_mut() {
+            o.insert("message".into(), self.to_string().into());
+        }
+        v
+    }
+
+    /// Reads an error body back; anything unreadable becomes `Internal` with
+    /// the status and the raw text, so no error is silently lost.
+    pub fn from_body(status: u16, body: &str) -> Self {
+        let parsed = serde_json::from_str::<serde_json::Value>(body).ok().and_then(|mut v| {
+            v.as_object_mut().map(|o| o.remove("message"));
+            serde_json::from_value::<ApiError>(v).ok()
+        });
+        parsed.unwrap_or_else(|| ApiError::Internal {
+            reason: format!("HTTP {status}: {}", body.chars().take(300).collect::<String>()),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_round_trips_through_its_body() {
+        let all = [
+            ApiError::not_found("vm", "a"),
+            ApiError::AlreadyExists { kind: "vm".into(), name: "a".into() },
+            ApiError::invalid("--memory", "too small"),
+            ApiError::InsufficientMemory { host: "host2".into(), needed: 2, available: 1 },
+            ApiError::Unauthorized,
+            ApiError::Conflict { reason: "busy".into() },
+            ApiError::unavailable("agent host1", "refused"),
+            ApiError::MigrationFailed {
+                vm: "a".into(),
+                step: "transfer".into(),
+                reason: "link".into(),
+                running_on: "host1".into(),
+            },
+            ApiError::internal("x"),
+        ];
+        for e in all {
+            let body = e.to_body().to_string();
+            assert_eq!(ApiError::from_body(e.http_status(), &body), e);
+            assert!(body.contains(&e.to_string()));
+        }
+    }
+
+    #[test]
+    fn statuses_are_distinct_per_class() {
+        assert_eq!(ApiError::Unauthorized.http_status(), 401);
+        assert_eq!(ApiError::not_found("vm", "x").http_status(), 404);
+        assert_eq!(ApiError::invalid("f", "r").http_status(), 400);
+    }
+
+    #[test]
+    fn unreadable_bodies_keep_status_and_text() {
+        let e = ApiError::from_body(502, "<html>bad gateway</html>");
+        assert!(e.to_string().contains("502") && e.to_string().contains("bad gateway"));
+    }
+}

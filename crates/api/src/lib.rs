@@ -1,0 +1,27 @@
+//! Ferry's one command API.
+//!
+//! Every front end (the `ferry` CLI today, the REST API and the web page as they
+//! grow) speaks the types in this crate, and the control service and the agents
+//! serve them. Nothing here does I/O except [`client`], the one HTTP client all
+//! callers share, and [`auth`], which reads the cluster credential.
+//!
+//! Layout:
+//! - [`size`]: byte sizes and rates as users write them (`1G`, `768M`, `20M`).
+//! - [`types`]: hosts, NICs, VMs, migration events and reports.
+//! - [`error`]: [`ApiError`], the one error enum that crosses the wire, and its
+//!   HTTP status mapping.
+//! - [`auth`]: the cluster credential made at lab/cluster creation.
+//! - [`client`]: an authenticated HTTP client with NDJSON event streams.
+
+pub mod auth;
+pub mod client;
+pub mod error;
+pub mod server;
+pub mod size;
+pub mod types;
+
+pub use error::ApiError;
+pub use types::*;
+
+/// Prefix of every route, on the control service and on agents.
+pub const API_PREFIX: &str = "/api/v1";

@@ -1,0 +1,311 @@
+//! The nouns of the command API: hosts, NICs, VMs, checks, migrations.
+//!
+//! Requests carry `#[serde(deny_unknown_fields)]` so a misspelled field is a
+//! clear error, not a silently ignored one. Sizes are bytes; front ends parse
+//! human sizes with [`crate::size::parse_size`].
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::ApiError;
+
+/// One NIC of a host as its agent sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NicInfo {
+    /// Interface name inside the host, `nic1` …
+    pub name: String,
+    /// The fabric (independent switch) it is wired to, 1 …
+    pub fabric: u32,
+    pub address: String,
+    pub mtu: u32,
+    /// Carrier up (the link is not cut).
+    pub up: bool,
+    pub tx_bytes: u64,
+    pub rx_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostInfo {
+    pub name: String,
+    pub agent_url: String,
+    pub memory_total: u64,
+    pub memory_reserved: u64,
+    pub memory_free: u64,
+    pub nics: Vec<NicInfo>,
+    pub vms: Vec<VmInfo>,
+}
+
+/// What a VM is: everything needed to start it, or its skeleton on a target.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmSpec {
+    pub name: String,
+    /// Guest RAM in bytes.
+    pub memory: u64,
+    /// Bytes the guest workload fills with its verifiable pattern.
+    pub fill: u64,
+    /// Bytes per second the workload rewrites.
+    pub dirty_rate: u64,
+    /// Bytes per second the workload re-verifies.
+    #[serde(default = "default_verify_rate")]
+    pub verify_rate: u64,
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u32,
+}
+
+fn default_verify_rate() -> u64 {
+    32 << 20
+}
+fn default_seed() -> u64 {
+    1
+}
+fn default_vcpus() -> u32 {
+    1
+}
+
+/// Smallest guest that boots the lab kernel and its workload.
+pub const MIN_VM_MEMORY: u64 = 128 << 20;
+/// Memory the guest kernel and initramfs keep for themselves; the fill must leave it.
+pub const GUEST_OVERHEAD: u64 = 96 << 20;
+/// Largest guest the lab accepts.
+pub const MAX_VM_MEMORY: u64 = 64 << 30;
+
+impl VmSpec {
+    /// Checks a spec before anything starts; errors name the offending field.
+    pub fn validate(&self) -> Result<(), ApiError> {
+        validate_name("name", &self.name)?;
+        if self.memory < MIN_VM_MEMORY || self.memory > MAX_VM_MEMORY {
+            return Err(ApiError::invalid(
+                "memory",
+                format!("{} bytes is outside 128M..64G", self.memory),
+            ));
+        }
+        if self.memory % (1 << 20) != 0 {
+            return Err(ApiError::invalid("memory", "must be a whole number of MiB"));
+        }
+        if self.fill + GUEST_OVERHEAD > self.memory {
+            return Err(ApiError::invalid(
+                "fill",
+                format!(
+                    "{} bytes does not fit in {} bytes of memory (the guest keeps 96M)",
+                    self.fill, self.memory
+                ),
+            ));
+        }
+        if self.dirty_rate > 4 << 30 || self.verify_rate > 4 << 30 {
+            return Err(ApiError::invalid("dirty_rate", "rates above 4G/s are not supported"));
+        }
+        if self.vcpus == 0 || self.vcpus > 16 {
+            return Err(ApiError::invalid("vcpus", "must be 1..16"));
+        }
+        Ok(())
+    }
+}
+
+/// Names of VMs and hosts: 1-32 of `[a-z0-9-]`, starting with a letter or digit.
+pub fn validate_name(field: &str, name: &str) -> Result<(), ApiError> {
+    let ok = !name.is_empty()
+        && name.len() <= 32
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            field,
+            format!("'{name}' must be 1-32 characters of a-z, 0-9 and '-'"),
+        ))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmCreateRequest {
+    pub host: String,
+    pub spec: VmSpec,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmInfo {
+    pub name: String,
+    pub host: String,
+    pub spec: VmSpec,
+    /// QEMU's run state (`running`, `paused`, `inmigrate`, …) or `unreachable`.
+    pub state: String,
+    pub pid: Option<u32>,
+}
+
+/// The answer to "is this guest intact and still running?".
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckResult {
+    pub vm: String,
+    pub host: String,
+    pub qemu_status: String,
+    /// Workload counter at the start and end of the check.
+    pub tick_first: Option<u64>,
+    pub tick_last: Option<u64>,
+    pub sweeps: Option<u64>,
+    /// Integrity errors the guest counted since boot.
+    pub errors: u64,
+    /// Problem lines seen on the console (integrity errors, panics).
+    pub problems: Vec<String>,
+    pub running: bool,
+    pub advancing: bool,
+    pub intact: bool,
+}
+
+impl CheckResult {
+    pub fn ok(&self) -> bool {
+        self.running && self.advancing && self.intact
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoveRequest {
+    pub to: String,
+}
+
+/// Source agent: move one of your VMs to the agent at `target_url`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigrateRequest {
+    pub target: String,
+    pub target_url: String,
+}
+
+/// Target agent: reserve memory and start a skeleton VM waiting for a migration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IncomingRequest {
+    pub migration_id: String,
+    pub source: String,
+    pub spec: VmSpec,
+    /// Fabrics on which the source has a NIC up; the target picks one it has up too.
+    pub source_fabrics_up: Vec<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IncomingReply {
+    pub migration_id: String,
+    /// Where the source QEMU sends its migration stream.
+    pub uri: String,
+    pub fabric: u32,
+    pub nic: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IncomingStatus {
+    pub migration_id: String,
+    pub qemu_status: String,
+    pub qemu_alive: bool,
+}
+
+/// Where a migration is, as seen by the source.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MigrationProgress {
+    pub elapsed_ms: u64,
+    /// QEMU's status: `setup`, `active`, `device`, `completed` …
+    pub status: String,
+    pub transferred: u64,
+    pub remaining: u64,
+    pub total: u64,
+    /// Bytes per second over the last sample.
+    pub throughput: f64,
+    /// Bytes per second the guest dirties (QEMU's dirty page rate × page size).
+    pub dirty_rate: u64,
+    /// Pre-copy rounds (QEMU's dirty-sync-count).
+    pub rounds: u64,
+    pub expected_downtime_ms: Option<u64>,
+    pub eta_ms: Option<u64>,
+}
+
+/// The final report of a completed migration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MigrationReport {
+    pub vm: String,
+    pub from: String,
+    pub to: String,
+    pub status: String,
+    pub data_path: String,
+    pub total_ms: u64,
+    /// Time inside QEMU's migration (setup to completion).
+    pub qemu_total_ms: u64,
+    pub setup_ms: u64,
+    pub downtime_ms: u64,
+    pub bytes_transferred: u64,
+    /// Average bytes per second over QEMU's migration time.
+    pub throughput: f64,
+    /// Bytes sent per source NIC during the migration.
+    pub nic_tx_bytes: BTreeMap<String, u64>,
+    pub rounds: u64,
+    /// The guest's counter on the source just after the switch-over.
+    pub tick_before: Option<u64>,
+    /// The target's check: running, counter advancing past `tick_before`, intact.
+    pub check: CheckResult,
+}
+
+/// One line of a migration's NDJSON event stream.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum MigrationEvent {
+    /// One of the ten steps started.
+    Step { step: String, detail: String },
+    Progress(MigrationProgress),
+    Completed(Box<MigrationReport>),
+    Failed { error: ApiError },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> VmSpec {
+        VmSpec {
+            name: "vm1".into(),
+            memory: 1 << 30,
+            fill: 768 << 20,
+            dirty_rate: 20 << 20,
+            verify_rate: 32 << 20,
+            seed: 1,
+            vcpus: 1,
+        }
+    }
+
+    #[test]
+    fn valid_spec_passes() {
+        spec().validate().unwrap();
+    }
+
+    #[test]
+    fn bad_specs_name_their_field() {
+        let mut s = spec();
+        s.fill = s.memory;
+        assert!(s.validate().unwrap_err().to_string().contains("fill"));
+        let mut s = spec();
+        s.memory = 1 << 20;
+        assert!(s.validate().unwrap_err().to_string().contains("memory"));
+        let mut s = spec();
+        s.name = "Bad Name".into();
+        assert!(s.validate().unwrap_err().to_string().contains("name"));
+    }
+
+    #[test]
+    fn requests_refuse_unknown_fields() {
+        let e = serde_json::from_str::<MoveRequest>(r#"{"to":"host2","speed":"fast"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("speed"), "{e}");
+    }
+
+    #[test]
+    fn events_are_tagged() {
+        let e = MigrationEvent::Step { step: "reserve".into(), detail: "x".into() };
+        let s = serde_json::to_string(&e).unwrap();
+        assert!(s.starts_with(r#"{"event":"step""#), "{s}");
+        assert_eq!(serde_json::from_str::<MigrationEvent>(&s).unwrap(), e);
+    }
+}

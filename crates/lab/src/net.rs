@@ -1,0 +1,232 @@
+//! Makes and removes the lab network with `ip` and `tc` (see [`crate::topology`]).
+//!
+//! Creation is ordered so that a crash part-way leaves only named objects that
+//! [`destroy`] finds by name: namespaces `host*` and `ferry-fab*`, root links
+//! `fm-h*` and the bridge `ferry-mgmt`. `destroy` never fails on something
+//! already gone, so it cleans up a half-made lab as well as a whole one.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::topology::*;
+use crate::{run, LabError};
+
+fn ip(args: &[&str]) -> Result<String, LabError> {
+    run("ip", args)
+}
+
+fn in_ns(ns: &str, args: &[&str]) -> Result<String, LabError> {
+    let mut a = vec!["-n", ns];
+    a.extend_from_slice(args);
+    ip(&a)
+}
+
+fn shape(ns: &str, dev: &str, rate: &str) -> Result<(), LabError> {
+    // tbf: a token bucket per link end; burst sized for up to ~10 Gbit/s.
+    run(
+        "ip",
+        &["netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "512kb", "latency", "20ms"],
+    )
+    .map(|_| ())
+}
+
+/// Creates the network of a lab. The caller ensures no lab is up.
+pub fn create(spec: &LabSpec) -> Result<(), LabError> {
+    spec.validate()?;
+    let mtu = spec.mtu.to_string();
+    ip(&["link", "add", MGMT_BRIDGE, "type", "bridge"])?;
+    ip(&["addr", "add", &format!("{CONTROL_MGMT_ADDR}/24"), "dev", MGMT_BRIDGE])?;
+    ip(&["link", "set", MGMT_BRIDGE, "up"])?;
+    for k in 1..=spec.nics {
+        let fab = fabric_ns(k);
+        ip(&["netns", "add", &fab])?;
+        in_ns(&fab, &["link", "set", "lo", "up"])?;
+        in_ns(&fab, &["link", "add", "br0", "type", "bridge"])?;
+        in_ns(&fab, &["link", "set", "br0", "mtu", &mtu])?;
+        in_ns(&fab, &["link", "set", "br0", "up"])?;
+    }
+    for i in 1..=spec.hosts {
+        let h = host_name(i);
+        ip(&["netns", "add", &h])?;
+        in_ns(&h, &["link", "set", "lo", "up"])?;
+        // management link: mgmt0 in the host, fm-h<i> on the root bridge
+        let mp = mgmt_port(i);
+        ip(&["link", "add", &mp, "type", "veth", "peer", "name", "mgmt0", "netns", &h])?;
+        ip(&["link", "set", &mp, "master", MGMT_BRIDGE, "up"])?;
+        in_ns(&h, &["addr", "add", &format!("{}/24", mgmt_addr(i)), "dev", "mgmt0"])?;
+        in_ns(&h, &["link", "set", "mgmt0", "up"])?;
+        for k in 1..=spec.nics {
+            let (fab, nic, port) = (fabric_ns(k), nic_name(k), switch_port(i, k));
+            in_ns(&h, &["link", "add", &nic, "mtu", &mtu, "type", "veth", "peer", "name", &port, "netns", &fab])?;
+            in_ns(&fab, &["link", "set", &port, "mtu", &mtu, "master", "br0", "up"])?;
+            in_ns(&h, &["addr", "add", &format!("{}/24", nic_addr(i, k)), "dev", &nic])?;
+            in_ns(&h, &["link", "set", &nic, "up"])?;
+            shape(&h, &nic, &spec.rate)?;
+            shape(&fab, &port, &spec.rate)?;
+        }
+    }
+    Ok(())
+}
+
+/// Lab namespaces present on this machine.
+pub fn lab_namespaces() -> Vec<String> {
+    let out = ip(&["netns", "list"]).unwrap_or_default();
+    out.lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| host_index(n).is_some() || n.starts_with("ferry-fab"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// PIDs of processes inside a namespace.
+pub fn namespace_pids(ns: &str) -> Vec<i32> {
+    ip(&["netns", "pids", ns])
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+/// Removes everything a lab made, whole or half-made. Kills every process in
+/// the lab namespaces first (agents, QEMU). Returns what it removed.
+pub fn destroy() -> Vec<String> {
+    let mut removed = Vec::new();
+    for ns in lab_namespaces() {
+        for pid in namespace_pids(&ns) {
+            // SAFETY: kill(2) with a plain pid and signal has no memory effects.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        if ip(&["netns", "del", &ns]).is_ok() {
+            removed.push(format!("namespace {ns}"));
+        }
+    }
+    let links = ip(&["-o", "link", "show"]).unwrap_or_default();
+    for l in links.lines() {
+        let name = l.split(':').nth(1).map(|s| s.trim().split('@').next().unwrap_or("").to_string());
+        if let Some(name) = name {
+            if (name.starts_with("fm-h") || name == MGMT_BRIDGE) && ip(&["link", "del", &name]).is_ok() {
+                removed.push(format!("link {name}"));
+            }
+        }
+    }
+    removed
+}
+
+/// Cuts (`up = false`) or restores a host NIC's link at the switch side, as
+/// pulling a cable would: the host sees its carrier go down.
+pub fn set_link(spec: &LabSpec, host: &str, nic: &str, up: bool) -> Result<(), LabError> {
+    let i = host_index(host)
+        .filter(|i| *i <= spec.hosts)
+        .ok_or_else(|| LabError::Invalid(format!("no lab host named '{host}' (host1..host{})", spec.hosts)))?;
+    let k = nic_index(nic)
+        .filter(|k| *k <= spec.nics)
+        .ok_or_else(|| LabError::Invalid(format!("no NIC named '{nic}' on {host} (nic1..nic{})", spec.nics)))?;
+    in_ns(&fabric_ns(k), &["link", "set", &switch_port(i, k), if up { "up" } else { "down" }]).map(|_| ())
+}
+
+/// One link as `ferry lab status` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LinkStatus {
+    pub host: String,
+    pub nic: String,
+    pub fabric: u32,
+    pub address: String,
+    pub mtu: u32,
+    pub rate: String,
+    /// Operational state seen inside the host (`UP`, `LOWERLAYERDOWN`, …).
+    pub state: String,
+    pub tx_bytes: u64,
+    pub rx_bytes: u64,
+}
+
+/// Reads every host NIC's state with `ip -j`.
+pub fn status(spec: &LabSpec) -> Vec<LinkStatus> {
+    let mut out = Vec::new();
+    for i in 1..=spec.hosts {
+        let h = host_name(i);
+        let json = in_ns(&h, &["-j", "-s", "link", "show"]).unwrap_or_else(|_| "[]".into());
+        let links: Vec<serde_json::Value> = serde_json::from_str(&json).unwrap_or_default();
+        for k in 1..=spec.nics {
+            let nic = nic_name(k);
+            let l = links.iter().find(|l| l["ifname"] == nic.as_str());
+            let stat = |dir: &str| l.and_then(|l| l["stats64"][dir]["bytes"].as_u64()).unwrap_or(0);
+            out.push(LinkStatus {
+                host: h.clone(),
+                nic: nic.clone(),
+                fabric: k,
+                address: nic_addr(i, k),
+                mtu: l.and_then(|l| l["mtu"].as_u64()).unwrap_or(0) as u32,
+                rate: spec.rate.clone(),
+                state: l
+                    .and_then(|l| l["operstate"].as_str())
+                    .unwrap_or("MISSING")
+                    .to_string(),
+                tx_bytes: stat("tx"),
+                rx_bytes: stat("rx"),
+            });
+        }
+    }
+    out
+}
+
+/// The lab's state directory and its files.
+pub struct LabDir(pub PathBuf);
+
+impl LabDir {
+    pub fn default_path() -> Self {
+        LabDir(crate::run_dir().join("lab"))
+    }
+    pub fn spec_path(&self) -> PathBuf {
+        self.0.join("lab.json")
+    }
+    pub fn token_path(&self) -> PathBuf {
+        self.0.join("cluster.token")
+    }
+    pub fn host_dir(&self, host: &str) -> PathBuf {
+        self.0.join(host)
+    }
+    pub fn control_dir(&self) -> PathBuf {
+        self.0.join("control")
+    }
+    pub fn load_spec(&self) -> Result<LabSpec, LabError> {
+        let p = self.spec_path();
+        let s = std::fs::read_to_string(&p).map_err(|_| LabError::NotUp)?;
+        serde_json::from_str(&s).map_err(|e| LabError::Invalid(format!("{}: {e}", p.display())))
+    }
+    pub fn store_spec(&self, spec: &LabSpec) -> Result<(), LabError> {
+        let p = self.spec_path();
+        let s = serde_json::to_string_pretty(spec).map_err(|e| LabError::Invalid(e.to_string()))?;
+        std::fs::write(&p, s).map_err(|e| LabError::io(&p, e))
+    }
+}
+
+/// Starts `exe args…` detached (own session), inside namespace `ns` if given,
+/// with stdout and stderr appended to `log`. Returns its pid.
+pub fn spawn_daemon(ns: Option<&str>, exe: &Path, args: &[String], log: &Path) -> Result<u32, LabError> {
+    use std::os::unix::process::CommandExt;
+    let logf = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|e| LabError::io(log, e))?;
+    let logf2 = logf.try_clone().map_err(|e| LabError::io(log, e))?;
+    let mut cmd = match ns {
+        Some(ns) => {
+            let mut c = std::process::Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(exe);
+            c
+        }
+        None => std::process::Command::new(exe),
+    };
+    cmd.args(args).stdin(std::process::Stdio::null()).stdout(logf).stderr(logf2);
+    // SAFETY: setsid() is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().map_err(|source| LabError::Spawn { cmd: exe.display().to_string(), source })?;
+    Ok(child.id())
+}

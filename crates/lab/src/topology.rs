@@ -1,0 +1,189 @@
+//! The lab's addressing plan and names. Pure functions, no I/O.
+//!
+//! ```text
+//!   root namespace: bridge ferry-mgmt 198.18.0.1/24 (control service)
+//!        │ fm-h<i>
+//!   host<i> namespace: mgmt0 198.18.0.(10+i)   agent listens here, port 7800
+//!                      nic<k> 198.18.k.(10+i)  wired to fabric k
+//!        │ h<i>n<k>
+//!   ferry-fab<k> namespace: bridge br0 (an independent switch per fabric)
+//! ```
+//! All addresses are inside 198.18.0.0/15 (RFC 2544 benchmarking space).
+
+use serde::{Deserialize, Serialize};
+
+use crate::LabError;
+
+pub const MGMT_BRIDGE: &str = "ferry-mgmt";
+pub const CONTROL_MGMT_ADDR: &str = "198.18.0.1";
+pub const AGENT_PORT: u16 = 7800;
+pub const CONTROL_PORT: u16 = 7700;
+pub const MAX_HOSTS: u32 = 200;
+pub const MAX_NICS: u32 = 8;
+
+/// What `ferry lab up` was asked for; stored as `lab.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LabSpec {
+    pub hosts: u32,
+    pub nics: u32,
+    /// tc rate per NIC, e.g. `1gbit`, `500mbit`.
+    pub rate: String,
+    pub mtu: u32,
+    /// Memory each host offers to VMs, bytes.
+    pub host_memory: u64,
+}
+
+impl LabSpec {
+    pub fn validate(&self) -> Result<(), LabError> {
+        if self.hosts == 0 || self.hosts > MAX_HOSTS {
+            return Err(LabError::Invalid(format!("--hosts {} is outside 1..{MAX_HOSTS}", self.hosts)));
+        }
+        if self.nics == 0 || self.nics > MAX_NICS {
+            return Err(LabError::Invalid(format!("--nics {} is outside 1..{MAX_NICS}", self.nics)));
+        }
+        if !(576..=9000).contains(&self.mtu) {
+            return Err(LabError::Invalid(format!("--mtu {} is outside 576..9000", self.mtu)));
+        }
+        parse_rate(&self.rate)?;
+        Ok(())
+    }
+
+    pub fn host_names(&self) -> Vec<String> {
+        (1..=self.hosts).map(host_name).collect()
+    }
+}
+
+/// Parses a tc rate (`1gbit`, `500mbit`, `100kbit`) into bits per second.
+pub fn parse_rate(rate: &str) -> Result<u64, LabError> {
+    let r = rate.trim().to_ascii_lowercase();
+    let bad = || LabError::Invalid(format!("--rate '{rate}' is not a rate (examples: 1gbit, 500mbit)"));
+    let (num, mult) = if let Some(n) = r.strip_suffix("gbit") {
+        (n, 1_000_000_000u64)
+    } else if let Some(n) = r.strip_suffix("mbit") {
+        (n, 1_000_000)
+    } else if let Some(n) = r.strip_suffix("kbit") {
+        (n, 1_000)
+    } else {
+        return Err(bad());
+    };
+    let v: f64 = num.parse().map_err(|_| bad())?;
+    let bps = v * mult as f64;
+    if !(100_000.0..=100e9).contains(&bps) {
+        return Err(bad());
+    }
+    Ok(bps as u64)
+}
+
+pub fn host_name(i: u32) -> String {
+    format!("host{i}")
+}
+
+/// Index of `hostN`, if the name is a lab host name.
+pub fn host_index(name: &str) -> Option<u32> {
+    name.strip_prefix("host")?.parse().ok().filter(|i| (1..=MAX_HOSTS).contains(i))
+}
+
+pub fn fabric_ns(k: u32) -> String {
+    format!("ferry-fab{k}")
+}
+
+pub fn nic_name(k: u32) -> String {
+    format!("nic{k}")
+}
+
+/// Index of `nicK`.
+pub fn nic_index(name: &str) -> Option<u32> {
+    name.strip_prefix("nic")?.parse().ok().filter(|k| (1..=MAX_NICS).contains(k))
+}
+
+/// The switch-side end of host `i`'s NIC `k`, inside the fabric namespace.
+pub fn switch_port(i: u32, k: u32) -> String {
+    format!("h{i}n{k}")
+}
+
+/// The root-namespace end of host `i`'s management link.
+pub fn mgmt_port(i: u32) -> String {
+    format!("fm-h{i}")
+}
+
+fn last_octet(i: u32) -> u32 {
+    10 + i
+}
+
+pub fn mgmt_addr(i: u32) -> String {
+    format!("198.18.0.{}", last_octet(i))
+}
+
+pub fn nic_addr(i: u32, k: u32) -> String {
+    format!("198.18.{k}.{}", last_octet(i))
+}
+
+pub fn agent_url(i: u32) -> String {
+    format!("http://{}:{AGENT_PORT}", mgmt_addr(i))
+}
+
+/// The fabric a NIC address belongs to (`198.18.K.x` → K).
+pub fn fabric_of_addr(addr: &str) -> Option<u32> {
+    let mut it = addr.split('.');
+    match (it.next(), it.next(), it.next()) {
+        (Some("198"), Some("18"), Some(k)) => k.parse().ok().filter(|k| (1..=MAX_NICS).contains(k)),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> LabSpec {
+        LabSpec { hosts: 3, nics: 2, rate: "1gbit".into(), mtu: 1500, host_memory: 4 << 30 }
+    }
+
+    #[test]
+    fn addresses_stay_in_benchmarking_space() {
+        for i in 1..=MAX_HOSTS {
+            for k in 1..=MAX_NICS {
+                let a = nic_addr(i, k);
+                assert!(a.starts_with("198.18."), "{a}");
+                assert_eq!(fabric_of_addr(&a), Some(k));
+                let last: u32 = a.rsplit('.').next().unwrap().parse().unwrap();
+                assert!(last < 255);
+            }
+            assert!(mgmt_addr(i).starts_with("198.18.0."));
+        }
+    }
+
+    #[test]
+    fn interface_names_fit_linux_limit() {
+        assert!(switch_port(MAX_HOSTS, MAX_NICS).len() <= 15);
+        assert!(mgmt_port(MAX_HOSTS).len() <= 15);
+        assert!(MGMT_BRIDGE.len() <= 15);
+    }
+
+    #[test]
+    fn rates_parse_and_bad_ones_are_named() {
+        assert_eq!(parse_rate("1gbit").unwrap(), 1_000_000_000);
+        assert_eq!(parse_rate("500mbit").unwrap(), 500_000_000);
+        assert!(parse_rate("fast").unwrap_err().to_string().contains("fast"));
+        assert!(parse_rate("0mbit").is_err());
+    }
+
+    #[test]
+    fn spec_validation_names_the_flag() {
+        let mut s = spec();
+        s.validate().unwrap();
+        s.hosts = 0;
+        assert!(s.validate().unwrap_err().to_string().contains("--hosts"));
+        let mut s = spec();
+        s.mtu = 10000;
+        assert!(s.validate().unwrap_err().to_string().contains("--mtu"));
+    }
+
+    #[test]
+    fn names_parse_back() {
+        assert_eq!(host_index("host12"), Some(12));
+        assert_eq!(host_index("hostx"), None);
+        assert_eq!(nic_index("nic2"), Some(2));
+        assert_eq!(nic_index("eth0"), None);
+    }
+}
