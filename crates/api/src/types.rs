@@ -36,6 +36,16 @@ pub struct HostInfo {
     pub vms: Vec<VmInfo>,
 }
 
+/// A host as the control service knows it: registered, and reachable or not.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostEntry {
+    pub name: String,
+    pub agent_url: String,
+    pub reachable: bool,
+    pub error: Option<String>,
+    pub info: Option<HostInfo>,
+}
+
 /// What a VM is: everything needed to start it, or its skeleton on a target.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

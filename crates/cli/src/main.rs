@@ -1,1 +1,94 @@
-fn main(){}
+//! `ferry`: the command line front end, and the agent and control service
+//! daemons (`ferry agent`, `ferry control`) in one binary.
+//!
+//! Every VM and host verb goes through the control service's API
+//! (`ferry_api::client`); `ferry lab` manages the local lab directly because
+//! it creates the machines the control service runs on.
+
+mod daemons;
+mod demo;
+mod lab_cmd;
+mod output;
+mod vm_cmd;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "ferry", version, about = "Live migration of QEMU VMs between Linux hosts")]
+pub struct Cli {
+    /// Control service URL.
+    #[arg(long, global = true, env = "FERRY_CONTROL", default_value = "http://127.0.0.1:7700")]
+    control: String,
+    /// Cluster credential file (made by `ferry lab up`).
+    #[arg(long, global = true, env = "FERRY_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Lab cluster on this machine: hosts as network namespaces.
+    #[command(subcommand)]
+    Lab(lab_cmd::LabCmd),
+    /// Virtual machines.
+    #[command(subcommand)]
+    Vm(vm_cmd::VmCmd),
+    /// Hosts of the cluster.
+    #[command(subcommand)]
+    Host(vm_cmd::HostCmd),
+    /// Main job: a lab, a few VMs, live migrations, a report.
+    Demo(demo::DemoArgs),
+    /// Run a host agent (started by `ferry lab up` inside each host).
+    Agent(daemons::AgentArgs),
+    /// Run the control service (started by `ferry lab up`).
+    Control(daemons::ControlArgs),
+}
+
+impl Cli {
+    fn token_file(&self) -> PathBuf {
+        self.token_file.clone().unwrap_or_else(|| ferry_lab::net::LabDir::default_path().token_path())
+    }
+
+    fn client(&self) -> anyhow::Result<ferry_api::client::Client> {
+        let path = self.token_file();
+        let cred = ferry_api::auth::Credential::load(&path).map_err(|e| {
+            anyhow::anyhow!("cannot read the cluster credential {} ({e}); is a lab up (`ferry lab up`)?", path.display())
+        })?;
+        Ok(ferry_api::client::Client::new("control service", &self.control, cred))
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let daemon = matches!(cli.cmd, Cmd::Agent(_) | Cmd::Control(_));
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(if daemon { "info" } else { "warn" }));
+    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(false).with_writer(std::io::stderr).init();
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let result = rt.block_on(async {
+        match &cli.cmd {
+            Cmd::Lab(c) => lab_cmd::run(&cli, c).await,
+            Cmd::Vm(c) => vm_cmd::run_vm(&cli, c).await,
+            Cmd::Host(c) => vm_cmd::run_host(&cli, c).await,
+            Cmd::Demo(a) => demo::run(&cli, a).await,
+            Cmd::Agent(a) => daemons::agent(a).await,
+            Cmd::Control(a) => daemons::control(a).await,
+        }
+    });
+    match result {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}

@@ -1,1 +1,154 @@
+//! Ferry's control service: the one command API in front of the agents.
+//!
+//! Front ends (the CLI now; the web page later) send [`Command`]s over REST
+//! (`/api/v1`); [`Control::execute`] is the one place each is carried out.
+//! The registry of hosts comes from the cluster configuration (for a lab,
+//! its `lab.json`); the agents are the source of truth for where VMs run, so
+//! the control service asks them rather than keeping a copy that could go
+//! stale. Durable cluster state (SQLite/etcd), heartbeats and the event log
+//! grow here.
 
+pub mod http;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use ferry_api::auth::Credential;
+use ferry_api::client::Client;
+use ferry_api::{
+    ApiError, CheckResult, HostEntry, HostInfo, MigrateRequest, MigrationEvent, MoveRequest, VmCreateRequest,
+    VmInfo,
+};
+use futures::stream::BoxStream;
+use futures::StreamExt;
+
+const AGENT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Every operation the control service offers, whatever the front end.
+#[derive(Debug, Clone)]
+pub enum Command {
+    ListHosts,
+    ListVms,
+    CreateVm(VmCreateRequest),
+    CheckVm { name: String },
+    RemoveVm { name: String },
+    MoveVm { name: String, req: MoveRequest },
+}
+
+/// What a command produces: one JSON value, or a stream of migration events.
+pub enum Outcome {
+    Value(serde_json::Value),
+    Events(BoxStream<'static, MigrationEvent>),
+}
+
+fn value<T: serde::Serialize>(v: T) -> Result<Outcome, ApiError> {
+    serde_json::to_value(v).map(Outcome::Value).map_err(ApiError::internal)
+}
+
+pub struct Control {
+    hosts: BTreeMap<String, Client>,
+}
+
+impl Control {
+    /// `hosts`: (name, agent URL) for every registered host.
+    pub fn new(hosts: Vec<(String, String)>, cred: Credential) -> Control {
+        let hosts = hosts
+            .into_iter()
+            .map(|(n, url)| {
+                let c = Client::new(&format!("agent {n}"), &url, cred.clone());
+                (n, c)
+            })
+            .collect();
+        Control { hosts }
+    }
+
+    fn host(&self, name: &str) -> Result<&Client, ApiError> {
+        self.hosts.get(name).ok_or_else(|| ApiError::not_found("host", name))
+    }
+
+    pub async fn execute(&self, cmd: Command) -> Result<Outcome, ApiError> {
+        match cmd {
+            Command::ListHosts => value(self.list_hosts().await),
+            Command::ListVms => value(self.list_vms().await?),
+            Command::CreateVm(req) => value(self.create_vm(req).await?),
+            Command::CheckVm { name } => value(self.check_vm(&name).await?),
+            Command::RemoveVm { name } => value(self.remove_vm(&name).await?),
+            Command::MoveVm { name, req } => self.move_vm(&name, req).await.map(Outcome::Events),
+        }
+    }
+
+    async fn list_hosts(&self) -> Vec<HostEntry> {
+        let calls = self.hosts.iter().map(|(name, c)| async move {
+            let r = c.get::<HostInfo>("/host", AGENT_TIMEOUT).await;
+            HostEntry {
+                name: name.clone(),
+                agent_url: c.base().to_string(),
+                reachable: r.is_ok(),
+                error: r.as_ref().err().map(|e| e.to_string()),
+                info: r.ok(),
+            }
+        });
+        futures::future::join_all(calls).await
+    }
+
+    async fn list_vms(&self) -> Result<Vec<VmInfo>, ApiError> {
+        let calls = self.hosts.values().map(|c| c.get::<Vec<VmInfo>>("/vms", AGENT_TIMEOUT));
+        let mut out = Vec::new();
+        for r in futures::future::join_all(calls).await {
+            // an unreachable host hides its VMs; `host list` shows why
+            if let Ok(vms) = r {
+                out.extend(vms);
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    /// The host running VM `name` (skeletons on migration targets excluded).
+    async fn locate(&self, name: &str) -> Result<(String, VmInfo), ApiError> {
+        self.list_vms()
+            .await?
+            .into_iter()
+            .find(|v| v.name == name && v.state != "incoming")
+            .map(|v| (v.host.clone(), v))
+            .ok_or_else(|| ApiError::not_found("vm", name))
+    }
+
+    async fn create_vm(&self, req: VmCreateRequest) -> Result<VmInfo, ApiError> {
+        req.spec.validate()?;
+        let agent = self.host(&req.host)?;
+        if self.list_vms().await?.iter().any(|v| v.name == req.spec.name) {
+            return Err(ApiError::AlreadyExists { kind: "vm".into(), name: req.spec.name });
+        }
+        agent.post("/vms", &req.spec, Duration::from_secs(60)).await
+    }
+
+    async fn check_vm(&self, name: &str) -> Result<CheckResult, ApiError> {
+        let (host, _) = self.locate(name).await?;
+        self.host(&host)?.get(&format!("/vms/{name}/check"), Duration::from_secs(30)).await
+    }
+
+    async fn remove_vm(&self, name: &str) -> Result<serde_json::Value, ApiError> {
+        let (host, _) = self.locate(name).await?;
+        self.host(&host)?.delete(&format!("/vms/{name}"), Duration::from_secs(30)).await
+    }
+
+    async fn move_vm(&self, name: &str, req: MoveRequest) -> Result<BoxStream<'static, MigrationEvent>, ApiError> {
+        let target = self.host(&req.to)?;
+        let (source, _) = self.locate(name).await?;
+        if source == req.to {
+            return Err(ApiError::invalid("to", format!("vm {name} already runs on {source}")));
+        }
+        let mreq = MigrateRequest { target: req.to.clone(), target_url: target.base().to_string() };
+        let events = self.host(&source)?.post_events::<_, MigrationEvent>(&format!("/vms/{name}/migrate"), &mreq).await?;
+        let vm = name.to_string();
+        // a broken event stream is reported as an event, never dropped silently
+        Ok(events
+            .map(move |r| {
+                r.unwrap_or_else(|e| MigrationEvent::Failed {
+                    error: ApiError::unavailable(format!("events of the migration of {vm} from {source}"), e),
+                })
+            })
+            .boxed())
+    }
+}

@@ -1,0 +1,94 @@
+//! `ferry agent` and `ferry control`: the long-running services.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+
+#[derive(Args)]
+pub struct AgentArgs {
+    /// Host name (`host1` …).
+    #[arg(long)]
+    name: String,
+    #[arg(long)]
+    listen: SocketAddr,
+    /// URL peers reach this agent at (default: http://LISTEN).
+    #[arg(long)]
+    url: Option<String>,
+    #[arg(long)]
+    state_dir: PathBuf,
+    #[arg(long)]
+    token_file: PathBuf,
+    /// Memory this host offers to VMs (e.g. 6G).
+    #[arg(long)]
+    memory: String,
+    /// Guest kernel and initramfs (default: the cached lab image).
+    #[arg(long)]
+    kernel: Option<PathBuf>,
+    #[arg(long)]
+    initrd: Option<PathBuf>,
+    #[arg(long, default_value = "qemu-system-x86_64")]
+    qemu: String,
+    /// QEMU accelerator: tcg or kvm.
+    #[arg(long, default_value = "tcg")]
+    accel: String,
+}
+
+pub async fn agent(a: &AgentArgs) -> anyhow::Result<i32> {
+    let cred = ferry_api::auth::Credential::load(&a.token_file)
+        .with_context(|| format!("reading {}", a.token_file.display()))?;
+    let memory = ferry_api::size::parse_size("--memory", &a.memory)?;
+    let (kernel, initrd) = match (&a.kernel, &a.initrd) {
+        (Some(k), Some(i)) => (k.clone(), i.clone()),
+        _ => {
+            let img = ferry_lab::image::cached()?
+                .context("no guest image is built (run `ferry lab image`) and --kernel/--initrd are not given")?;
+            (img.kernel, img.initrd)
+        }
+    };
+    std::fs::create_dir_all(a.state_dir.join("vms")).with_context(|| format!("creating {}", a.state_dir.display()))?;
+    let cfg = ferry_agent::AgentConfig {
+        name: a.name.clone(),
+        listen: a.listen,
+        url: a.url.clone().unwrap_or_else(|| format!("http://{}", a.listen)),
+        state_dir: a.state_dir.clone(),
+        memory,
+        qemu: ferry_agent::qemu::QemuConfig { binary: a.qemu.clone(), accel: a.accel.clone(), kernel, initrd },
+    };
+    ferry_agent::api::serve(ferry_agent::Agent::new(cfg, cred)).await?;
+    Ok(0)
+}
+
+#[derive(Args)]
+pub struct ControlArgs {
+    #[arg(long, default_value = "127.0.0.1:7700")]
+    listen: SocketAddr,
+    #[arg(long)]
+    token_file: PathBuf,
+    /// Hosts as NAME=AGENT_URL; repeatable.
+    #[arg(long = "host")]
+    hosts: Vec<String>,
+    /// Take the hosts from a lab directory's lab.json instead.
+    #[arg(long)]
+    lab_dir: Option<PathBuf>,
+}
+
+pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
+    let cred = ferry_api::auth::Credential::load(&a.token_file)
+        .with_context(|| format!("reading {}", a.token_file.display()))?;
+    let mut hosts = Vec::new();
+    for h in &a.hosts {
+        let (n, u) = h.split_once('=').with_context(|| format!("--host '{h}' is not NAME=URL"))?;
+        hosts.push((n.to_string(), u.to_string()));
+    }
+    if let Some(dir) = &a.lab_dir {
+        let spec = ferry_lab::net::LabDir(dir.clone()).load_spec()?;
+        for i in 1..=spec.hosts {
+            hosts.push((ferry_lab::topology::host_name(i), ferry_lab::topology::agent_url(i)));
+        }
+    }
+    let control = std::sync::Arc::new(ferry_control::Control::new(hosts, cred.clone()));
+    ferry_control::http::serve(a.listen, control, cred).await?;
+    Ok(0)
+}

@@ -1,0 +1,236 @@
+//! `ferry lab …`: bring a lab cluster up and down, cut links, build the image.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Subcommand, ValueEnum};
+use ferry_lab::net::{self, LabDir};
+use ferry_lab::topology::{self, LabSpec};
+
+use crate::output::{print_json, Table};
+use crate::Cli;
+
+#[derive(Subcommand)]
+pub enum LabCmd {
+    /// Create hosts, NICs, fabrics; start an agent per host and the control service.
+    Up(UpArgs),
+    /// Remove everything a lab made (also a half-made or crashed lab).
+    Down,
+    /// Show hosts, NICs, link states and counters.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Cut or restore one host NIC's link.
+    Link {
+        host: String,
+        nic: String,
+        state: LinkState,
+    },
+    /// Build (or show) the cached guest image.
+    Image {
+        #[arg(long)]
+        rebuild: bool,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum LinkState {
+    Up,
+    Down,
+}
+
+#[derive(Args, Clone)]
+pub struct UpArgs {
+    #[arg(long, default_value_t = 3)]
+    pub hosts: u32,
+    #[arg(long, default_value_t = 2)]
+    pub nics: u32,
+    /// Link rate of every NIC (tc syntax: 1gbit, 500mbit).
+    #[arg(long, default_value = "1gbit")]
+    pub rate: String,
+    #[arg(long, default_value_t = 1500)]
+    pub mtu: u32,
+    /// Memory each host offers to VMs.
+    #[arg(long, default_value = "6G")]
+    pub host_memory: String,
+    /// Remove a lab that is already up first.
+    #[arg(long)]
+    pub replace: bool,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn run(cli: &Cli, cmd: &LabCmd) -> anyhow::Result<i32> {
+    require_root()?;
+    match cmd {
+        LabCmd::Up(a) => up(cli, a).await,
+        LabCmd::Down => {
+            let removed = down();
+            println!("lab removed ({} objects)", removed.len());
+            Ok(0)
+        }
+        LabCmd::Status { json } => status(*json),
+        LabCmd::Link { host, nic, state } => {
+            let spec = LabDir::default_path().load_spec()?;
+            let up = matches!(state, LinkState::Up);
+            net::set_link(&spec, host, nic, up)?;
+            println!("{host} {nic}: link {}", if up { "up" } else { "down" });
+            Ok(0)
+        }
+        LabCmd::Image { rebuild } => {
+            let img = ferry_lab::image::ensure(*rebuild)?;
+            println!("guest image: {} ({})", img.dir.display(), img.kernel_package);
+            Ok(0)
+        }
+    }
+}
+
+fn require_root() -> anyhow::Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        anyhow::bail!("`ferry lab` needs root (network namespaces, tc, QEMU)");
+    }
+    Ok(())
+}
+
+/// Stops the control service and removes the lab network and state.
+pub fn down() -> Vec<String> {
+    let dir = LabDir::default_path();
+    let pid_file = dir.control_dir().join("control.pid");
+    if let Some(pid) = std::fs::read_to_string(&pid_file).ok().and_then(|s| s.trim().parse::<i32>().ok()) {
+        let _ = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status();
+    }
+    let removed = net::destroy();
+    let _ = std::fs::remove_dir_all(&dir.0);
+    removed
+}
+
+pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
+    let dir = LabDir::default_path();
+    let spec = LabSpec {
+        hosts: a.hosts,
+        nics: a.nics,
+        rate: a.rate.clone(),
+        mtu: a.mtu,
+        host_memory: ferry_api::size::parse_size("--host-memory", &a.host_memory)?,
+    };
+    spec.validate()?;
+    if dir.spec_path().exists() {
+        if !a.replace {
+            return Err(ferry_lab::LabError::AlreadyUp.into());
+        }
+        down();
+    } else if !net::lab_namespaces().is_empty() {
+        // remains of a crashed lab
+        down();
+    }
+    let img = ferry_lab::image::ensure(false).context("building the guest image")?;
+    std::fs::create_dir_all(dir.control_dir()).with_context(|| format!("creating {}", dir.0.display()))?;
+    let cred = ferry_api::auth::Credential::generate();
+    cred.store(&dir.token_path())?;
+    dir.store_spec(&spec)?;
+    if let Err(e) = net::create(&spec) {
+        down();
+        return Err(e).context("creating the lab network");
+    }
+    let exe = std::env::current_exe()?;
+    let token = dir.token_path().display().to_string();
+    for i in 1..=spec.hosts {
+        let h = topology::host_name(i);
+        let hd = dir.host_dir(&h);
+        std::fs::create_dir_all(&hd)?;
+        let listen = format!("{}:{}", topology::mgmt_addr(i), topology::AGENT_PORT);
+        let args: Vec<String> = [
+            "agent", "--name", &h, "--listen", &listen, "--state-dir", &hd.display().to_string(),
+            "--token-file", &token, "--memory", &spec.host_memory.to_string(),
+            "--kernel", &img.kernel.display().to_string(), "--initrd", &img.initrd.display().to_string(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let pid = net::spawn_daemon(Some(&h), &exe, &args, &hd.join("agent.log"))?;
+        std::fs::write(hd.join("agent.pid"), pid.to_string())?;
+    }
+    let cd = dir.control_dir();
+    let listen = cli.control.trim_start_matches("http://").to_string();
+    let args: Vec<String> = ["control", "--listen", &listen, "--token-file", &token, "--lab-dir", &dir.0.display().to_string()]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let pid = net::spawn_daemon(None, &exe, &args, &cd.join("control.log"))?;
+    std::fs::write(cd.join("control.pid"), pid.to_string())?;
+
+    // wait for the control service and every agent to answer
+    let client = cli.client()?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let hosts = loop {
+        match client.get::<Vec<ferry_api::HostEntry>>("/hosts", Duration::from_secs(5)).await {
+            Ok(h) if h.len() == spec.hosts as usize && h.iter().all(|h| h.reachable) => break h,
+            r if tokio::time::Instant::now() > deadline => {
+                let why = match r {
+                    Ok(h) => h.iter().filter(|h| !h.reachable).map(|h| format!("{}: {}", h.name, h.error.clone().unwrap_or_default())).collect::<Vec<_>>().join("; "),
+                    Err(e) => e.to_string(),
+                };
+                anyhow::bail!("the lab did not come up within 20 s: {why} (logs in {})", dir.0.display());
+            }
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    };
+    if a.json {
+        print_json(&serde_json::json!({ "spec": spec, "hosts": hosts }));
+    } else {
+        println!(
+            "lab up: {} hosts × {} NICs at {} (MTU {}), {} per host for VMs; control at {}",
+            spec.hosts,
+            spec.nics,
+            spec.rate,
+            spec.mtu,
+            ferry_api::size::human_bytes(spec.host_memory),
+            cli.control
+        );
+    }
+    Ok(0)
+}
+
+fn status(json: bool) -> anyhow::Result<i32> {
+    let dir = LabDir::default_path();
+    let spec = dir.load_spec()?;
+    let links = net::status(&spec);
+    let agents: Vec<(String, bool)> = spec
+        .host_names()
+        .into_iter()
+        .map(|h| {
+            let alive = std::fs::read_to_string(dir.host_dir(&h).join("agent.pid"))
+                .ok()
+                .is_some_and(|p| std::path::Path::new(&format!("/proc/{}", p.trim())).exists());
+            (h, alive)
+        })
+        .collect();
+    if json {
+        print_json(&serde_json::json!({
+            "spec": spec,
+            "links": links,
+            "agents": agents.iter().map(|(h, a)| serde_json::json!({"host": h, "running": a})).collect::<Vec<_>>(),
+        }));
+        return Ok(0);
+    }
+    println!("lab: {} hosts × {} NICs, {} per NIC, MTU {}", spec.hosts, spec.nics, spec.rate, spec.mtu);
+    let mut t = Table::new(&["HOST", "AGENT", "NIC", "FABRIC", "ADDRESS", "MTU", "STATE", "TX", "RX"]);
+    for l in &links {
+        let agent = agents.iter().find(|(h, _)| *h == l.host).map(|(_, a)| if *a { "running" } else { "DOWN" });
+        t.row(vec![
+            l.host.clone(),
+            agent.unwrap_or("?").into(),
+            l.nic.clone(),
+            l.fabric.to_string(),
+            l.address.clone(),
+            l.mtu.to_string(),
+            l.state.clone(),
+            ferry_api::size::human_bytes(l.tx_bytes),
+            ferry_api::size::human_bytes(l.rx_bytes),
+        ]);
+    }
+    t.print();
+    Ok(0)
+}

@@ -1,0 +1,305 @@
+//! `ferry vm …` and `ferry host …`: thin front ends over the control API.
+
+use std::time::Duration;
+
+use clap::Subcommand;
+use ferry_api::client::Client;
+use ferry_api::size::{human_bytes, parse_size};
+use ferry_api::{ApiError, CheckResult, HostEntry, MigrationEvent, MigrationReport, MoveRequest, VmCreateRequest, VmInfo, VmSpec};
+use futures::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::output::{mbit, print_json, Table};
+use crate::Cli;
+
+const T: Duration = Duration::from_secs(90);
+
+#[derive(Subcommand)]
+pub enum VmCmd {
+    /// Create and boot a VM on a host.
+    Create {
+        name: String,
+        #[arg(long)]
+        host: String,
+        /// Guest memory (e.g. 1G).
+        #[arg(long)]
+        memory: String,
+        /// Memory the workload fills with its verifiable pattern (default: 75% of --memory).
+        #[arg(long)]
+        fill: Option<String>,
+        /// Bytes per second the workload rewrites.
+        #[arg(long, default_value = "8M")]
+        dirty_rate: String,
+        /// Bytes per second the workload re-verifies.
+        #[arg(long, default_value = "32M")]
+        verify_rate: String,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        #[arg(long)]
+        json: bool,
+    },
+    /// List VMs and where they run.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Is the guest intact and still running? Exit status 1 if not.
+    Check {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stop and remove a VM.
+    Rm { name: String },
+    /// Live-migrate a VM to another host.
+    Move {
+        name: String,
+        #[arg(long)]
+        to: String,
+        /// Print NDJSON events instead of a progress bar.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum HostCmd {
+    /// List hosts with memory, NICs and VMs.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Builds a VM spec from CLI sizes; errors name the flag.
+pub fn spec_from_args(name: &str, memory: &str, fill: Option<&str>, dirty: &str, verify: &str, seed: u64) -> Result<VmSpec, ApiError> {
+    let memory = parse_size("--memory", memory)?;
+    let fill = match fill {
+        Some(f) => parse_size("--fill", f)?,
+        None => memory / 4 * 3,
+    };
+    let spec = VmSpec {
+        name: name.to_string(),
+        memory,
+        fill,
+        dirty_rate: parse_size("--dirty-rate", dirty)?,
+        verify_rate: parse_size("--verify-rate", verify)?,
+        seed,
+        vcpus: 1,
+    };
+    spec.validate().map_err(|e| match e {
+        ApiError::InvalidArgument { field, reason } => ApiError::InvalidArgument { field: format!("--{field}").replace('_', "-"), reason },
+        e => e,
+    })?;
+    Ok(spec)
+}
+
+pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
+    let c = cli.client()?;
+    match cmd {
+        VmCmd::Create { name, host, memory, fill, dirty_rate, verify_rate, seed, json } => {
+            let spec = spec_from_args(name, memory, fill.as_deref(), dirty_rate, verify_rate, *seed)?;
+            let vm: VmInfo = c.post("/vms", &VmCreateRequest { host: host.clone(), spec }, T).await?;
+            if *json {
+                print_json(&vm);
+            } else {
+                println!("vm {} started on {} ({} memory, {} filled)", vm.name, vm.host, human_bytes(vm.spec.memory), human_bytes(vm.spec.fill));
+            }
+            Ok(0)
+        }
+        VmCmd::List { json } => {
+            let vms: Vec<VmInfo> = c.get("/vms", T).await?;
+            if *json {
+                print_json(&vms);
+            } else {
+                let mut t = Table::new(&["NAME", "HOST", "STATE", "MEMORY", "FILL", "DIRTY/S", "PID"]);
+                for v in vms {
+                    t.row(vec![
+                        v.name,
+                        v.host,
+                        v.state,
+                        human_bytes(v.spec.memory),
+                        human_bytes(v.spec.fill),
+                        human_bytes(v.spec.dirty_rate),
+                        v.pid.map(|p| p.to_string()).unwrap_or_default(),
+                    ]);
+                }
+                t.print();
+            }
+            Ok(0)
+        }
+        VmCmd::Check { name, json } => {
+            let r: CheckResult = c.get(&format!("/vms/{name}/check"), T).await?;
+            if *json {
+                print_json(&r);
+            } else {
+                print_check(&r);
+            }
+            Ok(if r.ok() { 0 } else { 1 })
+        }
+        VmCmd::Rm { name } => {
+            let _: serde_json::Value = c.delete(&format!("/vms/{name}"), T).await?;
+            println!("vm {name} removed");
+            Ok(0)
+        }
+        VmCmd::Move { name, to, json } => {
+            let outcome = move_vm(&c, name, to, *json).await?;
+            match outcome {
+                Ok(report) => {
+                    if !*json {
+                        print_report(&report);
+                    }
+                    Ok(0)
+                }
+                Err(e) => {
+                    if !*json {
+                        eprintln!("error: {e}");
+                    }
+                    Ok(1)
+                }
+            }
+        }
+    }
+}
+
+pub fn print_check(r: &CheckResult) {
+    println!(
+        "{} on {}: {} — QEMU {}, counter {}→{} ({}), {} integrity errors, {} full sweeps{}",
+        r.vm,
+        r.host,
+        if r.ok() { "OK" } else { "NOT OK" },
+        r.qemu_status,
+        r.tick_first.map(|t| t.to_string()).unwrap_or("-".into()),
+        r.tick_last.map(|t| t.to_string()).unwrap_or("-".into()),
+        if r.advancing { "advancing" } else { "stalled" },
+        r.errors,
+        r.sweeps.unwrap_or(0),
+        if r.problems.is_empty() { String::new() } else { format!("; console: {}", r.problems.join(" | ")) }
+    );
+}
+
+/// Runs a move through the control API, rendering events as a progress bar
+/// (or NDJSON lines with `json`). Returns the report or the migration's error.
+pub async fn move_vm(c: &Client, name: &str, to: &str, json: bool) -> anyhow::Result<Result<MigrationReport, ApiError>> {
+    let mut events = c.post_events::<_, MigrationEvent>(&format!("/vms/{name}/move"), &MoveRequest { to: to.into() }).await?;
+    let bar = if json {
+        ProgressBar::hidden()
+    } else {
+        let b = ProgressBar::new(1);
+        b.set_style(
+            ProgressStyle::with_template("{prefix} [{bar:30}] {bytes}/{total_bytes} {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        b.set_prefix(format!("{name} → {to}"));
+        b
+    };
+    let mut outcome = Err(ApiError::internal("the event stream ended without a result"));
+    while let Some(ev) = events.next().await {
+        let ev = ev.unwrap_or_else(|error| MigrationEvent::Failed { error });
+        if json {
+            println!("{}", serde_json::to_string(&ev).unwrap_or_default());
+        }
+        match ev {
+            MigrationEvent::Step { step, detail } if !json => {
+                let line = format!("  {step:<12} {detail}");
+                if bar.is_hidden() {
+                    println!("{line}");
+                } else {
+                    bar.println(line);
+                }
+            }
+            MigrationEvent::Step { .. } => {}
+            MigrationEvent::Progress(p) => {
+                bar.set_length(p.total.max(1));
+                bar.set_position(p.total.saturating_sub(p.remaining));
+                bar.set_message(format!(
+                    "{} sent {}, dirty {}/s, round {}, ETA {}",
+                    mbit(p.throughput),
+                    human_bytes(p.transferred),
+                    human_bytes(p.dirty_rate),
+                    p.rounds,
+                    p.eta_ms.map(|ms| format!("{:.1}s", ms as f64 / 1000.0)).unwrap_or("-".into())
+                ));
+            }
+            MigrationEvent::Completed(r) => {
+                bar.finish_and_clear();
+                outcome = Ok(*r);
+                break;
+            }
+            MigrationEvent::Failed { error } => {
+                bar.abandon();
+                outcome = Err(error);
+                break;
+            }
+        }
+    }
+    Ok(outcome)
+}
+
+pub fn print_report(r: &MigrationReport) {
+    println!(
+        "moved {} {} → {} in {:.2} s (QEMU {:.2} s), downtime {} ms, {} at {} over {}; {} rounds",
+        r.vm,
+        r.from,
+        r.to,
+        r.total_ms as f64 / 1000.0,
+        r.qemu_total_ms as f64 / 1000.0,
+        r.downtime_ms,
+        human_bytes(r.bytes_transferred),
+        mbit(r.throughput),
+        r.data_path,
+        r.rounds
+    );
+    let per_nic: Vec<String> = r.nic_tx_bytes.iter().map(|(n, b)| format!("{n} {}", human_bytes(*b))).collect();
+    println!("  bytes per NIC: {}", per_nic.join(", "));
+    print!("  ");
+    print_check(&r.check);
+}
+
+pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
+    let c = cli.client()?;
+    match cmd {
+        HostCmd::List { json } => {
+            let hosts: Vec<HostEntry> = c.get("/hosts", T).await?;
+            if *json {
+                print_json(&hosts);
+                return Ok(0);
+            }
+            let mut t = Table::new(&["HOST", "AGENT", "MEMORY FREE", "NICS", "VMS"]);
+            for h in hosts {
+                let (free, nics, vms) = match &h.info {
+                    Some(i) => (
+                        format!("{} of {}", human_bytes(i.memory_free), human_bytes(i.memory_total)),
+                        i.nics.iter().map(|n| format!("{}:{}{}", n.name, n.address, if n.up { "" } else { "(down)" })).collect::<Vec<_>>().join(" "),
+                        i.vms.iter().map(|v| v.name.clone()).collect::<Vec<_>>().join(","),
+                    ),
+                    None => ("-".into(), h.error.clone().unwrap_or_default(), String::new()),
+                };
+                t.row(vec![h.name, if h.reachable { "up".into() } else { "UNREACHABLE".into() }, free, nics, vms]);
+            }
+            t.print();
+            Ok(0)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_sizes_become_a_spec() {
+        let s = spec_from_args("vm1", "1G", Some("768M"), "20M", "32M", 1).unwrap();
+        assert_eq!((s.memory, s.fill, s.dirty_rate), (1 << 30, 768 << 20, 20 << 20));
+        assert_eq!(spec_from_args("vm1", "1G", None, "0", "1M", 1).unwrap().fill, 768 << 20);
+    }
+
+    #[test]
+    fn bad_sizes_name_the_flag() {
+        let e = spec_from_args("vm1", "lots", None, "1M", "1M", 1).unwrap_err().to_string();
+        assert!(e.contains("--memory"), "{e}");
+        let e = spec_from_args("vm1", "1G", Some("2G"), "1M", "1M", 1).unwrap_err().to_string();
+        assert!(e.contains("--fill"), "{e}");
+    }
+}

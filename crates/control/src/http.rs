@@ -1,0 +1,142 @@
+//! REST front of the control service: `/api/v1/...`, every route behind the
+//! cluster credential. Each handler turns its request into one [`Command`].
+//!
+//! | method | path | command |
+//! |---|---|---|
+//! | GET | /hosts | ListHosts |
+//! | GET | /vms | ListVms |
+//! | POST | /vms | CreateVm (body: `VmCreateRequest`) |
+//! | GET | /vms/{name}/check | CheckVm |
+//! | DELETE | /vms/{name} | RemoveVm |
+//! | POST | /vms/{name}/move | MoveVm (body: `MoveRequest`), NDJSON `MigrationEvent`s |
+
+use std::sync::Arc;
+
+use axum::{
+    extract::{Path, State},
+    middleware,
+    response::{IntoResponse, Response},
+    routing::{get, post},
+    Json, Router,
+};
+use ferry_api::auth::Credential;
+use ferry_api::server::{ndjson, not_found, require_credential, ApiJson, ErrorResponse};
+use ferry_api::{MoveRequest, VmCreateRequest};
+
+use crate::{Command, Control, Outcome};
+
+async fn run(c: &Control, cmd: Command) -> Response {
+    match c.execute(cmd).await {
+        Ok(Outcome::Value(v)) => Json(v).into_response(),
+        Ok(Outcome::Events(s)) => ndjson(s),
+        Err(e) => ErrorResponse(e).into_response(),
+    }
+}
+
+type S = State<Arc<Control>>;
+
+async fn hosts(State(c): S) -> Response {
+    run(&c, Command::ListHosts).await
+}
+async fn vms(State(c): S) -> Response {
+    run(&c, Command::ListVms).await
+}
+async fn create(State(c): S, ApiJson(req): ApiJson<VmCreateRequest>) -> Response {
+    run(&c, Command::CreateVm(req)).await
+}
+async fn check(State(c): S, Path(name): Path<String>) -> Response {
+    run(&c, Command::CheckVm { name }).await
+}
+async fn remove(State(c): S, Path(name): Path<String>) -> Response {
+    run(&c, Command::RemoveVm { name }).await
+}
+async fn move_vm(State(c): S, Path(name): Path<String>, ApiJson(req): ApiJson<MoveRequest>) -> Response {
+    run(&c, Command::MoveVm { name, req }).await
+}
+
+pub fn router(control: Arc<Control>, cred: Credential) -> Router {
+    let api = Router::new()
+        .route("/hosts", get(hosts))
+        .route("/vms", get(vms).post(create))
+        .route("/vms/{name}", axum::routing::delete(remove))
+        .route("/vms/{name}/check", get(check))
+        .route("/vms/{name}/move", post(move_vm))
+        .with_state(control);
+    Router::new()
+        .nest(ferry_api::API_PREFIX, api)
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(cred, require_credential))
+}
+
+pub async fn serve(listen: std::net::SocketAddr, control: Arc<Control>, cred: Credential) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(listen).await?;
+    tracing::info!(%listen, "control service serving");
+    axum::serve(listener, router(control, cred)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::http::Request;
+
+    async fn call(req: Request<Body>) -> (u16, serde_json::Value) {
+        use tower_service::Service;
+        let cred = Credential::from_secret("0123456789abcdef0123456789abcdef");
+        let c = Arc::new(Control::new(vec![], cred.clone()));
+        let mut app = router(c, cred);
+        let resp = app.call(req).await.unwrap();
+        let status = resp.status().as_u16();
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap();
+        (status, serde_json::from_slice(&body).unwrap_or_default())
+    }
+
+    const AUTH: &str = "Bearer 0123456789abcdef0123456789abcdef";
+
+    #[tokio::test]
+    async fn requests_without_the_credential_are_refused() {
+        let (status, body) = call(Request::get("/api/v1/hosts").body(Body::empty()).unwrap()).await;
+        assert_eq!(status, 401);
+        assert_eq!(body["code"], "unauthorized");
+        let req = Request::get("/api/v1/hosts").header("authorization", "Bearer nope").body(Body::empty()).unwrap();
+        assert_eq!(call(req).await.0, 401);
+    }
+
+    #[tokio::test]
+    async fn unknown_fields_are_named() {
+        let req = Request::post("/api/v1/vms/a/move")
+            .header("authorization", AUTH)
+            .header("content-type", "application/json")
+            .body(Body::from(r#"{"to":"host2","fast":true}"#))
+            .unwrap();
+        let (status, body) = call(req).await;
+        assert_eq!(status, 400);
+        assert!(body["message"].as_str().unwrap().contains("fast"), "{body}");
+    }
+
+    #[tokio::test]
+    async fn unknown_hosts_and_routes_are_named() {
+        let req = Request::post("/api/v1/vms")
+            .header("authorization", AUTH)
+            .body(Body::from(
+                r#"{"host":"host9","spec":{"name":"a","memory":1073741824,"fill":0,"dirty_rate":0}}"#,
+            ))
+            .unwrap();
+        let (status, body) = call(req).await;
+        assert_eq!((status, body["code"].as_str()), (404, Some("not_found")));
+        assert!(body["message"].as_str().unwrap().contains("host9"));
+        let req = Request::get("/api/v1/nothing").header("authorization", AUTH).body(Body::empty()).unwrap();
+        assert_eq!(call(req).await.0, 404);
+    }
+
+    #[tokio::test]
+    async fn bad_specs_are_refused_before_any_agent_is_asked() {
+        let req = Request::post("/api/v1/vms")
+            .header("authorization", AUTH)
+            .body(Body::from(r#"{"host":"host1","spec":{"name":"a","memory":1024,"fill":0,"dirty_rate":0}}"#))
+            .unwrap();
+        let (status, body) = call(req).await;
+        assert_eq!(status, 400);
+        assert!(body["message"].as_str().unwrap().contains("memory"), "{body}");
+    }
+}
