@@ -37,11 +37,17 @@ async fn list_vms(State(a): State<Arc<Agent>>) -> R<Vec<ferry_api::VmInfo>> {
     Ok(Json(a.list_vms().await))
 }
 
-async fn create_vm(State(a): State<Arc<Agent>>, ApiJson(spec): ApiJson<VmSpec>) -> R<ferry_api::VmInfo> {
+async fn create_vm(
+    State(a): State<Arc<Agent>>,
+    ApiJson(spec): ApiJson<VmSpec>,
+) -> R<ferry_api::VmInfo> {
     Ok(Json(a.create_vm(spec).await?))
 }
 
-async fn check_vm(State(a): State<Arc<Agent>>, Path(name): Path<String>) -> R<ferry_api::CheckResult> {
+async fn check_vm(
+    State(a): State<Arc<Agent>>,
+    Path(name): Path<String>,
+) -> R<ferry_api::CheckResult> {
     Ok(Json(a.check_vm(&name).await?))
 }
 
@@ -61,19 +67,31 @@ async fn migrate(
     }
 }
 
-async fn incoming(State(a): State<Arc<Agent>>, ApiJson(req): ApiJson<IncomingRequest>) -> R<ferry_api::IncomingReply> {
+async fn incoming(
+    State(a): State<Arc<Agent>>,
+    ApiJson(req): ApiJson<IncomingRequest>,
+) -> R<ferry_api::IncomingReply> {
     Ok(Json(a.prepare_incoming(req).await?))
 }
 
-async fn incoming_status(State(a): State<Arc<Agent>>, Path(id): Path<String>) -> R<ferry_api::IncomingStatus> {
+async fn incoming_status(
+    State(a): State<Arc<Agent>>,
+    Path(id): Path<String>,
+) -> R<ferry_api::IncomingStatus> {
     Ok(Json(a.incoming_status(&id).await?))
 }
 
-async fn incoming_commit(State(a): State<Arc<Agent>>, Path(id): Path<String>) -> R<ferry_api::CheckResult> {
+async fn incoming_commit(
+    State(a): State<Arc<Agent>>,
+    Path(id): Path<String>,
+) -> R<ferry_api::CheckResult> {
     Ok(Json(a.commit_incoming(&id).await?))
 }
 
-async fn incoming_abort(State(a): State<Arc<Agent>>, Path(id): Path<String>) -> R<serde_json::Value> {
+async fn incoming_abort(
+    State(a): State<Arc<Agent>>,
+    Path(id): Path<String>,
+) -> R<serde_json::Value> {
     a.abort_incoming(&id).await?;
     Ok(Json(serde_json::json!({ "discarded": id })))
 }
@@ -87,7 +105,10 @@ pub fn router(agent: Arc<Agent>) -> Router {
         .route("/vms/{name}/check", get(check_vm))
         .route("/vms/{name}/migrate", post(migrate))
         .route("/incoming", post(incoming))
-        .route("/incoming/{id}", get(incoming_status).delete(incoming_abort))
+        .route(
+            "/incoming/{id}",
+            get(incoming_status).delete(incoming_abort),
+        )
         .route("/incoming/{id}/commit", post(incoming_commit))
         .with_state(agent);
     Router::new()

@@ -42,6 +42,9 @@ mod tests {
     fn tcp_uris() {
         let d = QemuTcp;
         assert_eq!(d.incoming_uri("198.18.1.12"), "tcp:198.18.1.12:0");
-        assert_eq!(d.source_uri("198.18.1.12", "40000"), "tcp:198.18.1.12:40000");
+        assert_eq!(
+            d.source_uri("198.18.1.12", "40000"),
+            "tcp:198.18.1.12:40000"
+        );
     }
 }

@@ -27,7 +27,10 @@ pub enum Role {
     /// Running here.
     Running,
     /// A skeleton waiting for (or receiving) a migration.
-    Incoming { migration_id: String, source: String },
+    Incoming {
+        migration_id: String,
+        source: String,
+    },
 }
 
 pub struct VmSlot {
@@ -57,11 +60,18 @@ pub struct Agent {
 
 impl Agent {
     pub fn new(cfg: AgentConfig, cred: ferry_api::auth::Credential) -> Arc<Agent> {
-        Arc::new(Agent { cfg, cred, state: Default::default() })
+        Arc::new(Agent {
+            cfg,
+            cred,
+            state: Default::default(),
+        })
     }
 
     pub fn vm_dir(&self, name: &str, suffix: &str) -> PathBuf {
-        self.cfg.state_dir.join("vms").join(format!("{name}{suffix}"))
+        self.cfg
+            .state_dir
+            .join("vms")
+            .join(format!("{name}{suffix}"))
     }
 
     /// Reserves memory and a name for a VM that is about to start. Fails with
@@ -70,20 +80,40 @@ impl Agent {
         spec.validate()?;
         let mut st = self.state.lock().await;
         if st.vms.contains_key(&spec.name) {
-            return Err(ApiError::AlreadyExists { kind: "vm".into(), name: spec.name.clone() });
+            return Err(ApiError::AlreadyExists {
+                kind: "vm".into(),
+                name: spec.name.clone(),
+            });
         }
         let available = self.cfg.memory.saturating_sub(st.reserved());
         let needed = spec.memory + VM_OVERHEAD;
         if needed > available {
-            return Err(ApiError::InsufficientMemory { host: self.cfg.name.clone(), needed, available });
+            return Err(ApiError::InsufficientMemory {
+                host: self.cfg.name.clone(),
+                needed,
+                available,
+            });
         }
-        st.vms.insert(spec.name.clone(), VmSlot { spec: spec.clone(), role, qemu: None, migrating: false });
+        st.vms.insert(
+            spec.name.clone(),
+            VmSlot {
+                spec: spec.clone(),
+                role,
+                qemu: None,
+                migrating: false,
+            },
+        );
         Ok(())
     }
 
     /// Drops a reservation and returns its QEMU, if any, for the caller to stop.
     pub async fn release(&self, name: &str) -> Option<Arc<QemuVm>> {
-        self.state.lock().await.vms.remove(name).and_then(|s| s.qemu)
+        self.state
+            .lock()
+            .await
+            .vms
+            .remove(name)
+            .and_then(|s| s.qemu)
     }
 
     /// Creates and boots a VM.
@@ -93,6 +123,14 @@ impl Agent {
         match qemu::launch(&self.cfg.qemu, &spec, &dir, false).await {
             Ok(vm) => {
                 let vm = Arc::new(vm);
+                if let Err(e) = wait_workload(&vm, BOOT_TIMEOUT).await {
+                    vm.kill().await;
+                    self.release(&spec.name).await;
+                    return Err(ApiError::internal(format!(
+                        "vm {} did not start its workload: {e}",
+                        spec.name
+                    )));
+                }
                 let mut st = self.state.lock().await;
                 if let Some(slot) = st.vms.get_mut(&spec.name) {
                     slot.qemu = Some(vm.clone());
@@ -104,7 +142,11 @@ impl Agent {
             }
             Err(e) => {
                 self.release(&spec.name).await;
-                Err(ApiError::internal(format!("starting QEMU for {}: {}", spec.name, error_chain(&e))))
+                Err(ApiError::internal(format!(
+                    "starting QEMU for {}: {}",
+                    spec.name,
+                    error_chain(&e)
+                )))
             }
         }
     }
@@ -132,7 +174,10 @@ impl Agent {
     pub async fn list_vms(&self) -> Vec<VmInfo> {
         let slots: Vec<_> = {
             let st = self.state.lock().await;
-            st.vms.values().map(|s| (s.spec.clone(), s.role.clone(), s.qemu.clone())).collect()
+            st.vms
+                .values()
+                .map(|s| (s.spec.clone(), s.role.clone(), s.qemu.clone()))
+                .collect()
         };
         let mut out = Vec::new();
         for (spec, role, q) in slots {
@@ -145,8 +190,15 @@ impl Agent {
     pub async fn running_vm(&self, name: &str) -> Result<(VmSpec, Arc<QemuVm>), ApiError> {
         let st = self.state.lock().await;
         match st.vms.get(name) {
-            Some(VmSlot { spec, role: Role::Running, qemu: Some(q), .. }) => Ok((spec.clone(), q.clone())),
-            Some(_) => Err(ApiError::Conflict { reason: format!("vm {name} is not running here yet") }),
+            Some(VmSlot {
+                spec,
+                role: Role::Running,
+                qemu: Some(q),
+                ..
+            }) => Ok((spec.clone(), q.clone())),
+            Some(_) => Err(ApiError::Conflict {
+                reason: format!("vm {name} is not running here yet"),
+            }),
             None => Err(ApiError::not_found("vm", name)),
         }
     }
@@ -157,7 +209,9 @@ impl Agent {
             match st.vms.get(name) {
                 None => return Err(ApiError::not_found("vm", name)),
                 Some(s) if s.migrating || s.role != Role::Running => {
-                    return Err(ApiError::Conflict { reason: format!("vm {name} is migrating") })
+                    return Err(ApiError::Conflict {
+                        reason: format!("vm {name} is migrating"),
+                    })
                 }
                 Some(_) => {}
             }
@@ -190,6 +244,33 @@ impl Agent {
     }
 }
 
+/// Time a new guest has to boot and fill its memory.
+pub const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// Waits until the guest workload prints its first tick (it has filled its
+/// memory and runs), so a created VM is ready to check or move.
+async fn wait_workload(vm: &QemuVm, timeout: Duration) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let state = console::parse_log(
+            &console::read_tail(&vm.console_path(), 64 << 10).unwrap_or_default(),
+        );
+        if !state.problems.is_empty() {
+            return Err(state.problems.join(" | "));
+        }
+        if state.last.is_some() {
+            return Ok(());
+        }
+        if !vm.alive().await {
+            return Err("QEMU exited".into());
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(format!("no workload tick within {} s", timeout.as_secs()));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// The error and its sources on one line, for messages that cross the wire.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
@@ -203,7 +284,10 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 fn read_u64(path: PathBuf) -> u64 {
-    std::fs::read_to_string(path).ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0)
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 /// This host's migration NICs: interfaces named `nic*` with an IPv4 address,
@@ -220,7 +304,9 @@ pub fn nics() -> Vec<NicInfo> {
         .filter_map(|l| {
             let name = l["ifname"].as_str()?;
             ferry_lab::topology::nic_index(name)?;
-            let address = l["addr_info"].as_array()?.first()?["local"].as_str()?.to_string();
+            let address = l["addr_info"].as_array()?.first()?["local"]
+                .as_str()?
+                .to_string();
             let sys = PathBuf::from("/sys/class/net").join(name);
             Some(NicInfo {
                 name: name.to_string(),

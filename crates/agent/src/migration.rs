@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 
 use ferry_api::client::Client;
 use ferry_api::{
-    ApiError, CheckResult, HostInfo, IncomingReply, IncomingRequest, IncomingStatus, MigrateRequest,
-    MigrationEvent, MigrationProgress, MigrationReport, VmSpec,
+    ApiError, CheckResult, HostInfo, IncomingReply, IncomingRequest, IncomingStatus,
+    MigrateRequest, MigrationEvent, MigrationProgress, MigrationReport, VmSpec,
 };
 use tokio::sync::mpsc;
 
@@ -60,7 +60,11 @@ struct Failure {
 }
 
 fn fail(step: &'static str, reason: impl Into<String>) -> Failure {
-    Failure { step, reason: reason.into(), passthrough: None }
+    Failure {
+        step,
+        reason: reason.into(),
+        passthrough: None,
+    }
 }
 
 struct Events(mpsc::Sender<MigrationEvent>);
@@ -72,7 +76,11 @@ impl Events {
     }
     async fn step(&self, step: &str, detail: String) {
         tracing::info!(step, %detail, "migration step");
-        self.send(MigrationEvent::Step { step: step.into(), detail }).await;
+        self.send(MigrationEvent::Step {
+            step: step.into(),
+            detail,
+        })
+        .await;
     }
 }
 
@@ -89,16 +97,26 @@ impl Agent {
         req: MigrateRequest,
     ) -> Result<mpsc::Receiver<MigrationEvent>, ApiError> {
         if req.target == self.cfg.name {
-            return Err(ApiError::invalid("to", format!("vm {name} already runs on {}", req.target)));
+            return Err(ApiError::invalid(
+                "to",
+                format!("vm {name} already runs on {}", req.target),
+            ));
         }
         let (spec, vm) = {
             let mut st = self.state.lock().await;
-            let slot = st.vms.get_mut(name).ok_or_else(|| ApiError::not_found("vm", name))?;
+            let slot = st
+                .vms
+                .get_mut(name)
+                .ok_or_else(|| ApiError::not_found("vm", name))?;
             if slot.migrating {
-                return Err(ApiError::Conflict { reason: format!("vm {name} is already migrating") });
+                return Err(ApiError::Conflict {
+                    reason: format!("vm {name} is already migrating"),
+                });
             }
             let (Role::Running, Some(q)) = (&slot.role, &slot.qemu) else {
-                return Err(ApiError::Conflict { reason: format!("vm {name} is not running here") });
+                return Err(ApiError::Conflict {
+                    reason: format!("vm {name} is not running here"),
+                });
             };
             slot.migrating = true;
             (slot.spec.clone(), q.clone())
@@ -113,7 +131,9 @@ impl Agent {
             match outcome {
                 Ok(report) => {
                     tracing::info!(vm = %spec.name, to = %req.target, total_ms = report.total_ms, downtime_ms = report.downtime_ms, "migration completed");
-                    events.send(MigrationEvent::Completed(Box::new(report))).await;
+                    events
+                        .send(MigrationEvent::Completed(Box::new(report)))
+                        .await;
                 }
                 Err(f) => {
                     if let Some(s) = agent.state.lock().await.vms.get_mut(&spec.name) {
@@ -144,24 +164,52 @@ impl Agent {
     ) -> Result<MigrationReport, Failure> {
         let datapath = QemuTcp;
         // 1. establish
-        let target = Client::new(&format!("agent {}", req.target), &req.target_url, self.cred.clone());
-        let tinfo: HostInfo = target
-            .get("/host", Duration::from_secs(5))
-            .await
-            .map_err(|e| match e {
-                ApiError::Unauthorized => fail("permission", format!("{} refused the cluster credential", req.target)),
-                e => fail("establish", e.to_string()),
-            })?;
+        let target = Client::new(
+            &format!("agent {}", req.target),
+            &req.target_url,
+            self.cred.clone(),
+        );
+        let tinfo: HostInfo =
+            target
+                .get("/host", Duration::from_secs(5))
+                .await
+                .map_err(|e| match e {
+                    ApiError::Unauthorized => fail(
+                        "permission",
+                        format!("{} refused the cluster credential", req.target),
+                    ),
+                    e => fail("establish", e.to_string()),
+                })?;
         if tinfo.name != req.target {
-            return Err(fail("establish", format!("the agent at {} is {}, not {}", req.target_url, tinfo.name, req.target)));
+            return Err(fail(
+                "establish",
+                format!(
+                    "the agent at {} is {}, not {}",
+                    req.target_url, tinfo.name, req.target
+                ),
+            ));
         }
-        ev.step("establish", format!("{} → {} (agent {})", self.cfg.name, req.target, req.target_url)).await;
+        ev.step(
+            "establish",
+            format!(
+                "{} → {} (agent {})",
+                self.cfg.name, req.target, req.target_url
+            ),
+        )
+        .await;
         // 2. permission
-        ev.step("permission", format!("{} accepted the cluster credential", req.target)).await;
+        ev.step(
+            "permission",
+            format!("{} accepted the cluster credential", req.target),
+        )
+        .await;
         // 3. memory + 4. skeleton (the target reserves before it starts anything)
         ev.step(
             "memory",
-            format!("{} has {} bytes free; the VM needs {}", req.target, tinfo.memory_free, spec.memory),
+            format!(
+                "{} has {} bytes free; the VM needs {}",
+                req.target, tinfo.memory_free, spec.memory
+            ),
         )
         .await;
         let fabrics_up = nics().iter().filter(|n| n.up).map(|n| n.fabric).collect();
@@ -175,12 +223,25 @@ impl Agent {
             .post("/incoming", &incoming, Duration::from_secs(30))
             .await
             .map_err(|e| match e {
-                e @ ApiError::InsufficientMemory { .. } => Failure { step: "memory", reason: e.to_string(), passthrough: Some(e) },
+                e @ ApiError::InsufficientMemory { .. } => Failure {
+                    step: "memory",
+                    reason: e.to_string(),
+                    passthrough: Some(e),
+                },
                 e => fail("skeleton", e.to_string()),
             })?;
-        ev.step("skeleton", format!("QEMU on {} waits on {} ({})", req.target, reply.uri, reply.nic)).await;
+        ev.step(
+            "skeleton",
+            format!(
+                "QEMU on {} waits on {} ({})",
+                req.target, reply.uri, reply.nic
+            ),
+        )
+        .await;
 
-        let result = self.transfer(id, spec, vm, &target, &reply, ev, &datapath, started).await;
+        let result = self
+            .transfer(id, spec, vm, &target, &reply, ev, &datapath, started)
+            .await;
         match result {
             Ok(report) => Ok(report),
             Err(f) => {
@@ -215,7 +276,16 @@ impl Agent {
         .map_err(q("connection"))?;
         let tx_before = nic_tx();
         qmp.migrate(&reply.uri).await.map_err(q("connection"))?;
-        ev.step("connection", format!("{} stream to {} over {}", datapath.name(), reply.uri, reply.nic)).await;
+        ev.step(
+            "connection",
+            format!(
+                "{} stream to {} over {}",
+                datapath.name(),
+                reply.uri,
+                reply.nic
+            ),
+        )
+        .await;
 
         // 6-8. copy, iterate, blackout
         let deadline = Instant::now() + copy_deadline(spec.memory);
@@ -233,9 +303,17 @@ impl Agent {
             match status.as_str() {
                 "completed" => break info,
                 "failed" => {
-                    return Err(fail("copy", format!("QEMU: {}", info.error_desc.unwrap_or_else(|| "failed".into()))))
+                    return Err(fail(
+                        "copy",
+                        format!(
+                            "QEMU: {}",
+                            info.error_desc.unwrap_or_else(|| "failed".into())
+                        ),
+                    ))
                 }
-                "cancelled" | "cancelling" => return Err(fail("copy", "QEMU cancelled the migration")),
+                "cancelled" | "cancelling" => {
+                    return Err(fail("copy", "QEMU cancelled the migration"))
+                }
                 _ => {}
             }
             let now = Instant::now();
@@ -245,15 +323,28 @@ impl Agent {
             } else if now - last_change > STALL_TIMEOUT {
                 return Err(fail(
                     "copy",
-                    format!("no bytes moved for {} s: the data path over {} is down", STALL_TIMEOUT.as_secs(), reply.nic),
+                    format!(
+                        "no bytes moved for {} s: the data path over {} is down",
+                        STALL_TIMEOUT.as_secs(),
+                        reply.nic
+                    ),
                 ));
             }
             if now > deadline {
-                return Err(fail("copy", format!("not converged within {} s", copy_deadline(spec.memory).as_secs())));
+                return Err(fail(
+                    "copy",
+                    format!(
+                        "not converged within {} s",
+                        copy_deadline(spec.memory).as_secs()
+                    ),
+                ));
             }
             if now - last_target_poll >= Duration::from_secs(1) {
                 last_target_poll = now;
-                match target.get::<IncomingStatus>(&format!("/incoming/{id}"), Duration::from_secs(2)).await {
+                match target
+                    .get::<IncomingStatus>(&format!("/incoming/{id}"), Duration::from_secs(2))
+                    .await
+                {
                     Ok(s) if !s.qemu_alive => return Err(fail("copy", "the target QEMU exited")),
                     Ok(_) => target_failures = 0,
                     Err(e) => {
@@ -266,20 +357,36 @@ impl Agent {
             }
             if !copy_seen && status == "active" {
                 copy_seen = true;
-                ev.step("copy", format!("dirty tracking on; first pass over {} bytes", ram.total)).await;
+                ev.step(
+                    "copy",
+                    format!("dirty tracking on; first pass over {} bytes", ram.total),
+                )
+                .await;
             }
             if !iterate_seen && ram.dirty_sync_count > 1 {
                 iterate_seen = true;
-                ev.step("iterate", "re-sending pages dirtied during the first pass".into()).await;
+                ev.step(
+                    "iterate",
+                    "re-sending pages dirtied during the first pass".into(),
+                )
+                .await;
             }
             if !blackout_seen && (status == "device" || status == "pre-switchover") {
                 blackout_seen = true;
-                ev.step("blackout", "source paused; sending the last dirty pages and device state".into()).await;
+                ev.step(
+                    "blackout",
+                    "source paused; sending the last dirty pages and device state".into(),
+                )
+                .await;
             }
             let dt = (now - last_sample.0).as_secs_f64().max(1e-3);
             let throughput = ram.transferred.saturating_sub(last_sample.1) as f64 / dt;
             last_sample = (now, ram.transferred);
-            let page = if ram.page_size == 0 { 4096 } else { ram.page_size };
+            let page = if ram.page_size == 0 {
+                4096
+            } else {
+                ram.page_size
+            };
             ev.send(MigrationEvent::Progress(MigrationProgress {
                 elapsed_ms: started.elapsed().as_millis() as u64,
                 status,
@@ -290,7 +397,8 @@ impl Agent {
                 dirty_rate: ram.dirty_pages_rate * page,
                 rounds: ram.dirty_sync_count,
                 expected_downtime_ms: info.expected_downtime,
-                eta_ms: (throughput > 0.0).then(|| (ram.remaining as f64 / throughput * 1000.0) as u64),
+                eta_ms: (throughput > 0.0)
+                    .then(|| (ram.remaining as f64 / throughput * 1000.0) as u64),
             }))
             .await;
         };
@@ -298,7 +406,11 @@ impl Agent {
         let downtime_ms = info.downtime.unwrap_or(0);
         let ram = info.ram.clone().unwrap_or_default();
         if !blackout_seen {
-            ev.step("blackout", format!("source paused for {downtime_ms} ms of downtime")).await;
+            ev.step(
+                "blackout",
+                format!("source paused for {downtime_ms} ms of downtime"),
+            )
+            .await;
         }
         let tick_before = ferry_lab::console::parse_log(
             &ferry_lab::console::read_tail(&vm.console_path(), 64 << 10).unwrap_or_default(),
@@ -308,12 +420,19 @@ impl Agent {
 
         // 9. final check on the target before the source is stopped
         let check: CheckResult = target
-            .post(&format!("/incoming/{id}/commit"), &serde_json::json!({}), Duration::from_secs(40))
+            .post(
+                &format!("/incoming/{id}/commit"),
+                &serde_json::json!({}),
+                Duration::from_secs(40),
+            )
             .await
             .map_err(|e| fail("final-check", e.to_string()))?;
         if let (Some(before), Some(after)) = (tick_before, check.tick_last) {
             if after <= before {
-                return Err(fail("final-check", format!("guest counter went back from {before} to {after}")));
+                return Err(fail(
+                    "final-check",
+                    format!("guest counter went back from {before} to {after}"),
+                ));
             }
         }
         ev.step(
@@ -333,11 +452,20 @@ impl Agent {
             q.stop().await;
             let _ = std::fs::remove_dir_all(&q.dir);
         }
-        ev.step("cleanup", format!("source QEMU on {} stopped and removed", self.cfg.name)).await;
+        ev.step(
+            "cleanup",
+            format!("source QEMU on {} stopped and removed", self.cfg.name),
+        )
+        .await;
 
         let nic_tx_bytes = tx_after
             .iter()
-            .map(|(n, after)| (n.clone(), after.saturating_sub(*tx_before.get(n).unwrap_or(after))))
+            .map(|(n, after)| {
+                (
+                    n.clone(),
+                    after.saturating_sub(*tx_before.get(n).unwrap_or(after)),
+                )
+            })
             .collect();
         let qemu_total_ms = info.total_time.unwrap_or(0);
         Ok(MigrationReport {
@@ -351,7 +479,11 @@ impl Agent {
             setup_ms: info.setup_time.unwrap_or(0),
             downtime_ms,
             bytes_transferred: ram.transferred,
-            throughput: if qemu_total_ms > 0 { ram.transferred as f64 * 1000.0 / qemu_total_ms as f64 } else { 0.0 },
+            throughput: if qemu_total_ms > 0 {
+                ram.transferred as f64 * 1000.0 / qemu_total_ms as f64
+            } else {
+                0.0
+            },
             nic_tx_bytes,
             rounds: ram.dirty_sync_count,
             tick_before,
@@ -373,7 +505,10 @@ impl Agent {
             }
         }
         // the target goes first: it must never run alongside the resumed source
-        if let Err(e) = target.delete::<serde_json::Value>(&format!("/incoming/{id}"), Duration::from_secs(5)).await {
+        if let Err(e) = target
+            .delete::<serde_json::Value>(&format!("/incoming/{id}"), Duration::from_secs(5))
+            .await
+        {
             tracing::warn!(error = %e, "could not discard the target skeleton; its QEMU dies with its agent");
         }
         match qmp.status().await {
@@ -404,20 +539,28 @@ impl Agent {
                     "no fabric has a NIC up on both hosts",
                 )
             })?;
-        let role = Role::Incoming { migration_id: req.migration_id.clone(), source: req.source.clone() };
+        let role = Role::Incoming {
+            migration_id: req.migration_id.clone(),
+            source: req.source.clone(),
+        };
         self.reserve(&req.spec, role).await?;
         let dir = self.vm_dir(&req.spec.name, &format!(".in-{}", req.migration_id));
         let started = async {
             let vm = qemu::launch(&self.cfg.qemu, &req.spec, &dir, true)
                 .await
-                .map_err(|e| ApiError::internal(format!("starting skeleton QEMU: {}", error_chain(&e))))?;
+                .map_err(|e| {
+                    ApiError::internal(format!("starting skeleton QEMU: {}", error_chain(&e)))
+                })?;
             let vm = Arc::new(vm);
             // registered first, so a failure below still kills this QEMU
             if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
                 slot.qemu = Some(vm.clone());
             }
             let qerr = |e: crate::qmp::QmpError| ApiError::internal(error_chain(&e));
-            vm.qmp.migrate_incoming(&datapath.incoming_uri(&nic.address)).await.map_err(qerr)?;
+            vm.qmp
+                .migrate_incoming(&datapath.incoming_uri(&nic.address))
+                .await
+                .map_err(qerr)?;
             let info = vm.qmp.query_migrate().await.map_err(qerr)?;
             let port = info
                 .socket_address
@@ -431,7 +574,12 @@ impl Agent {
         match started {
             Ok(uri) => {
                 tracing::info!(vm = %req.spec.name, source = %req.source, %uri, "skeleton waiting");
-                Ok(IncomingReply { migration_id: req.migration_id, uri, fabric: nic.fabric, nic: nic.name })
+                Ok(IncomingReply {
+                    migration_id: req.migration_id,
+                    uri,
+                    fabric: nic.fabric,
+                    nic: nic.name,
+                })
             }
             Err(e) => {
                 if let Some(q) = self.release(&req.spec.name).await {
@@ -455,16 +603,29 @@ impl Agent {
     pub async fn incoming_status(&self, id: &str) -> Result<IncomingStatus, ApiError> {
         let (_, q) = self.incoming_slot(id).await?;
         let (alive, status) = match q {
-            Some(q) => (q.alive().await, q.qmp.status().await.map(|s| s.status).unwrap_or_else(|_| "unreachable".into())),
+            Some(q) => (
+                q.alive().await,
+                q.qmp
+                    .status()
+                    .await
+                    .map(|s| s.status)
+                    .unwrap_or_else(|_| "unreachable".into()),
+            ),
             None => (true, "starting".into()),
         };
-        Ok(IncomingStatus { migration_id: id.into(), qemu_status: status, qemu_alive: alive })
+        Ok(IncomingStatus {
+            migration_id: id.into(),
+            qemu_status: status,
+            qemu_alive: alive,
+        })
     }
 
     /// Step 9 on the target: wait for the guest to run, check it, adopt it.
     pub async fn commit_incoming(&self, id: &str) -> Result<CheckResult, ApiError> {
         let (name, q) = self.incoming_slot(id).await?;
-        let q = q.ok_or_else(|| ApiError::Conflict { reason: "skeleton QEMU is still starting".into() })?;
+        let q = q.ok_or_else(|| ApiError::Conflict {
+            reason: "skeleton QEMU is still starting".into(),
+        })?;
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
             if !q.alive().await {
@@ -473,9 +634,14 @@ impl Agent {
             match q.qmp.status().await {
                 Ok(s) if s.running => break,
                 Ok(s) if Instant::now() > deadline => {
-                    return Err(ApiError::internal(format!("guest not running on the target: {}", s.status)))
+                    return Err(ApiError::internal(format!(
+                        "guest not running on the target: {}",
+                        s.status
+                    )))
                 }
-                Err(e) if Instant::now() > deadline => return Err(ApiError::internal(error_chain(&e))),
+                Err(e) if Instant::now() > deadline => {
+                    return Err(ApiError::internal(error_chain(&e)))
+                }
                 _ => tokio::time::sleep(Duration::from_millis(100)).await,
             }
         }
@@ -488,7 +654,12 @@ impl Agent {
         }
         let mut st = self.state.lock().await;
         if let Some(slot) = st.vms.get_mut(&name) {
-            *slot = VmSlot { spec: slot.spec.clone(), role: Role::Running, qemu: Some(q), migrating: false };
+            *slot = VmSlot {
+                spec: slot.spec.clone(),
+                role: Role::Running,
+                qemu: Some(q),
+                migrating: false,
+            };
         }
         tracing::info!(vm = %name, "migration committed; vm runs here");
         Ok(result)

@@ -68,7 +68,10 @@ impl QemuVm {
     pub async fn stop(&self) {
         let _ = self.qmp.quit().await;
         let mut child = self.child.lock().await;
-        if tokio::time::timeout(Duration::from_secs(3), child.wait()).await.is_err() {
+        if tokio::time::timeout(Duration::from_secs(3), child.wait())
+            .await
+            .is_err()
+        {
             let _ = child.kill().await;
         }
     }
@@ -129,11 +132,21 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
 }
 
 /// Starts QEMU for `spec` in `dir` (created fresh) and connects QMP.
-pub async fn launch(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) -> Result<QemuVm, QemuError> {
+pub async fn launch(
+    cfg: &QemuConfig,
+    spec: &VmSpec,
+    dir: &Path,
+    incoming: bool,
+) -> Result<QemuVm, QemuError> {
     let _ = std::fs::remove_dir_all(dir);
-    std::fs::create_dir_all(dir).map_err(|source| QemuError::Dir { path: dir.into(), source })?;
-    let log = std::fs::File::create(dir.join("qemu.log"))
-        .map_err(|source| QemuError::Dir { path: dir.into(), source })?;
+    std::fs::create_dir_all(dir).map_err(|source| QemuError::Dir {
+        path: dir.into(),
+        source,
+    })?;
+    let log = std::fs::File::create(dir.join("qemu.log")).map_err(|source| QemuError::Dir {
+        path: dir.into(),
+        source,
+    })?;
     let mut cmd = tokio::process::Command::new(&cfg.binary);
     cmd.args(qemu_args(cfg, spec, dir, incoming))
         .stdin(Stdio::null())
@@ -148,7 +161,10 @@ pub async fn launch(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool)
             Ok(())
         });
     }
-    let mut child = cmd.spawn().map_err(|source| QemuError::Spawn { binary: cfg.binary.clone(), source })?;
+    let mut child = cmd.spawn().map_err(|source| QemuError::Spawn {
+        binary: cfg.binary.clone(),
+        source,
+    })?;
     let pid = child.id().unwrap_or(0);
     let sock = dir.join("qmp.sock");
     let qmp = tokio::select! {
@@ -165,7 +181,12 @@ pub async fn launch(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool)
             return Err(e.into());
         }
     };
-    Ok(QemuVm { dir: dir.into(), pid, qmp, child: tokio::sync::Mutex::new(child) })
+    Ok(QemuVm {
+        dir: dir.into(),
+        pid,
+        qmp,
+        child: tokio::sync::Mutex::new(child),
+    })
 }
 
 #[cfg(test)]
@@ -173,7 +194,12 @@ mod tests {
     use super::*;
 
     fn cfg() -> QemuConfig {
-        QemuConfig { binary: "qemu".into(), accel: "tcg".into(), kernel: "/k".into(), initrd: "/i".into() }
+        QemuConfig {
+            binary: "qemu".into(),
+            accel: "tcg".into(),
+            kernel: "/k".into(),
+            initrd: "/i".into(),
+        }
     }
 
     fn spec() -> VmSpec {
@@ -201,7 +227,10 @@ mod tests {
     fn workload_parameters_reach_the_kernel_cmdline() {
         let a = qemu_args(&cfg(), &spec(), Path::new("/d"), false);
         let line = &a[a.iter().position(|x| x == "-append").unwrap() + 1];
-        assert!(line.contains("ferry.fill=805306368") && line.contains("ferry.seed=7"), "{line}");
+        assert!(
+            line.contains("ferry.fill=805306368") && line.contains("ferry.seed=7"),
+            "{line}"
+        );
         assert!(a.contains(&"1024M".to_string()));
     }
 }

@@ -23,7 +23,10 @@ pub enum QmpError {
         source: std::io::Error,
     },
     #[error("QMP command {command} failed: {reason}")]
-    Command { command: &'static str, reason: String },
+    Command {
+        command: &'static str,
+        reason: String,
+    },
     #[error("QMP command {command} got no reply within {secs} s")]
     Timeout { command: &'static str, secs: u64 },
 }
@@ -179,11 +182,17 @@ impl Qmp {
                     return Ok(Qmp { svc, events });
                 }
                 Ok(Err(e)) if tokio::time::Instant::now() >= deadline => {
-                    return Err(QmpError::Connect { path: shown, source: e });
+                    return Err(QmpError::Connect {
+                        path: shown,
+                        source: e,
+                    });
                 }
                 Err(_) if tokio::time::Instant::now() >= deadline => {
                     let e = std::io::Error::new(std::io::ErrorKind::TimedOut, "no QMP greeting");
-                    return Err(QmpError::Connect { path: shown, source: e });
+                    return Err(QmpError::Connect {
+                        path: shown,
+                        source: e,
+                    });
                 }
                 _ => tokio::time::sleep(Duration::from_millis(100)).await,
             }
@@ -197,8 +206,14 @@ impl Qmp {
         let name = C::NAME;
         match tokio::time::timeout(deadline, self.svc.execute(cmd)).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(QmpError::Command { command: name, reason: e.to_string() }),
-            Err(_) => Err(QmpError::Timeout { command: name, secs: deadline.as_secs() }),
+            Ok(Err(e)) => Err(QmpError::Command {
+                command: name,
+                reason: e.to_string(),
+            }),
+            Err(_) => Err(QmpError::Timeout {
+                command: name,
+                secs: deadline.as_secs(),
+            }),
         }
     }
 
@@ -211,15 +226,21 @@ impl Qmp {
     }
 
     pub async fn migrate(&self, uri: &str) -> Result<(), QmpError> {
-        self.call(Migrate { uri: uri.into() }, DEFAULT_DEADLINE).await.map(drop)
+        self.call(Migrate { uri: uri.into() }, DEFAULT_DEADLINE)
+            .await
+            .map(drop)
     }
 
     pub async fn migrate_incoming(&self, uri: &str) -> Result<(), QmpError> {
-        self.call(MigrateIncoming { uri: uri.into() }, DEFAULT_DEADLINE).await.map(drop)
+        self.call(MigrateIncoming { uri: uri.into() }, DEFAULT_DEADLINE)
+            .await
+            .map(drop)
     }
 
     pub async fn migrate_cancel(&self) -> Result<(), QmpError> {
-        self.call(MigrateCancel {}, Duration::from_secs(5)).await.map(drop)
+        self.call(MigrateCancel {}, Duration::from_secs(5))
+            .await
+            .map(drop)
     }
 
     pub async fn set_parameters(&self, p: MigrationParameters) -> Result<(), QmpError> {
@@ -227,8 +248,16 @@ impl Qmp {
     }
 
     pub async fn set_capabilities(&self, caps: &[(&'static str, bool)]) -> Result<(), QmpError> {
-        let capabilities = caps.iter().map(|(c, s)| Capability { capability: c, state: *s }).collect();
-        self.call(SetCapabilities { capabilities }, DEFAULT_DEADLINE).await.map(drop)
+        let capabilities = caps
+            .iter()
+            .map(|(c, s)| Capability {
+                capability: c,
+                state: *s,
+            })
+            .collect();
+        self.call(SetCapabilities { capabilities }, DEFAULT_DEADLINE)
+            .await
+            .map(drop)
     }
 
     pub async fn cont(&self) -> Result<(), QmpError> {

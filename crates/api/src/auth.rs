@@ -93,8 +93,13 @@ mod tests {
         let p = dir.join("token");
         let c = Credential::generate();
         c.store(&p).unwrap();
-        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o600);
-        assert!(Credential::load(&p).unwrap().verify_header(Some(&c.header_value())));
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        assert!(Credential::load(&p)
+            .unwrap()
+            .verify_header(Some(&c.header_value())));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

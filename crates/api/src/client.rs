@@ -27,7 +27,12 @@ impl Client {
             .no_proxy()
             .build()
             .unwrap_or_default();
-        Client { base: base.trim_end_matches('/').to_string(), cred, http, peer: peer.into() }
+        Client {
+            base: base.trim_end_matches('/').to_string(),
+            cred,
+            http,
+            peer: peer.into(),
+        }
     }
 
     pub fn base(&self) -> &str {
@@ -53,13 +58,17 @@ impl Client {
         if !(200..300).contains(&status) {
             return Err(ApiError::from_body(status, &text));
         }
-        serde_json::from_str(&text).map_err(|e| {
-            ApiError::internal(format!("{} sent an unreadable reply: {e}", self.peer))
-        })
+        serde_json::from_str(&text)
+            .map_err(|e| ApiError::internal(format!("{} sent an unreadable reply: {e}", self.peer)))
     }
 
-    pub async fn get<T: DeserializeOwned>(&self, path: &str, timeout: Duration) -> Result<T, ApiError> {
-        self.send(self.http.get(self.url(path)).timeout(timeout)).await
+    pub async fn get<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<T, ApiError> {
+        self.send(self.http.get(self.url(path)).timeout(timeout))
+            .await
     }
 
     pub async fn post<B: Serialize, T: DeserializeOwned>(
@@ -68,11 +77,17 @@ impl Client {
         body: &B,
         timeout: Duration,
     ) -> Result<T, ApiError> {
-        self.send(self.http.post(self.url(path)).json(body).timeout(timeout)).await
+        self.send(self.http.post(self.url(path)).json(body).timeout(timeout))
+            .await
     }
 
-    pub async fn delete<T: DeserializeOwned>(&self, path: &str, timeout: Duration) -> Result<T, ApiError> {
-        self.send(self.http.delete(self.url(path)).timeout(timeout)).await
+    pub async fn delete<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<T, ApiError> {
+        self.send(self.http.delete(self.url(path)).timeout(timeout))
+            .await
     }
 
     /// POSTs and reads the reply as a stream of NDJSON events.

@@ -15,15 +15,26 @@ pub enum ApiError {
     #[error("Invalid {field}: {reason}")]
     InvalidArgument { field: String, reason: String },
     #[error("Host {host} has {available} bytes of memory free, {needed} needed")]
-    InsufficientMemory { host: String, needed: u64, available: u64 },
+    InsufficientMemory {
+        host: String,
+        needed: u64,
+        available: u64,
+    },
     #[error("Request refused: missing or wrong cluster credential")]
     Unauthorized,
     #[error("Conflict: {reason}")]
     Conflict { reason: String },
     #[error("{what} is unavailable: {reason}")]
     Unavailable { what: String, reason: String },
-    #[error("Migration of {vm} failed at step '{step}': {reason}; the VM keeps running on {running_on}")]
-    MigrationFailed { vm: String, step: String, reason: String, running_on: String },
+    #[error(
+        "Migration of {vm} failed at step '{step}': {reason}; the VM keeps running on {running_on}"
+    )]
+    MigrationFailed {
+        vm: String,
+        step: String,
+        reason: String,
+        running_on: String,
+    },
     #[error("Internal error: {reason}")]
     Internal { reason: String },
 }
@@ -44,19 +55,30 @@ impl ApiError {
     }
 
     pub fn not_found(kind: &str, name: &str) -> Self {
-        ApiError::NotFound { kind: kind.into(), name: name.into() }
+        ApiError::NotFound {
+            kind: kind.into(),
+            name: name.into(),
+        }
     }
 
     pub fn invalid(field: &str, reason: impl Into<String>) -> Self {
-        ApiError::InvalidArgument { field: field.into(), reason: reason.into() }
+        ApiError::InvalidArgument {
+            field: field.into(),
+            reason: reason.into(),
+        }
     }
 
     pub fn internal(reason: impl std::fmt::Display) -> Self {
-        ApiError::Internal { reason: reason.to_string() }
+        ApiError::Internal {
+            reason: reason.to_string(),
+        }
     }
 
     pub fn unavailable(what: impl Into<String>, reason: impl std::fmt::Display) -> Self {
-        ApiError::Unavailable { what: what.into(), reason: reason.to_string() }
+        ApiError::Unavailable {
+            what: what.into(),
+            reason: reason.to_string(),
+        }
     }
 
     /// The JSON body an error is served as: the tagged enum plus `message`.
@@ -71,12 +93,17 @@ impl ApiError {
     /// Reads an error body back; anything unreadable becomes `Internal` with
     /// the status and the raw text, so no error is silently lost.
     pub fn from_body(status: u16, body: &str) -> Self {
-        let parsed = serde_json::from_str::<serde_json::Value>(body).ok().and_then(|mut v| {
-            v.as_object_mut().map(|o| o.remove("message"));
-            serde_json::from_value::<ApiError>(v).ok()
-        });
+        let parsed = serde_json::from_str::<serde_json::Value>(body)
+            .ok()
+            .and_then(|mut v| {
+                v.as_object_mut().map(|o| o.remove("message"));
+                serde_json::from_value::<ApiError>(v).ok()
+            });
         parsed.unwrap_or_else(|| ApiError::Internal {
-            reason: format!("HTTP {status}: {}", body.chars().take(300).collect::<String>()),
+            reason: format!(
+                "HTTP {status}: {}",
+                body.chars().take(300).collect::<String>()
+            ),
         })
     }
 }
@@ -89,11 +116,20 @@ mod tests {
     fn every_error_round_trips_through_its_body() {
         let all = [
             ApiError::not_found("vm", "a"),
-            ApiError::AlreadyExists { kind: "vm".into(), name: "a".into() },
+            ApiError::AlreadyExists {
+                kind: "vm".into(),
+                name: "a".into(),
+            },
             ApiError::invalid("--memory", "too small"),
-            ApiError::InsufficientMemory { host: "host2".into(), needed: 2, available: 1 },
+            ApiError::InsufficientMemory {
+                host: "host2".into(),
+                needed: 2,
+                available: 1,
+            },
             ApiError::Unauthorized,
-            ApiError::Conflict { reason: "busy".into() },
+            ApiError::Conflict {
+                reason: "busy".into(),
+            },
             ApiError::unavailable("agent host1", "refused"),
             ApiError::MigrationFailed {
                 vm: "a".into(),

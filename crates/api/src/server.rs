@@ -29,7 +29,8 @@ impl From<ApiError> for ErrorResponse {
 
 impl IntoResponse for ErrorResponse {
     fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.0.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let status =
+            StatusCode::from_u16(self.0.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         (status, axum::Json(self.0.to_body())).into_response()
     }
 }
@@ -59,8 +60,15 @@ where
 }
 
 /// Middleware: refuse any request without the cluster credential.
-pub async fn require_credential(State(cred): State<Credential>, req: Request, next: Next) -> Response {
-    let header = req.headers().get("authorization").and_then(|v| v.to_str().ok());
+pub async fn require_credential(
+    State(cred): State<Credential>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let header = req
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok());
     if !cred.verify_header(header) {
         return ErrorResponse(ApiError::Unauthorized).into_response();
     }

@@ -79,7 +79,7 @@ fn default_vcpus() -> u32 {
 /// Smallest guest that boots the lab kernel and its workload.
 pub const MIN_VM_MEMORY: u64 = 128 << 20;
 /// Memory the guest kernel and initramfs keep for themselves; the fill must leave it.
-pub const GUEST_OVERHEAD: u64 = 96 << 20;
+pub const GUEST_OVERHEAD: u64 = 128 << 20;
 /// Largest guest the lab accepts.
 pub const MAX_VM_MEMORY: u64 = 64 << 30;
 
@@ -93,20 +93,23 @@ impl VmSpec {
                 format!("{} bytes is outside 128M..64G", self.memory),
             ));
         }
-        if self.memory % (1 << 20) != 0 {
+        if !self.memory.is_multiple_of(1 << 20) {
             return Err(ApiError::invalid("memory", "must be a whole number of MiB"));
         }
         if self.fill + GUEST_OVERHEAD > self.memory {
             return Err(ApiError::invalid(
                 "fill",
                 format!(
-                    "{} bytes does not fit in {} bytes of memory (the guest keeps 96M)",
+                    "{} bytes does not fit in {} bytes of memory (the guest keeps 128M)",
                     self.fill, self.memory
                 ),
             ));
         }
         if self.dirty_rate > 4 << 30 || self.verify_rate > 4 << 30 {
-            return Err(ApiError::invalid("dirty_rate", "rates above 4G/s are not supported"));
+            return Err(ApiError::invalid(
+                "dirty_rate",
+                "rates above 4G/s are not supported",
+            ));
         }
         if self.vcpus == 0 || self.vcpus > 16 {
             return Err(ApiError::invalid("vcpus", "must be 1..16"));
@@ -119,7 +122,9 @@ impl VmSpec {
 pub fn validate_name(field: &str, name: &str) -> Result<(), ApiError> {
     let ok = !name.is_empty()
         && name.len() <= 32
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         && !name.starts_with('-');
     if ok {
         Ok(())
@@ -263,10 +268,15 @@ pub struct MigrationReport {
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum MigrationEvent {
     /// One of the ten steps started.
-    Step { step: String, detail: String },
+    Step {
+        step: String,
+        detail: String,
+    },
     Progress(MigrationProgress),
     Completed(Box<MigrationReport>),
-    Failed { error: ApiError },
+    Failed {
+        error: ApiError,
+    },
 }
 
 #[cfg(test)]
@@ -313,7 +323,10 @@ mod tests {
 
     #[test]
     fn events_are_tagged() {
-        let e = MigrationEvent::Step { step: "reserve".into(), detail: "x".into() };
+        let e = MigrationEvent::Step {
+            step: "reserve".into(),
+            detail: "x".into(),
+        };
         let s = serde_json::to_string(&e).unwrap();
         assert!(s.starts_with(r#"{"event":"step""#), "{s}");
         assert_eq!(serde_json::from_str::<MigrationEvent>(&s).unwrap(), e);

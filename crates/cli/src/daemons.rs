@@ -47,14 +47,23 @@ pub async fn agent(a: &AgentArgs) -> anyhow::Result<i32> {
             (img.kernel, img.initrd)
         }
     };
-    std::fs::create_dir_all(a.state_dir.join("vms")).with_context(|| format!("creating {}", a.state_dir.display()))?;
+    std::fs::create_dir_all(a.state_dir.join("vms"))
+        .with_context(|| format!("creating {}", a.state_dir.display()))?;
     let cfg = ferry_agent::AgentConfig {
         name: a.name.clone(),
         listen: a.listen,
-        url: a.url.clone().unwrap_or_else(|| format!("http://{}", a.listen)),
+        url: a
+            .url
+            .clone()
+            .unwrap_or_else(|| format!("http://{}", a.listen)),
         state_dir: a.state_dir.clone(),
         memory,
-        qemu: ferry_agent::qemu::QemuConfig { binary: a.qemu.clone(), accel: a.accel.clone(), kernel, initrd },
+        qemu: ferry_agent::qemu::QemuConfig {
+            binary: a.qemu.clone(),
+            accel: a.accel.clone(),
+            kernel,
+            initrd,
+        },
     };
     ferry_agent::api::serve(ferry_agent::Agent::new(cfg, cred)).await?;
     Ok(0)
@@ -79,13 +88,18 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
         .with_context(|| format!("reading {}", a.token_file.display()))?;
     let mut hosts = Vec::new();
     for h in &a.hosts {
-        let (n, u) = h.split_once('=').with_context(|| format!("--host '{h}' is not NAME=URL"))?;
+        let (n, u) = h
+            .split_once('=')
+            .with_context(|| format!("--host '{h}' is not NAME=URL"))?;
         hosts.push((n.to_string(), u.to_string()));
     }
     if let Some(dir) = &a.lab_dir {
         let spec = ferry_lab::net::LabDir(dir.clone()).load_spec()?;
         for i in 1..=spec.hosts {
-            hosts.push((ferry_lab::topology::host_name(i), ferry_lab::topology::agent_url(i)));
+            hosts.push((
+                ferry_lab::topology::host_name(i),
+                ferry_lab::topology::agent_url(i),
+            ));
         }
     }
     let control = std::sync::Arc::new(ferry_control::Control::new(hosts, cred.clone()));

@@ -46,8 +46,20 @@ pub async fn run(cli: &Cli, a: &DemoArgs) -> anyhow::Result<i32> {
     let t = Duration::from_secs(90);
     for (name, host, memory, fill, dirty, _) in PLAN {
         let spec = spec_from_args(name, memory, Some(fill), dirty, "32M", 1)?;
-        let vm: VmInfo = c.post("/vms", &VmCreateRequest { host: host.into(), spec }, t).await?;
-        println!("booted {} on {} ({} memory, {} filled, {}/s dirtied)", vm.name, vm.host, memory, fill, dirty);
+        let vm: VmInfo = c
+            .post(
+                "/vms",
+                &VmCreateRequest {
+                    host: host.into(),
+                    spec,
+                },
+                t,
+            )
+            .await?;
+        println!(
+            "booted {} on {} ({} memory, {} filled, {}/s dirtied)",
+            vm.name, vm.host, memory, fill, dirty
+        );
     }
     // let every guest finish filling its memory before it moves
     for (name, ..) in PLAN {
@@ -71,7 +83,16 @@ pub async fn run(cli: &Cli, a: &DemoArgs) -> anyhow::Result<i32> {
     } else {
         println!();
         let mut t = Table::new(&[
-            "VM", "FROM", "TO", "TOTAL", "QEMU", "DOWNTIME", "MOVED", "THROUGHPUT", "TIME/IDEAL", "GUEST",
+            "VM",
+            "FROM",
+            "TO",
+            "TOTAL",
+            "QEMU",
+            "DOWNTIME",
+            "MOVED",
+            "THROUGHPUT",
+            "TIME/IDEAL",
+            "GUEST",
         ]);
         for r in &reports {
             let ideal_ms = r.bytes_transferred as f64 * 8.0 / rate_bps * 1000.0;
@@ -85,16 +106,27 @@ pub async fn run(cli: &Cli, a: &DemoArgs) -> anyhow::Result<i32> {
                 human_bytes(r.bytes_transferred),
                 mbit(r.throughput),
                 format!("{:.2}", r.qemu_total_ms as f64 / ideal_ms.max(1.0)),
-                if r.check.ok() { "intact, running".into() } else { "NOT OK".into() },
+                if r.check.ok() {
+                    "intact, running".into()
+                } else {
+                    "NOT OK".into()
+                },
             ]);
         }
         t.print();
-        println!("\nlink: {} per NIC; TIME/IDEAL = QEMU migration time ÷ (bytes moved ÷ link rate)", up.rate);
+        println!(
+            "\nlink: {} per NIC; TIME/IDEAL = QEMU migration time ÷ (bytes moved ÷ link rate)",
+            up.rate
+        );
     }
     if a.down {
         lab_cmd::down();
     } else {
         println!("the lab is still up: try `ferry vm list`, `ferry lab status`; remove it with `ferry lab down`");
     }
-    Ok(if failed == 0 && reports.iter().all(|r| r.check.ok()) { 0 } else { 1 })
+    Ok(if failed == 0 && reports.iter().all(|r| r.check.ok()) {
+        0
+    } else {
+        1
+    })
 }

@@ -27,6 +27,8 @@ pub enum LabCmd {
         nic: String,
         state: LinkState,
     },
+    /// Start a host's agent again (after it was killed).
+    RestartAgent { host: String },
     /// Build (or show) the cached guest image.
     Image {
         #[arg(long)]
@@ -78,9 +80,38 @@ pub async fn run(cli: &Cli, cmd: &LabCmd) -> anyhow::Result<i32> {
             println!("{host} {nic}: link {}", if up { "up" } else { "down" });
             Ok(0)
         }
+        LabCmd::RestartAgent { host } => {
+            let dir = LabDir::default_path();
+            let spec = dir.load_spec()?;
+            let i = topology::host_index(host)
+                .filter(|i| *i <= spec.hosts)
+                .ok_or_else(|| {
+                    anyhow::anyhow!("no lab host named '{host}' (host1..host{})", spec.hosts)
+                })?;
+            start_agent(&dir, &spec, i)?;
+            let c = cli.client()?;
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                let hosts: Vec<ferry_api::HostEntry> =
+                    c.get("/hosts", Duration::from_secs(5)).await?;
+                if hosts.iter().any(|h2| h2.name == *host && h2.reachable) {
+                    break;
+                }
+                if tokio::time::Instant::now() > deadline {
+                    anyhow::bail!("the agent of {host} did not answer within 10 s");
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            println!("agent of {host} restarted");
+            Ok(0)
+        }
         LabCmd::Image { rebuild } => {
             let img = ferry_lab::image::ensure(*rebuild)?;
-            println!("guest image: {} ({})", img.dir.display(), img.kernel_package);
+            println!(
+                "guest image: {} ({})",
+                img.dir.display(),
+                img.kernel_package
+            );
             Ok(0)
         }
     }
@@ -98,8 +129,13 @@ fn require_root() -> anyhow::Result<()> {
 pub fn down() -> Vec<String> {
     let dir = LabDir::default_path();
     let pid_file = dir.control_dir().join("control.pid");
-    if let Some(pid) = std::fs::read_to_string(&pid_file).ok().and_then(|s| s.trim().parse::<i32>().ok()) {
-        let _ = std::process::Command::new("kill").args(["-9", &pid.to_string()]).status();
+    if let Some(pid) = std::fs::read_to_string(&pid_file)
+        .ok()
+        .and_then(|s| s.trim().parse::<i32>().ok())
+    {
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status();
     }
     let removed = net::destroy();
     let _ = std::fs::remove_dir_all(&dir.0);
@@ -125,8 +161,9 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
         // remains of a crashed lab
         down();
     }
-    let img = ferry_lab::image::ensure(false).context("building the guest image")?;
-    std::fs::create_dir_all(dir.control_dir()).with_context(|| format!("creating {}", dir.0.display()))?;
+    ferry_lab::image::ensure(false).context("building the guest image")?;
+    std::fs::create_dir_all(dir.control_dir())
+        .with_context(|| format!("creating {}", dir.0.display()))?;
     let cred = ferry_api::auth::Credential::generate();
     cred.store(&dir.token_path())?;
     dir.store_spec(&spec)?;
@@ -137,27 +174,22 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
     let exe = std::env::current_exe()?;
     let token = dir.token_path().display().to_string();
     for i in 1..=spec.hosts {
-        let h = topology::host_name(i);
-        let hd = dir.host_dir(&h);
-        std::fs::create_dir_all(&hd)?;
-        let listen = format!("{}:{}", topology::mgmt_addr(i), topology::AGENT_PORT);
-        let args: Vec<String> = [
-            "agent", "--name", &h, "--listen", &listen, "--state-dir", &hd.display().to_string(),
-            "--token-file", &token, "--memory", &spec.host_memory.to_string(),
-            "--kernel", &img.kernel.display().to_string(), "--initrd", &img.initrd.display().to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let pid = net::spawn_daemon(Some(&h), &exe, &args, &hd.join("agent.log"))?;
-        std::fs::write(hd.join("agent.pid"), pid.to_string())?;
+        start_agent(&dir, &spec, i)?;
     }
     let cd = dir.control_dir();
     let listen = cli.control.trim_start_matches("http://").to_string();
-    let args: Vec<String> = ["control", "--listen", &listen, "--token-file", &token, "--lab-dir", &dir.0.display().to_string()]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let args: Vec<String> = [
+        "control",
+        "--listen",
+        &listen,
+        "--token-file",
+        &token,
+        "--lab-dir",
+        &dir.0.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     let pid = net::spawn_daemon(None, &exe, &args, &cd.join("control.log"))?;
     std::fs::write(cd.join("control.pid"), pid.to_string())?;
 
@@ -165,14 +197,25 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
     let client = cli.client()?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     let hosts = loop {
-        match client.get::<Vec<ferry_api::HostEntry>>("/hosts", Duration::from_secs(5)).await {
+        match client
+            .get::<Vec<ferry_api::HostEntry>>("/hosts", Duration::from_secs(5))
+            .await
+        {
             Ok(h) if h.len() == spec.hosts as usize && h.iter().all(|h| h.reachable) => break h,
             r if tokio::time::Instant::now() > deadline => {
                 let why = match r {
-                    Ok(h) => h.iter().filter(|h| !h.reachable).map(|h| format!("{}: {}", h.name, h.error.clone().unwrap_or_default())).collect::<Vec<_>>().join("; "),
+                    Ok(h) => h
+                        .iter()
+                        .filter(|h| !h.reachable)
+                        .map(|h| format!("{}: {}", h.name, h.error.clone().unwrap_or_default()))
+                        .collect::<Vec<_>>()
+                        .join("; "),
                     Err(e) => e.to_string(),
                 };
-                anyhow::bail!("the lab did not come up within 20 s: {why} (logs in {})", dir.0.display());
+                anyhow::bail!(
+                    "the lab did not come up within 20 s: {why} (logs in {})",
+                    dir.0.display()
+                );
             }
             _ => tokio::time::sleep(Duration::from_millis(200)).await,
         }
@@ -191,6 +234,46 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
         );
     }
     Ok(0)
+}
+
+/// Starts (or restarts) host `i`'s agent inside its namespace.
+fn start_agent(dir: &LabDir, spec: &LabSpec, i: u32) -> anyhow::Result<()> {
+    let img = ferry_lab::image::ensure(false)?;
+    let exe = std::env::current_exe()?;
+    let h = topology::host_name(i);
+    let hd = dir.host_dir(&h);
+    std::fs::create_dir_all(&hd)?;
+    if let Some(pid) = std::fs::read_to_string(hd.join("agent.pid"))
+        .ok()
+        .and_then(|p| p.trim().parse::<i32>().ok())
+    {
+        // SAFETY: kill(2) with a pid and a signal has no memory effects.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    let listen = format!("{}:{}", topology::mgmt_addr(i), topology::AGENT_PORT);
+    let args: Vec<String> = [
+        "agent",
+        "--name",
+        &h,
+        "--listen",
+        &listen,
+        "--state-dir",
+        &hd.display().to_string(),
+        "--token-file",
+        &dir.token_path().display().to_string(),
+        "--memory",
+        &spec.host_memory.to_string(),
+        "--kernel",
+        &img.kernel.display().to_string(),
+        "--initrd",
+        &img.initrd.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let pid = net::spawn_daemon(Some(&h), &exe, &args, &hd.join("agent.log"))?;
+    std::fs::write(hd.join("agent.pid"), pid.to_string())?;
+    Ok(())
 }
 
 fn status(json: bool) -> anyhow::Result<i32> {
@@ -215,10 +298,19 @@ fn status(json: bool) -> anyhow::Result<i32> {
         }));
         return Ok(0);
     }
-    println!("lab: {} hosts × {} NICs, {} per NIC, MTU {}", spec.hosts, spec.nics, spec.rate, spec.mtu);
-    let mut t = Table::new(&["HOST", "AGENT", "NIC", "FABRIC", "ADDRESS", "MTU", "STATE", "TX", "RX"]);
+    println!(
+        "lab: {} hosts × {} NICs, {} per NIC, MTU {}",
+        spec.hosts, spec.nics, spec.rate, spec.mtu
+    );
+    let mut t = Table::new(&[
+        "HOST", "AGENT", "NIC", "FABRIC", "ADDRESS", "MTU", "STATE", "TX", "RX",
+    ]);
     for l in &links {
-        let agent = agents.iter().find(|(h, _)| *h == l.host).map(|(_, a)| if *a { "running" } else { "DOWN" });
+        let agent =
+            agents
+                .iter()
+                .find(|(h, _)| *h == l.host)
+                .map(|(_, a)| if *a { "running" } else { "DOWN" });
         t.row(vec![
             l.host.clone(),
             agent.unwrap_or("?").into(),

@@ -16,10 +16,19 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "ferry", version, about = "Live migration of QEMU VMs between Linux hosts")]
+#[command(
+    name = "ferry",
+    version,
+    about = "Live migration of QEMU VMs between Linux hosts"
+)]
 pub struct Cli {
     /// Control service URL.
-    #[arg(long, global = true, env = "FERRY_CONTROL", default_value = "http://127.0.0.1:7700")]
+    #[arg(
+        long,
+        global = true,
+        env = "FERRY_CONTROL",
+        default_value = "http://127.0.0.1:7700"
+    )]
     control: String,
     /// Cluster credential file (made by `ferry lab up`).
     #[arg(long, global = true, env = "FERRY_TOKEN_FILE")]
@@ -49,24 +58,38 @@ enum Cmd {
 
 impl Cli {
     fn token_file(&self) -> PathBuf {
-        self.token_file.clone().unwrap_or_else(|| ferry_lab::net::LabDir::default_path().token_path())
+        self.token_file
+            .clone()
+            .unwrap_or_else(|| ferry_lab::net::LabDir::default_path().token_path())
     }
 
     fn client(&self) -> anyhow::Result<ferry_api::client::Client> {
         let path = self.token_file();
         let cred = ferry_api::auth::Credential::load(&path).map_err(|e| {
-            anyhow::anyhow!("cannot read the cluster credential {} ({e}); is a lab up (`ferry lab up`)?", path.display())
+            anyhow::anyhow!(
+                "cannot read the cluster credential {} ({e}); is a lab up (`ferry lab up`)?",
+                path.display()
+            )
         })?;
-        Ok(ferry_api::client::Client::new("control service", &self.control, cred))
+        Ok(ferry_api::client::Client::new(
+            "control service",
+            &self.control,
+            cred,
+        ))
     }
 }
 
 fn main() {
     let cli = Cli::parse();
     let daemon = matches!(cli.cmd, Cmd::Agent(_) | Cmd::Control(_));
-    let filter = tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(if daemon { "info" } else { "warn" }));
-    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(false).with_writer(std::io::stderr).init();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG").unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new(if daemon { "info" } else { "warn" })
+    });
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false)
+        .with_writer(std::io::stderr)
+        .init();
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

@@ -1,7 +1,10 @@
 //! Human output: aligned tables and progress bars; and JSON output.
 
 pub fn print_json<T: serde::Serialize>(v: &T) {
-    println!("{}", serde_json::to_string_pretty(v).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}")));
+    println!(
+        "{}",
+        serde_json::to_string_pretty(v).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    );
 }
 
 pub struct Table {
@@ -11,7 +14,10 @@ pub struct Table {
 
 impl Table {
     pub fn new(head: &[&str]) -> Table {
-        Table { head: head.iter().map(|s| s.to_string()).collect(), rows: Vec::new() }
+        Table {
+            head: head.iter().map(|s| s.to_string()).collect(),
+            rows: Vec::new(),
+        }
     }
 
     pub fn row(&mut self, r: Vec<String>) {

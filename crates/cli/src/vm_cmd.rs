@@ -5,7 +5,10 @@ use std::time::Duration;
 use clap::Subcommand;
 use ferry_api::client::Client;
 use ferry_api::size::{human_bytes, parse_size};
-use ferry_api::{ApiError, CheckResult, HostEntry, MigrationEvent, MigrationReport, MoveRequest, VmCreateRequest, VmInfo, VmSpec};
+use ferry_api::{
+    ApiError, CheckResult, HostEntry, MigrationEvent, MigrationReport, MoveRequest,
+    VmCreateRequest, VmInfo, VmSpec,
+};
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -24,7 +27,8 @@ pub enum VmCmd {
         /// Guest memory (e.g. 1G).
         #[arg(long)]
         memory: String,
-        /// Memory the workload fills with its verifiable pattern (default: 75% of --memory).
+        /// Memory the workload fills with its verifiable pattern
+        /// (default: 75% of --memory, leaving the guest at least 128M).
         #[arg(long)]
         fill: Option<String>,
         /// Bytes per second the workload rewrites.
@@ -72,11 +76,18 @@ pub enum HostCmd {
 }
 
 /// Builds a VM spec from CLI sizes; errors name the flag.
-pub fn spec_from_args(name: &str, memory: &str, fill: Option<&str>, dirty: &str, verify: &str, seed: u64) -> Result<VmSpec, ApiError> {
+pub fn spec_from_args(
+    name: &str,
+    memory: &str,
+    fill: Option<&str>,
+    dirty: &str,
+    verify: &str,
+    seed: u64,
+) -> Result<VmSpec, ApiError> {
     let memory = parse_size("--memory", memory)?;
     let fill = match fill {
         Some(f) => parse_size("--fill", f)?,
-        None => memory / 4 * 3,
+        None => (memory / 4 * 3).min(memory.saturating_sub(ferry_api::GUEST_OVERHEAD)),
     };
     let spec = VmSpec {
         name: name.to_string(),
@@ -88,7 +99,10 @@ pub fn spec_from_args(name: &str, memory: &str, fill: Option<&str>, dirty: &str,
         vcpus: 1,
     };
     spec.validate().map_err(|e| match e {
-        ApiError::InvalidArgument { field, reason } => ApiError::InvalidArgument { field: format!("--{field}").replace('_', "-"), reason },
+        ApiError::InvalidArgument { field, reason } => ApiError::InvalidArgument {
+            field: format!("--{field}").replace('_', "-"),
+            reason,
+        },
         e => e,
     })?;
     Ok(spec)
@@ -97,13 +111,44 @@ pub fn spec_from_args(name: &str, memory: &str, fill: Option<&str>, dirty: &str,
 pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
     let c = cli.client()?;
     match cmd {
-        VmCmd::Create { name, host, memory, fill, dirty_rate, verify_rate, seed, json } => {
-            let spec = spec_from_args(name, memory, fill.as_deref(), dirty_rate, verify_rate, *seed)?;
-            let vm: VmInfo = c.post("/vms", &VmCreateRequest { host: host.clone(), spec }, T).await?;
+        VmCmd::Create {
+            name,
+            host,
+            memory,
+            fill,
+            dirty_rate,
+            verify_rate,
+            seed,
+            json,
+        } => {
+            let spec = spec_from_args(
+                name,
+                memory,
+                fill.as_deref(),
+                dirty_rate,
+                verify_rate,
+                *seed,
+            )?;
+            let vm: VmInfo = c
+                .post(
+                    "/vms",
+                    &VmCreateRequest {
+                        host: host.clone(),
+                        spec,
+                    },
+                    T,
+                )
+                .await?;
             if *json {
                 print_json(&vm);
             } else {
-                println!("vm {} started on {} ({} memory, {} filled)", vm.name, vm.host, human_bytes(vm.spec.memory), human_bytes(vm.spec.fill));
+                println!(
+                    "vm {} started on {} ({} memory, {} filled)",
+                    vm.name,
+                    vm.host,
+                    human_bytes(vm.spec.memory),
+                    human_bytes(vm.spec.fill)
+                );
             }
             Ok(0)
         }
@@ -112,7 +157,8 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             if *json {
                 print_json(&vms);
             } else {
-                let mut t = Table::new(&["NAME", "HOST", "STATE", "MEMORY", "FILL", "DIRTY/S", "PID"]);
+                let mut t =
+                    Table::new(&["NAME", "HOST", "STATE", "MEMORY", "FILL", "DIRTY/S", "PID"]);
                 for v in vms {
                     t.row(vec![
                         v.name,
@@ -174,14 +220,28 @@ pub fn print_check(r: &CheckResult) {
         if r.advancing { "advancing" } else { "stalled" },
         r.errors,
         r.sweeps.unwrap_or(0),
-        if r.problems.is_empty() { String::new() } else { format!("; console: {}", r.problems.join(" | ")) }
+        if r.problems.is_empty() {
+            String::new()
+        } else {
+            format!("; console: {}", r.problems.join(" | "))
+        }
     );
 }
 
 /// Runs a move through the control API, rendering events as a progress bar
 /// (or NDJSON lines with `json`). Returns the report or the migration's error.
-pub async fn move_vm(c: &Client, name: &str, to: &str, json: bool) -> anyhow::Result<Result<MigrationReport, ApiError>> {
-    let mut events = c.post_events::<_, MigrationEvent>(&format!("/vms/{name}/move"), &MoveRequest { to: to.into() }).await?;
+pub async fn move_vm(
+    c: &Client,
+    name: &str,
+    to: &str,
+    json: bool,
+) -> anyhow::Result<Result<MigrationReport, ApiError>> {
+    let mut events = c
+        .post_events::<_, MigrationEvent>(
+            &format!("/vms/{name}/move"),
+            &MoveRequest { to: to.into() },
+        )
+        .await?;
     let bar = if json {
         ProgressBar::hidden()
     } else {
@@ -194,7 +254,9 @@ pub async fn move_vm(c: &Client, name: &str, to: &str, json: bool) -> anyhow::Re
         b.set_prefix(format!("{name} → {to}"));
         b
     };
-    let mut outcome = Err(ApiError::internal("the event stream ended without a result"));
+    let mut outcome = Err(ApiError::internal(
+        "the event stream ended without a result",
+    ));
     while let Some(ev) = events.next().await {
         let ev = ev.unwrap_or_else(|error| MigrationEvent::Failed { error });
         if json {
@@ -219,7 +281,9 @@ pub async fn move_vm(c: &Client, name: &str, to: &str, json: bool) -> anyhow::Re
                     human_bytes(p.transferred),
                     human_bytes(p.dirty_rate),
                     p.rounds,
-                    p.eta_ms.map(|ms| format!("{:.1}s", ms as f64 / 1000.0)).unwrap_or("-".into())
+                    p.eta_ms
+                        .map(|ms| format!("{:.1}s", ms as f64 / 1000.0))
+                        .unwrap_or("-".into())
                 ));
             }
             MigrationEvent::Completed(r) => {
@@ -251,7 +315,11 @@ pub fn print_report(r: &MigrationReport) {
         r.data_path,
         r.rounds
     );
-    let per_nic: Vec<String> = r.nic_tx_bytes.iter().map(|(n, b)| format!("{n} {}", human_bytes(*b))).collect();
+    let per_nic: Vec<String> = r
+        .nic_tx_bytes
+        .iter()
+        .map(|(n, b)| format!("{n} {}", human_bytes(*b)))
+        .collect();
     println!("  bytes per NIC: {}", per_nic.join(", "));
     print!("  ");
     print_check(&r.check);
@@ -270,13 +338,46 @@ pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
             for h in hosts {
                 let (free, nics, vms) = match &h.info {
                     Some(i) => (
-                        format!("{} of {}", human_bytes(i.memory_free), human_bytes(i.memory_total)),
-                        i.nics.iter().map(|n| format!("{}:{}{}", n.name, n.address, if n.up { "" } else { "(down)" })).collect::<Vec<_>>().join(" "),
-                        i.vms.iter().map(|v| v.name.clone()).collect::<Vec<_>>().join(","),
+                        format!(
+                            "{} of {}",
+                            human_bytes(i.memory_free),
+                            human_bytes(i.memory_total)
+                        ),
+                        i.nics
+                            .iter()
+                            .map(|n| {
+                                format!(
+                                    "{}:{}{}",
+                                    n.name,
+                                    n.address,
+                                    if n.up { "" } else { "(down)" }
+                                )
+                            })
+                            .collect::<Vec<_>>()
+                            .join(" "),
+                        i.vms
+                            .iter()
+                            .map(|v| v.name.clone())
+                            .collect::<Vec<_>>()
+                            .join(","),
                     ),
-                    None => ("-".into(), h.error.clone().unwrap_or_default(), String::new()),
+                    None => (
+                        "-".into(),
+                        h.error.clone().unwrap_or_default(),
+                        String::new(),
+                    ),
                 };
-                t.row(vec![h.name, if h.reachable { "up".into() } else { "UNREACHABLE".into() }, free, nics, vms]);
+                t.row(vec![
+                    h.name,
+                    if h.reachable {
+                        "up".into()
+                    } else {
+                        "UNREACHABLE".into()
+                    },
+                    free,
+                    nics,
+                    vms,
+                ]);
             }
             t.print();
             Ok(0)
@@ -291,15 +392,27 @@ mod tests {
     #[test]
     fn cli_sizes_become_a_spec() {
         let s = spec_from_args("vm1", "1G", Some("768M"), "20M", "32M", 1).unwrap();
-        assert_eq!((s.memory, s.fill, s.dirty_rate), (1 << 30, 768 << 20, 20 << 20));
-        assert_eq!(spec_from_args("vm1", "1G", None, "0", "1M", 1).unwrap().fill, 768 << 20);
+        assert_eq!(
+            (s.memory, s.fill, s.dirty_rate),
+            (1 << 30, 768 << 20, 20 << 20)
+        );
+        assert_eq!(
+            spec_from_args("vm1", "1G", None, "0", "1M", 1)
+                .unwrap()
+                .fill,
+            768 << 20
+        );
     }
 
     #[test]
     fn bad_sizes_name_the_flag() {
-        let e = spec_from_args("vm1", "lots", None, "1M", "1M", 1).unwrap_err().to_string();
+        let e = spec_from_args("vm1", "lots", None, "1M", "1M", 1)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("--memory"), "{e}");
-        let e = spec_from_args("vm1", "1G", Some("2G"), "1M", "1M", 1).unwrap_err().to_string();
+        let e = spec_from_args("vm1", "1G", Some("2G"), "1M", "1M", 1)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("--fill"), "{e}");
     }
 }

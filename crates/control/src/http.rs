@@ -50,7 +50,11 @@ async fn check(State(c): S, Path(name): Path<String>) -> Response {
 async fn remove(State(c): S, Path(name): Path<String>) -> Response {
     run(&c, Command::RemoveVm { name }).await
 }
-async fn move_vm(State(c): S, Path(name): Path<String>, ApiJson(req): ApiJson<MoveRequest>) -> Response {
+async fn move_vm(
+    State(c): S,
+    Path(name): Path<String>,
+    ApiJson(req): ApiJson<MoveRequest>,
+) -> Response {
     run(&c, Command::MoveVm { name, req }).await
 }
 
@@ -68,7 +72,11 @@ pub fn router(control: Arc<Control>, cred: Credential) -> Router {
         .layer(middleware::from_fn_with_state(cred, require_credential))
 }
 
-pub async fn serve(listen: std::net::SocketAddr, control: Arc<Control>, cred: Credential) -> std::io::Result<()> {
+pub async fn serve(
+    listen: std::net::SocketAddr,
+    control: Arc<Control>,
+    cred: Credential,
+) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await?;
     tracing::info!(%listen, "control service serving");
     axum::serve(listener, router(control, cred)).await
@@ -87,7 +95,9 @@ mod tests {
         let mut app = router(c, cred);
         let resp = app.call(req).await.unwrap();
         let status = resp.status().as_u16();
-        let body = axum::body::to_bytes(resp.into_body(), 1 << 20).await.unwrap();
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap();
         (status, serde_json::from_slice(&body).unwrap_or_default())
     }
 
@@ -98,7 +108,10 @@ mod tests {
         let (status, body) = call(Request::get("/api/v1/hosts").body(Body::empty()).unwrap()).await;
         assert_eq!(status, 401);
         assert_eq!(body["code"], "unauthorized");
-        let req = Request::get("/api/v1/hosts").header("authorization", "Bearer nope").body(Body::empty()).unwrap();
+        let req = Request::get("/api/v1/hosts")
+            .header("authorization", "Bearer nope")
+            .body(Body::empty())
+            .unwrap();
         assert_eq!(call(req).await.0, 401);
     }
 
@@ -125,7 +138,10 @@ mod tests {
         let (status, body) = call(req).await;
         assert_eq!((status, body["code"].as_str()), (404, Some("not_found")));
         assert!(body["message"].as_str().unwrap().contains("host9"));
-        let req = Request::get("/api/v1/nothing").header("authorization", AUTH).body(Body::empty()).unwrap();
+        let req = Request::get("/api/v1/nothing")
+            .header("authorization", AUTH)
+            .body(Body::empty())
+            .unwrap();
         assert_eq!(call(req).await.0, 404);
     }
 
@@ -133,10 +149,15 @@ mod tests {
     async fn bad_specs_are_refused_before_any_agent_is_asked() {
         let req = Request::post("/api/v1/vms")
             .header("authorization", AUTH)
-            .body(Body::from(r#"{"host":"host1","spec":{"name":"a","memory":1024,"fill":0,"dirty_rate":0}}"#))
+            .body(Body::from(
+                r#"{"host":"host1","spec":{"name":"a","memory":1024,"fill":0,"dirty_rate":0}}"#,
+            ))
             .unwrap();
         let (status, body) = call(req).await;
         assert_eq!(status, 400);
-        assert!(body["message"].as_str().unwrap().contains("memory"), "{body}");
+        assert!(
+            body["message"].as_str().unwrap().contains("memory"),
+            "{body}"
+        );
     }
 }

@@ -16,8 +16,8 @@ use std::time::Duration;
 use ferry_api::auth::Credential;
 use ferry_api::client::Client;
 use ferry_api::{
-    ApiError, CheckResult, HostEntry, HostInfo, MigrateRequest, MigrationEvent, MoveRequest, VmCreateRequest,
-    VmInfo,
+    ApiError, CheckResult, HostEntry, HostInfo, MigrateRequest, MigrationEvent, MoveRequest,
+    VmCreateRequest, VmInfo,
 };
 use futures::stream::BoxStream;
 use futures::StreamExt;
@@ -42,7 +42,9 @@ pub enum Outcome {
 }
 
 fn value<T: serde::Serialize>(v: T) -> Result<Outcome, ApiError> {
-    serde_json::to_value(v).map(Outcome::Value).map_err(ApiError::internal)
+    serde_json::to_value(v)
+        .map(Outcome::Value)
+        .map_err(ApiError::internal)
 }
 
 pub struct Control {
@@ -63,7 +65,9 @@ impl Control {
     }
 
     fn host(&self, name: &str) -> Result<&Client, ApiError> {
-        self.hosts.get(name).ok_or_else(|| ApiError::not_found("host", name))
+        self.hosts
+            .get(name)
+            .ok_or_else(|| ApiError::not_found("host", name))
     }
 
     pub async fn execute(&self, cmd: Command) -> Result<Outcome, ApiError> {
@@ -92,13 +96,14 @@ impl Control {
     }
 
     async fn list_vms(&self) -> Result<Vec<VmInfo>, ApiError> {
-        let calls = self.hosts.values().map(|c| c.get::<Vec<VmInfo>>("/vms", AGENT_TIMEOUT));
+        let calls = self
+            .hosts
+            .values()
+            .map(|c| c.get::<Vec<VmInfo>>("/vms", AGENT_TIMEOUT));
         let mut out = Vec::new();
-        for r in futures::future::join_all(calls).await {
-            // an unreachable host hides its VMs; `host list` shows why
-            if let Ok(vms) = r {
-                out.extend(vms);
-            }
+        // an unreachable host hides its VMs; `host list` shows why
+        for vms in futures::future::join_all(calls).await.into_iter().flatten() {
+            out.extend(vms);
         }
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
@@ -117,36 +122,64 @@ impl Control {
     async fn create_vm(&self, req: VmCreateRequest) -> Result<VmInfo, ApiError> {
         req.spec.validate()?;
         let agent = self.host(&req.host)?;
-        if self.list_vms().await?.iter().any(|v| v.name == req.spec.name) {
-            return Err(ApiError::AlreadyExists { kind: "vm".into(), name: req.spec.name });
+        if self
+            .list_vms()
+            .await?
+            .iter()
+            .any(|v| v.name == req.spec.name)
+        {
+            return Err(ApiError::AlreadyExists {
+                kind: "vm".into(),
+                name: req.spec.name,
+            });
         }
         agent.post("/vms", &req.spec, Duration::from_secs(60)).await
     }
 
     async fn check_vm(&self, name: &str) -> Result<CheckResult, ApiError> {
         let (host, _) = self.locate(name).await?;
-        self.host(&host)?.get(&format!("/vms/{name}/check"), Duration::from_secs(30)).await
+        self.host(&host)?
+            .get(&format!("/vms/{name}/check"), Duration::from_secs(30))
+            .await
     }
 
     async fn remove_vm(&self, name: &str) -> Result<serde_json::Value, ApiError> {
         let (host, _) = self.locate(name).await?;
-        self.host(&host)?.delete(&format!("/vms/{name}"), Duration::from_secs(30)).await
+        self.host(&host)?
+            .delete(&format!("/vms/{name}"), Duration::from_secs(30))
+            .await
     }
 
-    async fn move_vm(&self, name: &str, req: MoveRequest) -> Result<BoxStream<'static, MigrationEvent>, ApiError> {
+    async fn move_vm(
+        &self,
+        name: &str,
+        req: MoveRequest,
+    ) -> Result<BoxStream<'static, MigrationEvent>, ApiError> {
         let target = self.host(&req.to)?;
         let (source, _) = self.locate(name).await?;
         if source == req.to {
-            return Err(ApiError::invalid("to", format!("vm {name} already runs on {source}")));
+            return Err(ApiError::invalid(
+                "to",
+                format!("vm {name} already runs on {source}"),
+            ));
         }
-        let mreq = MigrateRequest { target: req.to.clone(), target_url: target.base().to_string() };
-        let events = self.host(&source)?.post_events::<_, MigrationEvent>(&format!("/vms/{name}/migrate"), &mreq).await?;
+        let mreq = MigrateRequest {
+            target: req.to.clone(),
+            target_url: target.base().to_string(),
+        };
+        let events = self
+            .host(&source)?
+            .post_events::<_, MigrationEvent>(&format!("/vms/{name}/migrate"), &mreq)
+            .await?;
         let vm = name.to_string();
         // a broken event stream is reported as an event, never dropped silently
         Ok(events
             .map(move |r| {
                 r.unwrap_or_else(|e| MigrationEvent::Failed {
-                    error: ApiError::unavailable(format!("events of the migration of {vm} from {source}"), e),
+                    error: ApiError::unavailable(
+                        format!("events of the migration of {vm} from {source}"),
+                        e,
+                    ),
                 })
             })
             .boxed())

@@ -52,7 +52,13 @@ pub struct ConsoleState {
     pub problems: Vec<String>,
 }
 
-const PROBLEM_MARKERS: [&str; 5] = ["FERRY-ERROR", "FERRY-FATAL", "Kernel panic", "BUG:", "Oops:"];
+const PROBLEM_MARKERS: [&str; 5] = [
+    "FERRY-ERROR",
+    "FERRY-FATAL",
+    "Kernel panic",
+    "BUG:",
+    "Oops:",
+];
 
 pub fn parse_log(text: &str) -> ConsoleState {
     let mut s = ConsoleState::default();
@@ -98,7 +104,9 @@ mod tests {
     #[test]
     fn rejects_truncated_or_garbled_lines() {
         assert!(parse_tick("FERRY tick=25 ms=24905 fill=8053").is_none());
-        assert!(parse_tick("FERRY tick=x ms=1 fill=1 dirtied=1 verified=1 sweeps=1 errors=0").is_none());
+        assert!(
+            parse_tick("FERRY tick=x ms=1 fill=1 dirtied=1 verified=1 sweeps=1 errors=0").is_none()
+        );
         assert!(parse_tick("random kernel line").is_none());
     }
 

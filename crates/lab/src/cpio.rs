@@ -5,21 +5,48 @@
 
 /// One entry of the archive.
 pub enum Entry<'a> {
-    Dir { path: &'a str, mode: u32 },
-    File { path: &'a str, mode: u32, data: &'a [u8] },
-    Symlink { path: &'a str, target: &'a str },
-    CharDev { path: &'a str, mode: u32, major: u32, minor: u32 },
+    Dir {
+        path: &'a str,
+        mode: u32,
+    },
+    File {
+        path: &'a str,
+        mode: u32,
+        data: &'a [u8],
+    },
+    Symlink {
+        path: &'a str,
+        target: &'a str,
+    },
+    CharDev {
+        path: &'a str,
+        mode: u32,
+        major: u32,
+        minor: u32,
+    },
 }
 
 fn pad4(out: &mut Vec<u8>) {
-    while out.len() % 4 != 0 {
+    while !out.len().is_multiple_of(4) {
         out.push(0);
     }
 }
 
 fn header(out: &mut Vec<u8>, ino: u32, mode: u32, size: usize, rdev: (u32, u32), name: &str) {
     let fields = [
-        ino, mode, 0, 0, 1, 0, size as u32, 0, 0, rdev.0, rdev.1, name.len() as u32 + 1, 0,
+        ino,
+        mode,
+        0,
+        0,
+        1,
+        0,
+        size as u32,
+        0,
+        0,
+        rdev.0,
+        rdev.1,
+        name.len() as u32 + 1,
+        0,
     ];
     out.extend_from_slice(b"070701");
     for f in fields {
@@ -39,7 +66,12 @@ pub fn build(entries: &[Entry<'_>]) -> Vec<u8> {
             Entry::Dir { path, mode } => (path, 0o040000 | mode, &[], (0, 0)),
             Entry::File { path, mode, data } => (path, 0o100000 | mode, data, (0, 0)),
             Entry::Symlink { path, target } => (path, 0o120777, target.as_bytes(), (0, 0)),
-            Entry::CharDev { path, mode, major, minor } => (path, 0o020000 | mode, &[], (*major, *minor)),
+            Entry::CharDev {
+                path,
+                mode,
+                major,
+                minor,
+            } => (path, 0o020000 | mode, &[], (*major, *minor)),
         };
         header(&mut out, ino, mode, data.len(), rdev, path);
         out.extend_from_slice(data);
@@ -56,10 +88,25 @@ mod tests {
     #[test]
     fn archive_is_aligned_and_terminated() {
         let a = build(&[
-            Entry::Dir { path: "dev", mode: 0o755 },
-            Entry::File { path: "init", mode: 0o755, data: b"#!/bin/sh\n" },
-            Entry::Symlink { path: "bin/sh", target: "busybox" },
-            Entry::CharDev { path: "dev/console", mode: 0o600, major: 5, minor: 1 },
+            Entry::Dir {
+                path: "dev",
+                mode: 0o755,
+            },
+            Entry::File {
+                path: "init",
+                mode: 0o755,
+                data: b"#!/bin/sh\n",
+            },
+            Entry::Symlink {
+                path: "bin/sh",
+                target: "busybox",
+            },
+            Entry::CharDev {
+                path: "dev/console",
+                mode: 0o600,
+                major: 5,
+                minor: 1,
+            },
         ]);
         assert_eq!(a.len() % 4, 0);
         assert!(a.starts_with(b"070701"));
@@ -74,14 +121,28 @@ mod tests {
 
     #[test]
     fn cpio_tool_reads_it_back() {
-        if std::process::Command::new("cpio").arg("--version").output().is_err() {
+        if std::process::Command::new("cpio")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
             eprintln!("SKIP cpio_tool_reads_it_back: cpio is not installed");
             return;
         }
         let a = build(&[
-            Entry::Dir { path: "bin", mode: 0o755 },
-            Entry::File { path: "bin/hello", mode: 0o644, data: b"hello\n" },
-            Entry::Symlink { path: "bin/link", target: "hello" },
+            Entry::Dir {
+                path: "bin",
+                mode: 0o755,
+            },
+            Entry::File {
+                path: "bin/hello",
+                mode: 0o644,
+                data: b"hello\n",
+            },
+            Entry::Symlink {
+                path: "bin/link",
+                target: "hello",
+            },
         ]);
         let mut child = std::process::Command::new("cpio")
             .args(["-t", "-v"])
@@ -93,8 +154,15 @@ mod tests {
         use std::io::Write;
         child.stdin.take().unwrap().write_all(&a).unwrap();
         let out = child.wait_with_output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let listing = String::from_utf8_lossy(&out.stdout);
-        assert!(listing.contains("bin/hello") && listing.contains("bin/link -> hello"), "{listing}");
+        assert!(
+            listing.contains("bin/hello") && listing.contains("bin/link -> hello"),
+            "{listing}"
+        );
     }
 }

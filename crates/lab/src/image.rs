@@ -62,12 +62,24 @@ pub fn kernel_package() -> Result<String, LabError> {
 }
 
 fn image_dir(pkg: &str) -> PathBuf {
-    let key = fnv1a(&[pkg.as_bytes(), WORKLOAD_C.as_bytes(), INIT.as_bytes(), &FORMAT.to_le_bytes()]);
-    crate::cache_dir().join("guest").join(format!("{pkg}-{key:016x}"))
+    let key = fnv1a(&[
+        pkg.as_bytes(),
+        WORKLOAD_C.as_bytes(),
+        INIT.as_bytes(),
+        &FORMAT.to_le_bytes(),
+    ]);
+    crate::cache_dir()
+        .join("guest")
+        .join(format!("{pkg}-{key:016x}"))
 }
 
 fn image_in(dir: PathBuf, pkg: String) -> GuestImage {
-    GuestImage { kernel: dir.join("vmlinux"), initrd: dir.join("initrd.cpio"), dir, kernel_package: pkg }
+    GuestImage {
+        kernel: dir.join("vmlinux"),
+        initrd: dir.join("initrd.cpio"),
+        dir,
+        kernel_package: pkg,
+    }
 }
 
 /// The cached image, if it was built.
@@ -99,8 +111,16 @@ pub fn ensure(rebuild: bool) -> Result<GuestImage, LabError> {
 }
 
 fn build_into(tmp: &Path, pkg: &str) -> Result<(), LabError> {
-    let t = tmp.to_str().ok_or_else(|| LabError::Image("cache path is not UTF-8".into()))?;
-    run("sh", &["-c", &format!("cd '{t}' && apt-get download -q -o APT::Sandbox::User=root {pkg}")])?;
+    let t = tmp
+        .to_str()
+        .ok_or_else(|| LabError::Image("cache path is not UTF-8".into()))?;
+    run(
+        "sh",
+        &[
+            "-c",
+            &format!("cd '{t}' && apt-get download -q -o APT::Sandbox::User=root {pkg}"),
+        ],
+    )?;
     run(
         "sh",
         &["-c", &format!("cd '{t}' && dpkg-deb --fsys-tarfile {pkg}_*.deb | tar -x --wildcards './boot/vmlinuz-*'")],
@@ -109,7 +129,10 @@ fn build_into(tmp: &Path, pkg: &str) -> Result<(), LabError> {
         .map_err(|e| LabError::io(tmp.join("boot"), e))?
         .filter_map(|e| e.ok())
         .map(|e| e.path())
-        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-")))
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-"))
+        })
         .ok_or_else(|| LabError::Image(format!("{pkg} has no /boot/vmlinuz-*")))?;
     let bz = std::fs::read(&vmlinuz).map_err(|e| LabError::io(&vmlinuz, e))?;
     let elf = unpack_bzimage(&bz)?;
@@ -118,38 +141,90 @@ fn build_into(tmp: &Path, pkg: &str) -> Result<(), LabError> {
     let src = tmp.join("workload.c");
     std::fs::write(&src, WORKLOAD_C).map_err(|e| LabError::io(&src, e))?;
     let bin = tmp.join("ferry-workload");
-    run("gcc", &["-O2", "-static", "-o", bin.to_str().unwrap_or_default(), src.to_str().unwrap_or_default()])?;
+    run(
+        "gcc",
+        &[
+            "-O2",
+            "-static",
+            "-o",
+            bin.to_str().unwrap_or_default(),
+            src.to_str().unwrap_or_default(),
+        ],
+    )?;
     let workload = std::fs::read(&bin).map_err(|e| LabError::io(&bin, e))?;
     let busybox_path = ["/usr/bin/busybox", "/bin/busybox"]
         .iter()
         .map(Path::new)
         .find(|p| p.exists())
-        .ok_or_else(|| LabError::Image("busybox is not installed (package busybox-static)".into()))?;
+        .ok_or_else(|| {
+            LabError::Image("busybox is not installed (package busybox-static)".into())
+        })?;
     let busybox = std::fs::read(busybox_path).map_err(|e| LabError::io(busybox_path, e))?;
     let archive = cpio::build(&[
-        cpio::Entry::Dir { path: "bin", mode: 0o755 },
-        cpio::Entry::Dir { path: "dev", mode: 0o755 },
-        cpio::Entry::Dir { path: "proc", mode: 0o755 },
-        cpio::Entry::Dir { path: "sys", mode: 0o755 },
-        cpio::Entry::CharDev { path: "dev/console", mode: 0o600, major: 5, minor: 1 },
-        cpio::Entry::File { path: "bin/busybox", mode: 0o755, data: &busybox },
-        cpio::Entry::Symlink { path: "bin/sh", target: "busybox" },
-        cpio::Entry::Symlink { path: "bin/mount", target: "busybox" },
-        cpio::Entry::File { path: "init", mode: 0o755, data: INIT.as_bytes() },
-        cpio::Entry::File { path: "ferry-workload", mode: 0o755, data: &workload },
+        cpio::Entry::Dir {
+            path: "bin",
+            mode: 0o755,
+        },
+        cpio::Entry::Dir {
+            path: "dev",
+            mode: 0o755,
+        },
+        cpio::Entry::Dir {
+            path: "proc",
+            mode: 0o755,
+        },
+        cpio::Entry::Dir {
+            path: "sys",
+            mode: 0o755,
+        },
+        cpio::Entry::CharDev {
+            path: "dev/console",
+            mode: 0o600,
+            major: 5,
+            minor: 1,
+        },
+        cpio::Entry::File {
+            path: "bin/busybox",
+            mode: 0o755,
+            data: &busybox,
+        },
+        cpio::Entry::Symlink {
+            path: "bin/sh",
+            target: "busybox",
+        },
+        cpio::Entry::Symlink {
+            path: "bin/mount",
+            target: "busybox",
+        },
+        cpio::Entry::File {
+            path: "init",
+            mode: 0o755,
+            data: INIT.as_bytes(),
+        },
+        cpio::Entry::File {
+            path: "ferry-workload",
+            mode: 0o755,
+            data: &workload,
+        },
     ]);
-    std::fs::write(tmp.join("initrd.cpio"), archive).map_err(|e| LabError::io(tmp.join("initrd.cpio"), e))?;
+    std::fs::write(tmp.join("initrd.cpio"), archive)
+        .map_err(|e| LabError::io(tmp.join("initrd.cpio"), e))?;
     // keep only what QEMU needs
     for junk in ["boot", "workload.c", "ferry-workload"] {
-        let _ = std::fs::remove_dir_all(tmp.join(junk)).or_else(|_| std::fs::remove_file(tmp.join(junk)));
+        let _ = std::fs::remove_dir_all(tmp.join(junk))
+            .or_else(|_| std::fs::remove_file(tmp.join(junk)));
     }
-    for e in std::fs::read_dir(tmp).map_err(|e| LabError::io(tmp, e))?.flatten() {
+    for e in std::fs::read_dir(tmp)
+        .map_err(|e| LabError::io(tmp, e))?
+        .flatten()
+    {
         if e.path().extension().is_some_and(|x| x == "deb") {
             let _ = std::fs::remove_file(e.path());
         }
     }
     let manifest = serde_json::json!({ "kernel_package": pkg, "format": FORMAT });
-    std::fs::write(tmp.join("manifest.json"), manifest.to_string()).map_err(|e| LabError::io(tmp, e))
+    std::fs::write(tmp.join("manifest.json"), manifest.to_string())
+        .map_err(|e| LabError::io(tmp, e))
 }
 
 /// Extracts the ELF kernel from an x86 bzImage: the boot protocol's setup
@@ -164,10 +239,15 @@ pub fn unpack_bzimage(bz: &[u8]) -> Result<Vec<u8>, LabError> {
         0 => 4,
         n => n as usize,
     };
-    let word = |at: usize| u32::from_le_bytes([bz[at], bz[at + 1], bz[at + 2], bz[at + 3]]) as usize;
+    let word =
+        |at: usize| u32::from_le_bytes([bz[at], bz[at + 1], bz[at + 2], bz[at + 3]]) as usize;
     let start = (setup_sects + 1) * 512 + word(0x248);
-    let end = start.checked_add(word(0x24c)).ok_or_else(|| bad("payload length overflows"))?;
-    let payload = bz.get(start..end).ok_or_else(|| bad("payload outside the file"))?;
+    let end = start
+        .checked_add(word(0x24c))
+        .ok_or_else(|| bad("payload length overflows"))?;
+    let payload = bz
+        .get(start..end)
+        .ok_or_else(|| bad("payload outside the file"))?;
     let tool: &[&str] = match payload {
         [0xfd, b'7', b'z', b'X', b'Z', 0, ..] => &["xz", "-dc"],
         [0x28, 0xb5, 0x2f, 0xfd, ..] => &["zstd", "-dc"],
@@ -180,11 +260,17 @@ pub fn unpack_bzimage(bz: &[u8]) -> Result<Vec<u8>, LabError> {
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .map_err(|source| LabError::Spawn { cmd: tool.join(" "), source })?;
+        .map_err(|source| LabError::Spawn {
+            cmd: tool.join(" "),
+            source,
+        })?;
     let mut stdin = child.stdin.take().ok_or_else(|| bad("no stdin"))?;
     let data = payload.to_vec();
     let writer = std::thread::spawn(move || stdin.write_all(&data));
-    let out = child.wait_with_output().map_err(|source| LabError::Spawn { cmd: tool.join(" "), source })?;
+    let out = child.wait_with_output().map_err(|source| LabError::Spawn {
+        cmd: tool.join(" "),
+        source,
+    })?;
     let _ = writer.join();
     // xz may complain about padding after the stream; the ELF is what counts
     if !out.stdout.starts_with(b"\x7fELF") {
@@ -203,7 +289,10 @@ mod tests {
         let mut fake = vec![0u8; 0x400];
         fake[0x202..0x206].copy_from_slice(b"HdrS");
         fake[0x24c] = 0xff; // payload past the end
-        assert!(unpack_bzimage(&fake).unwrap_err().to_string().contains("outside"));
+        assert!(unpack_bzimage(&fake)
+            .unwrap_err()
+            .to_string()
+            .contains("outside"));
     }
 
     #[test]

@@ -45,7 +45,10 @@ pub enum LabError {
 
 impl LabError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        LabError::Io { path: path.into(), source }
+        LabError::Io {
+            path: path.into(),
+            source,
+        }
     }
 }
 
@@ -55,7 +58,10 @@ pub fn run(cmd: &str, args: &[&str]) -> Result<String, LabError> {
     let out = std::process::Command::new(cmd)
         .args(args)
         .output()
-        .map_err(|source| LabError::Spawn { cmd: shown(), source })?;
+        .map_err(|source| LabError::Spawn {
+            cmd: shown(),
+            source,
+        })?;
     if !out.status.success() {
         return Err(LabError::Command {
             cmd: shown(),
@@ -67,7 +73,9 @@ pub fn run(cmd: &str, args: &[&str]) -> Result<String, LabError> {
 
 /// Where lab state lives: `FERRY_RUN_DIR` or `/run/ferry`.
 pub fn run_dir() -> PathBuf {
-    std::env::var_os("FERRY_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| "/run/ferry".into())
+    std::env::var_os("FERRY_RUN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/run/ferry".into())
 }
 
 /// Where built guest images are cached: `FERRY_CACHE_DIR` or `/var/cache/ferry`.

@@ -26,7 +26,10 @@ fn shape(ns: &str, dev: &str, rate: &str) -> Result<(), LabError> {
     // tbf: a token bucket per link end; burst sized for up to ~10 Gbit/s.
     run(
         "ip",
-        &["netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "512kb", "latency", "20ms"],
+        &[
+            "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+            "burst", "512kb", "latency", "20ms",
+        ],
     )
     .map(|_| ())
 }
@@ -36,7 +39,13 @@ pub fn create(spec: &LabSpec) -> Result<(), LabError> {
     spec.validate()?;
     let mtu = spec.mtu.to_string();
     ip(&["link", "add", MGMT_BRIDGE, "type", "bridge"])?;
-    ip(&["addr", "add", &format!("{CONTROL_MGMT_ADDR}/24"), "dev", MGMT_BRIDGE])?;
+    ip(&[
+        "addr",
+        "add",
+        &format!("{CONTROL_MGMT_ADDR}/24"),
+        "dev",
+        MGMT_BRIDGE,
+    ])?;
     ip(&["link", "set", MGMT_BRIDGE, "up"])?;
     for k in 1..=spec.nics {
         let fab = fabric_ns(k);
@@ -52,15 +61,44 @@ pub fn create(spec: &LabSpec) -> Result<(), LabError> {
         in_ns(&h, &["link", "set", "lo", "up"])?;
         // management link: mgmt0 in the host, fm-h<i> on the root bridge
         let mp = mgmt_port(i);
-        ip(&["link", "add", &mp, "type", "veth", "peer", "name", "mgmt0", "netns", &h])?;
+        ip(&[
+            "link", "add", &mp, "type", "veth", "peer", "name", "mgmt0", "netns", &h,
+        ])?;
         ip(&["link", "set", &mp, "master", MGMT_BRIDGE, "up"])?;
-        in_ns(&h, &["addr", "add", &format!("{}/24", mgmt_addr(i)), "dev", "mgmt0"])?;
+        in_ns(
+            &h,
+            &[
+                "addr",
+                "add",
+                &format!("{}/24", mgmt_addr(i)),
+                "dev",
+                "mgmt0",
+            ],
+        )?;
         in_ns(&h, &["link", "set", "mgmt0", "up"])?;
         for k in 1..=spec.nics {
             let (fab, nic, port) = (fabric_ns(k), nic_name(k), switch_port(i, k));
-            in_ns(&h, &["link", "add", &nic, "mtu", &mtu, "type", "veth", "peer", "name", &port, "netns", &fab])?;
-            in_ns(&fab, &["link", "set", &port, "mtu", &mtu, "master", "br0", "up"])?;
-            in_ns(&h, &["addr", "add", &format!("{}/24", nic_addr(i, k)), "dev", &nic])?;
+            in_ns(
+                &h,
+                &[
+                    "link", "add", &nic, "mtu", &mtu, "type", "veth", "peer", "name", &port,
+                    "netns", &fab,
+                ],
+            )?;
+            in_ns(
+                &fab,
+                &["link", "set", &port, "mtu", &mtu, "master", "br0", "up"],
+            )?;
+            in_ns(
+                &h,
+                &[
+                    "addr",
+                    "add",
+                    &format!("{}/24", nic_addr(i, k)),
+                    "dev",
+                    &nic,
+                ],
+            )?;
             in_ns(&h, &["link", "set", &nic, "up"])?;
             shape(&h, &nic, &spec.rate)?;
             shape(&fab, &port, &spec.rate)?;
@@ -103,9 +141,14 @@ pub fn destroy() -> Vec<String> {
     }
     let links = ip(&["-o", "link", "show"]).unwrap_or_default();
     for l in links.lines() {
-        let name = l.split(':').nth(1).map(|s| s.trim().split('@').next().unwrap_or("").to_string());
+        let name = l
+            .split(':')
+            .nth(1)
+            .map(|s| s.trim().split('@').next().unwrap_or("").to_string());
         if let Some(name) = name {
-            if (name.starts_with("fm-h") || name == MGMT_BRIDGE) && ip(&["link", "del", &name]).is_ok() {
+            if (name.starts_with("fm-h") || name == MGMT_BRIDGE)
+                && ip(&["link", "del", &name]).is_ok()
+            {
                 removed.push(format!("link {name}"));
             }
         }
@@ -118,11 +161,28 @@ pub fn destroy() -> Vec<String> {
 pub fn set_link(spec: &LabSpec, host: &str, nic: &str, up: bool) -> Result<(), LabError> {
     let i = host_index(host)
         .filter(|i| *i <= spec.hosts)
-        .ok_or_else(|| LabError::Invalid(format!("no lab host named '{host}' (host1..host{})", spec.hosts)))?;
-    let k = nic_index(nic)
-        .filter(|k| *k <= spec.nics)
-        .ok_or_else(|| LabError::Invalid(format!("no NIC named '{nic}' on {host} (nic1..nic{})", spec.nics)))?;
-    in_ns(&fabric_ns(k), &["link", "set", &switch_port(i, k), if up { "up" } else { "down" }]).map(|_| ())
+        .ok_or_else(|| {
+            LabError::Invalid(format!(
+                "no lab host named '{host}' (host1..host{})",
+                spec.hosts
+            ))
+        })?;
+    let k = nic_index(nic).filter(|k| *k <= spec.nics).ok_or_else(|| {
+        LabError::Invalid(format!(
+            "no NIC named '{nic}' on {host} (nic1..nic{})",
+            spec.nics
+        ))
+    })?;
+    in_ns(
+        &fabric_ns(k),
+        &[
+            "link",
+            "set",
+            &switch_port(i, k),
+            if up { "up" } else { "down" },
+        ],
+    )
+    .map(|_| ())
 }
 
 /// One link as `ferry lab status` shows it.
@@ -150,7 +210,10 @@ pub fn status(spec: &LabSpec) -> Vec<LinkStatus> {
         for k in 1..=spec.nics {
             let nic = nic_name(k);
             let l = links.iter().find(|l| l["ifname"] == nic.as_str());
-            let stat = |dir: &str| l.and_then(|l| l["stats64"][dir]["bytes"].as_u64()).unwrap_or(0);
+            let stat = |dir: &str| {
+                l.and_then(|l| l["stats64"][dir]["bytes"].as_u64())
+                    .unwrap_or(0)
+            };
             out.push(LinkStatus {
                 host: h.clone(),
                 nic: nic.clone(),
@@ -203,7 +266,12 @@ impl LabDir {
 
 /// Starts `exe args…` detached (own session), inside namespace `ns` if given,
 /// with stdout and stderr appended to `log`. Returns its pid.
-pub fn spawn_daemon(ns: Option<&str>, exe: &Path, args: &[String], log: &Path) -> Result<u32, LabError> {
+pub fn spawn_daemon(
+    ns: Option<&str>,
+    exe: &Path,
+    args: &[String],
+    log: &Path,
+) -> Result<u32, LabError> {
     use std::os::unix::process::CommandExt;
     let logf = std::fs::OpenOptions::new()
         .create(true)
@@ -219,7 +287,10 @@ pub fn spawn_daemon(ns: Option<&str>, exe: &Path, args: &[String], log: &Path) -
         }
         None => std::process::Command::new(exe),
     };
-    cmd.args(args).stdin(std::process::Stdio::null()).stdout(logf).stderr(logf2);
+    cmd.args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(logf)
+        .stderr(logf2);
     // SAFETY: setsid() is async-signal-safe and touches no memory of the parent.
     unsafe {
         cmd.pre_exec(|| {
@@ -227,6 +298,9 @@ pub fn spawn_daemon(ns: Option<&str>, exe: &Path, args: &[String], log: &Path) -
             Ok(())
         });
     }
-    let child = cmd.spawn().map_err(|source| LabError::Spawn { cmd: exe.display().to_string(), source })?;
+    let child = cmd.spawn().map_err(|source| LabError::Spawn {
+        cmd: exe.display().to_string(),
+        source,
+    })?;
     Ok(child.id())
 }

@@ -36,13 +36,22 @@ pub struct LabSpec {
 impl LabSpec {
     pub fn validate(&self) -> Result<(), LabError> {
         if self.hosts == 0 || self.hosts > MAX_HOSTS {
-            return Err(LabError::Invalid(format!("--hosts {} is outside 1..{MAX_HOSTS}", self.hosts)));
+            return Err(LabError::Invalid(format!(
+                "--hosts {} is outside 1..{MAX_HOSTS}",
+                self.hosts
+            )));
         }
         if self.nics == 0 || self.nics > MAX_NICS {
-            return Err(LabError::Invalid(format!("--nics {} is outside 1..{MAX_NICS}", self.nics)));
+            return Err(LabError::Invalid(format!(
+                "--nics {} is outside 1..{MAX_NICS}",
+                self.nics
+            )));
         }
         if !(576..=9000).contains(&self.mtu) {
-            return Err(LabError::Invalid(format!("--mtu {} is outside 576..9000", self.mtu)));
+            return Err(LabError::Invalid(format!(
+                "--mtu {} is outside 576..9000",
+                self.mtu
+            )));
         }
         parse_rate(&self.rate)?;
         Ok(())
@@ -56,7 +65,11 @@ impl LabSpec {
 /// Parses a tc rate (`1gbit`, `500mbit`, `100kbit`) into bits per second.
 pub fn parse_rate(rate: &str) -> Result<u64, LabError> {
     let r = rate.trim().to_ascii_lowercase();
-    let bad = || LabError::Invalid(format!("--rate '{rate}' is not a rate (examples: 1gbit, 500mbit)"));
+    let bad = || {
+        LabError::Invalid(format!(
+            "--rate '{rate}' is not a rate (examples: 1gbit, 500mbit)"
+        ))
+    };
     let (num, mult) = if let Some(n) = r.strip_suffix("gbit") {
         (n, 1_000_000_000u64)
     } else if let Some(n) = r.strip_suffix("mbit") {
@@ -80,7 +93,10 @@ pub fn host_name(i: u32) -> String {
 
 /// Index of `hostN`, if the name is a lab host name.
 pub fn host_index(name: &str) -> Option<u32> {
-    name.strip_prefix("host")?.parse().ok().filter(|i| (1..=MAX_HOSTS).contains(i))
+    name.strip_prefix("host")?
+        .parse()
+        .ok()
+        .filter(|i| (1..=MAX_HOSTS).contains(i))
 }
 
 pub fn fabric_ns(k: u32) -> String {
@@ -93,7 +109,10 @@ pub fn nic_name(k: u32) -> String {
 
 /// Index of `nicK`.
 pub fn nic_index(name: &str) -> Option<u32> {
-    name.strip_prefix("nic")?.parse().ok().filter(|k| (1..=MAX_NICS).contains(k))
+    name.strip_prefix("nic")?
+        .parse()
+        .ok()
+        .filter(|k| (1..=MAX_NICS).contains(k))
 }
 
 /// The switch-side end of host `i`'s NIC `k`, inside the fabric namespace.
@@ -136,7 +155,13 @@ mod tests {
     use super::*;
 
     fn spec() -> LabSpec {
-        LabSpec { hosts: 3, nics: 2, rate: "1gbit".into(), mtu: 1500, host_memory: 4 << 30 }
+        LabSpec {
+            hosts: 3,
+            nics: 2,
+            rate: "1gbit".into(),
+            mtu: 1500,
+            host_memory: 4 << 30,
+        }
     }
 
     #[test]

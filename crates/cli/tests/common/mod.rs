@@ -1,0 +1,227 @@
+//! Helpers for the lab integration tests: they drive the real `ferry` binary
+//! against a real lab (network namespaces, QEMU guests), so they need root,
+//! QEMU ≥ 9 and iproute2. Without them a test prints `SKIP` and why; with
+//! `FERRY_REQUIRE_LAB=1` (set by CI) a missing requirement fails the test.
+
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Output, Stdio};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use serde_json::Value;
+
+pub const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
+
+/// Why the lab cannot run here, if it cannot.
+fn missing() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("needs root (network namespaces, tc)".into());
+    }
+    let v = Command::new("qemu-system-x86_64").arg("--version").output();
+    let Ok(v) = v else {
+        return Some("qemu-system-x86_64 is not installed".into());
+    };
+    let text = String::from_utf8_lossy(&v.stdout);
+    let major: u32 = text
+        .split("version ")
+        .nth(1)
+        .and_then(|s| s.split('.').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    if major < 9 {
+        return Some(format!(
+            "needs QEMU >= 9 (found: {})",
+            text.lines().next().unwrap_or("?")
+        ));
+    }
+    if Command::new("ip").arg("-V").output().is_err() {
+        return Some("iproute2 is not installed".into());
+    }
+    None
+}
+
+/// Returns false (after saying so loudly) when the lab cannot run here;
+/// panics instead when `FERRY_REQUIRE_LAB=1`.
+pub fn lab_available(test: &str) -> bool {
+    match missing() {
+        None => true,
+        Some(why) if std::env::var("FERRY_REQUIRE_LAB").as_deref() == Ok("1") => {
+            panic!("{test}: FERRY_REQUIRE_LAB=1 but the lab cannot run: {why}")
+        }
+        Some(why) => {
+            eprintln!("SKIP {test}: {why} (set FERRY_REQUIRE_LAB=1 to make this a failure)");
+            false
+        }
+    }
+}
+
+/// Tests in one binary share one lab; they take turns.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub fn ferry(args: &[&str]) -> Output {
+    let out = Command::new(FERRY)
+        .args(args)
+        .output()
+        .expect("running ferry");
+    eprintln!(
+        "$ ferry {}\n{}{}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Runs ferry and requires success.
+pub fn ferry_ok(args: &[&str]) -> String {
+    let out = ferry(args);
+    assert!(
+        out.status.success(),
+        "ferry {} failed: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn ferry_json(args: &[&str]) -> Value {
+    let mut a = args.to_vec();
+    a.push("--json");
+    serde_json::from_str(&ferry_ok(&a)).expect("ferry --json printed JSON")
+}
+
+/// Brings up this binary's lab once (replacing any earlier lab).
+pub fn lab(hosts: u32, nics: u32) {
+    static UP: OnceLock<()> = OnceLock::new();
+    UP.get_or_init(|| {
+        ferry_ok(&[
+            "lab",
+            "up",
+            "--replace",
+            "--hosts",
+            &hosts.to_string(),
+            "--nics",
+            &nics.to_string(),
+            "--rate",
+            "1gbit",
+            "--host-memory",
+            "6G",
+        ]);
+    });
+}
+
+/// `ferry vm check NAME --json`, which exits 1 when the guest is not OK.
+pub fn check(name: &str) -> Value {
+    let out = ferry(&["vm", "check", name, "--json"]);
+    serde_json::from_slice(&out.stdout).expect("check JSON")
+}
+
+pub fn assert_intact_on(name: &str, host: &str) {
+    let c = check(name);
+    assert_eq!(c["host"], host, "{name} should run on {host}: {c}");
+    assert_eq!(c["running"], true, "{c}");
+    assert_eq!(c["advancing"], true, "{c}");
+    assert_eq!(c["intact"], true, "{c}");
+    assert_eq!(c["errors"], 0, "{c}");
+}
+
+/// Moves a VM with `--json`, calling `during` once when the migration has
+/// transferred at least `at_bytes`. Returns the final event.
+pub fn move_with(name: &str, to: &str, at_bytes: u64, during: impl FnOnce()) -> Value {
+    let mut child = Command::new(FERRY)
+        .args(["vm", "move", name, "--to", to, "--json"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn ferry vm move");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut during = Some(during);
+    let mut last = Value::Null;
+    for line in BufReader::new(stdout).lines() {
+        let line = line.expect("read event");
+        let ev: Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad event line {line}: {e}"));
+        if ev["event"] == "progress" && ev["transferred"].as_u64().unwrap_or(0) >= at_bytes {
+            if let Some(f) = during.take() {
+                eprintln!(
+                    "injecting failure at {} bytes transferred",
+                    ev["transferred"]
+                );
+                f();
+            }
+        }
+        if ev["event"] != "progress" {
+            eprintln!("{line}");
+        }
+        last = ev;
+    }
+    child.wait().expect("ferry vm move exits");
+    assert!(
+        during.is_none(),
+        "the migration ended before {at_bytes} bytes were transferred"
+    );
+    last
+}
+
+pub fn move_vm(name: &str, to: &str) -> Value {
+    let out = ferry(&["vm", "move", name, "--to", to, "--json"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let last = text.lines().last().expect("at least one event");
+    serde_json::from_str(last).expect("final event")
+}
+
+/// PIDs of QEMU processes in a host's namespace.
+pub fn qemu_pids(host: &str) -> Vec<i32> {
+    let out = Command::new("ip")
+        .args(["netns", "pids", host])
+        .output()
+        .expect("ip netns pids");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.trim().parse::<i32>().ok())
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm"))
+                .is_ok_and(|c| c.trim() == "qemu-system-x86")
+        })
+        .collect()
+}
+
+pub fn host_info(host: &str) -> Value {
+    let hosts = ferry_json(&["host", "list"]);
+    hosts
+        .as_array()
+        .expect("hosts")
+        .iter()
+        .find(|h| h["name"] == host)
+        .cloned()
+        .expect("host listed")
+}
+
+/// Removes a VM if it exists (cleanup between tests).
+pub fn remove_vm(name: &str) {
+    let _ = ferry(&["vm", "rm", name]);
+}
+
+/// Removes a VM when dropped, so a failing test leaves no guest behind.
+pub struct VmGuard(pub &'static str);
+
+impl VmGuard {
+    /// Creates a VM (removing a leftover of the same name first).
+    pub fn create(name: &'static str, host: &str, memory: &str, fill: &str) -> VmGuard {
+        remove_vm(name);
+        ferry_ok(&[
+            "vm", "create", name, "--host", host, "--memory", memory, "--fill", fill,
+        ]);
+        VmGuard(name)
+    }
+}
+
+impl Drop for VmGuard {
+    fn drop(&mut self) {
+        remove_vm(self.0);
+    }
+}

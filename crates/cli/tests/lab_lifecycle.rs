@@ -1,0 +1,159 @@
+//! The lab itself: up, status, link cuts, down — also of a half-made lab.
+//! Needs root (see common/mod.rs); CI sets FERRY_REQUIRE_LAB=1.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+mod common;
+
+use common::*;
+
+fn link_state(status: &serde_json::Value, host: &str, nic: &str) -> String {
+    status["links"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["host"] == host && l["nic"] == nic)
+        .map(|l| l["state"].as_str().unwrap().to_string())
+        .unwrap_or_else(|| panic!("{host} {nic} not in status"))
+}
+
+#[test]
+fn lab_up_status_link_cut_and_down() {
+    if !lab_available("lab_up_status_link_cut_and_down") {
+        return;
+    }
+    let _g = serial();
+    ferry_ok(&[
+        "lab",
+        "up",
+        "--replace",
+        "--hosts",
+        "2",
+        "--nics",
+        "3",
+        "--rate",
+        "500mbit",
+        "--mtu",
+        "9000",
+    ]);
+    // a second `lab up` without --replace is refused
+    let out = ferry(&["lab", "up"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already up"));
+
+    let st = ferry_json(&["lab", "status"]);
+    assert_eq!(st["links"].as_array().unwrap().len(), 6);
+    for l in st["links"].as_array().unwrap() {
+        assert_eq!(l["mtu"], 9000, "{l}");
+        assert_eq!(l["state"], "UP", "{l}");
+        assert!(l["address"].as_str().unwrap().starts_with("198.18."));
+    }
+    assert!(st["agents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|a| a["running"] == true));
+    // shaped: tbf at 500mbit on the host side of each NIC
+    let tc = std::process::Command::new("ip")
+        .args([
+            "netns", "exec", "host1", "tc", "qdisc", "show", "dev", "nic2",
+        ])
+        .output()
+        .unwrap();
+    let tc = String::from_utf8_lossy(&tc.stdout);
+    assert!(tc.contains("tbf") && tc.contains("500Mbit"), "{tc}");
+
+    ferry_ok(&["lab", "link", "host2", "nic3", "down"]);
+    assert_ne!(
+        link_state(&ferry_json(&["lab", "status"]), "host2", "nic3"),
+        "UP"
+    );
+    let hosts = ferry_json(&["host", "list"]);
+    let h2 = hosts
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["name"] == "host2")
+        .unwrap();
+    let nic3 = h2["info"]["nics"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["name"] == "nic3")
+        .unwrap();
+    assert_eq!(nic3["up"], false, "the agent sees the cut: {nic3}");
+    ferry_ok(&["lab", "link", "host2", "nic3", "up"]);
+    assert_eq!(
+        link_state(&ferry_json(&["lab", "status"]), "host2", "nic3"),
+        "UP"
+    );
+
+    ferry_ok(&["lab", "down"]);
+    let ns = String::from_utf8_lossy(
+        &std::process::Command::new("ip")
+            .args(["netns", "list"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .into_owned();
+    assert!(
+        !ns.contains("host1") && !ns.contains("ferry-fab"),
+        "namespaces left: {ns}"
+    );
+    let out = ferry(&["lab", "status"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("No lab is up"));
+}
+
+#[test]
+fn lab_down_removes_a_half_made_lab() {
+    if !lab_available("lab_down_removes_a_half_made_lab") {
+        return;
+    }
+    let _g = serial();
+    ferry_ok(&["lab", "down"]);
+    // what a crash part-way through `lab up` leaves behind
+    let ip = |args: &[&str]| {
+        assert!(
+            std::process::Command::new("ip")
+                .args(args)
+                .status()
+                .unwrap()
+                .success(),
+            "ip {args:?}"
+        )
+    };
+    ip(&["link", "add", "ferry-mgmt", "type", "bridge"]);
+    ip(&["netns", "add", "host1"]);
+    ip(&["netns", "add", "ferry-fab1"]);
+    ip(&[
+        "link", "add", "fm-h1", "type", "veth", "peer", "name", "mgmt0", "netns", "host1",
+    ]);
+    let out = ferry_ok(&["lab", "down"]);
+    assert!(out.contains("lab removed"), "{out}");
+    let ns = String::from_utf8_lossy(
+        &std::process::Command::new("ip")
+            .args(["netns", "list"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .into_owned();
+    assert!(!ns.contains("host1") && !ns.contains("ferry-fab1"), "{ns}");
+    let links = String::from_utf8_lossy(
+        &std::process::Command::new("ip")
+            .args(["link", "show"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .into_owned();
+    assert!(
+        !links.contains("ferry-mgmt") && !links.contains("fm-h1"),
+        "{links}"
+    );
+    // and a lab comes up cleanly afterwards
+    ferry_ok(&["lab", "up", "--hosts", "1", "--nics", "1"]);
+    ferry_ok(&["lab", "down"]);
+}

@@ -1,0 +1,243 @@
+//! Live migration in the lab, end to end through the `ferry` CLI: real
+//! namespaces, real QEMU guests, real links shaped to 1 Gbit/s.
+//! Needs root and QEMU ≥ 9 (see common/mod.rs); CI sets FERRY_REQUIRE_LAB=1.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+mod common;
+
+use common::*;
+
+#[test]
+fn vm_with_1gib_filled_moves_host1_host2_three_times_intact() {
+    if !lab_available("vm_with_1gib_filled_moves_host1_host2_three_times_intact") {
+        return;
+    }
+    let _g = serial();
+    lab(3, 2);
+    let _vm = VmGuard::create("big1", "host1", "1280M", "1G");
+    assert_intact_on("big1", "host1");
+    let mut at = "host1";
+    for round in 1..=3 {
+        for to in ["host2", "host1"] {
+            let r = move_vm("big1", to);
+            assert_eq!(r["event"], "completed", "round {round} to {to}: {r}");
+            assert_eq!(r["status"], "completed");
+            assert_eq!((r["from"].as_str(), r["to"].as_str()), (Some(at), Some(to)));
+            let downtime = r["downtime_ms"].as_u64().expect("downtime_ms");
+            assert!(downtime < 1000, "downtime {downtime} ms");
+            assert!(r["bytes_transferred"].as_u64().unwrap() >= 1 << 30, "{r}");
+            assert!(r["total_ms"].as_u64().unwrap() > 0 && r["throughput"].as_f64().unwrap() > 0.0);
+            assert!(
+                r["nic_tx_bytes"]["nic1"].as_u64().unwrap() >= 1 << 30,
+                "{r}"
+            );
+            // the counter kept advancing across the switch-over, and the guest verified itself
+            let before = r["tick_before"].as_u64().expect("tick_before");
+            assert!(r["check"]["tick_last"].as_u64().unwrap() > before, "{r}");
+            assert_eq!(r["check"]["intact"], true);
+            assert_intact_on("big1", to);
+            assert!(
+                qemu_pids(at).is_empty(),
+                "source QEMU on {at} was not cleaned up"
+            );
+            at = to;
+        }
+    }
+    // the guest has verified its whole filled memory at least once since boot
+    assert!(check("big1")["sweeps"].as_u64().unwrap() >= 1);
+}
+
+#[test]
+fn move_to_a_host_without_memory_is_refused_before_anything_starts() {
+    if !lab_available("move_to_a_host_without_memory_is_refused_before_anything_starts") {
+        return;
+    }
+    let _g = serial();
+    lab(3, 2);
+    let _vm = VmGuard::create("mem1", "host1", "512M", "256M");
+    // host3 offers 6G; this leaves it less than mem1 needs
+    let _filler = VmGuard::create("filler", "host3", "5800M", "32M");
+    let qemus_before = qemu_pids("host3").len();
+    let r = move_vm("mem1", "host3");
+    assert_eq!(r["event"], "failed", "{r}");
+    assert_eq!(r["error"]["code"], "insufficient_memory", "{r}");
+    assert_eq!(r["error"]["host"], "host3");
+    assert_eq!(
+        qemu_pids("host3").len(),
+        qemus_before,
+        "a skeleton was started on host3"
+    );
+    assert_intact_on("mem1", "host1");
+}
+
+#[test]
+fn target_agent_killed_mid_migration_leaves_guest_running_on_source() {
+    if !lab_available("target_agent_killed_mid_migration_leaves_guest_running_on_source") {
+        return;
+    }
+    let _g = serial();
+    lab(3, 2);
+    let _vm = VmGuard::create("ka1", "host1", "640M", "512M");
+    let r = move_with("ka1", "host2", 64 << 20, || {
+        let pid = std::fs::read_to_string("/run/ferry/lab/host2/agent.pid").expect("agent pid");
+        assert!(std::process::Command::new("kill")
+            .args(["-9", pid.trim()])
+            .status()
+            .unwrap()
+            .success());
+    });
+    assert_eq!(r["event"], "failed", "{r}");
+    assert_eq!(r["error"]["running_on"], "host1", "{r}");
+    assert_intact_on("ka1", "host1");
+    // the target QEMU died with its agent
+    assert!(
+        qemu_pids("host2").is_empty(),
+        "a target QEMU survived its agent"
+    );
+    ferry_ok(&["lab", "restart-agent", "host2"]);
+    // and the VM can still move once the agent is back
+    assert_eq!(move_vm("ka1", "host2")["event"], "completed");
+    assert_intact_on("ka1", "host2");
+}
+
+#[test]
+fn target_qemu_killed_mid_migration_leaves_guest_running_on_source() {
+    if !lab_available("target_qemu_killed_mid_migration_leaves_guest_running_on_source") {
+        return;
+    }
+    let _g = serial();
+    lab(3, 2);
+    let _vm = VmGuard::create("kq1", "host1", "640M", "512M");
+    let r = move_with("kq1", "host3", 64 << 20, || {
+        let pids = qemu_pids("host3");
+        assert_eq!(pids.len(), 1, "expected one skeleton QEMU on host3");
+        assert!(std::process::Command::new("kill")
+            .args(["-9", &pids[0].to_string()])
+            .status()
+            .unwrap()
+            .success());
+    });
+    assert_eq!(r["event"], "failed", "{r}");
+    assert_eq!(r["error"]["running_on"], "host1");
+    assert_intact_on("kq1", "host1");
+    let h3 = host_info("host3");
+    assert!(
+        h3["info"]["vms"].as_array().unwrap().is_empty(),
+        "skeleton left on host3: {h3}"
+    );
+    assert_eq!(
+        h3["info"]["memory_reserved"], 0,
+        "memory still reserved on host3: {h3}"
+    );
+}
+
+#[test]
+fn link_cut_mid_migration_leaves_guest_running_on_source() {
+    if !lab_available("link_cut_mid_migration_leaves_guest_running_on_source") {
+        return;
+    }
+    let _g = serial();
+    lab(3, 2);
+    let _vm = VmGuard::create("lc1", "host1", "640M", "512M");
+    let r = move_with("lc1", "host2", 64 << 20, || {
+        ferry_ok(&["lab", "link", "host2", "nic1", "down"]);
+    });
+    ferry_ok(&["lab", "link", "host2", "nic1", "up"]);
+    assert_eq!(r["event"], "failed", "{r}");
+    assert_eq!(r["error"]["step"], "copy");
+    assert!(
+        r["error"]["reason"].as_str().unwrap().contains("nic1"),
+        "{r}"
+    );
+    assert_eq!(r["error"]["running_on"], "host1");
+    assert_intact_on("lc1", "host1");
+    assert!(qemu_pids("host2").is_empty(), "skeleton left on host2");
+}
+
+#[test]
+fn unknown_names_and_bad_sizes_are_clear_errors() {
+    if !lab_available("unknown_names_and_bad_sizes_are_clear_errors") {
+        return;
+    }
+    let _g = serial();
+    lab(3, 2);
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["vm", "move", "no-such-vm", "--to", "host2"],
+            "No vm named 'no-such-vm'",
+        ),
+        (
+            &["vm", "create", "e1", "--host", "host9", "--memory", "512M"],
+            "No host named 'host9'",
+        ),
+        (
+            &["vm", "create", "e1", "--host", "host1", "--memory", "12Q"],
+            "Invalid --memory",
+        ),
+        (
+            &[
+                "vm", "create", "e1", "--host", "host1", "--memory", "512M", "--fill", "1G",
+            ],
+            "Invalid --fill",
+        ),
+        (&["vm", "check", "ghost"], "No vm named 'ghost'"),
+        (
+            &["lab", "link", "host1", "nic9", "down"],
+            "no NIC named 'nic9'",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = ferry(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: expected '{want}' in: {err}");
+    }
+    let _vm = VmGuard::create("e2", "host1", "256M", "64M");
+    let out = ferry(&["vm", "move", "e2", "--to", "host1"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already runs on host1"));
+    let out = ferry(&[
+        "vm", "create", "e2", "--host", "host2", "--memory", "256M", "--fill", "64M",
+    ]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already exists"));
+}
+
+/// Agents and the control service refuse requests without the cluster credential.
+#[test]
+fn unauthenticated_requests_are_refused() {
+    if !lab_available("unauthenticated_requests_are_refused") {
+        return;
+    }
+    let _g = serial();
+    lab(3, 2);
+    use std::io::{Read, Write};
+    let ask = |addr: &str, req: &str| -> String {
+        let mut s = std::net::TcpStream::connect(addr).expect("connect");
+        s.write_all(req.as_bytes()).unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    let body = r#"{"migration_id":"x","source":"evil","spec":{"name":"evil","memory":268435456,"fill":0,"dirty_rate":0},"source_fabrics_up":[1]}"#;
+    let requests = [
+        ("198.18.0.11:7800", "GET /api/v1/host HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n".to_string()),
+        ("198.18.0.12:7800", format!("POST /api/v1/incoming HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())),
+        ("198.18.0.12:7800", "GET /api/v1/host HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer 00000000000000000000000000000000\r\nConnection: close\r\n\r\n".to_string()),
+        ("127.0.0.1:7700", "GET /api/v1/vms HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n".to_string()),
+    ];
+    for (addr, req) in requests {
+        let resp = ask(addr, &req);
+        assert!(resp.starts_with("HTTP/1.1 401"), "{addr} answered: {resp}");
+        assert!(resp.contains("unauthorized"), "{resp}");
+    }
+    let h2 = host_info("host2");
+    assert!(
+        !h2["info"]["vms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["name"] == "evil"),
+        "an unauthenticated request started a VM: {h2}"
+    );
+}
