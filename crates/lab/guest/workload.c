@@ -14,7 +14,7 @@
  *   ferry.verify=32M   bytes per second to re-verify
  *   ferry.seed=N       pattern seed
  *
- * Output on the console (the serial port), one line per second:
+ * Output on the console (the serial port), five lines per second:
  *   FERRY tick=<n> ms=<monotonic> fill=<bytes> dirtied=<pages> verified=<pages> sweeps=<n> errors=<n>
  * and for the first mismatches:
  *   FERRY-ERROR page=<i> word=<w> gen=<g> expected=<hex> got=<hex>
@@ -32,6 +32,7 @@
 #define PAGE 4096UL
 #define WORDS (PAGE / 8)
 #define TICKS_PER_SEC 10
+#define REPORTS_PER_SEC 5
 
 static uint64_t parse_size(const char *s) {
     char *end;
@@ -130,9 +131,9 @@ int main(void) {
             if (++vcur == pages) { vcur = 0; sweeps++; }
         }
         tick++;
-        if (tick % TICKS_PER_SEC == 0)
+        if (tick % (TICKS_PER_SEC / REPORTS_PER_SEC) == 0)
             printf("FERRY tick=%llu ms=%llu fill=%llu dirtied=%llu verified=%llu sweeps=%llu errors=%llu\n",
-                   (unsigned long long)(tick / TICKS_PER_SEC), (unsigned long long)(now_ms() - start),
+                   (unsigned long long)(tick / (TICKS_PER_SEC / REPORTS_PER_SEC)), (unsigned long long)(now_ms() - start),
                    (unsigned long long)(pages * PAGE), (unsigned long long)dirtied,
                    (unsigned long long)verified, (unsigned long long)sweeps, (unsigned long long)errors);
         next += 1000 / TICKS_PER_SEC;

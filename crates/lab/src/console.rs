@@ -1,6 +1,6 @@
 //! The guest workload's console contract (see `guest/workload.c`).
 //!
-//! Lines the workload prints once a second:
+//! Lines the workload prints five times a second:
 //! `FERRY tick=<n> ms=<ms> fill=<bytes> dirtied=<pages> verified=<pages> sweeps=<n> errors=<n>`
 //! and on a mismatch `FERRY-ERROR page=… word=… …`. A kernel panic or oops
 //! shows up as its usual kernel lines. This module parses a console log into
@@ -74,7 +74,7 @@ pub fn parse_log(text: &str) -> ConsoleState {
     s
 }
 
-/// Reads the last `max` bytes of a console log (the log grows ~100 B/s).
+/// Reads the last `max` bytes of a console log (the log grows ~500 B/s).
 pub fn read_tail(path: &std::path::Path, max: u64) -> std::io::Result<String> {
     use std::io::{Read, Seek, SeekFrom};
     let mut f = std::fs::File::open(path)?;
