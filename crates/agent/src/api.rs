@@ -11,6 +11,10 @@
 //! | POST | /incoming | target: reserve + skeleton (body: `IncomingRequest`) |
 //! | GET/DELETE | /incoming/{id} | target: status / discard |
 //! | POST | /incoming/{id}/commit | target: final check and adopt |
+//! | GET | /validate/facts | NICs, CPU power, queues, RDMA as seen here |
+//! | POST | /validate/path | largest don't-fragment packet to a peer |
+//! | POST, GET | /validate/sink, /validate/sink/{port} | throughput sink and its count |
+//! | POST | /validate/send | send to a peer's sink for a while |
 
 use std::sync::Arc;
 
@@ -22,7 +26,11 @@ use axum::{
     Json, Router,
 };
 use ferry_api::server::{ndjson, not_found, require_credential, ApiJson, ErrorResponse};
-use ferry_api::{IncomingRequest, MigrateRequest, VmSpec};
+use ferry_api::validation::{
+    HostFacts, PathProbeRequest, PathProbeResult, SendRequest, SendResult, SinkReply, SinkRequest,
+    SinkResult,
+};
+use ferry_api::{ApiError, IncomingRequest, MigrateRequest, VmSpec};
 use tokio_stream_shim::ReceiverStream;
 
 use crate::Agent;
@@ -96,6 +104,33 @@ async fn incoming_abort(
     Ok(Json(serde_json::json!({ "discarded": id })))
 }
 
+async fn facts(State(a): State<Arc<Agent>>) -> R<HostFacts> {
+    let (name, rate) = (a.cfg.name.clone(), a.cfg.nic_rate);
+    tokio::task::spawn_blocking(move || crate::validate::facts(&name, rate))
+        .await
+        .map(Json)
+        .map_err(|e| ErrorResponse(ApiError::internal(e)))
+}
+
+async fn probe_path(ApiJson(req): ApiJson<PathProbeRequest>) -> R<PathProbeResult> {
+    Ok(Json(crate::validate::probe_path(req).await?))
+}
+
+async fn open_sink(
+    State(a): State<Arc<Agent>>,
+    ApiJson(req): ApiJson<SinkRequest>,
+) -> R<SinkReply> {
+    Ok(Json(a.sinks.open(req).await?))
+}
+
+async fn sink_result(State(a): State<Arc<Agent>>, Path(port): Path<u16>) -> R<SinkResult> {
+    Ok(Json(a.sinks.result(port).await?))
+}
+
+async fn send(ApiJson(req): ApiJson<SendRequest>) -> R<SendResult> {
+    Ok(Json(crate::validate::send(req).await?))
+}
+
 pub fn router(agent: Arc<Agent>) -> Router {
     let cred = agent.cred.clone();
     let api = Router::new()
@@ -110,6 +145,11 @@ pub fn router(agent: Arc<Agent>) -> Router {
             get(incoming_status).delete(incoming_abort),
         )
         .route("/incoming/{id}/commit", post(incoming_commit))
+        .route("/validate/facts", get(facts))
+        .route("/validate/path", post(probe_path))
+        .route("/validate/sink", post(open_sink))
+        .route("/validate/sink/{port}", get(sink_result))
+        .route("/validate/send", post(send))
         .with_state(agent);
     Router::new()
         .nest(ferry_api::API_PREFIX, api)

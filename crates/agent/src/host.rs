@@ -56,6 +56,7 @@ pub struct Agent {
     pub cfg: AgentConfig,
     pub cred: ferry_api::auth::Credential,
     pub state: tokio::sync::Mutex<HostState>,
+    pub sinks: crate::validate::Sinks,
 }
 
 impl Agent {
@@ -64,6 +65,7 @@ impl Agent {
             cfg,
             cred,
             state: Default::default(),
+            sinks: Default::default(),
         })
     }
 

@@ -10,6 +10,7 @@
 //! - [`migration`]: the ten steps, source side and target side.
 //! - [`datapath`]: the seam where a migration's bytes leave QEMU (today QEMU's
 //!   own TCP stream over one NIC; Ferry's multi-NIC transport plugs in here).
+//! - [`validate`]: facts and probes for `ferry host validate`.
 //! - [`api`]: the authenticated HTTP API the control service and peer agents call.
 
 pub mod api;
@@ -18,6 +19,7 @@ pub mod host;
 pub mod migration;
 pub mod qemu;
 pub mod qmp;
+pub mod validate;
 
 use std::path::PathBuf;
 
@@ -31,6 +33,8 @@ pub struct AgentConfig {
     pub state_dir: PathBuf,
     /// Memory this host offers to VMs, bytes.
     pub memory: u64,
+    /// The rate this host's NICs are rated at, bit/s (when sysfs cannot tell).
+    pub nic_rate: Option<u64>,
     pub qemu: qemu::QemuConfig,
 }
 

@@ -19,6 +19,7 @@ pub mod error;
 pub mod server;
 pub mod size;
 pub mod types;
+pub mod validation;
 
 pub use error::ApiError;
 pub use types::*;

@@ -180,6 +180,21 @@ impl CheckResult {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+pub struct ValidateRequest {
+    /// Hosts to validate (and the paths touching them); empty for all.
+    #[serde(default)]
+    pub hosts: Vec<String>,
+    /// Length of each per-path throughput test; 0 skips them.
+    #[serde(default = "default_throughput_ms")]
+    pub throughput_ms: u64,
+}
+
+fn default_throughput_ms() -> u64 {
+    1000
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MoveRequest {
     pub to: String,
 }
@@ -271,6 +286,11 @@ pub enum MigrationEvent {
     Step {
         step: String,
         detail: String,
+    },
+    /// Something the user should know before or during the move (e.g. a
+    /// path that validation marked failed); the migration goes on.
+    Warning {
+        message: String,
     },
     Progress(MigrationProgress),
     Completed(Box<MigrationReport>),

@@ -30,6 +30,9 @@ pub struct AgentArgs {
     initrd: Option<PathBuf>,
     #[arg(long, default_value = "qemu-system-x86_64")]
     qemu: String,
+    /// Rate the NICs are rated at (e.g. 1gbit), when sysfs cannot tell.
+    #[arg(long)]
+    nic_rate: Option<String>,
     /// QEMU accelerator: tcg or kvm.
     #[arg(long, default_value = "tcg")]
     accel: String,
@@ -58,6 +61,11 @@ pub async fn agent(a: &AgentArgs) -> anyhow::Result<i32> {
             .unwrap_or_else(|| format!("http://{}", a.listen)),
         state_dir: a.state_dir.clone(),
         memory,
+        nic_rate: a
+            .nic_rate
+            .as_deref()
+            .map(ferry_lab::topology::parse_rate)
+            .transpose()?,
         qemu: ferry_agent::qemu::QemuConfig {
             binary: a.qemu.clone(),
             accel: a.accel.clone(),

@@ -27,6 +27,14 @@ pub enum LabCmd {
         nic: String,
         state: LinkState,
     },
+    /// Set one host NIC's MTU (host side only, as a misconfigured host would).
+    Mtu { host: String, nic: String, mtu: u32 },
+    /// Reshape one host NIC's link to another rate (both directions).
+    Rate {
+        host: String,
+        nic: String,
+        rate: String,
+    },
     /// Start a host's agent again (after it was killed).
     RestartAgent { host: String },
     /// Build (or show) the cached guest image.
@@ -78,6 +86,18 @@ pub async fn run(cli: &Cli, cmd: &LabCmd) -> anyhow::Result<i32> {
             let up = matches!(state, LinkState::Up);
             net::set_link(&spec, host, nic, up)?;
             println!("{host} {nic}: link {}", if up { "up" } else { "down" });
+            Ok(0)
+        }
+        LabCmd::Mtu { host, nic, mtu } => {
+            let spec = LabDir::default_path().load_spec()?;
+            net::set_mtu(&spec, host, nic, *mtu)?;
+            println!("{host} {nic}: MTU {mtu}");
+            Ok(0)
+        }
+        LabCmd::Rate { host, nic, rate } => {
+            let spec = LabDir::default_path().load_spec()?;
+            net::set_rate(&spec, host, nic, rate)?;
+            println!("{host} {nic}: link shaped to {rate}");
             Ok(0)
         }
         LabCmd::RestartAgent { host } => {
@@ -267,6 +287,8 @@ fn start_agent(dir: &LabDir, spec: &LabSpec, i: u32) -> anyhow::Result<()> {
         &img.kernel.display().to_string(),
         "--initrd",
         &img.initrd.display().to_string(),
+        "--nic-rate",
+        &spec.rate,
     ]
     .iter()
     .map(|s| s.to_string())

@@ -5,6 +5,8 @@ use std::time::Duration;
 use clap::Subcommand;
 use ferry_api::client::Client;
 use ferry_api::size::{human_bytes, parse_size};
+use ferry_api::validation::{CheckStatus, ValidationReport};
+use ferry_api::ValidateRequest;
 use ferry_api::{
     ApiError, CheckResult, HostEntry, MigrationEvent, MigrationReport, MoveRequest,
     VmCreateRequest, VmInfo, VmSpec,
@@ -70,6 +72,24 @@ pub enum VmCmd {
 pub enum HostCmd {
     /// List hosts with memory, NICs and VMs.
     List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check hosts and paths against the live-migration speed checklist:
+    /// MTU end to end, links, per-path throughput, CPU power states, NIC
+    /// queues, RDMA, consistency. Exit status 1 if any check fails.
+    Validate {
+        /// The host to validate (with every path touching it).
+        host: Option<String>,
+        /// Validate every host.
+        #[arg(long, conflicts_with = "host")]
+        all: bool,
+        /// Length of each per-path throughput test in ms (0 skips them).
+        #[arg(long, default_value_t = 1000)]
+        throughput_ms: u64,
+        /// Show passing checks too.
+        #[arg(long)]
+        verbose: bool,
         #[arg(long)]
         json: bool,
     },
@@ -272,6 +292,15 @@ pub async fn move_vm(
                 }
             }
             MigrationEvent::Step { .. } => {}
+            MigrationEvent::Warning { message } if !json => {
+                let line = format!("warning: {message}");
+                if bar.is_hidden() {
+                    eprintln!("{line}");
+                } else {
+                    bar.println(line);
+                }
+            }
+            MigrationEvent::Warning { .. } => {}
             MigrationEvent::Progress(p) => {
                 bar.set_length(p.total.max(1));
                 bar.set_position(p.total.saturating_sub(p.remaining));
@@ -328,6 +357,65 @@ pub fn print_report(r: &MigrationReport) {
 pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
     let c = cli.client()?;
     match cmd {
+        HostCmd::Validate {
+            host,
+            all,
+            throughput_ms,
+            verbose,
+            json,
+        } => {
+            if host.is_none() && !*all {
+                anyhow::bail!("name a host to validate, or pass --all");
+            }
+            let req = ValidateRequest {
+                hosts: host.iter().cloned().collect(),
+                throughput_ms: *throughput_ms,
+            };
+            let r: ValidationReport = c.post("/validate", &req, Duration::from_secs(300)).await?;
+            if *json {
+                print_json(&r);
+            } else {
+                let mut t =
+                    Table::new(&["STATUS", "CHECK", "HOST", "NIC", "PEER", "OBSERVED", "FIX"]);
+                let mut rows: Vec<_> = r
+                    .checks
+                    .iter()
+                    .filter(|c| *verbose || c.status != CheckStatus::Pass)
+                    .collect();
+                rows.sort_by(|a, b| {
+                    b.status
+                        .cmp(&a.status)
+                        .then(a.check.cmp(&b.check))
+                        .then(a.host.cmp(&b.host))
+                });
+                for ch in rows {
+                    t.row(vec![
+                        ch.status.label().into(),
+                        ch.check.clone(),
+                        ch.host.clone(),
+                        ch.nic.clone().unwrap_or_default(),
+                        ch.peer.clone().unwrap_or_default(),
+                        ch.observed.clone(),
+                        ch.fix.clone().unwrap_or_default(),
+                    ]);
+                }
+                t.print();
+                println!(
+                    "{}: {} passed, {} warnings, {} failed, {} not available{}",
+                    r.hosts.join(","),
+                    r.passed,
+                    r.warned,
+                    r.failed,
+                    r.not_available,
+                    if *verbose {
+                        ""
+                    } else {
+                        " (passing checks hidden; --verbose shows them)"
+                    }
+                );
+            }
+            Ok(if r.failed > 0 { 1 } else { 0 })
+        }
         HostCmd::List { json } => {
             let hosts: Vec<HostEntry> = c.get("/hosts", T).await?;
             if *json {

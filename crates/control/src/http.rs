@@ -9,6 +9,7 @@
 //! | GET | /vms/{name}/check | CheckVm |
 //! | DELETE | /vms/{name} | RemoveVm |
 //! | POST | /vms/{name}/move | MoveVm (body: `MoveRequest`), NDJSON `MigrationEvent`s |
+//! | POST | /validate | Validate (body: `ValidateRequest`) → `ValidationReport` |
 
 use std::sync::Arc;
 
@@ -21,7 +22,7 @@ use axum::{
 };
 use ferry_api::auth::Credential;
 use ferry_api::server::{ndjson, not_found, require_credential, ApiJson, ErrorResponse};
-use ferry_api::{MoveRequest, VmCreateRequest};
+use ferry_api::{MoveRequest, ValidateRequest, VmCreateRequest};
 
 use crate::{Command, Control, Outcome};
 
@@ -50,6 +51,9 @@ async fn check(State(c): S, Path(name): Path<String>) -> Response {
 async fn remove(State(c): S, Path(name): Path<String>) -> Response {
     run(&c, Command::RemoveVm { name }).await
 }
+async fn validate(State(c): S, ApiJson(req): ApiJson<ValidateRequest>) -> Response {
+    run(&c, Command::Validate(req)).await
+}
 async fn move_vm(
     State(c): S,
     Path(name): Path<String>,
@@ -65,6 +69,7 @@ pub fn router(control: Arc<Control>, cred: Credential) -> Router {
         .route("/vms/{name}", axum::routing::delete(remove))
         .route("/vms/{name}/check", get(check))
         .route("/vms/{name}/move", post(move_vm))
+        .route("/validate", post(validate))
         .with_state(control);
     Router::new()
         .nest(ferry_api::API_PREFIX, api)

@@ -156,9 +156,8 @@ pub fn destroy() -> Vec<String> {
     removed
 }
 
-/// Cuts (`up = false`) or restores a host NIC's link at the switch side, as
-/// pulling a cable would: the host sees its carrier go down.
-pub fn set_link(spec: &LabSpec, host: &str, nic: &str, up: bool) -> Result<(), LabError> {
+/// The (host index, NIC index) of a lab NIC, or an error naming what is unknown.
+fn locate(spec: &LabSpec, host: &str, nic: &str) -> Result<(u32, u32), LabError> {
     let i = host_index(host)
         .filter(|i| *i <= spec.hosts)
         .ok_or_else(|| {
@@ -173,6 +172,31 @@ pub fn set_link(spec: &LabSpec, host: &str, nic: &str, up: bool) -> Result<(), L
             spec.nics
         ))
     })?;
+    Ok((i, k))
+}
+
+/// Sets the MTU of a host's NIC on the host side only, as a host configured
+/// differently from the rest would be.
+pub fn set_mtu(spec: &LabSpec, host: &str, nic: &str, mtu: u32) -> Result<(), LabError> {
+    locate(spec, host, nic)?;
+    if !(576..=9000).contains(&mtu) {
+        return Err(LabError::Invalid(format!("MTU {mtu} is outside 576..9000")));
+    }
+    in_ns(host, &["link", "set", nic, "mtu", &mtu.to_string()]).map(|_| ())
+}
+
+/// Reshapes both directions of one host NIC's link.
+pub fn set_rate(spec: &LabSpec, host: &str, nic: &str, rate: &str) -> Result<(), LabError> {
+    let (i, k) = locate(spec, host, nic)?;
+    parse_rate(rate)?;
+    shape(host, nic, rate)?;
+    shape(&fabric_ns(k), &switch_port(i, k), rate)
+}
+
+/// Cuts (`up = false`) or restores a host NIC's link at the switch side, as
+/// pulling a cable would: the host sees its carrier go down.
+pub fn set_link(spec: &LabSpec, host: &str, nic: &str, up: bool) -> Result<(), LabError> {
+    let (i, k) = locate(spec, host, nic)?;
     in_ns(
         &fabric_ns(k),
         &[

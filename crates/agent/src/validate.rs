@@ -1,0 +1,378 @@
+//! The agent's side of `ferry host validate`: facts read from this host
+//! (sysfs, `tc`, `ethtool`) and probes run from it (don't-fragment pings,
+//! a throughput sink and sender bound to one NIC). Judging them is the
+//! control service's job (it sees every host); this module only observes,
+//! and says why whenever something cannot be observed.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use ferry_api::validation::*;
+use ferry_api::ApiError;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::host::nics;
+
+/// Longest throughput test an agent runs.
+pub const MAX_SEND: Duration = Duration::from_secs(10);
+
+fn cmd(prog: &str, args: &[&str]) -> Result<String, String> {
+    match std::process::Command::new(prog).args(args).output() {
+        Ok(o) if o.status.success() => Ok(String::from_utf8_lossy(&o.stdout).into_owned()),
+        Ok(o) => Err(String::from_utf8_lossy(&o.stderr).trim().to_string()),
+        Err(e) => Err(format!("cannot run {prog}: {e}")),
+    }
+}
+
+fn read(p: impl AsRef<Path>) -> Option<String> {
+    std::fs::read_to_string(p)
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// Parses `ethtool -l` output: the "Pre-set maximums" then "Current hardware settings" blocks.
+pub fn parse_channels(text: &str) -> Channels {
+    let mut c = Channels::default();
+    let mut current = false;
+    for line in text.lines() {
+        if line.starts_with("Current hardware settings") {
+            current = true;
+        }
+        let Some((k, v)) = line.split_once(':') else {
+            continue;
+        };
+        let v = v.trim().parse::<u32>().ok();
+        match (k.trim(), current) {
+            ("RX", false) => c.max_rx = v,
+            ("TX", false) => c.max_tx = v,
+            ("Combined", false) => c.max_combined = v,
+            ("RX", true) => c.rx = v,
+            ("TX", true) => c.tx = v,
+            ("Combined", true) => c.combined = v,
+            _ => {}
+        }
+    }
+    c
+}
+
+/// Parses `ethtool -g` output the same way.
+pub fn parse_rings(text: &str) -> Rings {
+    let mut r = Rings::default();
+    let mut current = false;
+    for line in text.lines() {
+        if line.starts_with("Current hardware settings") {
+            current = true;
+        }
+        let Some((k, v)) = line.split_once(':') else {
+            continue;
+        };
+        let v = v.trim().parse::<u32>().ok();
+        match (k.trim(), current) {
+            ("RX", false) => r.max_rx = v,
+            ("TX", false) => r.max_tx = v,
+            ("RX", true) => r.rx = v,
+            ("TX", true) => r.tx = v,
+            _ => {}
+        }
+    }
+    r
+}
+
+/// Reads a `tbf` rate (bit/s) from `tc -j qdisc show dev NIC`.
+fn shaped_rate(nic: &str) -> Option<u64> {
+    let out = cmd("tc", &["-j", "qdisc", "show", "dev", nic]).ok()?;
+    let v: Vec<serde_json::Value> = serde_json::from_str(&out).ok()?;
+    v.iter()
+        .find(|q| q["kind"] == "tbf")
+        .and_then(|q| q["options"]["rate"].as_u64())
+        .map(|bytes_per_sec| bytes_per_sec * 8)
+}
+
+fn ethtool<T>(flag: &str, nic: &str, parse: fn(&str) -> T) -> Probe<T> {
+    match cmd("ethtool", &[flag, nic]) {
+        Ok(text) => Probe::ok(parse(&text)),
+        Err(e) => Probe::unavailable(format!("ethtool {flag} {nic}: {e}")),
+    }
+}
+
+fn cpu_facts() -> CpuFacts {
+    let cpus: Vec<_> = std::fs::read_dir("/sys/devices/system/cpu")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.path())
+                .filter(|p| {
+                    let n = p
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default();
+                    n.starts_with("cpu") && n[3..].parse::<u32>().is_ok()
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let governors: Vec<String> = cpus
+        .iter()
+        .filter_map(|c| read(c.join("cpufreq/scaling_governor")))
+        .collect();
+    let governors = if governors.is_empty() {
+        Probe::unavailable("no cpufreq in /sys (a virtual machine, or no frequency-scaling driver): the hypervisor or firmware sets CPU speed")
+    } else {
+        Probe::ok(governors)
+    };
+    let mut states: BTreeMap<String, IdleState> = BTreeMap::new();
+    for c in &cpus {
+        let Ok(dir) = std::fs::read_dir(c.join("cpuidle")) else {
+            continue;
+        };
+        for s in dir.flatten() {
+            let p = s.path();
+            let Some(name) = read(p.join("name")) else {
+                continue;
+            };
+            let latency_us = read(p.join("latency"))
+                .and_then(|l| l.parse().ok())
+                .unwrap_or(0);
+            let disabled = read(p.join("disable")).is_some_and(|d| d == "1");
+            let e = states.entry(name.clone()).or_insert(IdleState {
+                name,
+                latency_us,
+                enabled_on: 0,
+                cpus: 0,
+            });
+            e.cpus += 1;
+            if !disabled {
+                e.enabled_on += 1;
+            }
+        }
+    }
+    let idle_states = if states.is_empty() {
+        Probe::unavailable("no cpuidle in /sys: the kernel exposes no idle states here")
+    } else {
+        let mut v: Vec<_> = states.into_values().collect();
+        v.sort_by_key(|s| s.latency_us);
+        Probe::ok(v)
+    };
+    CpuFacts {
+        governors,
+        idle_driver: read("/sys/devices/system/cpu/cpuidle/current_driver"),
+        idle_states,
+    }
+}
+
+/// Everything validation needs to know about this host.
+pub fn facts(host: &str, nominal_rate: Option<u64>) -> HostFacts {
+    let nics = nics()
+        .into_iter()
+        .map(|n| {
+            let sys = Path::new("/sys/class/net").join(&n.name);
+            let speed = read(sys.join("speed"))
+                .and_then(|s| s.parse::<i64>().ok())
+                .filter(|s| *s > 0);
+            NicFacts {
+                oper_state: read(sys.join("operstate")).unwrap_or_else(|| "unknown".into()),
+                nominal_rate: nominal_rate.or(speed.map(|mbit| mbit as u64 * 1_000_000)),
+                shaped_rate: shaped_rate(&n.name),
+                channels: ethtool("-l", &n.name, parse_channels),
+                rings: ethtool("-g", &n.name, parse_rings),
+                name: n.name,
+                address: n.address,
+                fabric: n.fabric,
+                mtu: n.mtu,
+                up: n.up,
+            }
+        })
+        .collect();
+    let rdma = match std::fs::read_dir("/sys/class/infiniband") {
+        Ok(d) => Probe::ok(
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect(),
+        ),
+        Err(_) => Probe::unavailable("no RDMA device (no /sys/class/infiniband)"),
+    };
+    HostFacts {
+        host: host.into(),
+        nics,
+        cpu: cpu_facts(),
+        rdma,
+    }
+}
+
+fn nic_address(nic: &str) -> Result<String, ApiError> {
+    nics()
+        .into_iter()
+        .find(|n| n.name == nic)
+        .map(|n| n.address)
+        .ok_or_else(|| ApiError::not_found("nic", nic))
+}
+
+/// One don't-fragment ping of `size` bytes (IP packet) out of `nic`.
+async fn df_ping(nic: &str, peer: &str, size: u32) -> bool {
+    let payload = size.saturating_sub(28).to_string();
+    tokio::process::Command::new("ping")
+        .args([
+            "-n", "-q", "-M", "do", "-s", &payload, "-c", "1", "-W", "1", "-I", nic, peer,
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .await
+        .is_ok_and(|s| s.success())
+}
+
+/// The largest DF packet that passes from `nic` to `peer_addr`, by bisection
+/// between 576 and `size`.
+pub async fn probe_path(req: PathProbeRequest) -> Result<PathProbeResult, ApiError> {
+    nic_address(&req.nic)?;
+    if !(MIN_PACKET..=65535).contains(&req.size) {
+        return Err(ApiError::invalid(
+            "size",
+            format!("{} is outside 576..65535", req.size),
+        ));
+    }
+    let largest = if df_ping(&req.nic, &req.peer_addr, req.size).await {
+        req.size
+    } else if !df_ping(&req.nic, &req.peer_addr, MIN_PACKET).await {
+        0
+    } else {
+        let (mut ok, mut bad) = (MIN_PACKET, req.size);
+        while bad - ok > 1 {
+            let mid = ok + (bad - ok) / 2;
+            if df_ping(&req.nic, &req.peer_addr, mid).await {
+                ok = mid;
+            } else {
+                bad = mid;
+            }
+        }
+        ok
+    };
+    Ok(PathProbeResult {
+        nic: req.nic,
+        peer_addr: req.peer_addr,
+        size: req.size,
+        largest,
+    })
+}
+
+/// Throughput sinks by port: each accepts one connection and counts its bytes.
+#[derive(Default)]
+pub struct Sinks(Mutex<BTreeMap<u16, tokio::sync::oneshot::Receiver<SinkResult>>>);
+
+impl Sinks {
+    pub async fn open(&self, req: SinkRequest) -> Result<SinkReply, ApiError> {
+        let address = nic_address(&req.nic)?;
+        let listener = tokio::net::TcpListener::bind((address.as_str(), 0))
+            .await
+            .map_err(ApiError::internal)?;
+        let port = listener.local_addr().map_err(ApiError::internal)?.port();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(port, rx);
+        tokio::spawn(async move {
+            let accepted = tokio::time::timeout(Duration::from_secs(10), listener.accept()).await;
+            let Ok(Ok((mut s, _))) = accepted else {
+                let _ = tx.send(SinkResult {
+                    bytes: 0,
+                    duration_ms: 0,
+                });
+                return;
+            };
+            let mut buf = vec![0u8; 256 << 10];
+            let (mut bytes, mut first, mut last) = (0u64, None, Instant::now());
+            let deadline = Instant::now() + MAX_SEND + Duration::from_secs(2);
+            while Instant::now() < deadline {
+                match tokio::time::timeout(Duration::from_secs(3), s.read(&mut buf)).await {
+                    Ok(Ok(n)) if n > 0 => {
+                        let now = Instant::now();
+                        first.get_or_insert(now);
+                        last = now;
+                        bytes += n as u64;
+                    }
+                    _ => break,
+                }
+            }
+            let duration_ms = first.map(|f| (last - f).as_millis() as u64).unwrap_or(0);
+            let _ = tx.send(SinkResult { bytes, duration_ms });
+        });
+        Ok(SinkReply { address, port })
+    }
+
+    pub async fn result(&self, port: u16) -> Result<SinkResult, ApiError> {
+        let rx = self
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&port)
+            .ok_or_else(|| ApiError::not_found("throughput sink", &port.to_string()))?;
+        tokio::time::timeout(MAX_SEND + Duration::from_secs(5), rx)
+            .await
+            .map_err(|_| ApiError::internal("the sink did not finish"))?
+            .map_err(ApiError::internal)
+    }
+}
+
+/// Sends as fast as TCP allows from `nic` to a peer's sink for `duration_ms`.
+pub async fn send(req: SendRequest) -> Result<SendResult, ApiError> {
+    let local = nic_address(&req.nic)?;
+    let duration = Duration::from_millis(req.duration_ms).min(MAX_SEND);
+    let sock = tokio::net::TcpSocket::new_v4().map_err(ApiError::internal)?;
+    let bind: std::net::SocketAddr = format!("{local}:0").parse().map_err(ApiError::internal)?;
+    sock.bind(bind).map_err(ApiError::internal)?;
+    let peer: std::net::SocketAddr =
+        format!("{}:{}", req.peer_addr, req.port)
+            .parse()
+            .map_err(|_| {
+                ApiError::invalid(
+                    "peer_addr",
+                    format!("'{}' is not an IPv4 address", req.peer_addr),
+                )
+            })?;
+    let mut s = tokio::time::timeout(Duration::from_secs(3), sock.connect(peer))
+        .await
+        .map_err(|_| {
+            ApiError::unavailable(format!("path {} → {peer}", req.nic), "connect timed out")
+        })?
+        .map_err(|e| ApiError::unavailable(format!("path {} → {peer}", req.nic), e))?;
+    let buf = vec![0x5au8; 256 << 10];
+    let end = Instant::now() + duration;
+    let mut bytes = 0u64;
+    while Instant::now() < end {
+        match tokio::time::timeout(Duration::from_secs(2), s.write(&buf)).await {
+            Ok(Ok(n)) => bytes += n as u64,
+            _ => break,
+        }
+    }
+    let _ = s.shutdown().await;
+    Ok(SendResult { bytes })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VETH_L: &str = "Channel parameters for va:\nPre-set maximums:\nRX:\t\t2\nTX:\t\t2\nOther:\t\tn/a\nCombined:\tn/a\nCurrent hardware settings:\nRX:\t\t1\nTX:\t\t1\nOther:\t\tn/a\nCombined:\tn/a\n";
+
+    #[test]
+    fn parses_ethtool_channels() {
+        let c = parse_channels(VETH_L);
+        assert_eq!(
+            (c.max_rx, c.max_tx, c.rx, c.tx),
+            (Some(2), Some(2), Some(1), Some(1))
+        );
+        assert_eq!((c.max_combined, c.combined), (None, None));
+    }
+
+    #[test]
+    fn parses_ethtool_rings() {
+        let t = "Ring parameters for eth0:\nPre-set maximums:\nRX:\t\t4096\nRX Mini:\tn/a\nTX:\t\t4096\nCurrent hardware settings:\nRX:\t\t256\nTX:\t\t256\n";
+        let r = parse_rings(t);
+        assert_eq!(
+            (r.max_rx, r.rx, r.max_tx, r.tx),
+            (Some(4096), Some(256), Some(4096), Some(256))
+        );
+    }
+}
