@@ -51,6 +51,11 @@ impl Credential {
         f.write_all(self.0.as_bytes())
     }
 
+    /// The secret itself, as key material (transport handshakes).
+    pub fn secret(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+
     pub fn header_value(&self) -> String {
         format!("Bearer {}", self.0)
     }

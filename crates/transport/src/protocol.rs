@@ -1,0 +1,471 @@
+//! Ferry transport protocol, version 1 — the wire format, written as a spec.
+//!
+//! ## Connections
+//! A *session* carries one migration between a source agent and a target
+//! agent. The source opens one *carrier* (a TCP connection) per NIC, bound
+//! to that NIC's address, to the target's per-session listener on the same
+//! fabric. Every carrier starts with a handshake; then both directions carry
+//! frames. A carrier that dies is re-opened with the same session id and
+//! carrier index when its link returns.
+//!
+//! ## Handshake (all integers little endian)
+//! ```text
+//! Hello (source → target), 80 bytes
+//!   0  [8]  magic "FERRYTP1"
+//!   8  u16  version = 1
+//!  10  u8   role: 1 = carrier (0 is reserved as invalid)
+//!  11  u8   carrier index (< MAX_CARRIERS)
+//!  12  u32  reserved, 0
+//!  16  [16] session id
+//!  32  [16] nonce (random per connection)
+//!  48  [32] HMAC-SHA256(cluster credential, "ferry-transport hello" ‖ bytes 0..48)
+//! Welcome (target → source), 64 bytes
+//!   0  [8]  magic "FERRYTP1"
+//!   8  u16  version = 1
+//!  10  u8   status: 0 ok, 1 bad version, 2 bad credential, 3 unknown session, 4 too many carriers
+//!  11  [5]  reserved, 0
+//!  16  [16] the Hello's nonce
+//!  32  [32] HMAC-SHA256(cluster credential, "ferry-transport welcome" ‖ bytes 0..32)
+//! ```
+//! The target answers a Hello whose HMAC is wrong with status 2 and closes,
+//! without a MAC of its own; the source checks the Welcome's MAC, so both ends
+//! prove they hold the cluster credential.
+//!
+//! ## Frames, 32-byte header then `len` payload bytes
+//! ```text
+//!   0  u8   kind: 1 DATA, 2 ACK, 3 OPEN, 4 FIN, 5 PING (0 is reserved as invalid)
+//!   1  u8   flags, 0
+//!   2  u16  stream (< MAX_STREAMS)
+//!   4  u32  len: payload bytes; ≤ MAX_PAYLOAD for DATA, 0 for every other kind
+//!   8  u64  id: DATA/OPEN/FIN: frame id (per direction, from 1, for diagnostics);
+//!           ACK: how many DATA/OPEN/FIN frames this carrier connection has received;
+//!           PING: sender's counter
+//!  16  u64  offset: DATA: the payload's offset in its stream; FIN: the stream's length
+//!  24  u32  CRC-32C of bytes 0..24 and the payload
+//!  28  u32  reserved, 0
+//! ```
+//! DATA, OPEN and FIN are *reliable*: each is sent on one carrier and kept in
+//! the sender's replay buffer until that carrier's ACK count covers it (TCP
+//! keeps a carrier's frames in order, so a count suffices); if the carrier
+//! dies first it is sent again on another. The receiver puts each stream back in order by offset and
+//! drops what it already has, so a stream's bytes arrive once, in order.
+//! OPEN announces a stream (the target connects it to QEMU); FIN ends one.
+//! Every side sends something on every carrier at least every
+//! [`HEARTBEAT`]; a carrier silent for [`DEAD_AFTER`] is dead.
+//!
+//! Anything that breaks these rules — bad magic, version, kind, flags, size,
+//! CRC — is a [`ProtocolError`]; the carrier is closed and its frames resent
+//! elsewhere, so a corrupted frame never reaches QEMU.
+
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+pub const MAGIC: &[u8; 8] = b"FERRYTP1";
+pub const VERSION: u16 = 1;
+pub const HELLO_LEN: usize = 80;
+pub const WELCOME_LEN: usize = 64;
+pub const HEADER_LEN: usize = 32;
+/// Largest DATA payload.
+pub const MAX_PAYLOAD: usize = 256 << 10;
+pub const MAX_CARRIERS: u8 = 16;
+pub const MAX_STREAMS: u16 = 64;
+pub const HEARTBEAT: Duration = Duration::from_millis(100);
+pub const DEAD_AFTER: Duration = Duration::from_millis(500);
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("Bad magic: not a Ferry transport peer")]
+    BadMagic,
+    #[error("Unsupported protocol version {0} (this side speaks {VERSION})")]
+    BadVersion(u16),
+    #[error("Invalid role {0}")]
+    BadRole(u8),
+    #[error("Carrier index {0} is not below {MAX_CARRIERS}")]
+    BadCarrier(u8),
+    #[error("Peer refused the handshake: {0}")]
+    Refused(&'static str),
+    #[error("Peer failed authentication with the cluster credential")]
+    BadCredential,
+    #[error("Unknown frame kind {0}")]
+    BadKind(u8),
+    #[error("Reserved field {0} is not zero")]
+    Reserved(&'static str),
+    #[error("Stream {0} is not below {MAX_STREAMS}")]
+    BadStream(u16),
+    #[error("Frame length {len} is over {max} for {kind:?}")]
+    BadLength { kind: Kind, len: u32, max: u32 },
+    #[error("Frame checksum mismatch: corrupted in transit")]
+    BadChecksum,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Data = 1,
+    Ack = 2,
+    Open = 3,
+    Fin = 4,
+    Ping = 5,
+}
+
+impl Kind {
+    fn from_u8(v: u8) -> Result<Kind, ProtocolError> {
+        Ok(match v {
+            1 => Kind::Data,
+            2 => Kind::Ack,
+            3 => Kind::Open,
+            4 => Kind::Fin,
+            5 => Kind::Ping,
+            v => return Err(ProtocolError::BadKind(v)),
+        })
+    }
+}
+
+/// Handshake statuses.
+pub const STATUS_OK: u8 = 0;
+pub const STATUS_BAD_VERSION: u8 = 1;
+pub const STATUS_BAD_CREDENTIAL: u8 = 2;
+pub const STATUS_UNKNOWN_SESSION: u8 = 3;
+pub const STATUS_TOO_MANY: u8 = 4;
+
+fn status_text(s: u8) -> &'static str {
+    match s {
+        STATUS_BAD_VERSION => "unsupported version",
+        STATUS_BAD_CREDENTIAL => "wrong cluster credential",
+        STATUS_UNKNOWN_SESSION => "unknown session",
+        STATUS_TOO_MANY => "too many carriers",
+        _ => "unknown status",
+    }
+}
+
+fn mac(secret: &[u8], label: &[u8], data: &[u8]) -> [u8; 32] {
+    // HMAC accepts keys of any length
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(secret).unwrap_or_else(|_| unreachable!());
+    m.update(label);
+    m.update(data);
+    m.finalize().into_bytes().into()
+}
+
+fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    pub carrier: u8,
+    pub session: [u8; 16],
+    pub nonce: [u8; 16],
+}
+
+impl Hello {
+    pub fn encode(&self, secret: &[u8]) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[0..8].copy_from_slice(MAGIC);
+        b[8..10].copy_from_slice(&VERSION.to_le_bytes());
+        b[10] = 1;
+        b[11] = self.carrier;
+        b[16..32].copy_from_slice(&self.session);
+        b[32..48].copy_from_slice(&self.nonce);
+        let m = mac(secret, b"ferry-transport hello", &b[0..48]);
+        b[48..80].copy_from_slice(&m);
+        b
+    }
+
+    /// Checks a Hello; on error also returns the status to answer with.
+    pub fn decode(b: &[u8; HELLO_LEN], secret: &[u8]) -> Result<Hello, (ProtocolError, u8)> {
+        if &b[0..8] != MAGIC {
+            return Err((ProtocolError::BadMagic, STATUS_BAD_VERSION));
+        }
+        let version = u16::from_le_bytes([b[8], b[9]]);
+        if version != VERSION {
+            return Err((ProtocolError::BadVersion(version), STATUS_BAD_VERSION));
+        }
+        if !ct_eq(
+            &mac(secret, b"ferry-transport hello", &b[0..48]),
+            &b[48..80],
+        ) {
+            return Err((ProtocolError::BadCredential, STATUS_BAD_CREDENTIAL));
+        }
+        if b[10] != 1 {
+            return Err((ProtocolError::BadRole(b[10]), STATUS_BAD_VERSION));
+        }
+        if b[11] >= MAX_CARRIERS {
+            return Err((ProtocolError::BadCarrier(b[11]), STATUS_TOO_MANY));
+        }
+        if b[12..16] != [0; 4] {
+            return Err((ProtocolError::Reserved("hello"), STATUS_BAD_VERSION));
+        }
+        let mut session = [0u8; 16];
+        session.copy_from_slice(&b[16..32]);
+        let mut nonce = [0u8; 16];
+        nonce.copy_from_slice(&b[32..48]);
+        Ok(Hello {
+            carrier: b[11],
+            session,
+            nonce,
+        })
+    }
+}
+
+/// The target's answer. `status != 0` answers carry no MAC.
+pub fn encode_welcome(status: u8, nonce: &[u8; 16], secret: &[u8]) -> [u8; WELCOME_LEN] {
+    let mut b = [0u8; WELCOME_LEN];
+    b[0..8].copy_from_slice(MAGIC);
+    b[8..10].copy_from_slice(&VERSION.to_le_bytes());
+    b[10] = status;
+    b[16..32].copy_from_slice(nonce);
+    if status == STATUS_OK {
+        let m = mac(secret, b"ferry-transport welcome", &b[0..32]);
+        b[32..64].copy_from_slice(&m);
+    }
+    b
+}
+
+/// Checks the target's answer to our Hello with `nonce`.
+pub fn decode_welcome(
+    b: &[u8; WELCOME_LEN],
+    nonce: &[u8; 16],
+    secret: &[u8],
+) -> Result<(), ProtocolError> {
+    if &b[0..8] != MAGIC {
+        return Err(ProtocolError::BadMagic);
+    }
+    let version = u16::from_le_bytes([b[8], b[9]]);
+    if version != VERSION {
+        return Err(ProtocolError::BadVersion(version));
+    }
+    if b[10] != STATUS_OK {
+        return Err(ProtocolError::Refused(status_text(b[10])));
+    }
+    if &b[16..32] != nonce
+        || !ct_eq(
+            &mac(secret, b"ferry-transport welcome", &b[0..32]),
+            &b[32..64],
+        )
+    {
+        return Err(ProtocolError::BadCredential);
+    }
+    Ok(())
+}
+
+/// A decoded frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub kind: Kind,
+    pub stream: u16,
+    pub len: u32,
+    pub id: u64,
+    pub offset: u64,
+    pub crc: u32,
+}
+
+impl Header {
+    pub fn new(kind: Kind, stream: u16, id: u64, offset: u64) -> Header {
+        Header {
+            kind,
+            stream,
+            len: 0,
+            id,
+            offset,
+            crc: 0,
+        }
+    }
+}
+
+/// Encodes a frame (header with its CRC, then the payload).
+pub fn encode_frame(h: &Header, payload: &[u8], out: &mut BytesMut) {
+    encode_header(h, payload, out);
+    out.put_slice(payload);
+}
+
+/// Encodes only the header (its CRC covers `payload`), so the payload can be
+/// written from where it already is.
+pub fn encode_header(h: &Header, payload: &[u8], out: &mut BytesMut) {
+    let mut head = [0u8; HEADER_LEN];
+    head[0] = h.kind as u8;
+    head[2..4].copy_from_slice(&h.stream.to_le_bytes());
+    head[4..8].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    head[8..16].copy_from_slice(&h.id.to_le_bytes());
+    head[16..24].copy_from_slice(&h.offset.to_le_bytes());
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&head[0..24]), payload);
+    head[24..28].copy_from_slice(&crc.to_le_bytes());
+    out.reserve(HEADER_LEN + payload.len());
+    out.put_slice(&head);
+}
+
+/// Decodes and validates a header (everything but the CRC, which needs the payload).
+pub fn decode_header(b: &[u8; HEADER_LEN]) -> Result<Header, ProtocolError> {
+    let mut r = &b[..];
+    let kind = Kind::from_u8(r.get_u8())?;
+    if r.get_u8() != 0 {
+        return Err(ProtocolError::Reserved("flags"));
+    }
+    let stream = r.get_u16_le();
+    let len = r.get_u32_le();
+    let id = r.get_u64_le();
+    let offset = r.get_u64_le();
+    let crc = r.get_u32_le();
+    if r.get_u32_le() != 0 {
+        return Err(ProtocolError::Reserved("header"));
+    }
+    if stream >= MAX_STREAMS {
+        return Err(ProtocolError::BadStream(stream));
+    }
+    let max = if kind == Kind::Data {
+        MAX_PAYLOAD as u32
+    } else {
+        0
+    };
+    // DATA carries bytes; OPEN, FIN, ACK and PING never do
+    if len > max || (kind == Kind::Data && len == 0) {
+        return Err(ProtocolError::BadLength { kind, len, max });
+    }
+    Ok(Header {
+        kind,
+        stream,
+        len,
+        id,
+        offset,
+        crc,
+    })
+}
+
+/// Checks a frame's CRC against its header bytes and payload.
+pub fn check_crc(head: &[u8; HEADER_LEN], payload: &[u8]) -> Result<(), ProtocolError> {
+    let want = u32::from_le_bytes([head[24], head[25], head[26], head[27]]);
+    if crc32c::crc32c_append(crc32c::crc32c(&head[0..24]), payload) != want {
+        return Err(ProtocolError::BadChecksum);
+    }
+    Ok(())
+}
+
+/// Decodes one whole frame from a buffer: the form the fuzz target drives.
+pub fn decode_frame(buf: &[u8]) -> Result<Option<(Header, Bytes, usize)>, ProtocolError> {
+    if buf.len() < HEADER_LEN {
+        return Ok(None);
+    }
+    let mut head = [0u8; HEADER_LEN];
+    head.copy_from_slice(&buf[..HEADER_LEN]);
+    let h = decode_header(&head)?;
+    let total = HEADER_LEN + h.len as usize;
+    if buf.len() < total {
+        return Ok(None);
+    }
+    let payload = &buf[HEADER_LEN..total];
+    check_crc(&head, payload)?;
+    Ok(Some((h, Bytes::copy_from_slice(payload), total)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
+
+    #[test]
+    fn hello_round_trips_and_authenticates() {
+        let h = Hello {
+            carrier: 2,
+            session: [7; 16],
+            nonce: [9; 16],
+        };
+        let b = h.encode(SECRET);
+        assert_eq!(Hello::decode(&b, SECRET).unwrap(), h);
+        let err = Hello::decode(&b, b"another-secret-another-secret-xx").unwrap_err();
+        assert_eq!(err, (ProtocolError::BadCredential, STATUS_BAD_CREDENTIAL));
+        let mut bad = b;
+        bad[11] = 3; // tampered after signing
+        assert_eq!(
+            Hello::decode(&bad, SECRET).unwrap_err().0,
+            ProtocolError::BadCredential
+        );
+        let mut old = b;
+        old[8] = 9;
+        assert_eq!(
+            Hello::decode(&old, SECRET).unwrap_err().0,
+            ProtocolError::BadVersion(9)
+        );
+    }
+
+    #[test]
+    fn welcome_proves_the_target_holds_the_credential() {
+        let nonce = [5; 16];
+        let w = encode_welcome(STATUS_OK, &nonce, SECRET);
+        decode_welcome(&w, &nonce, SECRET).unwrap();
+        assert_eq!(
+            decode_welcome(&w, &[6; 16], SECRET),
+            Err(ProtocolError::BadCredential)
+        );
+        assert_eq!(
+            decode_welcome(&w, &nonce, b"x"),
+            Err(ProtocolError::BadCredential)
+        );
+        let refused = encode_welcome(STATUS_BAD_CREDENTIAL, &nonce, SECRET);
+        assert_eq!(
+            decode_welcome(&refused, &nonce, SECRET),
+            Err(ProtocolError::Refused("wrong cluster credential"))
+        );
+    }
+
+    #[test]
+    fn frames_round_trip() {
+        let mut out = BytesMut::new();
+        encode_frame(&Header::new(Kind::Data, 3, 42, 4096), b"payload", &mut out);
+        encode_frame(&Header::new(Kind::Ack, 0, 42, 0), b"", &mut out);
+        let (h, p, used) = decode_frame(&out).unwrap().unwrap();
+        assert_eq!(
+            (h.kind, h.stream, h.id, h.offset, &p[..]),
+            (Kind::Data, 3, 42, 4096, &b"payload"[..])
+        );
+        let (h2, _, used2) = decode_frame(&out[used..]).unwrap().unwrap();
+        assert_eq!((h2.kind, h2.id), (Kind::Ack, 42));
+        assert_eq!(used + used2, out.len());
+        assert_eq!(decode_frame(&out[..10]).unwrap(), None);
+    }
+
+    #[test]
+    fn any_flipped_bit_is_caught() {
+        let mut out = BytesMut::new();
+        encode_frame(&Header::new(Kind::Data, 1, 1, 0), &[0xAB; 100], &mut out);
+        for i in 0..out.len() {
+            for bit in 0..8 {
+                let mut b = out.to_vec();
+                b[i] ^= 1 << bit;
+                assert!(
+                    decode_frame(&b).is_err() || decode_frame(&b).unwrap().is_none(),
+                    "byte {i} bit {bit}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn sizes_and_reserved_fields_are_enforced() {
+        let mut head = [0u8; HEADER_LEN];
+        head[0] = Kind::Data as u8;
+        head[4..8].copy_from_slice(&(MAX_PAYLOAD as u32 + 1).to_le_bytes());
+        assert!(matches!(
+            decode_header(&head),
+            Err(ProtocolError::BadLength { .. })
+        ));
+        head[0] = Kind::Ack as u8;
+        head[4..8].copy_from_slice(&1u32.to_le_bytes());
+        assert!(matches!(
+            decode_header(&head),
+            Err(ProtocolError::BadLength { .. })
+        ));
+        let mut head = [0u8; HEADER_LEN];
+        assert_eq!(decode_header(&head), Err(ProtocolError::BadKind(0)));
+        head[0] = Kind::Ping as u8;
+        head[1] = 1;
+        assert_eq!(decode_header(&head), Err(ProtocolError::Reserved("flags")));
+        head[1] = 0;
+        head[2..4].copy_from_slice(&MAX_STREAMS.to_le_bytes());
+        assert_eq!(
+            decode_header(&head),
+            Err(ProtocolError::BadStream(MAX_STREAMS))
+        );
+    }
+}

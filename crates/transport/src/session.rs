@@ -1,0 +1,851 @@
+//! A transport session: the streams of one migration carried over every
+//! carrier between two agents (see [`crate::protocol`] for the wire format).
+//!
+//! ```text
+//!  QEMU ─unix─▶ stream reader ─▶ dispatch queue ─▶ carrier writer (nic1) ═TCP═▶ carrier reader ─▶ reorder ─▶ stream writer ─unix─▶ QEMU
+//!                                 (shared, FIFO;  ─▶ carrier writer (nic2) ═TCP═▶     (per stream, by offset)
+//!                                  resends first)
+//! ```
+//! Scheduling is pull-based: each carrier's writer takes the next frame when
+//! its socket has accepted the last one and its in-flight bytes are under
+//! [`CARRIER_INFLIGHT`], so every carrier carries in proportion to what it
+//! drains now — no static stream-to-NIC map. Every reliable frame waits in its
+//! carrier's unacked queue until acknowledged; the replay budget
+//! ([`REPLAY_LIMIT`]) bounds queued plus unacked bytes, which is what pushes
+//! back on QEMU. A carrier silent for [`DEAD_AFTER`] (or failing a read,
+//! write or checksum) is closed and its unacked frames go back to the front of
+//! the queue for the others. The source re-dials dead carriers every 250 ms.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpSocket, TcpStream, UnixListener, UnixStream};
+use tokio::sync::{mpsc, Notify, Semaphore};
+
+use crate::protocol::*;
+
+/// Bytes queued or unacknowledged per session, in KiB permits.
+pub const REPLAY_LIMIT: usize = 64 << 10;
+/// Unacknowledged bytes one carrier may have in flight.
+pub const CARRIER_INFLIGHT: usize = 4 << 20;
+/// Bytes one stream may have waiting for its local reader before the session fails.
+pub const STREAM_BUFFER_LIMIT: usize = 512 << 20;
+const REDIAL: Duration = Duration::from_millis(250);
+
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("I/O on {what}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("Carrier {index} ({nic}) handshake failed")]
+    Handshake {
+        index: u8,
+        nic: String,
+        #[source]
+        source: ProtocolError,
+    },
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TransportError {
+    let what = what.into();
+    move |source| TransportError::Io { what, source }
+}
+
+/// One carrier as the session reports it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CarrierStats {
+    pub index: u8,
+    pub nic: String,
+    pub up: bool,
+    /// Payload bytes sent (first sends and resends).
+    pub tx_bytes: u64,
+    pub rx_bytes: u64,
+    /// Frames this carrier had in flight when it died, resent elsewhere.
+    pub frames_requeued: u64,
+    pub connects: u64,
+    pub failures: u64,
+    /// Why the current connection attempt fails (cleared once connected).
+    pub last_error: Option<String>,
+    /// Why the carrier last went down.
+    pub last_failure: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionStats {
+    pub carriers: Vec<CarrierStats>,
+    pub healthy: usize,
+    pub frames_sent: u64,
+    pub frames_resent: u64,
+    pub streams: usize,
+}
+
+struct OutFrame {
+    kind: Kind,
+    stream: u16,
+    id: u64,
+    offset: u64,
+    payload: Bytes,
+    permits: u32,
+}
+
+struct CarrierState {
+    /// Bumped per connection; tasks of an older connection stop on mismatch.
+    generation: u64,
+    up: bool,
+    unacked: VecDeque<OutFrame>,
+    inflight: usize,
+    /// Reliable frames received on the current connection.
+    received: u64,
+    /// Reliable frames the peer acknowledged on the current connection.
+    acked_count: u64,
+    stats: CarrierStats,
+    kill: Arc<Notify>,
+}
+
+struct StreamIn {
+    next: u64,
+    pending: BTreeMap<u64, Bytes>,
+    fin: Option<u64>,
+    /// The local writer, once the local end is connected.
+    to_local: Option<mpsc::UnboundedSender<Option<Bytes>>>,
+    buffered: Arc<AtomicU64>,
+}
+
+impl StreamIn {
+    fn new() -> StreamIn {
+        StreamIn {
+            next: 0,
+            pending: BTreeMap::new(),
+            fin: None,
+            to_local: None,
+            buffered: Arc::new(AtomicU64::new(0)),
+        }
+    }
+}
+
+struct Inner {
+    session: [u8; 16],
+    secret: Vec<u8>,
+    /// Target: where streams are connected to (QEMU's incoming socket).
+    connect_to: Option<PathBuf>,
+    queue: Mutex<VecDeque<OutFrame>>,
+    queued: Notify,
+    replay: Semaphore,
+    next_id: AtomicU64,
+    carriers: Mutex<BTreeMap<u8, CarrierState>>,
+    streams_in: Mutex<HashMap<u16, StreamIn>>,
+    next_stream: Mutex<u16>,
+    frames_sent: AtomicU64,
+    frames_resent: AtomicU64,
+    closed: tokio::sync::watch::Sender<bool>,
+    failure: Mutex<Option<String>>,
+}
+
+/// One end of a transport session. Dropping it (or [`Session::close`]) ends
+/// every task of the session.
+#[derive(Clone)]
+pub struct Session {
+    inner: Arc<Inner>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Session {
+    fn new(session: [u8; 16], secret: &[u8], connect_to: Option<PathBuf>) -> Session {
+        let (closed, _) = tokio::sync::watch::channel(false);
+        Session {
+            inner: Arc::new(Inner {
+                session,
+                secret: secret.to_vec(),
+                connect_to,
+                queue: Mutex::new(VecDeque::new()),
+                queued: Notify::new(),
+                replay: Semaphore::new(REPLAY_LIMIT),
+                next_id: AtomicU64::new(1),
+                carriers: Mutex::new(BTreeMap::new()),
+                streams_in: Mutex::new(HashMap::new()),
+                next_stream: Mutex::new(0),
+                frames_sent: AtomicU64::new(0),
+                frames_resent: AtomicU64::new(0),
+                closed,
+                failure: Mutex::new(None),
+            }),
+        }
+    }
+
+    /// Source side: accept QEMU's migration connections on `listen` (a unix
+    /// socket path) and carry them over carriers from each `(nic, local
+    /// address)` to the matching target address.
+    pub async fn source(
+        session: [u8; 16],
+        secret: &[u8],
+        listen: PathBuf,
+        carriers: Vec<(String, std::net::IpAddr, SocketAddr)>,
+    ) -> Result<Session, TransportError> {
+        let s = Session::new(session, secret, None);
+        let _ = std::fs::remove_file(&listen);
+        let ul = UnixListener::bind(&listen).map_err(io(listen.display().to_string()))?;
+        for (i, (nic, local, remote)) in carriers.into_iter().enumerate() {
+            let index = i as u8;
+            s.register_carrier(index, &nic);
+            let me = s.clone();
+            tokio::spawn(async move { me.dial_loop(index, nic, local, remote).await });
+        }
+        let me = s.clone();
+        tokio::spawn(async move {
+            let mut closed = me.inner.closed.subscribe();
+            loop {
+                tokio::select! {
+                    r = ul.accept() => match r {
+                        Ok((u, _)) => me.open_local_stream(u),
+                        Err(e) => { me.fail(format!("accepting QEMU connections: {e}")); break; }
+                    },
+                    _ = closed.changed() => break,
+                }
+            }
+        });
+        Ok(s)
+    }
+
+    /// Target side: listen on each NIC address; streams the source opens are
+    /// connected to `connect_to` (QEMU's incoming unix socket). Returns the
+    /// session and the bound `(nic, address)` per listener.
+    pub async fn target(
+        session: [u8; 16],
+        secret: &[u8],
+        nics: Vec<(String, std::net::IpAddr)>,
+        connect_to: PathBuf,
+    ) -> Result<(Session, Vec<(String, SocketAddr)>), TransportError> {
+        let s = Session::new(session, secret, Some(connect_to));
+        let mut bound = Vec::new();
+        for (nic, addr) in nics {
+            let l = TcpListener::bind((addr, 0))
+                .await
+                .map_err(io(format!("listening on {nic} {addr}")))?;
+            bound.push((nic.clone(), l.local_addr().map_err(io(nic.clone()))?));
+            let me = s.clone();
+            tokio::spawn(async move {
+                let mut closed = me.inner.closed.subscribe();
+                loop {
+                    tokio::select! {
+                        r = l.accept() => if let Ok((tcp, peer)) = r {
+                            let me2 = me.clone();
+                            let nic = nic.clone();
+                            tokio::spawn(async move {
+                                if let Err(e) = me2.accept_carrier(tcp, &nic).await {
+                                    tracing::warn!(%peer, %nic, error = %e, "carrier refused");
+                                }
+                            });
+                        },
+                        _ = closed.changed() => break,
+                    }
+                }
+            });
+        }
+        Ok((s, bound))
+    }
+
+    pub fn close(&self) {
+        let _ = self.inner.closed.send(true);
+        for c in lock(&self.inner.carriers).values() {
+            c.kill.notify_waiters();
+        }
+    }
+
+    /// Why the session failed, if it did (a stream over its buffer limit, …).
+    pub fn failure(&self) -> Option<String> {
+        lock(&self.inner.failure).clone()
+    }
+
+    fn fail(&self, why: String) {
+        tracing::error!(reason = %why, "transport session failed");
+        lock(&self.inner.failure).get_or_insert(why);
+        self.close();
+    }
+
+    pub fn stats(&self) -> SessionStats {
+        let carriers: Vec<CarrierStats> = lock(&self.inner.carriers)
+            .values()
+            .map(|c| c.stats.clone())
+            .collect();
+        SessionStats {
+            healthy: carriers.iter().filter(|c| c.up).count(),
+            carriers,
+            frames_sent: self.inner.frames_sent.load(Ordering::Relaxed),
+            frames_resent: self.inner.frames_resent.load(Ordering::Relaxed),
+            streams: lock(&self.inner.streams_in).len(),
+        }
+    }
+
+    fn register_carrier(&self, index: u8, nic: &str) {
+        lock(&self.inner.carriers).insert(
+            index,
+            CarrierState {
+                generation: 0,
+                up: false,
+                unacked: VecDeque::new(),
+                inflight: 0,
+                received: 0,
+                acked_count: 0,
+                stats: CarrierStats {
+                    index,
+                    nic: nic.into(),
+                    ..Default::default()
+                },
+                kill: Arc::new(Notify::new()),
+            },
+        );
+    }
+
+    // ---- carriers ----
+
+    async fn dial_loop(self, index: u8, nic: String, local: std::net::IpAddr, remote: SocketAddr) {
+        let mut closed = self.inner.closed.subscribe();
+        loop {
+            if *closed.borrow() {
+                return;
+            }
+            let up = lock(&self.inner.carriers).get(&index).is_some_and(|c| c.up);
+            if !up {
+                match self.dial(index, &nic, local, remote).await {
+                    Ok(tcp) => self.attach(index, tcp),
+                    Err(e) => {
+                        if let Some(c) = lock(&self.inner.carriers).get_mut(&index) {
+                            c.stats.last_error = Some(error_text(&e));
+                        }
+                        if let TransportError::Handshake {
+                            source: ProtocolError::Refused(_) | ProtocolError::BadCredential,
+                            ..
+                        } = e
+                        {
+                            self.fail(error_text(&e));
+                            return;
+                        }
+                    }
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(REDIAL) => {}
+                _ = closed.changed() => return,
+            }
+        }
+    }
+
+    async fn dial(
+        &self,
+        index: u8,
+        nic: &str,
+        local: std::net::IpAddr,
+        remote: SocketAddr,
+    ) -> Result<TcpStream, TransportError> {
+        let what = format!("carrier {index} ({nic}) to {remote}");
+        let sock = TcpSocket::new_v4().map_err(io(&what))?;
+        sock.bind(SocketAddr::new(local, 0)).map_err(io(&what))?;
+        let mut tcp = tokio::time::timeout(Duration::from_secs(1), sock.connect(remote))
+            .await
+            .map_err(|_| TransportError::Io {
+                what: what.clone(),
+                source: std::io::ErrorKind::TimedOut.into(),
+            })?
+            .map_err(io(&what))?;
+        let _ = tcp.set_nodelay(true);
+        let nonce: [u8; 16] = rand::random();
+        let hello = Hello {
+            carrier: index,
+            session: self.inner.session,
+            nonce,
+        };
+        let mut welcome = [0u8; WELCOME_LEN];
+        let exchange = async {
+            tcp.write_all(&hello.encode(&self.inner.secret)).await?;
+            tcp.read_exact(&mut welcome).await
+        };
+        tokio::time::timeout(Duration::from_secs(2), exchange)
+            .await
+            .map_err(|_| TransportError::Io {
+                what: what.clone(),
+                source: std::io::ErrorKind::TimedOut.into(),
+            })?
+            .map_err(io(&what))?;
+        decode_welcome(&welcome, &nonce, &self.inner.secret).map_err(|source| {
+            TransportError::Handshake {
+                index,
+                nic: nic.into(),
+                source,
+            }
+        })?;
+        Ok(tcp)
+    }
+
+    async fn accept_carrier(&self, mut tcp: TcpStream, nic: &str) -> Result<(), TransportError> {
+        let _ = tcp.set_nodelay(true);
+        let mut b = [0u8; HELLO_LEN];
+        tokio::time::timeout(Duration::from_secs(2), tcp.read_exact(&mut b))
+            .await
+            .map_err(|_| TransportError::Io {
+                what: format!("hello on {nic}"),
+                source: std::io::ErrorKind::TimedOut.into(),
+            })?
+            .map_err(io(format!("hello on {nic}")))?;
+        let answer =
+            |status: u8, nonce: [u8; 16]| encode_welcome(status, &nonce, &self.inner.secret);
+        let hello = match Hello::decode(&b, &self.inner.secret) {
+            Ok(h) if h.session != self.inner.session => {
+                let _ = tcp
+                    .write_all(&answer(STATUS_UNKNOWN_SESSION, h.nonce))
+                    .await;
+                return Err(TransportError::Handshake {
+                    index: h.carrier,
+                    nic: nic.into(),
+                    source: ProtocolError::Refused("unknown session"),
+                });
+            }
+            Ok(h) => h,
+            Err((e, status)) => {
+                let _ = tcp.write_all(&answer(status, [0; 16])).await;
+                return Err(TransportError::Handshake {
+                    index: b[11],
+                    nic: nic.into(),
+                    source: e,
+                });
+            }
+        };
+        tcp.write_all(&answer(STATUS_OK, hello.nonce))
+            .await
+            .map_err(io(format!("welcome on {nic}")))?;
+        if !lock(&self.inner.carriers).contains_key(&hello.carrier) {
+            self.register_carrier(hello.carrier, nic);
+        }
+        // a re-dialled carrier replaces its dead (or dying) predecessor
+        self.drop_carrier(hello.carrier, None, "replaced by a new connection".into());
+        self.attach(hello.carrier, tcp);
+        Ok(())
+    }
+
+    /// Starts the reader and writer of a fresh carrier connection.
+    fn attach(&self, index: u8, tcp: TcpStream) {
+        let (generation, kill) = {
+            let mut cs = lock(&self.inner.carriers);
+            let Some(c) = cs.get_mut(&index) else { return };
+            c.generation += 1;
+            c.up = true;
+            c.received = 0;
+            c.acked_count = 0;
+            c.stats.up = true;
+            c.stats.connects += 1;
+            c.stats.last_error = None;
+            c.kill = Arc::new(Notify::new());
+            (c.generation, c.kill.clone())
+        };
+        tracing::info!(carrier = index, "carrier up");
+        let (r, w) = tcp.into_split();
+        let me = self.clone();
+        let k = kill.clone();
+        tokio::spawn(async move {
+            let why = tokio::select! {
+                e = me.read_carrier(index, generation, r) => e,
+                _ = k.notified() => "closed".into(),
+            };
+            me.drop_carrier(index, Some(generation), why);
+        });
+        let me = self.clone();
+        tokio::spawn(async move {
+            let why = tokio::select! {
+                e = me.write_carrier(index, generation, w) => e,
+                _ = kill.notified() => "closed".into(),
+            };
+            me.drop_carrier(index, Some(generation), why);
+        });
+        self.inner.queued.notify_waiters();
+    }
+
+    /// Marks a carrier dead and puts its unacknowledged frames back at the
+    /// front of the queue, oldest first.
+    fn drop_carrier(&self, index: u8, generation: Option<u64>, why: String) {
+        let mut cs = lock(&self.inner.carriers);
+        let Some(c) = cs.get_mut(&index) else { return };
+        if generation.is_some_and(|g| g != c.generation) || !c.up {
+            return;
+        }
+        c.up = false;
+        c.stats.up = false;
+        c.stats.failures += 1;
+        c.stats.last_failure = Some(why.clone());
+        c.kill.notify_waiters();
+        let frames: Vec<OutFrame> = c.unacked.drain(..).collect();
+        c.inflight = 0;
+        c.stats.frames_requeued += frames.len() as u64;
+        let n = frames.len();
+        drop(cs);
+        if n > 0 {
+            let mut q = lock(&self.inner.queue);
+            for f in frames.into_iter().rev() {
+                q.push_front(f);
+            }
+            self.inner
+                .frames_resent
+                .fetch_add(n as u64, Ordering::Relaxed);
+        }
+        tracing::warn!(carrier = index, reason = %why, requeued = n, "carrier down");
+        self.inner.queued.notify_waiters();
+    }
+
+    fn current(&self, index: u8, generation: u64) -> bool {
+        lock(&self.inner.carriers)
+            .get(&index)
+            .is_some_and(|c| c.up && c.generation == generation)
+    }
+
+    async fn write_carrier(
+        &self,
+        index: u8,
+        generation: u64,
+        mut w: tokio::net::tcp::OwnedWriteHalf,
+    ) -> String {
+        let mut acked_sent = 0u64;
+        let mut ping = 0u64;
+        let mut last_tx = Instant::now();
+        let mut buf = BytesMut::with_capacity(HEADER_LEN * 2);
+        loop {
+            if !self.current(index, generation) {
+                return "superseded".into();
+            }
+            // ACK what arrived on this connection
+            let received = lock(&self.inner.carriers)
+                .get(&index)
+                .map(|c| c.received)
+                .unwrap_or(0);
+            if received != acked_sent {
+                buf.clear();
+                encode_frame(&Header::new(Kind::Ack, 0, received, 0), &[], &mut buf);
+                if let Err(e) = w.write_all(&buf).await {
+                    return format!("write: {e}");
+                }
+                acked_sent = received;
+                last_tx = Instant::now();
+            }
+            // the next frame, if this carrier has room in flight
+            let frame = {
+                let room = lock(&self.inner.carriers)
+                    .get(&index)
+                    .is_some_and(|c| c.inflight < CARRIER_INFLIGHT);
+                if room {
+                    lock(&self.inner.queue).pop_front()
+                } else {
+                    None
+                }
+            };
+            match frame {
+                Some(f) => {
+                    let h = Header::new(f.kind, f.stream, f.id, f.offset);
+                    buf.clear();
+                    encode_header(&h, &f.payload, &mut buf);
+                    let len = f.payload.len();
+                    let payload = f.payload.clone();
+                    {
+                        let mut cs = lock(&self.inner.carriers);
+                        match cs.get_mut(&index) {
+                            Some(c) if c.generation == generation && c.up => {
+                                c.inflight += len.max(1);
+                                c.stats.tx_bytes += len as u64;
+                                c.unacked.push_back(f);
+                            }
+                            _ => {
+                                drop(cs);
+                                lock(&self.inner.queue).push_front(f);
+                                self.inner.queued.notify_waiters();
+                                return "superseded".into();
+                            }
+                        }
+                    }
+                    self.inner.frames_sent.fetch_add(1, Ordering::Relaxed);
+                    if let Err(e) = w.write_all(&buf).await {
+                        return format!("write: {e}");
+                    }
+                    if !payload.is_empty() {
+                        if let Err(e) = w.write_all(&payload).await {
+                            return format!("write: {e}");
+                        }
+                    }
+                    last_tx = Instant::now();
+                }
+                None => {
+                    if last_tx.elapsed() >= HEARTBEAT {
+                        ping += 1;
+                        buf.clear();
+                        encode_frame(&Header::new(Kind::Ping, 0, ping, 0), &[], &mut buf);
+                        if let Err(e) = w.write_all(&buf).await {
+                            return format!("write: {e}");
+                        }
+                        last_tx = Instant::now();
+                    }
+                    let wake = self.inner.queued.notified();
+                    tokio::select! {
+                        _ = wake => {}
+                        _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    async fn read_carrier(
+        &self,
+        index: u8,
+        generation: u64,
+        r: tokio::net::tcp::OwnedReadHalf,
+    ) -> String {
+        let mut r = BufReader::with_capacity(64 << 10, r);
+        loop {
+            let mut head = [0u8; HEADER_LEN];
+            match tokio::time::timeout(DEAD_AFTER, r.read_exact(&mut head)).await {
+                Err(_) => return format!("silent for {} ms", DEAD_AFTER.as_millis()),
+                Ok(Err(e)) => return format!("read: {e}"),
+                Ok(Ok(_)) => {}
+            }
+            let h = match decode_header(&head) {
+                Ok(h) => h,
+                Err(e) => return format!("protocol: {e}"),
+            };
+            let mut payload = BytesMut::zeroed(h.len as usize);
+            if h.len > 0 {
+                match tokio::time::timeout(DEAD_AFTER * 4, r.read_exact(&mut payload)).await {
+                    Err(_) => return "stalled inside a frame".into(),
+                    Ok(Err(e)) => return format!("read: {e}"),
+                    Ok(Ok(_)) => {}
+                }
+            }
+            if let Err(e) = check_crc(&head, &payload) {
+                return format!("protocol: {e}");
+            }
+            if !self.current(index, generation) {
+                return "superseded".into();
+            }
+            match h.kind {
+                Kind::Ping => {}
+                Kind::Ack => self.acked(index, generation, h.id),
+                Kind::Data | Kind::Open | Kind::Fin => {
+                    if let Some(c) = lock(&self.inner.carriers).get_mut(&index) {
+                        c.received += 1;
+                        c.stats.rx_bytes += h.len as u64;
+                    }
+                    // wake the writers so this carrier's ACK goes out now
+                    self.inner.queued.notify_waiters();
+                    if let Err(e) = self.received(h, payload.freeze()) {
+                        self.fail(e);
+                        return "session failed".into();
+                    }
+                }
+            }
+        }
+    }
+
+    fn acked(&self, index: u8, generation: u64, count: u64) {
+        let mut released = 0usize;
+        {
+            let mut cs = lock(&self.inner.carriers);
+            let Some(c) = cs.get_mut(&index) else { return };
+            if c.generation != generation {
+                return;
+            }
+            // the count is cumulative per connection
+            while c.acked_count < count {
+                let Some(f) = c.unacked.pop_front() else {
+                    break;
+                };
+                c.acked_count += 1;
+                c.inflight = c.inflight.saturating_sub(f.payload.len().max(1));
+                released += f.permits as usize;
+            }
+        }
+        if released > 0 {
+            self.inner.replay.add_permits(released);
+        }
+        self.inner.queued.notify_waiters();
+    }
+}
+
+fn error_text(e: &TransportError) -> String {
+    let mut s = e.to_string();
+    let mut cur = std::error::Error::source(e);
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+// ---- streams ----
+
+impl Session {
+    /// Queues a reliable frame, waiting for replay budget first.
+    async fn send_reliable(&self, kind: Kind, stream: u16, offset: u64, payload: Bytes) -> bool {
+        let permits = (payload.len().div_ceil(1024)).max(1) as u32;
+        match self.inner.replay.acquire_many(permits).await {
+            Ok(p) => p.forget(),
+            Err(_) => return false,
+        }
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        lock(&self.inner.queue).push_back(OutFrame {
+            kind,
+            stream,
+            id,
+            offset,
+            payload,
+            permits,
+        });
+        self.inner.queued.notify_waiters();
+        true
+    }
+
+    /// Source: a new QEMU connection becomes a stream.
+    fn open_local_stream(&self, u: UnixStream) {
+        let id = {
+            let mut n = lock(&self.inner.next_stream);
+            if *n >= MAX_STREAMS {
+                drop(n);
+                self.fail(format!(
+                    "QEMU opened more than {MAX_STREAMS} migration connections"
+                ));
+                return;
+            }
+            *n += 1;
+            *n - 1
+        };
+        let me = self.clone();
+        tokio::spawn(async move {
+            if me.send_reliable(Kind::Open, id, 0, Bytes::new()).await {
+                me.run_stream(id, u).await;
+            }
+        });
+    }
+
+    /// Carries one local connection both ways until both directions end.
+    async fn run_stream(&self, id: u16, u: UnixStream) {
+        let (mut ur, mut uw) = u.into_split();
+        let (tx, mut rx) = mpsc::unbounded_channel::<Option<Bytes>>();
+        let buffered = Arc::new(AtomicU64::new(0));
+        {
+            let mut streams = lock(&self.inner.streams_in);
+            let st = streams.entry(id).or_insert_with(StreamIn::new);
+            st.to_local = Some(tx);
+            st.buffered = buffered.clone();
+            // frames that arrived before the local end was connected
+            Self::deliver_ready(st);
+        }
+        let mut closed = self.inner.closed.subscribe();
+        let writer = async {
+            while let Some(item) = rx.recv().await {
+                match item {
+                    Some(b) => {
+                        buffered.fetch_sub(b.len() as u64, Ordering::Relaxed);
+                        if uw.write_all(&b).await.is_err() {
+                            break;
+                        }
+                    }
+                    None => {
+                        let _ = uw.shutdown().await;
+                        break;
+                    }
+                }
+            }
+        };
+        let reader = async {
+            let mut offset = 0u64;
+            loop {
+                let mut buf = BytesMut::with_capacity(MAX_PAYLOAD);
+                match ur.read_buf(&mut buf).await {
+                    Ok(0) | Err(_) => {
+                        self.send_reliable(Kind::Fin, id, offset, Bytes::new())
+                            .await;
+                        break;
+                    }
+                    Ok(n) => {
+                        let b = buf.freeze();
+                        if !self.send_reliable(Kind::Data, id, offset, b).await {
+                            break;
+                        }
+                        offset += n as u64;
+                    }
+                }
+            }
+        };
+        tokio::select! {
+            _ = async { tokio::join!(writer, reader) } => {}
+            _ = closed.changed() => {}
+        }
+    }
+
+    /// Moves a stream's in-order frames to its local writer.
+    fn deliver_ready(st: &mut StreamIn) {
+        let Some(to_local) = &st.to_local else { return };
+        while let Some(b) = st.pending.remove(&st.next) {
+            st.next += b.len() as u64;
+            st.buffered.fetch_add(b.len() as u64, Ordering::Relaxed);
+            let _ = to_local.send(Some(b));
+        }
+        if st.fin == Some(st.next) {
+            let _ = to_local.send(None);
+            st.fin = None;
+        }
+    }
+
+    /// A reliable frame from a carrier.
+    fn received(&self, h: Header, payload: Bytes) -> Result<(), String> {
+        let mut streams = lock(&self.inner.streams_in);
+        let new_stream = !streams.contains_key(&h.stream);
+        if new_stream {
+            // frames wait in `pending` until the local end is connected
+            streams.insert(h.stream, StreamIn::new());
+            if let Some(path) = self.inner.connect_to.clone() {
+                let me = self.clone();
+                let id = h.stream;
+                tokio::spawn(async move {
+                    match UnixStream::connect(&path).await {
+                        Ok(u) => me.run_stream(id, u).await,
+                        Err(e) => {
+                            me.fail(format!("connecting stream {id} to {}: {e}", path.display()))
+                        }
+                    }
+                });
+            }
+        }
+        let Some(st) = streams.get_mut(&h.stream) else {
+            return Ok(());
+        };
+        match h.kind {
+            Kind::Data => {
+                if h.offset >= st.next && !st.pending.contains_key(&h.offset) {
+                    st.pending.insert(h.offset, payload);
+                }
+                Self::deliver_ready(st);
+                if st.buffered.load(Ordering::Relaxed) as usize > STREAM_BUFFER_LIMIT {
+                    return Err(format!(
+                        "stream {} has over {} MiB waiting for its reader",
+                        h.stream,
+                        STREAM_BUFFER_LIMIT >> 20
+                    ));
+                }
+            }
+            Kind::Fin => {
+                st.fin = Some(h.offset);
+                Self::deliver_ready(st);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,300 @@
+//! Sessions end to end over loopback, with a fault-injecting proxy standing
+//! in for a NIC: bytes arrive exactly once and in order across carriers, a
+//! silent or corrupting carrier is dropped and its frames resent on the
+//! other, and a peer with the wrong credential is refused. No privileges.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_transport::Session;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+
+const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
+const LO: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ferry-transport-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A deterministic, non-repeating byte pattern per stream.
+fn pattern(stream: u8, len: usize) -> Vec<u8> {
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15 ^ stream as u64;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+const PASS: u8 = 0;
+const SILENT: u8 = 1;
+const CORRUPT_ONCE: u8 = 2;
+
+/// A TCP proxy for one carrier: passes bytes, drops everything (a cut link), or
+/// flips one byte deep inside the stream once.
+async fn proxy(to: SocketAddr, mode: Arc<AtomicU8>) -> SocketAddr {
+    let l = TcpListener::bind((LO, 0)).await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut a, _)) = l.accept().await else {
+                return;
+            };
+            let mode = mode.clone();
+            tokio::spawn(async move {
+                let Ok(mut b) = TcpStream::connect(to).await else {
+                    return;
+                };
+                let (mut ar, mut aw) = a.split();
+                let (mut br, mut bw) = b.split();
+                let up = async {
+                    let mut buf = vec![0u8; 64 << 10];
+                    let mut seen = 0usize;
+                    loop {
+                        let n = match ar.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        match mode.load(Ordering::SeqCst) {
+                            // a cut link: what is sent is lost
+                            SILENT => continue,
+                            CORRUPT_ONCE if seen > 3 << 20 => {
+                                buf[n / 2] ^= 0x40;
+                                mode.store(PASS, Ordering::SeqCst);
+                            }
+                            _ => {}
+                        }
+                        seen += n;
+                        if bw.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                };
+                let down = async {
+                    let mut buf = vec![0u8; 64 << 10];
+                    loop {
+                        let n = match br.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        if mode.load(Ordering::SeqCst) == SILENT {
+                            continue;
+                        }
+                        if aw.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                };
+                tokio::select! { _ = up => {}, _ = down => {} }
+            });
+        }
+    });
+    addr
+}
+
+struct Pair {
+    source: Session,
+    target: Session,
+    src_sock: PathBuf,
+    qemu: UnixListener,
+    modes: Vec<Arc<AtomicU8>>,
+}
+
+async fn pair(name: &str, carriers: usize, target_secret: &[u8]) -> Pair {
+    let d = tmp(name);
+    let qemu_sock = d.join("qemu.sock");
+    let qemu = UnixListener::bind(&qemu_sock).unwrap();
+    let nics = (0..carriers)
+        .map(|i| (format!("nic{}", i + 1), LO))
+        .collect();
+    let (target, bound) = Session::target([1; 16], target_secret, nics, qemu_sock)
+        .await
+        .unwrap();
+    let mut modes = Vec::new();
+    let mut dial = Vec::new();
+    for (nic, addr) in bound {
+        let m = Arc::new(AtomicU8::new(PASS));
+        dial.push((nic, LO, proxy(addr, m.clone()).await));
+        modes.push(m);
+    }
+    let src_sock = d.join("src.sock");
+    let source = Session::source([1; 16], SECRET, src_sock.clone(), dial)
+        .await
+        .unwrap();
+    Pair {
+        source,
+        target,
+        src_sock,
+        qemu,
+        modes,
+    }
+}
+
+async fn wait_healthy(s: &Session, n: usize) {
+    for _ in 0..100 {
+        if s.stats().healthy == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("never {n} healthy carriers: {:?}", s.stats());
+}
+
+/// Sends `len` bytes on each of `streams` streams and checks what arrives,
+/// running `during` once a third has arrived.
+async fn transfer(p: &Pair, streams: u8, len: usize, during: impl FnOnce() + Send + 'static) {
+    let mut senders = Vec::new();
+    for s in 0..streams {
+        let path = p.src_sock.clone();
+        senders.push(tokio::spawn(async move {
+            let mut u = UnixStream::connect(&path).await.unwrap();
+            // each stream says who it is first, since streams may connect in any order
+            u.write_all(&[s]).await.unwrap();
+            u.write_all(&pattern(s, len)).await.unwrap();
+            u.shutdown().await.unwrap();
+        }));
+    }
+    let mut during = Some(during);
+    let mut receivers = Vec::new();
+    for _ in 0..streams {
+        let (mut u, _) = tokio::time::timeout(Duration::from_secs(10), p.qemu.accept())
+            .await
+            .unwrap()
+            .unwrap();
+        receivers.push(tokio::spawn(async move {
+            let mut got = Vec::with_capacity(len + 1);
+            u.read_to_end(&mut got).await.unwrap();
+            got
+        }));
+    }
+    // watch progress through the target's carrier counters
+    loop {
+        let rx: u64 = p.target.stats().carriers.iter().map(|c| c.rx_bytes).sum();
+        if rx as usize > streams as usize * len / 3 {
+            if let Some(f) = during.take() {
+                f();
+            }
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for s in senders {
+        tokio::time::timeout(Duration::from_secs(60), s)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    for r in receivers {
+        let got = tokio::time::timeout(Duration::from_secs(60), r)
+            .await
+            .unwrap()
+            .unwrap();
+        let s = got[0];
+        assert_eq!(got.len(), len + 1, "stream {s}: length");
+        assert!(got[1..] == pattern(s, len)[..], "stream {s}: bytes differ");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_cross_two_carriers_exactly_once_in_order() {
+    let p = pair("two", 2, SECRET).await;
+    wait_healthy(&p.source, 2).await;
+    transfer(&p, 3, 24 << 20, || {}).await;
+    let st = p.source.stats();
+    assert!(
+        st.carriers.iter().all(|c| c.tx_bytes > 8 << 20),
+        "both carriers carry: {st:?}"
+    );
+    assert_eq!(st.frames_resent, 0);
+    p.source.close();
+    p.target.close();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_carrier_is_dropped_and_its_frames_resent() {
+    let p = pair("silent", 2, SECRET).await;
+    wait_healthy(&p.source, 2).await;
+    let m = p.modes[0].clone();
+    transfer(&p, 2, 24 << 20, move || m.store(SILENT, Ordering::SeqCst)).await;
+    // the streams are complete; the cut carrier is declared dead within DEAD_AFTER
+    // of its last sign of life, and whatever it had in flight is sent again
+    // (the receiver drops the copies it already has)
+    let mut st = p.source.stats();
+    for _ in 0..100 {
+        if st.carriers[0].failures > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        st = p.source.stats();
+    }
+    let dead = &st.carriers[0];
+    assert!(dead.failures >= 1, "{st:?}");
+    assert!(
+        dead.last_failure
+            .as_deref()
+            .unwrap_or("")
+            .contains("silent for 500 ms"),
+        "{st:?}"
+    );
+    assert!(st.frames_resent > 0, "{st:?}");
+    assert!(st.carriers[1].up, "{st:?}");
+    p.source.close();
+    p.target.close();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_frame_never_reaches_the_stream() {
+    let p = pair("corrupt", 2, SECRET).await;
+    wait_healthy(&p.source, 2).await;
+    p.modes[1].store(CORRUPT_ONCE, Ordering::SeqCst);
+    transfer(&p, 2, 24 << 20, || {}).await;
+    let st = p.target.stats();
+    let hit = st
+        .carriers
+        .iter()
+        .find(|c| c.failures > 0)
+        .expect("a carrier saw the corruption");
+    assert!(
+        hit.last_failure
+            .as_deref()
+            .unwrap_or("")
+            .contains("checksum mismatch"),
+        "{st:?}"
+    );
+    assert!(p.source.stats().frames_resent > 0);
+    // the source re-dialled the carrier after the target closed it
+    assert!(
+        p.source.stats().carriers[1].connects >= 2,
+        "{:?}",
+        p.source.stats()
+    );
+    p.source.close();
+    p.target.close();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_with_the_wrong_credential_is_refused() {
+    let p = pair("cred", 1, b"a-different-cluster-credential!!").await;
+    for _ in 0..100 {
+        if p.source.failure().is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let why = p.source.failure().expect("the source gives up");
+    assert!(why.contains("credential"), "{why}");
+    assert_eq!(p.target.stats().healthy, 0);
+    assert_eq!(p.source.stats().healthy, 0);
+}
