@@ -241,11 +241,11 @@ async fn a_silent_carrier_is_dropped_and_its_frames_resent() {
     }
     let dead = &st.carriers[0];
     assert!(dead.failures >= 1, "{st:?}");
+    // either end notices first: the source by silence, or by the target
+    // closing the carrier once it noticed
+    let why = dead.last_failure.clone().unwrap_or_default();
     assert!(
-        dead.last_failure
-            .as_deref()
-            .unwrap_or("")
-            .contains("silent for 500 ms"),
+        why.contains("silent for 500 ms") || why.contains("eof"),
         "{st:?}"
     );
     assert!(st.frames_resent > 0, "{st:?}");
