@@ -10,6 +10,7 @@
 //! | POST | /vms/{name}/migrate | move (body: `MigrateRequest`), NDJSON events |
 //! | POST | /incoming | target: reserve + skeleton (body: `IncomingRequest`) |
 //! | GET/DELETE | /incoming/{id} | target: status / discard |
+//! | POST | /incoming/{id}/running | target: wait until the guest runs |
 //! | POST | /incoming/{id}/commit | target: final check and adopt |
 //! | GET | /validate/facts | NICs, CPU power, queues, RDMA as seen here |
 //! | POST | /validate/path | largest don't-fragment packet to a peer |
@@ -89,6 +90,13 @@ async fn incoming_status(
     Ok(Json(a.incoming_status(&id).await?))
 }
 
+async fn incoming_running(
+    State(a): State<Arc<Agent>>,
+    Path(id): Path<String>,
+) -> R<ferry_api::IncomingStatus> {
+    Ok(Json(a.incoming_running(&id).await?))
+}
+
 async fn incoming_commit(
     State(a): State<Arc<Agent>>,
     Path(id): Path<String>,
@@ -144,6 +152,7 @@ pub fn router(agent: Arc<Agent>) -> Router {
             "/incoming/{id}",
             get(incoming_status).delete(incoming_abort),
         )
+        .route("/incoming/{id}/running", post(incoming_running))
         .route("/incoming/{id}/commit", post(incoming_commit))
         .route("/validate/facts", get(facts))
         .route("/validate/path", post(probe_path))

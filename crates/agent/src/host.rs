@@ -39,6 +39,8 @@ pub struct VmSlot {
     pub qemu: Option<Arc<QemuVm>>,
     /// An outgoing migration is under way.
     pub migrating: bool,
+    /// A skeleton's transport session (multichannel), closed with it.
+    pub transport: Option<ferry_transport::Session>,
 }
 
 #[derive(Default)]
@@ -103,6 +105,7 @@ impl Agent {
                 role,
                 qemu: None,
                 migrating: false,
+                transport: None,
             },
         );
         Ok(())

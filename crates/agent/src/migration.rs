@@ -38,6 +38,7 @@ use crate::datapath::{DataPath, QemuTcp};
 use crate::host::{check, error_chain, nics, Agent, Role, VmSlot};
 use crate::qemu::{self, QemuVm};
 use crate::qmp::MigrationParameters;
+use ferry_api::{CarrierEndpoint, CarrierReport, MigrationOption};
 
 /// No byte moved for this long: the data path is down.
 pub const STALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -45,7 +46,7 @@ pub const STALL_TIMEOUT: Duration = Duration::from_secs(5);
 pub const TARGET_POLL_FAILURES: u32 = 2;
 /// Downtime QEMU may use for the blackout.
 pub const DOWNTIME_LIMIT_MS: u64 = 300;
-const POLL: Duration = Duration::from_millis(250);
+const POLL: Duration = Duration::from_millis(100);
 
 /// Time allowed for the copy: a base plus a budget per GiB of guest memory.
 pub fn copy_deadline(memory: u64) -> Duration {
@@ -82,6 +83,50 @@ impl Events {
         })
         .await;
     }
+}
+
+/// How the migration's bytes travel.
+enum Plan {
+    /// QEMU's own TCP stream to the target QEMU over one NIC.
+    Tcp { uri: String, nic: String },
+    /// QEMU multifd into a local socket, carried by Ferry's transport.
+    Multichannel {
+        session: ferry_transport::Session,
+        sock: std::path::PathBuf,
+    },
+}
+
+/// Multifd channels per multichannel migration (streams over the carriers).
+pub const MULTIFD_CHANNELS: u64 = 4;
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<[u8; 16]> {
+    let mut out = [0u8; 16];
+    if s.len() != 32 {
+        return None;
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+fn delta(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> BTreeMap<String, u64> {
+    after
+        .iter()
+        .map(|(n, a)| (n.clone(), a.saturating_sub(*before.get(n).unwrap_or(a))))
+        .collect()
+}
+
+/// Payload bytes per NIC from a session's carriers.
+fn carrier_bytes(st: &ferry_transport::SessionStats) -> BTreeMap<String, u64> {
+    st.carriers
+        .iter()
+        .map(|c| (c.nic.clone(), c.tx_bytes))
+        .collect()
 }
 
 fn nic_tx() -> BTreeMap<String, u64> {
@@ -162,7 +207,6 @@ impl Agent {
         ev: &Events,
         started: Instant,
     ) -> Result<MigrationReport, Failure> {
-        let datapath = QemuTcp;
         // 1. establish
         let target = Client::new(
             &format!("agent {}", req.target),
@@ -212,12 +256,25 @@ impl Agent {
             ),
         )
         .await;
-        let fabrics_up = nics().iter().filter(|n| n.up).map(|n| n.fabric).collect();
+        let fabrics_up: Vec<u32> = nics().iter().filter(|n| n.up).map(|n| n.fabric).collect();
+        let shared = tinfo
+            .nics
+            .iter()
+            .filter(|n| n.up && fabrics_up.contains(&n.fabric))
+            .count();
+        let option = match req.option {
+            MigrationOption::Auto if shared > 1 => MigrationOption::Multichannel,
+            MigrationOption::Auto => MigrationOption::Tcp,
+            o => o,
+        };
+        let session: [u8; 16] = rand::random();
         let incoming = IncomingRequest {
             migration_id: id.into(),
             source: self.cfg.name.clone(),
             spec: spec.clone(),
             source_fabrics_up: fabrics_up,
+            option,
+            session: Some(hex(&session)),
         };
         let reply: IncomingReply = target
             .post("/incoming", &incoming, Duration::from_secs(30))
@@ -230,25 +287,81 @@ impl Agent {
                 },
                 e => fail("skeleton", e.to_string()),
             })?;
+        let waits_on = if reply.carriers.is_empty() {
+            format!("{} ({})", reply.uri, reply.nic)
+        } else {
+            let c: Vec<String> = reply
+                .carriers
+                .iter()
+                .map(|c| format!("{} {}", c.nic, c.address))
+                .collect();
+            format!("a local socket; carriers accepted on {}", c.join(", "))
+        };
         ev.step(
             "skeleton",
-            format!(
-                "QEMU on {} waits on {} ({})",
-                req.target, reply.uri, reply.nic
-            ),
+            format!("QEMU on {} waits on {waits_on}", req.target),
         )
         .await;
 
+        let plan = match option {
+            MigrationOption::Multichannel => {
+                let sock = vm.dir.join(format!("out-{id}.sock"));
+                let mine = nics();
+                let carriers = reply
+                    .carriers
+                    .iter()
+                    .filter_map(|c| {
+                        let n = mine.iter().find(|n| n.fabric == c.fabric)?;
+                        Some((
+                            n.name.clone(),
+                            n.address.parse().ok()?,
+                            c.address.parse().ok()?,
+                        ))
+                    })
+                    .collect::<Vec<_>>();
+                if carriers.is_empty() {
+                    self.roll_back(id, vm, &target, None).await;
+                    return Err(fail("connection", "no NIC pair to carry the migration"));
+                }
+                match ferry_transport::Session::source(
+                    session,
+                    self.cred.secret(),
+                    sock.clone(),
+                    carriers,
+                )
+                .await
+                {
+                    Ok(s) => Plan::Multichannel { session: s, sock },
+                    Err(e) => {
+                        self.roll_back(id, vm, &target, None).await;
+                        return Err(fail("connection", error_chain(&e)));
+                    }
+                }
+            }
+            _ => Plan::Tcp {
+                uri: reply.uri.clone(),
+                nic: reply.nic.clone(),
+            },
+        };
         let result = self
-            .transfer(id, spec, vm, &target, &reply, ev, &datapath, started)
+            .transfer(id, spec, vm, &target, &reply, ev, &plan, started)
             .await;
-        match result {
+        let session = match &plan {
+            Plan::Multichannel { session, .. } => Some(session),
+            Plan::Tcp { .. } => None,
+        };
+        let outcome = match result {
             Ok(report) => Ok(report),
             Err(f) => {
-                self.roll_back(id, vm, &target).await;
+                self.roll_back(id, vm, &target, session).await;
                 Err(f)
             }
+        };
+        if let Plan::Multichannel { session, sock } = &plan {
+            session.close();
+            let _ = std::fs::remove_file(sock);
         }
+        outcome
     }
 
     /// Steps 5-10; on error the caller rolls back.
@@ -261,31 +374,59 @@ impl Agent {
         target: &Client,
         reply: &IncomingReply,
         ev: &Events,
-        datapath: &dyn DataPath,
+        plan: &Plan,
         started: Instant,
     ) -> Result<MigrationReport, Failure> {
         // 5. connection
         let qmp = &vm.qmp;
         let q = |step: &'static str| move |e: crate::qmp::QmpError| fail(step, error_chain(&e));
+        let multifd = matches!(plan, Plan::Multichannel { .. });
+        qmp.set_capabilities(&[("multifd", multifd)])
+            .await
+            .map_err(q("connection"))?;
         qmp.set_parameters(MigrationParameters {
             // Ferry paces migrations itself; QEMU's 128 MiB/s default would cap fast links
             max_bandwidth: Some(100 << 30),
             downtime_limit: Some(DOWNTIME_LIMIT_MS),
+            multifd_channels: multifd.then_some(MULTIFD_CHANNELS),
+            ..Default::default()
         })
         .await
         .map_err(q("connection"))?;
         let tx_before = nic_tx();
-        qmp.migrate(&reply.uri).await.map_err(q("connection"))?;
-        ev.step(
-            "connection",
-            format!(
-                "{} stream to {} over {}",
-                datapath.name(),
-                reply.uri,
-                reply.nic
+        let (uri, detail) = match plan {
+            Plan::Tcp { uri, nic } => (
+                uri.clone(),
+                format!("QEMU's TCP stream to {uri} over {nic}"),
             ),
-        )
-        .await;
+            Plan::Multichannel { session, sock } => {
+                // carriers come up in the background; give them a moment so the
+                // first frames do not all go to whichever dialled first
+                for _ in 0..20 {
+                    if session.stats().healthy == reply.carriers.len() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(25)).await;
+                }
+                let names: Vec<String> = session
+                    .stats()
+                    .carriers
+                    .iter()
+                    .map(|c| c.nic.clone())
+                    .collect();
+                (
+                    format!("unix:{}", sock.display()),
+                    format!(
+                        "Ferry transport over {} ({} up), {MULTIFD_CHANNELS} multifd channels",
+                        names.join(", "),
+                        session.stats().healthy
+                    ),
+                )
+            }
+        };
+        let t_migrate = Instant::now();
+        qmp.migrate(&uri).await.map_err(q("connection"))?;
+        ev.step("connection", detail).await;
 
         // 6-8. copy, iterate, blackout
         let deadline = Instant::now() + copy_deadline(spec.memory);
@@ -295,6 +436,7 @@ impl Agent {
         let mut target_failures = 0u32;
         let mut last_target_poll = Instant::now();
         let (mut copy_seen, mut iterate_seen, mut blackout_seen) = (false, false, false);
+        let mut carriers_up_seen = None;
         let info = loop {
             tokio::time::sleep(POLL).await;
             let info = qmp.query_migrate().await.map_err(q("copy"))?;
@@ -303,13 +445,8 @@ impl Agent {
             match status.as_str() {
                 "completed" => break info,
                 "failed" => {
-                    return Err(fail(
-                        "copy",
-                        format!(
-                            "QEMU: {}",
-                            info.error_desc.unwrap_or_else(|| "failed".into())
-                        ),
-                    ))
+                    let why = info.error_desc.unwrap_or_else(|| "failed".into());
+                    return Err(fail("copy", format!("QEMU: {why}")));
                 }
                 "cancelled" | "cancelling" => {
                     return Err(fail("copy", "QEMU cancelled the migration"))
@@ -321,28 +458,24 @@ impl Agent {
                 last_transferred = ram.transferred;
                 last_change = now;
             } else if now - last_change > STALL_TIMEOUT {
+                let path = match plan {
+                    Plan::Tcp { nic, .. } => format!("the data path over {nic} is down"),
+                    Plan::Multichannel { .. } => "every carrier is down".to_string(),
+                };
                 return Err(fail(
                     "copy",
-                    format!(
-                        "no bytes moved for {} s: the data path over {} is down",
-                        STALL_TIMEOUT.as_secs(),
-                        reply.nic
-                    ),
+                    format!("no bytes moved for {} s: {path}", STALL_TIMEOUT.as_secs()),
                 ));
             }
             if now > deadline {
-                return Err(fail(
-                    "copy",
-                    format!(
-                        "not converged within {} s",
-                        copy_deadline(spec.memory).as_secs()
-                    ),
-                ));
+                let secs = copy_deadline(spec.memory).as_secs();
+                return Err(fail("copy", format!("not converged within {secs} s")));
             }
             if now - last_target_poll >= Duration::from_secs(1) {
                 last_target_poll = now;
+                let path = format!("/incoming/{id}");
                 match target
-                    .get::<IncomingStatus>(&format!("/incoming/{id}"), Duration::from_secs(2))
+                    .get::<IncomingStatus>(&path, Duration::from_secs(2))
                     .await
                 {
                     Ok(s) if !s.qemu_alive => return Err(fail("copy", "the target QEMU exited")),
@@ -382,6 +515,36 @@ impl Agent {
             let dt = (now - last_sample.0).as_secs_f64().max(1e-3);
             let throughput = ram.transferred.saturating_sub(last_sample.1) as f64 / dt;
             last_sample = (now, ram.transferred);
+            let (nic_tx_bytes, carriers_up) = match plan {
+                Plan::Tcp { .. } => (delta(&tx_before, &nic_tx()), None),
+                Plan::Multichannel { session, .. } => {
+                    if let Some(why) = session.failure() {
+                        return Err(fail("copy", format!("transport: {why}")));
+                    }
+                    let st = session.stats();
+                    (carrier_bytes(&st), Some(st.healthy))
+                }
+            };
+            // a lost NIC: tell QEMU the bandwidth it really has now, so the
+            // switch-over it plans still fits the downtime target
+            if let (Some(up), Some(before)) = (carriers_up, carriers_up_seen) {
+                if up < before && throughput > 0.0 {
+                    let now_bw = (throughput * up as f64 / before as f64) as u64;
+                    let _ = qmp
+                        .set_parameters(MigrationParameters {
+                            avail_switchover_bandwidth: Some(now_bw.max(1 << 20)),
+                            ..Default::default()
+                        })
+                        .await;
+                    ev.send(MigrationEvent::Warning {
+                        message: format!("a carrier went down: {up} of {before} up; QEMU told to plan switch-over at {} MB/s", now_bw >> 20),
+                    })
+                    .await;
+                }
+            }
+            if carriers_up.is_some() {
+                carriers_up_seen = carriers_up;
+            }
             let page = if ram.page_size == 0 {
                 4096
             } else {
@@ -399,12 +562,19 @@ impl Agent {
                 expected_downtime_ms: info.expected_downtime,
                 eta_ms: (throughput > 0.0)
                     .then(|| (ram.remaining as f64 / throughput * 1000.0) as u64),
+                nic_tx_bytes,
+                carriers_up,
             }))
             .await;
         };
-        let tx_after = nic_tx();
         let downtime_ms = info.downtime.unwrap_or(0);
         let ram = info.ram.clone().unwrap_or_default();
+        // the carriers as they were when QEMU finished (the target closes its
+        // end once the guest runs there)
+        let carriers_at_end = match plan {
+            Plan::Multichannel { session, .. } => Some(session.stats()),
+            Plan::Tcp { .. } => None,
+        };
         if !blackout_seen {
             ev.step(
                 "blackout",
@@ -412,13 +582,25 @@ impl Agent {
             )
             .await;
         }
+        // the target runs once every byte has arrived and loaded: time it from here
+        let t_completed = Instant::now();
+        target
+            .post::<_, serde_json::Value>(
+                &format!("/incoming/{id}/running"),
+                &serde_json::json!({}),
+                Duration::from_secs(30),
+            )
+            .await
+            .map_err(|e| fail("final-check", e.to_string()))?;
+        let t_running = Instant::now();
         let tick_before = ferry_lab::console::parse_log(
             &ferry_lab::console::read_tail(&vm.console_path(), 64 << 10).unwrap_or_default(),
         )
         .last
         .map(|t| t.tick);
 
-        // 9. final check on the target before the source is stopped
+        // 9. final check on the target before the source is stopped (the
+        // transport keeps carrying until the target QEMU has everything)
         let check: CheckResult = target
             .post(
                 &format!("/incoming/{id}/commit"),
@@ -435,17 +617,14 @@ impl Agent {
                 ));
             }
         }
-        ev.step(
-            "final-check",
-            format!(
-                "{} runs the guest: counter {}→{}, {} integrity errors",
-                check.host,
-                check.tick_first.unwrap_or(0),
-                check.tick_last.unwrap_or(0),
-                check.errors
-            ),
-        )
-        .await;
+        let detail = format!(
+            "{} runs the guest: counter {}→{}, {} integrity errors",
+            check.host,
+            check.tick_first.unwrap_or(0),
+            check.tick_last.unwrap_or(0),
+            check.errors
+        );
+        ev.step("final-check", detail).await;
 
         // 10. cleanup on the source
         if let Some(q) = self.release(&spec.name).await {
@@ -458,33 +637,71 @@ impl Agent {
         )
         .await;
 
-        let nic_tx_bytes = tx_after
-            .iter()
-            .map(|(n, after)| {
-                (
-                    n.clone(),
-                    after.saturating_sub(*tx_before.get(n).unwrap_or(after)),
-                )
-            })
-            .collect();
         let qemu_total_ms = info.total_time.unwrap_or(0);
+        // rates over the time until the target ran: QEMU's own total ends when
+        // the last byte is handed to the data path, not when it has arrived
+        let transfer_ms = (t_running - t_migrate).as_millis() as u64;
+        let per_sec = |b: u64| {
+            if transfer_ms > 0 {
+                b as f64 * 1000.0 / transfer_ms as f64
+            } else {
+                0.0
+            }
+        };
+        let (option, data_path, nic_tx_bytes, carriers, frames_resent) = match plan {
+            Plan::Tcp { .. } => (
+                "tcp",
+                "qemu-tcp",
+                delta(&tx_before, &nic_tx()),
+                Vec::new(),
+                0,
+            ),
+            Plan::Multichannel { session, .. } => {
+                let st = carriers_at_end.unwrap_or_else(|| session.stats());
+                let carriers = st
+                    .carriers
+                    .iter()
+                    .map(|c| CarrierReport {
+                        nic: c.nic.clone(),
+                        up: c.up,
+                        tx_bytes: c.tx_bytes,
+                        connects: c.connects,
+                        failures: c.failures,
+                        frames_requeued: c.frames_requeued,
+                        last_failure: c.last_failure.clone(),
+                    })
+                    .collect();
+                (
+                    "multichannel",
+                    "ferry-transport",
+                    carrier_bytes(&st),
+                    carriers,
+                    st.frames_resent,
+                )
+            }
+        };
         Ok(MigrationReport {
             vm: spec.name.clone(),
             from: self.cfg.name.clone(),
             to: check.host.clone(),
             status: "completed".into(),
-            data_path: datapath.name().into(),
+            data_path: data_path.into(),
+            option: option.into(),
             total_ms: started.elapsed().as_millis() as u64,
             qemu_total_ms,
+            transfer_ms,
+            switchover_ms: (t_running - t_completed).as_millis() as u64,
             setup_ms: info.setup_time.unwrap_or(0),
             downtime_ms,
             bytes_transferred: ram.transferred,
-            throughput: if qemu_total_ms > 0 {
-                ram.transferred as f64 * 1000.0 / qemu_total_ms as f64
-            } else {
-                0.0
-            },
+            throughput: per_sec(ram.transferred),
+            nic_rates: nic_tx_bytes
+                .iter()
+                .map(|(n, b)| (n.clone(), per_sec(*b)))
+                .collect(),
             nic_tx_bytes,
+            carriers,
+            frames_resent,
             rounds: ram.dirty_sync_count,
             tick_before,
             check,
@@ -493,9 +710,19 @@ impl Agent {
 
     /// Cancels QEMU's migration, discards the target's skeleton, and makes
     /// sure the guest runs on this host again.
-    async fn roll_back(&self, id: &str, vm: &Arc<QemuVm>, target: &Client) {
+    async fn roll_back(
+        &self,
+        id: &str,
+        vm: &Arc<QemuVm>,
+        target: &Client,
+        session: Option<&ferry_transport::Session>,
+    ) {
         let qmp = &vm.qmp;
         let _ = qmp.migrate_cancel().await;
+        // QEMU's sockets end at this agent, so cancelling never waits on a dead link
+        if let Some(s) = session {
+            s.close();
+        }
         for _ in 0..40 {
             match qmp.query_migrate().await.ok().and_then(|i| i.status) {
                 Some(s) if s == "active" || s == "cancelling" || s == "device" || s == "setup" => {
@@ -529,16 +756,35 @@ impl Agent {
     /// the chosen NIC, and report where the source should send.
     pub async fn prepare_incoming(&self, req: IncomingRequest) -> Result<IncomingReply, ApiError> {
         let datapath = QemuTcp;
-        let nic = nics()
+        let usable: Vec<_> = nics()
             .into_iter()
             .filter(|n| n.up && req.source_fabrics_up.contains(&n.fabric))
+            .collect();
+        let nic = usable
+            .iter()
             .min_by_key(|n| n.fabric)
+            .cloned()
             .ok_or_else(|| {
                 ApiError::unavailable(
                     format!("a migration path from {} to {}", req.source, self.cfg.name),
                     "no fabric has a NIC up on both hosts",
                 )
             })?;
+        let multichannel = match req.option {
+            MigrationOption::Tcp => None,
+            MigrationOption::Multichannel => {
+                let id = req.session.as_deref().and_then(unhex).ok_or_else(|| {
+                    ApiError::invalid("session", "multichannel needs a 32-hex-digit session id")
+                })?;
+                Some(id)
+            }
+            MigrationOption::Auto => {
+                return Err(ApiError::invalid(
+                    "option",
+                    "the source resolves auto before asking",
+                ))
+            }
+        };
         let role = Role::Incoming {
             migration_id: req.migration_id.clone(),
             source: req.source.clone(),
@@ -557,36 +803,91 @@ impl Agent {
                 slot.qemu = Some(vm.clone());
             }
             let qerr = |e: crate::qmp::QmpError| ApiError::internal(error_chain(&e));
+            let Some(session_id) = multichannel else {
+                vm.qmp
+                    .migrate_incoming(&datapath.incoming_uri(&nic.address))
+                    .await
+                    .map_err(qerr)?;
+                let info = vm.qmp.query_migrate().await.map_err(qerr)?;
+                let port = info
+                    .socket_address
+                    .unwrap_or_default()
+                    .into_iter()
+                    .find_map(|a| a.port)
+                    .ok_or_else(|| ApiError::internal("QEMU did not report its listening port"))?;
+                return Ok::<_, ApiError>((datapath.source_uri(&nic.address, &port), Vec::new()));
+            };
+            // multichannel: QEMU listens on a local socket; carriers end here
             vm.qmp
-                .migrate_incoming(&datapath.incoming_uri(&nic.address))
+                .set_capabilities(&[("multifd", true)])
                 .await
                 .map_err(qerr)?;
-            let info = vm.qmp.query_migrate().await.map_err(qerr)?;
-            let port = info
-                .socket_address
-                .unwrap_or_default()
+            vm.qmp
+                .set_parameters(MigrationParameters {
+                    multifd_channels: Some(MULTIFD_CHANNELS),
+                    ..Default::default()
+                })
+                .await
+                .map_err(qerr)?;
+            let sock = dir.join("incoming.sock");
+            vm.qmp
+                .migrate_incoming(&format!("unix:{}", sock.display()))
+                .await
+                .map_err(qerr)?;
+            let listen: Vec<(String, std::net::IpAddr)> = usable
+                .iter()
+                .filter_map(|n| Some((n.name.clone(), n.address.parse().ok()?)))
+                .collect();
+            let (session, bound) =
+                ferry_transport::Session::target(session_id, self.cred.secret(), listen, sock)
+                    .await
+                    .map_err(|e| ApiError::internal(error_chain(&e)))?;
+            if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
+                slot.transport = Some(session);
+            }
+            let carriers = bound
                 .into_iter()
-                .find_map(|a| a.port)
-                .ok_or_else(|| ApiError::internal("QEMU did not report its listening port"))?;
-            Ok::<_, ApiError>(datapath.source_uri(&nic.address, &port))
+                .filter_map(|(name, addr)| {
+                    let fabric = usable.iter().find(|n| n.name == name)?.fabric;
+                    Some(CarrierEndpoint {
+                        fabric,
+                        nic: name,
+                        address: addr.to_string(),
+                    })
+                })
+                .collect();
+            Ok(("ferry-transport".to_string(), carriers))
         }
         .await;
         match started {
-            Ok(uri) => {
+            Ok((uri, carriers)) => {
                 tracing::info!(vm = %req.spec.name, source = %req.source, %uri, "skeleton waiting");
                 Ok(IncomingReply {
                     migration_id: req.migration_id,
                     uri,
                     fabric: nic.fabric,
                     nic: nic.name,
+                    carriers,
                 })
             }
             Err(e) => {
-                if let Some(q) = self.release(&req.spec.name).await {
-                    q.kill().await;
-                }
+                self.discard(&req.spec.name).await;
                 let _ = std::fs::remove_dir_all(&dir);
                 Err(e)
+            }
+        }
+    }
+
+    /// Drops a skeleton: its transport session, its QEMU, its reservation.
+    async fn discard(&self, name: &str) {
+        let slot = self.state.lock().await.vms.remove(name);
+        if let Some(slot) = slot {
+            if let Some(t) = slot.transport {
+                t.close();
+            }
+            if let Some(q) = slot.qemu {
+                q.kill().await;
+                let _ = std::fs::remove_dir_all(&q.dir);
             }
         }
     }
@@ -618,6 +919,39 @@ impl Agent {
             qemu_status: status,
             qemu_alive: alive,
         })
+    }
+
+    /// Waits until the target guest runs (QEMU starts it once everything is loaded).
+    pub async fn incoming_running(&self, id: &str) -> Result<IncomingStatus, ApiError> {
+        let (_, q) = self.incoming_slot(id).await?;
+        let q = q.ok_or_else(|| ApiError::Conflict {
+            reason: "skeleton QEMU is still starting".into(),
+        })?;
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if !q.alive().await {
+                return Err(ApiError::internal("the target QEMU exited"));
+            }
+            match q.qmp.status().await {
+                Ok(s) if s.running => {
+                    return Ok(IncomingStatus {
+                        migration_id: id.into(),
+                        qemu_status: s.status,
+                        qemu_alive: true,
+                    })
+                }
+                Ok(s) if Instant::now() > deadline => {
+                    return Err(ApiError::internal(format!(
+                        "guest not running on the target: {}",
+                        s.status
+                    )))
+                }
+                Err(e) if Instant::now() > deadline => {
+                    return Err(ApiError::internal(error_chain(&e)))
+                }
+                _ => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        }
     }
 
     /// Step 9 on the target: wait for the guest to run, check it, adopt it.
@@ -654,11 +988,16 @@ impl Agent {
         }
         let mut st = self.state.lock().await;
         if let Some(slot) = st.vms.get_mut(&name) {
+            // the guest runs: everything has arrived, the carriers can go
+            if let Some(t) = slot.transport.take() {
+                t.close();
+            }
             *slot = VmSlot {
                 spec: slot.spec.clone(),
                 role: Role::Running,
                 qemu: Some(q),
                 migrating: false,
+                transport: None,
             };
         }
         tracing::info!(vm = %name, "migration committed; vm runs here");
@@ -668,10 +1007,7 @@ impl Agent {
     /// Discards a skeleton (the source rolled back).
     pub async fn abort_incoming(&self, id: &str) -> Result<(), ApiError> {
         let (name, _) = self.incoming_slot(id).await?;
-        if let Some(q) = self.release(&name).await {
-            q.kill().await;
-            let _ = std::fs::remove_dir_all(&q.dir);
-        }
+        self.discard(&name).await;
         tracing::info!(vm = %name, migration = id, "skeleton discarded");
         Ok(())
     }

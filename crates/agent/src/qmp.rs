@@ -129,6 +129,11 @@ pub struct MigrationParameters {
     pub max_bandwidth: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub downtime_limit: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub multifd_channels: Option<u64>,
+    /// Bytes per second QEMU may assume for the switch-over (QEMU ≥ 8.2).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub avail_switchover_bandwidth: Option<u64>,
 }
 qmp_command!(MigrationParameters, "migrate-set-parameters", qapi::Empty);
 

@@ -197,6 +197,31 @@ fn default_throughput_ms() -> u64 {
 #[serde(deny_unknown_fields)]
 pub struct MoveRequest {
     pub to: String,
+    #[serde(default)]
+    pub option: MigrationOption,
+}
+
+/// The performance options of seed 001, for Linux.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MigrationOption {
+    /// QEMU's own single TCP stream over one NIC.
+    Tcp,
+    /// QEMU multifd over Ferry's transport on every healthy NIC.
+    Multichannel,
+    /// Multichannel when more than one NIC pair is healthy, else tcp.
+    #[default]
+    Auto,
+}
+
+impl MigrationOption {
+    pub fn name(self) -> &'static str {
+        match self {
+            MigrationOption::Tcp => "tcp",
+            MigrationOption::Multichannel => "multichannel",
+            MigrationOption::Auto => "auto",
+        }
+    }
 }
 
 /// Source agent: move one of your VMs to the agent at `target_url`.
@@ -205,6 +230,8 @@ pub struct MoveRequest {
 pub struct MigrateRequest {
     pub target: String,
     pub target_url: String,
+    #[serde(default)]
+    pub option: MigrationOption,
 }
 
 /// Target agent: reserve memory and start a skeleton VM waiting for a migration.
@@ -216,6 +243,12 @@ pub struct IncomingRequest {
     pub spec: VmSpec,
     /// Fabrics on which the source has a NIC up; the target picks one it has up too.
     pub source_fabrics_up: Vec<u32>,
+    /// `tcp` or `multichannel` (never `auto`: the source decides).
+    #[serde(default)]
+    pub option: MigrationOption,
+    /// Multichannel: the transport session id (32 hex digits).
+    #[serde(default)]
+    pub session: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -225,6 +258,29 @@ pub struct IncomingReply {
     pub uri: String,
     pub fabric: u32,
     pub nic: String,
+    /// Multichannel: the target's carrier listeners, one per NIC.
+    #[serde(default)]
+    pub carriers: Vec<CarrierEndpoint>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CarrierEndpoint {
+    pub fabric: u32,
+    pub nic: String,
+    /// `address:port`
+    pub address: String,
+}
+
+/// One carrier of a multichannel migration, as the source saw it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CarrierReport {
+    pub nic: String,
+    pub up: bool,
+    pub tx_bytes: u64,
+    pub connects: u64,
+    pub failures: u64,
+    pub frames_requeued: u64,
+    pub last_failure: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -251,6 +307,12 @@ pub struct MigrationProgress {
     pub rounds: u64,
     pub expected_downtime_ms: Option<u64>,
     pub eta_ms: Option<u64>,
+    /// Bytes sent so far per NIC (carriers' payload bytes, or the NIC counter for tcp).
+    #[serde(default)]
+    pub nic_tx_bytes: BTreeMap<String, u64>,
+    /// Carriers up now (multichannel).
+    #[serde(default)]
+    pub carriers_up: Option<usize>,
 }
 
 /// The final report of a completed migration.
@@ -261,16 +323,31 @@ pub struct MigrationReport {
     pub to: String,
     pub status: String,
     pub data_path: String,
+    /// The performance option used (`tcp`, `multichannel`).
+    pub option: String,
     pub total_ms: u64,
-    /// Time inside QEMU's migration (setup to completion).
+    /// Time inside QEMU's migration (setup to completion): ends when QEMU has
+    /// handed its last byte to the data path.
     pub qemu_total_ms: u64,
+    /// From QEMU's `migrate` to the target guest running: every byte arrived.
+    pub transfer_ms: u64,
+    /// From the source seeing QEMU complete to the target guest running: the
+    /// delivery of what was still in flight plus the target's load (measured on
+    /// the source's clock; QEMU is polled every 100 ms, so up to that is missed).
+    pub switchover_ms: u64,
     pub setup_ms: u64,
     pub downtime_ms: u64,
     pub bytes_transferred: u64,
-    /// Average bytes per second over QEMU's migration time.
+    /// Average bytes per second over `transfer_ms`.
     pub throughput: f64,
     /// Bytes sent per source NIC during the migration.
     pub nic_tx_bytes: BTreeMap<String, u64>,
+    /// Average bytes per second per NIC over `transfer_ms`.
+    pub nic_rates: BTreeMap<String, f64>,
+    /// Multichannel: each carrier.
+    pub carriers: Vec<CarrierReport>,
+    /// Multichannel: frames sent again after their carrier died.
+    pub frames_resent: u64,
     pub rounds: u64,
     /// The guest's counter on the source just after the switch-over.
     pub tick_before: Option<u64>,

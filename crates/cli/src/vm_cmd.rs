@@ -8,8 +8,8 @@ use ferry_api::size::{human_bytes, parse_size};
 use ferry_api::validation::{CheckStatus, ValidationReport};
 use ferry_api::ValidateRequest;
 use ferry_api::{
-    ApiError, CheckResult, HostEntry, MigrationEvent, MigrationReport, MoveRequest,
-    VmCreateRequest, VmInfo, VmSpec,
+    ApiError, CheckResult, HostEntry, MigrationEvent, MigrationOption, MigrationReport,
+    MoveRequest, VmCreateRequest, VmInfo, VmSpec,
 };
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -62,10 +62,31 @@ pub enum VmCmd {
         name: String,
         #[arg(long)]
         to: String,
+        /// Performance option: tcp (QEMU's one stream, one NIC), multichannel
+        /// (every healthy NIC through Ferry's transport), auto.
+        #[arg(long, value_enum, default_value = "auto")]
+        option: OptionArg,
         /// Print NDJSON events instead of a progress bar.
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum OptionArg {
+    Tcp,
+    Multichannel,
+    Auto,
+}
+
+impl From<OptionArg> for MigrationOption {
+    fn from(o: OptionArg) -> Self {
+        match o {
+            OptionArg::Tcp => MigrationOption::Tcp,
+            OptionArg::Multichannel => MigrationOption::Multichannel,
+            OptionArg::Auto => MigrationOption::Auto,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -208,8 +229,13 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             println!("vm {name} removed");
             Ok(0)
         }
-        VmCmd::Move { name, to, json } => {
-            let outcome = move_vm(&c, name, to, *json).await?;
+        VmCmd::Move {
+            name,
+            to,
+            option,
+            json,
+        } => {
+            let outcome = move_vm(&c, name, to, (*option).into(), *json).await?;
             match outcome {
                 Ok(report) => {
                     if !*json {
@@ -254,12 +280,16 @@ pub async fn move_vm(
     c: &Client,
     name: &str,
     to: &str,
+    option: MigrationOption,
     json: bool,
 ) -> anyhow::Result<Result<MigrationReport, ApiError>> {
     let mut events = c
         .post_events::<_, MigrationEvent>(
             &format!("/vms/{name}/move"),
-            &MoveRequest { to: to.into() },
+            &MoveRequest {
+                to: to.into(),
+                option,
+            },
         )
         .await?;
     let bar = if json {
@@ -304,15 +334,22 @@ pub async fn move_vm(
             MigrationEvent::Progress(p) => {
                 bar.set_length(p.total.max(1));
                 bar.set_position(p.total.saturating_sub(p.remaining));
+                let per_nic: Vec<String> = p
+                    .nic_tx_bytes
+                    .iter()
+                    .filter(|(_, b)| **b > 0)
+                    .map(|(n, b)| format!("{n} {}", human_bytes(*b)))
+                    .collect();
                 bar.set_message(format!(
-                    "{} sent {}, dirty {}/s, round {}, ETA {}",
+                    "{} sent {}, dirty {}/s, round {}, ETA {} [{}]",
                     mbit(p.throughput),
                     human_bytes(p.transferred),
                     human_bytes(p.dirty_rate),
                     p.rounds,
                     p.eta_ms
                         .map(|ms| format!("{:.1}s", ms as f64 / 1000.0))
-                        .unwrap_or("-".into())
+                        .unwrap_or("-".into()),
+                    per_nic.join(", ")
                 ));
             }
             MigrationEvent::Completed(r) => {
@@ -332,13 +369,14 @@ pub async fn move_vm(
 
 pub fn print_report(r: &MigrationReport) {
     println!(
-        "moved {} {} → {} in {:.2} s (QEMU {:.2} s), downtime {} ms, {} at {} over {}; {} rounds",
+        "moved {} {} → {} in {:.2} s (transfer {:.2} s), downtime {} ms (+{} ms switch-over), {} at {} over {}; {} rounds",
         r.vm,
         r.from,
         r.to,
         r.total_ms as f64 / 1000.0,
-        r.qemu_total_ms as f64 / 1000.0,
+        r.transfer_ms as f64 / 1000.0,
         r.downtime_ms,
+        r.switchover_ms,
         human_bytes(r.bytes_transferred),
         mbit(r.throughput),
         r.data_path,
@@ -350,6 +388,25 @@ pub fn print_report(r: &MigrationReport) {
         .map(|(n, b)| format!("{n} {}", human_bytes(*b)))
         .collect();
     println!("  bytes per NIC: {}", per_nic.join(", "));
+    if !r.carriers.is_empty() {
+        let c: Vec<String> = r
+            .carriers
+            .iter()
+            .map(|c| {
+                format!(
+                    "{} {} ({} failures)",
+                    c.nic,
+                    if c.up { "up" } else { "down" },
+                    c.failures
+                )
+            })
+            .collect();
+        println!(
+            "  carriers: {}; {} frames resent",
+            c.join(", "),
+            r.frames_resent
+        );
+    }
     print!("  ");
     print_check(&r.check);
 }

@@ -20,7 +20,7 @@ fn vm_with_1gib_filled_moves_host1_host2_three_times_intact() {
     let mut at = "host1";
     for round in 1..=3 {
         for to in ["host2", "host1"] {
-            let r = move_vm("big1", to);
+            let r = move_vm("big1", to, "tcp");
             assert_eq!(r["event"], "completed", "round {round} to {to}: {r}");
             assert_eq!(r["status"], "completed");
             assert_eq!((r["from"].as_str(), r["to"].as_str()), (Some(at), Some(to)));
@@ -59,7 +59,7 @@ fn move_to_a_host_without_memory_is_refused_before_anything_starts() {
     // host3 offers 6G; this leaves it less than mem1 needs
     let _filler = VmGuard::create("filler", "host3", "5800M", "32M");
     let qemus_before = qemu_pids("host3").len();
-    let r = move_vm("mem1", "host3");
+    let r = move_vm("mem1", "host3", "tcp");
     assert_eq!(r["event"], "failed", "{r}");
     assert_eq!(r["error"]["code"], "insufficient_memory", "{r}");
     assert_eq!(r["error"]["host"], "host3");
@@ -79,7 +79,7 @@ fn target_agent_killed_mid_migration_leaves_guest_running_on_source() {
     let _g = serial();
     lab(3, 2);
     let _vm = VmGuard::create("ka1", "host1", "640M", "512M");
-    let r = move_with("ka1", "host2", 64 << 20, || {
+    let r = move_with("ka1", "host2", "tcp", 64 << 20, || {
         let pid = std::fs::read_to_string("/run/ferry/lab/host2/agent.pid").expect("agent pid");
         assert!(std::process::Command::new("kill")
             .args(["-9", pid.trim()])
@@ -97,7 +97,7 @@ fn target_agent_killed_mid_migration_leaves_guest_running_on_source() {
     );
     ferry_ok(&["lab", "restart-agent", "host2"]);
     // and the VM can still move once the agent is back
-    assert_eq!(move_vm("ka1", "host2")["event"], "completed");
+    assert_eq!(move_vm("ka1", "host2", "tcp")["event"], "completed");
     assert_intact_on("ka1", "host2");
 }
 
@@ -109,7 +109,7 @@ fn target_qemu_killed_mid_migration_leaves_guest_running_on_source() {
     let _g = serial();
     lab(3, 2);
     let _vm = VmGuard::create("kq1", "host1", "640M", "512M");
-    let r = move_with("kq1", "host3", 64 << 20, || {
+    let r = move_with("kq1", "host3", "tcp", 64 << 20, || {
         let pids = qemu_pids("host3");
         assert_eq!(pids.len(), 1, "expected one skeleton QEMU on host3");
         assert!(std::process::Command::new("kill")
@@ -140,7 +140,7 @@ fn link_cut_mid_migration_leaves_guest_running_on_source() {
     let _g = serial();
     lab(3, 2);
     let _vm = VmGuard::create("lc1", "host1", "640M", "512M");
-    let r = move_with("lc1", "host2", 64 << 20, || {
+    let r = move_with("lc1", "host2", "tcp", 64 << 20, || {
         ferry_ok(&["lab", "link", "host2", "nic1", "down"]);
     });
     ferry_ok(&["lab", "link", "host2", "nic1", "up"]);

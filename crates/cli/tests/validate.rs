@@ -120,7 +120,9 @@ fn validation_finds_and_names_mtu_mismatch_cut_link_and_slow_path() {
 
     // a move between hosts whose path validation marked failed warns first
     let _vm = VmGuard::create("val1", "host1", "256M", "64M");
-    let out = ferry(&["vm", "move", "val1", "--to", "host2", "--json"]);
+    let out = ferry(&[
+        "vm", "move", "val1", "--to", "host2", "--option", "tcp", "--json",
+    ]);
     ferry_ok(&["lab", "rate", "host1", "nic2", "1gbit"]);
     let events: Vec<Value> = String::from_utf8_lossy(&out.stdout)
         .lines()

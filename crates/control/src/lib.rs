@@ -178,6 +178,7 @@ impl Control {
         let mreq = MigrateRequest {
             target: req.to.clone(),
             target_url: target.base().to_string(),
+            option: req.option,
         };
         let events = self
             .host(&source)?

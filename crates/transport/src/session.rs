@@ -31,8 +31,10 @@ use tokio::sync::{mpsc, Notify, Semaphore};
 
 use crate::protocol::*;
 
-/// Bytes queued or unacknowledged per session, in KiB permits.
-pub const REPLAY_LIMIT: usize = 64 << 10;
+/// Bytes queued or unacknowledged per session, in KiB permits. Small on
+/// purpose: what QEMU counts as sent should be close to what has arrived, so
+/// its switch-over planning (and its downtime figure) stay true.
+pub const REPLAY_LIMIT: usize = 16 << 10;
 /// Unacknowledged bytes one carrier may have in flight.
 pub const CARRIER_INFLIGHT: usize = 4 << 20;
 /// Bytes one stream may have waiting for its local reader before the session fails.

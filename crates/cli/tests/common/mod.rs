@@ -130,11 +130,17 @@ pub fn assert_intact_on(name: &str, host: &str) {
     assert_eq!(c["errors"], 0, "{c}");
 }
 
-/// Moves a VM with `--json`, calling `during` once when the migration has
+/// Moves a VM with `--option OPTION --json`, calling `during` once when the migration has
 /// transferred at least `at_bytes`. Returns the final event.
-pub fn move_with(name: &str, to: &str, at_bytes: u64, during: impl FnOnce()) -> Value {
+pub fn move_with(
+    name: &str,
+    to: &str,
+    option: &str,
+    at_bytes: u64,
+    during: impl FnOnce(),
+) -> Value {
     let mut child = Command::new(FERRY)
-        .args(["vm", "move", name, "--to", to, "--json"])
+        .args(["vm", "move", name, "--to", to, "--option", option, "--json"])
         .stdout(Stdio::piped())
         .spawn()
         .expect("spawn ferry vm move");
@@ -167,8 +173,8 @@ pub fn move_with(name: &str, to: &str, at_bytes: u64, during: impl FnOnce()) -> 
     last
 }
 
-pub fn move_vm(name: &str, to: &str) -> Value {
-    let out = ferry(&["vm", "move", name, "--to", to, "--json"]);
+pub fn move_vm(name: &str, to: &str, option: &str) -> Value {
+    let out = ferry(&["vm", "move", name, "--to", to, "--option", option, "--json"]);
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let last = text.lines().last().expect("at least one event");
     serde_json::from_str(last).expect("final event")

@@ -1,0 +1,118 @@
+//! One migration over every NIC through Ferry's transport, in the lab:
+//! both NICs carry it, a NIC cut mid-move is absorbed, and losing every NIC
+//! leaves the guest running on the source.
+//! Needs root and QEMU ≥ 9 (see common/mod.rs); CI sets FERRY_REQUIRE_LAB=1.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+
+fn nic_bytes(r: &Value, nic: &str) -> u64 {
+    r["nic_tx_bytes"][nic].as_u64().unwrap_or(0)
+}
+
+#[test]
+fn multichannel_move_spreads_over_both_nics() {
+    if !lab_available("multichannel_move_spreads_over_both_nics") {
+        return;
+    }
+    let _g = serial();
+    lab(3, 2);
+    let _vm = VmGuard::create("mc1", "host1", "1G", "768M");
+    let r = move_vm("mc1", "host2", "multichannel");
+    assert_eq!(r["event"], "completed", "{r}");
+    assert_eq!(r["option"], "multichannel");
+    assert_eq!(r["data_path"], "ferry-transport");
+    let (a, b) = (nic_bytes(&r, "nic1"), nic_bytes(&r, "nic2"));
+    let total = r["bytes_transferred"].as_u64().unwrap();
+    // QEMU also counts zero pages it only describes; the payload is what crossed
+    assert!(a + b >= total * 95 / 100, "carriers carried less than QEMU sent: {r}");
+    // the scheduler follows what each link drains; equal links share about equally
+    assert!(
+        a > total * 35 / 100 && b > total * 35 / 100,
+        "unbalanced: nic1 {a}, nic2 {b} of {total}"
+    );
+    assert!(r["downtime_ms"].as_u64().unwrap() < 1000);
+    assert_eq!(r["frames_resent"], 0);
+    assert!(
+        r["carriers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["up"] == true && c["failures"] == 0),
+        "{r}"
+    );
+    assert_intact_on("mc1", "host2");
+    // and back with auto, which picks multichannel when two NICs are healthy
+    let r = move_vm("mc1", "host1", "auto");
+    assert_eq!(
+        (r["event"].as_str(), r["option"].as_str()),
+        (Some("completed"), Some("multichannel")),
+        "{r}"
+    );
+    assert_intact_on("mc1", "host1");
+}
+
+#[test]
+fn a_nic_cut_mid_multichannel_move_is_absorbed() {
+    if !lab_available("a_nic_cut_mid_multichannel_move_is_absorbed") {
+        return;
+    }
+    let _g = serial();
+    lab(3, 2);
+    let _vm = VmGuard::create("mc2", "host1", "1G", "768M");
+    // cut at ~40% of the guest's filled memory
+    let r = move_with("mc2", "host2", "multichannel", 320 << 20, || {
+        ferry_ok(&["lab", "link", "host2", "nic2", "down"]);
+    });
+    ferry_ok(&["lab", "link", "host2", "nic2", "up"]);
+    assert_eq!(r["event"], "completed", "{r}");
+    let carriers = r["carriers"].as_array().unwrap();
+    let nic2 = carriers.iter().find(|c| c["nic"] == "nic2").unwrap();
+    assert!(
+        nic2["failures"].as_u64().unwrap() >= 1,
+        "the cut was not noticed: {r}"
+    );
+    let nic1 = carriers.iter().find(|c| c["nic"] == "nic1").unwrap();
+    assert_eq!(nic1["failures"], 0);
+    // nic1 carried the rest
+    assert!(nic_bytes(&r, "nic1") > nic_bytes(&r, "nic2"), "{r}");
+    assert!(r["downtime_ms"].as_u64().unwrap() < 1000, "{r}");
+    assert_intact_on("mc2", "host2");
+}
+
+#[test]
+fn losing_every_nic_leaves_the_guest_on_the_source() {
+    if !lab_available("losing_every_nic_leaves_the_guest_on_the_source") {
+        return;
+    }
+    let _g = serial();
+    lab(3, 2);
+    let _vm = VmGuard::create("mc3", "host1", "1G", "768M");
+    let r = move_with("mc3", "host3", "multichannel", 200 << 20, || {
+        ferry_ok(&["lab", "link", "host3", "nic1", "down"]);
+        ferry_ok(&["lab", "link", "host3", "nic2", "down"]);
+    });
+    ferry_ok(&["lab", "link", "host3", "nic1", "up"]);
+    ferry_ok(&["lab", "link", "host3", "nic2", "up"]);
+    assert_eq!(r["event"], "failed", "{r}");
+    assert_eq!(r["error"]["running_on"], "host1");
+    assert!(
+        r["error"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("every carrier is down"),
+        "{r}"
+    );
+    assert_intact_on("mc3", "host1");
+    assert!(qemu_pids("host3").is_empty(), "skeleton left on host3");
+    // with the links back, the same VM moves
+    assert_eq!(
+        move_vm("mc3", "host3", "multichannel")["event"],
+        "completed"
+    );
+    assert_intact_on("mc3", "host3");
+}
