@@ -469,3 +469,40 @@ mod tests {
         );
     }
 }
+
+/// Randomized robustness: arbitrary and mutated bytes never panic the
+/// decoders and never decode a frame whose CRC does not hold. (The same
+/// functions are what `fuzz/` drives with libFuzzer.)
+#[cfg(test)]
+mod robustness {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn random_and_mutated_input_never_panics_or_passes_corrupt_frames() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed);
+        let secret = b"0123456789abcdef0123456789abcdef";
+        let mut good = BytesMut::new();
+        encode_frame(&Header::new(Kind::Data, 2, 9, 4096), &[7u8; 300], &mut good);
+        let hello = Hello { carrier: 1, session: [3; 16], nonce: [4; 16] }.encode(secret);
+        for i in 0..20_000 {
+            // random bytes
+            let n = rng.gen_range(0..200);
+            let buf: Vec<u8> = (0..n).map(|_| rng.gen()).collect();
+            let _ = decode_frame(&buf);
+            // a valid frame with a few bytes changed: either rejected or the same frame
+            let mut m = good.to_vec();
+            for _ in 0..rng.gen_range(1..4) {
+                let at = rng.gen_range(0..m.len());
+                m[at] = rng.gen();
+            }
+            if let Ok(Some((h, p, _))) = decode_frame(&m) {
+                assert_eq!(m, good.to_vec(), "a changed frame decoded at iteration {i}: {h:?} {}", p.len());
+            }
+            let mut hb = hello;
+            let at = rng.gen_range(0..HELLO_LEN);
+            hb[at] ^= rng.gen_range(1..=255u8);
+            assert!(Hello::decode(&hb, secret).is_err(), "a changed hello passed at byte {at}");
+        }
+    }
+}
