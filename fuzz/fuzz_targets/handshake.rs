@@ -11,7 +11,12 @@ fuzz_target!(|data: &[u8]| {
         let mut b = [0u8; HELLO_LEN];
         b.copy_from_slice(&data[..HELLO_LEN]);
         // without the secret no input may pass
-        assert!(Hello::decode(&b, SECRET).is_err() || b == Hello::decode(&b, SECRET).map(|h| h.encode(SECRET)).unwrap_or([0; HELLO_LEN]));
+        assert!(
+            Hello::decode(&b, SECRET).is_err()
+                || b == Hello::decode(&b, SECRET)
+                    .map(|h| h.encode(SECRET))
+                    .unwrap_or([0; HELLO_LEN])
+        );
     }
     if data.len() >= WELCOME_LEN + 16 {
         let mut w = [0u8; WELCOME_LEN];

@@ -29,7 +29,10 @@ fn multichannel_move_spreads_over_both_nics() {
     let (a, b) = (nic_bytes(&r, "nic1"), nic_bytes(&r, "nic2"));
     let total = r["bytes_transferred"].as_u64().unwrap();
     // QEMU also counts zero pages it only describes; the payload is what crossed
-    assert!(a + b >= total * 95 / 100, "carriers carried less than QEMU sent: {r}");
+    assert!(
+        a + b >= total * 95 / 100,
+        "carriers carried less than QEMU sent: {r}"
+    );
     // the scheduler follows what each link drains; equal links share about equally
     assert!(
         a > total * 35 / 100 && b > total * 35 / 100,

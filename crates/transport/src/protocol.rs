@@ -484,7 +484,12 @@ mod robustness {
         let secret = b"0123456789abcdef0123456789abcdef";
         let mut good = BytesMut::new();
         encode_frame(&Header::new(Kind::Data, 2, 9, 4096), &[7u8; 300], &mut good);
-        let hello = Hello { carrier: 1, session: [3; 16], nonce: [4; 16] }.encode(secret);
+        let hello = Hello {
+            carrier: 1,
+            session: [3; 16],
+            nonce: [4; 16],
+        }
+        .encode(secret);
         for i in 0..20_000 {
             // random bytes
             let n = rng.gen_range(0..200);
@@ -497,12 +502,20 @@ mod robustness {
                 m[at] = rng.gen();
             }
             if let Ok(Some((h, p, _))) = decode_frame(&m) {
-                assert_eq!(m, good.to_vec(), "a changed frame decoded at iteration {i}: {h:?} {}", p.len());
+                assert_eq!(
+                    m,
+                    good.to_vec(),
+                    "a changed frame decoded at iteration {i}: {h:?} {}",
+                    p.len()
+                );
             }
             let mut hb = hello;
             let at = rng.gen_range(0..HELLO_LEN);
             hb[at] ^= rng.gen_range(1..=255u8);
-            assert!(Hello::decode(&hb, secret).is_err(), "a changed hello passed at byte {at}");
+            assert!(
+                Hello::decode(&hb, secret).is_err(),
+                "a changed hello passed at byte {at}"
+            );
         }
     }
 }
