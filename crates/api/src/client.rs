@@ -81,6 +81,16 @@ impl Client {
             .await
     }
 
+    pub async fn put<B: Serialize, T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &B,
+        timeout: Duration,
+    ) -> Result<T, ApiError> {
+        self.send(self.http.put(self.url(path)).json(body).timeout(timeout))
+            .await
+    }
+
     pub async fn delete<T: DeserializeOwned>(
         &self,
         path: &str,

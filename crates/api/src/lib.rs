@@ -15,6 +15,7 @@
 
 pub mod auth;
 pub mod client;
+pub mod drain;
 pub mod error;
 pub mod server;
 pub mod size;

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use clap::Subcommand;
 use ferry_api::client::Client;
+use ferry_api::drain::{DrainEvent, DrainReport, DrainRequest, HostSettings, MigrationLimit};
 use ferry_api::size::{human_bytes, parse_size};
 use ferry_api::validation::{CheckStatus, ValidationReport};
 use ferry_api::ValidateRequest;
@@ -95,6 +96,29 @@ pub enum HostCmd {
     List {
         #[arg(long)]
         json: bool,
+    },
+    /// Move every VM off a host (it takes no new VMs until `ferry host resume`).
+    Drain {
+        host: String,
+        /// Targets, comma separated (default: every other host).
+        #[arg(long, value_delimiter = ',')]
+        to: Vec<String>,
+        /// Simultaneous migrations: auto or 1..16 (default: the host's setting, auto).
+        #[arg(long)]
+        max_parallel: Option<String>,
+        #[arg(long, value_enum, default_value = "auto")]
+        option: OptionArg,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Let a drained host take VMs again.
+    Resume { host: String },
+    /// Host settings.
+    Set {
+        host: String,
+        /// Simultaneous migrations (incoming + outgoing): auto or 1..16.
+        #[arg(long)]
+        max_migrations: String,
     },
     /// Check hosts and paths against the live-migration speed checklist:
     /// MTU end to end, links, per-path throughput, CPU power states, NIC
@@ -414,6 +438,51 @@ pub fn print_report(r: &MigrationReport) {
 pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
     let c = cli.client()?;
     match cmd {
+        HostCmd::Drain {
+            host,
+            to,
+            max_parallel,
+            option,
+            json,
+        } => {
+            let max_parallel = max_parallel
+                .as_deref()
+                .map(|m| MigrationLimit::parse("--max-parallel", m))
+                .transpose()?;
+            let req = DrainRequest {
+                to: to.clone(),
+                max_parallel,
+                option: (*option).into(),
+            };
+            let report = drain_host(&c, host, &req, *json).await?;
+            Ok(
+                if report.failed.is_empty() && report.unplaceable.is_empty() {
+                    0
+                } else {
+                    1
+                },
+            )
+        }
+        HostCmd::Resume { host } => {
+            let _: serde_json::Value = c
+                .post(&format!("/hosts/{host}/resume"), &serde_json::json!({}), T)
+                .await?;
+            println!("{host} takes VMs again");
+            Ok(0)
+        }
+        HostCmd::Set {
+            host,
+            max_migrations,
+        } => {
+            let settings = HostSettings {
+                max_migrations: MigrationLimit::parse("--max-migrations", max_migrations)?,
+            };
+            let _: serde_json::Value = c
+                .put(&format!("/hosts/{host}/settings"), &settings, T)
+                .await?;
+            println!("{host}: max migrations {max_migrations}");
+            Ok(0)
+        }
         HostCmd::Validate {
             host,
             all,
@@ -528,6 +597,194 @@ pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
             Ok(0)
         }
     }
+}
+
+/// Runs a drain through the control API: a bar per VM and one overall (or
+/// NDJSON events with `json`), then a report table. Returns the report.
+pub async fn drain_host(
+    c: &Client,
+    host: &str,
+    req: &DrainRequest,
+    json: bool,
+) -> anyhow::Result<DrainReport> {
+    use indicatif::MultiProgress;
+    let mut events = c
+        .post_events::<_, DrainEvent>(&format!("/hosts/{host}/drain"), req)
+        .await?;
+    let mp = MultiProgress::new();
+    if json {
+        mp.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let style = ProgressStyle::with_template("{prefix:>24} [{bar:30}] {bytes}/{total_bytes} {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+    let overall = mp.add(ProgressBar::new(0));
+    overall.set_style(style.clone());
+    overall.set_prefix(format!("drain {host}"));
+    let mut bars: std::collections::BTreeMap<String, ProgressBar> = Default::default();
+    let say = |mp: &MultiProgress, line: String| {
+        if mp.is_hidden() {
+            if !json {
+                println!("{line}");
+            }
+        } else {
+            let _ = mp.println(line);
+        }
+    };
+    let mut moved_bytes = 0u64;
+    while let Some(ev) = events.next().await {
+        let ev = ev?;
+        if json {
+            println!("{}", serde_json::to_string(&ev).unwrap_or_default());
+        }
+        match ev {
+            DrainEvent::Plan {
+                moves,
+                unplaceable,
+                limit,
+            } => {
+                overall.set_length(moves.iter().map(|m| m.memory).sum::<u64>().max(1));
+                for m in &moves {
+                    say(
+                        &mp,
+                        format!(
+                            "  plan        {} ({}) → {}",
+                            m.vm,
+                            human_bytes(m.memory),
+                            m.to
+                        ),
+                    );
+                }
+                for u in &unplaceable {
+                    say(
+                        &mp,
+                        format!(
+                            "  stays       {} ({}): {}",
+                            u.vm,
+                            human_bytes(u.memory),
+                            u.reason
+                        ),
+                    );
+                }
+                say(
+                    &mp,
+                    format!("  limit       {limit} simultaneous migrations"),
+                );
+            }
+            DrainEvent::Started { vm, to, attempt } => {
+                let b = mp.add(ProgressBar::new(1));
+                b.set_style(style.clone());
+                b.set_prefix(format!("{vm} → {to}"));
+                if attempt > 1 {
+                    b.set_message(format!("attempt {attempt}"));
+                }
+                bars.insert(vm, b);
+            }
+            DrainEvent::Progress {
+                vm,
+                remaining,
+                total,
+                ..
+            } => {
+                if let Some(b) = bars.get(&vm) {
+                    b.set_length(total.max(1));
+                    b.set_position(total.saturating_sub(remaining));
+                }
+            }
+            DrainEvent::Moved(d) => {
+                if let Some(b) = bars.remove(&d.vm) {
+                    b.finish_and_clear();
+                }
+                moved_bytes += d.bytes;
+                overall
+                    .set_position(overall.position() + d.bytes.min(overall.length().unwrap_or(0)));
+                say(
+                    &mp,
+                    format!(
+                        "  moved       {} → {} in {:.1} s, downtime {} ms{}",
+                        d.vm,
+                        d.to,
+                        d.total_ms as f64 / 1000.0,
+                        d.downtime_ms,
+                        if d.attempts > 1 {
+                            format!(" (attempt {})", d.attempts)
+                        } else {
+                            String::new()
+                        }
+                    ),
+                );
+            }
+            DrainEvent::Retry {
+                vm,
+                failed_on,
+                reason,
+                next,
+            } => {
+                if let Some(b) = bars.remove(&vm) {
+                    b.abandon();
+                }
+                say(
+                    &mp,
+                    format!("  retry       {vm}: failed on {failed_on} ({reason}); next {next}"),
+                );
+            }
+            DrainEvent::Failed { vm, reason } => {
+                if let Some(b) = bars.remove(&vm) {
+                    b.abandon();
+                }
+                say(&mp, format!("  FAILED      {vm}: {reason}"));
+            }
+            DrainEvent::Limit { limit, reason } => {
+                say(&mp, format!("  limit       {limit}: {reason}"))
+            }
+            DrainEvent::Done(r) => {
+                overall.finish_and_clear();
+                if !json {
+                    print_drain(&r, moved_bytes);
+                }
+                return Ok(r);
+            }
+        }
+    }
+    anyhow::bail!("the drain's event stream ended without a report")
+}
+
+pub fn print_drain(r: &DrainReport, bytes: u64) {
+    let mut t = Table::new(&[
+        "VM", "TO", "TOTAL", "TRANSFER", "DOWNTIME", "MOVED", "ATTEMPTS",
+    ]);
+    for d in &r.moved {
+        t.row(vec![
+            d.vm.clone(),
+            d.to.clone(),
+            format!("{:.2} s", d.total_ms as f64 / 1000.0),
+            format!("{:.2} s", d.transfer_ms as f64 / 1000.0),
+            format!("{} ms", d.downtime_ms),
+            human_bytes(d.bytes),
+            d.attempts.to_string(),
+        ]);
+    }
+    for u in r.unplaceable.iter().chain(&r.failed) {
+        t.row(vec![
+            u.vm.clone(),
+            format!("stays on {}", r.host),
+            "-".into(),
+            "-".into(),
+            "-".into(),
+            "-".into(),
+            u.reason.clone(),
+        ]);
+    }
+    t.print();
+    println!(
+        "drained {}: {} moved, {} stayed, {} in {:.1} s (limits {:?})",
+        r.host,
+        r.moved.len(),
+        r.unplaceable.len() + r.failed.len(),
+        human_bytes(bytes),
+        r.total_ms as f64 / 1000.0,
+        r.limits
+    );
 }
 
 #[cfg(test)]

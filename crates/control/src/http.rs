@@ -10,6 +10,9 @@
 //! | DELETE | /vms/{name} | RemoveVm |
 //! | POST | /vms/{name}/move | MoveVm (body: `MoveRequest`), NDJSON `MigrationEvent`s |
 //! | POST | /validate | Validate (body: `ValidateRequest`) → `ValidationReport` |
+//! | POST | /hosts/{host}/drain | Drain (body: `DrainRequest`), NDJSON `DrainEvent`s |
+//! | POST | /hosts/{host}/resume | Resume: the host takes VMs again |
+//! | PUT | /hosts/{host}/settings | SetHost (body: `HostSettings`) |
 
 use std::sync::Arc;
 
@@ -25,8 +28,9 @@ use ferry_api::server::{ndjson, not_found, require_credential, ApiJson, ErrorRes
 use ferry_api::{MoveRequest, ValidateRequest, VmCreateRequest};
 
 use crate::{Command, Control, Outcome};
+use ferry_api::drain::{DrainRequest, HostSettings};
 
-async fn run(c: &Control, cmd: Command) -> Response {
+async fn run(c: &Arc<Control>, cmd: Command) -> Response {
     match c.execute(cmd).await {
         Ok(Outcome::Value(v)) => Json(v).into_response(),
         Ok(Outcome::Events(s)) => ndjson(s),
@@ -51,6 +55,23 @@ async fn check(State(c): S, Path(name): Path<String>) -> Response {
 async fn remove(State(c): S, Path(name): Path<String>) -> Response {
     run(&c, Command::RemoveVm { name }).await
 }
+async fn drain(
+    State(c): S,
+    Path(host): Path<String>,
+    ApiJson(req): ApiJson<DrainRequest>,
+) -> Response {
+    run(&c, Command::Drain { host, req }).await
+}
+async fn resume(State(c): S, Path(host): Path<String>) -> Response {
+    run(&c, Command::Resume { host }).await
+}
+async fn set_host(
+    State(c): S,
+    Path(host): Path<String>,
+    ApiJson(settings): ApiJson<HostSettings>,
+) -> Response {
+    run(&c, Command::SetHost { host, settings }).await
+}
 async fn validate(State(c): S, ApiJson(req): ApiJson<ValidateRequest>) -> Response {
     run(&c, Command::Validate(req)).await
 }
@@ -70,6 +91,9 @@ pub fn router(control: Arc<Control>, cred: Credential) -> Router {
         .route("/vms/{name}/check", get(check))
         .route("/vms/{name}/move", post(move_vm))
         .route("/validate", post(validate))
+        .route("/hosts/{host}/drain", post(drain))
+        .route("/hosts/{host}/resume", post(resume))
+        .route("/hosts/{host}/settings", axum::routing::put(set_host))
         .with_state(control);
     Router::new()
         .nest(ferry_api::API_PREFIX, api)

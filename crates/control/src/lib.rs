@@ -8,6 +8,7 @@
 //! stale. Durable cluster state (SQLite/etcd), heartbeats and the event log
 //! grow here.
 
+pub mod drain;
 pub mod http;
 pub mod validate;
 
@@ -16,6 +17,10 @@ use std::time::Duration;
 
 use ferry_api::auth::Credential;
 use ferry_api::client::Client;
+use ferry_api::drain::{
+    DrainEvent, DrainReport, DrainRequest, DrainedVm, HostSettings, MigrationLimit, PlannedMove,
+    Unplaceable,
+};
 use ferry_api::validation::{
     CheckOutcome, CheckStatus, HostFacts, NicFacts, PathProbeRequest, PathProbeResult, SendRequest,
     SendResult, SinkReply, SinkRequest, SinkResult, ValidationReport,
@@ -26,6 +31,7 @@ use ferry_api::{
 };
 use futures::stream::BoxStream;
 use futures::StreamExt;
+use std::sync::Arc;
 
 const AGENT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -35,16 +41,40 @@ pub enum Command {
     ListHosts,
     ListVms,
     CreateVm(VmCreateRequest),
-    CheckVm { name: String },
-    RemoveVm { name: String },
-    MoveVm { name: String, req: MoveRequest },
+    CheckVm {
+        name: String,
+    },
+    RemoveVm {
+        name: String,
+    },
+    MoveVm {
+        name: String,
+        req: MoveRequest,
+    },
     Validate(ValidateRequest),
+    Drain {
+        host: String,
+        req: DrainRequest,
+    },
+    Resume {
+        host: String,
+    },
+    SetHost {
+        host: String,
+        settings: HostSettings,
+    },
 }
 
-/// What a command produces: one JSON value, or a stream of migration events.
+/// What a command produces: one JSON value, or a stream of events (one JSON
+/// value each: migration or drain events).
 pub enum Outcome {
     Value(serde_json::Value),
-    Events(BoxStream<'static, MigrationEvent>),
+    Events(BoxStream<'static, serde_json::Value>),
+}
+
+fn to_json<T: serde::Serialize>(e: T) -> serde_json::Value {
+    serde_json::to_value(e)
+        .unwrap_or_else(|e| serde_json::json!({"event": "failed", "error": e.to_string()}))
 }
 
 fn value<T: serde::Serialize>(v: T) -> Result<Outcome, ApiError> {
@@ -57,6 +87,9 @@ pub struct Control {
     hosts: BTreeMap<String, Client>,
     /// The latest validation, consulted before migrations.
     last_validation: tokio::sync::Mutex<Option<ValidationReport>>,
+    /// Hosts being drained (or drained and not resumed): they take no VMs.
+    draining: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    settings: std::sync::Mutex<BTreeMap<String, HostSettings>>,
 }
 
 impl Control {
@@ -72,7 +105,18 @@ impl Control {
         Control {
             hosts,
             last_validation: Default::default(),
+            draining: Default::default(),
+            settings: Default::default(),
         }
+    }
+
+    fn refuse_draining(&self, host: &str) -> Result<(), ApiError> {
+        if lock(&self.draining).contains(host) {
+            return Err(ApiError::Conflict {
+                reason: format!("{host} is draining and takes no VMs (`ferry host resume {host}`)"),
+            });
+        }
+        Ok(())
     }
 
     fn host(&self, name: &str) -> Result<&Client, ApiError> {
@@ -81,15 +125,40 @@ impl Control {
             .ok_or_else(|| ApiError::not_found("host", name))
     }
 
-    pub async fn execute(&self, cmd: Command) -> Result<Outcome, ApiError> {
+    pub async fn execute(self: &Arc<Self>, cmd: Command) -> Result<Outcome, ApiError> {
         match cmd {
             Command::ListHosts => value(self.list_hosts().await),
             Command::ListVms => value(self.list_vms().await?),
             Command::CreateVm(req) => value(self.create_vm(req).await?),
             Command::CheckVm { name } => value(self.check_vm(&name).await?),
             Command::RemoveVm { name } => value(self.remove_vm(&name).await?),
-            Command::MoveVm { name, req } => self.move_vm(&name, req).await.map(Outcome::Events),
+            Command::MoveVm { name, req } => {
+                let events = self.move_vm(&name, req).await?;
+                Ok(Outcome::Events(events.map(to_json).boxed()))
+            }
             Command::Validate(req) => value(self.validate(req).await?),
+            Command::Drain { host, req } => {
+                let events = self.clone().drain(host, req).await?;
+                Ok(Outcome::Events(events.map(to_json).boxed()))
+            }
+            Command::Resume { host } => {
+                self.host(&host)?;
+                let was = lock(&self.draining).remove(&host);
+                value(serde_json::json!({ "host": host, "was_draining": was }))
+            }
+            Command::SetHost { host, settings } => {
+                self.host(&host)?;
+                if let MigrationLimit::Fixed(n) = settings.max_migrations {
+                    if n == 0 || n > MigrationLimit::MAX {
+                        return Err(ApiError::invalid(
+                            "max_migrations",
+                            format!("{n} is outside 1..{}", MigrationLimit::MAX),
+                        ));
+                    }
+                }
+                lock(&self.settings).insert(host.clone(), settings.clone());
+                value(serde_json::json!({ "host": host, "settings": settings }))
+            }
         }
     }
 
@@ -134,6 +203,7 @@ impl Control {
     async fn create_vm(&self, req: VmCreateRequest) -> Result<VmInfo, ApiError> {
         req.spec.validate()?;
         let agent = self.host(&req.host)?;
+        self.refuse_draining(&req.host)?;
         if self
             .list_vms()
             .await?
@@ -168,6 +238,7 @@ impl Control {
         req: MoveRequest,
     ) -> Result<BoxStream<'static, MigrationEvent>, ApiError> {
         let target = self.host(&req.to)?;
+        self.refuse_draining(&req.to)?;
         let (source, _) = self.locate(name).await?;
         if source == req.to {
             return Err(ApiError::invalid(
@@ -347,4 +418,245 @@ impl Control {
         }
         Ok(got.bytes as f64 * 8.0 * 1000.0 / got.duration_ms as f64)
     }
+
+    /// Drains `host`: plan, then move with a self-tuning limit, retrying
+    /// failed moves elsewhere. The host takes no VMs from the start.
+    async fn drain(
+        self: Arc<Self>,
+        host: String,
+        req: DrainRequest,
+    ) -> Result<BoxStream<'static, DrainEvent>, ApiError> {
+        self.host(&host)?;
+        for t in &req.to {
+            self.host(t)?;
+            if *t == host {
+                return Err(ApiError::invalid(
+                    "to",
+                    format!("{host} cannot drain onto itself"),
+                ));
+            }
+        }
+        let entries = self.list_hosts().await;
+        let source = entries
+            .iter()
+            .find(|h| h.name == host)
+            .and_then(|h| h.info.clone())
+            .ok_or_else(|| ApiError::unavailable(format!("agent {host}"), "does not answer"))?;
+        lock(&self.draining).insert(host.clone());
+        let draining = lock(&self.draining).clone();
+        let mut targets: Vec<(String, u64)> = entries
+            .iter()
+            .filter(|h| h.name != host && !draining.contains(&h.name))
+            .filter(|h| req.to.is_empty() || req.to.contains(&h.name))
+            .filter_map(|h| Some((h.name.clone(), h.info.as_ref()?.memory_free)))
+            .collect();
+        let vms: Vec<(String, u64)> = source
+            .vms
+            .iter()
+            .filter(|v| v.state != "incoming")
+            .map(|v| (v.name.clone(), v.spec.memory))
+            .collect();
+        let (moves, unplaceable) = drain::plan(&vms, &mut targets);
+        let limit_setting = req
+            .max_parallel
+            .or_else(|| lock(&self.settings).get(&host).map(|s| s.max_migrations))
+            .unwrap_or_default();
+        let (tx, rx) = tokio::sync::mpsc::channel::<DrainEvent>(256);
+        let me = self.clone();
+        tokio::spawn(async move {
+            me.run_drain(
+                host,
+                req.option,
+                moves,
+                unplaceable,
+                targets,
+                limit_setting,
+                tx,
+            )
+            .await;
+        });
+        Ok(
+            futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) })
+                .boxed(),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn run_drain(
+        self: Arc<Self>,
+        host: String,
+        option: ferry_api::MigrationOption,
+        moves: Vec<PlannedMove>,
+        unplaceable: Vec<Unplaceable>,
+        mut targets: Vec<(String, u64)>,
+        setting: MigrationLimit,
+        tx: tokio::sync::mpsc::Sender<DrainEvent>,
+    ) {
+        let started = std::time::Instant::now();
+        let mut auto = drain::AutoLimit::new(started);
+        let mut limit = match setting {
+            MigrationLimit::Auto => auto.limit,
+            MigrationLimit::Fixed(n) => n,
+        };
+        let mut limits = vec![limit];
+        let _ = tx
+            .send(DrainEvent::Plan {
+                moves: moves.clone(),
+                unplaceable: unplaceable.clone(),
+                limit,
+            })
+            .await;
+        let mut queue: std::collections::VecDeque<(PlannedMove, u32, Vec<String>)> =
+            moves.into_iter().map(|m| (m, 1, Vec::new())).collect();
+        let mut running = tokio::task::JoinSet::new();
+        let (mut moved, mut failed) = (Vec::new(), Vec::new());
+        loop {
+            while running.len() < limit as usize {
+                let Some((m, attempt, tried)) = queue.pop_front() else {
+                    break;
+                };
+                let _ = tx
+                    .send(DrainEvent::Started {
+                        vm: m.vm.clone(),
+                        to: m.to.clone(),
+                        attempt,
+                    })
+                    .await;
+                let me = self.clone();
+                let tx2 = tx.clone();
+                running.spawn(async move {
+                    let r = me.drain_one(&m, option, &tx2).await;
+                    (m, attempt, tried, r)
+                });
+            }
+            let Some(joined) = running.join_next().await else {
+                break;
+            };
+            let Ok((m, attempt, mut tried, result)) = joined else {
+                continue;
+            };
+            match result {
+                Ok(r) => {
+                    let d = DrainedVm {
+                        vm: m.vm.clone(),
+                        to: m.to.clone(),
+                        attempts: attempt,
+                        total_ms: r.total_ms,
+                        transfer_ms: r.transfer_ms,
+                        downtime_ms: r.downtime_ms,
+                        bytes: r.bytes_transferred,
+                    };
+                    let _ = tx.send(DrainEvent::Moved(d.clone())).await;
+                    moved.push(d);
+                    if setting == MigrationLimit::Auto {
+                        if let Some((l, reason)) =
+                            auto.completed(r.bytes_transferred, std::time::Instant::now())
+                        {
+                            limit = l;
+                            limits.push(l);
+                            let _ = tx.send(DrainEvent::Limit { limit: l, reason }).await;
+                        }
+                    }
+                }
+                Err(e) => {
+                    let need = m.memory + drain::VM_OVERHEAD;
+                    // the failed target's reservation is free again
+                    if let Some(t) = targets.iter_mut().find(|t| t.0 == m.to) {
+                        t.1 += need;
+                    }
+                    tried.push(m.to.clone());
+                    let next = (attempt < drain::MAX_ATTEMPTS)
+                        .then(|| drain::pick(&targets, need, &tried))
+                        .flatten();
+                    match next {
+                        Some(i) => {
+                            targets[i].1 -= need;
+                            let to = targets[i].0.clone();
+                            let _ = tx
+                                .send(DrainEvent::Retry {
+                                    vm: m.vm.clone(),
+                                    failed_on: m.to.clone(),
+                                    reason: e.to_string(),
+                                    next: to.clone(),
+                                })
+                                .await;
+                            queue.push_back((PlannedMove { to, ..m }, attempt + 1, tried));
+                        }
+                        None => {
+                            let reason = format!("{e}; it keeps running on {host}");
+                            let _ = tx
+                                .send(DrainEvent::Failed {
+                                    vm: m.vm.clone(),
+                                    reason: reason.clone(),
+                                })
+                                .await;
+                            failed.push(Unplaceable {
+                                vm: m.vm,
+                                memory: m.memory,
+                                reason,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        let report = DrainReport {
+            host,
+            bytes: moved.iter().map(|d| d.bytes).sum(),
+            moved,
+            unplaceable,
+            failed,
+            total_ms: started.elapsed().as_millis() as u64,
+            limits,
+        };
+        let _ = tx.send(DrainEvent::Done(report)).await;
+    }
+
+    /// One move of a drain, forwarding its progress (at most twice a second).
+    async fn drain_one(
+        &self,
+        m: &PlannedMove,
+        option: ferry_api::MigrationOption,
+        tx: &tokio::sync::mpsc::Sender<DrainEvent>,
+    ) -> Result<ferry_api::MigrationReport, ApiError> {
+        // a drain may move onto hosts only it reserved, so no draining check here
+        let target = self.host(&m.to)?;
+        let (source, _) = self.locate(&m.vm).await?;
+        let mreq = MigrateRequest {
+            target: m.to.clone(),
+            target_url: target.base().to_string(),
+            option,
+        };
+        let mut events = self
+            .host(&source)?
+            .post_events::<_, MigrationEvent>(&format!("/vms/{}/migrate", m.vm), &mreq)
+            .await?;
+        let mut last = std::time::Instant::now() - Duration::from_secs(1);
+        while let Some(ev) = events.next().await {
+            match ev? {
+                MigrationEvent::Progress(p) if last.elapsed() >= Duration::from_millis(500) => {
+                    last = std::time::Instant::now();
+                    let _ = tx
+                        .send(DrainEvent::Progress {
+                            vm: m.vm.clone(),
+                            transferred: p.transferred,
+                            remaining: p.remaining,
+                            total: p.total,
+                        })
+                        .await;
+                }
+                MigrationEvent::Completed(r) => return Ok(*r),
+                MigrationEvent::Failed { error } => return Err(error),
+                _ => {}
+            }
+        }
+        Err(ApiError::internal(format!(
+            "the migration of {} ended without a result",
+            m.vm
+        )))
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -274,7 +274,13 @@ async fn a_corrupted_frame_never_reaches_the_stream() {
         "{st:?}"
     );
     assert!(p.source.stats().frames_resent > 0);
-    // the source re-dialled the carrier after the target closed it
+    // the source re-dials the carrier after the target closed it
+    for _ in 0..100 {
+        if p.source.stats().carriers[1].connects >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert!(
         p.source.stats().carriers[1].connects >= 2,
         "{:?}",

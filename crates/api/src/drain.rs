@@ -1,0 +1,164 @@
+//! Host drain: every VM off a host, as many at once as pays, none lost.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{ApiError, MigrationOption};
+
+/// `ferry host drain H`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DrainRequest {
+    /// Targets to use; empty for every other host that takes VMs.
+    #[serde(default)]
+    pub to: Vec<String>,
+    /// Simultaneous migrations; `None` uses the host's setting (default auto).
+    #[serde(default)]
+    pub max_parallel: Option<MigrationLimit>,
+    #[serde(default)]
+    pub option: MigrationOption,
+}
+
+/// How many migrations a host runs at once (incoming plus outgoing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum MigrationLimit {
+    /// Start at 4 and follow measured aggregate throughput.
+    #[default]
+    Auto,
+    Fixed(u32),
+}
+
+impl MigrationLimit {
+    pub const MAX: u32 = 16;
+
+    /// Parses `auto` or a number 1..=16; errors name `field`.
+    pub fn parse(field: &str, s: &str) -> Result<Self, ApiError> {
+        if s == "auto" {
+            return Ok(MigrationLimit::Auto);
+        }
+        match s.parse::<u32>() {
+            Ok(n) if (1..=Self::MAX).contains(&n) => Ok(MigrationLimit::Fixed(n)),
+            _ => Err(ApiError::invalid(
+                field,
+                format!("'{s}' is not auto or a number 1..{}", Self::MAX),
+            )),
+        }
+    }
+}
+
+/// `ferry host set H …`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostSettings {
+    #[serde(default)]
+    pub max_migrations: MigrationLimit,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlannedMove {
+    pub vm: String,
+    pub memory: u64,
+    pub to: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Unplaceable {
+    pub vm: String,
+    pub memory: u64,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DrainedVm {
+    pub vm: String,
+    pub to: String,
+    pub attempts: u32,
+    pub total_ms: u64,
+    pub transfer_ms: u64,
+    pub downtime_ms: u64,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DrainReport {
+    pub host: String,
+    pub moved: Vec<DrainedVm>,
+    pub unplaceable: Vec<Unplaceable>,
+    /// VMs whose every attempt failed; each still runs on the drained host.
+    pub failed: Vec<Unplaceable>,
+    pub total_ms: u64,
+    pub bytes: u64,
+    /// The simultaneous-migration limits used, in order.
+    pub limits: Vec<u32>,
+}
+
+/// One line of a drain's NDJSON event stream.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum DrainEvent {
+    Plan {
+        moves: Vec<PlannedMove>,
+        unplaceable: Vec<Unplaceable>,
+        limit: u32,
+    },
+    Started {
+        vm: String,
+        to: String,
+        attempt: u32,
+    },
+    Progress {
+        vm: String,
+        transferred: u64,
+        remaining: u64,
+        total: u64,
+    },
+    Moved(DrainedVm),
+    Retry {
+        vm: String,
+        failed_on: String,
+        reason: String,
+        next: String,
+    },
+    Failed {
+        vm: String,
+        reason: String,
+    },
+    Limit {
+        limit: u32,
+        reason: String,
+    },
+    Done(DrainReport),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_parse_and_name_the_flag() {
+        assert_eq!(
+            MigrationLimit::parse("--max-parallel", "auto").unwrap(),
+            MigrationLimit::Auto
+        );
+        assert_eq!(
+            MigrationLimit::parse("--max-parallel", "3").unwrap(),
+            MigrationLimit::Fixed(3)
+        );
+        for bad in ["0", "17", "many", "-1"] {
+            let e = MigrationLimit::parse("--max-parallel", bad)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("--max-parallel"), "{e}");
+        }
+    }
+
+    #[test]
+    fn drain_events_are_tagged() {
+        let e = DrainEvent::Limit {
+            limit: 4,
+            reason: "start".into(),
+        };
+        let s = serde_json::to_string(&e).unwrap();
+        assert!(s.starts_with(r#"{"event":"limit""#), "{s}");
+    }
+}

@@ -1,0 +1,156 @@
+//! Host drain in the lab: four VMs of mixed sizes drained onto two hosts,
+//! all moved and intact; a VM too big for any target named and left running;
+//! a move whose target QEMU is killed halfway retried elsewhere.
+//! Needs root and QEMU ≥ 9 (see common/mod.rs); CI sets FERRY_REQUIRE_LAB=1.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+use common::*;
+use serde_json::Value;
+
+/// Kills the QEMU whose command line names guest `vm` inside `host`.
+fn kill_guest_qemu(host: &str, vm: &str) {
+    for pid in qemu_pids(host) {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(&format!("guest={vm},")) {
+            assert!(Command::new("kill")
+                .args(["-9", &pid.to_string()])
+                .status()
+                .unwrap()
+                .success());
+            return;
+        }
+    }
+    panic!("no QEMU for {vm} on {host}");
+}
+
+#[test]
+fn drain_moves_mixed_vms_names_the_unplaceable_and_retries_a_killed_move() {
+    if !lab_available("drain_moves_mixed_vms_names_the_unplaceable_and_retries_a_killed_move") {
+        return;
+    }
+    let _g = serial();
+    lab(3, 2);
+    // the targets keep ~1.9 GiB free each: room for the mixed VMs, not for `huge`
+    let _f2 = VmGuard::create("filler2", "host2", "4G", "32M");
+    let _f3 = VmGuard::create("filler3", "host3", "4G", "32M");
+    let _a = VmGuard::create("s768", "host1", "768M", "512M");
+    let _b = VmGuard::create("s512", "host1", "512M", "384M");
+    let _c = VmGuard::create("s384", "host1", "384M", "256M");
+    let _d = VmGuard::create("s256", "host1", "256M", "128M");
+    let _huge = VmGuard::create("huge", "host1", "2G", "64M");
+
+    let mut child = Command::new(FERRY)
+        .args([
+            "host",
+            "drain",
+            "host1",
+            "--max-parallel",
+            "2",
+            "--option",
+            "tcp",
+            "--json",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut events: Vec<Value> = Vec::new();
+    let mut victim: Option<(String, String)> = None;
+    let mut killed = false;
+    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+        let ev: Value = serde_json::from_str(&line.unwrap()).unwrap();
+        eprintln!("{ev}");
+        match ev["event"].as_str().unwrap() {
+            // the first move to start is the one killed halfway
+            "started" if victim.is_none() => {
+                victim = Some((
+                    ev["vm"].as_str().unwrap().into(),
+                    ev["to"].as_str().unwrap().into(),
+                ))
+            }
+            "progress" if !killed => {
+                let (vm, to) = victim.clone().unwrap();
+                if ev["vm"] == vm.as_str() && ev["transferred"].as_u64().unwrap() > 64 << 20 {
+                    kill_guest_qemu(&to, &vm);
+                    killed = true;
+                }
+            }
+            _ => {}
+        }
+        events.push(ev);
+    }
+    let status = child.wait().unwrap();
+    assert!(
+        killed,
+        "the victim's move finished before it could be killed"
+    );
+    let (victim, first_target) = victim.unwrap();
+
+    let plan = events.iter().find(|e| e["event"] == "plan").unwrap();
+    let unplaceable = plan["unplaceable"].as_array().unwrap();
+    assert_eq!(unplaceable.len(), 1, "{plan}");
+    assert_eq!(unplaceable[0]["vm"], "huge");
+    assert!(
+        unplaceable[0]["reason"].as_str().unwrap().contains("free"),
+        "{plan}"
+    );
+    // both targets used
+    let targets: std::collections::BTreeSet<&str> = plan["moves"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["to"].as_str().unwrap())
+        .collect();
+    assert_eq!(targets.len(), 2, "{plan}");
+
+    let retry = events
+        .iter()
+        .find(|e| e["event"] == "retry")
+        .expect("a retry event");
+    assert_eq!(retry["vm"], victim.as_str());
+    assert_eq!(retry["failed_on"], first_target.as_str());
+    assert_ne!(retry["next"], first_target.as_str());
+
+    let done = events.last().unwrap();
+    assert_eq!(done["event"], "done", "{done}");
+    assert_eq!(done["moved"].as_array().unwrap().len(), 4, "{done}");
+    assert!(done["failed"].as_array().unwrap().is_empty(), "{done}");
+    let moved_victim = done["moved"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["vm"] == victim.as_str())
+        .unwrap();
+    assert_eq!(moved_victim["attempts"], 2);
+    // exit status 1: one VM stayed
+    assert_eq!(status.code(), Some(1));
+
+    for m in done["moved"].as_array().unwrap() {
+        assert_intact_on(m["vm"].as_str().unwrap(), m["to"].as_str().unwrap());
+    }
+    assert_intact_on("huge", "host1");
+    assert_eq!(
+        qemu_pids(&first_target).len(),
+        1 + done["moved"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["to"] == first_target.as_str())
+            .count(),
+        "a skeleton was left on {first_target}"
+    );
+
+    // a draining host takes no VMs until resumed
+    let out = ferry(&[
+        "vm", "create", "late", "--host", "host1", "--memory", "256M", "--fill", "64M",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("draining"));
+    ferry_ok(&["host", "resume", "host1"]);
+    let _late = VmGuard::create("late", "host1", "256M", "64M");
+}
