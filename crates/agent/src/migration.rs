@@ -956,29 +956,9 @@ impl Agent {
 
     /// Step 9 on the target: wait for the guest to run, check it, adopt it.
     pub async fn commit_incoming(&self, id: &str) -> Result<CheckResult, ApiError> {
+        self.incoming_running(id).await?;
         let (name, q) = self.incoming_slot(id).await?;
-        let q = q.ok_or_else(|| ApiError::Conflict {
-            reason: "skeleton QEMU is still starting".into(),
-        })?;
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if !q.alive().await {
-                return Err(ApiError::internal("the target QEMU exited"));
-            }
-            match q.qmp.status().await {
-                Ok(s) if s.running => break,
-                Ok(s) if Instant::now() > deadline => {
-                    return Err(ApiError::internal(format!(
-                        "guest not running on the target: {}",
-                        s.status
-                    )))
-                }
-                Err(e) if Instant::now() > deadline => {
-                    return Err(ApiError::internal(error_chain(&e)))
-                }
-                _ => tokio::time::sleep(Duration::from_millis(100)).await,
-            }
-        }
+        let q = q.ok_or_else(|| ApiError::internal("the skeleton lost its QEMU"))?;
         let result = check(&self.cfg.name, &name, &q, Duration::from_secs(10)).await;
         if !result.ok() {
             return Err(ApiError::internal(format!(

@@ -32,52 +32,48 @@ fn read(p: impl AsRef<Path>) -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
-/// Parses `ethtool -l` output: the "Pre-set maximums" then "Current hardware settings" blocks.
-pub fn parse_channels(text: &str) -> Channels {
-    let mut c = Channels::default();
+/// The numbers of an `ethtool -l`/`-g` report by (section, key): section
+/// `false` is "Pre-set maximums", `true` is "Current hardware settings".
+fn ethtool_fields(text: &str) -> BTreeMap<(bool, String), u32> {
     let mut current = false;
+    let mut out = BTreeMap::new();
     for line in text.lines() {
         if line.starts_with("Current hardware settings") {
             current = true;
         }
-        let Some((k, v)) = line.split_once(':') else {
-            continue;
-        };
-        let v = v.trim().parse::<u32>().ok();
-        match (k.trim(), current) {
-            ("RX", false) => c.max_rx = v,
-            ("TX", false) => c.max_tx = v,
-            ("Combined", false) => c.max_combined = v,
-            ("RX", true) => c.rx = v,
-            ("TX", true) => c.tx = v,
-            ("Combined", true) => c.combined = v,
-            _ => {}
+        if let Some((k, v)) = line.split_once(':') {
+            if let Ok(v) = v.trim().parse::<u32>() {
+                out.insert((current, k.trim().to_string()), v);
+            }
         }
     }
-    c
+    out
 }
 
-/// Parses `ethtool -g` output the same way.
-pub fn parse_rings(text: &str) -> Rings {
-    let mut r = Rings::default();
-    let mut current = false;
-    for line in text.lines() {
-        if line.starts_with("Current hardware settings") {
-            current = true;
-        }
-        let Some((k, v)) = line.split_once(':') else {
-            continue;
-        };
-        let v = v.trim().parse::<u32>().ok();
-        match (k.trim(), current) {
-            ("RX", false) => r.max_rx = v,
-            ("TX", false) => r.max_tx = v,
-            ("RX", true) => r.rx = v,
-            ("TX", true) => r.tx = v,
-            _ => {}
-        }
+/// Parses `ethtool -l` output (channels: RX, TX, Combined).
+pub fn parse_channels(text: &str) -> Channels {
+    let f = ethtool_fields(text);
+    let get = |current: bool, k: &str| f.get(&(current, k.to_string())).copied();
+    Channels {
+        max_rx: get(false, "RX"),
+        max_tx: get(false, "TX"),
+        max_combined: get(false, "Combined"),
+        rx: get(true, "RX"),
+        tx: get(true, "TX"),
+        combined: get(true, "Combined"),
     }
-    r
+}
+
+/// Parses `ethtool -g` output (ring sizes: RX, TX).
+pub fn parse_rings(text: &str) -> Rings {
+    let f = ethtool_fields(text);
+    let get = |current: bool, k: &str| f.get(&(current, k.to_string())).copied();
+    Rings {
+        max_rx: get(false, "RX"),
+        max_tx: get(false, "TX"),
+        rx: get(true, "RX"),
+        tx: get(true, "TX"),
+    }
 }
 
 /// Reads a `tbf` rate (bit/s) from `tc -j qdisc show dev NIC`.
