@@ -38,7 +38,7 @@ use crate::datapath::{DataPath, QemuTcp};
 use crate::host::{check, error_chain, nics, Agent, Role, VmSlot};
 use crate::qemu::{self, QemuVm};
 use crate::qmp::MigrationParameters;
-use ferry_api::{CarrierEndpoint, CarrierReport, MigrationOption};
+use ferry_api::{CarrierEndpoint, CarrierReport, Convergence, MigrationOption};
 
 /// No byte moved for this long: the data path is down.
 pub const STALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -47,11 +47,6 @@ pub const TARGET_POLL_FAILURES: u32 = 2;
 /// Downtime QEMU may use for the blackout.
 pub const DOWNTIME_LIMIT_MS: u64 = 300;
 const POLL: Duration = Duration::from_millis(100);
-
-/// Time allowed for the copy: a base plus a budget per GiB of guest memory.
-pub fn copy_deadline(memory: u64) -> Duration {
-    Duration::from_secs(60 + 120 * memory.div_ceil(1 << 30))
-}
 
 struct Failure {
     step: &'static str,
@@ -94,6 +89,46 @@ enum Plan {
         session: ferry_transport::Session,
         sock: std::path::PathBuf,
     },
+}
+
+/// A progress event while in post-copy (the pre-copy loop builds its own).
+fn progress_event(
+    info: &crate::qmp::MigrationInfo,
+    ram: &crate::qmp::RamStats,
+    started: Instant,
+    rate: f64,
+    plan: &Plan,
+    tx_before: &BTreeMap<String, u64>,
+    phase: &str,
+) -> MigrationEvent {
+    let (nic_tx_bytes, carriers_up) = match plan {
+        Plan::Tcp { .. } => (delta(tx_before, &nic_tx()), None),
+        Plan::Multichannel { session, .. } => {
+            let st = session.stats();
+            (carrier_bytes(&st), Some(st.healthy))
+        }
+    };
+    let page = if ram.page_size == 0 {
+        4096
+    } else {
+        ram.page_size
+    };
+    MigrationEvent::Progress(MigrationProgress {
+        elapsed_ms: started.elapsed().as_millis() as u64,
+        status: info.status.clone().unwrap_or_default(),
+        transferred: ram.transferred,
+        remaining: ram.remaining,
+        total: ram.total,
+        throughput: rate,
+        dirty_rate: ram.dirty_pages_rate * page,
+        rounds: ram.dirty_sync_count,
+        expected_downtime_ms: info.expected_downtime,
+        eta_ms: None,
+        nic_tx_bytes,
+        carriers_up,
+        phase: phase.into(),
+        throttle_pct: info.cpu_throttle_percentage.unwrap_or(0),
+    })
 }
 
 /// Multifd channels per multichannel migration (streams over the carriers).
@@ -275,6 +310,7 @@ impl Agent {
             source_fabrics_up: fabrics_up,
             option,
             session: Some(hex(&session)),
+            postcopy: req.convergence.postcopy,
         };
         let reply: IncomingReply = target
             .post("/incoming", &incoming, Duration::from_secs(30))
@@ -344,7 +380,17 @@ impl Agent {
             },
         };
         let result = self
-            .transfer(id, spec, vm, &target, &reply, ev, &plan, started)
+            .transfer(
+                id,
+                spec,
+                vm,
+                &target,
+                &reply,
+                ev,
+                &plan,
+                req.convergence,
+                started,
+            )
             .await;
         let session = match &plan {
             Plan::Multichannel { session, .. } => Some(session),
@@ -375,20 +421,29 @@ impl Agent {
         reply: &IncomingReply,
         ev: &Events,
         plan: &Plan,
+        conv: Convergence,
         started: Instant,
     ) -> Result<MigrationReport, Failure> {
         // 5. connection
         let qmp = &vm.qmp;
         let q = |step: &'static str| move |e: crate::qmp::QmpError| fail(step, error_chain(&e));
-        let multifd = matches!(plan, Plan::Multichannel { .. });
-        qmp.set_capabilities(&[("multifd", multifd)])
-            .await
-            .map_err(q("connection"))?;
+        // post-copy and multifd do not mix in QEMU: with post-copy allowed,
+        // Ferry's transport carries QEMU's one stream over every NIC instead
+        let multifd = matches!(plan, Plan::Multichannel { .. }) && !conv.postcopy;
+        qmp.set_capabilities(&[
+            ("multifd", multifd),
+            ("auto-converge", conv.throttle),
+            ("postcopy-ram", conv.postcopy),
+        ])
+        .await
+        .map_err(q("connection"))?;
         qmp.set_parameters(MigrationParameters {
             // Ferry paces migrations itself; QEMU's 128 MiB/s default would cap fast links
             max_bandwidth: Some(100 << 30),
             downtime_limit: Some(DOWNTIME_LIMIT_MS),
             multifd_channels: multifd.then_some(MULTIFD_CHANNELS),
+            cpu_throttle_initial: conv.throttle.then_some(20),
+            cpu_throttle_increment: conv.throttle.then_some(10),
             ..Default::default()
         })
         .await
@@ -417,9 +472,14 @@ impl Agent {
                 (
                     format!("unix:{}", sock.display()),
                     format!(
-                        "Ferry transport over {} ({} up), {MULTIFD_CHANNELS} multifd channels",
+                        "Ferry transport over {} ({} up), {}",
                         names.join(", "),
-                        session.stats().healthy
+                        session.stats().healthy,
+                        if multifd {
+                            format!("{MULTIFD_CHANNELS} multifd channels")
+                        } else {
+                            "QEMU's one stream (post-copy allowed)".to_string()
+                        }
                     ),
                 )
             }
@@ -429,7 +489,12 @@ impl Agent {
         ev.step("connection", detail).await;
 
         // 6-8. copy, iterate, blackout
-        let deadline = Instant::now() + copy_deadline(spec.memory);
+        let timeout = conv.timeout(spec.memory);
+        let deadline = Instant::now() + timeout;
+        let mut postcopy = false;
+        let mut not_converging = 0u32;
+        let mut max_throttle = 0u64;
+        let mut window: std::collections::VecDeque<(Instant, u64)> = Default::default();
         let mut last_transferred = 0u64;
         let mut last_change = Instant::now();
         let mut last_sample = (Instant::now(), 0u64);
@@ -442,6 +507,9 @@ impl Agent {
             let info = qmp.query_migrate().await.map_err(q("copy"))?;
             let status = info.status.clone().unwrap_or_default();
             let ram = info.ram.clone().unwrap_or_default();
+            if status.starts_with("postcopy") && !postcopy {
+                postcopy = true;
+            }
             match status.as_str() {
                 "completed" => break info,
                 "failed" => {
@@ -454,6 +522,73 @@ impl Agent {
                 _ => {}
             }
             let now = Instant::now();
+            let throttle = info.cpu_throttle_percentage.unwrap_or(0);
+            max_throttle = max_throttle.max(throttle);
+            // rates over the last 2 s: what the path moves vs what the guest dirties
+            window.push_back((now, ram.transferred));
+            while window.len() > 2 && now - window[0].0 > Duration::from_secs(2) {
+                window.pop_front();
+            }
+            let path_rate = match (window.front(), window.back()) {
+                (Some(a), Some(b)) if b.0 > a.0 => (b.1 - a.1) as f64 / (b.0 - a.0).as_secs_f64(),
+                _ => 0.0,
+            };
+            let page = if ram.page_size == 0 {
+                4096
+            } else {
+                ram.page_size
+            };
+            let dirty_rate = (ram.dirty_pages_rate * page) as f64;
+            // pre-copy converges only if the path outruns the guest's dirtying
+            if !postcopy
+                && ram.dirty_sync_count >= 2
+                && path_rate > 0.0
+                && dirty_rate >= 0.9 * path_rate
+            {
+                not_converging += 1;
+            } else {
+                not_converging = 0;
+            }
+            let rates = format!(
+                "the guest dirties {:.1} MB/s, the path moves {:.1} MB/s, vCPU throttle {throttle}%",
+                dirty_rate / 1e6,
+                path_rate / 1e6
+            );
+            if !postcopy && conv.postcopy {
+                // after 3 s of not converging with throttling at its limit (or
+                // without throttling), or at the timeout: switch to post-copy
+                let throttled_out = !conv.throttle || throttle >= 99;
+                if (not_converging >= 30 && throttled_out) || now > deadline {
+                    qmp.start_postcopy().await.map_err(q("postcopy"))?;
+                    postcopy = true;
+                    let detail = format!(
+                        "pre-copy does not converge ({rates}); the guest now runs on the target, pages follow on demand"
+                    );
+                    ev.step("postcopy", detail).await;
+                }
+            }
+            if postcopy {
+                // nothing can be rolled back now: wait for QEMU, whatever the path does
+                let p = progress_event(
+                    &info, &ram, started, path_rate, plan, &tx_before, "postcopy",
+                );
+                ev.send(p).await;
+                continue;
+            }
+            if now > deadline {
+                let advice = if conv.throttle {
+                    "allow post-copy"
+                } else {
+                    "allow throttling or post-copy"
+                };
+                return Err(fail(
+                    "copy",
+                    format!(
+                        "pre-copy did not converge within {} s: {rates}; {advice}",
+                        timeout.as_secs()
+                    ),
+                ));
+            }
             if ram.transferred != last_transferred {
                 last_transferred = ram.transferred;
                 last_change = now;
@@ -467,10 +602,7 @@ impl Agent {
                     format!("no bytes moved for {} s: {path}", STALL_TIMEOUT.as_secs()),
                 ));
             }
-            if now > deadline {
-                let secs = copy_deadline(spec.memory).as_secs();
-                return Err(fail("copy", format!("not converged within {secs} s")));
-            }
+
             if now - last_target_poll >= Duration::from_secs(1) {
                 last_target_poll = now;
                 let path = format!("/incoming/{id}");
@@ -545,11 +677,6 @@ impl Agent {
             if carriers_up.is_some() {
                 carriers_up_seen = carriers_up;
             }
-            let page = if ram.page_size == 0 {
-                4096
-            } else {
-                ram.page_size
-            };
             ev.send(MigrationEvent::Progress(MigrationProgress {
                 elapsed_ms: started.elapsed().as_millis() as u64,
                 status,
@@ -564,6 +691,12 @@ impl Agent {
                     .then(|| (ram.remaining as f64 / throughput * 1000.0) as u64),
                 nic_tx_bytes,
                 carriers_up,
+                phase: if info.status.as_deref() == Some("device") {
+                    "blackout".into()
+                } else {
+                    "precopy".into()
+                },
+                throttle_pct: throttle,
             }))
             .await;
         };
@@ -703,6 +836,12 @@ impl Agent {
             carriers,
             frames_resent,
             rounds: ram.dirty_sync_count,
+            phase: if postcopy {
+                "postcopy".into()
+            } else {
+                "precopy".into()
+            },
+            max_throttle_pct: max_throttle,
             tick_before,
             check,
         })
@@ -804,6 +943,12 @@ impl Agent {
             }
             let qerr = |e: crate::qmp::QmpError| ApiError::internal(error_chain(&e));
             let Some(session_id) = multichannel else {
+                if req.postcopy {
+                    vm.qmp
+                        .set_capabilities(&[("postcopy-ram", true)])
+                        .await
+                        .map_err(qerr)?;
+                }
                 vm.qmp
                     .migrate_incoming(&datapath.incoming_uri(&nic.address))
                     .await
@@ -818,17 +963,20 @@ impl Agent {
                 return Ok::<_, ApiError>((datapath.source_uri(&nic.address, &port), Vec::new()));
             };
             // multichannel: QEMU listens on a local socket; carriers end here
+            let multifd = !req.postcopy;
             vm.qmp
-                .set_capabilities(&[("multifd", true)])
+                .set_capabilities(&[("multifd", multifd), ("postcopy-ram", req.postcopy)])
                 .await
                 .map_err(qerr)?;
-            vm.qmp
-                .set_parameters(MigrationParameters {
-                    multifd_channels: Some(MULTIFD_CHANNELS),
-                    ..Default::default()
-                })
-                .await
-                .map_err(qerr)?;
+            if multifd {
+                vm.qmp
+                    .set_parameters(MigrationParameters {
+                        multifd_channels: Some(MULTIFD_CHANNELS),
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(qerr)?;
+            }
             let sock = dir.join("incoming.sock");
             vm.qmp
                 .migrate_incoming(&format!("unix:{}", sock.display()))

@@ -103,6 +103,8 @@ pub struct MigrationInfo {
     pub error_desc: Option<String>,
     #[serde(default)]
     pub socket_address: Option<Vec<SocketAddr>>,
+    #[serde(default)]
+    pub cpu_throttle_percentage: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -131,6 +133,10 @@ pub struct MigrationParameters {
     pub downtime_limit: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub multifd_channels: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_throttle_initial: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_throttle_increment: Option<u64>,
     /// Bytes per second QEMU may assume for the switch-over (QEMU ≥ 8.2).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub avail_switchover_bandwidth: Option<u64>,
@@ -147,6 +153,10 @@ struct SetCapabilities {
     capabilities: Vec<Capability>,
 }
 qmp_command!(SetCapabilities, "migrate-set-capabilities", qapi::Empty);
+
+#[derive(Serialize)]
+struct StartPostcopy {}
+qmp_command!(StartPostcopy, "migrate-start-postcopy", qapi::Empty);
 
 #[derive(Serialize)]
 struct Cont {}
@@ -261,6 +271,12 @@ impl Qmp {
             })
             .collect();
         self.call(SetCapabilities { capabilities }, DEFAULT_DEADLINE)
+            .await
+            .map(drop)
+    }
+
+    pub async fn start_postcopy(&self) -> Result<(), QmpError> {
+        self.call(StartPostcopy {}, DEFAULT_DEADLINE)
             .await
             .map(drop)
     }

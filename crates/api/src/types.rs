@@ -199,6 +199,48 @@ pub struct MoveRequest {
     pub to: String,
     #[serde(default)]
     pub option: MigrationOption,
+    #[serde(default)]
+    pub convergence: Convergence,
+}
+
+/// What a migration may do when pre-copy does not converge, in this order:
+/// let QEMU throttle the guest's vCPUs (auto-converge), then switch to
+/// post-copy; past the timeout without either, it fails with the rates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Convergence {
+    #[serde(default = "yes")]
+    pub throttle: bool,
+    #[serde(default)]
+    pub postcopy: bool,
+    /// Pre-copy time allowed per GiB of guest memory (at least 20 s in all).
+    #[serde(default = "default_timeout_per_gib")]
+    pub timeout_per_gib_s: u64,
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_timeout_per_gib() -> u64 {
+    60
+}
+
+impl Default for Convergence {
+    fn default() -> Self {
+        Convergence {
+            throttle: true,
+            postcopy: false,
+            timeout_per_gib_s: default_timeout_per_gib(),
+        }
+    }
+}
+
+impl Convergence {
+    /// Pre-copy time allowed for a guest of `memory` bytes.
+    pub fn timeout(&self, memory: u64) -> std::time::Duration {
+        let gib = memory as f64 / (1u64 << 30) as f64;
+        std::time::Duration::from_secs_f64((self.timeout_per_gib_s as f64 * gib).max(20.0))
+    }
 }
 
 /// The performance options of seed 001, for Linux.
@@ -232,6 +274,8 @@ pub struct MigrateRequest {
     pub target_url: String,
     #[serde(default)]
     pub option: MigrationOption,
+    #[serde(default)]
+    pub convergence: Convergence,
 }
 
 /// Target agent: reserve memory and start a skeleton VM waiting for a migration.
@@ -249,6 +293,9 @@ pub struct IncomingRequest {
     /// Multichannel: the transport session id (32 hex digits).
     #[serde(default)]
     pub session: Option<String>,
+    /// Post-copy may be used: the target enables it too (and then no multifd).
+    #[serde(default)]
+    pub postcopy: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -313,6 +360,12 @@ pub struct MigrationProgress {
     /// Carriers up now (multichannel).
     #[serde(default)]
     pub carriers_up: Option<usize>,
+    /// `precopy`, `postcopy` or `blackout`.
+    #[serde(default)]
+    pub phase: String,
+    /// QEMU's vCPU throttle (auto-converge), percent.
+    #[serde(default)]
+    pub throttle_pct: u64,
 }
 
 /// The final report of a completed migration.
@@ -348,6 +401,10 @@ pub struct MigrationReport {
     pub carriers: Vec<CarrierReport>,
     /// Multichannel: frames sent again after their carrier died.
     pub frames_resent: u64,
+    /// The last phase reached: `precopy` or `postcopy`.
+    pub phase: String,
+    /// The highest vCPU throttle QEMU applied, percent.
+    pub max_throttle_pct: u64,
     pub rounds: u64,
     /// The guest's counter on the source just after the switch-over.
     pub tick_before: Option<u64>,

@@ -9,8 +9,8 @@ use ferry_api::size::{human_bytes, parse_size};
 use ferry_api::validation::{CheckStatus, ValidationReport};
 use ferry_api::ValidateRequest;
 use ferry_api::{
-    ApiError, CheckResult, HostEntry, MigrationEvent, MigrationOption, MigrationReport,
-    MoveRequest, VmCreateRequest, VmInfo, VmSpec,
+    ApiError, CheckResult, Convergence, HostEntry, MigrationEvent, MigrationOption,
+    MigrationReport, MoveRequest, VmCreateRequest, VmInfo, VmSpec,
 };
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -67,10 +67,25 @@ pub enum VmCmd {
         /// (every healthy NIC through Ferry's transport), auto.
         #[arg(long, value_enum, default_value = "auto")]
         option: OptionArg,
+        /// If pre-copy does not converge: switch to post-copy (allow) or fail (forbid).
+        #[arg(long, value_enum, default_value = "forbid")]
+        postcopy: Allow,
+        /// Let QEMU throttle the guest's vCPUs when pre-copy does not converge.
+        #[arg(long, value_enum, default_value = "allow")]
+        throttle: Allow,
+        /// Pre-copy time allowed per GiB of guest memory, seconds (at least 20 s in all).
+        #[arg(long, default_value_t = 60)]
+        timeout_per_gib: u64,
         /// Print NDJSON events instead of a progress bar.
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Allow {
+    Allow,
+    Forbid,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -257,9 +272,17 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             name,
             to,
             option,
+            postcopy,
+            throttle,
+            timeout_per_gib,
             json,
         } => {
-            let outcome = move_vm(&c, name, to, (*option).into(), *json).await?;
+            let conv = Convergence {
+                throttle: *throttle == Allow::Allow,
+                postcopy: *postcopy == Allow::Allow,
+                timeout_per_gib_s: *timeout_per_gib,
+            };
+            let outcome = move_vm(&c, name, to, (*option).into(), conv, *json).await?;
             match outcome {
                 Ok(report) => {
                     if !*json {
@@ -305,6 +328,7 @@ pub async fn move_vm(
     name: &str,
     to: &str,
     option: MigrationOption,
+    convergence: Convergence,
     json: bool,
 ) -> anyhow::Result<Result<MigrationReport, ApiError>> {
     let mut events = c
@@ -313,6 +337,7 @@ pub async fn move_vm(
             &MoveRequest {
                 to: to.into(),
                 option,
+                convergence,
             },
         )
         .await?;
@@ -365,11 +390,13 @@ pub async fn move_vm(
                     .map(|(n, b)| format!("{n} {}", human_bytes(*b)))
                     .collect();
                 bar.set_message(format!(
-                    "{} sent {}, dirty {}/s, round {}, ETA {} [{}]",
+                    "{} {} sent {}, dirty {}/s, round {}, throttle {}%, ETA {} [{}]",
+                    p.phase,
                     mbit(p.throughput),
                     human_bytes(p.transferred),
                     human_bytes(p.dirty_rate),
                     p.rounds,
+                    p.throttle_pct,
                     p.eta_ms
                         .map(|ms| format!("{:.1}s", ms as f64 / 1000.0))
                         .unwrap_or("-".into()),

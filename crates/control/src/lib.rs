@@ -250,6 +250,7 @@ impl Control {
             target: req.to.clone(),
             target_url: target.base().to_string(),
             option: req.option,
+            convergence: req.convergence,
         };
         let events = self
             .host(&source)?
@@ -626,6 +627,7 @@ impl Control {
             target: m.to.clone(),
             target_url: target.base().to_string(),
             option,
+            convergence: Default::default(),
         };
         let mut events = self
             .host(&source)?

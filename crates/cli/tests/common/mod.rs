@@ -95,8 +95,13 @@ pub fn ferry_json(args: &[&str]) -> Value {
     serde_json::from_str(&ferry_ok(&a)).expect("ferry --json printed JSON")
 }
 
-/// Brings up this binary's lab once (replacing any earlier lab).
+/// Brings up this binary's lab once (replacing any earlier lab), links at 1 Gbit/s.
 pub fn lab(hosts: u32, nics: u32) {
+    lab_at(hosts, nics, "1gbit");
+}
+
+/// Brings up this binary's lab once, links at `rate`.
+pub fn lab_at(hosts: u32, nics: u32, rate: &str) {
     static UP: OnceLock<()> = OnceLock::new();
     UP.get_or_init(|| {
         ferry_ok(&[
@@ -108,7 +113,7 @@ pub fn lab(hosts: u32, nics: u32) {
             "--nics",
             &nics.to_string(),
             "--rate",
-            "1gbit",
+            rate,
             "--host-memory",
             "6G",
         ]);

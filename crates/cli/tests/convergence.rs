@@ -1,0 +1,180 @@
+//! Every VM converges: a guest dirtying memory faster than its path moves
+//! it (links at 200 Mbit/s, 64 MB/s dirtied) completes with post-copy
+//! allowed, fails clearly naming the rates with post-copy forbidden, and
+//! completes in post-copy with one of two NICs cut.
+//! Needs root and QEMU ≥ 9 (see common/mod.rs); CI sets FERRY_REQUIRE_LAB=1.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+use common::*;
+use serde_json::Value;
+
+const RATE: &str = "200mbit";
+
+fn busy(name: &'static str) -> VmGuard {
+    remove_vm(name);
+    ferry_ok(&[
+        "vm",
+        "create",
+        name,
+        "--host",
+        "host1",
+        "--memory",
+        "384M",
+        "--fill",
+        "160M",
+        "--dirty-rate",
+        "64M",
+    ]);
+    VmGuard(name)
+}
+
+/// Runs a move with extra flags, calling `on_postcopy` once post-copy starts.
+fn move_busy(
+    name: &str,
+    to: &str,
+    flags: &[&str],
+    on_postcopy: impl FnOnce(),
+) -> (Value, Vec<Value>) {
+    let mut args = vec!["vm", "move", name, "--to", to, "--json"];
+    args.extend_from_slice(flags);
+    let mut child = Command::new(FERRY)
+        .args(&args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut hook = Some(on_postcopy);
+    let mut events = Vec::new();
+    for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+        let ev: Value = serde_json::from_str(&line.unwrap()).unwrap();
+        if ev["event"] != "progress" {
+            eprintln!("{ev}");
+        }
+        if ev["event"] == "step" && ev["step"] == "postcopy" {
+            if let Some(f) = hook.take() {
+                f();
+            }
+        }
+        events.push(ev);
+    }
+    child.wait().unwrap();
+    (events.last().cloned().unwrap(), events)
+}
+
+#[test]
+fn a_busy_guest_completes_with_postcopy_allowed() {
+    if !lab_available("a_busy_guest_completes_with_postcopy_allowed") {
+        return;
+    }
+    let _g = serial();
+    lab_at(3, 2, RATE);
+    let _vm = busy("busy1");
+    let (r, events) = move_busy(
+        "busy1",
+        "host2",
+        &[
+            "--option",
+            "tcp",
+            "--postcopy",
+            "allow",
+            "--throttle",
+            "forbid",
+        ],
+        || {},
+    );
+    assert_eq!(r["event"], "completed", "{r}");
+    assert_eq!(r["phase"], "postcopy", "{r}");
+    let step = events
+        .iter()
+        .find(|e| e["step"] == "postcopy")
+        .expect("a postcopy step");
+    assert!(
+        step["detail"].as_str().unwrap().contains("dirties"),
+        "{step}"
+    );
+    assert!(events
+        .iter()
+        .any(|e| e["event"] == "progress" && e["phase"] == "postcopy"));
+    assert_intact_on("busy1", "host2");
+}
+
+#[test]
+fn a_busy_guest_fails_clearly_with_postcopy_forbidden_and_stays_on_the_source() {
+    if !lab_available("a_busy_guest_fails_clearly_with_postcopy_forbidden_and_stays_on_the_source")
+    {
+        return;
+    }
+    let _g = serial();
+    lab_at(3, 2, RATE);
+    let _vm = busy("busy2");
+    let (r, _) = move_busy(
+        "busy2",
+        "host2",
+        &[
+            "--option",
+            "tcp",
+            "--postcopy",
+            "forbid",
+            "--throttle",
+            "forbid",
+            "--timeout-per-gib",
+            "20",
+        ],
+        || panic!("post-copy started although forbidden"),
+    );
+    assert_eq!(r["event"], "failed", "{r}");
+    let reason = r["error"]["reason"].as_str().unwrap();
+    assert!(reason.contains("did not converge within 20 s"), "{reason}");
+    assert!(
+        reason.contains("the guest dirties") && reason.contains("the path moves"),
+        "{reason}"
+    );
+    assert_eq!(r["error"]["running_on"], "host1");
+    assert_intact_on("busy2", "host1");
+    assert!(qemu_pids("host2").is_empty(), "skeleton left on host2");
+}
+
+#[test]
+fn postcopy_survives_a_nic_cut() {
+    if !lab_available("postcopy_survives_a_nic_cut") {
+        return;
+    }
+    let _g = serial();
+    lab_at(3, 2, RATE);
+    let _vm = busy("busy3");
+    let (r, _) = move_busy(
+        "busy3",
+        "host3",
+        &[
+            "--option",
+            "multichannel",
+            "--postcopy",
+            "allow",
+            "--throttle",
+            "forbid",
+        ],
+        || {
+            ferry_ok(&["lab", "link", "host3", "nic2", "down"]);
+        },
+    );
+    ferry_ok(&["lab", "link", "host3", "nic2", "up"]);
+    assert_eq!(r["event"], "completed", "{r}");
+    assert_eq!(r["phase"], "postcopy", "{r}");
+    let nic2 = r["carriers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["nic"] == "nic2")
+        .unwrap()
+        .clone();
+    assert!(
+        nic2["failures"].as_u64().unwrap() >= 1,
+        "the cut was not noticed: {r}"
+    );
+    assert_intact_on("busy3", "host3");
+}
