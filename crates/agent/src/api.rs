@@ -128,15 +128,15 @@ async fn open_sink(
     State(a): State<Arc<Agent>>,
     ApiJson(req): ApiJson<SinkRequest>,
 ) -> R<SinkReply> {
-    Ok(Json(a.sinks.open(req).await?))
+    Ok(Json(a.sinks.open(req, a.cred.secret()).await?))
 }
 
 async fn sink_result(State(a): State<Arc<Agent>>, Path(port): Path<u16>) -> R<SinkResult> {
     Ok(Json(a.sinks.result(port).await?))
 }
 
-async fn send(ApiJson(req): ApiJson<SendRequest>) -> R<SendResult> {
-    Ok(Json(crate::validate::send(req).await?))
+async fn send(State(a): State<Arc<Agent>>, ApiJson(req): ApiJson<SendRequest>) -> R<SendResult> {
+    Ok(Json(crate::validate::send(req, a.cred.secret()).await?))
 }
 
 pub fn router(agent: Arc<Agent>) -> Router {

@@ -252,24 +252,38 @@ pub async fn probe_path(req: PathProbeRequest) -> Result<PathProbeResult, ApiErr
     })
 }
 
-/// Throughput sinks by port: each accepts one connection and counts its bytes.
+/// Throughput sinks by port. Each is a transport session with one carrier
+/// listener on the NIC under test; the stream it carries ends in a local
+/// socket that counts the bytes and times them from first to last.
 #[derive(Default)]
-pub struct Sinks(Mutex<BTreeMap<u16, tokio::sync::oneshot::Receiver<SinkResult>>>);
+pub struct Sinks(Mutex<BTreeMap<u16, Sink>>);
+
+struct Sink {
+    result: tokio::sync::oneshot::Receiver<SinkResult>,
+    session: ferry_transport::Session,
+    dir: std::path::PathBuf,
+}
 
 impl Sinks {
-    pub async fn open(&self, req: SinkRequest) -> Result<SinkReply, ApiError> {
+    pub async fn open(&self, req: SinkRequest, secret: &[u8]) -> Result<SinkReply, ApiError> {
         let address = nic_address(&req.nic)?;
-        let listener = tokio::net::TcpListener::bind((address.as_str(), 0))
-            .await
-            .map_err(ApiError::internal)?;
-        let port = listener.local_addr().map_err(ApiError::internal)?.port();
+        let ip: std::net::IpAddr = address.parse().map_err(ApiError::internal)?;
+        let session: [u8; 16] = rand::random();
+        let dir = std::env::temp_dir().join(format!("ferry-sink-{}", hex(&session)));
+        std::fs::create_dir_all(&dir).map_err(ApiError::internal)?;
+        let sock = dir.join("sink.sock");
+        let local = tokio::net::UnixListener::bind(&sock).map_err(ApiError::internal)?;
+        let (session_handle, bound) =
+            ferry_transport::Session::target(session, secret, vec![(req.nic.clone(), ip)], sock)
+                .await
+                .map_err(|e| ApiError::internal(crate::host::error_chain(&e)))?;
+        let port = bound
+            .first()
+            .map(|(_, a)| a.port())
+            .ok_or_else(|| ApiError::internal("no carrier listener"))?;
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(port, rx);
         tokio::spawn(async move {
-            let accepted = tokio::time::timeout(Duration::from_secs(10), listener.accept()).await;
+            let accepted = tokio::time::timeout(Duration::from_secs(10), local.accept()).await;
             let Ok(Ok((mut s, _))) = accepted else {
                 let _ = tx.send(SinkResult {
                     bytes: 0,
@@ -294,30 +308,59 @@ impl Sinks {
             let duration_ms = first.map(|f| (last - f).as_millis() as u64).unwrap_or(0);
             let _ = tx.send(SinkResult { bytes, duration_ms });
         });
-        Ok(SinkReply { address, port })
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).insert(
+            port,
+            Sink {
+                result: rx,
+                session: session_handle,
+                dir,
+            },
+        );
+        Ok(SinkReply {
+            address,
+            port,
+            session: hex(&session),
+        })
     }
 
     pub async fn result(&self, port: u16) -> Result<SinkResult, ApiError> {
-        let rx = self
+        let sink = self
             .0
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&port)
             .ok_or_else(|| ApiError::not_found("throughput sink", &port.to_string()))?;
-        tokio::time::timeout(MAX_SEND + Duration::from_secs(5), rx)
-            .await
-            .map_err(|_| ApiError::internal("the sink did not finish"))?
+        let r = tokio::time::timeout(MAX_SEND + Duration::from_secs(5), sink.result).await;
+        sink.session.close();
+        let _ = std::fs::remove_dir_all(&sink.dir);
+        r.map_err(|_| ApiError::internal("the sink did not finish"))?
             .map_err(ApiError::internal)
     }
 }
 
-/// Sends as fast as TCP allows from `nic` to a peer's sink for `duration_ms`.
-pub async fn send(req: SendRequest) -> Result<SendResult, ApiError> {
-    let local = nic_address(&req.nic)?;
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex16(s: &str) -> Option<[u8; 16]> {
+    let mut out = [0u8; 16];
+    if s.len() != 32 {
+        return None;
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Sends as fast as the transport allows over one carrier from `nic` to a
+/// peer's sink for `duration_ms`: the same frames, checksums and
+/// acknowledgements a migration's bytes get.
+pub async fn send(req: SendRequest, secret: &[u8]) -> Result<SendResult, ApiError> {
+    let local: std::net::IpAddr = nic_address(&req.nic)?.parse().map_err(ApiError::internal)?;
     let duration = Duration::from_millis(req.duration_ms).min(MAX_SEND);
-    let sock = tokio::net::TcpSocket::new_v4().map_err(ApiError::internal)?;
-    let bind: std::net::SocketAddr = format!("{local}:0").parse().map_err(ApiError::internal)?;
-    sock.bind(bind).map_err(ApiError::internal)?;
+    let session =
+        unhex16(&req.session).ok_or_else(|| ApiError::invalid("session", "not 32 hex digits"))?;
     let peer: std::net::SocketAddr =
         format!("{}:{}", req.peer_addr, req.port)
             .parse()
@@ -327,23 +370,62 @@ pub async fn send(req: SendRequest) -> Result<SendResult, ApiError> {
                     format!("'{}' is not an IPv4 address", req.peer_addr),
                 )
             })?;
-    let mut s = tokio::time::timeout(Duration::from_secs(3), sock.connect(peer))
-        .await
-        .map_err(|_| {
-            ApiError::unavailable(format!("path {} → {peer}", req.nic), "connect timed out")
-        })?
-        .map_err(|e| ApiError::unavailable(format!("path {} → {peer}", req.nic), e))?;
-    let buf = vec![0x5au8; 256 << 10];
-    let end = Instant::now() + duration;
-    let mut bytes = 0u64;
-    while Instant::now() < end {
-        match tokio::time::timeout(Duration::from_secs(2), s.write(&buf)).await {
-            Ok(Ok(n)) => bytes += n as u64,
-            _ => break,
+    let dir = std::env::temp_dir().join(format!("ferry-send-{}", req.session));
+    std::fs::create_dir_all(&dir).map_err(ApiError::internal)?;
+    let sock = dir.join("send.sock");
+    let path = format!("path {} → {peer}", req.nic);
+    let s = ferry_transport::Session::source(
+        session,
+        secret,
+        sock.clone(),
+        vec![(req.nic.clone(), local, peer)],
+    )
+    .await
+    .map_err(|e| ApiError::unavailable(path.clone(), crate::host::error_chain(&e)))?;
+    let result = async {
+        for _ in 0..100 {
+            if s.stats().healthy == 1 {
+                break;
+            }
+            if let Some(why) = s.failure() {
+                return Err(ApiError::unavailable(path.clone(), why));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        if s.stats().healthy != 1 {
+            return Err(ApiError::unavailable(
+                path.clone(),
+                "the carrier did not come up",
+            ));
+        }
+        let mut u = tokio::net::UnixStream::connect(&sock)
+            .await
+            .map_err(ApiError::internal)?;
+        let buf = vec![0x5au8; 256 << 10];
+        let end = Instant::now() + duration;
+        let mut bytes = 0u64;
+        while Instant::now() < end {
+            match tokio::time::timeout(Duration::from_secs(2), u.write(&buf)).await {
+                Ok(Ok(n)) => bytes += n as u64,
+                _ => break,
+            }
+        }
+        let _ = u.shutdown().await;
+        // let the last frames and the end of the stream arrive before the carrier goes
+        for _ in 0..100 {
+            let st = s.stats();
+            if st.carriers.iter().all(|c| c.tx_bytes >= bytes) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        Ok(SendResult { bytes })
     }
-    let _ = s.shutdown().await;
-    Ok(SendResult { bytes })
+    .await;
+    s.close();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
 }
 
 #[cfg(test)]

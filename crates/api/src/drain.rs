@@ -96,6 +96,10 @@ pub struct DrainReport {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum DrainEvent {
+    /// E.g. a path between the host and a target that validation marked failed.
+    Warning {
+        message: String,
+    },
     Plan {
         moves: Vec<PlannedMove>,
         unplaceable: Vec<Unplaceable>,

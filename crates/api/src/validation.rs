@@ -190,6 +190,8 @@ pub struct SinkRequest {
 pub struct SinkReply {
     pub address: String,
     pub port: u16,
+    /// The transport session the sender must join (32 hex digits).
+    pub session: String,
 }
 
 /// What a throughput sink received, timed from first to last byte.
@@ -205,6 +207,7 @@ pub struct SendRequest {
     pub nic: String,
     pub peer_addr: String,
     pub port: u16,
+    pub session: String,
     pub duration_ms: u64,
 }
 

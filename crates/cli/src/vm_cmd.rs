@@ -764,6 +764,7 @@ pub async fn drain_host(
             DrainEvent::Limit { limit, reason } => {
                 say(&mp, format!("  limit       {limit}: {reason}"))
             }
+            DrainEvent::Warning { message } => say(&mp, format!("  warning     {message}")),
             DrainEvent::Done(r) => {
                 overall.finish_and_clear();
                 if !json {

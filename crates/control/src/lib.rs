@@ -261,14 +261,7 @@ impl Control {
                 .failed_paths(&source, &req.to)
                 .into_iter()
                 .map(|c| MigrationEvent::Warning {
-                    message: format!(
-                        "validation marked {} {} → {} failed ({}): {}",
-                        c.host,
-                        c.nic.clone().unwrap_or_default(),
-                        c.peer.clone().unwrap_or_default(),
-                        c.check,
-                        c.observed
-                    ),
+                    message: failed_path_warning(c),
                 })
                 .collect(),
             None => Vec::new(),
@@ -404,6 +397,7 @@ impl Control {
             nic: na.name.clone(),
             peer_addr: sink.address.clone(),
             port: sink.port,
+            session: sink.session.clone(),
             duration_ms: ms,
         };
         let _: SendResult = self.host(a)?.post("/validate/send", &send, t).await?;
@@ -462,7 +456,26 @@ impl Control {
             .max_parallel
             .or_else(|| lock(&self.settings).get(&host).map(|s| s.max_migrations))
             .unwrap_or_default();
+        let warnings: Vec<DrainEvent> = {
+            let last = self.last_validation.lock().await;
+            let mut to: Vec<&str> = moves.iter().map(|m| m.to.as_str()).collect();
+            to.sort();
+            to.dedup();
+            to.iter()
+                .flat_map(|t| {
+                    last.as_ref()
+                        .map(|r| r.failed_paths(&host, t))
+                        .unwrap_or_default()
+                })
+                .map(|c| DrainEvent::Warning {
+                    message: failed_path_warning(c),
+                })
+                .collect()
+        };
         let (tx, rx) = tokio::sync::mpsc::channel::<DrainEvent>(256);
+        for w in warnings {
+            let _ = tx.send(w).await;
+        }
         let me = self.clone();
         tokio::spawn(async move {
             me.run_drain(
@@ -657,6 +670,18 @@ impl Control {
             m.vm
         )))
     }
+}
+
+/// How a move or drain warns of a path the latest validation marked failed.
+fn failed_path_warning(c: &CheckOutcome) -> String {
+    format!(
+        "validation marked {} {} → {} failed ({}): {}",
+        c.host,
+        c.nic.clone().unwrap_or_default(),
+        c.peer.clone().unwrap_or_default(),
+        c.check,
+        c.observed
+    )
 }
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
