@@ -562,7 +562,8 @@ impl Control {
                     };
                     let _ = tx.send(DrainEvent::Moved(d.clone())).await;
                     moved.push(d);
-                    if setting == MigrationLimit::Auto {
+                    // tuning only matters while moves are waiting
+                    if setting == MigrationLimit::Auto && !queue.is_empty() {
                         if let Some((l, reason)) =
                             auto.completed(r.bytes_transferred, std::time::Instant::now())
                         {
