@@ -556,9 +556,13 @@ impl Agent {
             );
             if !postcopy && conv.postcopy {
                 // after 3 s of not converging with throttling at its limit (or
-                // without throttling), or at the timeout: switch to post-copy
+                // without throttling), 10 s with it, or at the timeout: post-copy
                 let throttled_out = !conv.throttle || throttle >= 99;
-                if (not_converging >= 30 && throttled_out) || now > deadline {
+                // throttling gets 10 s to show it helps before the switch
+                if (not_converging >= 30 && throttled_out)
+                    || not_converging >= 100
+                    || now > deadline
+                {
                     qmp.start_postcopy().await.map_err(q("postcopy"))?;
                     postcopy = true;
                     let detail = format!(
