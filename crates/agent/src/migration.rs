@@ -540,11 +540,14 @@ impl Agent {
             };
             let dirty_rate = (ram.dirty_pages_rate * page) as f64;
             // pre-copy converges only if the path outruns the guest's dirtying
-            if !postcopy
-                && ram.dirty_sync_count >= 2
-                && path_rate > 0.0
-                && dirty_rate >= 0.9 * path_rate
-            {
+            // by enough that what is left fits the downtime target; after the
+            // first pass, QEMU's expected downtime (remaining ÷ bandwidth)
+            // staying over twice the target says it does not
+            let too_slow = dirty_rate >= 0.9 * path_rate
+                || info
+                    .expected_downtime
+                    .is_some_and(|d| d > 2 * DOWNTIME_LIMIT_MS && ram.dirty_sync_count >= 3);
+            if !postcopy && ram.dirty_sync_count >= 2 && path_rate > 0.0 && too_slow {
                 not_converging += 1;
             } else {
                 not_converging = 0;
