@@ -134,21 +134,6 @@ fn progress_event(
 /// Multifd channels per multichannel migration (streams over the carriers).
 pub const MULTIFD_CHANNELS: u64 = 4;
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Option<[u8; 16]> {
-    let mut out = [0u8; 16];
-    if s.len() != 32 {
-        return None;
-    }
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(out)
-}
-
 fn delta(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> BTreeMap<String, u64> {
     after
         .iter()
@@ -309,7 +294,7 @@ impl Agent {
             spec: spec.clone(),
             source_fabrics_up: fabrics_up,
             option,
-            session: Some(hex(&session)),
+            session: Some(ferry_transport::session_to_hex(&session)),
             postcopy: req.convergence.postcopy,
         };
         let reply: IncomingReply = target
@@ -919,9 +904,13 @@ impl Agent {
         let multichannel = match req.option {
             MigrationOption::Tcp => None,
             MigrationOption::Multichannel => {
-                let id = req.session.as_deref().and_then(unhex).ok_or_else(|| {
-                    ApiError::invalid("session", "multichannel needs a 32-hex-digit session id")
-                })?;
+                let id = req
+                    .session
+                    .as_deref()
+                    .and_then(ferry_transport::session_from_hex)
+                    .ok_or_else(|| {
+                        ApiError::invalid("session", "multichannel needs a 32-hex-digit session id")
+                    })?;
                 Some(id)
             }
             MigrationOption::Auto => {

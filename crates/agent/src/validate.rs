@@ -269,7 +269,10 @@ impl Sinks {
         let address = nic_address(&req.nic)?;
         let ip: std::net::IpAddr = address.parse().map_err(ApiError::internal)?;
         let session: [u8; 16] = rand::random();
-        let dir = std::env::temp_dir().join(format!("ferry-sink-{}", hex(&session)));
+        let dir = std::env::temp_dir().join(format!(
+            "ferry-sink-{}",
+            ferry_transport::session_to_hex(&session)
+        ));
         std::fs::create_dir_all(&dir).map_err(ApiError::internal)?;
         let sock = dir.join("sink.sock");
         let local = tokio::net::UnixListener::bind(&sock).map_err(ApiError::internal)?;
@@ -319,7 +322,7 @@ impl Sinks {
         Ok(SinkReply {
             address,
             port,
-            session: hex(&session),
+            session: ferry_transport::session_to_hex(&session),
         })
     }
 
@@ -338,29 +341,14 @@ impl Sinks {
     }
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex16(s: &str) -> Option<[u8; 16]> {
-    let mut out = [0u8; 16];
-    if s.len() != 32 {
-        return None;
-    }
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(out)
-}
-
 /// Sends as fast as the transport allows over one carrier from `nic` to a
 /// peer's sink for `duration_ms`: the same frames, checksums and
 /// acknowledgements a migration's bytes get.
 pub async fn send(req: SendRequest, secret: &[u8]) -> Result<SendResult, ApiError> {
     let local: std::net::IpAddr = nic_address(&req.nic)?.parse().map_err(ApiError::internal)?;
     let duration = Duration::from_millis(req.duration_ms).min(MAX_SEND);
-    let session =
-        unhex16(&req.session).ok_or_else(|| ApiError::invalid("session", "not 32 hex digits"))?;
+    let session = ferry_transport::session_from_hex(&req.session)
+        .ok_or_else(|| ApiError::invalid("session", "not 32 hex digits"))?;
     let peer: std::net::SocketAddr =
         format!("{}:{}", req.peer_addr, req.port)
             .parse()

@@ -15,3 +15,34 @@ pub mod protocol;
 pub mod session;
 
 pub use session::{CarrierStats, Session, SessionStats, TransportError};
+
+/// A session id as text (32 hex digits), as agents pass it in their API.
+pub fn session_to_hex(id: &[u8; 16]) -> String {
+    id.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Parses [`session_to_hex`]'s form; anything else is `None`.
+pub fn session_from_hex(s: &str) -> Option<[u8; 16]> {
+    let mut out = [0u8; 16];
+    if s.len() != 32 {
+        return None;
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn session_ids_round_trip_and_bad_text_is_refused() {
+        let id = [0xab; 16];
+        assert_eq!(session_from_hex(&session_to_hex(&id)), Some(id));
+        for bad in ["", "ab", &"z".repeat(32), &"a".repeat(33)] {
+            assert_eq!(session_from_hex(bad), None, "{bad}");
+        }
+    }
+}
