@@ -19,6 +19,7 @@ pub mod drain;
 pub mod error;
 pub mod server;
 pub mod size;
+pub mod storage;
 pub mod types;
 pub mod validation;
 

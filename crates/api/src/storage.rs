@@ -1,0 +1,292 @@
+//! Storage: disks (NBD exports), storage QoS policies and flows.
+//!
+//! A *disk* is a raw file on a storage node, served over NBD. A *flow* is one
+//! initiator's use of one disk: one per VM per disk (or per client address
+//! for clients outside Ferry). A *policy* bounds flows in normalized IOPS (an
+//! I/O of up to `normalization` bytes counts as one, a larger one as
+//! `ceil(len / normalization)`) and bytes per second; whichever limit is
+//! reached first limits the flow.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ApiError;
+
+/// Default IOPS normalization size: 8 KiB.
+pub const DEFAULT_NORMALIZATION: u64 = 8 << 10;
+/// Largest disk a storage node creates: 16 TiB.
+pub const MAX_DISK_SIZE: u64 = 16 << 40;
+
+/// A name for a disk, policy or VM: 1–64 of `[A-Za-z0-9_.-]`, not starting with
+/// `.` or `-`. Names appear in paths and NBD export names, so nothing else.
+pub fn check_name(field: &str, name: &str) -> Result<(), ApiError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with(['.', '-'])
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            field,
+            format!("'{name}' is not a name (1-64 of A-Z a-z 0-9 _ . -, not starting with . or -)"),
+        ))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskCreateRequest {
+    pub name: String,
+    pub size: u64,
+    /// Every write is durable before it is acknowledged (O_DSYNC).
+    #[serde(default)]
+    pub write_through: bool,
+    /// Storage node to create it on (default: the first).
+    #[serde(default)]
+    pub node: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskResizeRequest {
+    pub size: u64,
+}
+
+/// `policy: None` clears the disk's policy (its flows run unlimited).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskSetRequest {
+    pub policy: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskInfo {
+    pub name: String,
+    pub node: String,
+    pub size: u64,
+    pub write_through: bool,
+    pub policy: Option<String>,
+    /// NBD URI of the export, e.g. `nbd://198.18.0.1:10809/data1`.
+    pub uri: String,
+    /// Open NBD connections.
+    pub connections: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyKind {
+    /// Every flow gets the minimum and maximum on its own.
+    Dedicated,
+    /// All the policy's flows share one minimum and one maximum.
+    Aggregated,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Policy {
+    pub name: String,
+    pub kind: PolicyKind,
+    /// Reserved normalized IOPS (0: none).
+    #[serde(default)]
+    pub min_iops: u64,
+    /// Normalized IOPS cap (0: none).
+    #[serde(default)]
+    pub max_iops: u64,
+    /// Bytes per second cap (0: none).
+    #[serde(default)]
+    pub max_bandwidth: u64,
+}
+
+impl Policy {
+    pub fn validate(&self) -> Result<(), ApiError> {
+        check_name("name", &self.name)?;
+        if self.max_iops != 0 && self.min_iops > self.max_iops {
+            return Err(ApiError::invalid(
+                "min_iops",
+                format!(
+                    "minimum {} is above maximum {} IOPS",
+                    self.min_iops, self.max_iops
+                ),
+            ));
+        }
+        const MAX: u64 = 10_000_000;
+        for (f, v) in [("min_iops", self.min_iops), ("max_iops", self.max_iops)] {
+            if v > MAX {
+                return Err(ApiError::invalid(f, format!("{v} is above {MAX} IOPS")));
+            }
+        }
+        if self.max_bandwidth != 0 && self.max_bandwidth < 4096 {
+            return Err(ApiError::invalid(
+                "max_bandwidth",
+                format!(
+                    "{} B/s is below one 4 KiB I/O per second",
+                    self.max_bandwidth
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `ferry qos policy set`: fields left out keep their value.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyUpdate {
+    #[serde(default)]
+    pub min_iops: Option<u64>,
+    #[serde(default)]
+    pub max_iops: Option<u64>,
+    #[serde(default)]
+    pub max_bandwidth: Option<u64>,
+}
+
+impl PolicyUpdate {
+    pub fn apply(&self, p: &Policy) -> Policy {
+        Policy {
+            name: p.name.clone(),
+            kind: p.kind,
+            min_iops: self.min_iops.unwrap_or(p.min_iops),
+            max_iops: self.max_iops.unwrap_or(p.max_iops),
+            max_bandwidth: self.max_bandwidth.unwrap_or(p.max_bandwidth),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QosSettings {
+    /// IOPS normalization size in bytes (power of two, 512 B – 1 MiB).
+    pub normalization: u64,
+}
+
+impl QosSettings {
+    pub fn validate(&self) -> Result<(), ApiError> {
+        let n = self.normalization;
+        if !(512..=1 << 20).contains(&n) || !n.is_power_of_two() {
+            return Err(ApiError::invalid(
+                "normalization",
+                format!("{n} is not a power of two between 512 and 1048576"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FlowStatus {
+    Ok,
+    /// Has a minimum, asks for at least that, and does not get it.
+    InsufficientThroughput,
+    /// Its disk names a policy that no longer exists: the flow runs unlimited.
+    UnknownPolicyId,
+    /// The initiator's connection is gone (kept for a while to be seen).
+    LostCommunication,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FlowInfo {
+    /// `DISK/INITIATOR`.
+    pub id: String,
+    pub disk: String,
+    pub node: String,
+    /// VM name when the client named one (export `DISK/VM`), else its address.
+    pub initiator: String,
+    /// Host the initiator runs on, when known, else its address.
+    pub host: String,
+    pub policy: Option<String>,
+    pub connections: u32,
+    /// Normalized IOPS over the last second.
+    pub iops: f64,
+    /// Bytes per second over the last second.
+    pub bandwidth: f64,
+    /// Mean service latency (queue + I/O) over the last second, µs.
+    pub latency_us: f64,
+    /// Normalized IOPS the flow asked for over the last second (served or queued).
+    pub demand_iops: f64,
+    pub min_iops: u64,
+    pub max_iops: u64,
+    pub max_bandwidth: u64,
+    pub status: FlowStatus,
+}
+
+/// A per-flow allocation set from outside (the cluster-wide policy manager):
+/// it overrides what the node derives from the disk's policy.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Allocation {
+    #[serde(default)]
+    pub min_iops: u64,
+    #[serde(default)]
+    pub max_iops: u64,
+    #[serde(default)]
+    pub max_bandwidth: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        for ok in ["data1", "a", "web-1_x.y"] {
+            assert!(check_name("name", ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "-x", ".x", "a/b", "a b", &"x".repeat(65)] {
+            assert!(check_name("name", bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn policies_are_checked() {
+        let p = Policy {
+            name: "gold".into(),
+            kind: PolicyKind::Dedicated,
+            min_iops: 250,
+            max_iops: 500,
+            max_bandwidth: 100 << 20,
+        };
+        assert!(p.validate().is_ok());
+        let bad = Policy {
+            min_iops: 600,
+            ..p.clone()
+        };
+        let e = bad.validate().unwrap_err().to_string();
+        assert!(e.contains("min_iops") && e.contains("600"), "{e}");
+        assert!(Policy {
+            max_bandwidth: 10,
+            ..p.clone()
+        }
+        .validate()
+        .is_err());
+        let upd = PolicyUpdate {
+            max_iops: Some(800),
+            ..Default::default()
+        };
+        assert_eq!(upd.apply(&p).max_iops, 800);
+        assert_eq!(upd.apply(&p).min_iops, 250);
+    }
+
+    #[test]
+    fn normalization_must_be_a_power_of_two() {
+        assert!(QosSettings {
+            normalization: 8192
+        }
+        .validate()
+        .is_ok());
+        assert!(QosSettings {
+            normalization: 3000
+        }
+        .validate()
+        .is_err());
+        assert!(QosSettings { normalization: 256 }.validate().is_err());
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let e = serde_json::from_str::<Policy>(r#"{"name":"a","kind":"dedicated","min_iop":5}"#)
+            .unwrap_err();
+        assert!(e.to_string().contains("min_iop"));
+    }
+}

@@ -1,0 +1,123 @@
+//! REST API of a storage node, under `/api/v1`, every route behind the
+//! cluster credential. The control service is its usual client; each
+//! handler is one call on [`Node`].
+//!
+//! | method | path | body → answer |
+//! |---|---|---|
+//! | GET | /disks | → `[DiskInfo]` |
+//! | POST | /disks | `DiskCreateRequest` → `DiskInfo` |
+//! | PUT | /disks/{d}/size | `DiskResizeRequest` → `DiskInfo` |
+//! | PUT | /disks/{d}/policy | `DiskSetRequest` → `DiskInfo` |
+//! | DELETE | /disks/{d} | → `DiskInfo` (refused while connected) |
+//! | GET | /qos/policies | → `[Policy]` |
+//! | POST | /qos/policies | `Policy` → `Policy` (new) |
+//! | PUT | /qos/policies/{p} | `Policy` → `Policy` (put as given) |
+//! | PATCH | /qos/policies/{p} | `PolicyUpdate` → `Policy` |
+//! | DELETE | /qos/policies/{p} | → `Policy` |
+//! | GET/PUT | /qos/settings | `QosSettings` |
+//! | GET | /qos/flows | → `[FlowInfo]` |
+//! | PUT | /qos/allocations | `AllocationRequest` → `FlowInfo` |
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, put};
+use axum::{middleware, Json, Router};
+use ferry_api::auth::Credential;
+use ferry_api::server::{not_found, require_credential, ApiJson, ErrorResponse};
+use ferry_api::storage::{
+    Allocation, DiskCreateRequest, DiskResizeRequest, DiskSetRequest, Policy, PolicyUpdate,
+    QosSettings,
+};
+use ferry_api::ApiError;
+use serde::{Deserialize, Serialize};
+
+use crate::node::Node;
+
+/// Body of `PUT /qos/allocations`: `allocation: null` clears it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllocationRequest {
+    pub flow: String,
+    pub allocation: Option<Allocation>,
+}
+
+fn reply<T: Serialize>(r: Result<T, ApiError>) -> Response {
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => ErrorResponse(e).into_response(),
+    }
+}
+
+type S = State<Arc<Node>>;
+
+pub fn router(node: Arc<Node>, cred: Credential) -> Router {
+    let api = Router::new()
+        .route(
+            "/disks",
+            get(|State(n): S| async move { reply(Ok(n.list_disks())) }).post(
+                |State(n): S, ApiJson(r): ApiJson<DiskCreateRequest>| async move { reply(n.create_disk(&r)) },
+            ),
+        )
+        .route(
+            "/disks/{d}",
+            axum::routing::delete(|State(n): S, Path(d): Path<String>| async move { reply(n.remove_disk(&d)) }),
+        )
+        .route(
+            "/disks/{d}/size",
+            put(
+                |State(n): S, Path(d): Path<String>, ApiJson(r): ApiJson<DiskResizeRequest>| async move {
+                    reply(n.resize_disk(&d, r.size))
+                },
+            ),
+        )
+        .route(
+            "/disks/{d}/policy",
+            put(
+                |State(n): S, Path(d): Path<String>, ApiJson(r): ApiJson<DiskSetRequest>| async move {
+                    reply(n.set_disk_policy(&d, r.policy))
+                },
+            ),
+        )
+        .route(
+            "/qos/policies",
+            get(|State(n): S| async move { reply(Ok(n.list_policies())) })
+                .post(|State(n): S, ApiJson(p): ApiJson<Policy>| async move { reply(n.new_policy(p)) }),
+        )
+        .route(
+            "/qos/policies/{p}",
+            put(|State(n): S, Path(name): Path<String>, ApiJson(p): ApiJson<Policy>| async move {
+                if p.name != name {
+                    return reply::<Policy>(Err(ApiError::invalid(
+                        "name",
+                        format!("body names '{}', path '{name}'", p.name),
+                    )));
+                }
+                reply(n.put_policy(p))
+            })
+            .patch(
+                |State(n): S, Path(name): Path<String>, ApiJson(u): ApiJson<PolicyUpdate>| async move {
+                    reply(n.update_policy(&name, &u))
+                },
+            )
+            .delete(|State(n): S, Path(name): Path<String>| async move { reply(n.remove_policy(&name)) }),
+        )
+        .route(
+            "/qos/settings",
+            get(|State(n): S| async move { reply(Ok(n.settings())) })
+                .put(|State(n): S, ApiJson(s): ApiJson<QosSettings>| async move { reply(n.set_settings(&s)) }),
+        )
+        .route("/qos/flows", get(|State(n): S| async move { reply(Ok(n.list_flows())) }))
+        .route(
+            "/qos/allocations",
+            put(|State(n): S, ApiJson(r): ApiJson<AllocationRequest>| async move {
+                reply(n.set_allocation(&r.flow, r.allocation))
+            }),
+        )
+        .with_state(node);
+    Router::new()
+        .nest(ferry_api::API_PREFIX, api)
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(cred, require_credential))
+}

@@ -1,0 +1,52 @@
+//! Ferry's storage service: VM disks served over NBD, with storage QoS.
+//!
+//! ```text
+//!   QEMU / libnbd / fio ──NBD──▶ nbd::server ──admit──▶ qos::Scheduler ──▶ export (file)
+//!                                     │                      ▲
+//!                                  node::Node ── binds flows to pools from policies
+//!                                     ▲                      (or allocations from the cluster)
+//!   ferry CLI ──▶ control ──REST──▶ http (disks, policies, flows, settings)
+//! ```
+//!
+//! - [`nbd`]: the protocol (pure) and the server (connections, replies).
+//! - [`qos`]: the mClock tag scheduler and its async front.
+//! - [`export`]: one raw file, with the durability the spec asks of FUA/flush.
+//! - [`node`]: disks, policies, flows and their status; state on disk.
+//! - [`http`]: the node's REST API under `/api/v1`.
+
+pub mod export;
+pub mod http;
+pub mod nbd;
+pub mod node;
+pub mod qos;
+
+use std::sync::Arc;
+
+/// Runs a storage node: NBD on `nbd_listen`, REST on `api_listen`, and the
+/// one-second flow sampler, until one of them fails.
+pub async fn serve(
+    node: Arc<node::Node>,
+    nbd_listen: std::net::SocketAddr,
+    api_listen: std::net::SocketAddr,
+    cred: ferry_api::auth::Credential,
+) -> std::io::Result<()> {
+    let nbd = tokio::net::TcpListener::bind(nbd_listen).await?;
+    let api = tokio::net::TcpListener::bind(api_listen).await?;
+    tracing::info!(%nbd_listen, %api_listen, "storage node {} serving", node.cfg.name);
+    let sampler = {
+        let node = node.clone();
+        tokio::spawn(async move {
+            let mut t = tokio::time::interval(node::SAMPLE_PERIOD);
+            loop {
+                t.tick().await;
+                node.sample();
+            }
+        })
+    };
+    let cat: Arc<dyn nbd::server::Catalog> = Arc::new(node::NodeCatalog(node.clone()));
+    let nbd_task = tokio::spawn(nbd::server::serve(nbd, cat));
+    let r = axum::serve(api, http::router(node, cred)).await;
+    nbd_task.abort();
+    sampler.abort();
+    r
+}

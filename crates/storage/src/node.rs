@@ -1,0 +1,637 @@
+//! A storage node: its disks, its policies, its flows, and the glue between
+//! the NBD server ([`crate::nbd`]) and the QoS layer ([`crate::qos`]).
+//!
+//! State that must survive a restart — disks (name, size, write-through,
+//! policy), policies and the normalization size — is kept in `state.json`
+//! in the node's directory, next to the disk files `disks/NAME.img`, and is
+//! rewritten (write + rename) on every change.
+//!
+//! Flows: a connection to export `DISK/VM` belongs to flow `DISK/VM` (the
+//! initiator names itself, as Ferry's agents do); a connection to plain
+//! `DISK` belongs to flow `DISK/ADDRESS` of the client's address. A flow with
+//! no connection left is shown as `LostCommunication` for
+//! [`LOST_FLOW_KEEP`], then forgotten.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use ferry_api::storage::{
+    check_name, Allocation, DiskCreateRequest, DiskInfo, FlowInfo, FlowStatus, Policy, PolicyKind,
+    PolicyUpdate, QosSettings, DEFAULT_NORMALIZATION, MAX_DISK_SIZE,
+};
+use ferry_api::ApiError;
+use serde::{Deserialize, Serialize};
+
+use crate::export::Export;
+use crate::nbd::server::{Attachment, Catalog};
+use crate::qos::{self, Counters, FlowId, Params, Permit, Scheduler};
+
+pub const LOST_FLOW_KEEP: Duration = Duration::from_secs(60);
+/// How often flow rates and statuses are recomputed.
+pub const SAMPLE_PERIOD: Duration = Duration::from_secs(1);
+
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub name: String,
+    pub dir: PathBuf,
+    /// `host:port` clients reach the NBD server at (for disk URIs).
+    pub nbd_address: String,
+    /// Normalized IOPS the backing store sustains; 0: not limited here.
+    pub capacity_iops: u64,
+    /// Client addresses → host names, for the flows' `host` column.
+    pub peers: BTreeMap<IpAddr, String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct DiskRecord {
+    size: u64,
+    write_through: bool,
+    policy: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Persisted {
+    disks: BTreeMap<String, DiskRecord>,
+    policies: BTreeMap<String, Policy>,
+    normalization: u64,
+}
+
+struct Disk {
+    export: Arc<Export>,
+    policy: Option<String>,
+}
+
+struct Flow {
+    id: FlowId,
+    disk: String,
+    initiator: String,
+    host: String,
+    connections: u32,
+    last_seen: Instant,
+    allocation: Option<Allocation>,
+    /// (when, counters) of the previous sample, and the rates derived.
+    sample: (Instant, Counters),
+    rates: Rates,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Rates {
+    iops: f64,
+    bandwidth: f64,
+    latency_us: f64,
+    demand_iops: f64,
+    backlogged: f64,
+}
+
+struct State {
+    disks: BTreeMap<String, Disk>,
+    policies: BTreeMap<String, Policy>,
+    normalization: u64,
+    flows: BTreeMap<String, Flow>,
+    next_flow: FlowId,
+}
+
+pub struct Node {
+    pub cfg: NodeConfig,
+    sched: Arc<Scheduler>,
+    state: Mutex<State>,
+}
+
+fn io_err(what: impl std::fmt::Display, e: std::io::Error) -> ApiError {
+    ApiError::internal(format!("{what}: {e}"))
+}
+
+impl Node {
+    /// Opens (or creates) the node directory and its disks.
+    pub fn open(cfg: NodeConfig) -> Result<Arc<Node>, ApiError> {
+        let disks_dir = cfg.dir.join("disks");
+        std::fs::create_dir_all(&disks_dir).map_err(|e| io_err(disks_dir.display(), e))?;
+        let state_path = cfg.dir.join("state.json");
+        let persisted: Persisted = match std::fs::read(&state_path) {
+            Ok(b) => serde_json::from_slice(&b)
+                .map_err(|e| ApiError::internal(format!("{}: {e}", state_path.display())))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Persisted {
+                disks: BTreeMap::new(),
+                policies: BTreeMap::new(),
+                normalization: DEFAULT_NORMALIZATION,
+            },
+            Err(e) => return Err(io_err(state_path.display(), e)),
+        };
+        let mut disks = BTreeMap::new();
+        for (name, r) in persisted.disks {
+            let p = disks_dir.join(format!("{name}.img"));
+            let export =
+                Export::open(&name, &p, r.write_through).map_err(|e| io_err(p.display(), e))?;
+            disks.insert(
+                name,
+                Disk {
+                    export: Arc::new(export),
+                    policy: r.policy,
+                },
+            );
+        }
+        let sched = Scheduler::new(qos::Config {
+            capacity: cfg.capacity_iops as f64,
+            normalization: persisted.normalization,
+            ..qos::Config::default()
+        });
+        Ok(Arc::new(Node {
+            cfg,
+            sched,
+            state: Mutex::new(State {
+                disks,
+                policies: persisted.policies,
+                normalization: persisted.normalization,
+                flows: BTreeMap::new(),
+                next_flow: 1,
+            }),
+        }))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn save(&self, st: &State) -> Result<(), ApiError> {
+        let p = Persisted {
+            disks: st
+                .disks
+                .iter()
+                .map(|(n, d)| {
+                    (
+                        n.clone(),
+                        DiskRecord {
+                            size: d.export.size(),
+                            write_through: d.export.write_through,
+                            policy: d.policy.clone(),
+                        },
+                    )
+                })
+                .collect(),
+            policies: st.policies.clone(),
+            normalization: st.normalization,
+        };
+        let path = self.cfg.dir.join("state.json");
+        let tmp = self.cfg.dir.join("state.json.tmp");
+        let body = serde_json::to_vec_pretty(&p).map_err(ApiError::internal)?;
+        std::fs::write(&tmp, body).map_err(|e| io_err(tmp.display(), e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| io_err(path.display(), e))
+    }
+
+    fn disk_info(&self, st: &State, name: &str, d: &Disk) -> DiskInfo {
+        DiskInfo {
+            name: name.to_string(),
+            node: self.cfg.name.clone(),
+            size: d.export.size(),
+            write_through: d.export.write_through,
+            policy: d.policy.clone(),
+            uri: format!("nbd://{}/{name}", self.cfg.nbd_address),
+            connections: st
+                .flows
+                .values()
+                .filter(|f| f.disk == name)
+                .map(|f| f.connections)
+                .sum(),
+        }
+    }
+
+    pub fn list_disks(&self) -> Vec<DiskInfo> {
+        let st = self.lock();
+        st.disks
+            .iter()
+            .map(|(n, d)| self.disk_info(&st, n, d))
+            .collect()
+    }
+
+    fn disk<'a>(st: &'a State, name: &str) -> Result<&'a Disk, ApiError> {
+        st.disks
+            .get(name)
+            .ok_or_else(|| ApiError::not_found("disk", name))
+    }
+
+    pub fn create_disk(&self, req: &DiskCreateRequest) -> Result<DiskInfo, ApiError> {
+        check_name("name", &req.name)?;
+        if req.size == 0 || req.size > MAX_DISK_SIZE || req.size % 512 != 0 {
+            return Err(ApiError::invalid(
+                "size",
+                format!(
+                    "{} is not a multiple of 512 between 512 B and 16 TiB",
+                    req.size
+                ),
+            ));
+        }
+        let mut st = self.lock();
+        if st.disks.contains_key(&req.name) {
+            return Err(ApiError::AlreadyExists {
+                kind: "disk".into(),
+                name: req.name.clone(),
+            });
+        }
+        let p = self.cfg.dir.join("disks").join(format!("{}.img", req.name));
+        let e = Export::create(&req.name, &p, req.size, req.write_through)
+            .map_err(|e| io_err(p.display(), e))?;
+        st.disks.insert(
+            req.name.clone(),
+            Disk {
+                export: Arc::new(e),
+                policy: None,
+            },
+        );
+        self.save(&st)?;
+        let d = Self::disk(&st, &req.name)?;
+        Ok(self.disk_info(&st, &req.name, d))
+    }
+
+    pub fn resize_disk(&self, name: &str, size: u64) -> Result<DiskInfo, ApiError> {
+        if size == 0 || size > MAX_DISK_SIZE || size % 512 != 0 {
+            return Err(ApiError::invalid(
+                "size",
+                format!("{size} is not a multiple of 512 up to 16 TiB"),
+            ));
+        }
+        let st = self.lock();
+        let d = Self::disk(&st, name)?;
+        d.export.resize(size).map_err(|e| io_err(name, e))?;
+        self.save(&st)?;
+        Ok(self.disk_info(&st, name, d))
+    }
+
+    pub fn remove_disk(&self, name: &str) -> Result<DiskInfo, ApiError> {
+        let mut st = self.lock();
+        let d = Self::disk(&st, name)?;
+        let info = self.disk_info(&st, name, d);
+        if info.connections > 0 {
+            return Err(ApiError::Conflict {
+                reason: format!("disk {name} has {} open connections", info.connections),
+            });
+        }
+        let path = d.export.path.clone();
+        st.disks.remove(name);
+        let gone: Vec<FlowId> = st
+            .flows
+            .values()
+            .filter(|f| f.disk == name)
+            .map(|f| f.id)
+            .collect();
+        st.flows.retain(|_, f| f.disk != name);
+        self.save(&st)?;
+        drop(st);
+        for f in gone {
+            self.sched.remove(f);
+        }
+        std::fs::remove_file(&path).map_err(|e| io_err(path.display(), e))?;
+        Ok(info)
+    }
+
+    pub fn set_disk_policy(
+        &self,
+        name: &str,
+        policy: Option<String>,
+    ) -> Result<DiskInfo, ApiError> {
+        let mut st = self.lock();
+        if let Some(p) = &policy {
+            if !st.policies.contains_key(p) {
+                return Err(ApiError::not_found("policy", p));
+            }
+        }
+        let d = st
+            .disks
+            .get_mut(name)
+            .ok_or_else(|| ApiError::not_found("disk", name))?;
+        d.policy = policy;
+        self.save(&st)?;
+        self.rebind(&st);
+        let d = Self::disk(&st, name)?;
+        Ok(self.disk_info(&st, name, d))
+    }
+
+    pub fn list_policies(&self) -> Vec<Policy> {
+        self.lock().policies.values().cloned().collect()
+    }
+
+    pub fn new_policy(&self, p: Policy) -> Result<Policy, ApiError> {
+        p.validate()?;
+        let mut st = self.lock();
+        if st.policies.contains_key(&p.name) {
+            return Err(ApiError::AlreadyExists {
+                kind: "policy".into(),
+                name: p.name,
+            });
+        }
+        st.policies.insert(p.name.clone(), p.clone());
+        self.save(&st)?;
+        self.rebind(&st);
+        Ok(p)
+    }
+
+    /// Adds or replaces a policy as given (the cluster pushes its copy).
+    pub fn put_policy(&self, p: Policy) -> Result<Policy, ApiError> {
+        p.validate()?;
+        let mut st = self.lock();
+        st.policies.insert(p.name.clone(), p.clone());
+        self.save(&st)?;
+        self.rebind(&st);
+        Ok(p)
+    }
+
+    pub fn update_policy(&self, name: &str, u: &PolicyUpdate) -> Result<Policy, ApiError> {
+        let mut st = self.lock();
+        let old = st
+            .policies
+            .get(name)
+            .ok_or_else(|| ApiError::not_found("policy", name))?;
+        let p = u.apply(old);
+        p.validate()?;
+        st.policies.insert(name.to_string(), p.clone());
+        self.save(&st)?;
+        self.rebind(&st);
+        Ok(p)
+    }
+
+    /// Removes a policy; disks naming it keep the name, and their flows run
+    /// unlimited with status `UnknownPolicyId` (as in Windows Storage QoS).
+    pub fn remove_policy(&self, name: &str) -> Result<Policy, ApiError> {
+        let mut st = self.lock();
+        let p = st
+            .policies
+            .remove(name)
+            .ok_or_else(|| ApiError::not_found("policy", name))?;
+        self.save(&st)?;
+        self.rebind(&st);
+        Ok(p)
+    }
+
+    pub fn settings(&self) -> QosSettings {
+        QosSettings {
+            normalization: self.lock().normalization,
+        }
+    }
+
+    pub fn set_settings(&self, s: &QosSettings) -> Result<QosSettings, ApiError> {
+        s.validate()?;
+        let mut st = self.lock();
+        st.normalization = s.normalization;
+        self.save(&st)?;
+        let mut cfg = self.sched.config();
+        cfg.normalization = s.normalization;
+        self.sched.set_config(cfg);
+        Ok(s.clone())
+    }
+
+    /// Sets (or with `None` clears) the allocation of flow `id`, overriding
+    /// its disk's policy: the cluster-wide policy manager's lever.
+    pub fn set_allocation(&self, id: &str, a: Option<Allocation>) -> Result<FlowInfo, ApiError> {
+        let mut st = self.lock();
+        let f = st
+            .flows
+            .get_mut(id)
+            .ok_or_else(|| ApiError::not_found("flow", id))?;
+        f.allocation = a;
+        self.rebind(&st);
+        let f = st
+            .flows
+            .get(id)
+            .ok_or_else(|| ApiError::not_found("flow", id))?;
+        Ok(self.flow_info(&st, id, f))
+    }
+
+    /// The pool and parameters a flow runs under, and whether its policy is unknown.
+    fn binding(st: &State, key: &str, f: &Flow) -> (String, Params, Option<Policy>, bool) {
+        let own = format!("flow:{key}");
+        if let Some(a) = f.allocation {
+            let p = Params {
+                min_iops: a.min_iops as f64,
+                max_iops: a.max_iops as f64,
+                max_bandwidth: a.max_bandwidth as f64,
+            };
+            return (format!("alloc:{key}"), p, None, false);
+        }
+        let Some(pname) = st.disks.get(&f.disk).and_then(|d| d.policy.clone()) else {
+            return (own, Params::default(), None, false);
+        };
+        let Some(pol) = st.policies.get(&pname) else {
+            return (own, Params::default(), None, true);
+        };
+        let params = Params {
+            min_iops: pol.min_iops as f64,
+            max_iops: pol.max_iops as f64,
+            max_bandwidth: pol.max_bandwidth as f64,
+        };
+        let pool = match pol.kind {
+            PolicyKind::Dedicated => own,
+            PolicyKind::Aggregated => format!("policy:{pname}"),
+        };
+        (pool, params, Some(pol.clone()), false)
+    }
+
+    fn rebind(&self, st: &State) {
+        for (key, f) in &st.flows {
+            let (pool, params, _, _) = Self::binding(st, key, f);
+            self.sched.bind(f.id, &pool, params);
+        }
+    }
+
+    fn flow_info(&self, st: &State, key: &str, f: &Flow) -> FlowInfo {
+        let (pool, params, policy, unknown) = Self::binding(st, key, f);
+        let r = f.rates;
+        // an Aggregated minimum is judged on the pool's total
+        let (got, backlogged) = if pool.starts_with("policy:") {
+            st.flows
+                .iter()
+                .filter(|(k, g)| Self::binding(st, k, g).0 == pool)
+                .fold((0.0, 0.0f64), |(a, b), (_, g)| {
+                    (a + g.rates.iops, b.max(g.rates.backlogged))
+                })
+        } else {
+            (r.iops, r.backlogged)
+        };
+        let status = if f.connections == 0 {
+            FlowStatus::LostCommunication
+        } else if unknown {
+            FlowStatus::UnknownPolicyId
+        } else if params.min_iops > 0.0 && backlogged > 0.5 && got < 0.95 * params.min_iops {
+            FlowStatus::InsufficientThroughput
+        } else {
+            FlowStatus::Ok
+        };
+        FlowInfo {
+            id: key.to_string(),
+            disk: f.disk.clone(),
+            node: self.cfg.name.clone(),
+            initiator: f.initiator.clone(),
+            host: f.host.clone(),
+            policy: policy
+                .map(|p| p.name)
+                .or_else(|| st.disks.get(&f.disk).and_then(|d| d.policy.clone())),
+            connections: f.connections,
+            iops: r.iops,
+            bandwidth: r.bandwidth,
+            latency_us: r.latency_us,
+            demand_iops: r.demand_iops,
+            min_iops: params.min_iops as u64,
+            max_iops: params.max_iops as u64,
+            max_bandwidth: params.max_bandwidth as u64,
+            status,
+        }
+    }
+
+    pub fn list_flows(&self) -> Vec<FlowInfo> {
+        let st = self.lock();
+        st.flows
+            .iter()
+            .map(|(k, f)| self.flow_info(&st, k, f))
+            .collect()
+    }
+
+    /// Recomputes rates; forgets flows lost for longer than [`LOST_FLOW_KEEP`].
+    pub fn sample(&self) {
+        let mut st = self.lock();
+        let now = Instant::now();
+        for f in st.flows.values_mut() {
+            let c = self.sched.counters(f.id);
+            let (t0, c0) = f.sample;
+            let dt = now.duration_since(t0).as_secs_f64();
+            if dt < 0.2 {
+                continue;
+            }
+            let done = c.completed.saturating_sub(c0.completed);
+            f.rates = Rates {
+                iops: (c.ios - c0.ios) / dt,
+                bandwidth: c.bytes.saturating_sub(c0.bytes) as f64 / dt,
+                latency_us: if done > 0 {
+                    (c.latency - c0.latency) / done as f64 * 1e6
+                } else {
+                    0.0
+                },
+                demand_iops: (c.arrived - c0.arrived) / dt,
+                backlogged: ((c.backlogged - c0.backlogged) / dt).clamp(0.0, 1.0),
+            };
+            f.sample = (now, c);
+        }
+        let gone: Vec<(String, FlowId)> = st
+            .flows
+            .iter()
+            .filter(|(_, f)| f.connections == 0 && f.last_seen.elapsed() > LOST_FLOW_KEEP)
+            .map(|(k, f)| (k.clone(), f.id))
+            .collect();
+        for (k, _) in &gone {
+            st.flows.remove(k);
+        }
+        drop(st);
+        for (_, id) in gone {
+            self.sched.remove(id);
+        }
+    }
+
+    /// Splits an export name into (disk, initiator named by the client).
+    fn split_name(name: &str) -> (&str, Option<&str>) {
+        match name.split_once('/') {
+            Some((d, i)) if !i.is_empty() => (d, Some(i)),
+            _ => (name, None),
+        }
+    }
+
+    fn release(&self, key: &str) {
+        let mut st = self.lock();
+        if let Some(f) = st.flows.get_mut(key) {
+            f.connections = f.connections.saturating_sub(1);
+            f.last_seen = Instant::now();
+        }
+    }
+}
+
+struct NodeAttachment {
+    node: Arc<Node>,
+    export: Arc<Export>,
+    flow: FlowId,
+    key: String,
+}
+
+impl Attachment for NodeAttachment {
+    fn export(&self) -> &Arc<Export> {
+        &self.export
+    }
+    fn admit(&self, bytes: u64) -> futures::future::BoxFuture<'_, Option<Permit>> {
+        Box::pin(self.node.sched.admit(self.flow, bytes))
+    }
+}
+
+impl Drop for NodeAttachment {
+    fn drop(&mut self) {
+        self.node.release(&self.key);
+    }
+}
+
+/// The NBD server's view of a node.
+pub struct NodeCatalog(pub Arc<Node>);
+
+impl Catalog for NodeCatalog {
+    fn list(&self) -> Vec<String> {
+        self.0.lock().disks.keys().cloned().collect()
+    }
+
+    fn describe(&self, name: &str) -> Option<(u64, bool)> {
+        let (disk, initiator) = Node::split_name(name);
+        if let Some(i) = initiator {
+            check_name("initiator", i).ok()?;
+        }
+        self.0
+            .lock()
+            .disks
+            .get(disk)
+            .map(|d| (d.export.size(), false))
+    }
+
+    fn attach(&self, name: &str, peer: SocketAddr) -> Option<Box<dyn Attachment>> {
+        let node = &self.0;
+        let (disk, initiator) = Node::split_name(name);
+        if let Some(i) = initiator {
+            check_name("initiator", i).ok()?;
+        }
+        let mut st = node.lock();
+        let export = st.disks.get(disk)?.export.clone();
+        let host = node
+            .cfg
+            .peers
+            .get(&peer.ip())
+            .cloned()
+            .unwrap_or_else(|| peer.ip().to_string());
+        let initiator = initiator
+            .map(str::to_string)
+            .unwrap_or_else(|| peer.ip().to_string());
+        let key = format!("{disk}/{initiator}");
+        let next = st.next_flow;
+        let f = st.flows.entry(key.clone()).or_insert_with(|| Flow {
+            id: next,
+            disk: disk.to_string(),
+            initiator,
+            host: host.clone(),
+            connections: 0,
+            last_seen: Instant::now(),
+            allocation: None,
+            sample: (Instant::now(), Counters::default()),
+            rates: Rates::default(),
+        });
+        if f.id == next {
+            st.next_flow += 1;
+        }
+        let f = st.flows.get_mut(&key)?;
+        f.connections += 1;
+        f.host = host; // a VM that moved connects from its new host
+        f.last_seen = Instant::now();
+        let id = f.id;
+        let f = st.flows.get(&key)?;
+        let (pool, params, _, _) = Node::binding(&st, &key, f);
+        node.sched.bind(id, &pool, params);
+        drop(st);
+        Some(Box::new(NodeAttachment {
+            node: node.clone(),
+            export,
+            flow: id,
+            key,
+        }))
+    }
+}
