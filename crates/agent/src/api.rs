@@ -60,6 +60,14 @@ async fn check_vm(
     Ok(Json(a.check_vm(&name).await?))
 }
 
+async fn plug_disk(
+    State(a): State<Arc<Agent>>,
+    Path(name): Path<String>,
+    ApiJson(plug): ApiJson<ferry_api::DiskPlug>,
+) -> R<ferry_api::VmInfo> {
+    Ok(Json(a.plug_disk(&name, plug).await?))
+}
+
 async fn remove_vm(State(a): State<Arc<Agent>>, Path(name): Path<String>) -> R<serde_json::Value> {
     a.remove_vm(&name).await?;
     Ok(Json(serde_json::json!({ "removed": name })))
@@ -146,6 +154,7 @@ pub fn router(agent: Arc<Agent>) -> Router {
         .route("/vms", get(list_vms).post(create_vm))
         .route("/vms/{name}", axum::routing::delete(remove_vm))
         .route("/vms/{name}/check", get(check_vm))
+        .route("/vms/{name}/disks", post(plug_disk))
         .route("/vms/{name}/migrate", post(migrate))
         .route("/incoming", post(incoming))
         .route(

@@ -208,6 +208,51 @@ impl Agent {
         }
     }
 
+    /// Hot-plugs an NBD disk into a running VM; the disk joins the VM's spec,
+    /// so a migration target starts with it plugged.
+    pub async fn plug_disk(
+        &self,
+        name: &str,
+        plug: ferry_api::DiskPlug,
+    ) -> Result<VmInfo, ApiError> {
+        let (host, port, export) = plug.parse_uri()?;
+        let mut st = self.state.lock().await;
+        let slot = st
+            .vms
+            .get_mut(name)
+            .ok_or_else(|| ApiError::not_found("vm", name))?;
+        let q = match (&slot.role, &slot.qemu, slot.migrating) {
+            (Role::Running, Some(q), false) => q.clone(),
+            _ => {
+                return Err(ApiError::Conflict {
+                    reason: format!("vm {name} is not running here, or is migrating"),
+                })
+            }
+        };
+        if slot.spec.disks.iter().any(|d| d.disk == plug.disk) {
+            return Err(ApiError::AlreadyExists {
+                kind: format!("disk of vm {name}"),
+                name: plug.disk,
+            });
+        }
+        let index = slot.spec.disks.len();
+        if index >= ferry_api::MAX_VM_DISKS {
+            return Err(ApiError::invalid(
+                "disk",
+                format!("vm {name} has {index} disks, the most it takes"),
+            ));
+        }
+        q.qmp
+            .plug_disk(index, &host, port, &export)
+            .await
+            .map_err(|e| ApiError::unavailable(format!("plugging {} into {name}", plug.disk), e))?;
+        slot.spec.disks.push(plug);
+        let spec = slot.spec.clone();
+        drop(st);
+        tracing::info!(vm = %name, disks = spec.disks.len(), "disk plugged");
+        Ok(self.vm_info(&spec, &Role::Running, Some(&q)).await)
+    }
+
     pub async fn remove_vm(&self, name: &str) -> Result<(), ApiError> {
         {
             let st = self.state.lock().await;

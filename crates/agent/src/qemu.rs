@@ -125,6 +125,41 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
     .iter()
     .map(|s| s.to_string())
     .collect();
+    // hot-plug ports for disks (native PCIe hot-plug: the guest has no ACPI hot-plug)
+    a.extend([
+        "-global".to_string(),
+        "ICH9-LPC.acpi-pci-hotplug-with-bridge-support=off".to_string(),
+    ]);
+    for i in 0..ferry_api::MAX_VM_DISKS {
+        a.extend([
+            "-device".to_string(),
+            format!(
+                "pcie-root-port,id=rp{i},bus=pcie.0,chassis={},slot={}",
+                i + 1,
+                i + 1
+            ),
+        ]);
+    }
+    for (i, d) in spec.disks.iter().enumerate() {
+        let Ok((host, port, export)) = d.parse_uri() else {
+            continue; // refused by VmSpec::validate before any launch
+        };
+        let blockdev = serde_json::json!({
+            "driver": "raw",
+            "node-name": format!("disk{i}"),
+            "file": {
+                "driver": "nbd",
+                "server": {"type": "inet", "host": host, "port": port.to_string()},
+                "export": export,
+            },
+        });
+        a.extend([
+            "-blockdev".to_string(),
+            blockdev.to_string(),
+            "-device".to_string(),
+            format!("virtio-blk-pci,drive=disk{i},id=vd{i},bus=rp{i}"),
+        ]);
+    }
     if incoming {
         a.extend(["-incoming".to_string(), "defer".to_string()]);
     }

@@ -162,6 +162,38 @@ qmp_command!(StartPostcopy, "migrate-start-postcopy", qapi::Empty);
 struct Cont {}
 qmp_command!(Cont, "cont", qapi::Empty);
 
+/// `blockdev-add` of a raw disk over NBD.
+#[derive(Serialize)]
+struct BlockdevAdd {
+    driver: &'static str,
+    #[serde(rename = "node-name")]
+    node_name: String,
+    file: NbdFile,
+}
+#[derive(Serialize)]
+struct NbdFile {
+    driver: &'static str,
+    server: InetServer,
+    export: String,
+}
+#[derive(Serialize)]
+struct InetServer {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    host: String,
+    port: String,
+}
+qmp_command!(BlockdevAdd, "blockdev-add", qapi::Empty);
+
+#[derive(Serialize)]
+struct DeviceAdd {
+    driver: &'static str,
+    id: String,
+    drive: String,
+    bus: String,
+}
+qmp_command!(DeviceAdd, "device_add", qapi::Empty);
+
 #[derive(Serialize)]
 struct Quit {}
 qmp_command!(Quit, "quit", qapi::Empty);
@@ -283,6 +315,46 @@ impl Qmp {
 
     pub async fn cont(&self) -> Result<(), QmpError> {
         self.call(Cont {}, DEFAULT_DEADLINE).await.map(drop)
+    }
+
+    /// Hot-plugs disk number `index` (a virtio-blk on root port `rp{index}`)
+    /// reading NBD export `export` at `host:port`.
+    pub async fn plug_disk(
+        &self,
+        index: usize,
+        host: &str,
+        port: u16,
+        export: &str,
+    ) -> Result<(), QmpError> {
+        let node = format!("disk{index}");
+        self.call(
+            BlockdevAdd {
+                driver: "raw",
+                node_name: node.clone(),
+                file: NbdFile {
+                    driver: "nbd",
+                    server: InetServer {
+                        kind: "inet",
+                        host: host.to_string(),
+                        port: port.to_string(),
+                    },
+                    export: export.to_string(),
+                },
+            },
+            Duration::from_secs(20),
+        )
+        .await?;
+        self.call(
+            DeviceAdd {
+                driver: "virtio-blk-pci",
+                id: format!("vd{index}"),
+                drive: node,
+                bus: format!("rp{index}"),
+            },
+            DEFAULT_DEADLINE,
+        )
+        .await
+        .map(|_| ())
     }
 
     pub async fn quit(&self) -> Result<(), QmpError> {

@@ -48,6 +48,13 @@ pub struct DiskCreateRequest {
     pub node: Option<String>,
 }
 
+/// `ferry disk attach DISK VM`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskAttachRequest {
+    pub vm: String,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DiskResizeRequest {

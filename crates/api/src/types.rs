@@ -64,6 +64,41 @@ pub struct VmSpec {
     pub seed: u64,
     #[serde(default = "default_vcpus")]
     pub vcpus: u32,
+    /// Disks served over NBD, in the order they are plugged (at most
+    /// [`MAX_VM_DISKS`]).
+    #[serde(default)]
+    pub disks: Vec<DiskPlug>,
+}
+
+/// Most disks a VM takes (one hot-plug port each).
+pub const MAX_VM_DISKS: usize = 4;
+
+/// A disk plugged into a VM: its name and the NBD URI its QEMU opens
+/// (`nbd://HOST:PORT/DISK/VM`, naming the VM so the storage node keeps one
+/// flow per VM per disk).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskPlug {
+    pub disk: String,
+    pub uri: String,
+}
+
+impl DiskPlug {
+    /// (host, port, export) of the URI.
+    pub fn parse_uri(&self) -> Result<(String, u16, String), ApiError> {
+        let bad = |why: &str| ApiError::invalid("uri", format!("'{}' {why}", self.uri));
+        let rest = self
+            .uri
+            .strip_prefix("nbd://")
+            .ok_or_else(|| bad("is not nbd://HOST:PORT/EXPORT"))?;
+        let (addr, export) = rest.split_once('/').ok_or_else(|| bad("has no export"))?;
+        let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad("has no port"))?;
+        let port = port.parse().map_err(|_| bad("has a bad port"))?;
+        if host.is_empty() || export.is_empty() {
+            return Err(bad("is not nbd://HOST:PORT/EXPORT"));
+        }
+        Ok((host.to_string(), port, export.to_string()))
+    }
 }
 
 fn default_verify_rate() -> u64 {
@@ -87,6 +122,18 @@ impl VmSpec {
     /// Checks a spec before anything starts; errors name the offending field.
     pub fn validate(&self) -> Result<(), ApiError> {
         validate_name("name", &self.name)?;
+        if self.disks.len() > MAX_VM_DISKS {
+            return Err(ApiError::invalid(
+                "disks",
+                format!(
+                    "{} disks; a VM takes at most {MAX_VM_DISKS}",
+                    self.disks.len()
+                ),
+            ));
+        }
+        for d in &self.disks {
+            d.parse_uri()?;
+        }
         if self.memory < MIN_VM_MEMORY || self.memory > MAX_VM_MEMORY {
             return Err(ApiError::invalid(
                 "memory",

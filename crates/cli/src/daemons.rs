@@ -86,7 +86,10 @@ pub struct ControlArgs {
     /// Hosts as NAME=AGENT_URL; repeatable.
     #[arg(long = "host")]
     hosts: Vec<String>,
-    /// Take the hosts from a lab directory's lab.json instead.
+    /// Storage nodes as NAME=API_URL; repeatable.
+    #[arg(long = "storage")]
+    storage: Vec<String>,
+    /// Take the hosts (and the lab's storage node) from a lab directory's lab.json instead.
     #[arg(long)]
     lab_dir: Option<PathBuf>,
 }
@@ -101,7 +104,18 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
             .with_context(|| format!("--host '{h}' is not NAME=URL"))?;
         hosts.push((n.to_string(), u.to_string()));
     }
+    let mut storage = Vec::new();
+    for s in &a.storage {
+        let (n, u) = s
+            .split_once('=')
+            .with_context(|| format!("--storage '{s}' is not NAME=URL"))?;
+        storage.push((n.to_string(), u.to_string()));
+    }
     if let Some(dir) = &a.lab_dir {
+        storage.push((
+            ferry_lab::topology::STORAGE_NODE.to_string(),
+            ferry_lab::topology::storage_url(),
+        ));
         let spec = ferry_lab::net::LabDir(dir.clone()).load_spec()?;
         for i in 1..=spec.hosts {
             hosts.push((
@@ -110,7 +124,75 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
             ));
         }
     }
-    let control = std::sync::Arc::new(ferry_control::Control::new(hosts, cred.clone()));
+    let control = std::sync::Arc::new(ferry_control::Control::with_storage(
+        hosts,
+        storage,
+        cred.clone(),
+    ));
     ferry_control::http::serve(a.listen, control, cred).await?;
+    Ok(0)
+}
+
+#[derive(Args)]
+pub struct StorageArgs {
+    /// Storage node name.
+    #[arg(long, default_value = "storage1")]
+    name: String,
+    /// Directory of the node's disks and state.
+    #[arg(long)]
+    dir: PathBuf,
+    /// NBD listen address.
+    #[arg(long, default_value = "127.0.0.1:10809")]
+    nbd_listen: SocketAddr,
+    /// REST API listen address.
+    #[arg(long, default_value = "127.0.0.1:7900")]
+    api_listen: SocketAddr,
+    /// Address clients reach NBD at, for disk URIs (default: --nbd-listen).
+    #[arg(long)]
+    nbd_address: Option<String>,
+    #[arg(long)]
+    token_file: PathBuf,
+    /// Normalized IOPS the backing store sustains (0: no limit here). The
+    /// scheduler never dispatches faster, so minimums are kept against it.
+    #[arg(long, default_value_t = 0)]
+    capacity_iops: u64,
+    /// Client address → host name, as ADDR=HOST; repeatable.
+    #[arg(long = "peer")]
+    peers: Vec<String>,
+    /// Take peer addresses from a lab directory's lab.json.
+    #[arg(long)]
+    lab_dir: Option<PathBuf>,
+}
+
+pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
+    let cred = ferry_api::auth::Credential::load(&a.token_file)
+        .with_context(|| format!("reading {}", a.token_file.display()))?;
+    let mut peers = std::collections::BTreeMap::new();
+    for p in &a.peers {
+        let (ip, host) = p
+            .split_once('=')
+            .with_context(|| format!("--peer '{p}' is not ADDR=HOST"))?;
+        let ip: std::net::IpAddr = ip
+            .parse()
+            .with_context(|| format!("--peer '{p}': '{ip}' is not an address"))?;
+        peers.insert(ip, host.to_string());
+    }
+    if let Some(dir) = &a.lab_dir {
+        let spec = ferry_lab::net::LabDir(dir.clone()).load_spec()?;
+        for (ip, host) in ferry_lab::topology::peer_addresses(&spec) {
+            peers.insert(ip, host);
+        }
+    }
+    let node = ferry_storage::node::Node::open(ferry_storage::node::NodeConfig {
+        name: a.name.clone(),
+        dir: a.dir.clone(),
+        nbd_address: a
+            .nbd_address
+            .clone()
+            .unwrap_or_else(|| a.nbd_listen.to_string()),
+        capacity_iops: a.capacity_iops,
+        peers,
+    })?;
+    ferry_storage::serve(node, a.nbd_listen, a.api_listen, cred).await?;
     Ok(0)
 }

@@ -148,14 +148,16 @@ fn require_root() -> anyhow::Result<()> {
 /// Stops the control service and removes the lab network and state.
 pub fn down() -> Vec<String> {
     let dir = LabDir::default_path();
-    let pid_file = dir.control_dir().join("control.pid");
-    if let Some(pid) = std::fs::read_to_string(&pid_file)
-        .ok()
-        .and_then(|s| s.trim().parse::<i32>().ok())
-    {
-        let _ = std::process::Command::new("kill")
-            .args(["-9", &pid.to_string()])
-            .status();
+    for daemon in ["control.pid", "storage.pid"] {
+        let pid_file = dir.control_dir().join(daemon);
+        if let Some(pid) = std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok())
+        {
+            let _ = std::process::Command::new("kill")
+                .args(["-9", &pid.to_string()])
+                .status();
+        }
     }
     let removed = net::destroy();
     let _ = std::fs::remove_dir_all(&dir.0);
@@ -197,6 +199,37 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
         start_agent(&dir, &spec, i)?;
     }
     let cd = dir.control_dir();
+    // the storage node, on the management bridge
+    let storage_dir = dir.0.join(topology::STORAGE_NODE);
+    let args: Vec<String> = [
+        "storage",
+        "serve",
+        "--name",
+        topology::STORAGE_NODE,
+        "--dir",
+        &storage_dir.display().to_string(),
+        "--nbd-listen",
+        &format!(
+            "{}:{}",
+            topology::CONTROL_MGMT_ADDR,
+            topology::STORAGE_NBD_PORT
+        ),
+        "--api-listen",
+        &format!(
+            "{}:{}",
+            topology::CONTROL_MGMT_ADDR,
+            topology::STORAGE_API_PORT
+        ),
+        "--token-file",
+        &token,
+        "--lab-dir",
+        &dir.0.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let pid = net::spawn_daemon(None, &exe, &args, &cd.join("storage.log"))?;
+    std::fs::write(cd.join("storage.pid"), pid.to_string())?;
     let listen = cli.control.trim_start_matches("http://").to_string();
     let args: Vec<String> = [
         "control",

@@ -9,6 +9,7 @@ mod daemons;
 mod demo;
 mod lab_cmd;
 mod output;
+mod storage_cmd;
 mod vm_cmd;
 
 use std::path::PathBuf;
@@ -48,12 +49,27 @@ enum Cmd {
     /// Hosts of the cluster.
     #[command(subcommand)]
     Host(vm_cmd::HostCmd),
+    /// Disks served over NBD by the storage service.
+    #[command(subcommand)]
+    Disk(storage_cmd::DiskCmd),
+    /// Storage QoS: policies, flows, settings.
+    #[command(subcommand)]
+    Qos(storage_cmd::QosCmd),
     /// Main job: a lab, a few VMs, live migrations, a report.
     Demo(demo::DemoArgs),
     /// Run a host agent (started by `ferry lab up` inside each host).
     Agent(daemons::AgentArgs),
     /// Run the control service (started by `ferry lab up`).
     Control(daemons::ControlArgs),
+    /// Storage service.
+    #[command(subcommand)]
+    Storage(StorageCmd),
+}
+
+#[derive(Subcommand)]
+enum StorageCmd {
+    /// Run a storage node: disks over NBD with storage QoS (started by `ferry lab up`).
+    Serve(daemons::StorageArgs),
 }
 
 impl Cli {
@@ -81,7 +97,10 @@ impl Cli {
 
 fn main() {
     let cli = Cli::parse();
-    let daemon = matches!(cli.cmd, Cmd::Agent(_) | Cmd::Control(_));
+    let daemon = matches!(
+        cli.cmd,
+        Cmd::Agent(_) | Cmd::Control(_) | Cmd::Storage(StorageCmd::Serve(_))
+    );
     let filter = tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG").unwrap_or_else(|_| {
         tracing_subscriber::EnvFilter::new(if daemon { "info" } else { "warn" })
     });
@@ -102,9 +121,12 @@ fn main() {
             Cmd::Lab(c) => lab_cmd::run(&cli, c).await,
             Cmd::Vm(c) => vm_cmd::run_vm(&cli, c).await,
             Cmd::Host(c) => vm_cmd::run_host(&cli, c).await,
+            Cmd::Disk(c) => storage_cmd::run_disk(&cli, c).await,
+            Cmd::Qos(c) => storage_cmd::run_qos(&cli, c).await,
             Cmd::Demo(a) => demo::run(&cli, a).await,
             Cmd::Agent(a) => daemons::agent(a).await,
             Cmd::Control(a) => daemons::control(a).await,
+            Cmd::Storage(StorageCmd::Serve(a)) => daemons::storage(a).await,
         }
     });
     match result {

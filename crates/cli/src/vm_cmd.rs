@@ -177,6 +177,7 @@ pub fn spec_from_args(
         verify_rate: parse_size("--verify-rate", verify)?,
         seed,
         vcpus: 1,
+        disks: Vec::new(),
     };
     spec.validate().map_err(|e| match e {
         ApiError::InvalidArgument { field, reason } => ApiError::InvalidArgument {

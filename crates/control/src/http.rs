@@ -13,6 +13,18 @@
 //! | POST | /hosts/{host}/drain | Drain (body: `DrainRequest`), NDJSON `DrainEvent`s |
 //! | POST | /hosts/{host}/resume | Resume: the host takes VMs again |
 //! | PUT | /hosts/{host}/settings | SetHost (body: `HostSettings`) |
+//! | GET | /disks | Storage(ListDisks) |
+//! | POST | /disks | Storage(CreateDisk) (body: `DiskCreateRequest`) |
+//! | PUT | /disks/{d}/size | Storage(ResizeDisk) (body: `DiskResizeRequest`) |
+//! | PUT | /disks/{d}/policy | Storage(SetDisk) (body: `DiskSetRequest`) |
+//! | DELETE | /disks/{d} | Storage(RemoveDisk) |
+//! | POST | /disks/{d}/attach | Storage(AttachDisk) (body: `DiskAttachRequest`) |
+//! | GET | /qos/policies | Storage(ListPolicies) |
+//! | POST | /qos/policies | Storage(NewPolicy) (body: `Policy`) |
+//! | PUT | /qos/policies/{p} | Storage(UpdatePolicy) (body: `PolicyUpdate`) |
+//! | DELETE | /qos/policies/{p} | Storage(RemovePolicy) |
+//! | GET | /qos/flows | Storage(ListFlows) |
+//! | GET/PUT | /qos/settings | Storage(GetSettings / SetSettings) (body: `QosSettings`) |
 
 use std::sync::Arc;
 
@@ -27,8 +39,13 @@ use ferry_api::auth::Credential;
 use ferry_api::server::{ndjson, not_found, require_credential, ApiJson, ErrorResponse};
 use ferry_api::{MoveRequest, ValidateRequest, VmCreateRequest};
 
+use crate::storage::StorageCommand;
 use crate::{Command, Control, Outcome};
 use ferry_api::drain::{DrainRequest, HostSettings};
+use ferry_api::storage::{
+    DiskAttachRequest, DiskCreateRequest, DiskResizeRequest, DiskSetRequest, Policy, PolicyUpdate,
+    QosSettings,
+};
 
 async fn run(c: &Arc<Control>, cmd: Command) -> Response {
     match c.execute(cmd).await {
@@ -83,6 +100,84 @@ async fn move_vm(
     run(&c, Command::MoveVm { name, req }).await
 }
 
+async fn storage(c: &Arc<Control>, cmd: StorageCommand) -> Response {
+    run(c, Command::Storage(cmd)).await
+}
+
+fn storage_routes() -> Router<Arc<Control>> {
+    use axum::routing::{delete, put};
+    Router::new()
+        .route(
+            "/disks",
+            get(|State(c): S| async move { storage(&c, StorageCommand::ListDisks).await }).post(
+                |State(c): S, ApiJson(r): ApiJson<DiskCreateRequest>| async move {
+                    storage(&c, StorageCommand::CreateDisk(r)).await
+                },
+            ),
+        )
+        .route(
+            "/disks/{d}",
+            delete(|State(c): S, Path(name): Path<String>| async move {
+                storage(&c, StorageCommand::RemoveDisk { name }).await
+            }),
+        )
+        .route(
+            "/disks/{d}/size",
+            put(
+                |State(c): S, Path(name): Path<String>, ApiJson(r): ApiJson<DiskResizeRequest>| async move {
+                    storage(&c, StorageCommand::ResizeDisk { name, size: r.size }).await
+                },
+            ),
+        )
+        .route(
+            "/disks/{d}/policy",
+            put(
+                |State(c): S, Path(name): Path<String>, ApiJson(req): ApiJson<DiskSetRequest>| async move {
+                    storage(&c, StorageCommand::SetDisk { name, req }).await
+                },
+            ),
+        )
+        .route(
+            "/disks/{d}/attach",
+            post(
+                |State(c): S, Path(name): Path<String>, ApiJson(req): ApiJson<DiskAttachRequest>| async move {
+                    storage(&c, StorageCommand::AttachDisk { name, req }).await
+                },
+            ),
+        )
+        .route(
+            "/qos/policies",
+            get(|State(c): S| async move { storage(&c, StorageCommand::ListPolicies).await }).post(
+                |State(c): S, ApiJson(p): ApiJson<Policy>| async move {
+                    storage(&c, StorageCommand::NewPolicy(p)).await
+                },
+            ),
+        )
+        .route(
+            "/qos/policies/{p}",
+            put(
+                |State(c): S, Path(name): Path<String>, ApiJson(update): ApiJson<PolicyUpdate>| async move {
+                    storage(&c, StorageCommand::UpdatePolicy { name, update }).await
+                },
+            )
+            .delete(|State(c): S, Path(name): Path<String>| async move {
+                storage(&c, StorageCommand::RemovePolicy { name }).await
+            }),
+        )
+        .route(
+            "/qos/flows",
+            get(|State(c): S| async move { storage(&c, StorageCommand::ListFlows).await }),
+        )
+        .route(
+            "/qos/settings",
+            get(|State(c): S| async move { storage(&c, StorageCommand::GetSettings).await }).put(
+                |State(c): S, ApiJson(s): ApiJson<QosSettings>| async move {
+                    storage(&c, StorageCommand::SetSettings(s)).await
+                },
+            ),
+        )
+}
+
 pub fn router(control: Arc<Control>, cred: Credential) -> Router {
     let api = Router::new()
         .route("/hosts", get(hosts))
@@ -94,6 +189,7 @@ pub fn router(control: Arc<Control>, cred: Credential) -> Router {
         .route("/hosts/{host}/drain", post(drain))
         .route("/hosts/{host}/resume", post(resume))
         .route("/hosts/{host}/settings", axum::routing::put(set_host))
+        .merge(storage_routes())
         .with_state(control);
     Router::new()
         .nest(ferry_api::API_PREFIX, api)

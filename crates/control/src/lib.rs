@@ -10,6 +10,7 @@
 
 pub mod drain;
 pub mod http;
+pub mod storage;
 pub mod validate;
 
 use std::collections::BTreeMap;
@@ -63,6 +64,8 @@ pub enum Command {
         host: String,
         settings: HostSettings,
     },
+    /// Disks, QoS policies and flows (see [`storage`]).
+    Storage(storage::StorageCommand),
 }
 
 /// What a command produces: one JSON value, or a stream of events (one JSON
@@ -85,6 +88,8 @@ fn value<T: serde::Serialize>(v: T) -> Result<Outcome, ApiError> {
 
 pub struct Control {
     hosts: BTreeMap<String, Client>,
+    /// Storage nodes by name.
+    storage: BTreeMap<String, Client>,
     /// The latest validation, consulted before migrations.
     last_validation: tokio::sync::Mutex<Option<ValidationReport>>,
     /// Hosts being drained (or drained and not resumed): they take no VMs.
@@ -95,15 +100,26 @@ pub struct Control {
 impl Control {
     /// `hosts`: (name, agent URL) for every registered host.
     pub fn new(hosts: Vec<(String, String)>, cred: Credential) -> Control {
-        let hosts = hosts
-            .into_iter()
-            .map(|(n, url)| {
-                let c = Client::new(&format!("agent {n}"), &url, cred.clone());
-                (n, c)
-            })
-            .collect();
+        Control::with_storage(hosts, Vec::new(), cred)
+    }
+
+    /// `storage`: (name, REST URL) of every storage node.
+    pub fn with_storage(
+        hosts: Vec<(String, String)>,
+        storage: Vec<(String, String)>,
+        cred: Credential,
+    ) -> Control {
+        let clients = |list: Vec<(String, String)>, kind: &str| {
+            list.into_iter()
+                .map(|(n, url)| {
+                    let c = Client::new(&format!("{kind} {n}"), &url, cred.clone());
+                    (n, c)
+                })
+                .collect()
+        };
         Control {
-            hosts,
+            hosts: clients(hosts, "agent"),
+            storage: clients(storage, "storage node"),
             last_validation: Default::default(),
             draining: Default::default(),
             settings: Default::default(),
@@ -119,7 +135,7 @@ impl Control {
         Ok(())
     }
 
-    fn host(&self, name: &str) -> Result<&Client, ApiError> {
+    pub(crate) fn host(&self, name: &str) -> Result<&Client, ApiError> {
         self.hosts
             .get(name)
             .ok_or_else(|| ApiError::not_found("host", name))
@@ -159,6 +175,7 @@ impl Control {
                 lock(&self.settings).insert(host.clone(), settings.clone());
                 value(serde_json::json!({ "host": host, "settings": settings }))
             }
+            Command::Storage(c) => Ok(Outcome::Value(self.storage_command(c).await?)),
         }
     }
 
@@ -191,7 +208,7 @@ impl Control {
     }
 
     /// The host running VM `name` (skeletons on migration targets excluded).
-    async fn locate(&self, name: &str) -> Result<(String, VmInfo), ApiError> {
+    pub(crate) async fn locate(&self, name: &str) -> Result<(String, VmInfo), ApiError> {
         self.list_vms()
             .await?
             .into_iter()

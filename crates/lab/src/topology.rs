@@ -141,6 +141,31 @@ pub fn agent_url(i: u32) -> String {
     format!("http://{}:{AGENT_PORT}", mgmt_addr(i))
 }
 
+/// The lab's storage node runs in the root namespace on the management
+/// bridge: NBD and its REST API.
+pub const STORAGE_NBD_PORT: u16 = 10809;
+pub const STORAGE_API_PORT: u16 = 7900;
+pub const STORAGE_NODE: &str = "storage1";
+
+pub fn storage_url() -> String {
+    format!("http://{CONTROL_MGMT_ADDR}:{STORAGE_API_PORT}")
+}
+
+/// Every address a host of the lab can connect from, with the host's name.
+pub fn peer_addresses(spec: &LabSpec) -> Vec<(std::net::IpAddr, String)> {
+    let mut v = Vec::new();
+    for i in 1..=spec.hosts {
+        let mut addrs = vec![mgmt_addr(i)];
+        addrs.extend((1..=spec.nics).map(|k| nic_addr(i, k)));
+        for a in addrs {
+            if let Ok(ip) = a.parse() {
+                v.push((ip, host_name(i)));
+            }
+        }
+    }
+    v
+}
+
 /// The fabric a NIC address belongs to (`198.18.K.x` → K).
 pub fn fabric_of_addr(addr: &str) -> Option<u32> {
     let mut it = addr.split('.');

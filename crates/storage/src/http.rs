@@ -12,7 +12,6 @@
 //! | GET | /qos/policies | → `[Policy]` |
 //! | POST | /qos/policies | `Policy` → `Policy` (new) |
 //! | PUT | /qos/policies/{p} | `Policy` → `Policy` (put as given) |
-//! | PATCH | /qos/policies/{p} | `PolicyUpdate` → `Policy` |
 //! | DELETE | /qos/policies/{p} | → `Policy` |
 //! | GET/PUT | /qos/settings | `QosSettings` |
 //! | GET | /qos/flows | → `[FlowInfo]` |
@@ -27,8 +26,7 @@ use axum::{middleware, Json, Router};
 use ferry_api::auth::Credential;
 use ferry_api::server::{not_found, require_credential, ApiJson, ErrorResponse};
 use ferry_api::storage::{
-    Allocation, DiskCreateRequest, DiskResizeRequest, DiskSetRequest, Policy, PolicyUpdate,
-    QosSettings,
+    Allocation, DiskCreateRequest, DiskResizeRequest, DiskSetRequest, Policy, QosSettings,
 };
 use ferry_api::ApiError;
 use serde::{Deserialize, Serialize};
@@ -96,11 +94,6 @@ pub fn router(node: Arc<Node>, cred: Credential) -> Router {
                 }
                 reply(n.put_policy(p))
             })
-            .patch(
-                |State(n): S, Path(name): Path<String>, ApiJson(u): ApiJson<PolicyUpdate>| async move {
-                    reply(n.update_policy(&name, &u))
-                },
-            )
             .delete(|State(n): S, Path(name): Path<String>| async move { reply(n.remove_policy(&name)) }),
         )
         .route(

@@ -1,0 +1,355 @@
+//! `ferry disk …` and `ferry qos …`: thin front ends over the control API.
+
+use std::time::Duration;
+
+use clap::{Subcommand, ValueEnum};
+use ferry_api::size::{human_bytes, parse_size};
+use ferry_api::storage::{
+    DiskAttachRequest, DiskCreateRequest, DiskInfo, DiskResizeRequest, DiskSetRequest, FlowInfo,
+    Policy, PolicyKind, PolicyUpdate, QosSettings,
+};
+use ferry_api::VmInfo;
+
+use crate::output::{print_json, Table};
+use crate::Cli;
+
+const T: Duration = Duration::from_secs(60);
+
+#[derive(Subcommand)]
+pub enum DiskCmd {
+    /// Create a disk (a sparse raw file on a storage node, served over NBD).
+    Create {
+        name: String,
+        /// Size, e.g. 1G.
+        #[arg(long)]
+        size: String,
+        /// Every write is durable before it is acknowledged.
+        #[arg(long)]
+        write_through: bool,
+        /// Storage node (default: the first).
+        #[arg(long)]
+        node: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    Resize {
+        name: String,
+        #[arg(long)]
+        size: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Set the disk's QoS policy (its flows follow it within a second).
+    Set {
+        name: String,
+        #[arg(
+            long,
+            conflicts_with = "no_policy",
+            required_unless_present = "no_policy"
+        )]
+        policy: Option<String>,
+        /// Clear the policy: flows run unlimited.
+        #[arg(long)]
+        no_policy: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove a disk (refused while a client is connected).
+    Rm { name: String },
+    /// Plug a disk into a running VM (several VMs may share one disk).
+    Attach {
+        disk: String,
+        vm: String,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum QosCmd {
+    /// Storage QoS policies.
+    #[command(subcommand)]
+    Policy(PolicyCmd),
+    /// Flows: one per VM per disk.
+    #[command(subcommand)]
+    Flow(FlowCmd),
+    /// Show or set the IOPS normalization size (default 8K).
+    Settings {
+        #[arg(long)]
+        normalization: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum KindArg {
+    Dedicated,
+    Aggregated,
+}
+
+#[derive(Subcommand)]
+pub enum PolicyCmd {
+    New {
+        name: String,
+        #[arg(long = "type", value_enum)]
+        kind: KindArg,
+        /// Reserved normalized IOPS.
+        #[arg(long, default_value_t = 0)]
+        min_iops: u64,
+        /// Normalized IOPS cap.
+        #[arg(long, default_value_t = 0)]
+        max_iops: u64,
+        /// Bytes per second cap, e.g. 100MB.
+        #[arg(long)]
+        max_bandwidth: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    Set {
+        name: String,
+        #[arg(long)]
+        min_iops: Option<u64>,
+        #[arg(long)]
+        max_iops: Option<u64>,
+        #[arg(long)]
+        max_bandwidth: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    Rm {
+        name: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum FlowCmd {
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn bandwidth(s: &Option<String>) -> anyhow::Result<Option<u64>> {
+    Ok(s.as_deref()
+        .map(|b| parse_size("--max-bandwidth", b))
+        .transpose()?)
+}
+
+fn print_disks(disks: &[DiskInfo]) {
+    let mut t = Table::new(&[
+        "NAME",
+        "NODE",
+        "SIZE",
+        "WRITE-THROUGH",
+        "POLICY",
+        "CONNS",
+        "URI",
+    ]);
+    for d in disks {
+        t.row(vec![
+            d.name.clone(),
+            d.node.clone(),
+            human_bytes(d.size),
+            if d.write_through { "yes" } else { "no" }.into(),
+            d.policy.clone().unwrap_or_else(|| "-".into()),
+            d.connections.to_string(),
+            d.uri.clone(),
+        ]);
+    }
+    t.print();
+}
+
+fn print_policies(ps: &[Policy]) {
+    let mut t = Table::new(&["NAME", "TYPE", "MIN IOPS", "MAX IOPS", "MAX BANDWIDTH"]);
+    let or_dash = |v: u64, f: &dyn Fn(u64) -> String| if v == 0 { "-".into() } else { f(v) };
+    for p in ps {
+        t.row(vec![
+            p.name.clone(),
+            format!("{:?}", p.kind),
+            or_dash(p.min_iops, &|v| v.to_string()),
+            or_dash(p.max_iops, &|v| v.to_string()),
+            or_dash(p.max_bandwidth, &|v| format!("{}/s", human_bytes(v))),
+        ]);
+    }
+    t.print();
+}
+
+fn show<T: serde::Serialize>(json: bool, v: &T, human: impl FnOnce()) {
+    if json {
+        print_json(v)
+    } else {
+        human()
+    }
+}
+
+pub async fn run_disk(cli: &Cli, cmd: &DiskCmd) -> anyhow::Result<i32> {
+    let c = cli.client()?;
+    match cmd {
+        DiskCmd::Create {
+            name,
+            size,
+            write_through,
+            node,
+            json,
+        } => {
+            let req = DiskCreateRequest {
+                name: name.clone(),
+                size: parse_size("--size", size)?,
+                write_through: *write_through,
+                node: node.clone(),
+            };
+            let d: DiskInfo = c.post("/disks", &req, T).await?;
+            show(*json, &d, || print_disks(std::slice::from_ref(&d)));
+        }
+        DiskCmd::List { json } => {
+            let d: Vec<DiskInfo> = c.get("/disks", T).await?;
+            show(*json, &d, || print_disks(&d));
+        }
+        DiskCmd::Resize { name, size, json } => {
+            let req = DiskResizeRequest {
+                size: parse_size("--size", size)?,
+            };
+            let d: DiskInfo = c.put(&format!("/disks/{name}/size"), &req, T).await?;
+            show(*json, &d, || print_disks(std::slice::from_ref(&d)));
+        }
+        DiskCmd::Set {
+            name, policy, json, ..
+        } => {
+            let req = DiskSetRequest {
+                policy: policy.clone(),
+            };
+            let d: DiskInfo = c.put(&format!("/disks/{name}/policy"), &req, T).await?;
+            show(*json, &d, || print_disks(std::slice::from_ref(&d)));
+        }
+        DiskCmd::Rm { name } => {
+            let d: DiskInfo = c.delete(&format!("/disks/{name}"), T).await?;
+            println!("disk {} removed from {}", d.name, d.node);
+        }
+        DiskCmd::Attach { disk, vm, json } => {
+            let req = DiskAttachRequest { vm: vm.clone() };
+            let v: VmInfo = c.post(&format!("/disks/{disk}/attach"), &req, T).await?;
+            show(*json, &v, || {
+                println!(
+                    "disk {disk} plugged into {vm} on {} ({} disks)",
+                    v.host,
+                    v.spec.disks.len()
+                )
+            });
+        }
+    }
+    Ok(0)
+}
+
+pub async fn run_qos(cli: &Cli, cmd: &QosCmd) -> anyhow::Result<i32> {
+    let c = cli.client()?;
+    match cmd {
+        QosCmd::Policy(PolicyCmd::New {
+            name,
+            kind,
+            min_iops,
+            max_iops,
+            max_bandwidth,
+            json,
+        }) => {
+            let p = Policy {
+                name: name.clone(),
+                kind: match kind {
+                    KindArg::Dedicated => PolicyKind::Dedicated,
+                    KindArg::Aggregated => PolicyKind::Aggregated,
+                },
+                min_iops: *min_iops,
+                max_iops: *max_iops,
+                max_bandwidth: bandwidth(max_bandwidth)?.unwrap_or(0),
+            };
+            p.validate()?;
+            let p: Policy = c.post("/qos/policies", &p, T).await?;
+            show(*json, &p, || print_policies(std::slice::from_ref(&p)));
+        }
+        QosCmd::Policy(PolicyCmd::List { json }) => {
+            let ps: Vec<Policy> = c.get("/qos/policies", T).await?;
+            show(*json, &ps, || print_policies(&ps));
+        }
+        QosCmd::Policy(PolicyCmd::Set {
+            name,
+            min_iops,
+            max_iops,
+            max_bandwidth,
+            json,
+        }) => {
+            let u = PolicyUpdate {
+                min_iops: *min_iops,
+                max_iops: *max_iops,
+                max_bandwidth: bandwidth(max_bandwidth)?,
+            };
+            let p: Policy = c.put(&format!("/qos/policies/{name}"), &u, T).await?;
+            show(*json, &p, || print_policies(std::slice::from_ref(&p)));
+        }
+        QosCmd::Policy(PolicyCmd::Rm { name }) => {
+            let p: Policy = c.delete(&format!("/qos/policies/{name}"), T).await?;
+            println!(
+                "policy {} removed; flows of disks naming it run unlimited",
+                p.name
+            );
+        }
+        QosCmd::Flow(FlowCmd::List { json }) => {
+            let fs: Vec<FlowInfo> = c.get("/qos/flows", T).await?;
+            show(*json, &fs, || {
+                let mut t = Table::new(&[
+                    "FLOW",
+                    "INITIATOR",
+                    "HOST",
+                    "POLICY",
+                    "IOPS",
+                    "MB/S",
+                    "LAT(us)",
+                    "MIN",
+                    "MAX",
+                    "STATUS",
+                ]);
+                for f in &fs {
+                    t.row(vec![
+                        f.id.clone(),
+                        f.initiator.clone(),
+                        f.host.clone(),
+                        f.policy.clone().unwrap_or_else(|| "-".into()),
+                        format!("{:.0}", f.iops),
+                        format!("{:.1}", f.bandwidth / 1e6),
+                        format!("{:.0}", f.latency_us),
+                        f.min_iops.to_string(),
+                        f.max_iops.to_string(),
+                        format!("{:?}", f.status),
+                    ]);
+                }
+                t.print();
+            });
+        }
+        QosCmd::Settings {
+            normalization,
+            json,
+        } => {
+            let s: QosSettings = match normalization {
+                Some(n) => {
+                    let s = QosSettings {
+                        normalization: parse_size("--normalization", n)?,
+                    };
+                    s.validate()?;
+                    c.put("/qos/settings", &s, T).await?
+                }
+                None => c.get("/qos/settings", T).await?,
+            };
+            show(*json, &s, || {
+                println!("IOPS normalization: {}", human_bytes(s.normalization))
+            });
+        }
+    }
+    Ok(0)
+}

@@ -1,0 +1,242 @@
+//! The control service's side of storage: disks live on storage nodes,
+//! policies are the cluster's (every node gets a copy), flows are gathered
+//! from every node. Attaching a disk to a VM asks the VM's agent to plug it.
+
+use std::time::Duration;
+
+use ferry_api::storage::{
+    DiskAttachRequest, DiskCreateRequest, DiskInfo, DiskResizeRequest, DiskSetRequest, FlowInfo,
+    Policy, PolicyUpdate, QosSettings,
+};
+use ferry_api::{ApiError, VmInfo};
+
+use crate::Control;
+
+const NODE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Storage operations of the one command API.
+#[derive(Debug, Clone)]
+pub enum StorageCommand {
+    ListDisks,
+    CreateDisk(DiskCreateRequest),
+    ResizeDisk {
+        name: String,
+        size: u64,
+    },
+    SetDisk {
+        name: String,
+        req: DiskSetRequest,
+    },
+    RemoveDisk {
+        name: String,
+    },
+    AttachDisk {
+        name: String,
+        req: DiskAttachRequest,
+    },
+    ListPolicies,
+    NewPolicy(Policy),
+    UpdatePolicy {
+        name: String,
+        update: PolicyUpdate,
+    },
+    RemovePolicy {
+        name: String,
+    },
+    ListFlows,
+    GetSettings,
+    SetSettings(QosSettings),
+}
+
+fn json<T: serde::Serialize>(v: T) -> Result<serde_json::Value, ApiError> {
+    serde_json::to_value(v).map_err(ApiError::internal)
+}
+
+impl Control {
+    fn first_node(&self) -> Result<(&String, &ferry_api::client::Client), ApiError> {
+        self.storage
+            .iter()
+            .next()
+            .ok_or_else(|| ApiError::unavailable("storage", "no storage node is registered"))
+    }
+
+    async fn list_disks(&self) -> Result<Vec<DiskInfo>, ApiError> {
+        let calls = self
+            .storage
+            .values()
+            .map(|c| c.get::<Vec<DiskInfo>>("/disks", NODE_TIMEOUT));
+        let mut out = Vec::new();
+        for r in futures::future::join_all(calls).await {
+            out.extend(r?);
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    async fn locate_disk(
+        &self,
+        name: &str,
+    ) -> Result<(DiskInfo, &ferry_api::client::Client), ApiError> {
+        let d = self
+            .list_disks()
+            .await?
+            .into_iter()
+            .find(|d| d.name == name)
+            .ok_or_else(|| ApiError::not_found("disk", name))?;
+        let c = self
+            .storage
+            .get(&d.node)
+            .ok_or_else(|| ApiError::not_found("storage node", &d.node))?;
+        Ok((d, c))
+    }
+
+    pub async fn storage_command(
+        &self,
+        cmd: StorageCommand,
+    ) -> Result<serde_json::Value, ApiError> {
+        match cmd {
+            StorageCommand::ListDisks => json(self.list_disks().await?),
+            StorageCommand::CreateDisk(req) => {
+                let node = match &req.node {
+                    Some(n) => self
+                        .storage
+                        .get(n)
+                        .ok_or_else(|| ApiError::not_found("storage node", n))?,
+                    None => self.first_node()?.1,
+                };
+                if self.list_disks().await?.iter().any(|d| d.name == req.name) {
+                    return Err(ApiError::AlreadyExists {
+                        kind: "disk".into(),
+                        name: req.name,
+                    });
+                }
+                json(
+                    node.post::<_, DiskInfo>("/disks", &req, NODE_TIMEOUT)
+                        .await?,
+                )
+            }
+            StorageCommand::ResizeDisk { name, size } => {
+                let (_, c) = self.locate_disk(&name).await?;
+                let r: DiskInfo = c
+                    .put(
+                        &format!("/disks/{name}/size"),
+                        &DiskResizeRequest { size },
+                        NODE_TIMEOUT,
+                    )
+                    .await?;
+                json(r)
+            }
+            StorageCommand::SetDisk { name, req } => {
+                let (_, c) = self.locate_disk(&name).await?;
+                json(
+                    c.put::<_, DiskInfo>(&format!("/disks/{name}/policy"), &req, NODE_TIMEOUT)
+                        .await?,
+                )
+            }
+            StorageCommand::RemoveDisk { name } => {
+                let (_, c) = self.locate_disk(&name).await?;
+                json(
+                    c.delete::<DiskInfo>(&format!("/disks/{name}"), NODE_TIMEOUT)
+                        .await?,
+                )
+            }
+            StorageCommand::AttachDisk { name, req } => {
+                let (disk, _) = self.locate_disk(&name).await?;
+                let (host, _) = self.locate(&req.vm).await?;
+                let body = ferry_api::DiskPlug {
+                    disk: disk.name.clone(),
+                    uri: format!("{}/{}", disk.uri, req.vm),
+                };
+                let vm: VmInfo = self
+                    .host(&host)?
+                    .post(
+                        &format!("/vms/{}/disks", req.vm),
+                        &body,
+                        Duration::from_secs(30),
+                    )
+                    .await?;
+                json(vm)
+            }
+            StorageCommand::ListPolicies => {
+                let (_, c) = self.first_node()?;
+                json(c.get::<Vec<Policy>>("/qos/policies", NODE_TIMEOUT).await?)
+            }
+            StorageCommand::NewPolicy(p) => {
+                p.validate()?;
+                let (_, c) = self.first_node()?;
+                let have: Vec<Policy> = c.get("/qos/policies", NODE_TIMEOUT).await?;
+                if have.iter().any(|x| x.name == p.name) {
+                    return Err(ApiError::AlreadyExists {
+                        kind: "policy".into(),
+                        name: p.name,
+                    });
+                }
+                self.put_policy_everywhere(&p).await?;
+                json(p)
+            }
+            StorageCommand::UpdatePolicy { name, update } => {
+                let (_, c) = self.first_node()?;
+                let have: Vec<Policy> = c.get("/qos/policies", NODE_TIMEOUT).await?;
+                let old = have
+                    .iter()
+                    .find(|x| x.name == name)
+                    .ok_or_else(|| ApiError::not_found("policy", &name))?;
+                let p = update.apply(old);
+                p.validate()?;
+                self.put_policy_everywhere(&p).await?;
+                json(p)
+            }
+            StorageCommand::RemovePolicy { name } => {
+                let mut removed = None;
+                for c in self.storage.values() {
+                    match c
+                        .delete::<Policy>(&format!("/qos/policies/{name}"), NODE_TIMEOUT)
+                        .await
+                    {
+                        Ok(p) => removed = Some(p),
+                        Err(ApiError::NotFound { .. }) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                json(removed.ok_or_else(|| ApiError::not_found("policy", &name))?)
+            }
+            StorageCommand::ListFlows => {
+                let calls = self
+                    .storage
+                    .values()
+                    .map(|c| c.get::<Vec<FlowInfo>>("/qos/flows", NODE_TIMEOUT));
+                let mut out = Vec::new();
+                for r in futures::future::join_all(calls).await {
+                    out.extend(r?);
+                }
+                json(out)
+            }
+            StorageCommand::GetSettings => {
+                let (_, c) = self.first_node()?;
+                json(c.get::<QosSettings>("/qos/settings", NODE_TIMEOUT).await?)
+            }
+            StorageCommand::SetSettings(s) => {
+                s.validate()?;
+                for c in self.storage.values() {
+                    let _: QosSettings = c.put("/qos/settings", &s, NODE_TIMEOUT).await?;
+                }
+                json(s)
+            }
+        }
+    }
+
+    async fn put_policy_everywhere(&self, p: &Policy) -> Result<(), ApiError> {
+        if self.storage.is_empty() {
+            return Err(ApiError::unavailable(
+                "storage",
+                "no storage node is registered",
+            ));
+        }
+        for c in self.storage.values() {
+            let _: Policy = c
+                .put(&format!("/qos/policies/{}", p.name), p, NODE_TIMEOUT)
+                .await?;
+        }
+        Ok(())
+    }
+}
