@@ -1,0 +1,735 @@
+//! The storage service against real NBD peers: libnbd's `nbdinfo` and
+//! `nbdcopy`, QEMU's NBD client (`qemu-io`), fio's nbd engine, and raw
+//! hostile clients; QoS accuracy measured by fio. These run a storage node
+//! on loopback (no root) and need those tools: without them a test prints
+//! `SKIP`; with `FERRY_REQUIRE_LAB=1` (CI) a missing tool fails it.
+
+#![allow(clippy::unwrap_used)]
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
+
+fn tools_available(test: &str) -> bool {
+    let missing: Vec<&str> = ["nbdinfo", "nbdcopy", "qemu-io", "fio"]
+        .into_iter()
+        .filter(|t| Command::new(t).arg("--version").output().is_err())
+        .collect();
+    if missing.is_empty() {
+        return true;
+    }
+    let why = format!("missing {}", missing.join(", "));
+    if std::env::var("FERRY_REQUIRE_LAB").as_deref() == Ok("1") {
+        panic!("{test}: FERRY_REQUIRE_LAB=1 but {why}");
+    }
+    eprintln!("SKIP {test}: {why} (apt install libnbd-bin qemu-utils fio)");
+    false
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A storage node on loopback, killed on drop.
+struct Node {
+    dir: PathBuf,
+    nbd: u16,
+    api: u16,
+    token: String,
+    capacity: u64,
+    child: Option<Child>,
+}
+
+impl Node {
+    fn start(test: &str, capacity: u64) -> Node {
+        let dir = std::env::temp_dir().join(format!("ferry-storage-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let token = "0123456789abcdef0123456789abcdef".to_string();
+        std::fs::write(dir.join("token"), &token).unwrap();
+        let mut n = Node {
+            dir,
+            nbd: free_port(),
+            api: free_port(),
+            token,
+            capacity,
+            child: None,
+        };
+        n.spawn();
+        n
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::File::create(self.dir.join("node.log")).unwrap();
+        let child = Command::new(FERRY)
+            .args([
+                "storage",
+                "serve",
+                "--dir",
+                &self.dir.join("node").display().to_string(),
+                "--nbd-listen",
+                &format!("127.0.0.1:{}", self.nbd),
+                "--api-listen",
+                &format!("127.0.0.1:{}", self.api),
+                "--token-file",
+                &self.dir.join("token").display().to_string(),
+                "--capacity-iops",
+                &self.capacity.to_string(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let t0 = Instant::now();
+        while TcpStream::connect(("127.0.0.1", self.api)).is_err() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "storage node did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill(); // SIGKILL
+            let _ = c.wait();
+        }
+    }
+
+    fn uri(&self, export: &str) -> String {
+        format!("nbd://127.0.0.1:{}/{export}", self.nbd)
+    }
+
+    /// One REST call with curl-like semantics: (status, JSON body).
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut s = TcpStream::connect(("127.0.0.1", self.api)).unwrap();
+        let body = body.map(|b| b.to_string()).unwrap_or_default();
+        write!(
+            s,
+            "{method} /api/v1{path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            self.token,
+            body.len()
+        )
+        .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        let status: u16 = out[9..12].parse().unwrap();
+        let body = out.split("\r\n\r\n").nth(1).unwrap_or("");
+        // chunked or not, the JSON is the line that parses
+        let v = body
+            .lines()
+            .find_map(|l| serde_json::from_str(l).ok())
+            .unwrap_or(Value::Null);
+        (status, v)
+    }
+
+    fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
+        let (s, v) = self.call(method, path, body);
+        assert!(s < 300, "{method} {path}: {s} {v}");
+        v
+    }
+
+    fn disk(&self, name: &str, size: u64, write_through: bool) {
+        self.ok(
+            "POST",
+            "/disks",
+            Some(json!({"name": name, "size": size, "write_through": write_through})),
+        );
+    }
+
+    fn flows(&self) -> Vec<Value> {
+        self.ok("GET", "/qos/flows", None)
+            .as_array()
+            .unwrap()
+            .clone()
+    }
+
+    fn flow(&self, id: &str) -> Value {
+        self.flows()
+            .into_iter()
+            .find(|f| f["id"] == id)
+            .unwrap_or_else(|| panic!("no flow {id}"))
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn run(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd).args(args).output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{cmd} {args:?} failed:\n{text}");
+    text
+}
+
+#[test]
+fn libnbd_qemu_and_fio_read_and_write_disks() {
+    if !tools_available("libnbd_qemu_and_fio_read_and_write_disks") {
+        return;
+    }
+    let node = Node::start("interop", 0);
+    node.disk("d1", 64 << 20, false);
+    node.disk("d2", 8 << 20, false);
+
+    let list = run("nbdinfo", &["--list", &node.uri("")]);
+    assert!(
+        list.contains("export=\"d1\"") && list.contains("export=\"d2\""),
+        "{list}"
+    );
+    let info = run("nbdinfo", &["--json", &node.uri("d1")]);
+    let info: Value = serde_json::from_str(&info).unwrap();
+    let e = &info["exports"][0];
+    assert_eq!(e["export-size"], 64 << 20);
+    assert_eq!(e["can_multi_conn"], true);
+    assert_eq!(e["can_fua"], true);
+    assert_eq!(e["block_size_maximum"], 32 << 20);
+    assert_eq!(info["protocol"], "newstyle-fixed");
+
+    // nbdcopy, four connections, both ways
+    let data: Vec<u8> = (0..64u32 << 20)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    let src = node.dir.join("in.bin");
+    let dst = node.dir.join("out.bin");
+    std::fs::write(&src, &data).unwrap();
+    run(
+        "nbdcopy",
+        &[
+            "--connections=4",
+            &src.display().to_string(),
+            &node.uri("d1"),
+        ],
+    );
+    run(
+        "nbdcopy",
+        &[
+            "--connections=4",
+            &node.uri("d1"),
+            &dst.display().to_string(),
+        ],
+    );
+    assert!(
+        std::fs::read(&dst).unwrap() == data,
+        "nbdcopy round trip differs"
+    );
+
+    // QEMU's client: writes with FUA, zeroes, discard, flush, reads checking patterns
+    let q = run(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            &node.uri("d2"),
+            "-c",
+            "write -P 0xab -f 1M 1M",
+            "-c",
+            "write -P 0x11 0 64k",
+            "-c",
+            "write -z 0 32k",
+            "-c",
+            "discard 1M 64k",
+            "-c",
+            "flush",
+            "-c",
+            "read -P 0 0 32k",
+            "-c",
+            "read -P 0x11 32k 32k",
+            "-c",
+            "read -P 0 1M 64k",
+            "-c",
+            "read -P 0xab 1088k 960k",
+        ],
+    );
+    assert!(!q.contains("Pattern verification failed"), "{q}");
+
+    // fio's nbd engine (libnbd), random read/write with checksums
+    let f = run(
+        "fio",
+        &[
+            "--name=verify",
+            "--ioengine=nbd",
+            &format!("--uri={}", node.uri("d1")),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            "--size=16M",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--output-format=json",
+        ],
+    );
+    let f: Value = serde_json::from_str(&f[f.find('{').unwrap()..]).unwrap();
+    assert_eq!(f["jobs"][0]["error"], 0, "{f}");
+    assert!(
+        f["jobs"][0]["read"]["io_bytes"].as_u64().unwrap() >= 16 << 20,
+        "verified reads: {f}"
+    );
+
+    // resize through the API; clients see the new size
+    node.ok("PUT", "/disks/d2/size", Some(json!({"size": 16 << 20})));
+    let info: Value = serde_json::from_str(&run("nbdinfo", &["--json", &node.uri("d2")])).unwrap();
+    assert_eq!(info["exports"][0]["export-size"], 16 << 20);
+}
+
+// ---- raw client for hostile requests ---------------------------------------
+
+struct Raw(TcpStream);
+
+impl Raw {
+    /// Fixed-newstyle handshake up to options.
+    fn open(node: &Node) -> Raw {
+        let mut s = TcpStream::connect(("127.0.0.1", node.nbd)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut g = [0u8; 18];
+        s.read_exact(&mut g).unwrap();
+        assert_eq!(&g[0..8], b"NBDMAGIC");
+        s.write_all(&3u32.to_be_bytes()).unwrap(); // FIXED_NEWSTYLE | NO_ZEROES
+        Raw(s)
+    }
+
+    fn option(&mut self, opt: u32, data: &[u8]) -> (u32, Vec<u8>) {
+        let mut m = b"IHAVEOPT".to_vec();
+        m.extend_from_slice(&opt.to_be_bytes());
+        m.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        m.extend_from_slice(data);
+        self.0.write_all(&m).unwrap();
+        self.reply()
+    }
+
+    fn reply(&mut self) -> (u32, Vec<u8>) {
+        let mut h = [0u8; 20];
+        self.0.read_exact(&mut h).unwrap();
+        let kind = u32::from_be_bytes(h[12..16].try_into().unwrap());
+        let len = u32::from_be_bytes(h[16..20].try_into().unwrap());
+        let mut d = vec![0u8; len as usize];
+        self.0.read_exact(&mut d).unwrap();
+        (kind, d)
+    }
+
+    /// GO to `export` (no structured replies): returns the export size.
+    fn go(node: &Node, export: &str) -> (Raw, u64) {
+        let mut r = Raw::open(node);
+        let mut d = (export.len() as u32).to_be_bytes().to_vec();
+        d.extend_from_slice(export.as_bytes());
+        d.extend_from_slice(&0u16.to_be_bytes());
+        let mut size = 0;
+        let (mut kind, mut data) = r.option(7, &d);
+        while kind == 3 {
+            if data[0..2] == [0, 0] {
+                size = u64::from_be_bytes(data[2..10].try_into().unwrap());
+            }
+            (kind, data) = r.reply();
+        }
+        assert_eq!(
+            kind,
+            1,
+            "GO not acknowledged: {kind:#x} {}",
+            String::from_utf8_lossy(&data)
+        );
+        (r, size)
+    }
+
+    fn request(
+        &mut self,
+        flags: u16,
+        kind: u16,
+        cookie: u64,
+        offset: u64,
+        len: u32,
+        payload: &[u8],
+    ) {
+        let mut m = 0x2560_9513u32.to_be_bytes().to_vec();
+        m.extend_from_slice(&flags.to_be_bytes());
+        m.extend_from_slice(&kind.to_be_bytes());
+        m.extend_from_slice(&cookie.to_be_bytes());
+        m.extend_from_slice(&offset.to_be_bytes());
+        m.extend_from_slice(&len.to_be_bytes());
+        m.extend_from_slice(payload);
+        self.0.write_all(&m).unwrap();
+    }
+
+    /// A simple reply: (error, cookie).
+    fn simple(&mut self) -> (u32, u64) {
+        let mut h = [0u8; 16];
+        self.0.read_exact(&mut h).unwrap();
+        assert_eq!(&h[0..4], &0x6744_6698u32.to_be_bytes());
+        (
+            u32::from_be_bytes(h[4..8].try_into().unwrap()),
+            u64::from_be_bytes(h[8..16].try_into().unwrap()),
+        )
+    }
+
+    fn closed(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        matches!(self.0.read(&mut b), Ok(0) | Err(_))
+    }
+}
+
+#[test]
+fn hostile_clients_get_the_spec_errors_and_others_are_served() {
+    if !tools_available("hostile_clients_get_the_spec_errors_and_others_are_served") {
+        return;
+    }
+    let node = Node::start("hostile", 0);
+    node.disk("d", 1 << 20, false);
+    let good = vec![0x5au8; 4096];
+
+    // unknown client flags: the server closes
+    let mut s = TcpStream::connect(("127.0.0.1", node.nbd)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut g = [0u8; 18];
+    s.read_exact(&mut g).unwrap();
+    s.write_all(&0x8000_0001u32.to_be_bytes()).unwrap();
+    assert!(
+        Raw(s).closed(),
+        "unknown client flags must end the connection"
+    );
+
+    // options: unknown → ERR_UNSUP, oversized → ERR_TOO_BIG, bad GO → ERR_INVALID,
+    // unknown export → ERR_UNKNOWN, LIST with data → ERR_INVALID; the session goes on
+    let mut r = Raw::open(&node);
+    assert_eq!(r.option(99, b"").0, (1 << 31) + 1);
+    assert_eq!(r.option(3, &vec![0u8; 100 << 10]).0, (1 << 31) + 9);
+    assert_eq!(r.option(7, &[0, 0, 1, 0, b'x']).0, (1 << 31) + 3);
+    let mut d = 4u32.to_be_bytes().to_vec();
+    d.extend_from_slice(b"nope\0\0");
+    assert_eq!(r.option(7, &d).0, (1 << 31) + 6);
+    assert_eq!(r.option(3, b"x").0, (1 << 31) + 3);
+    let (kind, data) = r.option(3, b"");
+    assert_eq!((kind, &data[4..]), (2, &b"d"[..]));
+    assert_eq!(r.reply().0, 1);
+
+    // transmission: each bad request gets its error, the connection stays usable
+    let (mut r, size) = Raw::go(&node, "d");
+    assert_eq!(size, 1 << 20);
+    r.request(0, 1, 1, 0, 4096, &good);
+    assert_eq!(r.simple(), (0, 1));
+    r.request(0, 0, 2, size, 512, &[]); // read past the end
+    assert_eq!(r.simple(), (22, 2));
+    r.request(0, 1, 3, size - 100, 4096, &good); // write past the end, payload skipped
+    assert_eq!(r.simple(), (28, 3));
+    r.request(0, 42, 4, 0, 0, &[]); // unknown command
+    assert_eq!(r.simple(), (22, 4));
+    r.request(1 << 7, 3, 5, 0, 0, &[]); // unknown flag on flush
+    assert_eq!(r.simple(), (22, 5));
+    r.request(0, 0, 6, u64::MAX - 10, 4096, &[]); // offset overflow
+    assert_eq!(r.simple(), (22, 6));
+    r.request(0, 0, 7, 0, 4096, &[]); // and still a good read
+    assert_eq!(r.simple(), (0, 7));
+    let mut back = vec![0u8; 4096];
+    r.0.read_exact(&mut back).unwrap();
+    assert_eq!(back, good);
+    // an oversized write cannot be skipped: disconnected
+    r.request(0, 1, 8, 0, 64 << 20, &[]);
+    assert!(r.closed(), "an oversized write must end the connection");
+
+    // a bad magic: disconnected
+    let (mut r, _) = Raw::go(&node, "d");
+    r.0.write_all(&[0xde; 28]).unwrap();
+    assert!(r.closed());
+
+    // a client that vanishes halfway through a write payload
+    let (mut r, _) = Raw::go(&node, "d");
+    r.request(0, 1, 9, 8192, 4096, &[]);
+    r.0.write_all(&[0x77; 1000]).unwrap();
+    drop(r);
+
+    // a client that never finishes its handshake does not block others;
+    // everyone else is still served and nothing written was lost
+    let _idle = TcpStream::connect(("127.0.0.1", node.nbd)).unwrap();
+    let out = node.dir.join("check.bin");
+    run("nbdcopy", &[&node.uri("d"), &out.display().to_string()]);
+    let disk = std::fs::read(&out).unwrap();
+    assert_eq!(&disk[..4096], &good[..], "acknowledged write lost");
+    assert!(
+        disk[8192..12288].iter().all(|b| *b == 0),
+        "half-received write was applied"
+    );
+    let (s, v) = node.call("GET", "/disks", None);
+    assert_eq!(s, 200, "{v}");
+}
+
+#[test]
+fn write_through_writes_survive_sigkill() {
+    if !tools_available("write_through_writes_survive_sigkill") {
+        return;
+    }
+    let mut node = Node::start("wt", 0);
+    node.disk("wt", 4 << 20, true);
+    let (mut r, _) = Raw::go(&node, "wt");
+    // 256 writes, each acknowledged before the next; then SIGKILL at once
+    for i in 0..256u64 {
+        let block = vec![(i as u8) ^ 0xa5; 4096];
+        r.request(0, 1, i, i * 4096, 4096, &block);
+        assert_eq!(r.simple(), (0, i));
+    }
+    node.kill();
+    node.spawn();
+    let out = node.dir.join("after.bin");
+    run("nbdcopy", &[&node.uri("wt"), &out.display().to_string()]);
+    let disk = std::fs::read(&out).unwrap();
+    for i in 0..256usize {
+        assert!(
+            disk[i * 4096..(i + 1) * 4096]
+                .iter()
+                .all(|b| *b == (i as u8) ^ 0xa5),
+            "acknowledged write {i} is not on disk after SIGKILL"
+        );
+    }
+    let d = node.ok("GET", "/disks", None);
+    assert_eq!(d[0]["write_through"], true, "{d}");
+}
+
+// ---- QoS, measured with fio ----------------------------------------------------
+
+/// Runs one fio job per (name, uri) for `secs`; returns read IOPS and bytes/s per job.
+fn fio(jobs: &[(&str, String)], bs: &str, secs: u32) -> Vec<(f64, f64)> {
+    let mut args = vec![
+        "--ioengine=nbd".to_string(),
+        "--rw=randread".to_string(),
+        format!("--bs={bs}"),
+        "--iodepth=16".to_string(),
+        "--size=32M".to_string(),
+        "--time_based".to_string(),
+        format!("--runtime={secs}"),
+        "--ramp_time=1".to_string(),
+        "--output-format=json".to_string(),
+    ];
+    for (name, uri) in jobs {
+        args.push(format!("--name={name}"));
+        args.push(format!("--uri={uri}"));
+    }
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = run("fio", &argv);
+    let v: Value = serde_json::from_str(&out[out.find('{').unwrap()..]).unwrap();
+    v["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| {
+            (
+                j["read"]["iops"].as_f64().unwrap(),
+                j["read"]["bw_bytes"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn qos_limits_hold_and_the_seed_policy_is_limited_by_what_is_reached_first() {
+    if !tools_available("qos_limits_hold") {
+        return;
+    }
+    let node = Node::start("limits", 0);
+    node.disk("d", 64 << 20, false);
+    node.ok(
+        "POST",
+        "/qos/policies",
+        Some(json!({"name": "cap", "kind": "dedicated", "max_iops": 500})),
+    );
+    node.ok("PUT", "/disks/d/policy", Some(json!({"policy": "cap"})));
+    let r = fio(&[("capped", node.uri("d/vm1"))], "4k", 6);
+    let iops = r[0].0;
+    assert!(
+        (iops - 500.0).abs() <= 25.0,
+        "max 500 IOPS: fio measured {iops:.0}"
+    );
+
+    // seed 004: min 250, max 500, max 100 MB/s
+    node.ok(
+        "POST",
+        "/qos/policies",
+        Some(json!({"name": "demo", "kind": "dedicated", "min_iops": 250, "max_iops": 500, "max_bandwidth": 100 << 20})),
+    );
+    node.ok("PUT", "/disks/d/policy", Some(json!({"policy": "demo"})));
+    let small = fio(&[("small", node.uri("d/vm1"))], "4k", 6)[0];
+    assert!(
+        (small.0 - 500.0).abs() <= 25.0,
+        "4K I/O: IOPS-limited at 500, got {:.0}",
+        small.0
+    );
+    assert!(
+        small.1 < 0.1 * (100 << 20) as f64,
+        "4K I/O stays far below 100 MB/s"
+    );
+    // with a 1 MiB normalization a 1 MiB I/O counts once: 500 IOPS would be
+    // 500 MiB/s, so the 100 MiB/s cap is what is reached first
+    node.ok(
+        "PUT",
+        "/qos/settings",
+        Some(json!({"normalization": 1 << 20})),
+    );
+    let large = fio(&[("large", node.uri("d/vm1"))], "1m", 6)[0];
+    let mibs = large.1 / (1 << 20) as f64;
+    assert!(
+        (mibs - 100.0).abs() <= 5.0,
+        "1M I/O: bandwidth-limited at 100 MiB/s, got {mibs:.1}"
+    );
+    assert!(large.0 < 450.0, "IOPS below the cap: {:.0}", large.0);
+    node.ok("PUT", "/qos/settings", Some(json!({"normalization": 8192})));
+
+    // Aggregated: two flows of one disk share one 600 IOPS pool
+    node.ok(
+        "POST",
+        "/qos/policies",
+        Some(json!({"name": "pool", "kind": "aggregated", "max_iops": 600})),
+    );
+    node.ok("PUT", "/disks/d/policy", Some(json!({"policy": "pool"})));
+    let r = fio(
+        &[("a", node.uri("d/vmA")), ("b", node.uri("d/vmB"))],
+        "4k",
+        6,
+    );
+    let total = r[0].0 + r[1].0;
+    assert!((total - 600.0).abs() <= 30.0, "aggregated total {total:.0}");
+    for (i, (iops, _)) in r.iter().enumerate() {
+        assert!(
+            (iops - 300.0).abs() <= 45.0,
+            "flow {i} got {iops:.0} of the shared 600"
+        );
+    }
+    let f = node.flow("d/vmA");
+    assert_eq!(f["policy"], "pool");
+    assert_eq!(f["max_iops"], 600);
+}
+
+#[test]
+fn a_reservation_holds_against_busy_neighbours_and_statuses_follow() {
+    if !tools_available("a_reservation_holds") {
+        return;
+    }
+    // a node whose backing store sustains 4000 normalized IOPS: five busy
+    // flows would get 800 each; the reserved one must keep its 1000
+    let node = Node::start("reserve", 4000);
+    for d in ["r", "n1", "n2", "n3", "n4"] {
+        node.disk(d, 64 << 20, false);
+    }
+    node.ok(
+        "POST",
+        "/qos/policies",
+        Some(json!({"name": "gold", "kind": "dedicated", "min_iops": 1000})),
+    );
+    node.ok("PUT", "/disks/r/policy", Some(json!({"policy": "gold"})));
+    let jobs: Vec<(&str, String)> = ["r", "n1", "n2", "n3", "n4"]
+        .iter()
+        .map(|d| (*d, node.uri(&format!("{d}/vm-{d}"))))
+        .collect();
+    let r = fio(&jobs, "4k", 8);
+    let reserved = r[0].0;
+    let total: f64 = r.iter().map(|x| x.0).sum();
+    assert!(
+        reserved >= 950.0,
+        "min 1000: got {reserved:.0} (all: {r:?})"
+    );
+    assert!(total <= 4000.0 * 1.05, "capacity 4000 exceeded: {total:.0}");
+    assert!(total >= 3600.0, "capacity left unused: {total:.0}");
+
+    // a minimum above what the node can give: InsufficientThroughput while busy
+    node.ok(
+        "PUT",
+        "/qos/policies/gold",
+        Some(json!({"name": "gold", "kind": "dedicated", "min_iops": 5000})),
+    );
+    let uri = node.uri("r/vm-r");
+    let bg = std::thread::spawn(move || fio(&[("r", uri)], "4k", 7));
+    std::thread::sleep(Duration::from_secs(5));
+    let f = node.flow("r/vm-r");
+    assert_eq!(f["status"], "InsufficientThroughput", "{f}");
+    assert_eq!(f["min_iops"], 5000);
+    // the policy removed under it: the flow runs unlimited, UnknownPolicyId
+    node.ok("DELETE", "/qos/policies/gold", None);
+    std::thread::sleep(Duration::from_millis(1500));
+    let f = node.flow("r/vm-r");
+    assert_eq!(f["status"], "UnknownPolicyId", "{f}");
+    assert_eq!(f["min_iops"], 0);
+    bg.join().unwrap();
+    // the client is gone
+    std::thread::sleep(Duration::from_millis(500));
+    let f = node.flow("r/vm-r");
+    assert_eq!(f["status"], "LostCommunication", "{f}");
+    assert_eq!(f["host"], "127.0.0.1");
+}
+
+#[test]
+fn bad_requests_to_the_api_name_what_was_wrong() {
+    if !tools_available("bad_requests_to_the_api") {
+        return;
+    }
+    let node = Node::start("api", 0);
+    let cases = [
+        (
+            "POST",
+            "/disks",
+            json!({"name": "a/b", "size": 4096}),
+            "name",
+        ),
+        (
+            "POST",
+            "/disks",
+            json!({"name": "ok", "size": 1000}),
+            "size",
+        ),
+        (
+            "POST",
+            "/disks",
+            json!({"name": "ok", "size": 4096, "colour": 1}),
+            "colour",
+        ),
+        (
+            "POST",
+            "/qos/policies",
+            json!({"name": "p", "kind": "dedicated", "min_iops": 900, "max_iops": 500}),
+            "min_iops",
+        ),
+        (
+            "POST",
+            "/qos/policies",
+            json!({"name": "p", "kind": "sometimes"}),
+            "sometimes",
+        ),
+        (
+            "PUT",
+            "/qos/settings",
+            json!({"normalization": 3000}),
+            "normalization",
+        ),
+        ("PUT", "/disks/none/policy", json!({"policy": null}), "none"),
+    ];
+    for (m, p, body, word) in cases {
+        let (s, v) = node.call(m, p, Some(body));
+        assert!((400..500).contains(&s), "{m} {p}: {s} {v}");
+        assert!(
+            v["message"].as_str().unwrap_or("").contains(word),
+            "{m} {p}: {v}"
+        );
+    }
+    node.disk("busy", 1 << 20, false);
+    let (mut r, _) = Raw::go(&node, "busy");
+    let (s, v) = node.call("DELETE", "/disks/busy", None);
+    assert_eq!(s, 409, "{v}");
+    r.request(0, 2, 0, 0, 0, &[]); // NBD_CMD_DISC
+    assert!(r.closed());
+    std::thread::sleep(Duration::from_millis(200));
+    node.ok("DELETE", "/disks/busy", None);
+}
