@@ -246,6 +246,7 @@ mod tests {
             verify_rate: 32 << 20,
             seed: 7,
             vcpus: 1,
+            disks: Vec::new(),
         }
     }
 

@@ -493,6 +493,7 @@ mod tests {
             verify_rate: 32 << 20,
             seed: 1,
             vcpus: 1,
+            disks: Vec::new(),
         }
     }
 

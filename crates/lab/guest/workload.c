@@ -20,13 +20,25 @@
  *   FERRY-ERROR page=<i> word=<w> gen=<g> expected=<hex> got=<hex>
  * The host reads these lines; the format is part of Ferry's lab contract
  * (see crates/lab/src/console.rs).
+ *
+ * Disks: a second process watches for virtio disks /dev/vda../dev/vdd (they
+ * may be hot-plugged at any time). On each it owns the 4 KiB block number
+ * (seed % 64): twice a second it writes a new generation of that block
+ * (header "FERRYDSK", seed, sequence, then a pattern of the three), with
+ * O_DIRECT|O_DSYNC, reads it back, and reads every other slot, verifying any
+ * block another guest wrote. Once a second, per disk:
+ *   FERRY-DISK dev=vda seq=<n> errors=<n> peers=<seed>:<seq>,...
+ * so a test can see one guest's writes read by another on a shared disk.
  */
+#define _GNU_SOURCE
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define PAGE 4096UL
@@ -70,6 +82,74 @@ static uint64_t now_ms(void) {
     return (uint64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+#define SLOTS 64
+#define DISKS 4
+
+static void disk_block(uint64_t *b, uint64_t s, uint64_t seq) {
+    memcpy(b, "FERRYDSK", 8);
+    b[1] = s;
+    b[2] = seq;
+    for (uint64_t w = 3; w < WORDS; w++) b[w] = mix(s ^ (seq << 20) ^ w);
+}
+
+static int disk_block_ok(const uint64_t *b) {
+    uint64_t want[WORDS];
+    disk_block(want, b[1], b[2]);
+    return memcmp(b, want, PAGE) == 0;
+}
+
+/* The disk prober: runs forever in its own process. */
+static void disk_loop(void) {
+    uint64_t *buf, *all;
+    if (posix_memalign((void **)&buf, PAGE, PAGE) || posix_memalign((void **)&all, PAGE, PAGE * SLOTS))
+        _exit(1);
+    int fd[DISKS];
+    uint64_t seq[DISKS] = {0}, errors[DISKS] = {0};
+    for (int d = 0; d < DISKS; d++) fd[d] = -1;
+    uint64_t slot = seed % SLOTS, round = 0;
+    for (;; round++) {
+        for (int d = 0; d < DISKS; d++) {
+            char dev[16];
+            snprintf(dev, sizeof dev, "/dev/vd%c", 'a' + d);
+            if (fd[d] < 0) {
+                fd[d] = open(dev, O_RDWR | O_DIRECT | O_DSYNC);
+                if (fd[d] < 0) continue;
+            }
+            seq[d]++;
+            disk_block(buf, seed, seq[d]);
+            if (pwrite(fd[d], buf, PAGE, slot * PAGE) != (ssize_t)PAGE) { errors[d]++; continue; }
+            memset(buf, 0, PAGE);
+            if (pread(fd[d], buf, PAGE, slot * PAGE) != (ssize_t)PAGE || buf[2] != seq[d] || !disk_block_ok(buf)) {
+                if (errors[d] < 5) printf("FERRY-DISK-ERROR dev=vd%c own block seq=%llu\n", 'a' + d, (unsigned long long)seq[d]);
+                errors[d]++;
+            }
+            if (round % 2) continue;
+            if (pread(fd[d], all, PAGE * SLOTS, 0) != (ssize_t)(PAGE * SLOTS)) { errors[d]++; continue; }
+            char peers[1024] = {0};
+            size_t len = 0;
+            for (uint64_t s = 0; s < SLOTS; s++) {
+                uint64_t *b = all + s * WORDS;
+                if (s == slot || memcmp(b, "FERRYDSK", 8)) continue;
+                if (!disk_block_ok(b)) {
+                    /* a block being rewritten as we read: look again once */
+                    if (pread(fd[d], buf, PAGE, s * PAGE) != (ssize_t)PAGE || !disk_block_ok(buf)) {
+                        if (errors[d] < 5) printf("FERRY-DISK-ERROR dev=vd%c slot=%llu\n", 'a' + d, (unsigned long long)s);
+                        errors[d]++;
+                        continue;
+                    }
+                    b = buf;
+                }
+                if (len < sizeof peers - 48)
+                    len += snprintf(peers + len, sizeof peers - len, "%s%llu:%llu", len ? "," : "",
+                                    (unsigned long long)b[1], (unsigned long long)b[2]);
+            }
+            printf("FERRY-DISK dev=vd%c seq=%llu errors=%llu peers=%s\n", 'a' + d,
+                   (unsigned long long)seq[d], (unsigned long long)errors[d], peers);
+        }
+        usleep(500 * 1000);
+    }
+}
+
 int main(void) {
     uint64_t fill = 64UL << 20, dirty = 1UL << 20, verify = 32UL << 20;
     char cmdline[4096] = {0};
@@ -85,6 +165,7 @@ int main(void) {
         else if (!strncmp(t, "ferry.seed=", 11)) seed = strtoull(t + 11, NULL, 10);
     }
     setvbuf(stdout, NULL, _IOLBF, 0);
+    if (fork() == 0) disk_loop();
     uint64_t pages = fill / PAGE;
     if (pages == 0) pages = 1;
     uint64_t *mem = mmap(NULL, pages * PAGE, PROT_READ | PROT_WRITE,

@@ -23,9 +23,21 @@ const WORKLOAD_C: &str = include_str!("../guest/workload.c");
 const INIT: &str = "#!/bin/sh\n\
 mount -t proc proc /proc\n\
 mount -t devtmpfs dev /dev 2>/dev/null\n\
+mount -t sysfs sys /sys 2>/dev/null\n\
+for m in virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci virtio_blk; do \
+/bin/busybox insmod /lib/modules/$m.ko; done\n\
 exec /ferry-workload </dev/console >/dev/console 2>&1\n";
 /// Bumped when the image layout changes.
-const FORMAT: u32 = 1;
+const FORMAT: u32 = 2;
+/// Kernel modules the guest loads (in this order) for virtio disks.
+const MODULES: [&str; 6] = [
+    "drivers/virtio/virtio_ring.ko",
+    "drivers/virtio/virtio.ko",
+    "drivers/virtio/virtio_pci_modern_dev.ko",
+    "drivers/virtio/virtio_pci_legacy_dev.ko",
+    "drivers/virtio/virtio_pci.ko",
+    "drivers/block/virtio_blk.ko",
+];
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct GuestImage {
@@ -123,7 +135,14 @@ fn build_into(tmp: &Path, pkg: &str) -> Result<(), LabError> {
     )?;
     run(
         "sh",
-        &["-c", &format!("cd '{t}' && dpkg-deb --fsys-tarfile {pkg}_*.deb | tar -x --wildcards './boot/vmlinuz-*'")],
+        &["-c", &format!(
+            "cd '{t}' && dpkg-deb --fsys-tarfile {pkg}_*.deb | tar -x --wildcards './boot/vmlinuz-*' {}",
+            MODULES
+                .iter()
+                .map(|m| format!("'./lib/modules/*/kernel/{m}'"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        )],
     )?;
     let vmlinuz = std::fs::read_dir(tmp.join("boot"))
         .map_err(|e| LabError::io(tmp.join("boot"), e))?
@@ -160,7 +179,26 @@ fn build_into(tmp: &Path, pkg: &str) -> Result<(), LabError> {
             LabError::Image("busybox is not installed (package busybox-static)".into())
         })?;
     let busybox = std::fs::read(busybox_path).map_err(|e| LabError::io(busybox_path, e))?;
-    let archive = cpio::build(&[
+    let mut modules = Vec::new();
+    let lib = tmp.join("lib/modules");
+    let kdir = std::fs::read_dir(&lib)
+        .map_err(|e| LabError::io(&lib, e))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .next()
+        .ok_or_else(|| LabError::Image(format!("{pkg} has no /lib/modules")))?;
+    for m in MODULES {
+        let p = kdir.join("kernel").join(m);
+        let name = p
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        modules.push((
+            format!("lib/modules/{name}"),
+            std::fs::read(&p).map_err(|e| LabError::io(&p, e))?,
+        ));
+    }
+    let mut entries = vec![
         cpio::Entry::Dir {
             path: "bin",
             mode: 0o755,
@@ -206,11 +244,27 @@ fn build_into(tmp: &Path, pkg: &str) -> Result<(), LabError> {
             mode: 0o755,
             data: &workload,
         },
-    ]);
+        cpio::Entry::Dir {
+            path: "lib",
+            mode: 0o755,
+        },
+        cpio::Entry::Dir {
+            path: "lib/modules",
+            mode: 0o755,
+        },
+    ];
+    for (path, data) in &modules {
+        entries.push(cpio::Entry::File {
+            path: path.as_str(),
+            mode: 0o644,
+            data,
+        });
+    }
+    let archive = cpio::build(&entries);
     std::fs::write(tmp.join("initrd.cpio"), archive)
         .map_err(|e| LabError::io(tmp.join("initrd.cpio"), e))?;
     // keep only what QEMU needs
-    for junk in ["boot", "workload.c", "ferry-workload"] {
+    for junk in ["boot", "lib", "workload.c", "ferry-workload"] {
         let _ = std::fs::remove_dir_all(tmp.join(junk))
             .or_else(|_| std::fs::remove_file(tmp.join(junk)));
     }

@@ -214,7 +214,7 @@ impl Node {
 
     pub fn create_disk(&self, req: &DiskCreateRequest) -> Result<DiskInfo, ApiError> {
         check_name("name", &req.name)?;
-        if req.size == 0 || req.size > MAX_DISK_SIZE || req.size % 512 != 0 {
+        if req.size == 0 || req.size > MAX_DISK_SIZE || !req.size.is_multiple_of(512) {
             return Err(ApiError::invalid(
                 "size",
                 format!(
@@ -246,7 +246,7 @@ impl Node {
     }
 
     pub fn resize_disk(&self, name: &str, size: u64) -> Result<DiskInfo, ApiError> {
-        if size == 0 || size > MAX_DISK_SIZE || size % 512 != 0 {
+        if size == 0 || size > MAX_DISK_SIZE || !size.is_multiple_of(512) {
             return Err(ApiError::invalid(
                 "size",
                 format!("{size} is not a multiple of 512 up to 16 TiB"),

@@ -215,7 +215,7 @@ pub fn check_request(r: &Request, size: u64, read_only: bool) -> Result<Command,
     }
     let fua = r.flags & CMD_FLAG_FUA != 0;
     let end = r.offset.checked_add(r.length as u64);
-    let past_end = end.map_or(true, |e| e > size);
+    let past_end = end.is_none_or(|e| e > size);
     let range = || {
         format!(
             "offset {} + length {} is past the end ({size})",

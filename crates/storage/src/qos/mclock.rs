@@ -258,7 +258,7 @@ impl Core {
                 continue;
             }
             let cand = if r <= now { (0u8, r) } else { (1u8, p) };
-            if best.map_or(true, |(ph, k, _)| (cand.0, cand.1) < (ph, k)) {
+            if best.is_none_or(|(ph, k, _)| (cand.0, cand.1) < (ph, k)) {
                 best = Some((cand.0, cand.1, name));
             }
         }

@@ -189,7 +189,7 @@ impl Scheduler {
                     }
                 }
                 Decision::WaitUntil(t) => {
-                    if st.timer_at.map_or(true, |at| t < at) {
+                    if st.timer_at.is_none_or(|at| t < at) {
                         st.timer_at = Some(t);
                         let s = this.clone();
                         let delay = std::time::Duration::from_secs_f64((t - now).max(0.0));

@@ -1,0 +1,156 @@
+//! VM disks from Ferry's storage service, in the lab (needs root and QEMU;
+//! see `common`): a disk hot-plugged into two running guests (a guest
+//! cluster's shared disk), each guest reading what the other wrote through
+//! QEMU's NBD client, one flow per VM; then a live migration of one guest
+//! with its disk attached.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::Value;
+
+/// The newest console of VM `name` on `host`.
+fn console(host: &str, name: &str) -> String {
+    let dir = std::path::Path::new("/run/ferry/lab")
+        .join(host)
+        .join("vms");
+    let mut best: Option<(std::time::SystemTime, std::path::PathBuf)> = None;
+    for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+        let n = e.file_name().to_string_lossy().to_string();
+        if n != name && !n.starts_with(&format!("{name}.")) && !n.starts_with(&format!("{name}-")) {
+            continue;
+        }
+        let p = e.path().join("console.log");
+        if let Ok(m) = std::fs::metadata(&p).and_then(|m| m.modified()) {
+            if best.as_ref().is_none_or(|(t, _)| m > *t) {
+                best = Some((m, p));
+            }
+        }
+    }
+    best.map(|(_, p)| std::fs::read_to_string(p).unwrap_or_default())
+        .unwrap_or_default()
+}
+
+/// (own seq, errors, peers as (seed, seq)).
+type DiskLine = (u64, u64, Vec<(u64, u64)>);
+
+/// The last `FERRY-DISK dev=vda` line of a guest.
+fn last_disk_line(host: &str, name: &str) -> Option<DiskLine> {
+    let text = console(host, name);
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("FERRY-DISK dev=vda "))?;
+    let field = |k: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{k}=")))
+            .unwrap_or("")
+            .to_string()
+    };
+    let peers = field("peers")
+        .split(',')
+        .filter_map(|p| p.split_once(':'))
+        .filter_map(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+        .collect();
+    Some((
+        field("seq").parse().ok()?,
+        field("errors").parse().ok()?,
+        peers,
+    ))
+}
+
+/// Waits until guest `name` on `host` has read a block written by the guest
+/// with `peer_seed` at a sequence above `after`; returns that sequence.
+fn wait_for_peer(host: &str, name: &str, peer_seed: u64, after: u64) -> u64 {
+    let t0 = Instant::now();
+    loop {
+        if let Some((_, errors, peers)) = last_disk_line(host, name) {
+            assert_eq!(
+                errors,
+                0,
+                "{name} saw disk errors:\n{}",
+                console(host, name)
+            );
+            if let Some((_, seq)) = peers.iter().find(|(s, q)| *s == peer_seed && *q > after) {
+                return *seq;
+            }
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{name} on {host} never read seed {peer_seed}'s writes past {after}:\n{}",
+            console(host, name)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn flows() -> Vec<Value> {
+    ferry_json(&["qos", "flow", "list"])
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+#[test]
+fn a_shared_disk_serves_two_guests_and_follows_a_migration() {
+    if !lab_available("a_shared_disk_serves_two_guests_and_follows_a_migration") {
+        return;
+    }
+    let _g = serial();
+    lab(2, 1);
+    let _ = ferry(&["disk", "rm", "quorum"]);
+    for (name, host, seed) in [("gc1", "host1", "3"), ("gc2", "host2", "5")] {
+        remove_vm(name);
+        ferry_ok(&[
+            "vm", "create", name, "--host", host, "--memory", "256M", "--fill", "96M", "--seed",
+            seed,
+        ]);
+    }
+    let _guards = (VmGuard("gc1"), VmGuard("gc2"));
+    ferry_ok(&["disk", "create", "quorum", "--size", "64M"]);
+    let a = ferry_json(&["disk", "attach", "quorum", "gc1"]);
+    assert_eq!(a["spec"]["disks"][0]["disk"], "quorum", "{a}");
+    ferry_ok(&["disk", "attach", "quorum", "gc2"]);
+
+    // each guest reads what the other wrote (QEMU's NBD client, both ways)
+    let s1 = wait_for_peer("host2", "gc2", 3, 0);
+    wait_for_peer("host1", "gc1", 5, 0);
+
+    // one flow per VM per disk, with the initiator's host
+    let f = flows();
+    for (vm, host) in [("gc1", "host1"), ("gc2", "host2")] {
+        let flow = f
+            .iter()
+            .find(|x| x["id"] == format!("quorum/{vm}"))
+            .unwrap_or_else(|| panic!("no flow for {vm}: {f:?}"));
+        assert_eq!(flow["host"], host, "{flow}");
+        assert_eq!(flow["initiator"], vm, "{flow}");
+        assert_eq!(flow["status"], "Ok", "{flow}");
+    }
+    // an attached disk cannot be removed
+    let out = ferry(&["disk", "rm", "quorum"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("open connections"));
+
+    // live migration with the disk attached: the target QEMU opens it too
+    let done = move_vm("gc1", "host2", "tcp");
+    assert_eq!(done["event"], "completed", "{done}");
+    assert_intact_on("gc1", "host2");
+    // gc1 keeps writing from host2 and gc2 keeps reading it
+    wait_for_peer("host2", "gc2", 3, s1 + 4);
+    let (seq, errors, _) = last_disk_line("host2", "gc1").expect("gc1 writes on host2");
+    assert_eq!(errors, 0);
+    assert!(seq > 0);
+    std::thread::sleep(Duration::from_millis(1500));
+    let f = flows();
+    let flow = f.iter().find(|x| x["id"] == "quorum/gc1").unwrap();
+    assert_eq!(flow["host"], "host2", "the flow follows the VM: {flow}");
+    assert_eq!(
+        flow["connections"], 1,
+        "the source's connection is closed: {flow}"
+    );
+}
