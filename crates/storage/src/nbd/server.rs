@@ -81,14 +81,15 @@ pub async fn serve(listener: TcpListener, catalog: Arc<dyn Catalog>) {
         let _ = sock.set_nodelay(true);
         let cat = catalog.clone();
         tokio::spawn(async move {
-            if let Err(e) = connection(sock, peer, cat).await {
+            if let Err(e) = serve_connection(sock, peer, cat).await {
                 tracing::info!("nbd client {peer}: {e}");
             }
         });
     }
 }
 
-async fn connection<S>(
+/// Serves one client connection: handshake, then transmission.
+pub async fn serve_connection<S>(
     sock: S,
     peer: SocketAddr,
     catalog: Arc<dyn Catalog>,
