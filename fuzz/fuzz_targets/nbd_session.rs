@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock};
 
 use ferry_storage::export::Export;
 use ferry_storage::nbd::server::{serve_connection, Attachment, Catalog};
-use ferry_storage::qos::{Config, Permit, Scheduler};
+use ferry_storage::qos::{Config, Scheduler, Ticket};
 use libfuzzer_sys::fuzz_target;
 use tokio::io::AsyncWriteExt;
 
@@ -23,8 +23,8 @@ impl Attachment for Att {
     fn export(&self) -> &Arc<Export> {
         &self.0
     }
-    fn admit(&self, bytes: u64) -> futures::future::BoxFuture<'_, Option<Permit>> {
-        Box::pin(self.1.admit(1, bytes))
+    fn request(&self, bytes: u64) -> Ticket {
+        self.1.request(1, bytes)
     }
 }
 

@@ -1,14 +1,20 @@
 //! `ferry demo`: Ferry's main job on its embedded defaults. Brings up a lab
 //! (3 hosts × 2 NICs at 1 Gbit/s), boots four VMs of mixed sizes on host1,
-//! drains host1 with live migrations (auto: multichannel over both NICs,
+//! plugs one shared disk from the storage service (under the seed-004 QoS
+//! policy) into every VM, drains host1 with live migrations (auto: multichannel over both NICs,
 //! simultaneous migrations tuned automatically), checks every guest where it
-//! landed, and prints a report. Uses the same control API as every front end.
+//! landed, shows the storage flows following their VMs, and prints a report.
+//! Uses the same control API as every front end.
 
 use std::time::Duration;
 
 use clap::Args;
 use ferry_api::drain::DrainRequest;
 use ferry_api::size::human_bytes;
+use ferry_api::storage::{
+    DiskAttachRequest, DiskCreateRequest, DiskInfo, DiskSetRequest, FlowInfo, FlowStatus, Policy,
+    PolicyKind,
+};
 use ferry_api::{CheckResult, MigrationOption, VmCreateRequest, VmInfo};
 
 use crate::lab_cmd::{self, UpArgs};
@@ -74,6 +80,47 @@ pub async fn run(cli: &Cli, a: &DemoArgs) -> anyhow::Result<i32> {
             human_bytes(vm.spec.fill)
         );
     }
+    // a shared disk from the storage service, under the seed-004 policy, in every guest
+    let policy = Policy {
+        name: "demo".into(),
+        kind: PolicyKind::Dedicated,
+        min_iops: 250,
+        max_iops: 500,
+        max_bandwidth: 100 << 20,
+    };
+    let _ = c.delete::<serde_json::Value>("/qos/policies/demo", t).await;
+    let _: Policy = c.post("/qos/policies", &policy, t).await?;
+    let disk = DiskCreateRequest {
+        name: "demo-shared".into(),
+        size: 64 << 20,
+        write_through: false,
+        node: None,
+    };
+    let d: DiskInfo = c.post("/disks", &disk, t).await?;
+    let _: DiskInfo = c
+        .put(
+            "/disks/demo-shared/policy",
+            &DiskSetRequest {
+                policy: Some("demo".into()),
+            },
+            t,
+        )
+        .await?;
+    for (name, ..) in GUESTS {
+        let _: VmInfo = c
+            .post(
+                "/disks/demo-shared/attach",
+                &DiskAttachRequest {
+                    vm: name.to_string(),
+                },
+                t,
+            )
+            .await?;
+    }
+    println!(
+        "disk {} ({}) attached to every guest, policy demo (min 250, max 500 IOPS, max 100 MiB/s)",
+        d.name, d.uri
+    );
     println!("\ndraining host1 onto host2 and host3:");
     let req = DrainRequest {
         to: Vec::new(),
@@ -99,6 +146,26 @@ pub async fn run(cli: &Cli, a: &DemoArgs) -> anyhow::Result<i32> {
                 "NOT OK".into()
             },
         ]);
+    }
+    let flows: Vec<FlowInfo> = c.get("/qos/flows", t).await?;
+    all_ok &= flows
+        .iter()
+        .all(|f| f.status == FlowStatus::Ok && f.host != "host1");
+    if !a.json {
+        println!("\nstorage flows after the drain (one per VM per disk, following the VMs):");
+        let mut tf = Table::new(&["FLOW", "HOST", "IOPS", "LAT(us)", "MIN", "MAX", "STATUS"]);
+        for f in &flows {
+            tf.row(vec![
+                f.id.clone(),
+                f.host.clone(),
+                format!("{:.0}", f.iops),
+                format!("{:.0}", f.latency_us),
+                f.min_iops.to_string(),
+                f.max_iops.to_string(),
+                format!("{:?}", f.status),
+            ]);
+        }
+        tf.print();
     }
     let rate_bps = ferry_lab::topology::parse_rate(&up.rate)? as f64;
     let secs = report.total_ms as f64 / 1000.0;

@@ -131,6 +131,50 @@ fn a_shared_disk_serves_two_guests_and_follows_a_migration() {
         assert_eq!(flow["initiator"], vm, "{flow}");
         assert_eq!(flow["status"], "Ok", "{flow}");
     }
+    // policies through the control service reach the node's flows
+    let _ = ferry(&["qos", "policy", "rm", "quorum-cap"]);
+    ferry_ok(&[
+        "qos",
+        "policy",
+        "new",
+        "quorum-cap",
+        "--type",
+        "aggregated",
+        "--max-iops",
+        "2000",
+        "--max-bandwidth",
+        "50M",
+    ]);
+    ferry_ok(&["disk", "set", "quorum", "--policy", "quorum-cap"]);
+    let out = ferry(&[
+        "qos",
+        "policy",
+        "new",
+        "bad",
+        "--type",
+        "dedicated",
+        "--min-iops",
+        "900",
+        "--max-iops",
+        "500",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("min_iops"),
+        "the error names the field"
+    );
+    let out = ferry(&["qos", "policy", "new", "bad", "--type", "sometimes"]);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a wrong CLI argument is a usage error"
+    );
+    ferry_ok(&["qos", "policy", "set", "quorum-cap", "--max-iops", "1500"]);
+    for f in flows().iter().filter(|f| f["disk"] == "quorum") {
+        assert_eq!(f["policy"], "quorum-cap", "{f}");
+        assert_eq!(f["max_iops"], 1500, "{f}");
+        assert_eq!(f["max_bandwidth"], 50 << 20, "{f}");
+    }
     // an attached disk cannot be removed
     let out = ferry(&["disk", "rm", "quorum"]);
     assert!(!out.status.success());
@@ -153,4 +197,6 @@ fn a_shared_disk_serves_two_guests_and_follows_a_migration() {
         flow["connections"], 1,
         "the source's connection is closed: {flow}"
     );
+    ferry_ok(&["disk", "set", "quorum", "--no-policy"]);
+    ferry_ok(&["qos", "policy", "rm", "quorum-cap"]);
 }

@@ -612,6 +612,34 @@ fn qos_limits_hold_and_the_seed_policy_is_limited_by_what_is_reached_first() {
     let f = node.flow("d/vmA");
     assert_eq!(f["policy"], "pool");
     assert_eq!(f["max_iops"], 600);
+
+    // an allocation from outside (the cluster-wide manager's lever) overrides the policy
+    let uri = node.uri("d/vmA");
+    let bg = std::thread::spawn(move || fio(&[("alloc", uri)], "4k", 6));
+    std::thread::sleep(Duration::from_millis(500));
+    let f = node.ok(
+        "PUT",
+        "/qos/allocations",
+        Some(json!({"flow": "d/vmA", "allocation": {"max_iops": 250}})),
+    );
+    assert_eq!(f["max_iops"], 250, "{f}");
+    let iops = bg.join().unwrap()[0].0;
+    assert!(
+        (iops - 250.0).abs() <= 15.0,
+        "allocated 250 IOPS: fio measured {iops:.0}"
+    );
+    let (s, v) = node.call(
+        "PUT",
+        "/qos/allocations",
+        Some(json!({"flow": "nope/x", "allocation": null})),
+    );
+    assert_eq!(s, 404, "{v}");
+    let f = node.ok(
+        "PUT",
+        "/qos/allocations",
+        Some(json!({"flow": "d/vmA", "allocation": null})),
+    );
+    assert_eq!(f["max_iops"], 600, "back to the policy: {f}");
 }
 
 #[test]

@@ -22,6 +22,9 @@ pub struct Export {
     pub write_through: bool,
     file: File,
     size: AtomicU64,
+    /// The file lives in memory (tmpfs): no I/O on it ever waits for a
+    /// device, but tmpfs refuses `RWF_NOWAIT`, so it is read and written plainly.
+    memory_backed: bool,
 }
 
 impl Export {
@@ -45,7 +48,13 @@ impl Export {
         }
         let file = o.open(path)?;
         let size = file.metadata()?.len();
+        // SAFETY: statfs is plain data; fstatfs fills it for an fd we own.
+        let memory_backed = unsafe {
+            let mut st: libc::statfs = std::mem::zeroed();
+            libc::fstatfs(file.as_raw_fd(), &mut st) == 0 && st.f_type == libc::TMPFS_MAGIC
+        };
         Ok(Export {
+            memory_backed,
             name: name.to_string(),
             path: path.to_path_buf(),
             write_through,
@@ -117,6 +126,62 @@ impl Export {
             done += n as usize;
         }
         Ok(())
+    }
+
+    /// Reads the whole range only if it needs no waiting (page cache hit,
+    /// `RWF_NOWAIT`); `Ok(false)` means "do it the blocking way".
+    pub fn read_nowait(&self, buf: &mut [u8], offset: u64) -> io::Result<bool> {
+        if self.memory_backed && offset + buf.len() as u64 <= self.size() {
+            self.read_at(buf, offset)?;
+            return Ok(true);
+        }
+        self.rw_nowait(buf.as_mut_ptr(), buf.len(), offset, false)
+    }
+
+    /// Writes the whole range only if it needs no waiting; never for FUA or
+    /// write-through (those wait for the device by definition).
+    pub fn write_nowait(&self, data: &[u8], offset: u64) -> io::Result<bool> {
+        if self.write_through {
+            return Ok(false);
+        }
+        if self.memory_backed && offset + data.len() as u64 <= self.size() {
+            self.file.write_all_at(data, offset)?;
+            return Ok(true);
+        }
+        self.rw_nowait(data.as_ptr() as *mut u8, data.len(), offset, true)
+    }
+
+    fn rw_nowait(&self, ptr: *mut u8, len: usize, offset: u64, write: bool) -> io::Result<bool> {
+        if offset + len as u64 > self.size() {
+            return Ok(false); // the blocking path handles a file shrunk underneath
+        }
+
+        let iov = libc::iovec {
+            iov_base: ptr as *mut libc::c_void,
+            iov_len: len,
+        };
+        let fd = self.file.as_raw_fd();
+        let off = offset as libc::off_t;
+        // SAFETY: `iov` describes a buffer of `len` bytes owned by the caller
+        // for the duration of the call (read into for reads, read from for writes).
+        let n = unsafe {
+            if write {
+                libc::pwritev2(fd, &iov, 1, off, libc::RWF_NOWAIT)
+            } else {
+                libc::preadv2(fd, &iov, 1, off, libc::RWF_NOWAIT)
+            }
+        };
+        if n == len as isize {
+            return Ok(true);
+        }
+        if n >= 0 {
+            return Ok(false); // partial: redo it all the blocking way
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EAGAIN | libc::EOPNOTSUPP | libc::EINTR) => Ok(false),
+            _ => Err(e),
+        }
     }
 
     pub fn flush(&self) -> io::Result<()> {

@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::export::Export;
 use crate::nbd::server::{Attachment, Catalog};
-use crate::qos::{self, Counters, FlowId, Params, Permit, Scheduler};
+use crate::qos::{self, Counters, FlowId, Params, Scheduler, Ticket};
 
 pub const LOST_FLOW_KEEP: Duration = Duration::from_secs(60);
 /// How often flow rates and statuses are recomputed.
@@ -554,8 +554,8 @@ impl Attachment for NodeAttachment {
     fn export(&self) -> &Arc<Export> {
         &self.export
     }
-    fn admit(&self, bytes: u64) -> futures::future::BoxFuture<'_, Option<Permit>> {
-        Box::pin(self.node.sched.admit(self.flow, bytes))
+    fn request(&self, bytes: u64) -> Ticket {
+        self.node.sched.request(self.flow, bytes)
     }
 }
 

@@ -1,25 +1,32 @@
 //! The NBD server: handshake, then transmission, one task per connection.
 //!
-//! Every request is checked ([`proto::check_request`]), admitted by the QoS
-//! scheduler through the connection's [`Attachment`], carried out on the
-//! blocking pool, and answered by the connection's writer task in completion
-//! order (NBD replies may come out of order; the cookie matches them up).
-//! A bad request gets the spec's error and the connection goes on; a request
-//! that leaves the stream out of step (bad magic, an unskippable payload)
-//! ends that connection only. Writes fully received are carried out even if
-//! the client is gone by then: nothing acknowledged, or about to be, is lost.
+//! Every request is checked ([`proto::check_request`]) and queued with the
+//! QoS scheduler through the connection's [`Attachment`]. A request the
+//! scheduler dispatches at once and the page cache serves without waiting
+//! (`RWF_NOWAIT` reads and plain writes) is carried out inline and answered
+//! by the connection's own task; any other — queued by QoS, a cache miss,
+//! FUA, flush, trim, write-zeroes — runs on the blocking pool and its reply
+//! comes back to the connection task. Replies go out in completion order
+//! (the cookie matches them up), batched into one flush whenever no further
+//! request is already buffered. A bad request gets the spec's error and the
+//! connection goes on; a request that leaves the stream out of step (bad
+//! magic, an unskippable payload) ends that connection only. Writes fully
+//! received are carried out even if the client is gone by then: nothing
+//! acknowledged, or about to be, is lost.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{
+    AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter,
+};
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::mpsc;
 
 use super::proto::{self, Command, RequestError};
 use crate::export::Export;
-use crate::qos::Permit;
+use crate::qos::{Permit, Ticket};
 
 /// How long a client may take over the whole handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -30,8 +37,8 @@ pub const MAX_IN_PROGRESS: usize = 256;
 /// flow its requests are admitted under. Dropping it ends the flow's use.
 pub trait Attachment: Send + Sync + 'static {
     fn export(&self) -> &Arc<Export>;
-    /// Waits for the QoS scheduler; `None` if the flow is gone.
-    fn admit(&self, bytes: u64) -> futures::future::BoxFuture<'_, Option<Permit>>;
+    /// Queues a request of `bytes` with the QoS scheduler.
+    fn request(&self, bytes: u64) -> Ticket;
 }
 
 /// The exports a server offers.
@@ -302,101 +309,168 @@ fn io_code(e: &std::io::Error) -> u32 {
 }
 
 async fn transmission<R, W>(
-    mut rd: R,
-    wr: W,
+    mut rd: BufReader<R>,
+    mut wr: BufWriter<W>,
     att: Arc<dyn Attachment>,
     structured: bool,
 ) -> Result<(), ConnError>
 where
     R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin,
 {
-    let (tx, rx) = mpsc::unbounded_channel::<Reply>();
-    let writer = tokio::spawn(write_replies(wr, rx, structured));
-    let slots = Arc::new(Semaphore::new(MAX_IN_PROGRESS));
-    let result = loop {
-        let mut h = [0u8; proto::REQUEST_LEN];
-        match rd.read_exact(&mut h).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break Ok(()),
-            Err(e) => break Err(e.into()),
-        }
-        let req = match proto::parse_request(&h) {
-            Ok(r) => r,
-            Err(e) => break Err(ConnError::Protocol(e.to_string())),
-        };
-        let export = att.export().clone();
-        let cmd = match proto::check_request(&req, export.size(), false) {
-            Ok(c) => c,
-            Err(RequestError::Fatal(m)) => break Err(ConnError::Protocol(m)),
-            Err(RequestError::Reply { code, msg }) => {
-                if req.kind == proto::CMD_WRITE {
-                    // keep the stream in step: drop the refused payload
-                    let mut t = (&mut rd).take(req.length as u64);
-                    if let Err(e) = tokio::io::copy(&mut t, &mut tokio::io::sink()).await {
-                        break Err(e.into());
+    // Requests the scheduler admits at once and the page cache answers at
+    // once (RWF_NOWAIT) are served inline, in this task; the rest go to a
+    // task of their own and come back as replies on `rx`.
+    let (tx, mut rx) = mpsc::unbounded_channel::<Reply>();
+    let mut pending = 0usize;
+    let result: Result<(), ConnError> = async {
+        loop {
+            while let Ok(r) = rx.try_recv() {
+                pending -= 1;
+                write_reply(&mut wr, r, structured).await?;
+            }
+            if pending >= MAX_IN_PROGRESS || rd.buffer().is_empty() {
+                // nothing pipelined: send what is ready, then wait for input or a reply
+                wr.flush().await?;
+                tokio::select! {
+                    r = rd.fill_buf(), if pending < MAX_IN_PROGRESS => {
+                        if r?.is_empty() {
+                            return Ok(());
+                        }
+                    }
+                    Some(r) = rx.recv() => {
+                        pending -= 1;
+                        write_reply(&mut wr, r, structured).await?;
+                        continue;
                     }
                 }
-                let _ = tx.send(Reply::Err {
-                    cookie: req.cookie,
-                    code,
-                    msg,
-                    read: req.kind == proto::CMD_READ,
-                });
-                continue;
             }
-        };
-        if cmd == Command::Disconnect {
-            break Ok(());
-        }
-        let payload = if let Command::Write { .. } = cmd {
-            let mut d = vec![0u8; req.length as usize];
-            if let Err(e) = rd.read_exact(&mut d).await {
-                // the client vanished mid-request: nothing half-written
-                break Err(e.into());
+            let mut h = [0u8; proto::REQUEST_LEN];
+            match rd.read_exact(&mut h).await {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e.into()),
             }
-            d
-        } else {
-            Vec::new()
-        };
-        let Ok(slot) = slots.clone().acquire_owned().await else {
-            break Ok(());
-        };
-        let att = att.clone();
-        let tx = tx.clone();
-        tokio::spawn(async move {
+            let req = proto::parse_request(&h).map_err(|e| ConnError::Protocol(e.to_string()))?;
+            let export = att.export().clone();
+            let cmd = match proto::check_request(&req, export.size(), false) {
+                Ok(c) => c,
+                Err(RequestError::Fatal(m)) => return Err(ConnError::Protocol(m)),
+                Err(RequestError::Reply { code, msg }) => {
+                    if req.kind == proto::CMD_WRITE {
+                        // keep the stream in step: drop the refused payload
+                        let mut t = (&mut rd).take(req.length as u64);
+                        tokio::io::copy(&mut t, &mut tokio::io::sink()).await?;
+                    }
+                    let read = req.kind == proto::CMD_READ;
+                    write_reply(
+                        &mut wr,
+                        Reply::Err {
+                            cookie: req.cookie,
+                            code,
+                            msg,
+                            read,
+                        },
+                        structured,
+                    )
+                    .await?;
+                    continue;
+                }
+            };
+            if cmd == Command::Disconnect {
+                return Ok(());
+            }
+            let payload = if let Command::Write { .. } = cmd {
+                let mut d = vec![0u8; req.length as usize];
+                // a client vanishing mid-payload: nothing half-written
+                rd.read_exact(&mut d).await?;
+                d
+            } else {
+                Vec::new()
+            };
             let bytes = match cmd {
                 Command::Read | Command::Write { .. } => req.length as u64,
                 _ => 0,
             };
-            let Some(permit) = att.admit(bytes).await else {
-                let _ = tx.send(Reply::Err {
-                    cookie: req.cookie,
-                    code: proto::EIO,
-                    msg: "the flow was removed".into(),
-                    read: cmd == Command::Read,
-                });
-                return;
-            };
-            let r = tokio::task::spawn_blocking(move || execute(&export, cmd, &req, payload)).await;
-            drop(permit);
-            drop(slot);
-            let reply = match r {
-                Ok(reply) => reply,
-                Err(e) => Reply::Err {
-                    cookie: req.cookie,
-                    code: proto::EIO,
-                    msg: format!("request task failed: {e}"),
-                    read: cmd == Command::Read,
-                },
-            };
-            let _ = tx.send(reply);
-        });
-    };
-    // finish what is in progress (a disconnect waits for every reply)
-    drop(tx);
-    let _ = writer.await;
+            let mut ticket = att.request(bytes);
+            if let Some(permit) = ticket.ready() {
+                if let Some(reply) = execute_nowait(&export, cmd, &req, &payload) {
+                    drop(permit);
+                    write_reply(&mut wr, reply, structured).await?;
+                    continue;
+                }
+                pending += 1;
+                spawn_blocking_io(tx.clone(), export, cmd, req, payload, permit);
+                continue;
+            }
+            pending += 1;
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                match ticket.wait().await {
+                    Some(permit) => spawn_blocking_io(tx, export, cmd, req, payload, permit),
+                    None => {
+                        let _ = tx.send(Reply::Err {
+                            cookie: req.cookie,
+                            code: proto::EIO,
+                            msg: "the flow was removed".into(),
+                            read: cmd == Command::Read,
+                        });
+                    }
+                }
+            });
+        }
+    }
+    .await;
+    // finish what is in progress (a disconnect waits for every reply); writes
+    // already received complete even when the client is gone
+    while pending > 0 {
+        let Some(r) = rx.recv().await else { break };
+        pending -= 1;
+        if result.is_ok() {
+            let _ = write_reply(&mut wr, r, structured).await;
+        }
+    }
+    let _ = wr.flush().await;
+    let _ = wr.shutdown().await;
     result
+}
+
+/// Carries out a request on the blocking pool; its reply goes to `tx`.
+fn spawn_blocking_io(
+    tx: mpsc::UnboundedSender<Reply>,
+    export: Arc<Export>,
+    cmd: Command,
+    req: proto::Request,
+    payload: Vec<u8>,
+    permit: Permit,
+) {
+    tokio::task::spawn_blocking(move || {
+        let reply = execute(&export, cmd, &req, payload);
+        drop(permit);
+        let _ = tx.send(reply);
+    });
+}
+
+/// The inline path: a READ or plain WRITE the page cache takes without waiting.
+fn execute_nowait(e: &Export, cmd: Command, req: &proto::Request, payload: &[u8]) -> Option<Reply> {
+    match cmd {
+        Command::Read => {
+            let mut data = vec![0u8; req.length as usize];
+            match e.read_nowait(&mut data, req.offset) {
+                Ok(true) => Some(Reply::Data {
+                    cookie: req.cookie,
+                    offset: req.offset,
+                    data,
+                }),
+                _ => None,
+            }
+        }
+        Command::Write { fua: false } => match e.write_nowait(payload, req.offset) {
+            Ok(true) => Some(Reply::Ok { cookie: req.cookie }),
+            _ => None,
+        },
+        _ => None,
+    }
 }
 
 fn execute(e: &Export, cmd: Command, req: &proto::Request, payload: Vec<u8>) -> Reply {
@@ -437,54 +511,39 @@ fn execute(e: &Export, cmd: Command, req: &proto::Request, payload: Vec<u8>) -> 
     }
 }
 
-async fn write_replies<W: AsyncWrite + Unpin>(
-    mut wr: W,
-    mut rx: mpsc::UnboundedReceiver<Reply>,
+async fn write_reply<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    r: Reply,
     structured: bool,
 ) -> std::io::Result<()> {
-    while let Some(first) = rx.recv().await {
-        let mut next = Some(first);
-        // batch whatever is ready into one flush
-        while let Some(r) = next {
-            match r {
-                Reply::Ok { cookie } => wr.write_all(&proto::simple_reply(0, cookie)).await?,
-                Reply::Data {
-                    cookie,
-                    offset,
-                    data,
-                } if structured => {
-                    let h = proto::chunk_header(
-                        proto::REPLY_FLAG_DONE,
-                        proto::REPLY_TYPE_OFFSET_DATA,
-                        cookie,
-                        8 + data.len() as u32,
-                    );
-                    wr.write_all(&h).await?;
-                    wr.write_all(&offset.to_be_bytes()).await?;
-                    wr.write_all(&data).await?;
-                }
-                Reply::Data { cookie, data, .. } => {
-                    wr.write_all(&proto::simple_reply(0, cookie)).await?;
-                    wr.write_all(&data).await?;
-                }
-                // a READ with structured replies must never get a simple reply
-                Reply::Err {
-                    cookie,
-                    code,
-                    msg,
-                    read,
-                } if structured && read => {
-                    wr.write_all(&proto::error_chunk(cookie, code, &msg))
-                        .await?
-                }
-                Reply::Err { cookie, code, .. } => {
-                    wr.write_all(&proto::simple_reply(code, cookie)).await?
-                }
-            }
-            next = rx.try_recv().ok();
+    match r {
+        Reply::Ok { cookie } => wr.write_all(&proto::simple_reply(0, cookie)).await,
+        Reply::Data {
+            cookie,
+            offset,
+            data,
+        } if structured => {
+            let h = proto::chunk_header(
+                proto::REPLY_FLAG_DONE,
+                proto::REPLY_TYPE_OFFSET_DATA,
+                cookie,
+                8 + data.len() as u32,
+            );
+            wr.write_all(&h).await?;
+            wr.write_all(&offset.to_be_bytes()).await?;
+            wr.write_all(&data).await
         }
-        wr.flush().await?;
+        Reply::Data { cookie, data, .. } => {
+            wr.write_all(&proto::simple_reply(0, cookie)).await?;
+            wr.write_all(&data).await
+        }
+        // a READ with structured replies must never get a simple reply
+        Reply::Err {
+            cookie,
+            code,
+            msg,
+            read,
+        } if structured && read => wr.write_all(&proto::error_chunk(cookie, code, &msg)).await,
+        Reply::Err { cookie, code, .. } => wr.write_all(&proto::simple_reply(code, cookie)).await,
     }
-    wr.flush().await?;
-    wr.shutdown().await
 }

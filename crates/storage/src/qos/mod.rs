@@ -54,8 +54,52 @@ pub struct Scheduler {
     origin: Instant,
 }
 
+/// A queued request: its permit once the scheduler dispatches it.
+pub struct Ticket {
+    rx: oneshot::Receiver<()>,
+    /// Held back until dispatch (a permit frees a slot when dropped).
+    permit: Option<Permit>,
+}
+
+impl Ticket {
+    fn live(&mut self) -> Option<Permit> {
+        self.permit.take().map(|mut p| {
+            p.live = true;
+            p
+        })
+    }
+
+    /// The permit, if the request was dispatched already.
+    pub fn ready(&mut self) -> Option<Permit> {
+        match self.rx.try_recv() {
+            Ok(()) => self.live(),
+            Err(_) => None,
+        }
+    }
+
+    /// Waits for dispatch; `None` if the flow was removed meanwhile.
+    pub async fn wait(mut self) -> Option<Permit> {
+        match (&mut self.rx).await {
+            Ok(()) => self.live(),
+            Err(_) => None,
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        // dispatched but never taken: free its slot (a request still queued
+        // frees its own when the scheduler finds its waiter gone)
+        if self.permit.is_some() && self.rx.try_recv().is_ok() {
+            drop(self.live());
+        }
+    }
+}
+
 /// A dispatched request's slot at the device; dropping it frees the slot.
 pub struct Permit {
+    /// Dispatched: dropping it frees a slot and counts the I/O.
+    live: bool,
     sched: Arc<Scheduler>,
     flow: FlowId,
     cost: f64,
@@ -65,6 +109,9 @@ pub struct Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
+        if !self.live {
+            return;
+        }
         let mut st = self.sched.lock();
         st.core.complete();
         let c = st.counters.entry(self.flow).or_default();
@@ -137,32 +184,38 @@ impl Scheduler {
         c
     }
 
+    /// Queues a request of `bytes` for `flow`; the ticket says whether it was
+    /// dispatched at once ([`Ticket::ready`]) or waits for it ([`Ticket::wait`]).
+    pub fn request(self: &Arc<Self>, flow: FlowId, bytes: u64) -> Ticket {
+        let arrived = Instant::now();
+        let (tx, rx) = oneshot::channel();
+        let mut st = self.lock();
+        let now = self.now();
+        let req = st.core.enqueue(flow, bytes, now);
+        st.waiters.insert(req, tx);
+        let cost = st.core.cost(bytes);
+        st.counters.entry(flow).or_default().arrived += cost;
+        if st.core.queued(flow) == 1 {
+            st.backlog_since.insert(flow, arrived);
+        }
+        Self::pump(self, &mut st);
+        Ticket {
+            rx,
+            permit: Some(Permit {
+                live: false,
+                sched: self.clone(),
+                flow,
+                cost,
+                bytes,
+                arrived,
+            }),
+        }
+    }
+
     /// Waits until the scheduler dispatches a request of `bytes` for `flow`.
     /// `None` if the flow was removed meanwhile.
     pub async fn admit(self: &Arc<Self>, flow: FlowId, bytes: u64) -> Option<Permit> {
-        let arrived = Instant::now();
-        let (tx, rx) = oneshot::channel();
-        let cost = {
-            let mut st = self.lock();
-            let now = self.now();
-            let req = st.core.enqueue(flow, bytes, now);
-            st.waiters.insert(req, tx);
-            let cost = st.core.cost(bytes);
-            st.counters.entry(flow).or_default().arrived += cost;
-            if st.core.queued(flow) == 1 {
-                st.backlog_since.insert(flow, arrived);
-            }
-            Self::pump(self, &mut st);
-            cost
-        };
-        rx.await.ok()?;
-        Some(Permit {
-            sched: self.clone(),
-            flow,
-            cost,
-            bytes,
-            arrived,
-        })
+        self.request(flow, bytes).wait().await
     }
 
     /// Dispatches every eligible request; arms the timer when requests wait
