@@ -212,6 +212,8 @@ pub struct FlowInfo {
     pub latency_us: f64,
     /// Normalized IOPS the flow asked for over the last second (served or queued).
     pub demand_iops: f64,
+    /// Share of the last second the flow had requests waiting in the scheduler.
+    pub backlogged: f64,
     pub min_iops: u64,
     pub max_iops: u64,
     pub max_bandwidth: u64,

@@ -47,6 +47,7 @@ struct Node {
     api: u16,
     token: String,
     capacity: u64,
+    name: String,
     child: Option<Child>,
 }
 
@@ -63,6 +64,7 @@ impl Node {
             api: free_port(),
             token,
             capacity,
+            name: "storage1".into(),
             child: None,
         };
         n.spawn();
@@ -85,6 +87,8 @@ impl Node {
                 &self.dir.join("token").display().to_string(),
                 "--capacity-iops",
                 &self.capacity.to_string(),
+                "--name",
+                &self.name,
             ])
             .stdout(Stdio::null())
             .stderr(log)
@@ -99,6 +103,15 @@ impl Node {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// A second node named `name` sharing this test's directory layout.
+    fn start_named(test: &str, name: &str) -> Node {
+        let mut n = Node::start(test, 0);
+        n.kill();
+        n.name = name.to_string();
+        n.spawn();
+        n
     }
 
     fn kill(&mut self) {
@@ -760,4 +773,107 @@ fn bad_requests_to_the_api_name_what_was_wrong() {
     assert!(r.closed());
     std::thread::sleep(Duration::from_millis(200));
     node.ok("DELETE", "/disks/busy", None);
+}
+
+#[test]
+fn the_policy_manager_holds_an_aggregated_policy_across_two_nodes() {
+    if !tools_available("the_policy_manager_holds_an_aggregated_policy_across_two_nodes") {
+        return;
+    }
+    let s1 = Node::start_named("pm1", "s1");
+    let s2 = Node::start_named("pm2", "s2");
+    // a control service in front of both nodes (no hosts needed)
+    let port = free_port();
+    let log = std::fs::File::create(s1.dir.join("control.log")).unwrap();
+    let mut control = Command::new(FERRY)
+        .args([
+            "control",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--token-file",
+            &s1.dir.join("token").display().to_string(),
+            "--storage",
+            &format!("s1=http://127.0.0.1:{}", s1.api),
+            "--storage",
+            &format!("s2=http://127.0.0.1:{}", s2.api),
+        ])
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let via = |args: &[&str]| {
+        let out = Command::new(FERRY)
+            .args(args)
+            .env("FERRY_CONTROL", format!("http://127.0.0.1:{port}"))
+            .env("FERRY_TOKEN_FILE", s1.dir.join("token"))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "ferry {args:?}: {text}");
+        text
+    };
+    let t0 = Instant::now();
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // one VM's two disks, one on each node, under one Aggregated policy
+    via(&["disk", "create", "sys", "--size", "64M", "--node", "s1"]);
+    via(&["disk", "create", "data", "--size", "64M", "--node", "s2"]);
+    via(&[
+        "qos",
+        "policy",
+        "new",
+        "vmcap",
+        "--type",
+        "aggregated",
+        "--max-iops",
+        "600",
+    ]);
+    via(&["disk", "set", "sys", "--policy", "vmcap"]);
+    via(&["disk", "set", "data", "--policy", "vmcap"]);
+    let list = via(&["disk", "list"]);
+    assert!(list.contains("s1") && list.contains("s2"), "{list}");
+    // both flows busy: each node alone would give 600; together they get 600
+    let jobs = [("sys", s1.uri("sys/vm1")), ("data", s2.uri("data/vm1"))];
+    let mut args = vec![
+        "--ioengine=nbd".to_string(),
+        "--rw=randread".into(),
+        "--bs=4k".into(),
+        "--iodepth=16".into(),
+        "--size=32M".into(),
+        "--time_based".into(),
+        "--runtime=8".into(),
+        "--ramp_time=4".into(),
+        "--output-format=json".into(),
+    ];
+    for (n, u) in &jobs {
+        args.push(format!("--name={n}"));
+        args.push(format!("--uri={u}"));
+    }
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = run("fio", &argv);
+    let v: Value = serde_json::from_str(&out[out.find('{').unwrap()..]).unwrap();
+    let iops: Vec<f64> = v["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["read"]["iops"].as_f64().unwrap())
+        .collect();
+    let total: f64 = iops.iter().sum();
+    assert!(
+        (total - 600.0).abs() <= 60.0,
+        "aggregated across two nodes: {iops:?}"
+    );
+    for i in &iops {
+        assert!(*i > 150.0, "both flows keep a share: {iops:?}");
+    }
+    let f = s1.flow("sys/vm1");
+    assert!(
+        f["max_iops"].as_u64().unwrap() < 600,
+        "node s1 holds a part: {f}"
+    );
+    let _ = control.kill();
+    let _ = control.wait();
 }

@@ -204,7 +204,22 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await?;
     tracing::info!(%listen, "control service serving");
-    axum::serve(listener, router(control, cred)).await
+    // the cluster-wide storage policy manager, once a second
+    let manager = {
+        let c = control.clone();
+        tokio::spawn(async move {
+            let mut t = tokio::time::interval(std::time::Duration::from_secs(1));
+            loop {
+                t.tick().await;
+                if let Err(e) = c.manage_policies().await {
+                    tracing::warn!("storage policy manager: {e}");
+                }
+            }
+        })
+    };
+    let r = axum::serve(listener, router(control, cred)).await;
+    manager.abort();
+    r
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@
 
 pub mod drain;
 pub mod http;
+pub mod policy_manager;
 pub mod storage;
 pub mod validate;
 
@@ -90,6 +91,8 @@ pub struct Control {
     hosts: BTreeMap<String, Client>,
     /// Storage nodes by name.
     storage: BTreeMap<String, Client>,
+    /// Allocations the policy manager pushed, by (node, flow).
+    allocations: tokio::sync::Mutex<BTreeMap<(String, String), ferry_api::storage::Allocation>>,
     /// The latest validation, consulted before migrations.
     last_validation: tokio::sync::Mutex<Option<ValidationReport>>,
     /// Hosts being drained (or drained and not resumed): they take no VMs.
@@ -120,6 +123,7 @@ impl Control {
         Control {
             hosts: clients(hosts, "agent"),
             storage: clients(storage, "storage node"),
+            allocations: Default::default(),
             last_validation: Default::default(),
             draining: Default::default(),
             settings: Default::default(),

@@ -225,6 +225,60 @@ impl Control {
         }
     }
 
+    /// One round of the cluster-wide policy manager: gathers every node's
+    /// flows, splits Aggregated policies that span nodes
+    /// ([`crate::policy_manager::allocate`]) and pushes the allocations that
+    /// changed (clearing those no longer needed). Returns how many it pushed.
+    pub async fn manage_policies(&self) -> Result<usize, ApiError> {
+        if self.storage.len() < 2 {
+            return Ok(0);
+        }
+        let (_, first) = self.first_node()?;
+        let policies: Vec<Policy> = first.get("/qos/policies", NODE_TIMEOUT).await?;
+        let policies = policies.into_iter().map(|p| (p.name.clone(), p)).collect();
+        let mut flows = Vec::new();
+        for c in self.storage.values() {
+            let fs: Vec<FlowInfo> = c.get("/qos/flows", NODE_TIMEOUT).await?;
+            flows.extend(fs);
+        }
+        let demands: Vec<crate::policy_manager::FlowDemand> = flows
+            .iter()
+            .filter(|f| f.connections > 0)
+            .map(|f| crate::policy_manager::FlowDemand {
+                flow: f.id.clone(),
+                node: f.node.clone(),
+                policy: f.policy.clone(),
+                // a flow kept waiting asks for more than it gets
+                demand_iops: if f.backlogged > 0.5 {
+                    2.0 * f.iops
+                } else {
+                    f.iops
+                },
+            })
+            .collect();
+        let want = crate::policy_manager::allocate(&policies, &demands);
+        let mut applied = self.allocations.lock().await;
+        let mut pushed = 0;
+        for f in &flows {
+            let key = (f.node.clone(), f.id.clone());
+            let target = want.get(&key).copied();
+            if applied.get(&key).copied() == target {
+                continue;
+            }
+            let Some(c) = self.storage.get(&f.node) else {
+                continue;
+            };
+            let body = serde_json::json!({ "flow": f.id, "allocation": target });
+            let _: FlowInfo = c.put("/qos/allocations", &body, NODE_TIMEOUT).await?;
+            match target {
+                Some(a) => applied.insert(key, a),
+                None => applied.remove(&key),
+            };
+            pushed += 1;
+        }
+        Ok(pushed)
+    }
+
     async fn put_policy_everywhere(&self, p: &Policy) -> Result<(), ApiError> {
         if self.storage.is_empty() {
             return Err(ApiError::unavailable(

@@ -471,6 +471,7 @@ impl Node {
             bandwidth: r.bandwidth,
             latency_us: r.latency_us,
             demand_iops: r.demand_iops,
+            backlogged: r.backlogged,
             min_iops: params.min_iops as u64,
             max_iops: params.max_iops as u64,
             max_bandwidth: params.max_bandwidth as u64,

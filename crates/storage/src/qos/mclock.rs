@@ -13,8 +13,9 @@
 //!   limit is reached first limits the pool.
 //! - share, tag `P` (start-time fair queueing): `P = max(F_prev, V)`, where
 //!   `F_prev` is the end of the pool's previous request (`P + cost`) and `V`
-//!   the `P` of the last request dispatched. All pools weigh the same, so
-//!   spare capacity is split by normalized I/O.
+//!   the `P` of the last request dispatched for its share. All pools weigh
+//!   the same, so capacity is split by normalized I/O; what a pool got
+//!   through its reservation counts against its share.
 //!
 //! `arrival` is when the pool's head request arrived and `V` moves with the
 //! busy pools, so an idle pool builds no credit. Dispatch, each time a slot is free (fewer than `max_in_flight`
@@ -262,7 +263,7 @@ impl Core {
                 best = Some((cand.0, cand.1, name));
             }
         }
-        let Some((_, _, name)) = best else {
+        let Some((phase, _, name)) = best else {
             return if earliest.is_finite() {
                 Decision::WaitUntil(earliest)
             } else {
@@ -293,8 +294,12 @@ impl Core {
         if pr.max_bandwidth > 0.0 {
             pool.b = b;
         }
+        // a reservation dispatch counts against the pool's share too, but only
+        // share dispatches move the virtual time the other pools start from
         pool.p = p + w.cost;
-        self.v = p;
+        if phase == 1 {
+            self.v = p;
+        }
         if !flow.queue.is_empty() {
             pool.turn.push_back(flow_id);
         }
@@ -500,6 +505,11 @@ mod tests {
         assert!(r >= 990.0, "reserved flow got {r}");
         let total: f64 = d.values().map(|v| v.0).sum::<f64>() / 5.0;
         assert!(total > 3900.0, "work-conserving: {total}");
+        // the neighbours split what is left evenly
+        for f in 2..=5 {
+            let n = d[&f].0 / 5.0;
+            assert!((n - 750.0).abs() < 40.0, "neighbour {f}: {n}");
+        }
         // control: without the reservation the same flow gets its fair share
         let mut s = sim(4, 0.001);
         for f in 1..=5 {
