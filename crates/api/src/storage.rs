@@ -16,24 +16,9 @@ pub const DEFAULT_NORMALIZATION: u64 = 8 << 10;
 /// Largest disk a storage node creates: 16 TiB.
 pub const MAX_DISK_SIZE: u64 = 16 << 40;
 
-/// A name for a disk, policy or VM: 1–64 of `[A-Za-z0-9_.-]`, not starting with
-/// `.` or `-`. Names appear in paths and NBD export names, so nothing else.
-pub fn check_name(field: &str, name: &str) -> Result<(), ApiError> {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && !name.starts_with(['.', '-'])
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
-    if ok {
-        Ok(())
-    } else {
-        Err(ApiError::invalid(
-            field,
-            format!("'{name}' is not a name (1-64 of A-Z a-z 0-9 _ . -, not starting with . or -)"),
-        ))
-    }
-}
+/// Disks, policies and initiators are named like VMs (they appear in paths
+/// and NBD export names): 1–32 of `a-z 0-9 -`.
+pub use crate::types::validate_name as check_name;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -236,16 +221,6 @@ pub struct Allocation {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn names_are_checked() {
-        for ok in ["data1", "a", "web-1_x.y"] {
-            assert!(check_name("name", ok).is_ok(), "{ok}");
-        }
-        for bad in ["", "-x", ".x", "a/b", "a b", &"x".repeat(65)] {
-            assert!(check_name("name", bad).is_err(), "{bad}");
-        }
-    }
 
     #[test]
     fn policies_are_checked() {

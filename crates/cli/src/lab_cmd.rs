@@ -193,7 +193,6 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
         down();
         return Err(e).context("creating the lab network");
     }
-    let exe = std::env::current_exe()?;
     let token = dir.token_path().display().to_string();
     for i in 1..=spec.hosts {
         start_agent(&dir, &spec, i)?;
@@ -201,7 +200,7 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
     let cd = dir.control_dir();
     // the storage node, on the management bridge
     let storage_dir = dir.0.join(topology::STORAGE_NODE);
-    let args: Vec<String> = [
+    let storage_args = [
         "storage",
         "serve",
         "--name",
@@ -224,14 +223,10 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
         &token,
         "--lab-dir",
         &dir.0.display().to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let pid = net::spawn_daemon(None, &exe, &args, &cd.join("storage.log"))?;
-    std::fs::write(cd.join("storage.pid"), pid.to_string())?;
+    ];
+    start_root_daemon(&cd, "storage", &storage_args)?;
     let listen = cli.control.trim_start_matches("http://").to_string();
-    let args: Vec<String> = [
+    let control_args = [
         "control",
         "--listen",
         &listen,
@@ -239,12 +234,8 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
         &token,
         "--lab-dir",
         &dir.0.display().to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let pid = net::spawn_daemon(None, &exe, &args, &cd.join("control.log"))?;
-    std::fs::write(cd.join("control.pid"), pid.to_string())?;
+    ];
+    start_root_daemon(&cd, "control", &control_args)?;
 
     // wait for the control service and every agent to answer
     let client = cli.client()?;
@@ -287,6 +278,16 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
         );
     }
     Ok(0)
+}
+
+/// Starts `ferry ARGS…` in the root namespace, logging to `DIR/NAME.log`,
+/// its pid in `DIR/NAME.pid` (for `lab down`).
+fn start_root_daemon(dir: &std::path::Path, name: &str, args: &[&str]) -> anyhow::Result<()> {
+    let exe = std::env::current_exe()?;
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    let pid = net::spawn_daemon(None, &exe, &args, &dir.join(format!("{name}.log")))?;
+    std::fs::write(dir.join(format!("{name}.pid")), pid.to_string())?;
+    Ok(())
 }
 
 /// Starts (or restarts) host `i`'s agent inside its namespace.

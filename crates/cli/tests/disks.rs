@@ -197,6 +197,26 @@ fn a_shared_disk_serves_two_guests_and_follows_a_migration() {
         flow["connections"], 1,
         "the source's connection is closed: {flow}"
     );
+    // the control service's metrics saw the migration pass through
+    let token = std::fs::read_to_string("/run/ferry/lab/cluster.token").unwrap();
+    let out = std::process::Command::new("curl")
+        .args([
+            "-sf",
+            "-H",
+            &format!("Authorization: Bearer {}", token.trim()),
+        ])
+        .arg("http://127.0.0.1:7700/metrics")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "ferry_migration_state{vm=\"gc1\",source=\"host1\",target=\"host2\"} 1",
+        "ferry_migration_downtime_seconds{vm=\"gc1\",source=\"host1\",target=\"host2\"}",
+        "ferry_nic_transmit_bytes_total{host=\"host1\",nic=\"nic1\"}",
+        "ferry_storage_flow_iops{flow=\"quorum/gc2\",disk=\"quorum\",node=\"storage1\",initiator=\"gc2\",host=\"host2\"}",
+    ] {
+        assert!(text.contains(want), "metrics lack {want}:\n{text}");
+    }
     ferry_ok(&["disk", "set", "quorum", "--no-policy"]);
     ferry_ok(&["qos", "policy", "rm", "quorum-cap"]);
 }

@@ -40,6 +40,26 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// One HTTP/1.1 request with the bearer credential: (status, raw body).
+fn http(port: u16, method: &str, path: &str, token: &str, body: Option<Value>) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status: u16 = out[9..12].parse().unwrap();
+    (
+        status,
+        out.split("\r\n\r\n").nth(1).unwrap_or("").to_string(),
+    )
+}
+
 /// A storage node on loopback, killed on drop.
 struct Node {
     dir: PathBuf,
@@ -125,22 +145,15 @@ impl Node {
         format!("nbd://127.0.0.1:{}/{export}", self.nbd)
     }
 
-    /// One REST call with curl-like semantics: (status, JSON body).
+    /// One REST call: (status, JSON body).
     fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut s = TcpStream::connect(("127.0.0.1", self.api)).unwrap();
-        let body = body.map(|b| b.to_string()).unwrap_or_default();
-        write!(
-            s,
-            "{method} /api/v1{path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\
-             Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            self.token,
-            body.len()
-        )
-        .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).unwrap();
-        let status: u16 = out[9..12].parse().unwrap();
-        let body = out.split("\r\n\r\n").nth(1).unwrap_or("");
+        let (status, body) = http(
+            self.api,
+            method,
+            &format!("/api/v1{path}"),
+            &self.token,
+            body,
+        );
         // chunked or not, the JSON is the line that parses
         let v = body
             .lines()
@@ -610,7 +623,7 @@ fn qos_limits_hold_and_the_seed_policy_is_limited_by_what_is_reached_first() {
     );
     node.ok("PUT", "/disks/d/policy", Some(json!({"policy": "pool"})));
     let r = fio(
-        &[("a", node.uri("d/vmA")), ("b", node.uri("d/vmB"))],
+        &[("a", node.uri("d/vma")), ("b", node.uri("d/vmb"))],
         "4k",
         6,
     );
@@ -622,18 +635,18 @@ fn qos_limits_hold_and_the_seed_policy_is_limited_by_what_is_reached_first() {
             "flow {i} got {iops:.0} of the shared 600"
         );
     }
-    let f = node.flow("d/vmA");
+    let f = node.flow("d/vma");
     assert_eq!(f["policy"], "pool");
     assert_eq!(f["max_iops"], 600);
 
     // an allocation from outside (the cluster-wide manager's lever) overrides the policy
-    let uri = node.uri("d/vmA");
+    let uri = node.uri("d/vma");
     let bg = std::thread::spawn(move || fio(&[("alloc", uri)], "4k", 6));
     std::thread::sleep(Duration::from_millis(500));
     let f = node.ok(
         "PUT",
         "/qos/allocations",
-        Some(json!({"flow": "d/vmA", "allocation": {"max_iops": 250}})),
+        Some(json!({"flow": "d/vma", "allocation": {"max_iops": 250}})),
     );
     assert_eq!(f["max_iops"], 250, "{f}");
     let iops = bg.join().unwrap()[0].0;
@@ -650,7 +663,7 @@ fn qos_limits_hold_and_the_seed_policy_is_limited_by_what_is_reached_first() {
     let f = node.ok(
         "PUT",
         "/qos/allocations",
-        Some(json!({"flow": "d/vmA", "allocation": null})),
+        Some(json!({"flow": "d/vma", "allocation": null})),
     );
     assert_eq!(f["max_iops"], 600, "back to the policy: {f}");
 }
@@ -874,6 +887,25 @@ fn the_policy_manager_holds_an_aggregated_policy_across_two_nodes() {
         f["max_iops"].as_u64().unwrap() < 600,
         "node s1 holds a part: {f}"
     );
+    // the cluster's metrics show both nodes' flows, with units in the names
+    let (status, text) = http(port, "GET", "/metrics", &s1.token, None);
+    assert_eq!(status, 200, "{text}");
+    for want in [
+        "# TYPE ferry_storage_flow_iops gauge",
+        "ferry_storage_flow_iops{flow=\"sys/vm1\",disk=\"sys\",node=\"s1\"",
+        "ferry_storage_flow_bandwidth_bytes_per_second{flow=\"data/vm1\",disk=\"data\",node=\"s2\"",
+        "ferry_storage_flow_status{flow=\"sys/vm1\",node=\"s1\",status=\"LostCommunication\"} 1",
+    ] {
+        assert!(text.contains(want), "metrics lack {want}:\n{text}");
+    }
+    let (status, _) = http(
+        port,
+        "GET",
+        "/metrics",
+        "wrong-token-wrong-token-wrong-tok",
+        None,
+    );
+    assert_eq!(status, 401, "metrics need the credential");
     let _ = control.kill();
     let _ = control.wait();
 }

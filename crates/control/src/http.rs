@@ -25,6 +25,7 @@
 //! | DELETE | /qos/policies/{p} | Storage(RemovePolicy) |
 //! | GET | /qos/flows | Storage(ListFlows) |
 //! | GET/PUT | /qos/settings | Storage(GetSettings / SetSettings) (body: `QosSettings`) |
+//! | GET | /metrics (no prefix) | Metrics: Prometheus text of hosts, NICs, migrations, drains, flows |
 
 use std::sync::Arc;
 
@@ -51,6 +52,14 @@ async fn run(c: &Arc<Control>, cmd: Command) -> Response {
     match c.execute(cmd).await {
         Ok(Outcome::Value(v)) => Json(v).into_response(),
         Ok(Outcome::Events(s)) => ndjson(s),
+        Ok(Outcome::Text(t)) => (
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "text/plain; version=0.0.4",
+            )],
+            t,
+        )
+            .into_response(),
         Err(e) => ErrorResponse(e).into_response(),
     }
 }
@@ -190,9 +199,13 @@ pub fn router(control: Arc<Control>, cred: Credential) -> Router {
         .route("/hosts/{host}/resume", post(resume))
         .route("/hosts/{host}/settings", axum::routing::put(set_host))
         .merge(storage_routes())
-        .with_state(control);
+        .with_state(control.clone());
     Router::new()
         .nest(ferry_api::API_PREFIX, api)
+        .route(
+            "/metrics",
+            get(|State(c): S| async move { run(&c, Command::Metrics).await }).with_state(control),
+        )
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(cred, require_credential))
 }

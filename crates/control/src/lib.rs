@@ -10,6 +10,7 @@
 
 pub mod drain;
 pub mod http;
+pub mod metrics;
 pub mod policy_manager;
 pub mod storage;
 pub mod validate;
@@ -67,12 +68,16 @@ pub enum Command {
     },
     /// Disks, QoS policies and flows (see [`storage`]).
     Storage(storage::StorageCommand),
+    /// Prometheus text exposition of the cluster (see [`metrics`]).
+    Metrics,
 }
 
 /// What a command produces: one JSON value, or a stream of events (one JSON
 /// value each: migration or drain events).
 pub enum Outcome {
     Value(serde_json::Value),
+    /// Plain text (metrics).
+    Text(String),
     Events(BoxStream<'static, serde_json::Value>),
 }
 
@@ -91,6 +96,8 @@ pub struct Control {
     hosts: BTreeMap<String, Client>,
     /// Storage nodes by name.
     storage: BTreeMap<String, Client>,
+    /// Migrations and drains as their events passed through.
+    recorder: std::sync::Mutex<metrics::Recorder>,
     /// Allocations the policy manager pushed, by (node, flow).
     allocations: tokio::sync::Mutex<BTreeMap<(String, String), ferry_api::storage::Allocation>>,
     /// The latest validation, consulted before migrations.
@@ -124,6 +131,7 @@ impl Control {
             hosts: clients(hosts, "agent"),
             storage: clients(storage, "storage node"),
             allocations: Default::default(),
+            recorder: Default::default(),
             last_validation: Default::default(),
             draining: Default::default(),
             settings: Default::default(),
@@ -153,13 +161,45 @@ impl Control {
             Command::CheckVm { name } => value(self.check_vm(&name).await?),
             Command::RemoveVm { name } => value(self.remove_vm(&name).await?),
             Command::MoveVm { name, req } => {
-                let events = self.move_vm(&name, req).await?;
-                Ok(Outcome::Events(events.map(to_json).boxed()))
+                let target = req.to.clone();
+                let (source, events) = self.move_vm(&name, req).await?;
+                let me = self.clone();
+                Ok(Outcome::Events(
+                    events
+                        .map(move |ev| {
+                            lock(&me.recorder).migration(&name, &source, &target, &ev);
+                            to_json(ev)
+                        })
+                        .boxed(),
+                ))
             }
             Command::Validate(req) => value(self.validate(req).await?),
             Command::Drain { host, req } => {
-                let events = self.clone().drain(host, req).await?;
-                Ok(Outcome::Events(events.map(to_json).boxed()))
+                let events = self.clone().drain(host.clone(), req).await?;
+                let me = self.clone();
+                Ok(Outcome::Events(
+                    events
+                        .map(move |ev| {
+                            lock(&me.recorder).drain(&host, &ev);
+                            to_json(ev)
+                        })
+                        .boxed(),
+                ))
+            }
+            Command::Metrics => {
+                let hosts = self.list_hosts().await;
+                // an unreachable storage node hides its flows; the rest still count
+                let calls = self.storage.values().map(|c| {
+                    c.get::<Vec<ferry_api::storage::FlowInfo>>("/qos/flows", AGENT_TIMEOUT)
+                });
+                let flows: Vec<_> = futures::future::join_all(calls)
+                    .await
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .collect();
+                let text = metrics::render(&hosts, &flows, &lock(&self.recorder));
+                Ok(Outcome::Text(text))
             }
             Command::Resume { host } => {
                 self.host(&host)?;
@@ -257,7 +297,7 @@ impl Control {
         &self,
         name: &str,
         req: MoveRequest,
-    ) -> Result<BoxStream<'static, MigrationEvent>, ApiError> {
+    ) -> Result<(String, BoxStream<'static, MigrationEvent>), ApiError> {
         let target = self.host(&req.to)?;
         self.refuse_draining(&req.to)?;
         let (source, _) = self.locate(name).await?;
@@ -288,6 +328,7 @@ impl Control {
             None => Vec::new(),
         };
         let vm = name.to_string();
+        let from = source.clone();
         // a broken event stream is reported as an event, never dropped silently
         let events = events.map(move |r| {
             r.unwrap_or_else(|e| MigrationEvent::Failed {
@@ -297,7 +338,7 @@ impl Control {
                 ),
             })
         });
-        Ok(futures::stream::iter(warnings).chain(events).boxed())
+        Ok((from, futures::stream::iter(warnings).chain(events).boxed()))
     }
 
     /// Validates hosts and the paths between them (see [`validate`]).
