@@ -313,4 +313,71 @@ mod tests {
             "{body}"
         );
     }
+
+    /// (METHOD, path) pairs of the OpenAPI file, `{param}`s kept.
+    fn openapi_routes() -> std::collections::BTreeSet<(String, String)> {
+        let doc: serde_json::Value =
+            serde_json::from_str(include_str!("../../../docs/openapi.json")).unwrap();
+        let mut out = std::collections::BTreeSet::new();
+        for (path, ops) in doc["paths"].as_object().unwrap() {
+            for m in ops.as_object().unwrap().keys() {
+                out.insert((m.to_uppercase(), path.clone()));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_openapi_file_lists_exactly_the_documented_routes() {
+        // the route table at the top of this file, as the router is written
+        let mut table = std::collections::BTreeSet::new();
+        for line in include_str!("http.rs").lines() {
+            let Some(row) = line.strip_prefix("//! | ") else {
+                continue;
+            };
+            let cells: Vec<&str> = row.split(" | ").collect();
+            if cells.len() < 2 || cells[0] == "method" || cells[0].starts_with("---") {
+                continue;
+            }
+            let path = cells[1].split(' ').next().unwrap();
+            let full = if path == "/metrics" {
+                path.to_string()
+            } else {
+                format!("/api/v1{path}")
+            };
+            for m in cells[0].split('/') {
+                table.insert((m.to_string(), full.clone()));
+            }
+        }
+        assert_eq!(table, openapi_routes());
+    }
+
+    #[tokio::test]
+    async fn every_route_of_the_openapi_file_is_served() {
+        for (method, path) in openapi_routes() {
+            let concrete: String = path
+                .split('/')
+                .map(|seg| if seg.starts_with('{') { "x" } else { seg })
+                .collect::<Vec<_>>()
+                .join("/");
+            let body = if method == "GET" || method == "DELETE" {
+                Body::empty()
+            } else {
+                Body::from("{}")
+            };
+            let req = Request::builder()
+                .method(method.as_str())
+                .uri(&concrete)
+                .header("authorization", AUTH)
+                .header("content-type", "application/json")
+                .body(body)
+                .unwrap();
+            let (status, body) = call(req).await;
+            assert_ne!(status, 405, "{method} {path}: method not routed");
+            assert!(
+                !(status == 404 && body["kind"] == "route"),
+                "{method} {path}: no such route ({body})"
+            );
+        }
+    }
 }
