@@ -36,12 +36,21 @@ pub struct HostInfo {
     pub vms: Vec<VmInfo>,
 }
 
+/// A host whose agent has not answered for this long is down.
+pub const HOST_DEAD_AFTER_MS: u64 = 3000;
+
 /// A host as the control service knows it: registered, and reachable or not.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostEntry {
     pub name: String,
     pub agent_url: String,
     pub reachable: bool,
+    /// No heartbeat for [`HOST_DEAD_AFTER_MS`]: nothing is scheduled onto it.
+    #[serde(default)]
+    pub down: bool,
+    /// Milliseconds since the agent last answered (None: never).
+    #[serde(default)]
+    pub last_heartbeat_ms: Option<u64>,
     pub error: Option<String>,
     pub info: Option<HostInfo>,
 }

@@ -611,10 +611,13 @@ pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
                 };
                 t.row(vec![
                     h.name,
-                    if h.reachable {
-                        "up".into()
-                    } else {
-                        "UNREACHABLE".into()
+                    match (h.reachable, h.down, h.last_heartbeat_ms) {
+                        (true, false, _) => "up".into(),
+                        (_, true, Some(ms)) => {
+                            format!("DOWN (no heartbeat for {:.1} s)", ms as f64 / 1e3)
+                        }
+                        (_, true, None) => "DOWN (never answered)".into(),
+                        (false, false, _) => "UNREACHABLE".into(),
                     },
                     free,
                     nics,

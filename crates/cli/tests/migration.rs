@@ -241,3 +241,37 @@ fn unauthenticated_requests_are_refused() {
         "an unauthenticated request started a VM: {h2}"
     );
 }
+
+#[test]
+fn a_dead_agent_is_detected_and_its_host_takes_no_vms() {
+    if !lab_available("a_dead_agent_is_detected_and_its_host_takes_no_vms") {
+        return;
+    }
+    let _g = serial();
+    lab(3, 2);
+    let pid = std::fs::read_to_string("/run/ferry/lab/host3/agent.pid").expect("agent pid");
+    assert!(std::process::Command::new("kill")
+        .args(["-9", pid.trim()])
+        .status()
+        .unwrap()
+        .success());
+    std::thread::sleep(std::time::Duration::from_millis(3500));
+    let h = host_info("host3");
+    assert_eq!(h["down"], true, "{h}");
+    assert!(h["last_heartbeat_ms"].as_u64().unwrap() >= 3000, "{h}");
+    let out = ferry(&[
+        "vm", "create", "dead1", "--host", "host3", "--memory", "256M",
+    ]);
+    assert!(!out.status.success(), "a VM was scheduled onto a dead host");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("host3") && err.contains("has not answered"),
+        "{err}"
+    );
+    ferry_ok(&["lab", "restart-agent", "host3"]);
+    let t0 = std::time::Instant::now();
+    while host_info("host3")["down"] != false {
+        assert!(t0.elapsed().as_secs() < 10, "host3 never came back");
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+}

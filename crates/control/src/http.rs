@@ -217,13 +217,21 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await?;
     tracing::info!(%listen, "control service serving");
-    // the cluster-wide storage policy manager, once a second
+    // once a second: heartbeats of the agents, and the cluster-wide storage
+    // policy manager
     let manager = {
         let c = control.clone();
         tokio::spawn(async move {
             let mut t = tokio::time::interval(std::time::Duration::from_secs(1));
             loop {
                 t.tick().await;
+                for h in c.list_hosts().await.iter().filter(|h| h.down) {
+                    tracing::warn!(
+                        host = %h.name,
+                        "no heartbeat for {} ms: nothing is scheduled onto it",
+                        h.last_heartbeat_ms.unwrap_or(0)
+                    );
+                }
                 if let Err(e) = c.manage_policies().await {
                     tracing::warn!("storage policy manager: {e}");
                 }

@@ -37,6 +37,8 @@ use futures::StreamExt;
 use std::sync::Arc;
 
 const AGENT_TIMEOUT: Duration = Duration::from_secs(5);
+/// A heartbeat (a `/host` call) that takes longer than this is missed.
+const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Every operation the control service offers, whatever the front end.
 #[derive(Debug, Clone)]
@@ -96,6 +98,8 @@ pub struct Control {
     hosts: BTreeMap<String, Client>,
     /// Storage nodes by name.
     storage: BTreeMap<String, Client>,
+    /// When each agent last answered.
+    heartbeats: std::sync::Mutex<BTreeMap<String, std::time::Instant>>,
     /// Migrations and drains as their events passed through.
     recorder: std::sync::Mutex<metrics::Recorder>,
     /// Allocations the policy manager pushed, by (node, flow).
@@ -132,6 +136,7 @@ impl Control {
             storage: clients(storage, "storage node"),
             allocations: Default::default(),
             recorder: Default::default(),
+            heartbeats: Default::default(),
             last_validation: Default::default(),
             draining: Default::default(),
             settings: Default::default(),
@@ -223,18 +228,64 @@ impl Control {
         }
     }
 
-    async fn list_hosts(&self) -> Vec<HostEntry> {
+    /// Asks every agent; an answer is a heartbeat.
+    pub async fn list_hosts(&self) -> Vec<HostEntry> {
         let calls = self.hosts.iter().map(|(name, c)| async move {
-            let r = c.get::<HostInfo>("/host", AGENT_TIMEOUT).await;
-            HostEntry {
-                name: name.clone(),
-                agent_url: c.base().to_string(),
-                reachable: r.is_ok(),
-                error: r.as_ref().err().map(|e| e.to_string()),
-                info: r.ok(),
-            }
+            let r = c.get::<HostInfo>("/host", HEARTBEAT_TIMEOUT).await;
+            (name, c, r)
         });
-        futures::future::join_all(calls).await
+        let answers = futures::future::join_all(calls).await;
+        let mut beats = lock(&self.heartbeats);
+        answers
+            .into_iter()
+            .map(|(name, c, r)| {
+                if r.is_ok() {
+                    beats.insert(name.clone(), std::time::Instant::now());
+                }
+                let age = beats.get(name).map(|t| t.elapsed().as_millis() as u64);
+                HostEntry {
+                    name: name.clone(),
+                    agent_url: c.base().to_string(),
+                    reachable: r.is_ok(),
+                    down: age.is_none_or(|a| a >= ferry_api::HOST_DEAD_AFTER_MS),
+                    last_heartbeat_ms: age,
+                    error: r.as_ref().err().map(|e| e.to_string()),
+                    info: r.ok(),
+                }
+            })
+            .collect()
+    }
+
+    /// Refuses a host whose agent has missed its heartbeats (after asking it
+    /// once more, so an agent just restarted is not refused).
+    async fn refuse_down(&self, host: &str) -> Result<(), ApiError> {
+        let fresh = |me: &Self| {
+            lock(&me.heartbeats)
+                .get(host)
+                .is_some_and(|t| t.elapsed().as_millis() < ferry_api::HOST_DEAD_AFTER_MS as u128)
+        };
+        if !fresh(self) {
+            if let Ok(c) = self.host(host) {
+                if c.get::<HostInfo>("/host", HEARTBEAT_TIMEOUT).await.is_ok() {
+                    lock(&self.heartbeats).insert(host.to_string(), std::time::Instant::now());
+                }
+            }
+        }
+        let age = lock(&self.heartbeats).get(host).map(|t| t.elapsed());
+        match age {
+            Some(a) if a.as_millis() < ferry_api::HOST_DEAD_AFTER_MS as u128 => Ok(()),
+            Some(a) => Err(ApiError::unavailable(
+                format!("host {host}"),
+                format!(
+                    "its agent has not answered for {:.1} s; it takes no VMs until it does",
+                    a.as_secs_f64()
+                ),
+            )),
+            None => Err(ApiError::unavailable(
+                format!("host {host}"),
+                "its agent has never answered; it takes no VMs until it does",
+            )),
+        }
     }
 
     async fn list_vms(&self) -> Result<Vec<VmInfo>, ApiError> {
@@ -265,6 +316,7 @@ impl Control {
         req.spec.validate()?;
         let agent = self.host(&req.host)?;
         self.refuse_draining(&req.host)?;
+        self.refuse_down(&req.host).await?;
         if self
             .list_vms()
             .await?
@@ -300,6 +352,7 @@ impl Control {
     ) -> Result<(String, BoxStream<'static, MigrationEvent>), ApiError> {
         let target = self.host(&req.to)?;
         self.refuse_draining(&req.to)?;
+        self.refuse_down(&req.to).await?;
         let (source, _) = self.locate(name).await?;
         if source == req.to {
             return Err(ApiError::invalid(
@@ -503,7 +556,7 @@ impl Control {
         let draining = lock(&self.draining).clone();
         let mut targets: Vec<(String, u64)> = entries
             .iter()
-            .filter(|h| h.name != host && !draining.contains(&h.name))
+            .filter(|h| h.name != host && !draining.contains(&h.name) && !h.down)
             .filter(|h| req.to.is_empty() || req.to.contains(&h.name))
             .filter_map(|h| Some((h.name.clone(), h.info.as_ref()?.memory_free)))
             .collect();

@@ -129,6 +129,20 @@ pub fn render(hosts: &[HostEntry], flows: &[FlowInfo], rec: &Recorder) -> String
             })
             .collect(),
     );
+    o.family(
+        "ferry_host_heartbeat_age_seconds",
+        "gauge",
+        "Time since the host's agent last answered",
+        hosts
+            .iter()
+            .filter_map(|h| {
+                Some((
+                    labels(&[("host", &h.name)]),
+                    h.last_heartbeat_ms? as f64 / 1e3,
+                ))
+            })
+            .collect(),
+    );
     let infos: Vec<_> = hosts.iter().filter_map(|h| h.info.as_ref()).collect();
     o.family(
         "ferry_host_memory_free_bytes",
