@@ -64,12 +64,35 @@ fuzz_target!(|data: &[u8]| {
         let (mut client, server) = tokio::io::duplex(1 << 16);
         let peer = "127.0.0.1:1".parse().expect("addr");
         let task = tokio::spawn(serve_connection(server, peer, cat.clone()));
-        let _ = client.write_all(data).await;
+        // an odd first byte fuzzes the handshake from its first byte; an even
+        // one sends a valid handshake (structured replies, GO to "d") first,
+        // so the rest reaches the transmission phase
+        if let Some((&mode, rest)) = data.split_first() {
+            if mode % 2 == 0 {
+                let _ = client.write_all(&valid_handshake()).await;
+            }
+            let _ = client.write_all(rest).await;
+        }
         drop(client);
         let _ = tokio::time::timeout(std::time::Duration::from_secs(5), task).await;
         assert!(std::fs::metadata(&cat_path()).map(|m| m.len()).unwrap_or(1 << 20) == 1 << 20);
     });
 });
+
+fn option(opt: u32, data: &[u8]) -> Vec<u8> {
+    let mut v = b"IHAVEOPT".to_vec();
+    v.extend_from_slice(&opt.to_be_bytes());
+    v.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    v.extend_from_slice(data);
+    v
+}
+
+fn valid_handshake() -> Vec<u8> {
+    let mut v = 3u32.to_be_bytes().to_vec();
+    v.extend(option(8, &[]));
+    v.extend(option(7, &[0, 0, 0, 1, b'd', 0, 0]));
+    v
+}
 
 fn cat_path() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("ferry-fuzz-{}.img", std::process::id()))

@@ -531,6 +531,11 @@ fn write_through_writes_survive_sigkill() {
 
 /// Runs one fio job per (name, uri) for `secs`; returns read IOPS and bytes/s per job.
 fn fio(jobs: &[(&str, String)], bs: &str, secs: u32) -> Vec<(f64, f64)> {
+    fio_ramped(jobs, bs, secs, 1)
+}
+
+/// [`fio`] with `ramp` seconds left out of the measurement.
+fn fio_ramped(jobs: &[(&str, String)], bs: &str, secs: u32, ramp: u32) -> Vec<(f64, f64)> {
     let mut args = vec![
         "--ioengine=nbd".to_string(),
         "--rw=randread".to_string(),
@@ -539,7 +544,7 @@ fn fio(jobs: &[(&str, String)], bs: &str, secs: u32) -> Vec<(f64, f64)> {
         "--size=32M".to_string(),
         "--time_based".to_string(),
         format!("--runtime={secs}"),
-        "--ramp_time=1".to_string(),
+        format!("--ramp_time={ramp}"),
         "--output-format=json".to_string(),
     ];
     for (name, uri) in jobs {
@@ -850,30 +855,7 @@ fn the_policy_manager_holds_an_aggregated_policy_across_two_nodes() {
     assert!(list.contains("s1") && list.contains("s2"), "{list}");
     // both flows busy: each node alone would give 600; together they get 600
     let jobs = [("sys", s1.uri("sys/vm1")), ("data", s2.uri("data/vm1"))];
-    let mut args = vec![
-        "--ioengine=nbd".to_string(),
-        "--rw=randread".into(),
-        "--bs=4k".into(),
-        "--iodepth=16".into(),
-        "--size=32M".into(),
-        "--time_based".into(),
-        "--runtime=8".into(),
-        "--ramp_time=4".into(),
-        "--output-format=json".into(),
-    ];
-    for (n, u) in &jobs {
-        args.push(format!("--name={n}"));
-        args.push(format!("--uri={u}"));
-    }
-    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-    let out = run("fio", &argv);
-    let v: Value = serde_json::from_str(&out[out.find('{').unwrap()..]).unwrap();
-    let iops: Vec<f64> = v["jobs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|j| j["read"]["iops"].as_f64().unwrap())
-        .collect();
+    let iops: Vec<f64> = fio_ramped(&jobs, "4k", 8, 4).iter().map(|x| x.0).collect();
     let total: f64 = iops.iter().sum();
     assert!(
         (total - 600.0).abs() <= 60.0,
