@@ -36,6 +36,19 @@ pub struct HostInfo {
     pub vms: Vec<VmInfo>,
 }
 
+/// One entry of the control service's event log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    pub id: u64,
+    /// Unix time, milliseconds.
+    pub at_ms: u64,
+    /// `migration`, `drain`, `resume`, `settings`, `host_down`, `host_up`, `storage`.
+    pub kind: String,
+    /// The VM, host, disk or policy it is about.
+    pub subject: String,
+    pub detail: serde_json::Value,
+}
+
 /// A host whose agent has not answered for this long is down.
 pub const HOST_DEAD_AFTER_MS: u64 = 3000;
 
@@ -51,6 +64,12 @@ pub struct HostEntry {
     /// Milliseconds since the agent last answered (None: never).
     #[serde(default)]
     pub last_heartbeat_ms: Option<u64>,
+    /// Drained (or draining) and not resumed: takes no VMs.
+    #[serde(default)]
+    pub draining: bool,
+    /// Settings set with `ferry host set`, if any.
+    #[serde(default)]
+    pub settings: Option<crate::drain::HostSettings>,
     pub error: Option<String>,
     pub info: Option<HostInfo>,
 }

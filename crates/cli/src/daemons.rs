@@ -86,6 +86,10 @@ pub struct ControlArgs {
     /// Hosts as NAME=AGENT_URL; repeatable.
     #[arg(long = "host")]
     hosts: Vec<String>,
+    /// SQLite file for the control service's state (draining marks, host
+    /// settings, event log); default: the lab's, or memory only without a lab.
+    #[arg(long)]
+    state: Option<PathBuf>,
     /// Storage nodes as NAME=API_URL; repeatable.
     #[arg(long = "storage")]
     storage: Vec<String>,
@@ -124,11 +128,16 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
             ));
         }
     }
-    let control = std::sync::Arc::new(ferry_control::Control::with_storage(
-        hosts,
-        storage,
-        cred.clone(),
-    ));
+    let mut control = ferry_control::Control::with_storage(hosts, storage, cred.clone());
+    let state = a.state.clone().or_else(|| {
+        a.lab_dir
+            .as_ref()
+            .map(|d| d.join("control").join("state.db"))
+    });
+    if let Some(path) = state {
+        control = control.with_store(ferry_control::store::Store::open(&path)?)?;
+    }
+    let control = std::sync::Arc::new(control);
     ferry_control::http::serve(a.listen, control, cred).await?;
     Ok(0)
 }

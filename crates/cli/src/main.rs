@@ -55,6 +55,13 @@ enum Cmd {
     /// Storage QoS: policies, flows, settings.
     #[command(subcommand)]
     Qos(storage_cmd::QosCmd),
+    /// The control service's event log: migrations, drains, hosts down and up, storage changes.
+    Events {
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Main job: a lab, a few VMs, live migrations, a report.
     Demo(demo::DemoArgs),
     /// Run a host agent (started by `ferry lab up` inside each host).
@@ -123,6 +130,7 @@ fn main() {
             Cmd::Host(c) => vm_cmd::run_host(&cli, c).await,
             Cmd::Disk(c) => storage_cmd::run_disk(&cli, c).await,
             Cmd::Qos(c) => storage_cmd::run_qos(&cli, c).await,
+            Cmd::Events { limit, json } => vm_cmd::events(&cli, *limit, *json).await,
             Cmd::Demo(a) => demo::run(&cli, a).await,
             Cmd::Agent(a) => daemons::agent(a).await,
             Cmd::Control(a) => daemons::control(a).await,

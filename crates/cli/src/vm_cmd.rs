@@ -819,6 +819,36 @@ pub fn print_drain(r: &DrainReport, bytes: u64) {
     );
 }
 
+/// `ferry events`: the event log as a table or JSON.
+pub async fn events(cli: &Cli, limit: usize, json: bool) -> anyhow::Result<i32> {
+    let c = cli.client()?;
+    let ev: Vec<ferry_api::Event> = c.get(&format!("/events?limit={limit}"), T).await?;
+    if json {
+        print_json(&ev);
+        return Ok(0);
+    }
+    let mut t = Table::new(&["ID", "AGE", "KIND", "SUBJECT", "DETAIL"]);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    for e in ev {
+        let mut detail = e.detail.to_string();
+        if detail.len() > 80 {
+            detail = format!("{}…", detail.chars().take(79).collect::<String>());
+        }
+        t.row(vec![
+            e.id.to_string(),
+            format!("{:.0} s", now.saturating_sub(e.at_ms) as f64 / 1e3),
+            e.kind,
+            e.subject,
+            detail,
+        ]);
+    }
+    t.print();
+    Ok(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

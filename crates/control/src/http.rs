@@ -25,6 +25,7 @@
 //! | DELETE | /qos/policies/{p} | Storage(RemovePolicy) |
 //! | GET | /qos/flows | Storage(ListFlows) |
 //! | GET/PUT | /qos/settings | Storage(GetSettings / SetSettings) (body: `QosSettings`) |
+//! | GET | /events | Events (query `limit`, default 100): the event log, oldest first |
 //! | GET | /metrics (no prefix) | Metrics: Prometheus text of hosts, NICs, migrations, drains, flows |
 
 use std::sync::Arc;
@@ -107,6 +108,11 @@ async fn move_vm(
     ApiJson(req): ApiJson<MoveRequest>,
 ) -> Response {
     run(&c, Command::MoveVm { name, req }).await
+}
+
+#[derive(serde::Deserialize)]
+struct EventsQuery {
+    limit: Option<usize>,
 }
 
 async fn storage(c: &Arc<Control>, cmd: StorageCommand) -> Response {
@@ -198,6 +204,14 @@ pub fn router(control: Arc<Control>, cred: Credential) -> Router {
         .route("/hosts/{host}/drain", post(drain))
         .route("/hosts/{host}/resume", post(resume))
         .route("/hosts/{host}/settings", axum::routing::put(set_host))
+        .route(
+            "/events",
+            get(
+                |State(c): S, axum::extract::Query(q): axum::extract::Query<EventsQuery>| async move {
+                    run(&c, Command::Events { limit: q.limit.unwrap_or(100) }).await
+                },
+            ),
+        )
         .merge(storage_routes())
         .with_state(control.clone());
     Router::new()
@@ -225,13 +239,7 @@ pub async fn serve(
             let mut t = tokio::time::interval(std::time::Duration::from_secs(1));
             loop {
                 t.tick().await;
-                for h in c.list_hosts().await.iter().filter(|h| h.down) {
-                    tracing::warn!(
-                        host = %h.name,
-                        "no heartbeat for {} ms: nothing is scheduled onto it",
-                        h.last_heartbeat_ms.unwrap_or(0)
-                    );
-                }
+                c.heartbeat().await;
                 if let Err(e) = c.manage_policies().await {
                     tracing::warn!("storage policy manager: {e}");
                 }

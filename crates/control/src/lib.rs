@@ -13,6 +13,7 @@ pub mod http;
 pub mod metrics;
 pub mod policy_manager;
 pub mod storage;
+pub mod store;
 pub mod validate;
 
 use std::collections::BTreeMap;
@@ -72,6 +73,10 @@ pub enum Command {
     Storage(storage::StorageCommand),
     /// Prometheus text exposition of the cluster (see [`metrics`]).
     Metrics,
+    /// The newest `limit` entries of the event log.
+    Events {
+        limit: usize,
+    },
 }
 
 /// What a command produces: one JSON value, or a stream of events (one JSON
@@ -98,6 +103,10 @@ pub struct Control {
     hosts: BTreeMap<String, Client>,
     /// Storage nodes by name.
     storage: BTreeMap<String, Client>,
+    /// Durable state: draining marks, host settings, the event log.
+    store: store::Store,
+    /// Hosts seen down at the last heartbeat round (to log transitions).
+    down: std::sync::Mutex<std::collections::BTreeSet<String>>,
     /// When each agent last answered.
     heartbeats: std::sync::Mutex<BTreeMap<String, std::time::Instant>>,
     /// Migrations and drains as their events passed through.
@@ -137,9 +146,48 @@ impl Control {
             allocations: Default::default(),
             recorder: Default::default(),
             heartbeats: Default::default(),
+            store: store::Store::in_memory(),
+            down: Default::default(),
             last_validation: Default::default(),
             draining: Default::default(),
             settings: Default::default(),
+        }
+    }
+
+    /// Keeps state in `store` instead of memory, taking up what it holds.
+    pub fn with_store(mut self, store: store::Store) -> Result<Control, ApiError> {
+        *lock(&self.draining) = store.draining()?;
+        *lock(&self.settings) = store.settings()?;
+        self.store = store;
+        Ok(self)
+    }
+
+    /// Appends to the event log; a log that cannot be written is reported
+    /// in the service's log, never failing the operation it describes.
+    fn log(&self, kind: &str, subject: &str, detail: serde_json::Value) {
+        if let Err(e) = self.store.log(kind, subject, detail) {
+            tracing::warn!("event log: {e}");
+        }
+    }
+
+    /// One heartbeat round: logs hosts going down or coming back.
+    pub async fn heartbeat(&self) {
+        let hosts = self.list_hosts().await;
+        let mut down = lock(&self.down);
+        for h in &hosts {
+            let was = down.contains(&h.name);
+            if h.down && !was {
+                down.insert(h.name.clone());
+                tracing::warn!(host = %h.name, "no heartbeat: nothing is scheduled onto it");
+                self.log(
+                    "host_down",
+                    &h.name,
+                    serde_json::json!({ "last_heartbeat_ms": h.last_heartbeat_ms, "error": h.error }),
+                );
+            } else if !h.down && was {
+                down.remove(&h.name);
+                self.log("host_up", &h.name, serde_json::json!({}));
+            }
         }
     }
 
@@ -173,6 +221,15 @@ impl Control {
                     events
                         .map(move |ev| {
                             lock(&me.recorder).migration(&name, &source, &target, &ev);
+                            if matches!(
+                                ev,
+                                MigrationEvent::Completed(_) | MigrationEvent::Failed { .. }
+                            ) {
+                                let mut detail = to_json(&ev);
+                                detail["source"] = source.clone().into();
+                                detail["target"] = target.clone().into();
+                                me.log("migration", &name, detail);
+                            }
                             to_json(ev)
                         })
                         .boxed(),
@@ -186,6 +243,9 @@ impl Control {
                     events
                         .map(move |ev| {
                             lock(&me.recorder).drain(&host, &ev);
+                            if let DrainEvent::Done(r) = &ev {
+                                me.log("drain", &host, to_json(r));
+                            }
                             to_json(ev)
                         })
                         .boxed(),
@@ -209,7 +269,10 @@ impl Control {
             Command::Resume { host } => {
                 self.host(&host)?;
                 let was = lock(&self.draining).remove(&host);
-                value(serde_json::json!({ "host": host, "was_draining": was }))
+                self.store.set_draining(&host, false)?;
+                let r = serde_json::json!({ "host": host, "was_draining": was });
+                self.log("resume", &host, r.clone());
+                value(r)
             }
             Command::SetHost { host, settings } => {
                 self.host(&host)?;
@@ -221,10 +284,25 @@ impl Control {
                         ));
                     }
                 }
+                self.store.put_settings(&host, &settings)?;
                 lock(&self.settings).insert(host.clone(), settings.clone());
-                value(serde_json::json!({ "host": host, "settings": settings }))
+                let r = serde_json::json!({ "host": host, "settings": settings });
+                self.log("settings", &host, r.clone());
+                value(r)
             }
-            Command::Storage(c) => Ok(Outcome::Value(self.storage_command(c).await?)),
+            Command::Storage(c) => {
+                let what = c.mutation();
+                let r = self.storage_command(c).await?;
+                if let Some((subject, action)) = what {
+                    self.log(
+                        "storage",
+                        &subject,
+                        serde_json::json!({ "action": action, "result": r }),
+                    );
+                }
+                Ok(Outcome::Value(r))
+            }
+            Command::Events { limit } => value(self.store.events(limit.clamp(1, 10_000))?),
         }
     }
 
@@ -236,6 +314,8 @@ impl Control {
         });
         let answers = futures::future::join_all(calls).await;
         let mut beats = lock(&self.heartbeats);
+        let draining = lock(&self.draining).clone();
+        let settings = lock(&self.settings).clone();
         answers
             .into_iter()
             .map(|(name, c, r)| {
@@ -249,6 +329,8 @@ impl Control {
                     reachable: r.is_ok(),
                     down: age.is_none_or(|a| a >= ferry_api::HOST_DEAD_AFTER_MS),
                     last_heartbeat_ms: age,
+                    draining: draining.contains(name),
+                    settings: settings.get(name).cloned(),
                     error: r.as_ref().err().map(|e| e.to_string()),
                     info: r.ok(),
                 }
@@ -553,6 +635,7 @@ impl Control {
             .and_then(|h| h.info.clone())
             .ok_or_else(|| ApiError::unavailable(format!("agent {host}"), "does not answer"))?;
         lock(&self.draining).insert(host.clone());
+        self.store.set_draining(&host, true)?;
         let draining = lock(&self.draining).clone();
         let mut targets: Vec<(String, u64)> = entries
             .iter()

@@ -48,6 +48,25 @@ pub enum StorageCommand {
     SetSettings(QosSettings),
 }
 
+impl StorageCommand {
+    /// (subject, action) of a command that changes something, for the event log.
+    pub fn mutation(&self) -> Option<(String, &'static str)> {
+        use StorageCommand::*;
+        Some(match self {
+            CreateDisk(r) => (r.name.clone(), "create disk"),
+            ResizeDisk { name, .. } => (name.clone(), "resize disk"),
+            SetDisk { name, .. } => (name.clone(), "set disk policy"),
+            RemoveDisk { name } => (name.clone(), "remove disk"),
+            AttachDisk { name, .. } => (name.clone(), "attach disk"),
+            NewPolicy(p) => (p.name.clone(), "new policy"),
+            UpdatePolicy { name, .. } => (name.clone(), "update policy"),
+            RemovePolicy { name } => (name.clone(), "remove policy"),
+            SetSettings(_) => ("qos".into(), "set normalization"),
+            ListDisks | ListPolicies | ListFlows | GetSettings => return None,
+        })
+    }
+}
+
 fn json<T: serde::Serialize>(v: T) -> Result<serde_json::Value, ApiError> {
     serde_json::to_value(v).map_err(ApiError::internal)
 }

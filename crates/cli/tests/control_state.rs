@@ -1,0 +1,137 @@
+//! The control service's state survives a restart: host settings, draining
+//! marks and the event log live in SQLite (`ferry control --state FILE`).
+//! Runs a control service on loopback with one registered host whose agent
+//! does not answer; needs no root.
+
+#![allow(clippy::unwrap_used)]
+
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
+
+struct Control {
+    dir: PathBuf,
+    port: u16,
+    child: Child,
+}
+
+impl Control {
+    fn start(dir: &Path, port: u16) -> Control {
+        let child = Command::new(FERRY)
+            .args([
+                "control",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--token-file",
+                &dir.join("token").display().to_string(),
+                "--state",
+                &dir.join("state.db").display().to_string(),
+                "--host",
+                "h1=http://127.0.0.1:1",
+            ])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("control.log")).unwrap())
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "control did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Control {
+            dir: dir.to_path_buf(),
+            port,
+            child,
+        }
+    }
+
+    fn ferry(&self, args: &[&str]) -> Output {
+        Command::new(FERRY)
+            .args(args)
+            .env("FERRY_CONTROL", format!("http://127.0.0.1:{}", self.port))
+            .env("FERRY_TOKEN_FILE", self.dir.join("token"))
+            .output()
+            .unwrap()
+    }
+
+    fn json(&self, args: &[&str]) -> Value {
+        let out = self.ferry(args);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    fn kill(mut self) {
+        let _ = self.child.kill(); // SIGKILL: no chance to tidy up
+        let _ = self.child.wait();
+    }
+}
+
+fn events(c: &Control, kind: &str) -> Vec<Value> {
+    c.json(&["events", "--json", "--limit", "1000"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == kind)
+        .cloned()
+        .collect()
+}
+
+#[test]
+fn settings_and_the_event_log_survive_a_control_restart() {
+    let dir = std::env::temp_dir().join(format!("ferry-control-state-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("token"), "0123456789abcdef0123456789abcdef").unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+
+    let c = Control::start(&dir, port);
+    let out = c.ferry(&["host", "set", "h1", "--max-migrations", "3"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    c.ferry(&["host", "resume", "h1"]);
+    // the agent never answers: the host is down and logged so
+    let t0 = Instant::now();
+    while events(&c, "host_down").is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "no host_down event");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let before = c.json(&["host", "list", "--json"]);
+    assert_eq!(before[0]["down"], true, "{before}");
+    assert!(!before[0]["settings"].is_null(), "{before}");
+    c.kill();
+
+    let c = Control::start(&dir, port);
+    let after = c.json(&["host", "list", "--json"]);
+    assert_eq!(
+        after[0]["settings"], before[0]["settings"],
+        "settings lost: {after}"
+    );
+    let settings = events(&c, "settings");
+    assert_eq!(settings.len(), 1, "{settings:?}");
+    assert_eq!(settings[0]["subject"], "h1");
+    assert_eq!(events(&c, "resume").len(), 1);
+    // an unknown query or a bad limit is an error naming it, not a crash
+    let bad = c.ferry(&["events", "--limit", "many"]);
+    assert_eq!(bad.status.code(), Some(2));
+    c.kill();
+    let _ = std::fs::remove_dir_all(&dir);
+}
