@@ -193,6 +193,37 @@ fn storage_routes() -> Router<Arc<Control>> {
         )
 }
 
+/// The web page and its scripts: static, no cluster data in them, so served
+/// without the credential (the page asks for it and sends it on every API call).
+fn web_routes() -> Router {
+    fn file(body: &'static str, ctype: &'static str) -> axum::routing::MethodRouter {
+        get(move || async move { ([(axum::http::header::CONTENT_TYPE, ctype)], body) })
+    }
+    Router::new()
+        .route(
+            "/",
+            file(
+                include_str!("../web/index.html"),
+                "text/html; charset=utf-8",
+            ),
+        )
+        .route(
+            "/ui/app.js",
+            file(include_str!("../web/app.js"), "text/javascript"),
+        )
+        .route(
+            "/ui/uPlot.iife.min.js",
+            file(
+                include_str!("../web/vendor/uPlot.iife.min.js"),
+                "text/javascript",
+            ),
+        )
+        .route(
+            "/ui/uPlot.min.css",
+            file(include_str!("../web/vendor/uPlot.min.css"), "text/css"),
+        )
+}
+
 pub fn router(control: Arc<Control>, cred: Credential) -> Router {
     let api = Router::new()
         .route("/hosts", get(hosts))
@@ -222,6 +253,7 @@ pub fn router(control: Arc<Control>, cred: Credential) -> Router {
         )
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(cred, require_credential))
+        .merge(web_routes())
 }
 
 pub async fn serve(
@@ -395,5 +427,30 @@ mod tests {
                 "{method} {path}: no such route ({body})"
             );
         }
+    }
+
+    #[tokio::test]
+    async fn the_web_page_is_served_without_the_credential_and_its_api_calls_are_not() {
+        use tower_service::Service;
+        let cred = Credential::from_secret("0123456789abcdef0123456789abcdef");
+        let mut app = router(Arc::new(Control::new(vec![], cred.clone())), cred);
+        for (path, want) in [
+            ("/", "<title>Ferry</title>"),
+            ("/ui/app.js", "/api/v1/hosts"),
+            ("/ui/uPlot.iife.min.js", "uPlot"),
+            ("/ui/uPlot.min.css", ".uplot"),
+        ] {
+            let resp = app
+                .call(Request::get(path).body(Body::empty()).unwrap())
+                .await
+                .unwrap();
+            assert_eq!(resp.status().as_u16(), 200, "{path}");
+            let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+                .await
+                .unwrap();
+            assert!(String::from_utf8_lossy(&body).contains(want), "{path}");
+        }
+        let (status, _) = call(Request::get("/api/v1/vms").body(Body::empty()).unwrap()).await;
+        assert_eq!(status, 401);
     }
 }
