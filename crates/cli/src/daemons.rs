@@ -88,8 +88,12 @@ pub struct ControlArgs {
     hosts: Vec<String>,
     /// SQLite file for the control service's state (draining marks, host
     /// settings, event log); default: the lab's, or memory only without a lab.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "store")]
     state: Option<PathBuf>,
+    /// Keep the state in etcd instead (`etcd://HOST:PORT`), shared by every
+    /// control instance pointed at it.
+    #[arg(long)]
+    store: Option<String>,
     /// Storage nodes as NAME=API_URL; repeatable.
     #[arg(long = "storage")]
     storage: Vec<String>,
@@ -134,8 +138,14 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
             .as_ref()
             .map(|d| d.join("control").join("state.db"))
     });
-    if let Some(path) = state {
-        control = control.with_store(ferry_control::store::Store::open(&path)?)?;
+    if let Some(url) = &a.store {
+        control = control
+            .with_store(ferry_control::store::Store::etcd(url).await?)
+            .await?;
+    } else if let Some(path) = state {
+        control = control
+            .with_store(ferry_control::store::Store::open(&path)?)
+            .await?;
     }
     let control = std::sync::Arc::new(control);
     ferry_control::http::serve(a.listen, control, cred).await?;

@@ -1,7 +1,10 @@
 //! The control service's state survives a restart: host settings, draining
-//! marks and the event log live in SQLite (`ferry control --state FILE`).
-//! Runs a control service on loopback with one registered host whose agent
-//! does not answer; needs no root.
+//! marks and the event log live in SQLite (`ferry control --state FILE`), or
+//! in etcd (`--store etcd://…`) shared by two control instances, one of which
+//! is lost. Runs control services (and etcd) on loopback with one registered
+//! host whose agent does not answer; needs no root. The etcd test needs the
+//! `etcd` binary (package etcd-server): without it it prints `SKIP`, and with
+//! `FERRY_REQUIRE_LAB=1` (CI) it fails.
 
 #![allow(clippy::unwrap_used)]
 
@@ -22,6 +25,11 @@ struct Control {
 
 impl Control {
     fn start(dir: &Path, port: u16) -> Control {
+        let state = dir.join("state.db").display().to_string();
+        Control::start_with(dir, port, &["--state", &state])
+    }
+
+    fn start_with(dir: &Path, port: u16, store: &[&str]) -> Control {
         let child = Command::new(FERRY)
             .args([
                 "control",
@@ -29,13 +37,12 @@ impl Control {
                 &format!("127.0.0.1:{port}"),
                 "--token-file",
                 &dir.join("token").display().to_string(),
-                "--state",
-                &dir.join("state.db").display().to_string(),
                 "--host",
                 "h1=http://127.0.0.1:1",
             ])
+            .args(store)
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("control.log")).unwrap())
+            .stderr(std::fs::File::create(dir.join(format!("control-{port}.log"))).unwrap())
             .spawn()
             .unwrap();
         let t0 = Instant::now();
@@ -88,17 +95,26 @@ fn events(c: &Control, kind: &str) -> Vec<Value> {
         .collect()
 }
 
-#[test]
-fn settings_and_the_event_log_survive_a_control_restart() {
-    let dir = std::env::temp_dir().join(format!("ferry-control-state-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("token"), "0123456789abcdef0123456789abcdef").unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
-        .port();
+        .port()
+}
+
+fn test_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferry-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("token"), "0123456789abcdef0123456789abcdef").unwrap();
+    dir
+}
+
+#[test]
+fn settings_and_the_event_log_survive_a_control_restart() {
+    let dir = test_dir("control-state");
+    let port = free_port();
 
     let c = Control::start(&dir, port);
     let out = c.ferry(&["host", "set", "h1", "--max-migrations", "3"]);
@@ -133,5 +149,76 @@ fn settings_and_the_event_log_survive_a_control_restart() {
     let bad = c.ferry(&["events", "--limit", "many"]);
     assert_eq!(bad.status.code(), Some(2));
     c.kill();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn two_control_instances_on_etcd_survive_losing_one() {
+    if Command::new("etcd").arg("--version").output().is_err() {
+        if std::env::var("FERRY_REQUIRE_LAB").as_deref() == Ok("1") {
+            panic!("FERRY_REQUIRE_LAB=1 but etcd is not installed (package etcd-server)");
+        }
+        eprintln!("SKIP two_control_instances_on_etcd_survive_losing_one: etcd is not installed");
+        return;
+    }
+    let dir = test_dir("control-etcd");
+    let (client, peer) = (free_port(), free_port());
+    let mut etcd = Command::new("etcd")
+        .args([
+            "--name",
+            "ferry-test",
+            "--data-dir",
+            &dir.join("etcd").display().to_string(),
+            "--listen-client-urls",
+            &format!("http://127.0.0.1:{client}"),
+            "--advertise-client-urls",
+            &format!("http://127.0.0.1:{client}"),
+            "--listen-peer-urls",
+            &format!("http://127.0.0.1:{peer}"),
+            "--initial-advertise-peer-urls",
+            &format!("http://127.0.0.1:{peer}"),
+            "--initial-cluster",
+            &format!("ferry-test=http://127.0.0.1:{peer}"),
+        ])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.join("etcd.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while TcpStream::connect(("127.0.0.1", client)).is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(15), "etcd did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let url = format!("etcd://127.0.0.1:{client}");
+    let a = Control::start_with(&dir, free_port(), &["--store", &url]);
+    let b = Control::start_with(&dir, free_port(), &["--store", &url]);
+    let out = a.ferry(&["host", "set", "h1", "--max-migrations", "2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    a.ferry(&["host", "resume", "h1"]);
+    let want = a.json(&["host", "list", "--json"])[0]["settings"].clone();
+    assert!(!want.is_null());
+    a.kill(); // instance A is lost
+
+    // instance B serves the same state: settings and A's events
+    let t0 = Instant::now();
+    loop {
+        let h = b.json(&["host", "list", "--json"]);
+        if h[0]["settings"] == want && events(&b, "settings").len() == 1 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "B never saw A's state: {h}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert_eq!(events(&b, "resume").len(), 1);
+    b.kill();
+    let _ = etcd.kill();
+    let _ = etcd.wait();
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -104,7 +104,7 @@ pub struct Control {
     /// Storage nodes by name.
     storage: BTreeMap<String, Client>,
     /// Durable state: draining marks, host settings, the event log.
-    store: store::Store,
+    store: Arc<store::Store>,
     /// Hosts seen down at the last heartbeat round (to log transitions).
     down: std::sync::Mutex<std::collections::BTreeSet<String>>,
     /// When each agent last answered.
@@ -146,7 +146,7 @@ impl Control {
             allocations: Default::default(),
             recorder: Default::default(),
             heartbeats: Default::default(),
-            store: store::Store::in_memory(),
+            store: Arc::new(store::Store::in_memory()),
             down: Default::default(),
             last_validation: Default::default(),
             draining: Default::default(),
@@ -155,23 +155,40 @@ impl Control {
     }
 
     /// Keeps state in `store` instead of memory, taking up what it holds.
-    pub fn with_store(mut self, store: store::Store) -> Result<Control, ApiError> {
-        *lock(&self.draining) = store.draining()?;
-        *lock(&self.settings) = store.settings()?;
-        self.store = store;
+    pub async fn with_store(mut self, store: store::Store) -> Result<Control, ApiError> {
+        self.store = Arc::new(store);
+        self.reload().await?;
         Ok(self)
+    }
+
+    /// Takes up draining marks and settings from the store (another control
+    /// instance sharing it may have changed them).
+    async fn reload(&self) -> Result<(), ApiError> {
+        let draining = self.store.draining().await?;
+        let settings = self.store.settings().await?;
+        *lock(&self.draining) = draining;
+        *lock(&self.settings) = settings;
+        Ok(())
     }
 
     /// Appends to the event log; a log that cannot be written is reported
     /// in the service's log, never failing the operation it describes.
     fn log(&self, kind: &str, subject: &str, detail: serde_json::Value) {
-        if let Err(e) = self.store.log(kind, subject, detail) {
-            tracing::warn!("event log: {e}");
-        }
+        let store = self.store.clone();
+        let (kind, subject) = (kind.to_string(), subject.to_string());
+        tokio::spawn(async move {
+            if let Err(e) = store.log(&kind, &subject, detail).await {
+                tracing::warn!("event log: {e}");
+            }
+        });
     }
 
-    /// One heartbeat round: logs hosts going down or coming back.
+    /// One heartbeat round: logs hosts going down or coming back, and takes
+    /// up state other control instances wrote.
     pub async fn heartbeat(&self) {
+        if let Err(e) = self.reload().await {
+            tracing::warn!("control state: {e}");
+        }
         let hosts = self.list_hosts().await;
         let mut down = lock(&self.down);
         for h in &hosts {
@@ -269,7 +286,7 @@ impl Control {
             Command::Resume { host } => {
                 self.host(&host)?;
                 let was = lock(&self.draining).remove(&host);
-                self.store.set_draining(&host, false)?;
+                self.store.set_draining(&host, false).await?;
                 let r = serde_json::json!({ "host": host, "was_draining": was });
                 self.log("resume", &host, r.clone());
                 value(r)
@@ -284,7 +301,7 @@ impl Control {
                         ));
                     }
                 }
-                self.store.put_settings(&host, &settings)?;
+                self.store.put_settings(&host, &settings).await?;
                 lock(&self.settings).insert(host.clone(), settings.clone());
                 let r = serde_json::json!({ "host": host, "settings": settings });
                 self.log("settings", &host, r.clone());
@@ -302,7 +319,7 @@ impl Control {
                 }
                 Ok(Outcome::Value(r))
             }
-            Command::Events { limit } => value(self.store.events(limit.clamp(1, 10_000))?),
+            Command::Events { limit } => value(self.store.events(limit.clamp(1, 10_000)).await?),
         }
     }
 
@@ -635,7 +652,7 @@ impl Control {
             .and_then(|h| h.info.clone())
             .ok_or_else(|| ApiError::unavailable(format!("agent {host}"), "does not answer"))?;
         lock(&self.draining).insert(host.clone());
-        self.store.set_draining(&host, true)?;
+        self.store.set_draining(&host, true).await?;
         let draining = lock(&self.draining).clone();
         let mut targets: Vec<(String, u64)> = entries
             .iter()

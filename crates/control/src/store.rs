@@ -1,8 +1,14 @@
-//! The control service's durable state, in SQLite (embedded, zero set-up):
-//! which hosts are draining, per-host settings, and the event log. The
-//! agents stay the source of truth for where VMs run and the storage nodes
-//! for disks and policies; what only the control service knows lives here,
-//! so it survives a restart.
+//! The control service's durable state: which hosts are draining, per-host
+//! settings, and the event log. The agents stay the source of truth for where
+//! VMs run and the storage nodes for disks and policies; what only the control
+//! service knows lives here, so it survives a restart.
+//!
+//! Two back ends behind one API:
+//! - **SQLite** (default; embedded, zero set-up), one control instance;
+//! - **etcd** (`--store etcd://HOST:PORT`), so several control instances
+//!   share one state and any of them can be lost. Keys:
+//!   `/ferry/hosts/NAME/draining`, `/ferry/hosts/NAME/settings` (JSON),
+//!   `/ferry/events/AT_MS-RANDOM` (JSON; the etcd revision is the event id).
 //!
 //! ```sql
 //! CREATE TABLE hosts  (name TEXT PRIMARY KEY, draining INTEGER NOT NULL, settings TEXT);
@@ -21,16 +27,33 @@ use rusqlite::{params, Connection};
 /// Events kept; older ones are dropped as new ones come.
 pub const MAX_EVENTS: i64 = 10_000;
 
-pub struct Store {
-    conn: Mutex<Connection>,
+pub struct Store(Backend);
+
+enum Backend {
+    Sqlite(Mutex<Connection>),
+    Etcd(Box<etcd_client::Client>),
 }
 
 fn db(e: rusqlite::Error) -> ApiError {
     ApiError::internal(format!("control state: {e}"))
 }
 
+fn etcd(e: etcd_client::Error) -> ApiError {
+    ApiError::unavailable("etcd", e)
+}
+
+const HOSTS: &str = "/ferry/hosts/";
+const EVENTS: &str = "/ferry/events/";
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
 impl Store {
-    /// Opens (creating if needed) the state database at `path`.
+    /// Opens (creating if needed) the SQLite state database at `path`.
     pub fn open(path: &Path) -> Result<Store, ApiError> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)
@@ -51,6 +74,21 @@ impl Store {
         }
     }
 
+    /// State in etcd at `url` (`etcd://HOST:PORT[,HOST:PORT…]`).
+    pub async fn etcd(url: &str) -> Result<Store, ApiError> {
+        let rest = url.strip_prefix("etcd://").ok_or_else(|| {
+            ApiError::invalid("--store", format!("'{url}' is not etcd://HOST:PORT"))
+        })?;
+        let endpoints: Vec<String> = rest.split(',').map(|e| format!("http://{e}")).collect();
+        let opts = etcd_client::ConnectOptions::new()
+            .with_connect_timeout(std::time::Duration::from_secs(5))
+            .with_timeout(std::time::Duration::from_secs(5));
+        let c = etcd_client::Client::connect(endpoints, Some(opts))
+            .await
+            .map_err(etcd)?;
+        Ok(Store(Backend::Etcd(Box::new(c))))
+    }
+
     fn init(conn: Connection) -> Result<Store, ApiError> {
         conn.execute_batch(
             "PRAGMA journal_mode=WAL;
@@ -62,46 +100,103 @@ impl Store {
                  subject TEXT NOT NULL, detail TEXT NOT NULL);",
         )
         .map_err(db)?;
-        Ok(Store {
-            conn: Mutex::new(conn),
-        })
+        Ok(Store(Backend::Sqlite(Mutex::new(conn))))
     }
 
-    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
-        self.conn.lock().unwrap_or_else(|e| e.into_inner())
+    fn sql(m: &Mutex<Connection>) -> std::sync::MutexGuard<'_, Connection> {
+        m.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn draining(&self) -> Result<BTreeSet<String>, ApiError> {
-        let c = self.conn();
-        let mut st = c
-            .prepare("SELECT name FROM hosts WHERE draining = 1")
-            .map_err(db)?;
-        let rows = st.query_map([], |r| r.get::<_, String>(0)).map_err(db)?;
-        rows.collect::<Result<_, _>>().map_err(db)
+    /// Values of every key under `prefix`: (key, value, create revision).
+    async fn etcd_prefix(
+        c: &etcd_client::Client,
+        prefix: &str,
+        opts: etcd_client::GetOptions,
+    ) -> Result<Vec<(String, String, i64)>, ApiError> {
+        let mut c = c.clone();
+        let r = c
+            .get(prefix, Some(opts.with_prefix()))
+            .await
+            .map_err(etcd)?;
+        Ok(r.kvs()
+            .iter()
+            .map(|kv| {
+                (
+                    kv.key_str().unwrap_or_default().to_string(),
+                    kv.value_str().unwrap_or_default().to_string(),
+                    kv.create_revision(),
+                )
+            })
+            .collect())
     }
 
-    pub fn set_draining(&self, host: &str, draining: bool) -> Result<(), ApiError> {
-        self.conn()
-            .execute(
-                "INSERT INTO hosts (name, draining) VALUES (?1, ?2)
-                 ON CONFLICT(name) DO UPDATE SET draining = excluded.draining",
-                params![host, draining as i64],
-            )
-            .map(|_| ())
-            .map_err(db)
+    pub async fn draining(&self) -> Result<BTreeSet<String>, ApiError> {
+        match &self.0 {
+            Backend::Sqlite(m) => {
+                let c = Self::sql(m);
+                let mut st = c
+                    .prepare("SELECT name FROM hosts WHERE draining = 1")
+                    .map_err(db)?;
+                let rows = st.query_map([], |r| r.get::<_, String>(0)).map_err(db)?;
+                rows.collect::<Result<_, _>>().map_err(db)
+            }
+            Backend::Etcd(c) => Ok(Self::etcd_prefix(c, HOSTS, etcd_client::GetOptions::new())
+                .await?
+                .into_iter()
+                .filter_map(|(k, _, _)| {
+                    k.strip_prefix(HOSTS)?
+                        .strip_suffix("/draining")
+                        .map(str::to_string)
+                })
+                .collect()),
+        }
     }
 
-    pub fn settings(&self) -> Result<BTreeMap<String, HostSettings>, ApiError> {
-        let c = self.conn();
-        let mut st = c
-            .prepare("SELECT name, settings FROM hosts WHERE settings IS NOT NULL")
-            .map_err(db)?;
-        let rows = st
-            .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
-            .map_err(db)?;
+    pub async fn set_draining(&self, host: &str, draining: bool) -> Result<(), ApiError> {
+        match &self.0 {
+            Backend::Sqlite(m) => Self::sql(m)
+                .execute(
+                    "INSERT INTO hosts (name, draining) VALUES (?1, ?2)
+                     ON CONFLICT(name) DO UPDATE SET draining = excluded.draining",
+                    params![host, draining as i64],
+                )
+                .map(|_| ())
+                .map_err(db),
+            Backend::Etcd(c) => {
+                let mut c = c.clone();
+                let key = format!("{HOSTS}{host}/draining");
+                if draining {
+                    c.put(key, "1", None).await.map(|_| ()).map_err(etcd)
+                } else {
+                    c.delete(key, None).await.map(|_| ()).map_err(etcd)
+                }
+            }
+        }
+    }
+
+    pub async fn settings(&self) -> Result<BTreeMap<String, HostSettings>, ApiError> {
+        let rows: Vec<(String, String)> = match &self.0 {
+            Backend::Sqlite(m) => {
+                let c = Self::sql(m);
+                let mut st = c
+                    .prepare("SELECT name, settings FROM hosts WHERE settings IS NOT NULL")
+                    .map_err(db)?;
+                let rows = st
+                    .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
+                    .map_err(db)?;
+                rows.collect::<Result<_, _>>().map_err(db)?
+            }
+            Backend::Etcd(c) => Self::etcd_prefix(c, HOSTS, etcd_client::GetOptions::new())
+                .await?
+                .into_iter()
+                .filter_map(|(k, v, _)| {
+                    let name = k.strip_prefix(HOSTS)?.strip_suffix("/settings")?;
+                    Some((name.to_string(), v))
+                })
+                .collect(),
+        };
         let mut out = BTreeMap::new();
-        for row in rows {
-            let (name, json) = row.map_err(db)?;
+        for (name, json) in rows {
             let s = serde_json::from_str(&json)
                 .map_err(|e| ApiError::internal(format!("settings of {name}: {e}")))?;
             out.insert(name, s);
@@ -109,66 +204,119 @@ impl Store {
         Ok(out)
     }
 
-    pub fn put_settings(&self, host: &str, s: &HostSettings) -> Result<(), ApiError> {
+    pub async fn put_settings(&self, host: &str, s: &HostSettings) -> Result<(), ApiError> {
         let json = serde_json::to_string(s).map_err(ApiError::internal)?;
-        self.conn()
-            .execute(
-                "INSERT INTO hosts (name, settings) VALUES (?1, ?2)
-                 ON CONFLICT(name) DO UPDATE SET settings = excluded.settings",
-                params![host, json],
-            )
-            .map(|_| ())
-            .map_err(db)
+        match &self.0 {
+            Backend::Sqlite(m) => Self::sql(m)
+                .execute(
+                    "INSERT INTO hosts (name, settings) VALUES (?1, ?2)
+                     ON CONFLICT(name) DO UPDATE SET settings = excluded.settings",
+                    params![host, json],
+                )
+                .map(|_| ())
+                .map_err(db),
+            Backend::Etcd(c) => c
+                .clone()
+                .put(format!("{HOSTS}{host}/settings"), json, None)
+                .await
+                .map(|_| ())
+                .map_err(etcd),
+        }
     }
 
-    /// Appends to the event log (trimmed to [`MAX_EVENTS`]).
-    pub fn log(
+    /// Appends to the event log (SQLite keeps the newest [`MAX_EVENTS`]).
+    pub async fn log(
         &self,
         kind: &str,
         subject: &str,
         detail: serde_json::Value,
     ) -> Result<(), ApiError> {
-        let at_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as i64)
-            .unwrap_or(0);
-        let c = self.conn();
-        c.execute(
-            "INSERT INTO events (at_ms, kind, subject, detail) VALUES (?1, ?2, ?3, ?4)",
-            params![at_ms, kind, subject, detail.to_string()],
-        )
-        .map_err(db)?;
-        c.execute(
-            "DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?1",
-            params![MAX_EVENTS],
-        )
-        .map(|_| ())
-        .map_err(db)
+        let at_ms = now_ms();
+        match &self.0 {
+            Backend::Sqlite(m) => {
+                let c = Self::sql(m);
+                c.execute(
+                    "INSERT INTO events (at_ms, kind, subject, detail) VALUES (?1, ?2, ?3, ?4)",
+                    params![at_ms as i64, kind, subject, detail.to_string()],
+                )
+                .map_err(db)?;
+                c.execute(
+                    "DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?1",
+                    params![MAX_EVENTS],
+                )
+                .map(|_| ())
+                .map_err(db)
+            }
+            Backend::Etcd(c) => {
+                let e = serde_json::json!({ "at_ms": at_ms, "kind": kind, "subject": subject, "detail": detail });
+                let key = format!("{EVENTS}{at_ms:015}-{:08x}", rand_u32());
+                c.clone()
+                    .put(key, e.to_string(), None)
+                    .await
+                    .map(|_| ())
+                    .map_err(etcd)
+            }
+        }
     }
 
     /// The newest `limit` events, oldest first.
-    pub fn events(&self, limit: usize) -> Result<Vec<Event>, ApiError> {
-        let c = self.conn();
-        let mut st = c
-            .prepare(
-                "SELECT id, at_ms, kind, subject, detail FROM
-                 (SELECT * FROM events ORDER BY id DESC LIMIT ?1) ORDER BY id",
-            )
-            .map_err(db)?;
-        let rows = st
-            .query_map(params![limit as i64], |r| {
-                Ok(Event {
-                    id: r.get::<_, i64>(0)? as u64,
-                    at_ms: r.get::<_, i64>(1)? as u64,
-                    kind: r.get(2)?,
-                    subject: r.get(3)?,
-                    detail: serde_json::from_str(&r.get::<_, String>(4)?)
-                        .unwrap_or(serde_json::Value::Null),
-                })
-            })
-            .map_err(db)?;
-        rows.collect::<Result<_, _>>().map_err(db)
+    pub async fn events(&self, limit: usize) -> Result<Vec<Event>, ApiError> {
+        match &self.0 {
+            Backend::Sqlite(m) => {
+                let c = Self::sql(m);
+                let mut st = c
+                    .prepare(
+                        "SELECT id, at_ms, kind, subject, detail FROM
+                         (SELECT * FROM events ORDER BY id DESC LIMIT ?1) ORDER BY id",
+                    )
+                    .map_err(db)?;
+                let rows = st
+                    .query_map(params![limit as i64], |r| {
+                        Ok(Event {
+                            id: r.get::<_, i64>(0)? as u64,
+                            at_ms: r.get::<_, i64>(1)? as u64,
+                            kind: r.get(2)?,
+                            subject: r.get(3)?,
+                            detail: serde_json::from_str(&r.get::<_, String>(4)?)
+                                .unwrap_or(serde_json::Value::Null),
+                        })
+                    })
+                    .map_err(db)?;
+                rows.collect::<Result<_, _>>().map_err(db)
+            }
+            Backend::Etcd(c) => {
+                let opts = etcd_client::GetOptions::new()
+                    .with_sort(
+                        etcd_client::SortTarget::Key,
+                        etcd_client::SortOrder::Descend,
+                    )
+                    .with_limit(limit as i64);
+                let mut out: Vec<Event> = Self::etcd_prefix(c, EVENTS, opts)
+                    .await?
+                    .into_iter()
+                    .filter_map(|(_, v, rev)| {
+                        let e: serde_json::Value = serde_json::from_str(&v).ok()?;
+                        Some(Event {
+                            id: rev as u64,
+                            at_ms: e["at_ms"].as_u64()?,
+                            kind: e["kind"].as_str()?.to_string(),
+                            subject: e["subject"].as_str()?.to_string(),
+                            detail: e["detail"].clone(),
+                        })
+                    })
+                    .collect();
+                out.reverse();
+                Ok(out)
+            }
+        }
     }
+}
+
+fn rand_u32() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(now_ms());
+    h.finish() as u32
 }
 
 #[cfg(test)]
@@ -177,32 +325,37 @@ mod tests {
     use super::*;
     use ferry_api::drain::MigrationLimit;
 
-    #[test]
-    fn state_survives_reopening() {
+    #[tokio::test]
+    async fn state_survives_reopening() {
         let path = std::env::temp_dir().join(format!("ferry-state-{}.db", std::process::id()));
         let _ = std::fs::remove_file(&path);
         {
             let s = Store::open(&path).unwrap();
-            s.set_draining("host1", true).unwrap();
-            s.set_draining("host2", true).unwrap();
-            s.set_draining("host2", false).unwrap();
+            s.set_draining("host1", true).await.unwrap();
+            s.set_draining("host2", true).await.unwrap();
+            s.set_draining("host2", false).await.unwrap();
             s.put_settings(
                 "host3",
                 &HostSettings {
                     max_migrations: MigrationLimit::Fixed(3),
                 },
             )
+            .await
             .unwrap();
             s.log("resume", "host2", serde_json::json!({"was_draining": true}))
+                .await
                 .unwrap();
         }
         let s = Store::open(&path).unwrap();
-        assert_eq!(s.draining().unwrap(), BTreeSet::from(["host1".to_string()]));
         assert_eq!(
-            s.settings().unwrap()["host3"].max_migrations,
+            s.draining().await.unwrap(),
+            BTreeSet::from(["host1".to_string()])
+        );
+        assert_eq!(
+            s.settings().await.unwrap()["host3"].max_migrations,
             MigrationLimit::Fixed(3)
         );
-        let ev = s.events(10).unwrap();
+        let ev = s.events(10).await.unwrap();
         assert_eq!(ev.len(), 1);
         assert_eq!(
             (ev[0].kind.as_str(), ev[0].subject.as_str()),
@@ -213,13 +366,15 @@ mod tests {
         let _ = std::fs::remove_file(&path);
     }
 
-    #[test]
-    fn the_log_keeps_the_newest_events_in_order() {
+    #[tokio::test]
+    async fn the_log_keeps_the_newest_events_in_order() {
         let s = Store::in_memory();
         for i in 0..5 {
-            s.log("k", &format!("s{i}"), serde_json::json!(i)).unwrap();
+            s.log("k", &format!("s{i}"), serde_json::json!(i))
+                .await
+                .unwrap();
         }
-        let ev = s.events(3).unwrap();
+        let ev = s.events(3).await.unwrap();
         let subjects: Vec<_> = ev.iter().map(|e| e.subject.as_str()).collect();
         assert_eq!(subjects, ["s2", "s3", "s4"]);
         assert!(ev.windows(2).all(|w| w[0].id < w[1].id));
