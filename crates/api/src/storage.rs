@@ -205,6 +205,18 @@ pub struct FlowInfo {
     pub status: FlowStatus,
 }
 
+/// A storage node as the control service sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StorageNodeEntry {
+    pub name: String,
+    pub url: String,
+    /// It answered this round of heartbeats.
+    pub reachable: bool,
+    pub error: Option<String>,
+    /// Disks it serves (when reachable).
+    pub disks: u32,
+}
+
 /// A per-flow allocation set from outside (the cluster-wide policy manager):
 /// it overrides what the node derives from the disk's policy.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -87,7 +87,7 @@ pub struct ControlArgs {
     #[arg(long = "host")]
     hosts: Vec<String>,
     /// SQLite file for the control service's state (draining marks, host
-    /// settings, event log); default: the lab's, or memory only without a lab.
+    /// settings, event log); default: the lab's, else /var/lib/ferry/control/state.db.
     #[arg(long, conflicts_with = "store")]
     state: Option<PathBuf>,
     /// Keep the state in etcd instead (`etcd://HOST:PORT`), shared by every
@@ -133,18 +133,18 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
         }
     }
     let mut control = ferry_control::Control::with_storage(hosts, storage, cred.clone());
-    let state = a.state.clone().or_else(|| {
-        a.lab_dir
-            .as_ref()
-            .map(|d| d.join("control").join("state.db"))
+    // SQLite by default: the lab's file, else one under /var/lib/ferry
+    let state = a.state.clone().unwrap_or_else(|| match &a.lab_dir {
+        Some(d) => d.join("control").join("state.db"),
+        None => PathBuf::from("/var/lib/ferry/control/state.db"),
     });
     if let Some(url) = &a.store {
         control = control
             .with_store(ferry_control::store::Store::etcd(url).await?)
             .await?;
-    } else if let Some(path) = state {
+    } else {
         control = control
-            .with_store(ferry_control::store::Store::open(&path)?)
+            .with_store(ferry_control::store::Store::open(&state)?)
             .await?;
     }
     let control = std::sync::Arc::new(control);

@@ -73,10 +73,17 @@ enum Cmd {
     Storage(StorageCmd),
 }
 
+// parsed once per process; boxing the daemon's arguments buys nothing
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum StorageCmd {
     /// Run a storage node: disks over NBD with storage QoS (started by `ferry lab up`).
     Serve(daemons::StorageArgs),
+    /// Storage nodes the control service knows, and whether they answer.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 impl Cli {
@@ -135,6 +142,7 @@ fn main() {
             Cmd::Agent(a) => daemons::agent(a).await,
             Cmd::Control(a) => daemons::control(a).await,
             Cmd::Storage(StorageCmd::Serve(a)) => daemons::storage(a).await,
+            Cmd::Storage(StorageCmd::List { json }) => storage_cmd::list_nodes(&cli, *json).await,
         }
     });
     match result {

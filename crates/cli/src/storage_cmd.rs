@@ -353,3 +353,26 @@ pub async fn run_qos(cli: &Cli, cmd: &QosCmd) -> anyhow::Result<i32> {
     }
     Ok(0)
 }
+
+/// `ferry storage list`.
+pub async fn list_nodes(cli: &Cli, json: bool) -> anyhow::Result<i32> {
+    let nodes: Vec<ferry_api::storage::StorageNodeEntry> =
+        cli.client()?.get("/storage/nodes", T).await?;
+    show(json, &nodes, || {
+        let mut t = Table::new(&["NODE", "STATE", "DISKS", "URL"]);
+        for n in &nodes {
+            t.row(vec![
+                n.name.clone(),
+                if n.reachable {
+                    "up".into()
+                } else {
+                    format!("DOWN ({})", n.error.clone().unwrap_or_default())
+                },
+                n.disks.to_string(),
+                n.url.clone(),
+            ]);
+        }
+        t.print();
+    });
+    Ok(0)
+}

@@ -799,7 +799,7 @@ fn the_policy_manager_holds_an_aggregated_policy_across_two_nodes() {
         return;
     }
     let s1 = Node::start_named("pm1", "s1");
-    let s2 = Node::start_named("pm2", "s2");
+    let mut s2 = Node::start_named("pm2", "s2");
     // a control service in front of both nodes (no hosts needed)
     let port = free_port();
     let log = std::fs::File::create(s1.dir.join("control.log")).unwrap();
@@ -814,6 +814,8 @@ fn the_policy_manager_holds_an_aggregated_policy_across_two_nodes() {
             &format!("s1=http://127.0.0.1:{}", s1.api),
             "--storage",
             &format!("s2=http://127.0.0.1:{}", s2.api),
+            "--state",
+            &s1.dir.join("control.db").display().to_string(),
         ])
         .stdout(Stdio::null())
         .stderr(log)
@@ -888,6 +890,26 @@ fn the_policy_manager_holds_an_aggregated_policy_across_two_nodes() {
         None,
     );
     assert_eq!(status, 401, "metrics need the credential");
+    // a storage node that stops answering is seen and logged
+    s2.kill();
+    let t0 = Instant::now();
+    loop {
+        let nodes: Value = serde_json::from_str(&via(&["storage", "list", "--json"])).unwrap();
+        let down = nodes
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["name"] == "s2" && n["reachable"] == false);
+        let logged = via(&["events", "--json"]).contains("storage_down");
+        if down && logged {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "s2's loss not seen: {nodes}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
     let _ = control.kill();
     let _ = control.wait();
 }

@@ -24,6 +24,7 @@
 //! | PUT | /qos/policies/{p} | Storage(UpdatePolicy) (body: `PolicyUpdate`) |
 //! | DELETE | /qos/policies/{p} | Storage(RemovePolicy) |
 //! | GET | /qos/flows | Storage(ListFlows) |
+//! | GET | /storage/nodes | Storage(ListNodes): storage nodes and whether they answer |
 //! | GET/PUT | /qos/settings | Storage(GetSettings / SetSettings) (body: `QosSettings`) |
 //! | GET | /events | Events (query `limit`, default 100): the event log, oldest first |
 //! | GET | /metrics (no prefix) | Metrics: Prometheus text of hosts, NICs, migrations, drains, flows |
@@ -182,6 +183,10 @@ fn storage_routes() -> Router<Arc<Control>> {
         .route(
             "/qos/flows",
             get(|State(c): S| async move { storage(&c, StorageCommand::ListFlows).await }),
+        )
+        .route(
+            "/storage/nodes",
+            get(|State(c): S| async move { storage(&c, StorageCommand::ListNodes).await }),
         )
         .route(
             "/qos/settings",

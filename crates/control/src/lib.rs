@@ -190,20 +190,38 @@ impl Control {
             tracing::warn!("control state: {e}");
         }
         let hosts = self.list_hosts().await;
-        let mut down = lock(&self.down);
-        for h in &hosts {
-            let was = down.contains(&h.name);
-            if h.down && !was {
-                down.insert(h.name.clone());
-                tracing::warn!(host = %h.name, "no heartbeat: nothing is scheduled onto it");
-                self.log(
+        {
+            let mut down = lock(&self.down);
+            for h in &hosts {
+                let was = down.contains(&h.name);
+                if h.down && !was {
+                    down.insert(h.name.clone());
+                    tracing::warn!(host = %h.name, "no heartbeat: nothing is scheduled onto it");
+                    self.log(
                     "host_down",
                     &h.name,
                     serde_json::json!({ "last_heartbeat_ms": h.last_heartbeat_ms, "error": h.error }),
                 );
-            } else if !h.down && was {
-                down.remove(&h.name);
-                self.log("host_up", &h.name, serde_json::json!({}));
+                } else if !h.down && was {
+                    down.remove(&h.name);
+                    self.log("host_up", &h.name, serde_json::json!({}));
+                }
+            }
+        }
+        for n in self.storage_nodes().await {
+            let key = format!("storage:{}", n.name);
+            let was = lock(&self.down).contains(&key);
+            if !n.reachable && !was {
+                lock(&self.down).insert(key);
+                tracing::warn!(node = %n.name, "storage node does not answer");
+                self.log(
+                    "storage_down",
+                    &n.name,
+                    serde_json::json!({ "error": n.error }),
+                );
+            } else if n.reachable && was {
+                lock(&self.down).remove(&key);
+                self.log("storage_up", &n.name, serde_json::json!({}));
             }
         }
     }

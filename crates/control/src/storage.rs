@@ -44,6 +44,7 @@ pub enum StorageCommand {
         name: String,
     },
     ListFlows,
+    ListNodes,
     GetSettings,
     SetSettings(QosSettings),
 }
@@ -62,7 +63,7 @@ impl StorageCommand {
             UpdatePolicy { name, .. } => (name.clone(), "update policy"),
             RemovePolicy { name } => (name.clone(), "remove policy"),
             SetSettings(_) => ("qos".into(), "set normalization"),
-            ListDisks | ListPolicies | ListFlows | GetSettings => return None,
+            ListDisks | ListPolicies | ListFlows | ListNodes | GetSettings => return None,
         })
     }
 }
@@ -230,6 +231,7 @@ impl Control {
                 }
                 json(out)
             }
+            StorageCommand::ListNodes => json(self.storage_nodes().await),
             StorageCommand::GetSettings => {
                 let (_, c) = self.first_node()?;
                 json(c.get::<QosSettings>("/qos/settings", NODE_TIMEOUT).await?)
@@ -242,6 +244,23 @@ impl Control {
                 json(s)
             }
         }
+    }
+
+    /// Asks every storage node for its disks; an answer is a heartbeat.
+    pub async fn storage_nodes(&self) -> Vec<ferry_api::storage::StorageNodeEntry> {
+        let calls = self.storage.iter().map(|(name, c)| async move {
+            let r = c
+                .get::<Vec<DiskInfo>>("/disks", Duration::from_secs(2))
+                .await;
+            ferry_api::storage::StorageNodeEntry {
+                name: name.clone(),
+                url: c.base().to_string(),
+                reachable: r.is_ok(),
+                error: r.as_ref().err().map(|e| e.to_string()),
+                disks: r.map(|d| d.len() as u32).unwrap_or(0),
+            }
+        });
+        futures::future::join_all(calls).await
     }
 
     /// One round of the cluster-wide policy manager: gathers every node's
