@@ -289,10 +289,8 @@ impl Control {
             Command::Metrics => {
                 let hosts = self.list_hosts().await;
                 // an unreachable storage node hides its flows; the rest still count
-                let calls = self.storage.values().map(|c| {
-                    c.get::<Vec<ferry_api::storage::FlowInfo>>("/qos/flows", AGENT_TIMEOUT)
-                });
-                let flows: Vec<_> = futures::future::join_all(calls)
+                let flows: Vec<ferry_api::storage::FlowInfo> = self
+                    .ask_every_node("/qos/flows", AGENT_TIMEOUT)
                     .await
                     .into_iter()
                     .flatten()

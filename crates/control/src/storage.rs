@@ -80,15 +80,31 @@ impl Control {
             .ok_or_else(|| ApiError::unavailable("storage", "no storage node is registered"))
     }
 
-    async fn list_disks(&self) -> Result<Vec<DiskInfo>, ApiError> {
+    /// Asks every storage node for the list at `path`, all at once: one
+    /// answer per node, in node order.
+    pub(crate) async fn ask_every_node<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        timeout: Duration,
+    ) -> Vec<Result<Vec<T>, ApiError>> {
         let calls = self
             .storage
             .values()
-            .map(|c| c.get::<Vec<DiskInfo>>("/disks", NODE_TIMEOUT));
+            .map(|c| c.get::<Vec<T>>(path, timeout));
+        futures::future::join_all(calls).await
+    }
+
+    /// Every node's list at `path`, concatenated; the first node's error fails it.
+    async fn gather<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<Vec<T>, ApiError> {
         let mut out = Vec::new();
-        for r in futures::future::join_all(calls).await {
+        for r in self.ask_every_node(path, NODE_TIMEOUT).await {
             out.extend(r?);
         }
+        Ok(out)
+    }
+
+    async fn list_disks(&self) -> Result<Vec<DiskInfo>, ApiError> {
+        let mut out: Vec<DiskInfo> = self.gather("/disks").await?;
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
     }
@@ -220,17 +236,7 @@ impl Control {
                 }
                 json(removed.ok_or_else(|| ApiError::not_found("policy", &name))?)
             }
-            StorageCommand::ListFlows => {
-                let calls = self
-                    .storage
-                    .values()
-                    .map(|c| c.get::<Vec<FlowInfo>>("/qos/flows", NODE_TIMEOUT));
-                let mut out = Vec::new();
-                for r in futures::future::join_all(calls).await {
-                    out.extend(r?);
-                }
-                json(out)
-            }
+            StorageCommand::ListFlows => json(self.gather::<FlowInfo>("/qos/flows").await?),
             StorageCommand::ListNodes => json(self.storage_nodes().await),
             StorageCommand::GetSettings => {
                 let (_, c) = self.first_node()?;
@@ -274,11 +280,7 @@ impl Control {
         let (_, first) = self.first_node()?;
         let policies: Vec<Policy> = first.get("/qos/policies", NODE_TIMEOUT).await?;
         let policies = policies.into_iter().map(|p| (p.name.clone(), p)).collect();
-        let mut flows = Vec::new();
-        for c in self.storage.values() {
-            let fs: Vec<FlowInfo> = c.get("/qos/flows", NODE_TIMEOUT).await?;
-            flows.extend(fs);
-        }
+        let flows: Vec<FlowInfo> = self.gather("/qos/flows").await?;
         let demands: Vec<crate::policy_manager::FlowDemand> = flows
             .iter()
             .filter(|f| f.connections > 0)
