@@ -8,12 +8,14 @@
 //! - [`qemu`]: starting/stopping one VM's QEMU; skeletons for migration targets.
 //! - [`host`]: the host's state: VMs, reservations, NICs, the guest check.
 //! - [`migration`]: the ten steps, source side and target side.
+//! - [`convergence`]: will pre-copy converge, and when (a pure model).
 //! - [`datapath`]: the seam where a migration's bytes leave QEMU (today QEMU's
 //!   own TCP stream over one NIC; Ferry's multi-NIC transport plugs in here).
 //! - [`validate`]: facts and probes for `ferry host validate`.
 //! - [`api`]: the authenticated HTTP API the control service and peer agents call.
 
 pub mod api;
+pub mod convergence;
 pub mod datapath;
 pub mod host;
 pub mod migration;

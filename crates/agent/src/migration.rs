@@ -34,18 +34,20 @@ use ferry_api::{
 };
 use tokio::sync::mpsc;
 
+use crate::convergence;
 use crate::datapath::{DataPath, QemuTcp};
 use crate::host::{check, error_chain, nics, Agent, Role, VmSlot};
 use crate::qemu::{self, QemuVm};
 use crate::qmp::MigrationParameters;
-use ferry_api::{CarrierEndpoint, CarrierReport, Convergence, MigrationOption};
+use ferry_api::{AtExpiry, CarrierEndpoint, CarrierReport, Convergence, MigrationOption};
 
 /// No byte moved for this long: the data path is down.
 pub const STALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Consecutive failed polls of the target agent before giving up on it.
 pub const TARGET_POLL_FAILURES: u32 = 2;
-/// Downtime QEMU may use for the blackout.
-pub const DOWNTIME_LIMIT_MS: u64 = 300;
+/// QEMU's largest downtime limit: pause-and-copy sets it so the next
+/// iteration switches over whatever remains.
+const PAUSE_DOWNTIME_MS: u64 = 2_000_000;
 const POLL: Duration = Duration::from_millis(100);
 
 struct Failure {
@@ -123,7 +125,8 @@ fn progress_event(
         dirty_rate: ram.dirty_pages_rate * page,
         rounds: ram.dirty_sync_count,
         expected_downtime_ms: info.expected_downtime,
-        eta_ms: None,
+        eta_ms: crate::convergence::drain_time(ram.remaining, rate).map(|d| d.as_millis() as u64),
+        converging: None,
         nic_tx_bytes,
         carriers_up,
         phase: phase.into(),
@@ -161,6 +164,7 @@ impl Agent {
         name: &str,
         req: MigrateRequest,
     ) -> Result<mpsc::Receiver<MigrationEvent>, ApiError> {
+        req.convergence.check()?;
         if req.target == self.cfg.name {
             return Err(ApiError::invalid(
                 "to",
@@ -425,7 +429,7 @@ impl Agent {
         qmp.set_parameters(MigrationParameters {
             // Ferry paces migrations itself; QEMU's 128 MiB/s default would cap fast links
             max_bandwidth: Some(100 << 30),
-            downtime_limit: Some(DOWNTIME_LIMIT_MS),
+            downtime_limit: Some(conv.max_downtime_ms),
             multifd_channels: multifd.then_some(MULTIFD_CHANNELS),
             cpu_throttle_initial: conv.throttle.then_some(20),
             cpu_throttle_increment: conv.throttle.then_some(10),
@@ -477,6 +481,9 @@ impl Agent {
         let timeout = conv.timeout(spec.memory);
         let deadline = Instant::now() + timeout;
         let mut postcopy = false;
+        let mut pausing = false;
+        let mut rounds = convergence::Rounds::default();
+        let expiry = conv.expiry();
         let mut not_converging = 0u32;
         let mut max_throttle = 0u64;
         let mut window: std::collections::VecDeque<(Instant, u64)> = Default::default();
@@ -531,7 +538,7 @@ impl Agent {
             let too_slow = dirty_rate >= 0.9 * path_rate
                 || info
                     .expected_downtime
-                    .is_some_and(|d| d > 2 * DOWNTIME_LIMIT_MS && ram.dirty_sync_count >= 3);
+                    .is_some_and(|d| d > 2 * conv.max_downtime_ms && ram.dirty_sync_count >= 3);
             if !postcopy && ram.dirty_sync_count >= 2 && path_rate > 0.0 && too_slow {
                 not_converging += 1;
             } else {
@@ -549,7 +556,7 @@ impl Agent {
                 // throttling gets 10 s to show it helps before the switch
                 if (not_converging >= 30 && throttled_out)
                     || not_converging >= 100
-                    || now > deadline
+                    || (now > deadline && expiry == AtExpiry::Postcopy)
                 {
                     qmp.start_postcopy().await.map_err(q("postcopy"))?;
                     postcopy = true;
@@ -567,7 +574,30 @@ impl Agent {
                 ev.send(p).await;
                 continue;
             }
-            if now > deadline {
+            if now > deadline && !pausing && expiry == AtExpiry::Pause {
+                // pause-and-copy: QEMU stops the guest at its next iteration and
+                // copies what remains; the downtime is remaining ÷ path rate
+                qmp.set_parameters(MigrationParameters {
+                    downtime_limit: Some(PAUSE_DOWNTIME_MS),
+                    ..Default::default()
+                })
+                .await
+                .map_err(q("copy"))?;
+                pausing = true;
+                let pause = convergence::drain_time(ram.remaining, path_rate)
+                    .map(|d| format!("~{:.1} s", d.as_secs_f64()))
+                    .unwrap_or_else(|| "unknown time".into());
+                ev.step(
+                    "pause-and-copy",
+                    format!(
+                        "pre-copy did not converge within {} s ({rates}); the guest is paused while the remaining {} MB are copied ({pause})",
+                        timeout.as_secs(),
+                        ram.remaining / 1_000_000
+                    ),
+                )
+                .await;
+            }
+            if now > deadline && !pausing {
                 let advice = if conv.throttle {
                     "allow post-copy"
                 } else {
@@ -669,6 +699,21 @@ impl Agent {
             if carriers_up.is_some() {
                 carriers_up_seen = carriers_up;
             }
+            let (eta, converging) = if pausing {
+                (convergence::drain_time(ram.remaining, path_rate), None)
+            } else {
+                rounds.observe(ram.dirty_sync_count, ram.remaining);
+                match convergence::predict(
+                    ram.remaining,
+                    path_rate,
+                    dirty_rate,
+                    rounds.ratio(),
+                    Duration::from_millis(conv.max_downtime_ms),
+                ) {
+                    Some(p) => (p.eta, Some(p.converging)),
+                    None => (None, None),
+                }
+            };
             ev.send(MigrationEvent::Progress(MigrationProgress {
                 elapsed_ms: started.elapsed().as_millis() as u64,
                 status,
@@ -679,12 +724,14 @@ impl Agent {
                 dirty_rate: ram.dirty_pages_rate * page,
                 rounds: ram.dirty_sync_count,
                 expected_downtime_ms: info.expected_downtime,
-                eta_ms: (throughput > 0.0)
-                    .then(|| (ram.remaining as f64 / throughput * 1000.0) as u64),
+                eta_ms: eta.map(|d| d.as_millis() as u64),
+                converging,
                 nic_tx_bytes,
                 carriers_up,
                 phase: if info.status.as_deref() == Some("device") {
                     "blackout".into()
+                } else if pausing {
+                    "pause-and-copy".into()
                 } else {
                     "precopy".into()
                 },
@@ -830,6 +877,8 @@ impl Agent {
             rounds: ram.dirty_sync_count,
             phase: if postcopy {
                 "postcopy".into()
+            } else if pausing {
+                "pause-and-copy".into()
             } else {
                 "precopy".into()
             },

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{ApiError, MigrationOption};
+use crate::{ApiError, ConvergenceChoice, MigrationOption};
 
 /// `ferry host drain H`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -14,8 +14,9 @@ pub struct DrainRequest {
     /// Simultaneous migrations; `None` uses the host's setting (default auto).
     #[serde(default)]
     pub max_parallel: Option<MigrationLimit>,
+    /// `None`: the host's default, else auto.
     #[serde(default)]
-    pub option: MigrationOption,
+    pub option: Option<MigrationOption>,
 }
 
 /// How many migrations a host runs at once (incoming plus outgoing).
@@ -46,12 +47,42 @@ impl MigrationLimit {
     }
 }
 
-/// `ferry host set H …`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// `ferry host set H …`: what is `None` is left as it was.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HostSettings {
-    #[serde(default)]
-    pub max_migrations: MigrationLimit,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_migrations: Option<MigrationLimit>,
+    /// Performance option for migrations from this host that choose none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration_option: Option<MigrationOption>,
+    /// Convergence defaults for migrations from this host.
+    #[serde(default, skip_serializing_if = "ConvergenceChoice::is_empty")]
+    pub convergence: ConvergenceChoice,
+}
+
+impl HostSettings {
+    /// `newer` where it says something, else `self`.
+    pub fn updated(&self, newer: &HostSettings) -> HostSettings {
+        HostSettings {
+            max_migrations: newer.max_migrations.or(self.max_migrations),
+            migration_option: newer.migration_option.or(self.migration_option),
+            convergence: newer.convergence.or(self.convergence),
+        }
+    }
+
+    /// Refuses values no migration could follow, naming the field.
+    pub fn check(&self) -> Result<(), ApiError> {
+        if let Some(MigrationLimit::Fixed(n)) = self.max_migrations {
+            if n == 0 || n > MigrationLimit::MAX {
+                return Err(ApiError::invalid(
+                    "max_migrations",
+                    format!("{n} is outside 1..{}", MigrationLimit::MAX),
+                ));
+            }
+        }
+        self.convergence.resolve().map(|_| ())
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -154,6 +185,55 @@ mod tests {
                 .to_string();
             assert!(e.contains("--max-parallel"), "{e}");
         }
+    }
+
+    #[test]
+    fn settings_update_only_what_is_said_and_layer_under_a_move() {
+        let old: HostSettings = serde_json::from_str(r#"{"max_migrations":{"fixed":3}}"#).unwrap();
+        let newer: HostSettings =
+            serde_json::from_str(r#"{"migration_option":"tcp","convergence":{"postcopy":true}}"#)
+                .unwrap();
+        let s = old.updated(&newer);
+        assert_eq!(s.max_migrations, Some(MigrationLimit::Fixed(3)));
+        assert_eq!(s.migration_option, Some(MigrationOption::Tcp));
+        // a move's own choice wins over the host default, gaps take the host's
+        let mv = ConvergenceChoice {
+            at_expiry: Some(crate::AtExpiry::Pause),
+            postcopy: Some(false),
+            ..Default::default()
+        };
+        let c = mv.or(s.convergence).resolve().unwrap();
+        assert!(!c.postcopy && c.throttle);
+        assert_eq!(c.expiry(), crate::AtExpiry::Pause);
+        // host default alone: post-copy at expiry
+        assert_eq!(
+            s.convergence.resolve().unwrap().expiry(),
+            crate::AtExpiry::Postcopy
+        );
+    }
+
+    #[test]
+    fn impossible_policies_name_the_field() {
+        for (json, field) in [
+            (r#"{"convergence":{"at_expiry":"postcopy"}}"#, "at_expiry"),
+            (
+                r#"{"convergence":{"max_downtime_ms":5}}"#,
+                "max_downtime_ms",
+            ),
+            (
+                r#"{"convergence":{"timeout_per_gib_s":0}}"#,
+                "timeout_per_gib_s",
+            ),
+            (r#"{"max_migrations":{"fixed":40}}"#, "max_migrations"),
+        ] {
+            let s: HostSettings = serde_json::from_str(json).unwrap();
+            let e = s.check().unwrap_err().to_string();
+            assert!(e.contains(field), "{json}: {e}");
+        }
+        let e = serde_json::from_str::<HostSettings>(r#"{"convergence":{"at_expiry":"later"}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("later"), "{e}");
     }
 
     #[test]

@@ -272,15 +272,41 @@ fn default_throughput_ms() -> u64 {
 #[serde(deny_unknown_fields)]
 pub struct MoveRequest {
     pub to: String,
+    /// `None`: the source host's default (`ferry host set --migration-option`), else auto.
     #[serde(default)]
-    pub option: MigrationOption,
+    pub option: Option<MigrationOption>,
+    /// What is not chosen here comes from the source host's defaults, then
+    /// from the built-in ones.
     #[serde(default)]
-    pub convergence: Convergence,
+    pub convergence: ConvergenceChoice,
+}
+
+/// What a migration does when its pre-copy time runs out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AtExpiry {
+    /// Switch to post-copy (needs post-copy allowed).
+    Postcopy,
+    /// Pause the guest and copy what is left: it converges, with a downtime
+    /// of remaining bytes ÷ path rate.
+    Pause,
+    /// Cancel; the guest keeps running on the source.
+    Cancel,
+}
+
+impl AtExpiry {
+    pub fn name(self) -> &'static str {
+        match self {
+            AtExpiry::Postcopy => "postcopy",
+            AtExpiry::Pause => "pause",
+            AtExpiry::Cancel => "cancel",
+        }
+    }
 }
 
 /// What a migration may do when pre-copy does not converge, in this order:
 /// let QEMU throttle the guest's vCPUs (auto-converge), then switch to
-/// post-copy; past the timeout without either, it fails with the rates.
+/// post-copy; past the timeout, whatever `at_expiry` says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Convergence {
@@ -291,6 +317,12 @@ pub struct Convergence {
     /// Pre-copy time allowed per GiB of guest memory (at least 20 s in all).
     #[serde(default = "default_timeout_per_gib")]
     pub timeout_per_gib_s: u64,
+    /// `None`: post-copy if allowed, else cancel.
+    #[serde(default)]
+    pub at_expiry: Option<AtExpiry>,
+    /// The downtime target QEMU plans its switch-over for.
+    #[serde(default = "default_max_downtime")]
+    pub max_downtime_ms: u64,
 }
 
 fn yes() -> bool {
@@ -299,6 +331,9 @@ fn yes() -> bool {
 fn default_timeout_per_gib() -> u64 {
     60
 }
+fn default_max_downtime() -> u64 {
+    300
+}
 
 impl Default for Convergence {
     fn default() -> Self {
@@ -306,15 +341,104 @@ impl Default for Convergence {
             throttle: true,
             postcopy: false,
             timeout_per_gib_s: default_timeout_per_gib(),
+            at_expiry: None,
+            max_downtime_ms: default_max_downtime(),
         }
     }
 }
+
+/// Downtime targets accepted, milliseconds.
+pub const DOWNTIME_RANGE_MS: std::ops::RangeInclusive<u64> = 10..=60_000;
 
 impl Convergence {
     /// Pre-copy time allowed for a guest of `memory` bytes.
     pub fn timeout(&self, memory: u64) -> std::time::Duration {
         let gib = memory as f64 / (1u64 << 30) as f64;
         std::time::Duration::from_secs_f64((self.timeout_per_gib_s as f64 * gib).max(20.0))
+    }
+
+    /// The choice at expiry, with its default filled in.
+    pub fn expiry(&self) -> AtExpiry {
+        self.at_expiry.unwrap_or(if self.postcopy {
+            AtExpiry::Postcopy
+        } else {
+            AtExpiry::Cancel
+        })
+    }
+
+    /// A policy that cannot be followed is refused, naming the field.
+    pub fn check(&self) -> Result<(), ApiError> {
+        if self.at_expiry == Some(AtExpiry::Postcopy) && !self.postcopy {
+            return Err(ApiError::invalid(
+                "at_expiry",
+                "post-copy at expiry needs post-copy allowed",
+            ));
+        }
+        if self.timeout_per_gib_s == 0 || self.timeout_per_gib_s > 3600 {
+            return Err(ApiError::invalid(
+                "timeout_per_gib_s",
+                format!("{} is outside 1..3600", self.timeout_per_gib_s),
+            ));
+        }
+        if !DOWNTIME_RANGE_MS.contains(&self.max_downtime_ms) {
+            return Err(ApiError::invalid(
+                "max_downtime_ms",
+                format!(
+                    "{} is outside {}..{}",
+                    self.max_downtime_ms,
+                    DOWNTIME_RANGE_MS.start(),
+                    DOWNTIME_RANGE_MS.end()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A convergence policy with gaps: a move's choices, or a host's defaults.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConvergenceChoice {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throttle: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub postcopy: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_per_gib_s: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at_expiry: Option<AtExpiry>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_downtime_ms: Option<u64>,
+}
+
+impl ConvergenceChoice {
+    /// `self` where it chose, else `base`.
+    pub fn or(self, base: ConvergenceChoice) -> ConvergenceChoice {
+        ConvergenceChoice {
+            throttle: self.throttle.or(base.throttle),
+            postcopy: self.postcopy.or(base.postcopy),
+            timeout_per_gib_s: self.timeout_per_gib_s.or(base.timeout_per_gib_s),
+            at_expiry: self.at_expiry.or(base.at_expiry),
+            max_downtime_ms: self.max_downtime_ms.or(base.max_downtime_ms),
+        }
+    }
+
+    /// The gaps filled with the built-in defaults, checked.
+    pub fn resolve(self) -> Result<Convergence, ApiError> {
+        let d = Convergence::default();
+        let c = Convergence {
+            throttle: self.throttle.unwrap_or(d.throttle),
+            postcopy: self.postcopy.unwrap_or(d.postcopy),
+            timeout_per_gib_s: self.timeout_per_gib_s.unwrap_or(d.timeout_per_gib_s),
+            at_expiry: self.at_expiry,
+            max_downtime_ms: self.max_downtime_ms.unwrap_or(d.max_downtime_ms),
+        };
+        c.check()?;
+        Ok(c)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        *self == ConvergenceChoice::default()
     }
 }
 
@@ -428,14 +552,22 @@ pub struct MigrationProgress {
     /// Pre-copy rounds (QEMU's dirty-sync-count).
     pub rounds: u64,
     pub expected_downtime_ms: Option<u64>,
+    /// Predicted time until the switch-over: pre-copy converges when what
+    /// remains fits the downtime target, remaining shrinking at (path rate −
+    /// dirty rate); `None` while it is not converging (dirty ≥ path) or
+    /// before rates are known. In post-copy and pause-and-copy: remaining ÷
+    /// path rate.
     pub eta_ms: Option<u64>,
+    /// Pre-copy converges at the current rates (`None` before they are known).
+    #[serde(default)]
+    pub converging: Option<bool>,
     /// Bytes sent so far per NIC (carriers' payload bytes, or the NIC counter for tcp).
     #[serde(default)]
     pub nic_tx_bytes: BTreeMap<String, u64>,
     /// Carriers up now (multichannel).
     #[serde(default)]
     pub carriers_up: Option<usize>,
-    /// `precopy`, `postcopy` or `blackout`.
+    /// `precopy`, `postcopy`, `pause-and-copy` or `blackout`.
     #[serde(default)]
     pub phase: String,
     /// QEMU's vCPU throttle (auto-converge), percent.
@@ -476,7 +608,7 @@ pub struct MigrationReport {
     pub carriers: Vec<CarrierReport>,
     /// Multichannel: frames sent again after their carrier died.
     pub frames_resent: u64,
-    /// The last phase reached: `precopy` or `postcopy`.
+    /// The last phase reached: `precopy`, `postcopy` or `pause-and-copy`.
     pub phase: String,
     /// The highest vCPU throttle QEMU applied, percent.
     pub max_throttle_pct: u64,

@@ -15,7 +15,7 @@ use ferry_api::storage::{
     DiskAttachRequest, DiskCreateRequest, DiskInfo, DiskSetRequest, FlowInfo, FlowStatus, Policy,
     PolicyKind,
 };
-use ferry_api::{CheckResult, MigrationOption, VmCreateRequest, VmInfo};
+use ferry_api::{CheckResult, VmCreateRequest, VmInfo};
 
 use crate::lab_cmd::{self, UpArgs};
 use crate::output::{mbit, print_json, Table};
@@ -125,7 +125,7 @@ pub async fn run(cli: &Cli, a: &DemoArgs) -> anyhow::Result<i32> {
     let req = DrainRequest {
         to: Vec::new(),
         max_parallel: None,
-        option: MigrationOption::Auto,
+        option: None,
     };
     let report = drain_host(&c, "host1", &req, a.json).await?;
     println!();

@@ -9,7 +9,7 @@ use ferry_api::size::{human_bytes, parse_size};
 use ferry_api::validation::{CheckStatus, ValidationReport};
 use ferry_api::ValidateRequest;
 use ferry_api::{
-    ApiError, CheckResult, Convergence, HostEntry, MigrationEvent, MigrationOption,
+    ApiError, AtExpiry, CheckResult, ConvergenceChoice, HostEntry, MigrationEvent, MigrationOption,
     MigrationReport, MoveRequest, VmCreateRequest, VmInfo, VmSpec,
 };
 use futures::StreamExt;
@@ -64,22 +64,85 @@ pub enum VmCmd {
         #[arg(long)]
         to: String,
         /// Performance option: tcp (QEMU's one stream, one NIC), multichannel
-        /// (every healthy NIC through Ferry's transport), auto.
-        #[arg(long, value_enum, default_value = "auto")]
-        option: OptionArg,
-        /// If pre-copy does not converge: switch to post-copy (allow) or fail (forbid).
-        #[arg(long, value_enum, default_value = "forbid")]
-        postcopy: Allow,
-        /// Let QEMU throttle the guest's vCPUs when pre-copy does not converge.
-        #[arg(long, value_enum, default_value = "allow")]
-        throttle: Allow,
-        /// Pre-copy time allowed per GiB of guest memory, seconds (at least 20 s in all).
-        #[arg(long, default_value_t = 60)]
-        timeout_per_gib: u64,
+        /// (every healthy NIC through Ferry's transport), auto (default: the
+        /// source host's setting, else auto).
+        #[arg(long, value_enum)]
+        option: Option<OptionArg>,
+        #[command(flatten)]
+        convergence: ConvergenceArgs,
         /// Print NDJSON events instead of a progress bar.
         #[arg(long)]
         json: bool,
     },
+}
+
+/// Convergence flags, for one move (`vm move`) or as a host's default
+/// (`host set`); what is not given comes from the host, then the defaults
+/// (throttle allow, post-copy forbid, 60 s per GiB, 300 ms downtime).
+#[derive(clap::Args, Clone)]
+pub struct ConvergenceArgs {
+    /// If pre-copy does not converge: switch to post-copy (allow) or not (forbid).
+    #[arg(long, value_enum)]
+    postcopy: Option<Allow>,
+    /// Let QEMU throttle the guest's vCPUs when pre-copy does not converge.
+    #[arg(long, value_enum)]
+    throttle: Option<Allow>,
+    /// Pre-copy time allowed per GiB of guest memory, seconds (at least 20 s in all).
+    #[arg(long)]
+    timeout_per_gib: Option<u64>,
+    /// At the timeout: postcopy, pause (pause the guest and copy the rest) or
+    /// cancel (default: postcopy when allowed, else cancel).
+    #[arg(long, value_enum)]
+    at_expiry: Option<ExpiryArg>,
+    /// Downtime target for the switch-over, e.g. 300ms or 1s.
+    #[arg(long)]
+    max_downtime: Option<String>,
+}
+
+impl ConvergenceArgs {
+    fn choice(&self) -> Result<ConvergenceChoice, ApiError> {
+        let max_downtime_ms = match &self.max_downtime {
+            None => None,
+            Some(s) => Some(parse_ms("--max-downtime", s)?),
+        };
+        Ok(ConvergenceChoice {
+            throttle: self.throttle.map(|a| a == Allow::Allow),
+            postcopy: self.postcopy.map(|a| a == Allow::Allow),
+            timeout_per_gib_s: self.timeout_per_gib,
+            at_expiry: self.at_expiry.map(|e| match e {
+                ExpiryArg::Postcopy => AtExpiry::Postcopy,
+                ExpiryArg::Pause => AtExpiry::Pause,
+                ExpiryArg::Cancel => AtExpiry::Cancel,
+            }),
+            max_downtime_ms,
+        })
+    }
+}
+
+/// `300ms`, `2s` or a bare number of milliseconds; errors name the flag.
+fn parse_ms(flag: &str, s: &str) -> Result<u64, ApiError> {
+    let t = s.trim();
+    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
+        (n, 1.0)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1000.0)
+    } else {
+        (t, 1.0)
+    };
+    match num.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok((v * scale).round() as u64),
+        _ => Err(ApiError::invalid(
+            flag,
+            format!("'{s}' is not a duration such as 300ms or 1s"),
+        )),
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExpiryArg {
+    Postcopy,
+    Pause,
+    Cancel,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -121,8 +184,9 @@ pub enum HostCmd {
         /// Simultaneous migrations: auto or 1..16 (default: the host's setting, auto).
         #[arg(long)]
         max_parallel: Option<String>,
-        #[arg(long, value_enum, default_value = "auto")]
-        option: OptionArg,
+        /// Performance option (default: the host's setting, else auto).
+        #[arg(long, value_enum)]
+        option: Option<OptionArg>,
         #[arg(long)]
         json: bool,
     },
@@ -133,7 +197,12 @@ pub enum HostCmd {
         host: String,
         /// Simultaneous migrations (incoming + outgoing): auto or 1..16.
         #[arg(long)]
-        max_migrations: String,
+        max_migrations: Option<String>,
+        /// Default performance option for migrations from this host.
+        #[arg(long, value_enum)]
+        migration_option: Option<OptionArg>,
+        #[command(flatten)]
+        convergence: ConvergenceArgs,
     },
     /// Check hosts and paths against the live-migration speed checklist:
     /// MTU end to end, links, per-path throughput, CPU power states, NIC
@@ -273,17 +342,11 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             name,
             to,
             option,
-            postcopy,
-            throttle,
-            timeout_per_gib,
+            convergence,
             json,
         } => {
-            let conv = Convergence {
-                throttle: *throttle == Allow::Allow,
-                postcopy: *postcopy == Allow::Allow,
-                timeout_per_gib_s: *timeout_per_gib,
-            };
-            let outcome = move_vm(&c, name, to, (*option).into(), conv, *json).await?;
+            let conv = convergence.choice()?;
+            let outcome = move_vm(&c, name, to, option.map(Into::into), conv, *json).await?;
             match outcome {
                 Ok(report) => {
                     if !*json {
@@ -328,8 +391,8 @@ pub async fn move_vm(
     c: &Client,
     name: &str,
     to: &str,
-    option: MigrationOption,
-    convergence: Convergence,
+    option: Option<MigrationOption>,
+    convergence: ConvergenceChoice,
     json: bool,
 ) -> anyhow::Result<Result<MigrationReport, ApiError>> {
     let mut events = c
@@ -390,17 +453,19 @@ pub async fn move_vm(
                     .filter(|(_, b)| **b > 0)
                     .map(|(n, b)| format!("{n} {}", human_bytes(*b)))
                     .collect();
+                let eta = match (p.converging, p.eta_ms) {
+                    (Some(false), _) => "not converging (dirty ≥ path)".to_string(),
+                    (_, Some(ms)) => format!("switch-over in ~{:.1}s", ms as f64 / 1000.0),
+                    _ => "switch-over in -".to_string(),
+                };
                 bar.set_message(format!(
-                    "{} {} sent {}, dirty {}/s, round {}, throttle {}%, ETA {} [{}]",
+                    "{} {} sent {}, dirty {}/s, round {}, throttle {}%, {eta} [{}]",
                     p.phase,
                     mbit(p.throughput),
                     human_bytes(p.transferred),
                     human_bytes(p.dirty_rate),
                     p.rounds,
                     p.throttle_pct,
-                    p.eta_ms
-                        .map(|ms| format!("{:.1}s", ms as f64 / 1000.0))
-                        .unwrap_or("-".into()),
                     per_nic.join(", ")
                 ));
             }
@@ -440,6 +505,12 @@ pub fn print_report(r: &MigrationReport) {
         .map(|(n, b)| format!("{n} {}", human_bytes(*b)))
         .collect();
     println!("  bytes per NIC: {}", per_nic.join(", "));
+    if r.phase != "precopy" || r.max_throttle_pct > 0 {
+        println!(
+            "  converged in {}, vCPU throttle up to {}%",
+            r.phase, r.max_throttle_pct
+        );
+    }
     if !r.carriers.is_empty() {
         let c: Vec<String> = r
             .carriers
@@ -480,7 +551,7 @@ pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
             let req = DrainRequest {
                 to: to.clone(),
                 max_parallel,
-                option: (*option).into(),
+                option: option.map(Into::into),
             };
             let report = drain_host(&c, host, &req, *json).await?;
             Ok(
@@ -501,14 +572,31 @@ pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
         HostCmd::Set {
             host,
             max_migrations,
+            migration_option,
+            convergence,
         } => {
             let settings = HostSettings {
-                max_migrations: MigrationLimit::parse("--max-migrations", max_migrations)?,
+                max_migrations: max_migrations
+                    .as_deref()
+                    .map(|m| MigrationLimit::parse("--max-migrations", m))
+                    .transpose()?,
+                migration_option: migration_option.map(Into::into),
+                convergence: convergence.choice()?,
             };
-            let _: serde_json::Value = c
+            if settings == HostSettings::default() {
+                return Err(ApiError::invalid(
+                    "host set",
+                    "nothing to set: give --max-migrations, --migration-option or a convergence flag",
+                )
+                .into());
+            }
+            let r: serde_json::Value = c
                 .put(&format!("/hosts/{host}/settings"), &settings, T)
                 .await?;
-            println!("{host}: max migrations {max_migrations}");
+            println!(
+                "{host}: {}",
+                serde_json::to_string(&r["settings"]).unwrap_or_default()
+            );
             Ok(0)
         }
         HostCmd::Validate {

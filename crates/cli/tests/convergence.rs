@@ -1,7 +1,9 @@
 //! Every VM converges: a guest dirtying memory faster than its path moves
 //! it (links at 200 Mbit/s, 64 MB/s dirtied) completes with post-copy
-//! allowed, fails clearly naming the rates with post-copy forbidden, and
-//! completes in post-copy with one of two NICs cut.
+//! allowed (as the source host's default), fails clearly naming the rates
+//! with post-copy forbidden, pauses and copies at expiry when asked to, and
+//! completes in post-copy with one of two NICs cut and with every path cut
+//! for seconds.
 //! Needs root and QEMU ≥ 9 (see common/mod.rs); CI sets FERRY_REQUIRE_LAB=1.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
@@ -74,19 +76,37 @@ fn a_busy_guest_completes_with_postcopy_allowed() {
     let _g = serial();
     lab_at(3, 2, RATE);
     let _vm = busy("busy1");
-    let (r, events) = move_busy(
-        "busy1",
-        "host2",
-        &[
-            "--option",
-            "tcp",
-            "--postcopy",
-            "allow",
-            "--throttle",
-            "forbid",
-        ],
-        || {},
-    );
+    // the policy comes from the source host's defaults, not from the move
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            ferry(&[
+                "host",
+                "set",
+                "host1",
+                "--postcopy",
+                "forbid",
+                "--throttle",
+                "allow",
+                "--migration-option",
+                "auto",
+            ]);
+        }
+    }
+    let _reset = Reset;
+    ferry_ok(&[
+        "host",
+        "set",
+        "host1",
+        "--migration-option",
+        "tcp",
+        "--postcopy",
+        "allow",
+        "--throttle",
+        "forbid",
+    ]);
+    let (r, events) = move_busy("busy1", "host2", &[], || {});
+    assert_eq!(r["option"], "tcp", "{r}");
     assert_eq!(r["event"], "completed", "{r}");
     assert_eq!(r["phase"], "postcopy", "{r}");
     let step = events
@@ -177,4 +197,114 @@ fn postcopy_survives_a_nic_cut() {
         "the cut was not noticed: {r}"
     );
     assert_intact_on("busy3", "host3");
+}
+
+#[test]
+fn a_busy_guest_is_paused_and_copied_at_expiry_when_chosen() {
+    if !lab_available("a_busy_guest_is_paused_and_copied_at_expiry_when_chosen") {
+        return;
+    }
+    let _g = serial();
+    lab_at(3, 2, RATE);
+    let _vm = busy("busy4");
+    let (r, events) = move_busy(
+        "busy4",
+        "host2",
+        &[
+            "--option",
+            "tcp",
+            "--postcopy",
+            "forbid",
+            "--throttle",
+            "forbid",
+            "--timeout-per-gib",
+            "20",
+            "--at-expiry",
+            "pause",
+        ],
+        || panic!("post-copy started although forbidden"),
+    );
+    assert_eq!(r["event"], "completed", "{r}");
+    assert_eq!(r["phase"], "pause-and-copy", "{r}");
+    let step = events
+        .iter()
+        .find(|e| e["step"] == "pause-and-copy")
+        .expect("a pause-and-copy step");
+    let detail = step["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("did not converge within 20 s") && detail.contains("the guest dirties"),
+        "{detail}"
+    );
+    // the prediction said so before the pause: not converging at these rates
+    assert!(
+        events.iter().any(|e| e["event"] == "progress"
+            && e["phase"] == "precopy"
+            && e["converging"] == false),
+        "no progress event predicted non-convergence"
+    );
+    // the guest really was paused for the copy: far beyond the 300 ms target
+    assert!(r["downtime_ms"].as_u64().unwrap() > 300, "{r}");
+    assert_intact_on("busy4", "host2");
+}
+
+#[test]
+fn postcopy_survives_losing_every_path_for_seconds() {
+    if !lab_available("postcopy_survives_losing_every_path_for_seconds") {
+        return;
+    }
+    let _g = serial();
+    lab_at(3, 2, RATE);
+    let _vm = busy("busy5");
+    let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let restorer = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let (r, events) = {
+        let cut = cut.clone();
+        let restorer = restorer.clone();
+        move_busy(
+            "busy5",
+            "host3",
+            &[
+                "--option",
+                "multichannel",
+                "--postcopy",
+                "allow",
+                "--throttle",
+                "forbid",
+            ],
+            move || {
+                // every path between source and target down for 3 s, in the
+                // middle of post-copy: 1.5 s after the switch, when the guest
+                // already runs on the target and pulls pages over the paths
+                *restorer.lock().unwrap() = Some(std::thread::spawn(move || {
+                    std::thread::sleep(std::time::Duration::from_millis(1500));
+                    ferry_ok(&["lab", "link", "host3", "nic1", "down"]);
+                    ferry_ok(&["lab", "link", "host3", "nic2", "down"]);
+                    cut.store(true, std::sync::atomic::Ordering::SeqCst);
+                    std::thread::sleep(std::time::Duration::from_secs(3));
+                    ferry_ok(&["lab", "link", "host3", "nic1", "up"]);
+                    ferry_ok(&["lab", "link", "host3", "nic2", "up"]);
+                }));
+            },
+        )
+    };
+    if let Some(t) = restorer.lock().unwrap().take() {
+        t.join().unwrap();
+    }
+    assert!(
+        cut.load(std::sync::atomic::Ordering::SeqCst),
+        "never reached post-copy: {r}"
+    );
+    assert_eq!(r["event"], "completed", "{r}");
+    assert_eq!(r["phase"], "postcopy", "{r}");
+    // the outage was real: at some point no carrier was up
+    assert!(
+        events
+            .iter()
+            .any(|e| e["event"] == "progress" && e["phase"] == "postcopy" && e["carriers_up"] == 0),
+        "no progress event saw every carrier down"
+    );
+    for c in r["carriers"].as_array().unwrap() {
+        assert!(c["failures"].as_u64().unwrap() >= 1, "{c}");
+    }
+    assert_intact_on("busy5", "host3");
 }

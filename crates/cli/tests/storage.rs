@@ -302,6 +302,7 @@ fn libnbd_qemu_and_fio_read_and_write_disks() {
             "--size=16M",
             "--verify=crc32c",
             "--do_verify=1",
+            "--verify_state_save=0",
             "--output-format=json",
         ],
     );

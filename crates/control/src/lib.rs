@@ -309,14 +309,12 @@ impl Control {
             }
             Command::SetHost { host, settings } => {
                 self.host(&host)?;
-                if let MigrationLimit::Fixed(n) = settings.max_migrations {
-                    if n == 0 || n > MigrationLimit::MAX {
-                        return Err(ApiError::invalid(
-                            "max_migrations",
-                            format!("{n} is outside 1..{}", MigrationLimit::MAX),
-                        ));
-                    }
-                }
+                let settings = lock(&self.settings)
+                    .get(&host)
+                    .cloned()
+                    .unwrap_or_default()
+                    .updated(&settings);
+                settings.check()?;
                 self.store.put_settings(&host, &settings).await?;
                 lock(&self.settings).insert(host.clone(), settings.clone());
                 let r = serde_json::json!({ "host": host, "settings": settings });
@@ -460,6 +458,23 @@ impl Control {
             .await
     }
 
+    /// A migration's option and convergence policy: what it chose, else the
+    /// source host's defaults (`ferry host set`), else the built-in ones.
+    fn migration_policy(
+        &self,
+        source: &str,
+        option: Option<ferry_api::MigrationOption>,
+        convergence: ferry_api::ConvergenceChoice,
+    ) -> Result<(ferry_api::MigrationOption, ferry_api::Convergence), ApiError> {
+        let host = lock(&self.settings)
+            .get(source)
+            .cloned()
+            .unwrap_or_default();
+        let option = option.or(host.migration_option).unwrap_or_default();
+        let convergence = convergence.or(host.convergence).resolve()?;
+        Ok((option, convergence))
+    }
+
     async fn move_vm(
         &self,
         name: &str,
@@ -475,11 +490,12 @@ impl Control {
                 format!("vm {name} already runs on {source}"),
             ));
         }
+        let (option, convergence) = self.migration_policy(&source, req.option, req.convergence)?;
         let mreq = MigrateRequest {
             target: req.to.clone(),
             target_url: target.base().to_string(),
-            option: req.option,
-            convergence: req.convergence,
+            option,
+            convergence,
         };
         let events = self
             .host(&source)?
@@ -685,7 +701,11 @@ impl Control {
         let (moves, unplaceable) = drain::plan(&vms, &mut targets);
         let limit_setting = req
             .max_parallel
-            .or_else(|| lock(&self.settings).get(&host).map(|s| s.max_migrations))
+            .or_else(|| {
+                lock(&self.settings)
+                    .get(&host)
+                    .and_then(|s| s.max_migrations)
+            })
             .unwrap_or_default();
         let warnings: Vec<DrainEvent> = {
             let last = self.last_validation.lock().await;
@@ -730,7 +750,7 @@ impl Control {
     async fn run_drain(
         self: Arc<Self>,
         host: String,
-        option: ferry_api::MigrationOption,
+        option: Option<ferry_api::MigrationOption>,
         moves: Vec<PlannedMove>,
         unplaceable: Vec<Unplaceable>,
         mut targets: Vec<(String, u64)>,
@@ -862,17 +882,18 @@ impl Control {
     async fn drain_one(
         &self,
         m: &PlannedMove,
-        option: ferry_api::MigrationOption,
+        option: Option<ferry_api::MigrationOption>,
         tx: &tokio::sync::mpsc::Sender<DrainEvent>,
     ) -> Result<ferry_api::MigrationReport, ApiError> {
         // a drain may move onto hosts only it reserved, so no draining check here
         let target = self.host(&m.to)?;
         let (source, _) = self.locate(&m.vm).await?;
+        let (option, convergence) = self.migration_policy(&source, option, Default::default())?;
         let mreq = MigrateRequest {
             target: m.to.clone(),
             target_url: target.base().to_string(),
             option,
-            convergence: Default::default(),
+            convergence,
         };
         let mut events = self
             .host(&source)?

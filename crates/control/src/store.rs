@@ -337,7 +337,8 @@ mod tests {
             s.put_settings(
                 "host3",
                 &HostSettings {
-                    max_migrations: MigrationLimit::Fixed(3),
+                    max_migrations: Some(MigrationLimit::Fixed(3)),
+                    ..Default::default()
                 },
             )
             .await
@@ -352,7 +353,7 @@ mod tests {
             BTreeSet::from(["host1".to_string()])
         );
         assert_eq!(
-            s.settings().await.unwrap()["host3"].max_migrations,
+            s.settings().await.unwrap()["host3"].max_migrations.unwrap(),
             MigrationLimit::Fixed(3)
         );
         let ev = s.events(10).await.unwrap();
