@@ -16,6 +16,7 @@
 //! | POST | /validate/path | largest don't-fragment packet to a peer |
 //! | POST, GET | /validate/sink, /validate/sink/{port} | throughput sink and its count |
 //! | POST | /validate/send | send to a peer's sink for a while |
+//! | GET/PUT | /bandwidth | classes enforced here and their rates / set the policy (body: `BandwidthPolicy`) |
 
 use std::sync::Arc;
 
@@ -82,6 +83,17 @@ async fn migrate(
         Ok(rx) => ndjson(ReceiverStream(rx)),
         Err(e) => ErrorResponse(e).into_response(),
     }
+}
+
+async fn bandwidth(State(a): State<Arc<Agent>>) -> R<ferry_api::bandwidth::HostBandwidth> {
+    Ok(Json(a.bandwidth().await?))
+}
+
+async fn set_bandwidth(
+    State(a): State<Arc<Agent>>,
+    ApiJson(p): ApiJson<ferry_api::bandwidth::BandwidthPolicy>,
+) -> R<ferry_api::bandwidth::HostBandwidth> {
+    Ok(Json(a.set_bandwidth(p).await?))
 }
 
 async fn incoming(
@@ -168,6 +180,7 @@ pub fn router(agent: Arc<Agent>) -> Router {
         .route("/validate/sink", post(open_sink))
         .route("/validate/sink/{port}", get(sink_result))
         .route("/validate/send", post(send))
+        .route("/bandwidth", get(bandwidth).put(set_bandwidth))
         .with_state(agent);
     Router::new()
         .nest(ferry_api::API_PREFIX, api)
@@ -179,6 +192,18 @@ pub fn router(agent: Arc<Agent>) -> Router {
 pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(agent.cfg.listen).await?;
     tracing::info!(host = %agent.cfg.name, listen = %agent.cfg.listen, "agent serving");
+    let classes = agent.classes.clone();
+    tokio::spawn(async move {
+        // bandwidth classes follow NICs going down and up, and rates
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            let c = classes.clone();
+            let _ = tokio::task::spawn_blocking(move || {
+                c.lock().unwrap_or_else(|e| e.into_inner()).reconcile()
+            })
+            .await;
+        }
+    });
     let reaper = agent.clone();
     tokio::spawn(async move {
         loop {

@@ -12,8 +12,9 @@
 pub trait DataPath: Send + Sync {
     /// Name reported in migration reports (`qemu-tcp`, …).
     fn name(&self) -> &'static str;
-    /// URI for the target's `migrate-incoming`, on the chosen NIC's address.
-    /// Port 0 lets QEMU pick a free port, read back by [`DataPath::source_uri`].
+    /// URI for the target's `migrate-incoming`, on the chosen NIC's address,
+    /// on a free migration port (where traffic classes recognize live
+    /// migration); read back by [`DataPath::source_uri`].
     fn incoming_uri(&self, nic_addr: &str) -> String;
     /// URI the source QEMU sends to, from the address QEMU reports listening on.
     fn source_uri(&self, host: &str, port: &str) -> String;
@@ -27,7 +28,12 @@ impl DataPath for QemuTcp {
         "qemu-tcp"
     }
     fn incoming_uri(&self, nic_addr: &str) -> String {
-        format!("tcp:{nic_addr}:0")
+        let port = nic_addr
+            .parse()
+            .ok()
+            .and_then(|a| ferry_api::bandwidth::free_migration_port(a, rand::random()).ok())
+            .unwrap_or(0);
+        format!("tcp:{nic_addr}:{port}")
     }
     fn source_uri(&self, host: &str, port: &str) -> String {
         format!("tcp:{host}:{port}")
@@ -41,7 +47,13 @@ mod tests {
     #[test]
     fn tcp_uris() {
         let d = QemuTcp;
-        assert_eq!(d.incoming_uri("198.18.1.12"), "tcp:198.18.1.12:0");
+        let uri = d.incoming_uri("127.0.0.1");
+        let port: u16 = uri.rsplit(':').next().unwrap().parse().unwrap();
+        assert_eq!(
+            port & ferry_api::bandwidth::MIGRATION_PORT_MASK,
+            ferry_api::bandwidth::MIGRATION_PORT_BASE,
+            "{uri}"
+        );
         assert_eq!(
             d.source_uri("198.18.1.12", "40000"),
             "tcp:198.18.1.12:40000"

@@ -59,15 +59,20 @@ pub struct Agent {
     pub cred: ferry_api::auth::Credential,
     pub state: tokio::sync::Mutex<HostState>,
     pub sinks: crate::validate::Sinks,
+    /// Bandwidth classes on this host's NICs.
+    pub classes: Arc<std::sync::Mutex<crate::classes::Classes>>,
 }
 
 impl Agent {
     pub fn new(cfg: AgentConfig, cred: ferry_api::auth::Credential) -> Arc<Agent> {
         Arc::new(Agent {
-            cfg,
             cred,
             state: Default::default(),
             sinks: Default::default(),
+            classes: Arc::new(std::sync::Mutex::new(crate::classes::Classes::new(
+                cfg.nic_rate,
+            ))),
+            cfg,
         })
     }
 
@@ -290,7 +295,44 @@ impl Agent {
             memory_free: self.cfg.memory.saturating_sub(reserved),
             nics: nics(),
             vms,
+            bandwidth: self
+                .classes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .policy()
+                .clone(),
         }
+    }
+
+    /// Sets the bandwidth policy and applies it at once.
+    pub async fn set_bandwidth(
+        &self,
+        p: ferry_api::bandwidth::BandwidthPolicy,
+    ) -> Result<ferry_api::bandwidth::HostBandwidth, ApiError> {
+        p.check()?;
+        let classes = self.classes.clone();
+        let host = self.cfg.name.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut c = classes.lock().unwrap_or_else(|e| e.into_inner());
+            c.set_policy(p);
+            c.reconcile();
+            c.status(&host)
+        })
+        .await
+        .map_err(ApiError::internal)
+    }
+
+    pub async fn bandwidth(&self) -> Result<ferry_api::bandwidth::HostBandwidth, ApiError> {
+        let classes = self.classes.clone();
+        let host = self.cfg.name.clone();
+        tokio::task::spawn_blocking(move || {
+            classes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .status(&host)
+        })
+        .await
+        .map_err(ApiError::internal)
     }
 }
 

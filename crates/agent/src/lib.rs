@@ -11,10 +11,12 @@
 //! - [`convergence`]: will pre-copy converge, and when (a pure model).
 //! - [`datapath`]: the seam where a migration's bytes leave QEMU (today QEMU's
 //!   own TCP stream over one NIC; Ferry's multi-NIC transport plugs in here).
+//! - [`classes`]: bandwidth per traffic class, enforced with HTB on each NIC.
 //! - [`validate`]: facts and probes for `ferry host validate`.
 //! - [`api`]: the authenticated HTTP API the control service and peer agents call.
 
 pub mod api;
+pub mod classes;
 pub mod convergence;
 pub mod datapath;
 pub mod host;

@@ -598,6 +598,19 @@ impl Agent {
                 .await;
             }
             if now > deadline && !pausing {
+                if ram.dirty_sync_count <= 1 {
+                    // still on the first pass: the path is too slow for the
+                    // timeout, whatever the guest does
+                    return Err(fail(
+                        "copy",
+                        format!(
+                            "the first pass over memory did not finish within {} s ({} of {} MB left; {rates}); allow more --timeout-per-gib or more bandwidth",
+                            timeout.as_secs(),
+                            ram.remaining / 1_000_000,
+                            ram.total / 1_000_000
+                        ),
+                    ));
+                }
                 let advice = if conv.throttle {
                     "allow post-copy"
                 } else {

@@ -14,6 +14,7 @@
 //! - [`client`]: an authenticated HTTP client with NDJSON event streams.
 
 pub mod auth;
+pub mod bandwidth;
 pub mod client;
 pub mod drain;
 pub mod error;

@@ -34,6 +34,9 @@ pub struct HostInfo {
     pub memory_free: u64,
     pub nics: Vec<NicInfo>,
     pub vms: Vec<VmInfo>,
+    /// The bandwidth policy this host enforces.
+    #[serde(default)]
+    pub bandwidth: crate::bandwidth::BandwidthPolicy,
 }
 
 /// One entry of the control service's event log.

@@ -5,6 +5,7 @@
 //! (`ferry_api::client`); `ferry lab` manages the local lab directly because
 //! it creates the machines the control service runs on.
 
+mod bandwidth_cmd;
 mod daemons;
 mod demo;
 mod lab_cmd;
@@ -55,6 +56,9 @@ enum Cmd {
     /// Storage QoS: policies, flows, settings.
     #[command(subcommand)]
     Qos(storage_cmd::QosCmd),
+    /// Bandwidth per traffic class (live-migration, storage, default) on every NIC.
+    #[command(subcommand)]
+    Bandwidth(bandwidth_cmd::BandwidthCmd),
     /// The control service's event log: migrations, drains, hosts down and up, storage changes.
     Events {
         #[arg(long, default_value_t = 50)]
@@ -137,6 +141,7 @@ fn main() {
             Cmd::Host(c) => vm_cmd::run_host(&cli, c).await,
             Cmd::Disk(c) => storage_cmd::run_disk(&cli, c).await,
             Cmd::Qos(c) => storage_cmd::run_qos(&cli, c).await,
+            Cmd::Bandwidth(c) => bandwidth_cmd::run(&cli, c).await,
             Cmd::Events { limit, json } => vm_cmd::events(&cli, *limit, *json).await,
             Cmd::Demo(a) => demo::run(&cli, a).await,
             Cmd::Agent(a) => daemons::agent(a).await,

@@ -26,6 +26,8 @@
 //! | GET | /qos/flows | Storage(ListFlows) |
 //! | GET | /storage/nodes | Storage(ListNodes): storage nodes and whether they answer |
 //! | GET/PUT | /qos/settings | Storage(GetSettings / SetSettings) (body: `QosSettings`) |
+//! | GET | /bandwidth | ListBandwidth: the policy, and per host and NIC each class's rate, ceiling and current rate |
+//! | PUT | /bandwidth | SetBandwidth (body: `BandwidthSetRequest`) |
 //! | GET | /events | Events (query `limit`, default 100): the event log, oldest first |
 //! | GET | /metrics (no prefix) | Metrics: Prometheus text of hosts, NICs, migrations, drains, flows |
 
@@ -240,6 +242,15 @@ pub fn router(control: Arc<Control>, cred: Credential) -> Router {
         .route("/hosts/{host}/drain", post(drain))
         .route("/hosts/{host}/resume", post(resume))
         .route("/hosts/{host}/settings", axum::routing::put(set_host))
+        .route(
+            "/bandwidth",
+            get(|State(c): S| async move { run(&c, Command::ListBandwidth).await }).put(
+                |State(c): S,
+                 ApiJson(req): ApiJson<ferry_api::bandwidth::BandwidthSetRequest>| async move {
+                    run(&c, Command::SetBandwidth(req)).await
+                },
+            ),
+        )
         .route(
             "/events",
             get(

@@ -8,6 +8,7 @@
 //! stale. Durable cluster state (SQLite/etcd), heartbeats and the event log
 //! grow here.
 
+pub mod bandwidth;
 pub mod drain;
 pub mod http;
 pub mod metrics;
@@ -77,6 +78,9 @@ pub enum Command {
     Events {
         limit: usize,
     },
+    /// Bandwidth classes: the policy and what each host enforces and sends.
+    ListBandwidth,
+    SetBandwidth(ferry_api::bandwidth::BandwidthSetRequest),
 }
 
 /// What a command produces: one JSON value, or a stream of events (one JSON
@@ -118,6 +122,8 @@ pub struct Control {
     /// Hosts being drained (or drained and not resumed): they take no VMs.
     draining: std::sync::Mutex<std::collections::BTreeSet<String>>,
     settings: std::sync::Mutex<BTreeMap<String, HostSettings>>,
+    /// The cluster's bandwidth classes (see [`bandwidth`]).
+    bandwidth: std::sync::Mutex<ferry_api::bandwidth::BandwidthPolicy>,
 }
 
 impl Control {
@@ -151,6 +157,7 @@ impl Control {
             last_validation: Default::default(),
             draining: Default::default(),
             settings: Default::default(),
+            bandwidth: Default::default(),
         }
     }
 
@@ -168,7 +175,7 @@ impl Control {
         let settings = self.store.settings().await?;
         *lock(&self.draining) = draining;
         *lock(&self.settings) = settings;
-        Ok(())
+        self.reload_bandwidth().await
     }
 
     /// Appends to the event log; a log that cannot be written is reported
@@ -190,6 +197,7 @@ impl Control {
             tracing::warn!("control state: {e}");
         }
         let hosts = self.list_hosts().await;
+        self.align_bandwidth(&hosts).await;
         {
             let mut down = lock(&self.down);
             for h in &hosts {
@@ -307,6 +315,8 @@ impl Control {
                 self.log("resume", &host, r.clone());
                 value(r)
             }
+            Command::ListBandwidth => value(self.list_bandwidth().await?),
+            Command::SetBandwidth(req) => value(self.set_bandwidth(req).await?),
             Command::SetHost { host, settings } => {
                 self.host(&host)?;
                 let settings = lock(&self.settings)

@@ -8,10 +8,12 @@
 //! - **etcd** (`--store etcd://HOST:PORT`), so several control instances
 //!   share one state and any of them can be lost. Keys:
 //!   `/ferry/hosts/NAME/draining`, `/ferry/hosts/NAME/settings` (JSON),
+//!   `/ferry/cluster/KEY` (JSON, e.g. `bandwidth`),
 //!   `/ferry/events/AT_MS-RANDOM` (JSON; the etcd revision is the event id).
 //!
 //! ```sql
 //! CREATE TABLE hosts  (name TEXT PRIMARY KEY, draining INTEGER NOT NULL, settings TEXT);
+//! CREATE TABLE cluster (key TEXT PRIMARY KEY, value TEXT NOT NULL);  -- e.g. bandwidth
 //! CREATE TABLE events (id INTEGER PRIMARY KEY, at_ms INTEGER NOT NULL, kind TEXT NOT NULL,
 //!                      subject TEXT NOT NULL, detail TEXT NOT NULL);
 //! ```
@@ -44,6 +46,7 @@ fn etcd(e: etcd_client::Error) -> ApiError {
 
 const HOSTS: &str = "/ferry/hosts/";
 const EVENTS: &str = "/ferry/events/";
+const CLUSTER: &str = "/ferry/cluster/";
 
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
@@ -95,6 +98,7 @@ impl Store {
              PRAGMA synchronous=NORMAL;
              CREATE TABLE IF NOT EXISTS hosts (
                  name TEXT PRIMARY KEY, draining INTEGER NOT NULL DEFAULT 0, settings TEXT);
+             CREATE TABLE IF NOT EXISTS cluster (key TEXT PRIMARY KEY, value TEXT NOT NULL);
              CREATE TABLE IF NOT EXISTS events (
                  id INTEGER PRIMARY KEY, at_ms INTEGER NOT NULL, kind TEXT NOT NULL,
                  subject TEXT NOT NULL, detail TEXT NOT NULL);",
@@ -171,6 +175,59 @@ impl Store {
                     c.delete(key, None).await.map(|_| ()).map_err(etcd)
                 }
             }
+        }
+    }
+
+    /// A cluster-wide setting (e.g. `bandwidth`), JSON; `None` if never set.
+    pub async fn cluster<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &str,
+    ) -> Result<Option<T>, ApiError> {
+        let json: Option<String> = match &self.0 {
+            Backend::Sqlite(m) => {
+                let c = Self::sql(m);
+                let mut st = c
+                    .prepare("SELECT value FROM cluster WHERE key = ?1")
+                    .map_err(db)?;
+                let mut rows = st
+                    .query_map(params![key], |r| r.get::<_, String>(0))
+                    .map_err(db)?;
+                rows.next().transpose().map_err(db)?
+            }
+            Backend::Etcd(c) => {
+                let r = c
+                    .clone()
+                    .get(format!("{CLUSTER}{key}"), None)
+                    .await
+                    .map_err(etcd)?;
+                r.kvs()
+                    .first()
+                    .map(|kv| kv.value_str().unwrap_or_default().to_string())
+            }
+        };
+        json.map(|j| {
+            serde_json::from_str(&j).map_err(|e| ApiError::internal(format!("cluster {key}: {e}")))
+        })
+        .transpose()
+    }
+
+    pub async fn put_cluster<T: serde::Serialize>(&self, key: &str, v: &T) -> Result<(), ApiError> {
+        let json = serde_json::to_string(v).map_err(ApiError::internal)?;
+        match &self.0 {
+            Backend::Sqlite(m) => Self::sql(m)
+                .execute(
+                    "INSERT INTO cluster (key, value) VALUES (?1, ?2)
+                     ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                    params![key, json],
+                )
+                .map(|_| ())
+                .map_err(db),
+            Backend::Etcd(c) => c
+                .clone()
+                .put(format!("{CLUSTER}{key}"), json, None)
+                .await
+                .map(|_| ())
+                .map_err(etcd),
         }
     }
 
@@ -343,6 +400,9 @@ mod tests {
             )
             .await
             .unwrap();
+            s.put_cluster("bandwidth", &serde_json::json!({"classes": []}))
+                .await
+                .unwrap();
             s.log("resume", "host2", serde_json::json!({"was_draining": true}))
                 .await
                 .unwrap();
@@ -356,6 +416,11 @@ mod tests {
             s.settings().await.unwrap()["host3"].max_migrations.unwrap(),
             MigrationLimit::Fixed(3)
         );
+        assert_eq!(
+            s.cluster::<serde_json::Value>("bandwidth").await.unwrap(),
+            Some(serde_json::json!({"classes": []}))
+        );
+        assert_eq!(s.cluster::<serde_json::Value>("none").await.unwrap(), None);
         let ev = s.events(10).await.unwrap();
         assert_eq!(ev.len(), 1);
         assert_eq!(

@@ -160,6 +160,19 @@ pub struct Session {
     inner: Arc<Inner>,
 }
 
+/// A listener on one of the migration ports (where traffic classes
+/// recognize live migration), starting the search at a random port.
+async fn bind_migration_port(addr: std::net::IpAddr) -> std::io::Result<TcpListener> {
+    let mut last = None;
+    for p in ferry_api::bandwidth::migration_ports(rand::random()) {
+        match TcpListener::bind((addr, p)).await {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::from(std::io::ErrorKind::AddrInUse)))
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -233,7 +246,7 @@ impl Session {
         let s = Session::new(session, secret, Some(connect_to));
         let mut bound = Vec::new();
         for (nic, addr) in nics {
-            let l = TcpListener::bind((addr, 0))
+            let l = bind_migration_port(addr)
                 .await
                 .map_err(io(format!("listening on {nic} {addr}")))?;
             bound.push((nic.clone(), l.local_addr().map_err(io(nic.clone()))?));
