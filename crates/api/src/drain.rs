@@ -162,6 +162,12 @@ pub enum DrainEvent {
         limit: u32,
         reason: String,
     },
+    /// Every 2 s while bandwidth classes are set: what each class of the
+    /// drained host sends per NIC.
+    Classes {
+        host: String,
+        nics: Vec<crate::bandwidth::NicClasses>,
+    },
     Done(DrainReport),
 }
 

@@ -332,7 +332,7 @@ fn yes() -> bool {
     true
 }
 fn default_timeout_per_gib() -> u64 {
-    60
+    150
 }
 fn default_max_downtime() -> u64 {
     300

@@ -78,7 +78,7 @@ pub enum VmCmd {
 
 /// Convergence flags, for one move (`vm move`) or as a host's default
 /// (`host set`); what is not given comes from the host, then the defaults
-/// (throttle allow, post-copy forbid, 60 s per GiB, 300 ms downtime).
+/// (throttle allow, post-copy forbid, 150 s per GiB, 300 ms downtime).
 #[derive(clap::Args, Clone)]
 pub struct ConvergenceArgs {
     /// If pre-copy does not converge: switch to post-copy (allow) or not (forbid).
@@ -857,6 +857,21 @@ pub async fn drain_host(
                 say(&mp, format!("  limit       {limit}: {reason}"))
             }
             DrainEvent::Warning { message } => say(&mp, format!("  warning     {message}")),
+            DrainEvent::Classes { nics, .. } => {
+                let per_nic: Vec<String> = nics
+                    .iter()
+                    .filter(|n| n.up && !n.classes.is_empty())
+                    .map(|n| {
+                        let c: Vec<String> = n
+                            .classes
+                            .iter()
+                            .map(|c| format!("{} {:.0}", c.class.name(), c.tx_rate / 1e6))
+                            .collect();
+                        format!("{}: {}", n.nic, c.join(", "))
+                    })
+                    .collect();
+                overall.set_message(format!("Mbit/s {}", per_nic.join(" | ")));
+            }
             DrainEvent::Done(r) => {
                 overall.finish_and_clear();
                 if !json {

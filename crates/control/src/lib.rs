@@ -781,6 +781,32 @@ impl Control {
                 limit,
             })
             .await;
+        // per-class rates of the drained host, while classes are set
+        let classes = {
+            let me = self.clone();
+            let (host, tx) = (host.clone(), tx.clone());
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    if me.bandwidth_policy().classes.is_empty() {
+                        continue;
+                    }
+                    let Ok(c) = me.host(&host) else { break };
+                    if let Ok(b) = c
+                        .get::<ferry_api::bandwidth::HostBandwidth>("/bandwidth", AGENT_TIMEOUT)
+                        .await
+                    {
+                        let ev = DrainEvent::Classes {
+                            host: host.clone(),
+                            nics: b.nics,
+                        };
+                        if tx.send(ev).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            })
+        };
         let mut queue: std::collections::VecDeque<(PlannedMove, u32, Vec<String>)> =
             moves.into_iter().map(|m| (m, 1, Vec::new())).collect();
         let mut running = tokio::task::JoinSet::new();
@@ -885,6 +911,7 @@ impl Control {
             total_ms: started.elapsed().as_millis() as u64,
             limits,
         };
+        classes.abort();
         let _ = tx.send(DrainEvent::Done(report)).await;
     }
 
