@@ -7,7 +7,7 @@ drain host1 --max-parallel 4` starts; 3 s later fio writes 1 MiB blocks to the
 NBD export from host1 for --fio-secs (host1 → host2 over nic1, the same NIC the
 migrations' carriers use). Scenarios: no classes; classes (live-migration
 --max 60% --min 30%, storage --min 40%); and both again with host1's nic2 cut
-when fio starts, so nic1 carries everything. Reported: storage Mbit/s and its
+while fio runs, so nic1 carries everything (put back when fio ends). Reported: storage Mbit/s and its
 share of nic1, the live-migration class's rate on nic1 (from `ferry bandwidth
 list`, sampled each second while fio runs), drain time.
 
@@ -68,6 +68,9 @@ def scenario(a, classes, cut):
 
     def drain():
         out = ferry("host", "drain", "host1", "--max-parallel", "4", "--json", check=False)
+        if a.events:
+            with open(a.events, "a") as f:
+                f.write(out)
         result["done"] = json.loads(out.strip().splitlines()[-1])
 
     t = threading.Thread(target=drain)
@@ -89,9 +92,10 @@ def scenario(a, classes, cut):
     storage = fio(a.fio_secs)
     stop.set()
     s.join()
-    t.join()
     if cut:
+        # the cable goes back once the storage share is measured
         ferry("lab", "link", "host1", "nic2", "up")
+    t.join()
     nbd.kill()
     done = result["done"]
     assert done["event"] == "done" and len(done["moved"]) == a.vms, done
@@ -106,10 +110,15 @@ def main():
     ap.add_argument("--fill", default="384M")
     ap.add_argument("--rate", default="300mbit")
     ap.add_argument("--fio-secs", type=int, default=10)
+    ap.add_argument("--only", help="run one scenario: none, classes, none-cut, classes-cut")
+    ap.add_argument("--events", help="append each drain's NDJSON events to this file")
     a = ap.parse_args()
     rate = float(a.rate.replace("gbit", "e9").replace("mbit", "e6"))
     rows = []
-    for classes, cut in [(False, False), (True, False), (False, True), (True, True)]:
+    all_ = {"none": (False, False), "classes": (True, False), "none-cut": (False, True), "classes-cut": (True, True)}
+    for key, (classes, cut) in all_.items():
+        if a.only and a.only != key:
+            continue
         storage, lm, secs = scenario(a, classes, cut)
         name = ("classes" if classes else "no classes") + (", nic2 cut" if cut else "")
         print(f"{name}: storage {storage / 1e6:.0f} Mbit/s ({storage / rate:.2f} of nic1), "

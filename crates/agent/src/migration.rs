@@ -479,7 +479,11 @@ impl Agent {
 
         // 6-8. copy, iterate, blackout
         let timeout = conv.timeout(spec.memory);
-        let deadline = Instant::now() + timeout;
+        // the timeout measures convergence: it starts when the first pass
+        // over memory is done (that pass is a plain copy at the path's rate,
+        // watched by the stall watchdog), so a slow or shared path does not
+        // fail a guest that would converge
+        let mut deadline: Option<Instant> = None;
         let mut postcopy = false;
         let mut pausing = false;
         let mut rounds = convergence::Rounds::default();
@@ -514,6 +518,10 @@ impl Agent {
                 _ => {}
             }
             let now = Instant::now();
+            if deadline.is_none() && ram.dirty_sync_count >= 2 {
+                deadline = Some(now + timeout);
+            }
+            let expired = deadline.is_some_and(|d| now > d);
             let throttle = info.cpu_throttle_percentage.unwrap_or(0);
             max_throttle = max_throttle.max(throttle);
             // rates over the last 2 s: what the path moves vs what the guest dirties
@@ -556,7 +564,7 @@ impl Agent {
                 // throttling gets 10 s to show it helps before the switch
                 if (not_converging >= 30 && throttled_out)
                     || not_converging >= 100
-                    || (now > deadline && expiry == AtExpiry::Postcopy)
+                    || (expired && expiry == AtExpiry::Postcopy)
                 {
                     qmp.start_postcopy().await.map_err(q("postcopy"))?;
                     postcopy = true;
@@ -574,7 +582,7 @@ impl Agent {
                 ev.send(p).await;
                 continue;
             }
-            if now > deadline && !pausing && expiry == AtExpiry::Pause {
+            if expired && !pausing && expiry == AtExpiry::Pause {
                 // pause-and-copy: QEMU stops the guest at its next iteration and
                 // copies what remains; the downtime is remaining ÷ path rate
                 qmp.set_parameters(MigrationParameters {
@@ -590,27 +598,14 @@ impl Agent {
                 ev.step(
                     "pause-and-copy",
                     format!(
-                        "pre-copy did not converge within {} s ({rates}); the guest is paused while the remaining {} MB are copied ({pause})",
+                        "pre-copy did not converge within {} s after the first pass ({rates}); the guest is paused while the remaining {} MB are copied ({pause})",
                         timeout.as_secs(),
                         ram.remaining / 1_000_000
                     ),
                 )
                 .await;
             }
-            if now > deadline && !pausing {
-                if ram.dirty_sync_count <= 1 {
-                    // still on the first pass: the path is too slow for the
-                    // timeout, whatever the guest does
-                    return Err(fail(
-                        "copy",
-                        format!(
-                            "the first pass over memory did not finish within {} s ({} of {} MB left; {rates}); allow more --timeout-per-gib or more bandwidth",
-                            timeout.as_secs(),
-                            ram.remaining / 1_000_000,
-                            ram.total / 1_000_000
-                        ),
-                    ));
-                }
+            if expired && !pausing {
                 let advice = if conv.throttle {
                     "allow post-copy"
                 } else {
@@ -619,7 +614,7 @@ impl Agent {
                 return Err(fail(
                     "copy",
                     format!(
-                        "pre-copy did not converge within {} s: {rates}; {advice}",
+                        "pre-copy did not converge within {} s after the first pass: {rates}; {advice}",
                         timeout.as_secs()
                     ),
                 ));

@@ -885,7 +885,11 @@ impl Control {
                             queue.push_back((PlannedMove { to, ..m }, attempt + 1, tried));
                         }
                         None => {
-                            let reason = format!("{e}; it keeps running on {host}");
+                            // a migration error already says where the VM runs
+                            let reason = match &e {
+                                ApiError::MigrationFailed { .. } => e.to_string(),
+                                _ => format!("{e}; it keeps running on {host}"),
+                            };
                             let _ = tx
                                 .send(DrainEvent::Failed {
                                     vm: m.vm.clone(),
