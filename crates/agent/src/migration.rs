@@ -90,6 +90,8 @@ enum Plan {
     Multichannel {
         session: ferry_transport::Session,
         sock: std::path::PathBuf,
+        /// `multichannel` or `compression`.
+        option: &'static str,
     },
 }
 
@@ -286,6 +288,13 @@ impl Agent {
             .iter()
             .filter(|n| n.up && fabrics_up.contains(&n.fabric))
             .count();
+        // compression is tried (only when it wins) for auto and compression
+        let compress = match req.option {
+            MigrationOption::Auto | MigrationOption::Compression => {
+                ferry_transport::CompressMode::Adaptive
+            }
+            _ => ferry_transport::CompressMode::Off,
+        };
         let option = match req.option {
             MigrationOption::Auto if shared > 1 => MigrationOption::Multichannel,
             MigrationOption::Auto => MigrationOption::Tcp,
@@ -329,11 +338,16 @@ impl Agent {
         .await;
 
         let plan = match option {
-            MigrationOption::Multichannel => {
+            MigrationOption::Multichannel | MigrationOption::Compression => {
                 let sock = vm.dir.join(format!("out-{id}.sock"));
                 let mine = nics();
-                let carriers = reply
-                    .carriers
+                // compression is the one-NIC option: the target's first carrier
+                let offered = if option == MigrationOption::Compression {
+                    &reply.carriers[..reply.carriers.len().min(1)]
+                } else {
+                    &reply.carriers[..]
+                };
+                let carriers = offered
                     .iter()
                     .filter_map(|c| {
                         let n = mine.iter().find(|n| n.fabric == c.fabric)?;
@@ -356,7 +370,14 @@ impl Agent {
                 )
                 .await
                 {
-                    Ok(s) => Plan::Multichannel { session: s, sock },
+                    Ok(s) => {
+                        s.set_compression(compress);
+                        Plan::Multichannel {
+                            session: s,
+                            sock,
+                            option: option.name(),
+                        }
+                    }
                     Err(e) => {
                         self.roll_back(id, vm, &target, None).await;
                         return Err(fail("connection", error_chain(&e)));
@@ -369,17 +390,7 @@ impl Agent {
             },
         };
         let result = self
-            .transfer(
-                id,
-                spec,
-                vm,
-                &target,
-                &reply,
-                ev,
-                &plan,
-                req.convergence,
-                started,
-            )
+            .transfer(id, spec, vm, &target, ev, &plan, req.convergence, started)
             .await;
         let session = match &plan {
             Plan::Multichannel { session, .. } => Some(session),
@@ -392,7 +403,7 @@ impl Agent {
                 Err(f)
             }
         };
-        if let Plan::Multichannel { session, sock } = &plan {
+        if let Plan::Multichannel { session, sock, .. } = &plan {
             session.close();
             let _ = std::fs::remove_file(sock);
         }
@@ -407,7 +418,6 @@ impl Agent {
         spec: &VmSpec,
         vm: &Arc<QemuVm>,
         target: &Client,
-        reply: &IncomingReply,
         ev: &Events,
         plan: &Plan,
         conv: Convergence,
@@ -443,11 +453,12 @@ impl Agent {
                 uri.clone(),
                 format!("QEMU's TCP stream to {uri} over {nic}"),
             ),
-            Plan::Multichannel { session, sock } => {
+            Plan::Multichannel { session, sock, .. } => {
                 // carriers come up in the background; give them a moment so the
                 // first frames do not all go to whichever dialled first
                 for _ in 0..20 {
-                    if session.stats().healthy == reply.carriers.len() {
+                    let st = session.stats();
+                    if st.healthy == st.carriers.len() {
                         break;
                     }
                     tokio::time::sleep(Duration::from_millis(25)).await;
@@ -828,15 +839,18 @@ impl Agent {
                 0.0
             }
         };
-        let (option, data_path, nic_tx_bytes, carriers, frames_resent) = match plan {
+        let (option, data_path, nic_tx_bytes, carriers, frames_resent, compression) = match plan {
             Plan::Tcp { .. } => (
                 "tcp",
                 "qemu-tcp",
                 delta(&tx_before, &nic_tx()),
                 Vec::new(),
                 0,
+                Default::default(),
             ),
-            Plan::Multichannel { session, .. } => {
+            Plan::Multichannel {
+                session, option, ..
+            } => {
                 let st = carriers_at_end.unwrap_or_else(|| session.stats());
                 let carriers = st
                     .carriers
@@ -852,11 +866,12 @@ impl Agent {
                     })
                     .collect();
                 (
-                    "multichannel",
+                    *option,
                     "ferry-transport",
                     carrier_bytes(&st),
                     carriers,
                     st.frames_resent,
+                    st.compression.clone(),
                 )
             }
         };
@@ -882,6 +897,8 @@ impl Agent {
             nic_tx_bytes,
             carriers,
             frames_resent,
+            compression_ratio: compression.ratio(),
+            frames_compressed: compression.frames_compressed,
             rounds: ram.dirty_sync_count,
             phase: if postcopy {
                 "postcopy".into()
@@ -960,7 +977,7 @@ impl Agent {
             })?;
         let multichannel = match req.option {
             MigrationOption::Tcp => None,
-            MigrationOption::Multichannel => {
+            MigrationOption::Multichannel | MigrationOption::Compression => {
                 let id = req
                     .session
                     .as_deref()

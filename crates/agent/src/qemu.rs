@@ -84,8 +84,16 @@ impl QemuVm {
 
 fn kernel_cmdline(spec: &VmSpec) -> String {
     format!(
-        "console=ttyS0 quiet ferry.fill={} ferry.dirty={} ferry.verify={} ferry.seed={}",
-        spec.fill, spec.dirty_rate, spec.verify_rate, spec.seed
+        "console=ttyS0 quiet ferry.fill={} ferry.dirty={} ferry.verify={} ferry.seed={}{}",
+        spec.fill,
+        spec.dirty_rate,
+        spec.verify_rate,
+        spec.seed,
+        if spec.compressible {
+            " ferry.compressible=1"
+        } else {
+            ""
+        }
     )
 }
 
@@ -247,6 +255,7 @@ mod tests {
             seed: 7,
             vcpus: 1,
             disks: Vec::new(),
+            compressible: false,
         }
     }
 

@@ -99,6 +99,9 @@ pub struct VmSpec {
     /// [`MAX_VM_DISKS`]).
     #[serde(default)]
     pub disks: Vec<DiskPlug>,
+    /// The workload fills memory with a pattern that compresses (~7x).
+    #[serde(default)]
+    pub compressible: bool,
 }
 
 /// Most disks a VM takes (one hot-plug port each).
@@ -331,6 +334,9 @@ pub struct Convergence {
 fn yes() -> bool {
     true
 }
+fn one() -> f64 {
+    1.0
+}
 fn default_timeout_per_gib() -> u64 {
     150
 }
@@ -453,7 +459,11 @@ pub enum MigrationOption {
     Tcp,
     /// QEMU multifd over Ferry's transport on every healthy NIC.
     Multichannel,
-    /// Multichannel when more than one NIC pair is healthy, else tcp.
+    /// Ferry's transport over one NIC, frames compressed (LZ4) when that
+    /// wins: the link is the bottleneck, CPU is idle, the data shrinks.
+    Compression,
+    /// Multichannel when more than one NIC pair is healthy (frames
+    /// compressed when that wins), else tcp.
     #[default]
     Auto,
 }
@@ -463,6 +473,7 @@ impl MigrationOption {
         match self {
             MigrationOption::Tcp => "tcp",
             MigrationOption::Multichannel => "multichannel",
+            MigrationOption::Compression => "compression",
             MigrationOption::Auto => "auto",
         }
     }
@@ -611,6 +622,12 @@ pub struct MigrationReport {
     pub carriers: Vec<CarrierReport>,
     /// Multichannel: frames sent again after their carrier died.
     pub frames_resent: u64,
+    /// Ferry's transport: uncompressed bytes ÷ bytes sent (1.0 when nothing
+    /// was compressed), and how many DATA frames went compressed.
+    #[serde(default = "one")]
+    pub compression_ratio: f64,
+    #[serde(default)]
+    pub frames_compressed: u64,
     /// The last phase reached: `precopy`, `postcopy` or `pause-and-copy`.
     pub phase: String,
     /// The highest vCPU throttle QEMU applied, percent.
@@ -657,6 +674,7 @@ mod tests {
             seed: 1,
             vcpus: 1,
             disks: Vec::new(),
+            compressible: false,
         }
     }
 

@@ -42,6 +42,9 @@ pub enum VmCmd {
         verify_rate: String,
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Fill memory with a pattern that compresses (~7x) instead of not at all.
+        #[arg(long)]
+        compressible: bool,
         #[arg(long)]
         json: bool,
     },
@@ -64,8 +67,10 @@ pub enum VmCmd {
         #[arg(long)]
         to: String,
         /// Performance option: tcp (QEMU's one stream, one NIC), multichannel
-        /// (every healthy NIC through Ferry's transport), auto (default: the
-        /// source host's setting, else auto).
+        /// (every healthy NIC through Ferry's transport), compression (the
+        /// transport on one NIC, frames compressed when that wins), auto
+        /// (multichannel with compression when it wins; default: the source
+        /// host's setting, else auto).
         #[arg(long, value_enum)]
         option: Option<OptionArg>,
         #[command(flatten)]
@@ -155,6 +160,7 @@ pub enum Allow {
 pub enum OptionArg {
     Tcp,
     Multichannel,
+    Compression,
     Auto,
 }
 
@@ -163,6 +169,7 @@ impl From<OptionArg> for MigrationOption {
         match o {
             OptionArg::Tcp => MigrationOption::Tcp,
             OptionArg::Multichannel => MigrationOption::Multichannel,
+            OptionArg::Compression => MigrationOption::Compression,
             OptionArg::Auto => MigrationOption::Auto,
         }
     }
@@ -247,6 +254,7 @@ pub fn spec_from_args(
         seed,
         vcpus: 1,
         disks: Vec::new(),
+        compressible: false,
     };
     spec.validate().map_err(|e| match e {
         ApiError::InvalidArgument { field, reason } => ApiError::InvalidArgument {
@@ -269,9 +277,10 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             dirty_rate,
             verify_rate,
             seed,
+            compressible,
             json,
         } => {
-            let spec = spec_from_args(
+            let mut spec = spec_from_args(
                 name,
                 memory,
                 fill.as_deref(),
@@ -279,6 +288,7 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
                 verify_rate,
                 *seed,
             )?;
+            spec.compressible = *compressible;
             let vm: VmInfo = c
                 .post(
                     "/vms",

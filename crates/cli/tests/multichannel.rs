@@ -119,3 +119,54 @@ fn losing_every_nic_leaves_the_guest_on_the_source() {
     );
     assert_intact_on("mc3", "host3");
 }
+
+/// `--option compression` on a link shaped so it is the bottleneck: a guest
+/// whose memory compresses crosses one carrier with LZ4 frames, intact; a
+/// guest whose memory does not is sent as it is.
+#[test]
+fn compression_shrinks_what_compresses_and_leaves_the_rest() {
+    if !lab_available("compression_shrinks_what_compresses_and_leaves_the_rest") {
+        return;
+    }
+    let _g = serial();
+    lab(3, 2);
+    struct Restore;
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ferry(&["lab", "rate", "host1", "nic1", "1gbit"]);
+        }
+    }
+    let _restore = Restore;
+    ferry_ok(&["lab", "rate", "host1", "nic1", "200mbit"]);
+
+    remove_vm("cz1");
+    ferry_ok(&[
+        "vm",
+        "create",
+        "cz1",
+        "--host",
+        "host1",
+        "--memory",
+        "512M",
+        "--fill",
+        "384M",
+        "--compressible",
+    ]);
+    let _vm = VmGuard("cz1");
+    let r = move_vm("cz1", "host2", "compression");
+    assert_eq!(r["event"], "completed", "{r}");
+    assert_eq!(r["option"], "compression", "{r}");
+    assert_eq!(r["carriers"].as_array().unwrap().len(), 1, "one NIC: {r}");
+    assert!(r["frames_compressed"].as_u64().unwrap() > 0, "{r}");
+    assert!(r["compression_ratio"].as_f64().unwrap() > 2.0, "{r}");
+    assert_intact_on("cz1", "host2");
+
+    let _vm2 = VmGuard::create("cz2", "host1", "512M", "384M");
+    let r = move_vm("cz2", "host2", "compression");
+    assert_eq!(r["event"], "completed", "{r}");
+    assert!(
+        r["compression_ratio"].as_f64().unwrap() < 1.2,
+        "random memory does not compress: {r}"
+    );
+    assert_intact_on("cz2", "host2");
+}

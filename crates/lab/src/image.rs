@@ -28,7 +28,7 @@ for m in virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev virtio_p
 /bin/busybox insmod /lib/modules/$m.ko; done\n\
 exec /ferry-workload </dev/console >/dev/console 2>&1\n";
 /// Bumped when the image layout changes.
-const FORMAT: u32 = 2;
+const FORMAT: u32 = 3;
 /// Kernel modules the guest loads (in this order) for virtio disks.
 const MODULES: [&str; 6] = [
     "drivers/virtio/virtio_ring.ko",

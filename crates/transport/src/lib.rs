@@ -11,9 +11,11 @@
 //! - [`protocol`]: the wire format, versioned and authenticated, every field checked.
 //! - [`session`]: carriers, streams, scheduling, replay and failover.
 
+pub mod compress;
 pub mod protocol;
 pub mod session;
 
+pub use compress::{CompressionStats, Mode as CompressMode};
 pub use session::{CarrierStats, Session, SessionStats, TransportError};
 
 /// A session id as text (32 hex digits), as agents pass it in their API.

@@ -34,7 +34,7 @@
 //! ## Frames, 32-byte header then `len` payload bytes
 //! ```text
 //!   0  u8   kind: 1 DATA, 2 ACK, 3 OPEN, 4 FIN, 5 PING (0 is reserved as invalid)
-//!   1  u8   flags, 0
+//!   1  u8   flags: bit 0 LZ4 (DATA only: the payload is an LZ4 block); other bits 0
 //!   2  u16  stream (< MAX_STREAMS)
 //!   4  u32  len: payload bytes; ≤ MAX_PAYLOAD for DATA, 0 for every other kind
 //!   8  u64  id: DATA/OPEN/FIN: frame id (per direction, from 1, for diagnostics);
@@ -42,8 +42,13 @@
 //!           PING: sender's counter
 //!  16  u64  offset: DATA: the payload's offset in its stream; FIN: the stream's length
 //!  24  u32  CRC-32C of bytes 0..24 and the payload
-//!  28  u32  reserved, 0
+//!  28  u32  raw_len: with LZ4, the payload's length once decompressed
+//!           (1..=MAX_PAYLOAD; the receiver refuses a block that does not
+//!           decompress to exactly this); without, 0
 //! ```
+//! Compression is the sender's choice per frame (see `compress.rs`); `offset`
+//! and stream lengths always count uncompressed bytes. The CRC covers the
+//! payload as sent.
 //! DATA, OPEN and FIN are *reliable*: each is sent on one carrier and kept in
 //! the sender's replay buffer until that carrier's ACK count covers it (TCP
 //! keeps a carrier's frames in order, so a count suffices); if the carrier
@@ -74,6 +79,8 @@ pub const MAX_CARRIERS: u8 = 16;
 pub const MAX_STREAMS: u16 = 64;
 pub const HEARTBEAT: Duration = Duration::from_millis(100);
 pub const DEAD_AFTER: Duration = Duration::from_millis(500);
+/// Frame flag: the DATA payload is an LZ4 block of `raw_len` bytes.
+pub const FLAG_LZ4: u8 = 1;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProtocolError {
@@ -99,6 +106,12 @@ pub enum ProtocolError {
     BadLength { kind: Kind, len: u32, max: u32 },
     #[error("Frame checksum mismatch: corrupted in transit")]
     BadChecksum,
+    #[error("Unknown frame flags {0:#04x}")]
+    BadFlags(u8),
+    #[error("Compressed frame: raw length {0} is not 1..=MAX_PAYLOAD")]
+    BadRawLength(u32),
+    #[error("Compressed frame does not decompress to its raw length: {0}")]
+    BadCompression(String),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -259,6 +272,8 @@ pub struct Header {
     pub id: u64,
     pub offset: u64,
     pub crc: u32,
+    /// LZ4-compressed DATA: the length once decompressed; else 0.
+    pub raw_len: u32,
 }
 
 impl Header {
@@ -270,6 +285,7 @@ impl Header {
             id,
             offset,
             crc: 0,
+            raw_len: 0,
         }
     }
 }
@@ -285,6 +301,10 @@ pub fn encode_frame(h: &Header, payload: &[u8], out: &mut BytesMut) {
 pub fn encode_header(h: &Header, payload: &[u8], out: &mut BytesMut) {
     let mut head = [0u8; HEADER_LEN];
     head[0] = h.kind as u8;
+    if h.raw_len > 0 {
+        head[1] = FLAG_LZ4;
+        head[28..32].copy_from_slice(&h.raw_len.to_le_bytes());
+    }
     head[2..4].copy_from_slice(&h.stream.to_le_bytes());
     head[4..8].copy_from_slice(&(payload.len() as u32).to_le_bytes());
     head[8..16].copy_from_slice(&h.id.to_le_bytes());
@@ -299,16 +319,21 @@ pub fn encode_header(h: &Header, payload: &[u8], out: &mut BytesMut) {
 pub fn decode_header(b: &[u8; HEADER_LEN]) -> Result<Header, ProtocolError> {
     let mut r = &b[..];
     let kind = Kind::from_u8(r.get_u8())?;
-    if r.get_u8() != 0 {
-        return Err(ProtocolError::Reserved("flags"));
+    let flags = r.get_u8();
+    if flags & !FLAG_LZ4 != 0 || (flags != 0 && kind != Kind::Data) {
+        return Err(ProtocolError::BadFlags(flags));
     }
     let stream = r.get_u16_le();
     let len = r.get_u32_le();
     let id = r.get_u64_le();
     let offset = r.get_u64_le();
     let crc = r.get_u32_le();
-    if r.get_u32_le() != 0 {
+    let raw_len = r.get_u32_le();
+    if flags & FLAG_LZ4 == 0 && raw_len != 0 {
         return Err(ProtocolError::Reserved("header"));
+    }
+    if flags & FLAG_LZ4 != 0 && (raw_len == 0 || raw_len as usize > MAX_PAYLOAD) {
+        return Err(ProtocolError::BadRawLength(raw_len));
     }
     if stream >= MAX_STREAMS {
         return Err(ProtocolError::BadStream(stream));
@@ -329,7 +354,26 @@ pub fn decode_header(b: &[u8; HEADER_LEN]) -> Result<Header, ProtocolError> {
         id,
         offset,
         crc,
+        raw_len,
     })
+}
+
+/// The payload as the stream carries it: decompressed if the frame was
+/// compressed, checked to be exactly `raw_len` bytes.
+pub fn unpack_payload(h: &Header, payload: Bytes) -> Result<Bytes, ProtocolError> {
+    if h.raw_len == 0 {
+        return Ok(payload);
+    }
+    let raw = lz4_flex::block::decompress(&payload, h.raw_len as usize)
+        .map_err(|e| ProtocolError::BadCompression(e.to_string()))?;
+    if raw.len() != h.raw_len as usize {
+        return Err(ProtocolError::BadCompression(format!(
+            "{} bytes, not {}",
+            raw.len(),
+            h.raw_len
+        )));
+    }
+    Ok(Bytes::from(raw))
 }
 
 /// Checks a frame's CRC against its header bytes and payload.
@@ -355,7 +399,8 @@ pub fn decode_frame(buf: &[u8]) -> Result<Option<(Header, Bytes, usize)>, Protoc
     }
     let payload = &buf[HEADER_LEN..total];
     check_crc(&head, payload)?;
-    Ok(Some((h, Bytes::copy_from_slice(payload), total)))
+    let payload = unpack_payload(&h, Bytes::copy_from_slice(payload))?;
+    Ok(Some((h, payload, total)))
 }
 
 #[cfg(test)]
@@ -442,6 +487,53 @@ mod tests {
     }
 
     #[test]
+    fn compressed_frames_round_trip_and_lying_sizes_are_refused() {
+        let raw: Vec<u8> = (0..100_000u32).map(|i| (i % 7) as u8).collect();
+        let packed = lz4_flex::block::compress(&raw);
+        assert!(packed.len() < raw.len() / 10);
+        let mut h = Header::new(Kind::Data, 1, 5, 8192);
+        h.raw_len = raw.len() as u32;
+        let mut out = BytesMut::new();
+        encode_frame(&h, &packed, &mut out);
+        let (d, p, used) = decode_frame(&out).unwrap().unwrap();
+        assert_eq!(
+            (d.raw_len, d.offset, used),
+            (raw.len() as u32, 8192, out.len())
+        );
+        assert_eq!(&p[..], &raw[..]);
+        // a raw length that is not the truth (re-signed, so only the size lies)
+        for lie in [raw.len() as u32 - 1, raw.len() as u32 + 1] {
+            let mut h2 = h;
+            h2.raw_len = lie;
+            let mut out = BytesMut::new();
+            encode_frame(&h2, &packed, &mut out);
+            assert!(
+                matches!(decode_frame(&out), Err(ProtocolError::BadCompression(_))),
+                "raw_len {lie}"
+            );
+        }
+        // a compression bomb claim past the cap
+        let mut head = [0u8; HEADER_LEN];
+        head[0] = Kind::Data as u8;
+        head[1] = FLAG_LZ4;
+        head[4..8].copy_from_slice(&16u32.to_le_bytes());
+        head[28..32].copy_from_slice(&(MAX_PAYLOAD as u32 + 1).to_le_bytes());
+        assert_eq!(
+            decode_header(&head),
+            Err(ProtocolError::BadRawLength(MAX_PAYLOAD as u32 + 1))
+        );
+        // garbage that claims to be LZ4
+        let mut h3 = Header::new(Kind::Data, 1, 6, 0);
+        h3.raw_len = 4096;
+        let mut out = BytesMut::new();
+        encode_frame(&h3, &[0xff; 64], &mut out);
+        assert!(matches!(
+            decode_frame(&out),
+            Err(ProtocolError::BadCompression(_))
+        ));
+    }
+
+    #[test]
     fn sizes_and_reserved_fields_are_enforced() {
         let mut head = [0u8; HEADER_LEN];
         head[0] = Kind::Data as u8;
@@ -459,9 +551,14 @@ mod tests {
         let mut head = [0u8; HEADER_LEN];
         assert_eq!(decode_header(&head), Err(ProtocolError::BadKind(0)));
         head[0] = Kind::Ping as u8;
-        head[1] = 1;
-        assert_eq!(decode_header(&head), Err(ProtocolError::Reserved("flags")));
+        head[1] = FLAG_LZ4; // compression only on DATA
+        assert_eq!(decode_header(&head), Err(ProtocolError::BadFlags(FLAG_LZ4)));
+        head[1] = 0x80;
+        assert_eq!(decode_header(&head), Err(ProtocolError::BadFlags(0x80)));
         head[1] = 0;
+        head[28] = 1; // raw_len without the flag
+        assert_eq!(decode_header(&head), Err(ProtocolError::Reserved("header")));
+        head[28] = 0;
         head[2..4].copy_from_slice(&MAX_STREAMS.to_le_bytes());
         assert_eq!(
             decode_header(&head),

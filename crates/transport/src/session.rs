@@ -40,6 +40,8 @@ pub const CARRIER_INFLIGHT: usize = 4 << 20;
 /// Bytes one stream may have waiting for its local reader before the session fails.
 pub const STREAM_BUFFER_LIMIT: usize = 512 << 20;
 const REDIAL: Duration = Duration::from_millis(250);
+/// Frames waiting for a carrier from which the link counts as the bottleneck.
+const LINK_BOUND_QUEUE: usize = 2;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
@@ -89,6 +91,9 @@ pub struct SessionStats {
     pub frames_sent: u64,
     pub frames_resent: u64,
     pub streams: usize,
+    /// What this side's compressor did with the DATA it sent.
+    #[serde(default)]
+    pub compression: crate::compress::CompressionStats,
 }
 
 struct OutFrame {
@@ -97,6 +102,8 @@ struct OutFrame {
     id: u64,
     offset: u64,
     payload: Bytes,
+    /// LZ4-compressed payload: its raw length; else 0.
+    raw_len: u32,
     permits: u32,
 }
 
@@ -151,6 +158,7 @@ struct Inner {
     frames_resent: AtomicU64,
     closed: tokio::sync::watch::Sender<bool>,
     failure: Mutex<Option<String>>,
+    compressor: crate::compress::Compressor,
 }
 
 /// One end of a transport session. Dropping it (or [`Session::close`]) ends
@@ -196,6 +204,7 @@ impl Session {
                 frames_resent: AtomicU64::new(0),
                 closed,
                 failure: Mutex::new(None),
+                compressor: Default::default(),
             }),
         }
     }
@@ -272,6 +281,11 @@ impl Session {
         Ok((s, bound))
     }
 
+    /// How this side compresses the DATA it sends (off by default).
+    pub fn set_compression(&self, mode: crate::compress::Mode) {
+        self.inner.compressor.set_mode(mode);
+    }
+
     pub fn close(&self) {
         let _ = self.inner.closed.send(true);
         for c in lock(&self.inner.carriers).values() {
@@ -301,6 +315,7 @@ impl Session {
             frames_sent: self.inner.frames_sent.load(Ordering::Relaxed),
             frames_resent: self.inner.frames_resent.load(Ordering::Relaxed),
             streams: lock(&self.inner.streams_in).len(),
+            compression: self.inner.compressor.stats(),
         }
     }
 
@@ -564,7 +579,8 @@ impl Session {
             };
             match frame {
                 Some(f) => {
-                    let h = Header::new(f.kind, f.stream, f.id, f.offset);
+                    let mut h = Header::new(f.kind, f.stream, f.id, f.offset);
+                    h.raw_len = f.raw_len;
                     buf.clear();
                     encode_header(&h, &f.payload, &mut buf);
                     let len = f.payload.len();
@@ -645,6 +661,11 @@ impl Session {
             if let Err(e) = check_crc(&head, &payload) {
                 return format!("protocol: {e}");
             }
+            // decompressed (and its size checked) before it is counted for the ACK
+            let payload = match unpack_payload(&h, payload.freeze()) {
+                Ok(p) => p,
+                Err(e) => return format!("protocol: {e}"),
+            };
             if !self.current(index, generation) {
                 return "superseded".into();
             }
@@ -658,7 +679,7 @@ impl Session {
                     }
                     // wake the writers so this carrier's ACK goes out now
                     self.inner.queued.notify_waiters();
-                    if let Err(e) = self.received(h, payload.freeze()) {
+                    if let Err(e) = self.received(h, payload) {
                         self.fail(e);
                         return "session failed".into();
                     }
@@ -707,7 +728,14 @@ fn error_text(e: &TransportError) -> String {
 
 impl Session {
     /// Queues a reliable frame, waiting for replay budget first.
-    async fn send_reliable(&self, kind: Kind, stream: u16, offset: u64, payload: Bytes) -> bool {
+    async fn send_reliable(
+        &self,
+        kind: Kind,
+        stream: u16,
+        offset: u64,
+        payload: Bytes,
+        raw_len: u32,
+    ) -> bool {
         let permits = (payload.len().div_ceil(1024)).max(1) as u32;
         match self.inner.replay.acquire_many(permits).await {
             Ok(p) => p.forget(),
@@ -720,6 +748,7 @@ impl Session {
             id,
             offset,
             payload,
+            raw_len,
             permits,
         });
         self.inner.queued.notify_waiters();
@@ -742,7 +771,7 @@ impl Session {
         };
         let me = self.clone();
         tokio::spawn(async move {
-            if me.send_reliable(Kind::Open, id, 0, Bytes::new()).await {
+            if me.send_reliable(Kind::Open, id, 0, Bytes::new(), 0).await {
                 me.run_stream(id, u).await;
             }
         });
@@ -784,13 +813,15 @@ impl Session {
                 let mut buf = BytesMut::with_capacity(MAX_PAYLOAD);
                 match ur.read_buf(&mut buf).await {
                     Ok(0) | Err(_) => {
-                        self.send_reliable(Kind::Fin, id, offset, Bytes::new())
+                        self.send_reliable(Kind::Fin, id, offset, Bytes::new(), 0)
                             .await;
                         break;
                     }
                     Ok(n) => {
-                        let b = buf.freeze();
-                        if !self.send_reliable(Kind::Data, id, offset, b).await {
+                        // the link is the bottleneck when frames wait for a carrier
+                        let link_bound = lock(&self.inner.queue).len() >= LINK_BOUND_QUEUE;
+                        let (b, raw_len) = self.inner.compressor.pack(buf.freeze(), link_bound);
+                        if !self.send_reliable(Kind::Data, id, offset, b, raw_len).await {
                             break;
                         }
                         offset += n as u64;

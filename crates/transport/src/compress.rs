@@ -1,0 +1,262 @@
+//! Compression that only uses idle CPU, and only when it wins.
+//!
+//! The source compresses a DATA frame (LZ4 block, [`crate::protocol::FLAG_LZ4`])
+//! when all of these hold at that moment:
+//! - the link is the bottleneck: frames are queued waiting for a carrier
+//!   (when carriers keep up, compressing only adds latency and CPU);
+//! - the host's CPU is idle enough: at least [`MIN_IDLE`] of it over the
+//!   last quarter second (`/proc/stat`), so compression never takes CPU
+//!   from the guests or QEMU;
+//! - the data compresses: a frame that shrinks by less than 10% is sent as
+//!   it is, and the next [`SKIP_AFTER_MISS`] frames are not even tried (one
+//!   in 16 keeps probing, so a stream that becomes compressible is noticed).
+//!
+//! `Always` compresses every frame that shrinks, whatever the link and CPU
+//! (for tests and measurements).
+
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+/// Idle CPU share needed to compress.
+pub const MIN_IDLE: f64 = 0.2;
+/// Frames sent plain, untried, after one that did not compress.
+pub const SKIP_AFTER_MISS: u32 = 15;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    Off,
+    Adaptive,
+    Always,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CompressionStats {
+    /// Payload bytes offered to the compressor (uncompressed).
+    pub raw_bytes: u64,
+    /// What was sent for them.
+    pub sent_bytes: u64,
+    pub frames_compressed: u64,
+    pub frames_plain: u64,
+}
+
+impl CompressionStats {
+    /// Raw ÷ sent (1.0 when nothing was compressed).
+    pub fn ratio(&self) -> f64 {
+        if self.sent_bytes == 0 {
+            1.0
+        } else {
+            self.raw_bytes as f64 / self.sent_bytes as f64
+        }
+    }
+}
+
+/// Idle share of all CPUs since the previous sample (at most every 250 ms).
+struct CpuIdle {
+    last: Mutex<(Instant, u64, u64, f64)>,
+}
+
+fn read_stat() -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = s.lines().next()?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal
+    let idle = v.get(3)? + v.get(4).copied().unwrap_or(0);
+    Some((idle, v.iter().take(8).sum()))
+}
+
+impl CpuIdle {
+    fn new() -> CpuIdle {
+        let (i, t) = read_stat().unwrap_or((0, 0));
+        CpuIdle {
+            last: Mutex::new((Instant::now(), i, t, 0.0)),
+        }
+    }
+
+    fn idle(&self) -> f64 {
+        let mut l = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if l.0.elapsed() >= Duration::from_millis(250) {
+            if let Some((i, t)) = read_stat() {
+                let (di, dt) = (i.saturating_sub(l.1), t.saturating_sub(l.2));
+                let frac = if dt == 0 { l.3 } else { di as f64 / dt as f64 };
+                *l = (Instant::now(), i, t, frac);
+            }
+        }
+        l.3
+    }
+}
+
+pub struct Compressor {
+    mode: AtomicU8,
+    cpu: CpuIdle,
+    skip: AtomicU32,
+    raw_bytes: AtomicU64,
+    sent_bytes: AtomicU64,
+    frames_compressed: AtomicU64,
+    frames_plain: AtomicU64,
+}
+
+impl Default for Compressor {
+    fn default() -> Self {
+        Compressor {
+            mode: AtomicU8::new(0),
+            cpu: CpuIdle::new(),
+            skip: AtomicU32::new(0),
+            raw_bytes: AtomicU64::new(0),
+            sent_bytes: AtomicU64::new(0),
+            frames_compressed: AtomicU64::new(0),
+            frames_plain: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Compressor {
+    pub fn set_mode(&self, m: Mode) {
+        self.mode.store(m as u8, Ordering::Relaxed);
+    }
+
+    pub fn mode(&self) -> Mode {
+        match self.mode.load(Ordering::Relaxed) {
+            1 => Mode::Adaptive,
+            2 => Mode::Always,
+            _ => Mode::Off,
+        }
+    }
+
+    /// The payload to send for `raw` and its raw length if compressed (else 0).
+    pub fn pack(&self, raw: Bytes, link_bound: bool) -> (Bytes, u32) {
+        let mode = self.mode();
+        let tried = match mode {
+            Mode::Off => false,
+            Mode::Always => true,
+            Mode::Adaptive => {
+                link_bound && {
+                    let skip = self.skip.load(Ordering::Relaxed);
+                    if skip > 0 {
+                        self.skip.store(skip - 1, Ordering::Relaxed);
+                        false
+                    } else {
+                        self.cpu.idle() >= MIN_IDLE
+                    }
+                }
+            }
+        };
+        if mode != Mode::Off {
+            self.raw_bytes
+                .fetch_add(raw.len() as u64, Ordering::Relaxed);
+        }
+        let out = if tried {
+            let packed = lz4_flex::block::compress(&raw);
+            if packed.len() * 10 < raw.len() * 9 {
+                Some((Bytes::from(packed), raw.len() as u32))
+            } else {
+                self.skip.store(SKIP_AFTER_MISS, Ordering::Relaxed);
+                None
+            }
+        } else {
+            None
+        };
+        let (payload, raw_len) = out.unwrap_or((raw, 0));
+        if mode != Mode::Off {
+            self.sent_bytes
+                .fetch_add(payload.len() as u64, Ordering::Relaxed);
+            if raw_len > 0 {
+                self.frames_compressed.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.frames_plain.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        (payload, raw_len)
+    }
+
+    pub fn stats(&self) -> CompressionStats {
+        CompressionStats {
+            raw_bytes: self.raw_bytes.load(Ordering::Relaxed),
+            sent_bytes: self.sent_bytes.load(Ordering::Relaxed),
+            frames_compressed: self.frames_compressed.load(Ordering::Relaxed),
+            frames_plain: self.frames_plain.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn compressible() -> Bytes {
+        Bytes::from((0..65536u32).map(|i| (i % 13) as u8).collect::<Vec<_>>())
+    }
+
+    fn random() -> Bytes {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        Bytes::from(
+            (0..65536)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    #[test]
+    fn off_sends_as_is_and_always_compresses_what_shrinks() {
+        let c = Compressor::default();
+        let (p, raw) = c.pack(compressible(), true);
+        assert_eq!((p.len(), raw), (65536, 0));
+        c.set_mode(Mode::Always);
+        let (p, raw) = c.pack(compressible(), false);
+        assert_eq!(raw, 65536);
+        assert!(p.len() < 4096, "{}", p.len());
+        let (p, raw) = c.pack(random(), false);
+        assert_eq!(
+            (p.len(), raw),
+            (65536, 0),
+            "incompressible is sent as it is"
+        );
+        let s = c.stats();
+        assert_eq!((s.frames_compressed, s.frames_plain), (1, 1));
+        assert!(s.ratio() > 1.5);
+    }
+
+    #[test]
+    fn adaptive_never_compresses_when_the_link_keeps_up() {
+        let c = Compressor::default();
+        c.set_mode(Mode::Adaptive);
+        for _ in 0..10 {
+            assert_eq!(c.pack(compressible(), false).1, 0);
+        }
+    }
+
+    #[test]
+    fn adaptive_backs_off_after_a_miss_and_probes_again() {
+        let c = Compressor::default();
+        c.set_mode(Mode::Adaptive);
+        // force "idle" so only the data decides
+        *c.cpu.last.lock().unwrap() = (Instant::now(), 0, 0, 1.0);
+        assert_eq!(c.pack(random(), true).1, 0);
+        // the next SKIP_AFTER_MISS frames are not tried, even compressible ones
+        for _ in 0..SKIP_AFTER_MISS {
+            assert_eq!(c.pack(compressible(), true).1, 0);
+        }
+        assert_eq!(c.pack(compressible(), true).1, 65536);
+    }
+
+    #[test]
+    fn adaptive_leaves_a_busy_cpu_alone() {
+        let c = Compressor::default();
+        c.set_mode(Mode::Adaptive);
+        *c.cpu.last.lock().unwrap() = (Instant::now(), 0, 0, 0.05);
+        assert_eq!(c.pack(compressible(), true).1, 0);
+    }
+}
