@@ -8,13 +8,15 @@
 //!   last quarter second (`/proc/stat`), so compression never takes CPU
 //!   from the guests or QEMU;
 //! - the data compresses: a frame that shrinks by less than 10% is sent as
-//!   it is, and the next [`SKIP_AFTER_MISS`] frames are not even tried (one
-//!   in 16 keeps probing, so a stream that becomes compressible is noticed).
+//!   it is, and the next [`SKIP_AFTER_MISS`] frames of that stream are not
+//!   even tried (one in 8 keeps probing, so a stream that becomes
+//!   compressible is noticed; each stream keeps its own count, so QEMU's
+//!   main channel does not hold back its multifd channels).
 //!
 //! `Always` compresses every frame that shrinks, whatever the link and CPU
 //! (for tests and measurements).
 
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -23,8 +25,8 @@ use serde::{Deserialize, Serialize};
 
 /// Idle CPU share needed to compress.
 pub const MIN_IDLE: f64 = 0.2;
-/// Frames sent plain, untried, after one that did not compress.
-pub const SKIP_AFTER_MISS: u32 = 15;
+/// Frames of the same stream sent plain, untried, after one that did not compress.
+pub const SKIP_AFTER_MISS: u32 = 7;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -97,7 +99,6 @@ impl CpuIdle {
 pub struct Compressor {
     mode: AtomicU8,
     cpu: CpuIdle,
-    skip: AtomicU32,
     raw_bytes: AtomicU64,
     sent_bytes: AtomicU64,
     frames_compressed: AtomicU64,
@@ -109,7 +110,6 @@ impl Default for Compressor {
         Compressor {
             mode: AtomicU8::new(0),
             cpu: CpuIdle::new(),
-            skip: AtomicU32::new(0),
             raw_bytes: AtomicU64::new(0),
             sent_bytes: AtomicU64::new(0),
             frames_compressed: AtomicU64::new(0),
@@ -131,17 +131,17 @@ impl Compressor {
         }
     }
 
-    /// The payload to send for `raw` and its raw length if compressed (else 0).
-    pub fn pack(&self, raw: Bytes, link_bound: bool) -> (Bytes, u32) {
+    /// The payload to send for `raw` and its raw length if compressed (else
+    /// 0). `skip` is the stream's own count of frames left untried.
+    pub fn pack(&self, raw: Bytes, link_bound: bool, skip: &mut u32) -> (Bytes, u32) {
         let mode = self.mode();
         let tried = match mode {
             Mode::Off => false,
             Mode::Always => true,
             Mode::Adaptive => {
                 link_bound && {
-                    let skip = self.skip.load(Ordering::Relaxed);
-                    if skip > 0 {
-                        self.skip.store(skip - 1, Ordering::Relaxed);
+                    if *skip > 0 {
+                        *skip -= 1;
                         false
                     } else {
                         self.cpu.idle() >= MIN_IDLE
@@ -158,7 +158,9 @@ impl Compressor {
             if packed.len() * 10 < raw.len() * 9 {
                 Some((Bytes::from(packed), raw.len() as u32))
             } else {
-                self.skip.store(SKIP_AFTER_MISS, Ordering::Relaxed);
+                if mode == Mode::Adaptive {
+                    *skip = SKIP_AFTER_MISS;
+                }
                 None
             }
         } else {
@@ -212,13 +214,14 @@ mod tests {
     #[test]
     fn off_sends_as_is_and_always_compresses_what_shrinks() {
         let c = Compressor::default();
-        let (p, raw) = c.pack(compressible(), true);
+        let mut skip = 0;
+        let (p, raw) = c.pack(compressible(), true, &mut skip);
         assert_eq!((p.len(), raw), (65536, 0));
         c.set_mode(Mode::Always);
-        let (p, raw) = c.pack(compressible(), false);
+        let (p, raw) = c.pack(compressible(), false, &mut skip);
         assert_eq!(raw, 65536);
         assert!(p.len() < 4096, "{}", p.len());
-        let (p, raw) = c.pack(random(), false);
+        let (p, raw) = c.pack(random(), false, &mut skip);
         assert_eq!(
             (p.len(), raw),
             (65536, 0),
@@ -232,31 +235,34 @@ mod tests {
     #[test]
     fn adaptive_never_compresses_when_the_link_keeps_up() {
         let c = Compressor::default();
+        let mut skip = 0;
         c.set_mode(Mode::Adaptive);
         for _ in 0..10 {
-            assert_eq!(c.pack(compressible(), false).1, 0);
+            assert_eq!(c.pack(compressible(), false, &mut skip).1, 0);
         }
     }
 
     #[test]
     fn adaptive_backs_off_after_a_miss_and_probes_again() {
         let c = Compressor::default();
+        let mut skip = 0;
         c.set_mode(Mode::Adaptive);
         // force "idle" so only the data decides
         *c.cpu.last.lock().unwrap() = (Instant::now(), 0, 0, 1.0);
-        assert_eq!(c.pack(random(), true).1, 0);
+        assert_eq!(c.pack(random(), true, &mut skip).1, 0);
         // the next SKIP_AFTER_MISS frames are not tried, even compressible ones
         for _ in 0..SKIP_AFTER_MISS {
-            assert_eq!(c.pack(compressible(), true).1, 0);
+            assert_eq!(c.pack(compressible(), true, &mut skip).1, 0);
         }
-        assert_eq!(c.pack(compressible(), true).1, 65536);
+        assert_eq!(c.pack(compressible(), true, &mut skip).1, 65536);
     }
 
     #[test]
     fn adaptive_leaves_a_busy_cpu_alone() {
         let c = Compressor::default();
+        let mut skip = 0;
         c.set_mode(Mode::Adaptive);
         *c.cpu.last.lock().unwrap() = (Instant::now(), 0, 0, 0.05);
-        assert_eq!(c.pack(compressible(), true).1, 0);
+        assert_eq!(c.pack(compressible(), true, &mut skip).1, 0);
     }
 }

@@ -809,6 +809,7 @@ impl Session {
         };
         let reader = async {
             let mut offset = 0u64;
+            let mut skip = 0u32;
             loop {
                 let mut buf = BytesMut::with_capacity(MAX_PAYLOAD);
                 match ur.read_buf(&mut buf).await {
@@ -820,7 +821,10 @@ impl Session {
                     Ok(n) => {
                         // the link is the bottleneck when frames wait for a carrier
                         let link_bound = lock(&self.inner.queue).len() >= LINK_BOUND_QUEUE;
-                        let (b, raw_len) = self.inner.compressor.pack(buf.freeze(), link_bound);
+                        let (b, raw_len) =
+                            self.inner
+                                .compressor
+                                .pack(buf.freeze(), link_bound, &mut skip);
                         if !self.send_reliable(Kind::Data, id, offset, b, raw_len).await {
                             break;
                         }
