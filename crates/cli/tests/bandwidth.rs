@@ -102,6 +102,18 @@ fn class_on<'a>(report: &'a Value, host: &str, nic: &str, class: &str) -> &'a Va
         .unwrap_or_else(|| panic!("{class} on {host}/{nic}: {n}"))
 }
 
+/// A number of host1's live-migration class on `nic`, as listed now.
+fn host1_live_migration(nic: &str, field: &str) -> u64 {
+    class_on(
+        &ferry_json(&["bandwidth", "list"]),
+        "host1",
+        nic,
+        "live-migration",
+    )[field]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{field} of host1/{nic} live-migration"))
+}
+
 fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
     let t0 = Instant::now();
     while !ok() {
@@ -187,14 +199,7 @@ fn a_capped_migration_leaves_storage_its_share_and_caps_follow_the_nics_up() {
 
     let _nbd = Nbd::start();
     let _vm = VmGuard::create("bw1", "host1", "384M", "256M");
-    let lm_before = class_on(
-        &ferry_json(&["bandwidth", "list"]),
-        "host1",
-        "nic1",
-        "live-migration",
-    )["tx_bytes"]
-        .as_u64()
-        .unwrap();
+    let lm_before = host1_live_migration("nic1", "tx_bytes");
     // storage load on nic1 while the VM moves over nic1 (tcp: QEMU's one stream)
     let mover = std::thread::spawn(|| {
         // the cap makes the move slower than the default timeout allows
@@ -237,14 +242,7 @@ fn a_capped_migration_leaves_storage_its_share_and_caps_follow_the_nics_up() {
         "storage below its minimum: {storage}"
     );
     // the migration's bytes were counted in the live-migration class
-    let lm_after = class_on(
-        &ferry_json(&["bandwidth", "list"]),
-        "host1",
-        "nic1",
-        "live-migration",
-    )["tx_bytes"]
-        .as_u64()
-        .unwrap();
+    let lm_after = host1_live_migration("nic1", "tx_bytes");
     let moved = report["bytes_transferred"].as_u64().unwrap();
     assert!(
         lm_after - lm_before >= moved / 10 * 9,
@@ -261,16 +259,7 @@ fn a_capped_migration_leaves_storage_its_share_and_caps_follow_the_nics_up() {
         "--max",
         "240mbit",
     ]);
-    let ceil = |nic: &str| {
-        class_on(
-            &ferry_json(&["bandwidth", "list"]),
-            "host1",
-            nic,
-            "live-migration",
-        )["ceil"]
-            .as_u64()
-            .unwrap()
-    };
+    let ceil = |nic: &str| host1_live_migration(nic, "ceil");
     wait_for("240mbit split 120/120", || {
         ceil("nic1") == 120_000_000 && ceil("nic2") == 120_000_000
     });
