@@ -137,6 +137,9 @@ pub struct Classes {
     error: Option<String>,
     /// Rate for NICs without a rate-limiting root or a sysfs speed, bit/s.
     fallback_rate: Option<u64>,
+    /// No policy, and the last pass found no classes to remove: nothing to
+    /// do until the policy changes.
+    idle: bool,
 }
 
 impl Classes {
@@ -155,6 +158,7 @@ impl Classes {
         if p != self.policy {
             self.policy = p;
             self.applied.clear();
+            self.idle = false;
         }
     }
 
@@ -172,6 +176,9 @@ impl Classes {
 
     /// Brings every NIC's classes in line with the policy; measures rates.
     pub fn reconcile(&mut self) {
+        if self.idle {
+            return;
+        }
         let mut links = Vec::new();
         let mut kernels = BTreeMap::new();
         for n in nics() {
@@ -218,6 +225,9 @@ impl Classes {
             }
         }
         self.error = (!errors.is_empty()).then(|| errors.join("; "));
+        // with no policy, one clean pass (leftovers of an earlier run removed)
+        // is enough until the policy changes
+        self.idle = self.policy.classes.is_empty() && errors.is_empty();
         // rates per class since the last round
         let now = Instant::now();
         for nic in self.applied.keys().cloned().collect::<Vec<_>>() {
