@@ -114,6 +114,15 @@ fn host1_live_migration(nic: &str, field: &str) -> u64 {
         .unwrap_or_else(|| panic!("{field} of host1/{nic} live-migration"))
 }
 
+/// `tc WHAT show dev nic1` in host1: what the kernel really has.
+fn host1_nic1_tc(what: &str) -> String {
+    let out = Command::new("ip")
+        .args(["netns", "exec", "host1", "tc", what, "show", "dev", "nic1"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 fn wait_for(what: &str, mut ok: impl FnMut() -> bool) {
     let t0 = Instant::now();
     while !ok() {
@@ -188,13 +197,7 @@ fn a_capped_migration_leaves_storage_its_share_and_caps_follow_the_nics_up() {
         }
     }
     // the kernel really has them
-    let tc = Command::new("ip")
-        .args([
-            "netns", "exec", "host1", "tc", "class", "show", "dev", "nic1",
-        ])
-        .output()
-        .unwrap();
-    let tc = String::from_utf8_lossy(&tc.stdout);
+    let tc = host1_nic1_tc("class");
     assert!(tc.contains("10:10") && tc.contains("ceil 120Mbit"), "{tc}");
 
     let _nbd = Nbd::start();
@@ -278,12 +281,6 @@ fn a_capped_migration_leaves_storage_its_share_and_caps_follow_the_nics_up() {
     }
     let r = ferry_json(&["bandwidth", "list"]);
     assert!(r["policy"]["classes"].as_array().unwrap().is_empty(), "{r}");
-    let tc = Command::new("ip")
-        .args([
-            "netns", "exec", "host1", "tc", "qdisc", "show", "dev", "nic1",
-        ])
-        .output()
-        .unwrap();
-    let tc = String::from_utf8_lossy(&tc.stdout);
+    let tc = host1_nic1_tc("qdisc");
     assert!(!tc.contains("htb"), "{tc}");
 }
