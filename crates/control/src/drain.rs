@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use ferry_api::drain::{PlannedMove, Unplaceable};
+use ferry_api::drain::{MigrationLimit, PlannedMove, Unplaceable};
 use ferry_api::size::human_bytes;
 
 /// Host memory a VM takes beyond its RAM (QEMU itself); agents reserve the same.
@@ -67,99 +67,167 @@ pub fn unplaceable_reason(targets: &[(String, u64)], need: u64) -> String {
     }
 }
 
-/// The simultaneous-migration limit in `auto` mode: start at 4, measure the
-/// aggregate rate (bytes completed ÷ wall time) at each limit over at least
-/// `limit` completions, climb while a step up pays ≥ 5%, step back and stay
-/// when it costs ≥ 5%.
+/// What the tuner needs to know of a running migration.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Running {
+    /// Copying memory for at least [`AutoLimit::WARMUP`] (its start-up no
+    /// longer distorts the aggregate rate).
+    pub transferring: bool,
+    /// In its last round, switching over or being checked on the target: its
+    /// share of the links is about to fall idle.
+    pub finishing: bool,
+}
+
+impl Running {
+    /// Copying and not about to finish: its rate is the one it keeps.
+    pub fn steady(&self) -> bool {
+        self.transferring && !self.finishing
+    }
+
+    /// From a migration's latest progress and how long it has been copying.
+    pub fn from_progress(
+        status: &str,
+        phase: &str,
+        rounds: u64,
+        remaining: u64,
+        throughput: f64,
+        copying_for: Duration,
+    ) -> Running {
+        let last_round = rounds >= 2 && (remaining as f64) <= throughput * 2.0;
+        Running {
+            transferring: status == "active" && copying_for >= AutoLimit::WARMUP,
+            finishing: matches!(status, "device" | "completed" | "postcopy-active")
+                || matches!(phase, "postcopy" | "pause-and-copy" | "blackout")
+                || last_round,
+        }
+    }
+}
+
+/// The simultaneous-migration limit in `auto` mode (seed 000: "start at 4
+/// and experiment upwards; tune it back down if the speed deteriorates").
+///
+/// The limit starts at 4. Within it, the number of migrations run at once
+/// climbs like a slow start: one, then one more each time the aggregate rate
+/// of the host's migrations (bytes sent per second, measured over
+/// [`AutoLimit::WINDOW`] while every running migration is copying and none
+/// is in its last round) rose ≥ 10%
+/// with the last one added. A step that does not pay means the links (or the
+/// CPUs) were already full, so the tuner holds the concurrency that did and
+/// stops probing: more migrations at once would only share the same rate
+/// and re-send more of the pages their guests dirty meanwhile. When every
+/// step up to the limit paid, the limit itself rises (to 8). Once settled, a
+/// migration in its last round does not count, so the next one starts while
+/// it switches over and is checked, and the links do not fall idle between
+/// moves.
 #[derive(Debug, Clone)]
 pub struct AutoLimit {
     pub limit: u32,
-    pub min: u32,
     pub max: u32,
-    level_start: Instant,
-    level_bytes: u64,
-    level_done: u32,
-    /// (limit, bytes/s) measured so far.
+    /// How many run at once (besides finishing ones, once settled).
+    pub want: u32,
+    /// (concurrency, sent bytes at the window's start, its start)
+    probe: Option<(u32, u64, Instant)>,
+    /// (concurrency, aggregate bytes/s) measured so far.
     pub history: Vec<(u32, f64)>,
-    settled: bool,
+    pub settled: bool,
 }
 
 impl AutoLimit {
     pub const START: u32 = 4;
+    pub const WARMUP: Duration = Duration::from_secs(1);
+    pub const WINDOW: Duration = Duration::from_millis(1500);
+    /// A step up pays when the aggregate rate rises by this factor.
+    pub const PAYS: f64 = 1.10;
 
-    pub fn new(now: Instant) -> AutoLimit {
+    pub fn new() -> AutoLimit {
         AutoLimit {
             limit: Self::START,
-            min: 1,
-            max: 8,
-            level_start: now,
-            level_bytes: 0,
-            level_done: 0,
+            max: MigrationLimit::MAX.min(8),
+            want: 1,
+            probe: None,
             history: Vec::new(),
             settled: false,
         }
     }
 
-    /// Records a completed migration; returns a new limit and why, if it changes.
-    pub fn completed(&mut self, bytes: u64, now: Instant) -> Option<(u32, String)> {
-        self.level_bytes += bytes;
-        self.level_done += 1;
-        if self.settled || self.level_done < self.limit {
-            return None;
+    /// How many migrations may run now, given `sent` (bytes every migration
+    /// of the drain has sent so far, finished ones included) and those
+    /// running; and the new concurrency with why, when it changes.
+    pub fn tick(
+        &mut self,
+        now: Instant,
+        sent: u64,
+        running: &[Running],
+    ) -> (u32, Option<(u32, String)>) {
+        let n = running.len() as u32;
+        let mut change = None;
+        if !self.settled {
+            match self.probe {
+                Some((lvl, _, _)) if n != lvl || !running.iter().all(Running::steady) => {
+                    self.probe = None
+                }
+                Some((lvl, s0, t0)) if now.duration_since(t0) >= Self::WINDOW => {
+                    self.probe = None;
+                    let rate =
+                        sent.saturating_sub(s0) as f64 / now.duration_since(t0).as_secs_f64();
+                    change = Some(self.measured(lvl, rate));
+                }
+                Some(_) => {}
+                None if n == self.want && n > 0 && running.iter().all(Running::steady) => {
+                    self.probe = Some((n, sent, now))
+                }
+                None => {}
+            }
         }
-        let secs = now
-            .duration_since(self.level_start)
-            .max(Duration::from_millis(1))
-            .as_secs_f64();
-        let rate = self.level_bytes as f64 / secs;
-        let prev = self.history.last().copied();
-        self.history.push((self.limit, rate));
-        self.level_start = now;
-        self.level_bytes = 0;
-        self.level_done = 0;
+        let finishing = if self.settled {
+            running.iter().filter(|r| r.finishing).count() as u32
+        } else {
+            0
+        };
+        (
+            (self.want + finishing).min(self.limit),
+            change.map(|why| (self.want, why)),
+        )
+    }
+
+    fn measured(&mut self, lvl: u32, rate: f64) -> String {
         let mbit = |r: f64| r * 8.0 / 1e6;
-        let (next, why) = match prev {
-            None if self.limit < self.max => (
-                self.limit + 1,
-                format!(
-                    "{:.0} Mbit/s at {}; trying {}",
-                    mbit(rate),
-                    self.limit,
-                    self.limit + 1
-                ),
-            ),
-            Some((pl, pr)) if rate >= pr * 1.05 && self.limit > pl && self.limit < self.max => (
-                self.limit + 1,
-                format!(
-                    "{} paid ({:.0} vs {:.0} Mbit/s); trying {}",
-                    self.limit,
-                    mbit(rate),
-                    mbit(pr),
-                    self.limit + 1
-                ),
-            ),
-            Some((pl, pr)) if rate <= pr * 0.95 => {
+        let prev = self.history.last().copied();
+        self.history.push((lvl, rate));
+        match prev {
+            Some((pl, pr)) if rate < pr * Self::PAYS => {
                 self.settled = true;
-                (
-                    pl,
-                    format!(
-                        "{} did not pay ({:.0} vs {:.0} Mbit/s at {pl}); back to {pl}",
-                        self.limit,
-                        mbit(rate),
-                        mbit(pr)
-                    ),
+                self.want = pl;
+                format!(
+                    "{lvl} at once did not pay ({:.0} vs {:.0} Mbit/s with {pl}): holding {pl}, the next starting as one finishes",
+                    mbit(rate),
+                    mbit(pr)
+                )
+            }
+            _ if lvl < self.limit => {
+                self.want = lvl + 1;
+                format!("{:.0} Mbit/s with {lvl}; trying {}", mbit(rate), lvl + 1)
+            }
+            _ if self.limit < self.max => {
+                self.limit += 1;
+                self.want = lvl + 1;
+                format!(
+                    "{:.0} Mbit/s with {lvl}, every step paid: limit raised to {}",
+                    mbit(rate),
+                    self.limit
                 )
             }
             _ => {
                 self.settled = true;
-                return None;
+                format!("{:.0} Mbit/s with {lvl}, the most allowed", mbit(rate))
             }
-        };
-        let next = next.clamp(self.min, self.max);
-        (next != self.limit).then(|| {
-            self.limit = next;
-            (next, why)
-        })
+        }
+    }
+}
+
+impl Default for AutoLimit {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
@@ -210,32 +278,110 @@ mod tests {
         assert_eq!(pick(&targets, 3 * G, &["host2".into()]), None);
     }
 
-    #[test]
-    fn auto_limit_climbs_while_it_pays_and_steps_back_when_it_does_not() {
+    fn run(n: usize, transferring: bool, finishing: usize) -> Vec<Running> {
+        (0..n)
+            .map(|i| Running {
+                transferring,
+                finishing: i < finishing,
+            })
+            .collect()
+    }
+
+    /// Drives the tuner as the drain does: ticks every 250 ms, with an
+    /// aggregate rate that `rate(n)` gives for n migrations at once.
+    fn settle(rate: impl Fn(u32) -> f64) -> AutoLimit {
         let t0 = Instant::now();
-        let mut a = AutoLimit::new(t0);
+        let mut a = AutoLimit::new();
+        let (mut sent, mut n) = (0f64, 0u32);
+        for i in 0..400u64 {
+            let now = t0 + Duration::from_millis(250 * i);
+            sent += rate(n) * 0.25;
+            let (allowed, _) = a.tick(now, sent as u64, &run(n as usize, true, 0));
+            n = allowed;
+            if a.settled {
+                break;
+            }
+        }
+        a
+    }
+
+    #[test]
+    fn auto_starts_with_one_and_holds_it_when_one_fills_the_link() {
+        let a = settle(|n| if n == 0 { 0.0 } else { 37.5e6 });
+        assert!(a.settled);
+        assert_eq!(a.want, 1, "{:?}", a.history);
         assert_eq!(a.limit, 4);
-        // 4 completions of 1 GiB in 4 s at limit 4 → 1 GiB/s
-        for i in 1..=3 {
-            assert_eq!(a.completed(G, t0 + Duration::from_secs(i)), None);
-        }
-        let (l, _) = a.completed(G, t0 + Duration::from_secs(4)).unwrap();
-        assert_eq!(l, 5);
-        // at 5: 5 GiB in 4 s → pays
-        for i in 1..=4 {
-            assert_eq!(a.completed(G, t0 + Duration::from_secs(4 + i)), None);
-        }
-        let (l, why) = a.completed(G, t0 + Duration::from_secs(8)).unwrap();
-        assert_eq!(l, 6, "{why}");
-        // at 6: 6 GiB in 12 s → worse: back to 5 and stay
-        for i in 1..=5 {
-            assert_eq!(a.completed(G, t0 + Duration::from_secs(8 + 2 * i)), None);
-        }
-        let (l, why) = a.completed(G, t0 + Duration::from_secs(20)).unwrap();
-        assert_eq!(l, 5, "{why}");
-        assert!(why.contains("did not pay"));
+        assert_eq!(a.history.len(), 2);
+    }
+
+    #[test]
+    fn auto_climbs_while_it_pays_and_holds_the_last_step_that_did() {
+        // CPU-bound: each migration alone is slow; three fill what there is
+        let a = settle(|n| 40e6 * n.min(3) as f64);
+        assert!(a.settled);
+        assert_eq!(a.want, 3, "{:?}", a.history);
+        // every step pays up to 8: the limit climbs past 4 and stops at 8
+        let a = settle(|n| 40e6 * n as f64);
+        assert_eq!(a.limit, 8);
+        assert_eq!(a.want, 8, "{:?}", a.history);
+    }
+
+    #[test]
+    fn auto_starts_the_next_while_one_finishes_once_settled() {
+        let t0 = Instant::now();
+        let mut a = AutoLimit::new();
+        // not settled: finishing migrations count
+        assert_eq!(a.tick(t0, 0, &run(1, true, 1)).0, 1);
+        a.settled = true;
+        a.want = 2;
+        assert_eq!(a.tick(t0, 0, &run(2, true, 0)).0, 2);
+        assert_eq!(a.tick(t0, 0, &run(2, true, 1)).0, 3);
+        // never beyond the limit
+        assert_eq!(a.tick(t0, 0, &run(4, true, 4)).0, 4);
+    }
+
+    #[test]
+    fn auto_measures_only_while_every_migration_copies() {
+        let t0 = Instant::now();
+        let mut a = AutoLimit::new();
+        // the first is still starting: no window opens
         for i in 0..20 {
-            assert_eq!(a.completed(G, t0 + Duration::from_secs(21 + i)), None);
+            let (n, ch) = a.tick(
+                t0 + Duration::from_millis(250 * i),
+                i * 1000,
+                &run(1, false, 0),
+            );
+            assert_eq!((n, ch), (1, None));
         }
+        assert!(a.history.is_empty());
+        // a window opens and a migration ending in it restarts the window
+        a.tick(t0, 0, &run(1, true, 0));
+        assert_eq!(
+            a.tick(t0 + Duration::from_secs(1), 0, &run(0, true, 0)).1,
+            None
+        );
+        assert!(a.history.is_empty());
+    }
+
+    #[test]
+    fn running_knows_a_last_round_and_a_warm_up() {
+        let s = Duration::from_secs(5);
+        let r = Running::from_progress("active", "precopy", 1, 10, 100.0, s);
+        assert!(r.transferring && !r.finishing, "first pass never finishing");
+        let r = Running::from_progress("active", "precopy", 3, 150, 100.0, s);
+        assert!(r.finishing);
+        let r = Running::from_progress("active", "precopy", 3, 250, 100.0, s);
+        assert!(!r.finishing);
+        let r = Running::from_progress("completed", "precopy", 3, 0, 0.0, s);
+        assert!(r.finishing && !r.transferring);
+        let r = Running::from_progress(
+            "active",
+            "precopy",
+            1,
+            10,
+            100.0,
+            Duration::from_millis(300),
+        );
+        assert!(!r.transferring);
     }
 }

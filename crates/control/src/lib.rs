@@ -768,12 +768,11 @@ impl Control {
         tx: tokio::sync::mpsc::Sender<DrainEvent>,
     ) {
         let started = std::time::Instant::now();
-        let mut auto = drain::AutoLimit::new(started);
-        let mut limit = match setting {
-            MigrationLimit::Auto => auto.limit,
-            MigrationLimit::Fixed(n) => n,
+        let mut auto = drain::AutoLimit::new();
+        let (limit, mut limits) = match setting {
+            MigrationLimit::Auto => (auto.limit, vec![auto.want]),
+            MigrationLimit::Fixed(n) => (n, vec![n]),
         };
-        let mut limits = vec![limit];
         let _ = tx
             .send(DrainEvent::Plan {
                 moves: moves.clone(),
@@ -781,6 +780,18 @@ impl Control {
                 limit,
             })
             .await;
+        if setting == MigrationLimit::Auto {
+            let reason = format!(
+                "auto: {} at once to start, one more each time it pays, up to {limit}",
+                auto.want
+            );
+            let _ = tx
+                .send(DrainEvent::Limit {
+                    limit: auto.want,
+                    reason,
+                })
+                .await;
+        }
         // per-class rates of the drained host, while classes are set
         let classes = {
             let me = self.clone();
@@ -811,11 +822,35 @@ impl Control {
             moves.into_iter().map(|m| (m, 1, Vec::new())).collect();
         let mut running = tokio::task::JoinSet::new();
         let (mut moved, mut failed) = (Vec::new(), Vec::new());
+        // what each running move reports, and the bytes finished ones sent
+        let samples: Samples = Default::default();
+        let mut sent_done = 0u64;
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            while running.len() < limit as usize {
+            let allowed = match setting {
+                MigrationLimit::Fixed(n) => n,
+                MigrationLimit::Auto => {
+                    let (sent, runs) = {
+                        let s = lock(&samples);
+                        let sent = sent_done + s.values().map(|x| x.sent).sum::<u64>();
+                        (sent, s.values().map(|x| x.running).collect::<Vec<_>>())
+                    };
+                    let (allowed, change) = auto.tick(std::time::Instant::now(), sent, &runs);
+                    if let Some((l, reason)) = change {
+                        if limits.last() != Some(&l) {
+                            limits.push(l);
+                        }
+                        let _ = tx.send(DrainEvent::Limit { limit: l, reason }).await;
+                    }
+                    allowed
+                }
+            };
+            while running.len() < allowed as usize {
                 let Some((m, attempt, tried)) = queue.pop_front() else {
                     break;
                 };
+                lock(&samples).insert(m.vm.clone(), Sample::default());
                 let _ = tx
                     .send(DrainEvent::Started {
                         vm: m.vm.clone(),
@@ -825,17 +860,31 @@ impl Control {
                     .await;
                 let me = self.clone();
                 let tx2 = tx.clone();
+                let samples = samples.clone();
                 running.spawn(async move {
-                    let r = me.drain_one(&m, option, &tx2).await;
+                    let r = me.drain_one(&m, option, &tx2, &samples).await;
                     (m, attempt, tried, r)
                 });
             }
-            let Some(joined) = running.join_next().await else {
+            if running.is_empty() {
+                break;
+            }
+            let joined = tokio::select! {
+                j = running.join_next() => j,
+                _ = tick.tick() => continue,
+            };
+            let Some(joined) = joined else {
                 break;
             };
             let Ok((m, attempt, mut tried, result)) = joined else {
                 continue;
             };
+            if let Some(last) = lock(&samples).remove(&m.vm) {
+                sent_done += match &result {
+                    Ok(r) => r.bytes_transferred,
+                    Err(_) => last.sent,
+                };
+            }
             match result {
                 Ok(r) => {
                     let d = DrainedVm {
@@ -849,16 +898,6 @@ impl Control {
                     };
                     let _ = tx.send(DrainEvent::Moved(d.clone())).await;
                     moved.push(d);
-                    // tuning only matters while moves are waiting
-                    if setting == MigrationLimit::Auto && !queue.is_empty() {
-                        if let Some((l, reason)) =
-                            auto.completed(r.bytes_transferred, std::time::Instant::now())
-                        {
-                            limit = l;
-                            limits.push(l);
-                            let _ = tx.send(DrainEvent::Limit { limit: l, reason }).await;
-                        }
-                    }
                 }
                 Err(e) => {
                     let need = m.memory + drain::VM_OVERHEAD;
@@ -925,6 +964,7 @@ impl Control {
         m: &PlannedMove,
         option: Option<ferry_api::MigrationOption>,
         tx: &tokio::sync::mpsc::Sender<DrainEvent>,
+        samples: &Samples,
     ) -> Result<ferry_api::MigrationReport, ApiError> {
         // a drain may move onto hosts only it reserved, so no draining check here
         let target = self.host(&m.to)?;
@@ -941,8 +981,32 @@ impl Control {
             .post_events::<_, MigrationEvent>(&format!("/vms/{}/migrate", m.vm), &mreq)
             .await?;
         let mut last = std::time::Instant::now() - Duration::from_secs(1);
+        let mut copying_since = None;
         while let Some(ev) = events.next().await {
-            match ev? {
+            let ev = ev?;
+            if let MigrationEvent::Progress(p) = &ev {
+                if p.status != "active" {
+                    copying_since = None;
+                } else if copying_since.is_none() && p.transferred > 0 {
+                    copying_since = Some(std::time::Instant::now());
+                }
+                let running = drain::Running::from_progress(
+                    &p.status,
+                    &p.phase,
+                    p.rounds,
+                    p.remaining,
+                    p.throughput,
+                    copying_since.map(|t| t.elapsed()).unwrap_or_default(),
+                );
+                lock(samples).insert(
+                    m.vm.clone(),
+                    Sample {
+                        sent: p.transferred,
+                        running,
+                    },
+                );
+            }
+            match ev {
                 MigrationEvent::Progress(p) if last.elapsed() >= Duration::from_millis(500) => {
                     last = std::time::Instant::now();
                     let _ = tx
@@ -965,6 +1029,16 @@ impl Control {
         )))
     }
 }
+
+/// A running move of a drain, as its progress last said.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sample {
+    /// Bytes QEMU has sent.
+    sent: u64,
+    running: drain::Running,
+}
+
+type Samples = Arc<std::sync::Mutex<std::collections::HashMap<String, Sample>>>;
 
 /// How a move or drain warns of a path the latest validation marked failed.
 fn failed_path_warning(c: &CheckOutcome) -> String {
