@@ -262,7 +262,10 @@ impl Classes {
                 let rates = self.rates.get(&n.name);
                 NicClasses {
                     up: n.up,
-                    link_rate: applied.map(|p| p.link_rate).unwrap_or(0),
+                    // without a policy, read now (a drain sizes itself by it)
+                    link_rate: applied
+                        .map(|p| p.link_rate)
+                        .unwrap_or_else(|| self.link_rate(&n.name, &kernel(&n.name))),
                     classes: applied
                         .map(|p| {
                             p.classes

@@ -30,6 +30,8 @@ pub enum Role {
     Incoming {
         migration_id: String,
         source: String,
+        /// This agent's CPU time when the skeleton was asked for.
+        agent_cpu_at_start: Duration,
     },
 }
 
@@ -454,5 +456,45 @@ pub async fn check(host: &str, name: &str, q: &QemuVm, wait: Duration) -> CheckR
         advancing: matches!((first, last), (Some(a), Some(b)) if b.tick > a.tick),
         intact: errors == 0 && state.problems.is_empty() && last.is_some(),
         problems: state.problems,
+    }
+}
+
+/// User + system CPU time of a process (every thread), from `/proc/PID/stat`;
+/// `None` once it is gone.
+pub fn process_cpu(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    cpu_of_stat(&stat)
+}
+
+/// This agent's own CPU time.
+pub fn own_cpu() -> Duration {
+    process_cpu(std::process::id()).unwrap_or_default()
+}
+
+/// utime + stime (fields 14 and 15) of a `/proc/PID/stat` line; the command
+/// name in parentheses may itself contain spaces and parentheses.
+fn cpu_of_stat(stat: &str) -> Option<Duration> {
+    let f: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf only reads a constant of the running system
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Some(Duration::from_micros(ticks * 1_000_000 / hz))
+}
+
+#[cfg(test)]
+mod cpu_tests {
+    use super::*;
+
+    #[test]
+    fn stat_lines_with_odd_names_parse() {
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+        let line = format!(
+            "42 (qemu (x) y) S 1 42 42 0 -1 4194560 100 0 0 0 {} {} 0 0 20 0 1 0",
+            3 * hz,
+            hz
+        );
+        assert_eq!(cpu_of_stat(&line), Some(Duration::from_secs(4)));
+        assert_eq!(cpu_of_stat("garbage"), None);
+        assert!(process_cpu(std::process::id()).is_some());
     }
 }

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use ferry_api::client::Client;
 use ferry_api::{
-    ApiError, CheckResult, HostInfo, IncomingReply, IncomingRequest, IncomingStatus,
+    ApiError, CheckResult, CpuReport, HostInfo, IncomingReply, IncomingRequest, IncomingStatus,
     MigrateRequest, MigrationEvent, MigrationProgress, MigrationReport, VmSpec,
 };
 use tokio::sync::mpsc;
@@ -233,6 +233,17 @@ impl Agent {
         ev: &Events,
         started: Instant,
     ) -> Result<MigrationReport, Failure> {
+        if req.encrypt_carriers && req.option == MigrationOption::Tcp {
+            return Err(Failure {
+                step: "establish",
+                reason: String::new(),
+                passthrough: Some(ApiError::invalid(
+                    "option",
+                    "tcp is QEMU's own unencrypted stream and this cluster encrypts migrations \
+                     (encrypt_carriers): use multichannel, compression or auto",
+                )),
+            });
+        }
         // 1. establish
         let target = Client::new(
             &format!("agent {}", req.target),
@@ -297,6 +308,8 @@ impl Agent {
         };
         let option = match req.option {
             MigrationOption::Auto if shared > 1 => MigrationOption::Multichannel,
+            // sealed carriers need Ferry's transport, even over one NIC
+            MigrationOption::Auto if req.encrypt_carriers => MigrationOption::Compression,
             MigrationOption::Auto => MigrationOption::Tcp,
             o => o,
         };
@@ -309,6 +322,7 @@ impl Agent {
             option,
             session: Some(ferry_transport::session_to_hex(&session)),
             postcopy: req.convergence.postcopy,
+            sealed: req.encrypt_carriers,
         };
         let reply: IncomingReply = target
             .post("/incoming", &incoming, Duration::from_secs(30))
@@ -362,13 +376,11 @@ impl Agent {
                     self.roll_back(id, vm, &target, None).await;
                     return Err(fail("connection", "no NIC pair to carry the migration"));
                 }
-                match ferry_transport::Session::source(
-                    session,
-                    self.cred.secret(),
-                    sock.clone(),
-                    carriers,
-                )
-                .await
+                let keys = ferry_transport::Keys {
+                    secret: self.cred.secret(),
+                    sealed: req.encrypt_carriers,
+                };
+                match ferry_transport::Session::source(session, &keys, sock.clone(), carriers).await
                 {
                     Ok(s) => {
                         s.set_compression(compress);
@@ -485,6 +497,10 @@ impl Agent {
             }
         };
         let t_migrate = Instant::now();
+        let cpu_at_start = (
+            crate::host::own_cpu(),
+            crate::host::process_cpu(vm.pid).unwrap_or_default(),
+        );
         qmp.migrate(&uri).await.map_err(q("connection"))?;
         ev.step("connection", detail).await;
 
@@ -775,8 +791,8 @@ impl Agent {
         }
         // the target runs once every byte has arrived and loaded: time it from here
         let t_completed = Instant::now();
-        target
-            .post::<_, serde_json::Value>(
+        let on_target: IncomingStatus = target
+            .post(
                 &format!("/incoming/{id}/running"),
                 &serde_json::json!({}),
                 Duration::from_secs(30),
@@ -784,6 +800,11 @@ impl Agent {
             .await
             .map_err(|e| fail("final-check", e.to_string()))?;
         let t_running = Instant::now();
+        // this agent (all of it) and the source QEMU, from `migrate` to here
+        let cpu_source = crate::host::own_cpu().saturating_sub(cpu_at_start.0)
+            + crate::host::process_cpu(vm.pid)
+                .unwrap_or_default()
+                .saturating_sub(cpu_at_start.1);
         let tick_before = ferry_lab::console::parse_log(
             &ferry_lab::console::read_tail(&vm.console_path(), 64 << 10).unwrap_or_default(),
         )
@@ -908,6 +929,8 @@ impl Agent {
                 "precopy".into()
             },
             max_throttle_pct: max_throttle,
+            cpu: CpuReport::new(cpu_source, on_target.cpu_ms, ram.transferred),
+            encrypted: matches!(plan, Plan::Multichannel { session, .. } if session.sealed()),
             tick_before,
             check,
         })
@@ -997,6 +1020,7 @@ impl Agent {
         let role = Role::Incoming {
             migration_id: req.migration_id.clone(),
             source: req.source.clone(),
+            agent_cpu_at_start: crate::host::own_cpu(),
         };
         self.reserve(&req.spec, role).await?;
         let dir = self.vm_dir(&req.spec.name, &format!(".in-{}", req.migration_id));
@@ -1056,8 +1080,12 @@ impl Agent {
                 .iter()
                 .filter_map(|n| Some((n.name.clone(), n.address.parse().ok()?)))
                 .collect();
+            let keys = ferry_transport::Keys {
+                secret: self.cred.secret(),
+                sealed: req.sealed,
+            };
             let (session, bound) =
-                ferry_transport::Session::target(session_id, self.cred.secret(), listen, sock)
+                ferry_transport::Session::target(session_id, &keys, listen, sock)
                     .await
                     .map_err(|e| ApiError::internal(error_chain(&e)))?;
             if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
@@ -1136,7 +1164,26 @@ impl Agent {
             migration_id: id.into(),
             qemu_status: status,
             qemu_alive: alive,
+            cpu_ms: None,
         })
+    }
+
+    /// CPU this host spent on an incoming migration so far: the target QEMU
+    /// since it started plus this agent since the skeleton was asked for
+    /// (the whole agent: other migrations at the same time count too).
+    async fn incoming_cpu(&self, id: &str, q: &QemuVm) -> Option<u64> {
+        let st = self.state.lock().await;
+        let at_start = st.vms.values().find_map(|s| match &s.role {
+            Role::Incoming {
+                migration_id,
+                agent_cpu_at_start,
+                ..
+            } if migration_id == id => Some(*agent_cpu_at_start),
+            _ => None,
+        })?;
+        let agent = crate::host::own_cpu().saturating_sub(at_start);
+        let qemu = crate::host::process_cpu(q.pid)?;
+        Some((agent + qemu).as_millis() as u64)
     }
 
     /// Waits until the target guest runs (QEMU starts it once everything is loaded).
@@ -1156,6 +1203,7 @@ impl Agent {
                         migration_id: id.into(),
                         qemu_status: s.status,
                         qemu_alive: true,
+                        cpu_ms: self.incoming_cpu(id, &q).await,
                     })
                 }
                 Ok(s) if Instant::now() > deadline => {

@@ -276,10 +276,14 @@ impl Sinks {
         std::fs::create_dir_all(&dir).map_err(ApiError::internal)?;
         let sock = dir.join("sink.sock");
         let local = tokio::net::UnixListener::bind(&sock).map_err(ApiError::internal)?;
-        let (session_handle, bound) =
-            ferry_transport::Session::target(session, secret, vec![(req.nic.clone(), ip)], sock)
-                .await
-                .map_err(|e| ApiError::internal(crate::host::error_chain(&e)))?;
+        let (session_handle, bound) = ferry_transport::Session::target(
+            session,
+            &unsealed(secret),
+            vec![(req.nic.clone(), ip)],
+            sock,
+        )
+        .await
+        .map_err(|e| ApiError::internal(crate::host::error_chain(&e)))?;
         let port = bound
             .first()
             .map(|(_, a)| a.port())
@@ -364,7 +368,7 @@ pub async fn send(req: SendRequest, secret: &[u8]) -> Result<SendResult, ApiErro
     let path = format!("path {} → {peer}", req.nic);
     let s = ferry_transport::Session::source(
         session,
-        secret,
+        &unsealed(secret),
         sock.clone(),
         vec![(req.nic.clone(), local, peer)],
     )
@@ -414,6 +418,15 @@ pub async fn send(req: SendRequest, secret: &[u8]) -> Result<SendResult, ApiErro
     s.close();
     let _ = std::fs::remove_dir_all(&dir);
     result
+}
+
+/// Path measurements carry filler, not guest memory: never sealed, so they
+/// measure the path alone.
+fn unsealed(secret: &[u8]) -> ferry_transport::Keys<'_> {
+    ferry_transport::Keys {
+        secret,
+        sealed: false,
+    }
 }
 
 #[cfg(test)]

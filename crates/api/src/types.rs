@@ -489,6 +489,36 @@ pub struct MigrateRequest {
     pub option: MigrationOption,
     #[serde(default)]
     pub convergence: Convergence,
+    /// Seal every carrier frame (the cluster's `encrypt_carriers`).
+    #[serde(default)]
+    pub encrypt_carriers: bool,
+}
+
+/// Settings that hold for the whole cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSettings {
+    /// Live migrations go only over Ferry's transport with every frame
+    /// encrypted and authenticated (AES-256-GCM), for fabrics the hosts do
+    /// not trust; `tcp` (QEMU's own clear stream) is refused.
+    #[serde(default)]
+    pub encrypt_carriers: bool,
+}
+
+/// Changes some cluster settings; what is not given stays.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSettingsUpdate {
+    #[serde(default)]
+    pub encrypt_carriers: Option<bool>,
+}
+
+impl ClusterSettings {
+    pub fn updated(&self, u: &ClusterSettingsUpdate) -> ClusterSettings {
+        ClusterSettings {
+            encrypt_carriers: u.encrypt_carriers.unwrap_or(self.encrypt_carriers),
+        }
+    }
 }
 
 /// Target agent: reserve memory and start a skeleton VM waiting for a migration.
@@ -509,6 +539,9 @@ pub struct IncomingRequest {
     /// Post-copy may be used: the target enables it too (and then no multifd).
     #[serde(default)]
     pub postcopy: bool,
+    /// Multichannel: carriers seal every frame.
+    #[serde(default)]
+    pub sealed: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -548,6 +581,10 @@ pub struct IncomingStatus {
     pub migration_id: String,
     pub qemu_status: String,
     pub qemu_alive: bool,
+    /// Once the guest runs: CPU the target spent on the migration, ms (its
+    /// QEMU and its agent).
+    #[serde(default)]
+    pub cpu_ms: Option<u64>,
 }
 
 /// Where a migration is, as seen by the source.
@@ -587,6 +624,32 @@ pub struct MigrationProgress {
     /// QEMU's vCPU throttle (auto-converge), percent.
     #[serde(default)]
     pub throttle_pct: u64,
+}
+
+/// CPU time a migration cost, per host: the QEMU process (its migration
+/// and multifd threads, and its vCPUs, which run the guest meanwhile) plus
+/// the Ferry agent (the transport's carriers). The agent is counted whole, so
+/// with several migrations at once each is charged all of it.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct CpuReport {
+    pub source_s: f64,
+    /// `None` when the target could not say (an agent older than this field).
+    pub target_s: Option<f64>,
+    /// (source + target) ÷ GiB moved.
+    pub per_gib_s: Option<f64>,
+}
+
+impl CpuReport {
+    pub fn new(source: std::time::Duration, target_ms: Option<u64>, bytes: u64) -> CpuReport {
+        let source_s = source.as_secs_f64();
+        let target_s = target_ms.map(|ms| ms as f64 / 1000.0);
+        let gib = bytes as f64 / (1u64 << 30) as f64;
+        CpuReport {
+            source_s,
+            target_s,
+            per_gib_s: target_s.filter(|_| gib > 0.0).map(|t| (source_s + t) / gib),
+        }
+    }
 }
 
 /// The final report of a completed migration.
@@ -632,6 +695,12 @@ pub struct MigrationReport {
     pub phase: String,
     /// The highest vCPU throttle QEMU applied, percent.
     pub max_throttle_pct: u64,
+    /// Every carrier frame was encrypted and authenticated (AES-256-GCM).
+    #[serde(default)]
+    pub encrypted: bool,
+    /// CPU spent moving the guest, from QEMU's `migrate` to the target guest running.
+    #[serde(default)]
+    pub cpu: CpuReport,
     pub rounds: u64,
     /// The guest's counter on the source just after the switch-over.
     pub tick_before: Option<u64>,

@@ -35,6 +35,11 @@ pub enum LabCmd {
         nic: String,
         rate: String,
     },
+    /// Give every host an alternative to Ferry's transport over the same NICs,
+    /// for running the same QEMU migration over it: an ECMP "team" hashing
+    /// connections on layer 4 (no bonding driver here), kernel MPTCP with one
+    /// subflow per NIC, or none.
+    Team { kind: TeamArg },
     /// Start a host's agent again (after it was killed).
     RestartAgent { host: String },
     /// Build (or show) the cached guest image.
@@ -42,6 +47,13 @@ pub enum LabCmd {
         #[arg(long)]
         rebuild: bool,
     },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum TeamArg {
+    Ecmp,
+    Mptcp,
+    None,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -98,6 +110,18 @@ pub async fn run(cli: &Cli, cmd: &LabCmd) -> anyhow::Result<i32> {
             let spec = LabDir::default_path().load_spec()?;
             net::set_rate(&spec, host, nic, rate)?;
             println!("{host} {nic}: link shaped to {rate}");
+            Ok(0)
+        }
+        LabCmd::Team { kind } => {
+            let spec = LabDir::default_path().load_spec()?;
+            let k = match kind {
+                TeamArg::Ecmp => ferry_lab::team::TeamKind::Ecmp,
+                TeamArg::Mptcp => ferry_lab::team::TeamKind::Mptcp,
+                TeamArg::None => ferry_lab::team::TeamKind::None,
+            };
+            for (host, addr) in ferry_lab::team::set(&spec, k)? {
+                println!("{host}: migrate to {addr}");
+            }
             Ok(0)
         }
         LabCmd::RestartAgent { host } => {

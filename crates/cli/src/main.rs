@@ -6,6 +6,7 @@
 //! it creates the machines the control service runs on.
 
 mod bandwidth_cmd;
+mod cluster_cmd;
 mod daemons;
 mod demo;
 mod lab_cmd;
@@ -59,6 +60,9 @@ enum Cmd {
     /// Bandwidth per traffic class (live-migration, storage, default) on every NIC.
     #[command(subcommand)]
     Bandwidth(bandwidth_cmd::BandwidthCmd),
+    /// Settings of the whole cluster (encrypted carriers).
+    #[command(subcommand)]
+    Cluster(cluster_cmd::ClusterCmd),
     /// The control service's event log: migrations, drains, hosts down and up, storage changes.
     Events {
         #[arg(long, default_value_t = 50)]
@@ -142,6 +146,7 @@ fn main() {
             Cmd::Disk(c) => storage_cmd::run_disk(&cli, c).await,
             Cmd::Qos(c) => storage_cmd::run_qos(&cli, c).await,
             Cmd::Bandwidth(c) => bandwidth_cmd::run(&cli, c).await,
+            Cmd::Cluster(c) => cluster_cmd::run(&cli, c).await,
             Cmd::Events { limit, json } => vm_cmd::events(&cli, *limit, *json).await,
             Cmd::Demo(a) => demo::run(&cli, a).await,
             Cmd::Agent(a) => daemons::agent(a).await,

@@ -515,6 +515,19 @@ pub fn print_report(r: &MigrationReport) {
         .map(|(n, b)| format!("{n} {}", human_bytes(*b)))
         .collect();
     println!("  bytes per NIC: {}", per_nic.join(", "));
+    match (r.cpu.target_s, r.cpu.per_gib_s) {
+        (Some(t), Some(g)) => println!(
+            "  CPU: {:.2} s source + {t:.2} s target = {g:.2} s per GiB moved (QEMU and agent)",
+            r.cpu.source_s
+        ),
+        _ => println!("  CPU: {:.2} s source (QEMU and agent)", r.cpu.source_s),
+    }
+    if r.compression_ratio > 1.0 {
+        println!(
+            "  compression: {:.2}× over {} frames",
+            r.compression_ratio, r.frames_compressed
+        );
+    }
     if r.phase != "precopy" || r.max_throttle_pct > 0 {
         println!(
             "  converged in {}, vCPU throttle up to {}%",
@@ -535,7 +548,12 @@ pub fn print_report(r: &MigrationReport) {
             })
             .collect();
         println!(
-            "  carriers: {}; {} frames resent",
+            "  carriers{}: {}; {} frames resent",
+            if r.encrypted {
+                " (sealed, AES-256-GCM)"
+            } else {
+                ""
+            },
             c.join(", "),
             r.frames_resent
         );

@@ -40,6 +40,18 @@ fn multichannel_move_spreads_over_both_nics() {
     );
     assert!(r["downtime_ms"].as_u64().unwrap() < 1000);
     assert_eq!(r["frames_resent"], 0);
+    // CPU per host: both QEMUs and agents worked; per GiB is their sum ÷ GiB
+    let cpu = &r["cpu"];
+    let (src, dst) = (
+        cpu["source_s"].as_f64().unwrap(),
+        cpu["target_s"].as_f64().unwrap(),
+    );
+    assert!(src > 0.0 && dst > 0.0, "{cpu}");
+    let per_gib = (src + dst) / (total as f64 / (1u64 << 30) as f64);
+    assert!(
+        (cpu["per_gib_s"].as_f64().unwrap() - per_gib).abs() < 0.01,
+        "{cpu}"
+    );
     assert!(
         r["carriers"]
             .as_array()
@@ -56,7 +68,26 @@ fn multichannel_move_spreads_over_both_nics() {
         (Some("completed"), Some("multichannel")),
         "{r}"
     );
+    assert_eq!(r["encrypted"], false);
     assert_intact_on("mc1", "host1");
+    // encrypted carriers: QEMU's clear tcp stream refused, the transport sealed
+    let s = ferry_json(&["cluster", "set", "--encrypt-carriers", "on", "--json"]);
+    assert_eq!(s["encrypt_carriers"], true, "{s}");
+    let r = move_vm("mc1", "host2", "tcp");
+    assert_eq!(r["event"], "failed", "{r}");
+    assert!(r.to_string().contains("encrypt"), "{r}");
+    let r = move_vm("mc1", "host2", "auto");
+    ferry_ok(&["cluster", "set", "--encrypt-carriers", "off"]);
+    assert_eq!(
+        (r["event"].as_str(), r["encrypted"].as_bool()),
+        (Some("completed"), Some(true)),
+        "{r}"
+    );
+    assert!(
+        nic_bytes(&r, "nic1") > 0 && nic_bytes(&r, "nic2") > 0,
+        "{r}"
+    );
+    assert_intact_on("mc1", "host2");
 }
 
 #[test]

@@ -110,7 +110,8 @@ impl Running {
 /// climbs like a slow start: one, then one more each time the aggregate rate
 /// of the host's migrations (bytes sent per second, measured over
 /// [`AutoLimit::WINDOW`] while every running migration is copying and none
-/// is in its last round) rose ≥ 10%
+/// is in its last round), unless the links are already full
+/// ([`AutoLimit::FULL`] of what the drained host's NICs carry) rose ≥ 10%
 /// with the last one added. A step that does not pay means the links (or the
 /// CPUs) were already full, so the tuner holds the concurrency that did and
 /// stops probing: more migrations at once would only share the same rate
@@ -130,14 +131,37 @@ pub struct AutoLimit {
     /// (concurrency, aggregate bytes/s) measured so far.
     pub history: Vec<(u32, f64)>,
     pub settled: bool,
+    /// What the drained host's NICs can carry for this option, bytes/s.
+    capacity: Option<f64>,
+    /// The last tick inside the open window: (when, bytes sent).
+    last_steady: Option<(Instant, u64)>,
 }
 
 impl AutoLimit {
     pub const START: u32 = 4;
-    pub const WARMUP: Duration = Duration::from_secs(1);
+    pub const WARMUP: Duration = Duration::from_millis(500);
     pub const WINDOW: Duration = Duration::from_millis(1500);
+    /// A window cut short (a move finishing: short moves may never give a
+    /// whole one) still counts from this long.
+    pub const MIN_WINDOW: Duration = Duration::from_millis(500);
     /// A step up pays when the aggregate rate rises by this factor.
     pub const PAYS: f64 = 1.10;
+    /// The links are full at this share of their capacity (TCP over a
+    /// shaped link gets ~0.95 of it): no step up can pay.
+    pub const FULL: f64 = 0.85;
+
+    /// With the capacity of the drained host's links for this option (bytes/s):
+    /// a level that fills it is held without trying the next.
+    pub fn with_capacity(capacity: Option<f64>) -> AutoLimit {
+        AutoLimit {
+            capacity: capacity.filter(|c| *c > 0.0),
+            ..Self::new()
+        }
+    }
+
+    pub fn capacity(&self) -> Option<f64> {
+        self.capacity
+    }
 
     pub fn new() -> AutoLimit {
         AutoLimit {
@@ -147,6 +171,8 @@ impl AutoLimit {
             probe: None,
             history: Vec::new(),
             settled: false,
+            capacity: None,
+            last_steady: None,
         }
     }
 
@@ -163,8 +189,16 @@ impl AutoLimit {
         let mut change = None;
         if !self.settled {
             match self.probe {
-                Some((lvl, _, _)) if n != lvl || !running.iter().all(Running::steady) => {
-                    self.probe = None
+                Some((lvl, s0, t0)) if n != lvl || !running.iter().all(Running::steady) => {
+                    self.probe = None;
+                    // cut short: what it saw until the last tick still counts
+                    if let Some((t1, s1)) = self.last_steady {
+                        if t1.duration_since(t0) >= Self::MIN_WINDOW {
+                            let rate =
+                                s1.saturating_sub(s0) as f64 / t1.duration_since(t0).as_secs_f64();
+                            change = Some(self.measured(lvl, rate));
+                        }
+                    }
                 }
                 Some((lvl, s0, t0)) if now.duration_since(t0) >= Self::WINDOW => {
                     self.probe = None;
@@ -178,6 +212,7 @@ impl AutoLimit {
                 }
                 None => {}
             }
+            self.last_steady = self.probe.map(|_| (now, sent));
         }
         let finishing = if self.settled {
             running.iter().filter(|r| r.finishing).count() as u32
@@ -194,6 +229,15 @@ impl AutoLimit {
         let mbit = |r: f64| r * 8.0 / 1e6;
         let prev = self.history.last().copied();
         self.history.push((lvl, rate));
+        if let Some(c) = self.capacity.filter(|c| rate >= c * Self::FULL) {
+            self.settled = true;
+            self.want = lvl;
+            return format!(
+                "{:.0} Mbit/s with {lvl} fills the links ({:.0} Mbit/s): holding {lvl}, the next starting as one finishes",
+                mbit(rate),
+                mbit(c)
+            );
+        }
         match prev {
             Some((pl, pr)) if rate < pr * Self::PAYS => {
                 self.settled = true;
@@ -315,6 +359,27 @@ mod tests {
     }
 
     #[test]
+    fn auto_holds_a_level_that_fills_the_links_without_trying_more() {
+        let t0 = Instant::now();
+        let mut a = AutoLimit::with_capacity(Some(75e6));
+        let (mut sent, mut n) = (0f64, 0u32);
+        for i in 0..100u64 {
+            sent += if n == 0 { 0.0 } else { 70e6 * 0.25 };
+            n = a
+                .tick(
+                    t0 + Duration::from_millis(250 * i),
+                    sent as u64,
+                    &run(n as usize, true, 0),
+                )
+                .0;
+        }
+        assert!(a.settled);
+        assert_eq!((a.want, a.history.len()), (1, 1), "{:?}", a.history);
+        // unknown capacity: probed as before
+        assert_eq!(AutoLimit::with_capacity(Some(0.0)).capacity, None);
+    }
+
+    #[test]
     fn auto_climbs_while_it_pays_and_holds_the_last_step_that_did() {
         // CPU-bound: each migration alone is slow; three fill what there is
         let a = settle(|n| 40e6 * n.min(3) as f64);
@@ -354,13 +419,28 @@ mod tests {
             assert_eq!((n, ch), (1, None));
         }
         assert!(a.history.is_empty());
-        // a window opens and a migration ending in it restarts the window
+        // a window opens; a migration ending before MIN_WINDOW discards it
         a.tick(t0, 0, &run(1, true, 0));
+        a.tick(t0 + Duration::from_millis(250), 1000, &run(1, true, 0));
         assert_eq!(
-            a.tick(t0 + Duration::from_secs(1), 0, &run(0, true, 0)).1,
+            a.tick(t0 + Duration::from_millis(500), 2000, &run(0, true, 0))
+                .1,
             None
         );
         assert!(a.history.is_empty());
+        // one ending later still gives the rate it saw until then
+        let t1 = t0 + Duration::from_secs(1);
+        a.tick(t1, 0, &run(1, true, 0));
+        for i in 1..=3u64 {
+            a.tick(
+                t1 + Duration::from_millis(250 * i),
+                i * 25_000_000,
+                &run(1, true, 0),
+            );
+        }
+        let (_, change) = a.tick(t1 + Duration::from_secs(1), 0, &run(1, true, 1));
+        assert!(change.is_some());
+        assert_eq!(a.history, vec![(1, 100e6)]);
     }
 
     #[test]

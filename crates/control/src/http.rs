@@ -28,6 +28,7 @@
 //! | GET/PUT | /qos/settings | Storage(GetSettings / SetSettings) (body: `QosSettings`) |
 //! | GET | /bandwidth | ListBandwidth: the policy, and per host and NIC each class's rate, ceiling and current rate |
 //! | PUT | /bandwidth | SetBandwidth (body: `BandwidthSetRequest`) |
+//! | GET/PUT | /cluster | GetCluster / SetCluster (body: `ClusterSettingsUpdate`): cluster-wide settings |
 //! | GET | /events | Events (query `limit`, default 100): the event log, oldest first |
 //! | GET | /metrics (no prefix) | Metrics: Prometheus text of hosts, NICs, migrations, drains, flows |
 
@@ -248,6 +249,14 @@ pub fn router(control: Arc<Control>, cred: Credential) -> Router {
                 |State(c): S,
                  ApiJson(req): ApiJson<ferry_api::bandwidth::BandwidthSetRequest>| async move {
                     run(&c, Command::SetBandwidth(req)).await
+                },
+            ),
+        )
+        .route(
+            "/cluster",
+            get(|State(c): S| async move { run(&c, Command::GetCluster).await }).put(
+                |State(c): S, ApiJson(u): ApiJson<ferry_api::ClusterSettingsUpdate>| async move {
+                    run(&c, Command::SetCluster(u)).await
                 },
             ),
         )

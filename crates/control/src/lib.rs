@@ -81,6 +81,9 @@ pub enum Command {
     /// Bandwidth classes: the policy and what each host enforces and sends.
     ListBandwidth,
     SetBandwidth(ferry_api::bandwidth::BandwidthSetRequest),
+    /// Settings of the whole cluster (encrypted carriers).
+    GetCluster,
+    SetCluster(ferry_api::ClusterSettingsUpdate),
 }
 
 /// What a command produces: one JSON value, or a stream of events (one JSON
@@ -317,6 +320,17 @@ impl Control {
             }
             Command::ListBandwidth => value(self.list_bandwidth().await?),
             Command::SetBandwidth(req) => value(self.set_bandwidth(req).await?),
+            Command::GetCluster => value(self.cluster_settings().await?),
+            Command::SetCluster(u) => {
+                let s = self.cluster_settings().await?.updated(&u);
+                self.store.put_cluster(CLUSTER_KEY, &s).await?;
+                self.log(
+                    "cluster",
+                    "settings",
+                    serde_json::to_value(&s).unwrap_or_default(),
+                );
+                value(s)
+            }
             Command::SetHost { host, settings } => {
                 self.host(&host)?;
                 let settings = lock(&self.settings)
@@ -470,6 +484,11 @@ impl Control {
 
     /// A migration's option and convergence policy: what it chose, else the
     /// source host's defaults (`ferry host set`), else the built-in ones.
+    /// The cluster's settings, from the store (another control instance may have set them).
+    async fn cluster_settings(&self) -> Result<ferry_api::ClusterSettings, ApiError> {
+        Ok(self.store.cluster(CLUSTER_KEY).await?.unwrap_or_default())
+    }
+
     fn migration_policy(
         &self,
         source: &str,
@@ -506,6 +525,7 @@ impl Control {
             target_url: target.base().to_string(),
             option,
             convergence,
+            encrypt_carriers: self.cluster_settings().await?.encrypt_carriers,
         };
         let events = self
             .host(&source)?
@@ -768,7 +788,10 @@ impl Control {
         tx: tokio::sync::mpsc::Sender<DrainEvent>,
     ) {
         let started = std::time::Instant::now();
-        let mut auto = drain::AutoLimit::new();
+        let mut auto = drain::AutoLimit::with_capacity(match setting {
+            MigrationLimit::Auto => self.drain_capacity(&host, option).await,
+            MigrationLimit::Fixed(_) => None,
+        });
         let (limit, mut limits) = match setting {
             MigrationLimit::Auto => (auto.limit, vec![auto.want]),
             MigrationLimit::Fixed(n) => (n, vec![n]),
@@ -781,8 +804,12 @@ impl Control {
             })
             .await;
         if setting == MigrationLimit::Auto {
+            let links = match auto.capacity() {
+                Some(c) => format!("; the links carry {:.0} Mbit/s", c * 8.0 / 1e6),
+                None => String::new(),
+            };
             let reason = format!(
-                "auto: {} at once to start, one more each time it pays, up to {limit}",
+                "auto: {} at once to start, one more each time it pays, up to {limit}{links}",
                 auto.want
             );
             let _ = tx
@@ -958,6 +985,34 @@ impl Control {
         let _ = tx.send(DrainEvent::Done(report)).await;
     }
 
+    /// What the drained host's links carry for `option`, bytes/s: every NIC
+    /// up, or (tcp, one NIC per migration) the fastest; `None` if unknown.
+    async fn drain_capacity(
+        &self,
+        host: &str,
+        option: Option<ferry_api::MigrationOption>,
+    ) -> Option<f64> {
+        let (option, _) = self
+            .migration_policy(host, option, Default::default())
+            .ok()?;
+        let b: ferry_api::bandwidth::HostBandwidth = self
+            .host(host)
+            .ok()?
+            .get("/bandwidth", AGENT_TIMEOUT)
+            .await
+            .ok()?;
+        let rates = b
+            .nics
+            .iter()
+            .filter(|n| n.up)
+            .map(|n| n.link_rate as f64 / 8.0);
+        let c = match option {
+            ferry_api::MigrationOption::Tcp => rates.fold(0.0, f64::max),
+            _ => rates.sum(),
+        };
+        (c > 0.0).then_some(c)
+    }
+
     /// One move of a drain, forwarding its progress (at most twice a second).
     async fn drain_one(
         &self,
@@ -975,6 +1030,7 @@ impl Control {
             target_url: target.base().to_string(),
             option,
             convergence,
+            encrypt_carriers: self.cluster_settings().await?.encrypt_carriers,
         };
         let mut events = self
             .host(&source)?
@@ -1029,6 +1085,9 @@ impl Control {
         )))
     }
 }
+
+/// Where the cluster's settings live in the store.
+const CLUSTER_KEY: &str = "settings";
 
 /// A running move of a drain, as its progress last said.
 #[derive(Debug, Clone, Copy, Default)]

@@ -13,6 +13,7 @@ pub mod console;
 pub mod cpio;
 pub mod image;
 pub mod net;
+pub mod team;
 pub mod topology;
 
 use std::path::PathBuf;

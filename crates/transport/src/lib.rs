@@ -9,14 +9,16 @@
 //! and resent on the others when a carrier dies.
 //!
 //! - [`protocol`]: the wire format, versioned and authenticated, every field checked.
+//! - [`seal`]: carriers encrypted and authenticated per frame, when the cluster asks.
 //! - [`session`]: carriers, streams, scheduling, replay and failover.
 
 pub mod compress;
 pub mod protocol;
+pub mod seal;
 pub mod session;
 
 pub use compress::{CompressionStats, Mode as CompressMode};
-pub use session::{CarrierStats, Session, SessionStats, TransportError};
+pub use session::{CarrierStats, Keys, Session, SessionStats, TransportError};
 
 /// A session id as text (32 hex digits), as agents pass it in their API.
 pub fn session_to_hex(id: &[u8; 16]) -> String {

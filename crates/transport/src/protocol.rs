@@ -15,14 +15,16 @@
 //!   8  u16  version = 1
 //!  10  u8   role: 1 = carrier (0 is reserved as invalid)
 //!  11  u8   carrier index (< MAX_CARRIERS)
-//!  12  u32  reserved, 0
+//!  12  u32  flags: bit 0 SEALED (every frame of this connection is
+//!           sealed, see below); other bits 0
 //!  16  [16] session id
 //!  32  [16] nonce (random per connection)
 //!  48  [32] HMAC-SHA256(cluster credential, "ferry-transport hello" ‖ bytes 0..48)
 //! Welcome (target → source), 64 bytes
 //!   0  [8]  magic "FERRYTP1"
 //!   8  u16  version = 1
-//!  10  u8   status: 0 ok, 1 bad version, 2 bad credential, 3 unknown session, 4 too many carriers
+//!  10  u8   status: 0 ok, 1 bad version, 2 bad credential, 3 unknown session, 4 too many carriers,
+//!           5 sealing differs (the Hello's SEALED flag is not the session's)
 //!  11  [5]  reserved, 0
 //!  16  [16] the Hello's nonce
 //!  32  [32] HMAC-SHA256(cluster credential, "ferry-transport welcome" ‖ bytes 0..32)
@@ -34,9 +36,12 @@
 //! ## Frames, 32-byte header then `len` payload bytes
 //! ```text
 //!   0  u8   kind: 1 DATA, 2 ACK, 3 OPEN, 4 FIN, 5 PING (0 is reserved as invalid)
-//!   1  u8   flags: bit 0 LZ4 (DATA only: the payload is an LZ4 block); other bits 0
+//!   1  u8   flags: bit 0 LZ4 (DATA only: the payload is an LZ4 block);
+//!           bit 1 SEALED (every frame of a sealed connection, none of another);
+//!           other bits 0
 //!   2  u16  stream (< MAX_STREAMS)
 //!   4  u32  len: payload bytes; ≤ MAX_PAYLOAD for DATA, 0 for every other kind
+//!           (sealed: TAG_LEN more, the tag ending the payload)
 //!   8  u64  id: DATA/OPEN/FIN: frame id (per direction, from 1, for diagnostics);
 //!           ACK: how many DATA/OPEN/FIN frames this carrier connection has received;
 //!           PING: sender's counter
@@ -49,6 +54,19 @@
 //! Compression is the sender's choice per frame (see `compress.rs`); `offset`
 //! and stream lengths always count uncompressed bytes. The CRC covers the
 //! payload as sent.
+//!
+//! ## Sealed connections (cluster setting: encrypt carriers)
+//! Every frame's payload (compressed first, if it is) is encrypted with
+//! AES-256-GCM and followed by its 16-byte tag; the tag also authenticates
+//! header bytes 0..24 and 28..32 (all but the CRC). One key per connection
+//! and direction: HKDF-SHA256 of the cluster credential, salt = session id ‖
+//! the Hello's nonce (random per connection), info = "ferry-transport seal
+//! v1" ‖ direction (1 source → target, 2 target → source) ‖ carrier index.
+//! The 96-bit nonce is 4 zero bytes ‖ the u64 count of frames sealed in that
+//! direction of the connection, so no nonce repeats under a key and a frame
+//! dropped, replayed or moved inside a connection does not open. ACK and PING
+//! are sealed too: a forged ACK could otherwise release frames never
+//! received. See `seal.rs`.
 //! DATA, OPEN and FIN are *reliable*: each is sent on one carrier and kept in
 //! the sender's replay buffer until that carrier's ACK count covers it (TCP
 //! keeps a carrier's frames in order, so a count suffices); if the carrier
@@ -81,6 +99,12 @@ pub const HEARTBEAT: Duration = Duration::from_millis(100);
 pub const DEAD_AFTER: Duration = Duration::from_millis(500);
 /// Frame flag: the DATA payload is an LZ4 block of `raw_len` bytes.
 pub const FLAG_LZ4: u8 = 1;
+/// Frame flag: the payload is sealed (ciphertext ‖ tag).
+pub const FLAG_SEALED: u8 = 2;
+/// Hello flag: the connection's frames are sealed.
+pub const HELLO_SEALED: u32 = 1;
+/// Bytes of a sealed frame's tag.
+pub const TAG_LEN: usize = 16;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProtocolError {
@@ -112,6 +136,10 @@ pub enum ProtocolError {
     BadRawLength(u32),
     #[error("Compressed frame does not decompress to its raw length: {0}")]
     BadCompression(String),
+    #[error("Frame {0} on a connection that is {1}")]
+    SealingDiffers(&'static str, &'static str),
+    #[error("Sealed frame does not open: forged, corrupted, replayed or out of order")]
+    BadSeal,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,6 +170,7 @@ pub const STATUS_BAD_VERSION: u8 = 1;
 pub const STATUS_BAD_CREDENTIAL: u8 = 2;
 pub const STATUS_UNKNOWN_SESSION: u8 = 3;
 pub const STATUS_TOO_MANY: u8 = 4;
+pub const STATUS_SEALING: u8 = 5;
 
 fn status_text(s: u8) -> &'static str {
     match s {
@@ -149,6 +178,7 @@ fn status_text(s: u8) -> &'static str {
         STATUS_BAD_CREDENTIAL => "wrong cluster credential",
         STATUS_UNKNOWN_SESSION => "unknown session",
         STATUS_TOO_MANY => "too many carriers",
+        STATUS_SEALING => "carrier encryption differs between the two agents",
         _ => "unknown status",
     }
 }
@@ -170,6 +200,8 @@ pub struct Hello {
     pub carrier: u8,
     pub session: [u8; 16],
     pub nonce: [u8; 16],
+    /// The connection's frames are sealed.
+    pub sealed: bool,
 }
 
 impl Hello {
@@ -179,6 +211,9 @@ impl Hello {
         b[8..10].copy_from_slice(&VERSION.to_le_bytes());
         b[10] = 1;
         b[11] = self.carrier;
+        if self.sealed {
+            b[12..16].copy_from_slice(&HELLO_SEALED.to_le_bytes());
+        }
         b[16..32].copy_from_slice(&self.session);
         b[32..48].copy_from_slice(&self.nonce);
         let m = mac(secret, b"ferry-transport hello", &b[0..48]);
@@ -207,7 +242,8 @@ impl Hello {
         if b[11] >= MAX_CARRIERS {
             return Err((ProtocolError::BadCarrier(b[11]), STATUS_TOO_MANY));
         }
-        if b[12..16] != [0; 4] {
+        let flags = u32::from_le_bytes([b[12], b[13], b[14], b[15]]);
+        if flags & !HELLO_SEALED != 0 {
             return Err((ProtocolError::Reserved("hello"), STATUS_BAD_VERSION));
         }
         let mut session = [0u8; 16];
@@ -218,6 +254,7 @@ impl Hello {
             carrier: b[11],
             session,
             nonce,
+            sealed: flags & HELLO_SEALED != 0,
         })
     }
 }
@@ -274,6 +311,8 @@ pub struct Header {
     pub crc: u32,
     /// LZ4-compressed DATA: the length once decompressed; else 0.
     pub raw_len: u32,
+    /// The payload is sealed (ciphertext ‖ tag).
+    pub sealed: bool,
 }
 
 impl Header {
@@ -286,6 +325,7 @@ impl Header {
             offset,
             crc: 0,
             raw_len: 0,
+            sealed: false,
         }
     }
 }
@@ -299,20 +339,37 @@ pub fn encode_frame(h: &Header, payload: &[u8], out: &mut BytesMut) {
 /// Encodes only the header (its CRC covers `payload`), so the payload can be
 /// written from where it already is.
 pub fn encode_header(h: &Header, payload: &[u8], out: &mut BytesMut) {
+    let mut head = header_bytes(h, payload.len());
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&head[0..24]), payload);
+    head[24..28].copy_from_slice(&crc.to_le_bytes());
+    out.reserve(HEADER_LEN + payload.len());
+    out.put_slice(&head);
+}
+
+/// A header's bytes for a payload of `len` bytes, CRC left 0.
+pub fn header_bytes(h: &Header, len: usize) -> [u8; HEADER_LEN] {
     let mut head = [0u8; HEADER_LEN];
     head[0] = h.kind as u8;
     if h.raw_len > 0 {
         head[1] = FLAG_LZ4;
         head[28..32].copy_from_slice(&h.raw_len.to_le_bytes());
     }
+    if h.sealed {
+        head[1] |= FLAG_SEALED;
+    }
     head[2..4].copy_from_slice(&h.stream.to_le_bytes());
-    head[4..8].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    head[4..8].copy_from_slice(&(len as u32).to_le_bytes());
     head[8..16].copy_from_slice(&h.id.to_le_bytes());
     head[16..24].copy_from_slice(&h.offset.to_le_bytes());
-    let crc = crc32c::crc32c_append(crc32c::crc32c(&head[0..24]), payload);
-    head[24..28].copy_from_slice(&crc.to_le_bytes());
-    out.reserve(HEADER_LEN + payload.len());
-    out.put_slice(&head);
+    head
+}
+
+/// What a sealed frame's tag authenticates of its header: all but the CRC.
+pub fn sealed_aad(head: &[u8; HEADER_LEN]) -> [u8; 28] {
+    let mut a = [0u8; 28];
+    a[..24].copy_from_slice(&head[..24]);
+    a[24..].copy_from_slice(&head[28..32]);
+    a
 }
 
 /// Decodes and validates a header (everything but the CRC, which needs the payload).
@@ -320,9 +377,10 @@ pub fn decode_header(b: &[u8; HEADER_LEN]) -> Result<Header, ProtocolError> {
     let mut r = &b[..];
     let kind = Kind::from_u8(r.get_u8())?;
     let flags = r.get_u8();
-    if flags & !FLAG_LZ4 != 0 || (flags != 0 && kind != Kind::Data) {
+    if flags & !(FLAG_LZ4 | FLAG_SEALED) != 0 || (flags & FLAG_LZ4 != 0 && kind != Kind::Data) {
         return Err(ProtocolError::BadFlags(flags));
     }
+    let sealed = flags & FLAG_SEALED != 0;
     let stream = r.get_u16_le();
     let len = r.get_u32_le();
     let id = r.get_u64_le();
@@ -338,13 +396,14 @@ pub fn decode_header(b: &[u8; HEADER_LEN]) -> Result<Header, ProtocolError> {
     if stream >= MAX_STREAMS {
         return Err(ProtocolError::BadStream(stream));
     }
+    let tag = if sealed { TAG_LEN as u32 } else { 0 };
     let max = if kind == Kind::Data {
         MAX_PAYLOAD as u32
     } else {
         0
-    };
-    // DATA carries bytes; OPEN, FIN, ACK and PING never do
-    if len > max || (kind == Kind::Data && len == 0) {
+    } + tag;
+    // DATA carries bytes; OPEN, FIN, ACK and PING never do (but a tag)
+    if len > max || (kind == Kind::Data && len <= tag) || (kind != Kind::Data && len != tag) {
         return Err(ProtocolError::BadLength { kind, len, max });
     }
     Ok(Header {
@@ -355,6 +414,7 @@ pub fn decode_header(b: &[u8; HEADER_LEN]) -> Result<Header, ProtocolError> {
         offset,
         crc,
         raw_len,
+        sealed,
     })
 }
 
@@ -385,7 +445,8 @@ pub fn check_crc(head: &[u8; HEADER_LEN], payload: &[u8]) -> Result<(), Protocol
     Ok(())
 }
 
-/// Decodes one whole frame from a buffer: the form the fuzz target drives.
+/// Decodes one whole frame of an unsealed connection from a buffer: the form
+/// the fuzz target drives (sealed frames: [`crate::seal::Opener`]).
 pub fn decode_frame(buf: &[u8]) -> Result<Option<(Header, Bytes, usize)>, ProtocolError> {
     if buf.len() < HEADER_LEN {
         return Ok(None);
@@ -393,6 +454,9 @@ pub fn decode_frame(buf: &[u8]) -> Result<Option<(Header, Bytes, usize)>, Protoc
     let mut head = [0u8; HEADER_LEN];
     head.copy_from_slice(&buf[..HEADER_LEN]);
     let h = decode_header(&head)?;
+    if h.sealed {
+        return Err(ProtocolError::SealingDiffers("sealed", "not sealed"));
+    }
     let total = HEADER_LEN + h.len as usize;
     if buf.len() < total {
         return Ok(None);
@@ -415,6 +479,7 @@ mod tests {
             carrier: 2,
             session: [7; 16],
             nonce: [9; 16],
+            sealed: false,
         };
         let b = h.encode(SECRET);
         assert_eq!(Hello::decode(&b, SECRET).unwrap(), h);
@@ -555,6 +620,17 @@ mod tests {
         assert_eq!(decode_header(&head), Err(ProtocolError::BadFlags(FLAG_LZ4)));
         head[1] = 0x80;
         assert_eq!(decode_header(&head), Err(ProtocolError::BadFlags(0x80)));
+        // a sealed ACK is exactly its tag
+        head[1] = FLAG_SEALED;
+        head[0] = Kind::Ack as u8;
+        assert!(matches!(
+            decode_header(&head),
+            Err(ProtocolError::BadLength { .. })
+        ));
+        head[4..8].copy_from_slice(&(TAG_LEN as u32).to_le_bytes());
+        assert!(decode_header(&head).unwrap().sealed);
+        head[4..8].copy_from_slice(&[0; 4]);
+        head[0] = Kind::Ping as u8;
         head[1] = 0;
         head[28] = 1; // raw_len without the flag
         assert_eq!(decode_header(&head), Err(ProtocolError::Reserved("header")));
@@ -585,6 +661,7 @@ mod robustness {
             carrier: 1,
             session: [3; 16],
             nonce: [4; 16],
+            sealed: true,
         }
         .encode(secret);
         for i in 0..20_000 {

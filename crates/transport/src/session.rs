@@ -30,6 +30,7 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{mpsc, Notify, Semaphore};
 
 use crate::protocol::*;
+use crate::seal::{Direction, Opener, Sealer};
 
 /// Bytes queued or unacknowledged per session, in KiB permits. Small on
 /// purpose: what QEMU counts as sent should be close to what has arrived, so
@@ -145,6 +146,8 @@ impl StreamIn {
 struct Inner {
     session: [u8; 16],
     secret: Vec<u8>,
+    /// Carriers seal every frame (cluster setting: encrypt carriers).
+    sealed: bool,
     /// Target: where streams are connected to (QEMU's incoming socket).
     connect_to: Option<PathBuf>,
     queue: Mutex<VecDeque<OutFrame>>,
@@ -181,17 +184,40 @@ async fn bind_migration_port(addr: std::net::IpAddr) -> std::io::Result<TcpListe
     Err(last.unwrap_or_else(|| std::io::Error::from(std::io::ErrorKind::AddrInUse)))
 }
 
+/// What a session authenticates (and, sealed, encrypts) its carriers with.
+#[derive(Clone, Copy)]
+pub struct Keys<'a> {
+    /// The cluster credential.
+    pub secret: &'a [u8],
+    /// Seal every frame (encrypt carriers).
+    pub sealed: bool,
+}
+
+/// A sealed connection's keys: what this side sends, what it receives.
+type Seal = (Sealer, Opener);
+
+/// An ACK or PING, sealed on a sealed connection.
+fn control_frame(sealer: &mut Option<Sealer>, kind: Kind, id: u64, buf: &mut BytesMut) {
+    buf.clear();
+    let h = Header::new(kind, 0, id, 0);
+    match sealer {
+        Some(s) => s.frame(&h, &[], buf),
+        None => encode_frame(&h, &[], buf),
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Session {
-    fn new(session: [u8; 16], secret: &[u8], connect_to: Option<PathBuf>) -> Session {
+    fn new(session: [u8; 16], keys: &Keys, connect_to: Option<PathBuf>) -> Session {
         let (closed, _) = tokio::sync::watch::channel(false);
         Session {
             inner: Arc::new(Inner {
                 session,
-                secret: secret.to_vec(),
+                secret: keys.secret.to_vec(),
+                sealed: keys.sealed,
                 connect_to,
                 queue: Mutex::new(VecDeque::new()),
                 queued: Notify::new(),
@@ -214,11 +240,11 @@ impl Session {
     /// address)` to the matching target address.
     pub async fn source(
         session: [u8; 16],
-        secret: &[u8],
+        keys: &Keys<'_>,
         listen: PathBuf,
         carriers: Vec<(String, std::net::IpAddr, SocketAddr)>,
     ) -> Result<Session, TransportError> {
-        let s = Session::new(session, secret, None);
+        let s = Session::new(session, keys, None);
         let _ = std::fs::remove_file(&listen);
         let ul = UnixListener::bind(&listen).map_err(io(listen.display().to_string()))?;
         for (i, (nic, local, remote)) in carriers.into_iter().enumerate() {
@@ -248,11 +274,11 @@ impl Session {
     /// session and the bound `(nic, address)` per listener.
     pub async fn target(
         session: [u8; 16],
-        secret: &[u8],
+        keys: &Keys<'_>,
         nics: Vec<(String, std::net::IpAddr)>,
         connect_to: PathBuf,
     ) -> Result<(Session, Vec<(String, SocketAddr)>), TransportError> {
-        let s = Session::new(session, secret, Some(connect_to));
+        let s = Session::new(session, keys, Some(connect_to));
         let mut bound = Vec::new();
         for (nic, addr) in nics {
             let l = bind_migration_port(addr)
@@ -279,6 +305,11 @@ impl Session {
             });
         }
         Ok((s, bound))
+    }
+
+    /// Every carrier frame is sealed (encrypted and authenticated).
+    pub fn sealed(&self) -> bool {
+        self.inner.sealed
     }
 
     /// How this side compresses the DATA it sends (off by default).
@@ -350,7 +381,7 @@ impl Session {
             let up = lock(&self.inner.carriers).get(&index).is_some_and(|c| c.up);
             if !up {
                 match self.dial(index, &nic, local, remote).await {
-                    Ok(tcp) => self.attach(index, tcp),
+                    Ok((tcp, seal)) => self.attach(index, tcp, seal),
                     Err(e) => {
                         if let Some(c) = lock(&self.inner.carriers).get_mut(&index) {
                             c.stats.last_error = Some(error_text(&e));
@@ -379,7 +410,7 @@ impl Session {
         nic: &str,
         local: std::net::IpAddr,
         remote: SocketAddr,
-    ) -> Result<TcpStream, TransportError> {
+    ) -> Result<(TcpStream, Option<Seal>), TransportError> {
         let what = format!("carrier {index} ({nic}) to {remote}");
         let sock = TcpSocket::new_v4().map_err(io(&what))?;
         sock.bind(SocketAddr::new(local, 0)).map_err(io(&what))?;
@@ -396,6 +427,7 @@ impl Session {
             carrier: index,
             session: self.inner.session,
             nonce,
+            sealed: self.inner.sealed,
         };
         let mut welcome = [0u8; WELCOME_LEN];
         let exchange = async {
@@ -416,7 +448,14 @@ impl Session {
                 source,
             }
         })?;
-        Ok(tcp)
+        let seal = self.inner.sealed.then(|| {
+            let secret = &self.inner.secret;
+            (
+                Sealer::new(secret, &hello, Direction::SourceToTarget),
+                Opener::new(secret, &hello, Direction::TargetToSource),
+            )
+        });
+        Ok((tcp, seal))
     }
 
     async fn accept_carrier(&self, mut tcp: TcpStream, nic: &str) -> Result<(), TransportError> {
@@ -442,6 +481,16 @@ impl Session {
                     source: ProtocolError::Refused("unknown session"),
                 });
             }
+            Ok(h) if h.sealed != self.inner.sealed => {
+                let _ = tcp.write_all(&answer(STATUS_SEALING, h.nonce)).await;
+                return Err(TransportError::Handshake {
+                    index: h.carrier,
+                    nic: nic.into(),
+                    source: ProtocolError::Refused(
+                        "carrier encryption differs between the two agents",
+                    ),
+                });
+            }
             Ok(h) => h,
             Err((e, status)) => {
                 let _ = tcp.write_all(&answer(status, [0; 16])).await;
@@ -460,12 +509,19 @@ impl Session {
         }
         // a re-dialled carrier replaces its dead (or dying) predecessor
         self.drop_carrier(hello.carrier, None, "replaced by a new connection".into());
-        self.attach(hello.carrier, tcp);
+        let seal = self.inner.sealed.then(|| {
+            let secret = &self.inner.secret;
+            (
+                Sealer::new(secret, &hello, Direction::TargetToSource),
+                Opener::new(secret, &hello, Direction::SourceToTarget),
+            )
+        });
+        self.attach(hello.carrier, tcp, seal);
         Ok(())
     }
 
     /// Starts the reader and writer of a fresh carrier connection.
-    fn attach(&self, index: u8, tcp: TcpStream) {
+    fn attach(&self, index: u8, tcp: TcpStream, seal: Option<Seal>) {
         let (generation, kill) = {
             let mut cs = lock(&self.inner.carriers);
             let Some(c) = cs.get_mut(&index) else { return };
@@ -481,11 +537,15 @@ impl Session {
         };
         tracing::info!(carrier = index, "carrier up");
         let (r, w) = tcp.into_split();
+        let (sealer, opener) = match seal {
+            Some((s, o)) => (Some(s), Some(o)),
+            None => (None, None),
+        };
         let me = self.clone();
         let k = kill.clone();
         tokio::spawn(async move {
             let why = tokio::select! {
-                e = me.read_carrier(index, generation, r) => e,
+                e = me.read_carrier(index, generation, r, opener) => e,
                 _ = k.notified() => "closed".into(),
             };
             me.drop_carrier(index, Some(generation), why);
@@ -493,7 +553,7 @@ impl Session {
         let me = self.clone();
         tokio::spawn(async move {
             let why = tokio::select! {
-                e = me.write_carrier(index, generation, w) => e,
+                e = me.write_carrier(index, generation, w, sealer) => e,
                 _ = kill.notified() => "closed".into(),
             };
             me.drop_carrier(index, Some(generation), why);
@@ -543,6 +603,7 @@ impl Session {
         index: u8,
         generation: u64,
         mut w: tokio::net::tcp::OwnedWriteHalf,
+        mut sealer: Option<Sealer>,
     ) -> String {
         let mut acked_sent = 0u64;
         let mut ping = 0u64;
@@ -559,7 +620,7 @@ impl Session {
                 .unwrap_or(0);
             if received != acked_sent {
                 buf.clear();
-                encode_frame(&Header::new(Kind::Ack, 0, received, 0), &[], &mut buf);
+                control_frame(&mut sealer, Kind::Ack, received, &mut buf);
                 if let Err(e) = w.write_all(&buf).await {
                     return format!("write: {e}");
                 }
@@ -582,9 +643,19 @@ impl Session {
                     let mut h = Header::new(f.kind, f.stream, f.id, f.offset);
                     h.raw_len = f.raw_len;
                     buf.clear();
-                    encode_header(&h, &f.payload, &mut buf);
+                    // unsealed, the payload is written from where it is;
+                    // sealed, it is encrypted into `buf` after the header
+                    let payload = match sealer.as_mut() {
+                        Some(s) => {
+                            s.frame(&h, &f.payload, &mut buf);
+                            Bytes::new()
+                        }
+                        None => {
+                            encode_header(&h, &f.payload, &mut buf);
+                            f.payload.clone()
+                        }
+                    };
                     let len = f.payload.len();
-                    let payload = f.payload.clone();
                     {
                         let mut cs = lock(&self.inner.carriers);
                         match cs.get_mut(&index) {
@@ -616,7 +687,7 @@ impl Session {
                     if last_tx.elapsed() >= HEARTBEAT {
                         ping += 1;
                         buf.clear();
-                        encode_frame(&Header::new(Kind::Ping, 0, ping, 0), &[], &mut buf);
+                        control_frame(&mut sealer, Kind::Ping, ping, &mut buf);
                         if let Err(e) = w.write_all(&buf).await {
                             return format!("write: {e}");
                         }
@@ -637,6 +708,7 @@ impl Session {
         index: u8,
         generation: u64,
         r: tokio::net::tcp::OwnedReadHalf,
+        mut opener: Option<Opener>,
     ) -> String {
         let mut r = BufReader::with_capacity(64 << 10, r);
         loop {
@@ -661,8 +733,21 @@ impl Session {
             if let Err(e) = check_crc(&head, &payload) {
                 return format!("protocol: {e}");
             }
+            let payload = match (opener.as_mut(), h.sealed) {
+                (Some(o), _) => match o.open(&h, &head, payload) {
+                    Ok(p) => p,
+                    Err(e) => return format!("protocol: {e}"),
+                },
+                (None, true) => {
+                    return format!(
+                        "protocol: {}",
+                        ProtocolError::SealingDiffers("sealed", "not sealed")
+                    )
+                }
+                (None, false) => payload.freeze(),
+            };
             // decompressed (and its size checked) before it is counted for the ACK
-            let payload = match unpack_payload(&h, payload.freeze()) {
+            let payload = match unpack_payload(&h, payload) {
                 Ok(p) => p,
                 Err(e) => return format!("protocol: {e}"),
             };

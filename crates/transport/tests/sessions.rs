@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_transport::Session;
+use ferry_transport::{Keys, Session};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 
@@ -126,13 +126,23 @@ struct Pair {
 }
 
 async fn pair(name: &str, carriers: usize, target_secret: &[u8]) -> Pair {
+    let target = Keys {
+        secret: target_secret,
+        sealed: false,
+    };
+    pair_keys(name, carriers, target, false).await
+}
+
+/// A pair whose target uses `target` and whose source seals or not.
+async fn pair_keys(name: &str, carriers: usize, target: Keys<'_>, source_sealed: bool) -> Pair {
+    let target_keys = target;
     let d = tmp(name);
     let qemu_sock = d.join("qemu.sock");
     let qemu = UnixListener::bind(&qemu_sock).unwrap();
     let nics = (0..carriers)
         .map(|i| (format!("nic{}", i + 1), LO))
         .collect();
-    let (target, bound) = Session::target([1; 16], target_secret, nics, qemu_sock)
+    let (target, bound) = Session::target([1; 16], &target_keys, nics, qemu_sock)
         .await
         .unwrap();
     let mut modes = Vec::new();
@@ -143,7 +153,11 @@ async fn pair(name: &str, carriers: usize, target_secret: &[u8]) -> Pair {
         modes.push(m);
     }
     let src_sock = d.join("src.sock");
-    let source = Session::source([1; 16], SECRET, src_sock.clone(), dial)
+    let keys = Keys {
+        secret: SECRET,
+        sealed: source_sealed,
+    };
+    let source = Session::source([1; 16], &keys, src_sock.clone(), dial)
         .await
         .unwrap();
     Pair {
@@ -351,4 +365,53 @@ async fn a_peer_with_the_wrong_credential_is_refused() {
     assert!(why.contains("credential"), "{why}");
     assert_eq!(p.target.stats().healthy, 0);
     assert_eq!(p.source.stats().healthy, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sealed_carriers_carry_streams_intact_and_refuse_a_corrupted_frame() {
+    let sealed = Keys {
+        secret: SECRET,
+        sealed: true,
+    };
+    let p = pair_keys("sealed", 2, sealed, true).await;
+    wait_healthy(&p.source, 2).await;
+    // compressed and sealed, and random and sealed
+    p.source
+        .set_compression(ferry_transport::CompressMode::Always);
+    transfer_from(&p, 100, 1, 8 << 20, || {}).await;
+    assert!(p.source.stats().compression.frames_compressed > 0);
+    p.modes[0].store(CORRUPT_ONCE, Ordering::SeqCst);
+    transfer(&p, 2, 16 << 20, || {}).await;
+    let st = p.target.stats();
+    let hit = st
+        .carriers
+        .iter()
+        .find(|c| c.failures > 0)
+        .expect("a carrier saw the corruption");
+    let why = hit.last_failure.clone().unwrap_or_default();
+    assert!(
+        why.contains("checksum mismatch") || why.contains("does not open"),
+        "{st:?}"
+    );
+    assert!(p.source.stats().frames_resent > 0);
+    p.source.close();
+    p.target.close();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_sealing_when_the_target_does_not_is_refused() {
+    let plain = Keys {
+        secret: SECRET,
+        sealed: false,
+    };
+    let p = pair_keys("sealmix", 1, plain, true).await;
+    for _ in 0..100 {
+        if p.source.failure().is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let why = p.source.failure().expect("the source gives up");
+    assert!(why.contains("encryption differs"), "{why}");
+    assert_eq!(p.target.stats().healthy, 0);
 }

@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""Ferry multichannel vs what users would build from the same two NICs.
+
+One lab (2 hosts × 2 NICs shaped to --rate), one guest size, each path run
+twice: undisturbed, and with the source's nic2 cut at 40% of the guest's
+filled memory (restored after the move). Paths:
+
+- ferry: `ferry vm move --option multichannel` (Ferry's carriers over both NICs)
+- qemu tcp: QEMU's own stream to the peer's nic1 address (one NIC)
+- qemu multifd / ecmp: QEMU multifd (4 channels) to the peer's team address,
+  an ECMP route hashing connections on layer 4 (`ferry lab team ecmp`; this
+  kernel has no bonding driver)
+- qemu multifd / mptcp: QEMU multifd (4 channels) with `"mptcp": true`, the
+  kernel path manager adding a subflow over nic2 (`ferry lab team mptcp`)
+
+QEMU paths are driven by hand over QMP with the same guest (kernel, initramfs,
+workload) as Ferry's. Reported: transfer time (migrate → target running),
+bytes, throughput ÷ (NICs × rate), CPU-seconds per GiB of every QEMU and Ferry
+agent process on both hosts (sampled every 100 ms: up to 0.1 s of a QEMU that
+quits is missed), and for a cut: whether it completed, and the time from the
+cut until the aggregate rate is back to ≥ 90% of the remaining link.
+
+    sudo python3 bench/alternatives.py [--rate 500mbit] [--memory 1280M] [--fill 1G]
+"""
+import argparse, json, os, subprocess, sys, time
+
+from labqemu import FERRY, agent_pids, cpu_seconds, ferry, qemu, rate, size, wait_ready
+
+HOSTS = ("host1", "host2")
+NIC1 = {"host1": "198.18.1.11", "host2": "198.18.1.12"}
+
+
+def qemu_pids():
+    pids = []
+    for h in HOSTS:
+        out = subprocess.run(["ip", "netns", "pids", h], capture_output=True, text=True).stdout.split()
+        for p in out:
+            try:
+                if open(f"/proc/{p}/comm").read().startswith("qemu-system"):
+                    pids.append(int(p))
+            except OSError:
+                pass
+    return pids
+
+
+class Cpu:
+    """CPU time of every QEMU and agent on both hosts since start(), by sampling."""
+
+    def __init__(self):
+        self.base, self.last = {}, {}
+        for p in qemu_pids() + agent_pids(HOSTS):
+            self.base[p] = self.last[p] = cpu_seconds(p) or 0.0
+
+    def sample(self):
+        for p in set(qemu_pids() + agent_pids(HOSTS)) | set(self.last):
+            c = cpu_seconds(p)
+            if c is not None:
+                self.base.setdefault(p, 0.0)
+                self.last[p] = c
+
+    def total(self):
+        self.sample()
+        return sum(self.last[p] - self.base[p] for p in self.last)
+
+
+class Recovery:
+    """Transferred-bytes samples → time from the cut until ≥ 90% of one link."""
+
+    def __init__(self, link):
+        self.link, self.samples, self.cut_at, self.back = link, [], None, None
+
+    def add(self, t, transferred):
+        self.samples.append((t, transferred))
+        if self.cut_at is None or self.back is not None:
+            return
+        old = [s for s in self.samples if s[0] <= t - 0.3]
+        if old and old[-1][0] >= self.cut_at:
+            t0, b0 = old[-1]
+            if (transferred - b0) * 8 / (t - t0) >= 0.9 * self.link:
+                self.back = t0 - self.cut_at
+
+
+def cut(host, down):
+    ferry("lab", "link", host, "nic2", "down" if down else "up")
+
+
+def ferry_move(vm, to, cut_bytes, link):
+    frm = "host1" if to == "host2" else "host2"
+    cpu, rec = Cpu(), Recovery(link)
+    p = subprocess.Popen([FERRY, "vm", "move", vm, "--to", to, "--option", "multichannel", "--json"],
+                         stdout=subprocess.PIPE, text=True)
+    last = None
+    for line in p.stdout:
+        last = json.loads(line)
+        cpu.sample()
+        if last["event"] == "progress":
+            now = time.time()
+            rec.add(now, last["transferred"])
+            if cut_bytes and rec.cut_at is None and last["transferred"] >= cut_bytes:
+                cut(frm, True)
+                rec.cut_at = time.time()
+    p.wait()
+    if cut_bytes:
+        cut(frm, False)
+    done = last["event"] == "completed" and last["check"]["intact"]
+    secs = last.get("transfer_ms", 0) / 1000
+    return {"done": done, "secs": secs, "bytes": last.get("bytes_transferred", 0), "cpu": cpu.total(),
+            "back": rec.back, "how": "completed, intact" if done else last.get("error", last)}
+
+
+def direct_move(img, src, frm, to, kind, a, cut_bytes, link):
+    """Migrates `src` (QEMU on `frm`) to a new QEMU on `to`; returns (new src, result)."""
+    d = f"/run/ferry/bench/{to}"
+    subprocess.run(["rm", "-rf", d])
+    cpu, rec = Cpu(), Recovery(link)
+    dp, dq = qemu(to, d, img, size(a.memory), size(a.fill), size(a.dirty_rate), True)
+    sp, sq = src
+    caps = [{"capability": "multifd", "state": kind != "tcp"}]
+    for q in (sq, dq):
+        q.cmd("migrate-set-capabilities", capabilities=caps)
+        q.cmd("migrate-set-parameters", **{"multifd-channels": 4})
+    sq.cmd("migrate-set-parameters", **{"max-bandwidth": 100 << 30, "downtime-limit": 300})
+    host = {"tcp": NIC1[to], "mptcp": NIC1[to], "ecmp": a.team[to]}[kind]
+    addr = {"transport": "socket", "type": "inet", "host": host, "port": "0"}
+    if kind == "mptcp":
+        addr["mptcp"] = True
+    dq.cmd("migrate-incoming", channels=[{"channel-type": "main", "addr": addr}])
+    port = dq.cmd("query-migrate")["socket-address"][0]["port"]
+    t0 = time.time()
+    sq.cmd("migrate", channels=[{"channel-type": "main", "addr": dict(addr, port=str(port))}])
+    moved_at, info, how = time.time(), {}, None
+    while True:
+        info = sq.cmd("query-migrate")
+        now = time.time()
+        cpu.sample()
+        ram = info.get("ram", {})
+        if ram:
+            if not rec.samples or ram["transferred"] > rec.samples[-1][1]:
+                moved_at = now
+            rec.add(now, ram["transferred"])
+            if cut_bytes and rec.cut_at is None and ram["transferred"] >= cut_bytes:
+                cut(frm, True)
+                rec.cut_at = now
+        if info.get("status") in ("completed", "failed", "cancelled"):
+            break
+        if now - moved_at > a.stall:
+            how = f"stalled {a.stall:.0f} s with no byte moved"
+            break
+        time.sleep(0.1)
+    if how is None and info["status"] == "completed":
+        while dq.cmd("query-status")["status"] != "running":
+            time.sleep(0.02)
+        secs = time.time() - t0
+        used = cpu.total()
+        sq.cmd("quit")
+        sp.wait()
+        if cut_bytes:
+            cut(frm, False)
+        return (dp, dq), {"done": True, "secs": secs, "bytes": info["ram"]["transferred"], "cpu": used,
+                          "back": rec.back, "how": "completed"}
+    # failed or stalled: cancel (bounded), then start over from a fresh source guest
+    if how is None:
+        how = f"QEMU: {info.get('status')} {info.get('error-desc', '')}".strip()
+    sq.s.settimeout(10)
+    try:
+        sq.cmd("migrate_cancel")
+        t1 = time.time()
+        while sq.cmd("query-migrate").get("status") not in ("cancelled", "failed", "completed"):
+            if time.time() - t1 > 10:
+                raise TimeoutError
+            time.sleep(0.1)
+        how += "; migrate_cancel took effect"
+    except (TimeoutError, OSError):
+        how += "; migrate_cancel did not return within 10 s"
+    for p in (sp, dp):
+        p.kill()
+        p.wait()
+    if cut_bytes:
+        cut(frm, False)
+    return None, {"done": False, "secs": time.time() - t0, "bytes": 0, "cpu": cpu.total(), "back": rec.back,
+                  "how": how}
+
+
+def fresh_source(img, a, at):
+    d = f"/run/ferry/bench/{at}"
+    subprocess.run(["rm", "-rf", d])
+    s = qemu(at, d, img, size(a.memory), size(a.fill), size(a.dirty_rate), False)
+    wait_ready(f"{d}/console.log")
+    time.sleep(2)
+    return s
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rate", default="500mbit")
+    ap.add_argument("--memory", default="1280M")
+    ap.add_argument("--fill", default="1G")
+    ap.add_argument("--dirty-rate", default="8M")
+    ap.add_argument("--stall", type=float, default=20.0)
+    a = ap.parse_args()
+    link = rate(a.rate)
+    cut_bytes = int(size(a.fill) * 0.4)
+    ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate)
+    img = ferry("lab", "image").split("guest image: ")[1].split(" ")[0]
+    rows = []
+    # Ferry: there and back, the way back with a cut
+    ferry("vm", "create", "alt", "--host", "host1", "--memory", a.memory, "--fill", a.fill,
+          "--dirty-rate", a.dirty_rate)
+    rows.append(("ferry multichannel", 2, False, ferry_move("alt", "host2", 0, link)))
+    rows.append(("ferry multichannel", 2, True, ferry_move("alt", "host1", cut_bytes, link)))
+    ferry("vm", "rm", "alt")
+    # QEMU by hand over each alternative
+    for kind, label, nics in (("tcp", "qemu tcp (one NIC)", 1), ("ecmp", "qemu multifd / ecmp team", 2),
+                              ("mptcp", "qemu multifd / mptcp", 2)):
+        team = {"tcp": "none", "ecmp": "ecmp", "mptcp": "mptcp"}[kind]
+        out = ferry("lab", "team", team)
+        a.team = dict(l.split(": migrate to ") for l in out.strip().splitlines())
+        src, at = fresh_source(img, a, "host1"), "host1"
+        for with_cut in (False, True):
+            if src is None:
+                src, at = fresh_source(img, a, "host1"), "host1"
+            to = "host2" if at == "host1" else "host1"
+            src, r = direct_move(img, src, at, to, kind, a, cut_bytes if with_cut else 0, link)
+            rows.append((label, nics, with_cut, r))
+            print(label, "cut" if with_cut else "", r, file=sys.stderr)
+            at = to
+            time.sleep(2)
+        if src is not None:
+            src[1].cmd("quit")
+            src[0].wait()
+    ferry("lab", "team", "none")
+    ferry("lab", "down")
+    print(f"| path | nic2 cut at 40% | outcome | transfer s | MiB | Mbit/s | ÷ (2 × {a.rate}) | CPU s/GiB (QEMU + agents, both hosts) | cut → ≥ 90% of one link, s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, nics, with_cut, r in rows:
+        gib = r["bytes"] / 2**30
+        mbit = r["bytes"] * 8 / r["secs"] / 1e6 if r["done"] else 0
+        back = f"{r['back']:.2f}" if r["back"] is not None else ("—" if not with_cut else "never")
+        print(f"| {label} | {'yes' if with_cut else 'no'} | {r['how']} | {r['secs']:.2f} | {r['bytes'] / 2**20:.0f} | "
+              f"{mbit:.0f} | {mbit * 1e6 / (2 * link):.3f} | {r['cpu'] / gib if gib else float('nan'):.2f} | {back} |")
+
+
+if __name__ == "__main__":
+    main()
