@@ -84,21 +84,26 @@ impl Running {
         self.transferring && !self.finishing
     }
 
-    /// From a migration's latest progress and how long it has been copying.
+    /// From a migration's latest progress: QEMU copying (`active`), past
+    /// pre-copy (`finished`: switching over, post-copy, pause-and-copy), its
+    /// predicted time to the switch-over, and how long it has been copying.
+    /// It is finishing once past pre-copy, or in its last round, or when its
+    /// switch-over is nearer than `lead` (what starting the next one takes).
+    #[allow(clippy::too_many_arguments)]
     pub fn from_progress(
-        status: &str,
-        phase: &str,
+        active: bool,
+        finished: bool,
         rounds: u64,
         remaining: u64,
         throughput: f64,
+        eta: Option<Duration>,
+        lead: Duration,
         copying_for: Duration,
     ) -> Running {
         let last_round = rounds >= 2 && (remaining as f64) <= throughput * 2.0;
         Running {
-            transferring: status == "active" && copying_for >= AutoLimit::WARMUP,
-            finishing: matches!(status, "device" | "completed" | "postcopy-active")
-                || matches!(phase, "postcopy" | "pause-and-copy" | "blackout")
-                || last_round,
+            transferring: active && copying_for >= AutoLimit::WARMUP,
+            finishing: finished || last_round || eta.is_some_and(|e| e <= lead),
         }
     }
 }
@@ -135,6 +140,8 @@ pub struct AutoLimit {
     capacity: Option<f64>,
     /// The last tick inside the open window: (when, bytes sent).
     last_steady: Option<(Instant, u64)>,
+    /// How long a move takes from its start to QEMU copying (smoothed).
+    setup: Option<Duration>,
 }
 
 impl AutoLimit {
@@ -159,6 +166,21 @@ impl AutoLimit {
         }
     }
 
+    /// Takes a move's measured setup time (start → QEMU copying) into the lead.
+    pub fn observe_setup(&mut self, d: Duration) {
+        self.setup = Some(match self.setup {
+            None => d,
+            Some(s) => (s * 7 + d) / 8,
+        });
+    }
+
+    /// How early to start the next move, once settled, before one switches
+    /// over: its setup time (1 s until measured) plus half a second for the
+    /// switch-over and the check on the target.
+    pub fn lead(&self) -> Duration {
+        self.setup.unwrap_or(Duration::from_secs(1)) + Duration::from_millis(500)
+    }
+
     pub fn capacity(&self) -> Option<f64> {
         self.capacity
     }
@@ -173,6 +195,7 @@ impl AutoLimit {
             settled: false,
             capacity: None,
             last_steady: None,
+            setup: None,
         }
     }
 
@@ -444,24 +467,39 @@ mod tests {
     }
 
     #[test]
-    fn running_knows_a_last_round_and_a_warm_up() {
+    fn running_knows_a_last_round_a_near_switch_over_and_a_warm_up() {
         let s = Duration::from_secs(5);
-        let r = Running::from_progress("active", "precopy", 1, 10, 100.0, s);
-        assert!(r.transferring && !r.finishing, "first pass never finishing");
-        let r = Running::from_progress("active", "precopy", 3, 150, 100.0, s);
-        assert!(r.finishing);
-        let r = Running::from_progress("active", "precopy", 3, 250, 100.0, s);
-        assert!(!r.finishing);
-        let r = Running::from_progress("completed", "precopy", 3, 0, 0.0, s);
-        assert!(r.finishing && !r.transferring);
-        let r = Running::from_progress(
-            "active",
-            "precopy",
-            1,
-            10,
-            100.0,
-            Duration::from_millis(300),
+        let lead = Duration::from_millis(1500);
+        let eta = |ms| Some(Duration::from_millis(ms));
+        let r = Running::from_progress(true, false, 1, 10, 100.0, None, lead, s);
+        assert!(
+            r.transferring && !r.finishing,
+            "no prediction: not finishing"
         );
+        let r = Running::from_progress(true, false, 1, 10, 100.0, eta(5000), lead, s);
+        assert!(!r.finishing);
+        let r = Running::from_progress(true, false, 1, 10, 100.0, eta(1000), lead, s);
+        assert!(r.finishing, "switch-over nearer than the lead");
+        let r = Running::from_progress(true, false, 3, 150, 100.0, None, lead, s);
+        assert!(r.finishing, "last round");
+        let r = Running::from_progress(true, false, 3, 250, 100.0, None, lead, s);
+        assert!(!r.finishing);
+        let r = Running::from_progress(false, true, 3, 0, 0.0, None, lead, s);
+        assert!(r.finishing && !r.transferring);
+        let short = Duration::from_millis(300);
+        let r = Running::from_progress(true, false, 1, 10, 100.0, None, lead, short);
         assert!(!r.transferring);
+    }
+
+    #[test]
+    fn the_lead_follows_measured_setup_times() {
+        let mut a = AutoLimit::new();
+        assert_eq!(a.lead(), Duration::from_millis(1500));
+        a.observe_setup(Duration::from_millis(700));
+        assert_eq!(a.lead(), Duration::from_millis(1200));
+        for _ in 0..50 {
+            a.observe_setup(Duration::from_millis(300));
+        }
+        assert!(a.lead() < Duration::from_millis(850), "{:?}", a.lead());
     }
 }

@@ -851,6 +851,7 @@ impl Control {
         let (mut moved, mut failed) = (Vec::new(), Vec::new());
         // what each running move reports, and the bytes finished ones sent
         let samples: Samples = Default::default();
+        let mut setup_seen = std::collections::HashSet::new();
         let mut sent_done = 0u64;
         let mut tick = tokio::time::interval(Duration::from_millis(250));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -860,8 +861,18 @@ impl Control {
                 MigrationLimit::Auto => {
                     let (sent, runs) = {
                         let s = lock(&samples);
+                        for (vm, x) in s.iter() {
+                            if let Some(d) = x.setup.filter(|_| !setup_seen.contains(vm)) {
+                                auto.observe_setup(d);
+                                setup_seen.insert(vm.clone());
+                            }
+                        }
+                        let lead = auto.lead();
                         let sent = sent_done + s.values().map(|x| x.sent).sum::<u64>();
-                        (sent, s.values().map(|x| x.running).collect::<Vec<_>>())
+                        (
+                            sent,
+                            s.values().map(|x| x.running(lead)).collect::<Vec<_>>(),
+                        )
                     };
                     let (allowed, change) = auto.tick(std::time::Instant::now(), sent, &runs);
                     if let Some((l, reason)) = change {
@@ -1021,6 +1032,7 @@ impl Control {
         tx: &tokio::sync::mpsc::Sender<DrainEvent>,
         samples: &Samples,
     ) -> Result<ferry_api::MigrationReport, ApiError> {
+        let began = std::time::Instant::now();
         // a drain may move onto hosts only it reserved, so no draining check here
         let target = self.host(&m.to)?;
         let (source, _) = self.locate(&m.vm).await?;
@@ -1038,6 +1050,7 @@ impl Control {
             .await?;
         let mut last = std::time::Instant::now() - Duration::from_secs(1);
         let mut copying_since = None;
+        let mut setup = None;
         while let Some(ev) = events.next().await {
             let ev = ev?;
             if let MigrationEvent::Progress(p) = &ev {
@@ -1045,20 +1058,29 @@ impl Control {
                     copying_since = None;
                 } else if copying_since.is_none() && p.transferred > 0 {
                     copying_since = Some(std::time::Instant::now());
+                    setup.get_or_insert(began.elapsed());
                 }
-                let running = drain::Running::from_progress(
-                    &p.status,
-                    &p.phase,
-                    p.rounds,
-                    p.remaining,
-                    p.throughput,
-                    copying_since.map(|t| t.elapsed()).unwrap_or_default(),
-                );
+                let progress = SampledProgress {
+                    active: p.status == "active",
+                    finished: matches!(
+                        p.status.as_str(),
+                        "device" | "completed" | "postcopy-active"
+                    ) || matches!(
+                        p.phase.as_str(),
+                        "postcopy" | "pause-and-copy" | "blackout"
+                    ),
+                    rounds: p.rounds,
+                    remaining: p.remaining,
+                    throughput: p.throughput,
+                    eta: p.eta_ms.map(Duration::from_millis),
+                    copying_since,
+                };
                 lock(samples).insert(
                     m.vm.clone(),
                     Sample {
                         sent: p.transferred,
-                        running,
+                        progress: Some(progress),
+                        setup,
                     },
                 );
             }
@@ -1094,7 +1116,39 @@ const CLUSTER_KEY: &str = "settings";
 struct Sample {
     /// Bytes QEMU has sent.
     sent: u64,
-    running: drain::Running,
+    /// The latest progress, once there is one.
+    progress: Option<SampledProgress>,
+    /// From the move's start to QEMU copying (establish, skeleton, connection).
+    setup: Option<Duration>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SampledProgress {
+    active: bool,
+    finished: bool,
+    rounds: u64,
+    remaining: u64,
+    throughput: f64,
+    eta: Option<Duration>,
+    copying_since: Option<std::time::Instant>,
+}
+
+impl Sample {
+    fn running(&self, lead: Duration) -> drain::Running {
+        match &self.progress {
+            None => drain::Running::default(),
+            Some(p) => drain::Running::from_progress(
+                p.active,
+                p.finished,
+                p.rounds,
+                p.remaining,
+                p.throughput,
+                p.eta,
+                lead,
+                p.copying_since.map(|t| t.elapsed()).unwrap_or_default(),
+            ),
+        }
+    }
 }
 
 type Samples = Arc<std::sync::Mutex<std::collections::HashMap<String, Sample>>>;
