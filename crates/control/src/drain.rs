@@ -75,13 +75,16 @@ pub struct Running {
     pub transferring: bool,
     /// In its last round, switching over or being checked on the target: its
     /// share of the links is about to fall idle.
+    pub ending: bool,
+    /// Ending, or its switch-over is nearer than the next move needs to start
+    /// copying: the next may start now.
     pub finishing: bool,
 }
 
 impl Running {
-    /// Copying and not about to finish: its rate is the one it keeps.
+    /// Copying and not ending: its rate is the one it keeps.
     pub fn steady(&self) -> bool {
-        self.transferring && !self.finishing
+        self.transferring && !self.ending
     }
 
     /// From a migration's latest progress: QEMU copying (`active`), past
@@ -100,10 +103,11 @@ impl Running {
         lead: Duration,
         copying_for: Duration,
     ) -> Running {
-        let last_round = rounds >= 2 && (remaining as f64) <= throughput * 2.0;
+        let ending = finished || (rounds >= 2 && (remaining as f64) <= throughput * 2.0);
         Running {
             transferring: active && copying_for >= AutoLimit::WARMUP,
-            finishing: finished || last_round || eta.is_some_and(|e| e <= lead),
+            ending,
+            finishing: ending || eta.is_some_and(|e| e <= lead),
         }
     }
 }
@@ -349,6 +353,7 @@ mod tests {
         (0..n)
             .map(|i| Running {
                 transferring,
+                ending: i < finishing,
                 finishing: i < finishing,
             })
             .collect()
@@ -480,6 +485,7 @@ mod tests {
         assert!(!r.finishing);
         let r = Running::from_progress(true, false, 1, 10, 100.0, eta(1000), lead, s);
         assert!(r.finishing, "switch-over nearer than the lead");
+        assert!(r.steady(), "still measured: it copies at its full rate");
         let r = Running::from_progress(true, false, 3, 150, 100.0, None, lead, s);
         assert!(r.finishing, "last round");
         let r = Running::from_progress(true, false, 3, 250, 100.0, None, lead, s);

@@ -12,7 +12,9 @@
 //! - `mptcp`: kernel MPTCP with the in-kernel path manager: every host
 //!   announces its NICs after the first (`signal` endpoints) and accepts its
 //!   peers' announcements, so a connection to a peer's nic1 address gains one
-//!   subflow per NIC. A socket opts in (QEMU: `"mptcp": true`).
+//!   subflow per NIC. A socket opts in (QEMU: `"mptcp": true`), and the
+//!   listener must take joins on every address (`0.0.0.0`): a subflow
+//!   arrives at the target's nic2 address, not the one first dialled.
 //! - `none`: removes both.
 //!
 //! Active-backup is not offered: the lab's fabrics are independent switches
