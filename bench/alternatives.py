@@ -256,7 +256,7 @@ def main():
         gib = r["bytes"] / 2**30
         mbit = r["bytes"] * 8 / r["secs"] / 1e6 if r["done"] else 0
         back = f"{r['back']:.2f}" if r["back"] is not None else ("—" if not with_cut else "never")
-        print(f"| {label} | {('nic1' if 'tcp' in label and 'qemu' in label else 'nic2') if with_cut else 'no'} | {r['how']} | {r['secs']:.2f} | {r['bytes'] / 2**20:.0f} | "
+        print(f"| {label} | {('nic1' if label.startswith('qemu tcp') else 'nic2') if with_cut else 'no'} | {r['how']} | {r['secs']:.2f} | {r['bytes'] / 2**20:.0f} | "
               f"{mbit:.0f} | {mbit * 1e6 / (2 * link):.3f} | {r['cpu'] / gib if gib else float('nan'):.2f} | {back} |")
 
 
