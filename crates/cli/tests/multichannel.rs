@@ -71,7 +71,7 @@ fn multichannel_move_spreads_over_both_nics() {
     assert_eq!(r["encrypted"], false);
     assert_intact_on("mc1", "host1");
     // encrypted carriers: QEMU's clear tcp stream refused, the transport sealed
-    let s = ferry_json(&["cluster", "set", "--encrypt-carriers", "on", "--json"]);
+    let s = ferry_json(&["cluster", "set", "--encrypt-carriers", "on"]);
     assert_eq!(s["encrypt_carriers"], true, "{s}");
     let r = move_vm("mc1", "host2", "tcp");
     assert_eq!(r["event"], "failed", "{r}");
