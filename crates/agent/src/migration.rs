@@ -983,6 +983,12 @@ impl Agent {
     /// Step 3-4 on the target: reserve memory, start a skeleton VM waiting on
     /// the chosen NIC, and report where the source should send.
     pub async fn prepare_incoming(&self, req: IncomingRequest) -> Result<IncomingReply, ApiError> {
+        if req.sealed && req.option == MigrationOption::Tcp {
+            return Err(ApiError::invalid(
+                "sealed",
+                "a sealed migration needs Ferry's transport; tcp is QEMU's clear stream",
+            ));
+        }
         let datapath = QemuTcp;
         let usable: Vec<_> = nics()
             .into_iter()

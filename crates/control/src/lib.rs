@@ -482,13 +482,13 @@ impl Control {
             .await
     }
 
-    /// A migration's option and convergence policy: what it chose, else the
-    /// source host's defaults (`ferry host set`), else the built-in ones.
     /// The cluster's settings, from the store (another control instance may have set them).
     async fn cluster_settings(&self) -> Result<ferry_api::ClusterSettings, ApiError> {
         Ok(self.store.cluster(CLUSTER_KEY).await?.unwrap_or_default())
     }
 
+    /// A migration's option and convergence policy: what it chose, else the
+    /// source host's defaults (`ferry host set`), else the built-in ones.
     fn migration_policy(
         &self,
         source: &str,
