@@ -58,6 +58,24 @@ fn sysctl(host: &str, key: &str, value: &str) -> Result<(), LabError> {
     .map(|_| ())
 }
 
+/// How many subflows a connection may add, and announcements it accepts.
+fn mptcp_limits(host: &str, n: u32) -> Result<(), LabError> {
+    let n = n.to_string();
+    ns(
+        host,
+        &[
+            "mptcp",
+            "limits",
+            "set",
+            "subflows",
+            &n,
+            "add_addr_accepted",
+            &n,
+        ],
+    )
+    .map(|_| ())
+}
+
 /// Gives every lab host the alternative `kind` (after removing any other).
 /// Returns, per host, the address a peer migrates to.
 pub fn set(spec: &LabSpec, kind: TeamKind) -> Result<Vec<(String, String)>, LabError> {
@@ -73,18 +91,7 @@ pub fn set(spec: &LabSpec, kind: TeamKind) -> Result<Vec<(String, String)>, LabE
             &["addr", "del", &format!("{}/32", team_addr(i)), "dev", "lo"],
         );
         ns(&h, &["mptcp", "endpoint", "flush"])?;
-        ns(
-            &h,
-            &[
-                "mptcp",
-                "limits",
-                "set",
-                "subflows",
-                "0",
-                "add_addr_accepted",
-                "0",
-            ],
-        )?;
+        mptcp_limits(&h, 0)?;
         match kind {
             TeamKind::None => out.push((h, nic_addr(i, 1))),
             TeamKind::Ecmp => {
@@ -128,19 +135,7 @@ pub fn set(spec: &LabSpec, kind: TeamKind) -> Result<Vec<(String, String)>, LabE
                 out.push((h, team_addr(i)));
             }
             TeamKind::Mptcp => {
-                let n = spec.nics.to_string();
-                ns(
-                    &h,
-                    &[
-                        "mptcp",
-                        "limits",
-                        "set",
-                        "subflows",
-                        &n,
-                        "add_addr_accepted",
-                        &n,
-                    ],
-                )?;
+                mptcp_limits(&h, spec.nics)?;
                 for k in 2..=spec.nics {
                     ns(
                         &h,

@@ -169,6 +169,17 @@ async fn pair_keys(name: &str, carriers: usize, target: Keys<'_>, source_sealed:
     }
 }
 
+/// Waits up to 2 s for the session to give up; returns why.
+async fn wait_failure(s: &Session) -> String {
+    for _ in 0..100 {
+        if let Some(why) = s.failure() {
+            return why;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("the source never gave up: {:?}", s.stats());
+}
+
 async fn wait_healthy(s: &Session, n: usize) {
     for _ in 0..100 {
         if s.stats().healthy == n {
@@ -355,13 +366,7 @@ async fn a_corrupted_frame_never_reaches_the_stream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_with_the_wrong_credential_is_refused() {
     let p = pair("cred", 1, b"a-different-cluster-credential!!").await;
-    for _ in 0..100 {
-        if p.source.failure().is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let why = p.source.failure().expect("the source gives up");
+    let why = wait_failure(&p.source).await;
     assert!(why.contains("credential"), "{why}");
     assert_eq!(p.target.stats().healthy, 0);
     assert_eq!(p.source.stats().healthy, 0);
@@ -405,13 +410,7 @@ async fn a_source_sealing_when_the_target_does_not_is_refused() {
         sealed: false,
     };
     let p = pair_keys("sealmix", 1, plain, true).await;
-    for _ in 0..100 {
-        if p.source.failure().is_some() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let why = p.source.failure().expect("the source gives up");
+    let why = wait_failure(&p.source).await;
     assert!(why.contains("encryption differs"), "{why}");
     assert_eq!(p.target.stats().healthy, 0);
 }
