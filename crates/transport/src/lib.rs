@@ -11,14 +11,59 @@
 //! - [`protocol`]: the wire format, versioned and authenticated, every field checked.
 //! - [`seal`]: carriers encrypted and authenticated per frame, when the cluster asks.
 //! - [`session`]: carriers, streams, scheduling, replay and failover.
+//! - [`mptcp`]: the other carrier kind — kernel MPTCP, one connection per
+//!   stream, spliced, its subflows managed by Ferry.
 
 pub mod compress;
+pub mod mptcp;
 pub mod protocol;
 pub mod seal;
 pub mod session;
 
 pub use compress::{CompressionStats, Mode as CompressMode};
+pub use mptcp::Spliced;
 pub use session::{CarrierStats, Keys, Session, SessionStats, TransportError};
+
+/// A migration's carriers, of either kind, as the agents drive them.
+#[derive(Clone)]
+pub enum Carriers {
+    /// Ferry's own: framed carriers per NIC ([`Session`]).
+    Ferry(Session),
+    /// Kernel MPTCP, spliced ([`Spliced`]).
+    Mptcp(Spliced),
+}
+
+impl Carriers {
+    /// `ferry` or `mptcp`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Carriers::Ferry(_) => "ferry",
+            Carriers::Mptcp(_) => "mptcp",
+        }
+    }
+    pub fn stats(&self) -> SessionStats {
+        match self {
+            Carriers::Ferry(s) => s.stats(),
+            Carriers::Mptcp(s) => s.stats(),
+        }
+    }
+    pub fn failure(&self) -> Option<String> {
+        match self {
+            Carriers::Ferry(s) => s.failure(),
+            Carriers::Mptcp(s) => s.failure(),
+        }
+    }
+    pub fn close(&self) {
+        match self {
+            Carriers::Ferry(s) => s.close(),
+            Carriers::Mptcp(s) => s.close(),
+        }
+    }
+    /// Every frame sealed (only Ferry's own carriers seal).
+    pub fn sealed(&self) -> bool {
+        matches!(self, Carriers::Ferry(s) if s.sealed())
+    }
+}
 
 /// A session id as text (32 hex digits), as agents pass it in their API.
 pub fn session_to_hex(id: &[u8; 16]) -> String {

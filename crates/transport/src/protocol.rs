@@ -13,10 +13,11 @@
 //! Hello (source → target), 80 bytes
 //!   0  [8]  magic "FERRYTP1"
 //!   8  u16  version = 1
-//!  10  u8   role: 1 = carrier (0 is reserved as invalid)
-//!  11  u8   carrier index (< MAX_CARRIERS)
+//!  10  u8   role: 1 = carrier, 2 = spliced stream (0 is reserved as invalid)
+//!  11  u8   carrier: the carrier index (< MAX_CARRIERS); spliced stream:
+//!           the stream index (< MAX_STREAMS)
 //!  12  u32  flags: bit 0 SEALED (every frame of this connection is
-//!           sealed, see below); other bits 0
+//!           sealed, see below; carriers only); other bits 0
 //!  16  [16] session id
 //!  32  [16] nonce (random per connection)
 //!  48  [32] HMAC-SHA256(cluster credential, "ferry-transport hello" ‖ bytes 0..48)
@@ -29,6 +30,11 @@
 //!  16  [16] the Hello's nonce
 //!  32  [32] HMAC-SHA256(cluster credential, "ferry-transport welcome" ‖ bytes 0..32)
 //! ```
+//! A *spliced stream* (the `mptcp` carrier kind, see `mptcp.rs`) is one
+//! MPTCP connection per QEMU connection: after the Welcome it carries that
+//! connection's bytes as they are, both ways, and ends with it. No frames
+//! follow on it; the kernel's subflows carry it over every NIC.
+//!
 //! The target answers a Hello whose HMAC is wrong with status 2 and closes,
 //! without a MAC of its own; the source checks the Welcome's MAC, so both ends
 //! prove they hold the cluster credential.
@@ -101,6 +107,9 @@ pub const DEAD_AFTER: Duration = Duration::from_millis(500);
 pub const FLAG_LZ4: u8 = 1;
 /// Frame flag: the payload is sealed (ciphertext ‖ tag).
 pub const FLAG_SEALED: u8 = 2;
+/// Hello roles: a carrier of frames; one spliced stream.
+pub const ROLE_CARRIER: u8 = 1;
+pub const ROLE_SPLICED: u8 = 2;
 /// Hello flag: the connection's frames are sealed.
 pub const HELLO_SEALED: u32 = 1;
 /// Bytes of a sealed frame's tag.
@@ -197,6 +206,9 @@ fn ct_eq(a: &[u8], b: &[u8]) -> bool {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
+    /// [`ROLE_CARRIER`] or [`ROLE_SPLICED`].
+    pub role: u8,
+    /// The carrier index, or a spliced stream's index.
     pub carrier: u8,
     pub session: [u8; 16],
     pub nonce: [u8; 16],
@@ -209,7 +221,7 @@ impl Hello {
         let mut b = [0u8; HELLO_LEN];
         b[0..8].copy_from_slice(MAGIC);
         b[8..10].copy_from_slice(&VERSION.to_le_bytes());
-        b[10] = 1;
+        b[10] = self.role;
         b[11] = self.carrier;
         if self.sealed {
             b[12..16].copy_from_slice(&HELLO_SEALED.to_le_bytes());
@@ -236,14 +248,22 @@ impl Hello {
         ) {
             return Err((ProtocolError::BadCredential, STATUS_BAD_CREDENTIAL));
         }
-        if b[10] != 1 {
-            return Err((ProtocolError::BadRole(b[10]), STATUS_BAD_VERSION));
-        }
-        if b[11] >= MAX_CARRIERS {
+        let role = b[10];
+        let limit = match role {
+            ROLE_CARRIER => MAX_CARRIERS as u16,
+            ROLE_SPLICED => MAX_STREAMS,
+            r => return Err((ProtocolError::BadRole(r), STATUS_BAD_VERSION)),
+        };
+        if b[11] as u16 >= limit {
             return Err((ProtocolError::BadCarrier(b[11]), STATUS_TOO_MANY));
         }
         let flags = u32::from_le_bytes([b[12], b[13], b[14], b[15]]);
-        if flags & !HELLO_SEALED != 0 {
+        let allowed = if role == ROLE_CARRIER {
+            HELLO_SEALED
+        } else {
+            0
+        };
+        if flags & !allowed != 0 {
             return Err((ProtocolError::Reserved("hello"), STATUS_BAD_VERSION));
         }
         let mut session = [0u8; 16];
@@ -251,6 +271,7 @@ impl Hello {
         let mut nonce = [0u8; 16];
         nonce.copy_from_slice(&b[32..48]);
         Ok(Hello {
+            role,
             carrier: b[11],
             session,
             nonce,
@@ -474,8 +495,55 @@ mod tests {
     const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
 
     #[test]
+    fn spliced_hellos_take_stream_indexes_and_are_never_sealed() {
+        let h = Hello {
+            role: ROLE_SPLICED,
+            carrier: (MAX_STREAMS - 1) as u8,
+            session: [7; 16],
+            nonce: [9; 16],
+            sealed: false,
+        };
+        assert_eq!(Hello::decode(&h.encode(SECRET), SECRET).unwrap(), h);
+        let sealed = Hello {
+            sealed: true,
+            ..h.clone()
+        };
+        assert_eq!(
+            Hello::decode(&sealed.encode(SECRET), SECRET).unwrap_err().0,
+            ProtocolError::Reserved("hello")
+        );
+        let over = Hello {
+            carrier: MAX_STREAMS as u8,
+            ..h.clone()
+        };
+        assert_eq!(
+            Hello::decode(&over.encode(SECRET), SECRET).unwrap_err().0,
+            ProtocolError::BadCarrier(MAX_STREAMS as u8)
+        );
+        let carrier_over = Hello {
+            role: ROLE_CARRIER,
+            carrier: MAX_CARRIERS,
+            ..h.clone()
+        };
+        assert_eq!(
+            Hello::decode(&carrier_over.encode(SECRET), SECRET)
+                .unwrap_err()
+                .0,
+            ProtocolError::BadCarrier(MAX_CARRIERS)
+        );
+        let unknown = Hello { role: 3, ..h };
+        assert_eq!(
+            Hello::decode(&unknown.encode(SECRET), SECRET)
+                .unwrap_err()
+                .0,
+            ProtocolError::BadRole(3)
+        );
+    }
+
+    #[test]
     fn hello_round_trips_and_authenticates() {
         let h = Hello {
+            role: ROLE_CARRIER,
             carrier: 2,
             session: [7; 16],
             nonce: [9; 16],
@@ -658,6 +726,7 @@ mod robustness {
         let mut good = BytesMut::new();
         encode_frame(&Header::new(Kind::Data, 2, 9, 4096), &[7u8; 300], &mut good);
         let hello = Hello {
+            role: ROLE_CARRIER,
             carrier: 1,
             session: [3; 16],
             nonce: [4; 16],

@@ -116,6 +116,7 @@ mod tests {
 
     fn hello(nonce: u8) -> Hello {
         Hello {
+            role: ROLE_CARRIER,
             carrier: 1,
             session: [7; 16],
             nonce: [nonce; 16],

@@ -95,6 +95,10 @@ pub struct SessionStats {
     /// What this side's compressor did with the DATA it sent.
     #[serde(default)]
     pub compression: crate::compress::CompressionStats,
+    /// `mptcp` kind: times a NIC's subflows were re-added (its peer asked to
+    /// announce its address again).
+    #[serde(default)]
+    pub rejoins: u64,
 }
 
 struct OutFrame {
@@ -347,6 +351,7 @@ impl Session {
             frames_resent: self.inner.frames_resent.load(Ordering::Relaxed),
             streams: lock(&self.inner.streams_in).len(),
             compression: self.inner.compressor.stats(),
+            rejoins: 0,
         }
     }
 
@@ -424,6 +429,7 @@ impl Session {
         let _ = tcp.set_nodelay(true);
         let nonce: [u8; 16] = rand::random();
         let hello = Hello {
+            role: ROLE_CARRIER,
             carrier: index,
             session: self.inner.session,
             nonce,
@@ -479,6 +485,14 @@ impl Session {
                     index: h.carrier,
                     nic: nic.into(),
                     source: ProtocolError::Refused("unknown session"),
+                });
+            }
+            Ok(h) if h.role != ROLE_CARRIER => {
+                let _ = tcp.write_all(&answer(STATUS_BAD_VERSION, h.nonce)).await;
+                return Err(TransportError::Handshake {
+                    index: h.carrier,
+                    nic: nic.into(),
+                    source: ProtocolError::BadRole(h.role),
                 });
             }
             Ok(h) if h.sealed != self.inner.sealed => {
@@ -798,7 +812,7 @@ impl Session {
     }
 }
 
-fn error_text(e: &TransportError) -> String {
+pub(crate) fn error_text(e: &TransportError) -> String {
     let mut s = e.to_string();
     let mut cur = std::error::Error::source(e);
     while let Some(c) = cur {

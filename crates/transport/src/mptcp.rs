@@ -1,0 +1,942 @@
+//! The second carrier kind: kernel MPTCP, managed by Ferry (option `mptcp`).
+//!
+//! Each of QEMU's migration connections (the main channel, every multifd
+//! channel) becomes one MPTCP connection between the two agents. The source
+//! opens it from its first NIC to the target's per-session listener, which is
+//! bound to every address so that subflows can join on any NIC. The
+//! connection starts with the transport's Hello and Welcome (role 2,
+//! *spliced stream*, see `protocol.rs`), so both agents prove they hold the
+//! cluster credential. After that it carries the stream's bytes as they are,
+//! in both directions. They move between QEMU's unix socket and the MPTCP
+//! socket by splice(2) through a pipe, so the agent never copies payload
+//! through user space. Pipe pages go to the socket by reference.
+//!
+//! The kernel spreads each connection over one subflow per NIC, moves a dead
+//! subflow's data to the others, and checks it with TCP's checksums. It does
+//! not use Ferry's frames, so there is no per-frame CRC, compression or sealing:
+//! `auto` leaves this kind alone when the cluster encrypts carriers.
+//!
+//! What Ferry manages:
+//! - **The path manager**: [`prepare_host`] sets subflow limits and a
+//!   `signal` endpoint per NIC, so each side announces its other addresses.
+//! - **Subflows re-added**: the in-kernel path manager tries a subflow once,
+//!   when the peer announces an address. A subflow that failed because its
+//!   link was down when the connection opened, or that later closed, is never
+//!   tried again. The source watches each connection's subflows. When one of
+//!   its NICs has its link up but carries no subflow of some connection for
+//!   [`REJOIN_AFTER`], [`Spliced::due_rejoins`] names it, and the agent asks
+//!   the target to announce its address on that fabric again
+//!   ([`announce`]: RM_ADDR, then ADD_ADDR). The source then joins.
+//! - **Stalls**: when a source's send has moved no byte for [`STALL_AFTER`]
+//!   (every link dead), the session fails and shuts its sockets. QEMU's
+//!   writes then end, and the migration is cancelled cleanly.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use socket2::{Domain, Protocol, Socket, Type};
+
+use crate::protocol::{
+    decode_welcome, encode_welcome, Hello, ProtocolError, HELLO_LEN, MAX_STREAMS, ROLE_SPLICED,
+    STATUS_OK, STATUS_UNKNOWN_SESSION, WELCOME_LEN,
+};
+use crate::session::{CarrierStats, SessionStats, TransportError};
+
+/// A NIC with its link up but no subflow of some connection this long is re-joined.
+pub const REJOIN_AFTER: Duration = Duration::from_millis(500);
+/// At most one rejoin request per NIC this often.
+pub const REJOIN_EVERY: Duration = Duration::from_secs(2);
+/// A send that moved no byte for this long fails the session.
+pub const STALL_AFTER: Duration = Duration::from_secs(5);
+const IPPROTO_MPTCP: i32 = 262;
+const SOL_MPTCP: i32 = 284;
+const MPTCP_TCPINFO: i32 = 2;
+const MPTCP_SUBFLOW_ADDRS: i32 = 3;
+/// `struct mptcp_subflow_data`, then entries of `size_user` bytes.
+const SUBFLOW_DATA_LEN: usize = 16;
+/// `struct mptcp_subflow_addrs`: two `sockaddr_storage`.
+const SUBFLOW_ADDRS_LEN: usize = 256;
+/// `struct tcp_info` up to and including `tcpi_bytes_acked`.
+const TCP_INFO_LEN: usize = 128;
+const TCP_INFO_BYTES_ACKED: usize = 120;
+/// Subflows read per connection.
+const MAX_SUBFLOWS: usize = 16;
+/// Bytes moved per splice call.
+const CHUNK: usize = 1 << 20;
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TransportError {
+    let what = what.into();
+    move |source| TransportError::Io { what, source }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn mptcp_socket() -> std::io::Result<Socket> {
+    Socket::new(
+        Domain::IPV4,
+        Type::STREAM,
+        Some(Protocol::from(IPPROTO_MPTCP)),
+    )
+    .map_err(|e| {
+        if e.raw_os_error() == Some(libc::EPROTONOSUPPORT) {
+            std::io::Error::other("this kernel has no MPTCP (or net.mptcp.enabled is 0)")
+        } else {
+            e
+        }
+    })
+}
+
+/// One subflow of a connection, as the kernel reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subflow {
+    pub local: SocketAddr,
+    pub remote: SocketAddr,
+    /// Bytes the peer acknowledged on this subflow.
+    pub bytes_acked: u64,
+}
+
+fn sockaddr_v4(b: &[u8]) -> Option<SocketAddr> {
+    let family = u16::from_ne_bytes([b[0], b[1]]);
+    if family != libc::AF_INET as u16 {
+        return None;
+    }
+    let port = u16::from_be_bytes([b[2], b[3]]);
+    let ip = std::net::Ipv4Addr::new(b[4], b[5], b[6], b[7]);
+    Some(SocketAddr::new(IpAddr::V4(ip), port))
+}
+
+/// Reads one of MPTCP's per-subflow socket options: `(entries, entry size)`.
+fn subflow_data(fd: RawFd, opt: i32, size_user: usize) -> std::io::Result<(Vec<u8>, usize)> {
+    let mut buf = vec![0u8; SUBFLOW_DATA_LEN + size_user * MAX_SUBFLOWS];
+    buf[0..4].copy_from_slice(&(SUBFLOW_DATA_LEN as u32).to_ne_bytes());
+    buf[12..16].copy_from_slice(&(size_user as u32).to_ne_bytes());
+    let mut len = buf.len() as libc::socklen_t;
+    // SAFETY: buf is valid for len bytes; the kernel writes at most len.
+    let r = unsafe { libc::getsockopt(fd, SOL_MPTCP, opt, buf.as_mut_ptr().cast(), &mut len) };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let n = u32::from_ne_bytes(buf[4..8].try_into().unwrap_or_default()) as usize;
+    let stride = u32::from_ne_bytes(buf[12..16].try_into().unwrap_or_default()) as usize;
+    let n = n
+        .min(MAX_SUBFLOWS)
+        .min((len as usize - SUBFLOW_DATA_LEN) / stride.max(1));
+    buf.truncate(SUBFLOW_DATA_LEN + n * stride);
+    Ok((buf.split_off(SUBFLOW_DATA_LEN), stride))
+}
+
+/// The subflows of one MPTCP connection (IPv4 only), read from the kernel.
+pub fn subflows(fd: RawFd) -> std::io::Result<Vec<Subflow>> {
+    let (addrs, a_stride) = subflow_data(fd, MPTCP_SUBFLOW_ADDRS, SUBFLOW_ADDRS_LEN)?;
+    let (infos, i_stride) = subflow_data(fd, MPTCP_TCPINFO, TCP_INFO_LEN)?;
+    let n = addrs.len() / a_stride.max(1);
+    let mut out = Vec::new();
+    for i in 0..n {
+        let a = &addrs[i * a_stride..(i + 1) * a_stride];
+        let (Some(local), Some(remote)) = (sockaddr_v4(&a[0..128]), sockaddr_v4(&a[128..256]))
+        else {
+            continue;
+        };
+        // the two reads walk the same list; a subflow added in between leaves
+        // the counts unequal, and the bytes are then left out of this reading
+        let bytes_acked = if infos.len() / i_stride.max(1) == n {
+            let b = &infos[i * i_stride + TCP_INFO_BYTES_ACKED..][..8];
+            u64::from_ne_bytes(b.try_into().unwrap_or_default())
+        } else {
+            0
+        };
+        out.push(Subflow {
+            local,
+            remote,
+            bytes_acked,
+        });
+    }
+    Ok(out)
+}
+
+// ---- the path manager ----
+
+fn ip(args: &[&str]) -> Result<String, String> {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+    if !out.status.success() {
+        return Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `(id, address)` of every endpoint of this host's path manager.
+fn endpoints() -> Result<Vec<(String, String)>, String> {
+    let out = ip(&["mptcp", "endpoint", "show"])?;
+    Ok(out
+        .lines()
+        .filter_map(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            let id = w.iter().position(|x| *x == "id")?;
+            Some((w.get(id + 1)?.to_string(), w.first()?.to_string()))
+        })
+        .collect())
+}
+
+/// Makes this host's path manager announce every NIC and accept a subflow
+/// per NIC and connection: limits, and a `signal` endpoint per NIC (added
+/// where missing; endpoints of other addresses are left alone).
+pub fn prepare_host(nics: &[(String, IpAddr)]) -> Result<(), String> {
+    let n = (nics.len() as u32).clamp(2, 8).to_string();
+    ip(&[
+        "mptcp",
+        "limits",
+        "set",
+        "subflows",
+        &n,
+        "add_addr_accepted",
+        &n,
+    ])?;
+    let have = endpoints()?;
+    for (nic, addr) in nics {
+        let a = addr.to_string();
+        if !have.iter().any(|(_, x)| *x == a) {
+            ip(&["mptcp", "endpoint", "add", &a, "dev", nic, "signal"])?;
+        }
+    }
+    Ok(())
+}
+
+/// Announces `addr` (on `nic`) again to every MPTCP peer of this host:
+/// its endpoint is removed and added back, which sends RM_ADDR then
+/// ADD_ADDR, and a peer lacking a subflow to it joins.
+pub fn announce(nic: &str, addr: IpAddr) -> Result<(), String> {
+    let a = addr.to_string();
+    if let Some((id, _)) = endpoints()?.into_iter().find(|(_, x)| *x == a) {
+        ip(&["mptcp", "endpoint", "delete", "id", &id])?;
+    }
+    ip(&["mptcp", "endpoint", "add", &a, "dev", nic, "signal"]).map(|_| ())
+}
+
+fn link_up(nic: &str) -> bool {
+    std::fs::read_to_string(format!("/sys/class/net/{nic}/operstate"))
+        .map(|s| s.trim() == "up")
+        .unwrap_or(false)
+}
+
+// ---- splicing ----
+
+fn cvt(r: isize) -> std::io::Result<usize> {
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
+}
+
+fn splice(from: RawFd, to: RawFd, len: usize) -> std::io::Result<usize> {
+    loop {
+        // SAFETY: plain fds, no offsets.
+        let r = unsafe {
+            libc::splice(
+                from,
+                std::ptr::null_mut(),
+                to,
+                std::ptr::null_mut(),
+                len,
+                libc::SPLICE_F_MOVE | libc::SPLICE_F_MORE,
+            )
+        };
+        match cvt(r) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            r => return r,
+        }
+    }
+}
+
+fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: fds has room for two descriptors.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: both are fresh descriptors this function owns.
+    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // a bigger pipe means fewer calls; the default size works too
+    // SAFETY: fcntl on an fd we own.
+    unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETPIPE_SZ, CHUNK as libc::c_int) };
+    Ok((r, w))
+}
+
+/// One direction of a stream, as the session watches it.
+#[derive(Default)]
+struct Flow {
+    bytes: AtomicU64,
+    /// While bytes wait to be sent: ms (since the session started) of the
+    /// last progress; 0 when nothing waits.
+    waiting_since: AtomicU64,
+}
+
+/// Moves bytes from `from` to `to` until `from` ends, then ends `to`'s
+/// sending side. Splices through a pipe; copies only where a kernel refuses
+/// to splice these sockets.
+fn pump(from: RawFd, to: RawFd, flow: &Flow, epoch: Instant) -> std::io::Result<()> {
+    let ms = || epoch.elapsed().as_millis() as u64 + 1;
+    let (pr, pw) = pipe()?;
+    let mut copy = false;
+    let mut buf: Vec<u8> = Vec::new();
+    loop {
+        let n = if copy {
+            // SAFETY: buf is valid for its length.
+            cvt(unsafe { libc::read(from, buf.as_mut_ptr().cast(), buf.len()) })?
+        } else {
+            match splice(from, pw.as_raw_fd(), CHUNK) {
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    copy = true;
+                    buf = vec![0u8; 256 << 10];
+                    continue;
+                }
+                r => r?,
+            }
+        };
+        if n == 0 {
+            break;
+        }
+        flow.waiting_since.store(ms(), Ordering::Relaxed);
+        let mut left = n;
+        while left > 0 {
+            let m = if copy {
+                let off = n - left;
+                // SAFETY: the range lies inside buf.
+                cvt(unsafe { libc::write(to, buf[off..].as_ptr().cast(), left) })?
+            } else {
+                splice(pr.as_raw_fd(), to, left)?
+            };
+            if m == 0 {
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            left -= m;
+            flow.bytes.fetch_add(m as u64, Ordering::Relaxed);
+            flow.waiting_since.store(ms(), Ordering::Relaxed);
+        }
+        flow.waiting_since.store(0, Ordering::Relaxed);
+    }
+    // SAFETY: shutdown on an fd the caller keeps open.
+    unsafe { libc::shutdown(to, libc::SHUT_WR) };
+    Ok(())
+}
+
+/// One QEMU connection carried by one MPTCP connection.
+struct Stream {
+    index: u16,
+    net: Arc<TcpStream>,
+    local: Arc<UnixStream>,
+    /// Toward the peer, from the peer.
+    out: Arc<Flow>,
+    back: Arc<Flow>,
+    open: Arc<AtomicBool>,
+}
+
+/// What the session keeps of one subflow it has seen: bytes acknowledged at the last reading.
+type SubflowKey = (u16, SocketAddr, SocketAddr);
+
+/// Per NIC: bytes its subflows carried, subflows it has had, subflows that closed.
+type NicTotals = BTreeMap<String, (u64, u64, u64)>;
+
+#[derive(Default)]
+struct NicWatch {
+    /// When this NIC was first seen up without a subflow on some stream.
+    lacking_since: Option<Instant>,
+    last_rejoin: Option<Instant>,
+    rejoins: u64,
+}
+
+struct Inner {
+    session: [u8; 16],
+    secret: Vec<u8>,
+    epoch: Instant,
+    /// `(nic, address)` of this host's NICs the session may use.
+    nics: Vec<(String, IpAddr)>,
+    streams: Mutex<Vec<Stream>>,
+    closed: AtomicBool,
+    failure: Mutex<Option<String>>,
+    listener: Mutex<Option<Arc<Socket>>>,
+    /// Per subflow, bytes acknowledged at the last reading; per NIC, the sum of what its subflows carried.
+    seen: Mutex<(HashMap<SubflowKey, u64>, NicTotals)>,
+    watch: Mutex<BTreeMap<String, NicWatch>>,
+}
+
+/// One end of a migration carried over kernel MPTCP. Dropping every clone
+/// does not stop it: call [`Spliced::close`].
+#[derive(Clone)]
+pub struct Spliced {
+    inner: Arc<Inner>,
+}
+
+impl Spliced {
+    fn new(session: [u8; 16], secret: &[u8], nics: Vec<(String, IpAddr)>) -> Spliced {
+        Spliced {
+            inner: Arc::new(Inner {
+                session,
+                secret: secret.to_vec(),
+                epoch: Instant::now(),
+                nics,
+                streams: Mutex::new(Vec::new()),
+                closed: AtomicBool::new(false),
+                failure: Mutex::new(None),
+                listener: Mutex::new(None),
+                seen: Mutex::new((HashMap::new(), BTreeMap::new())),
+                watch: Mutex::new(BTreeMap::new()),
+            }),
+        }
+    }
+
+    /// Source side: accept QEMU's connections on `listen` (a unix socket
+    /// path) and carry each over its own MPTCP connection from `local` (the
+    /// first NIC's address) to the target's listener `remote`. `nics` are
+    /// this host's NICs the session may use (for subflow statistics and rejoins).
+    pub fn source(
+        session: [u8; 16],
+        secret: &[u8],
+        listen: PathBuf,
+        local: IpAddr,
+        remote: SocketAddr,
+        nics: Vec<(String, IpAddr)>,
+    ) -> Result<Spliced, TransportError> {
+        // fail early, naming the reason, on a kernel without MPTCP
+        mptcp_socket().map_err(io("an MPTCP socket"))?;
+        let s = Spliced::new(session, secret, nics);
+        let _ = std::fs::remove_file(&listen);
+        let ul = UnixListener::bind(&listen).map_err(io(listen.display().to_string()))?;
+        let me = s.clone();
+        std::thread::spawn(move || {
+            for (index, conn) in ul.incoming().enumerate() {
+                if me.inner.closed.load(Ordering::Relaxed) {
+                    break;
+                }
+                let u = match conn {
+                    Ok(u) => u,
+                    Err(e) => {
+                        me.fail(format!("accepting QEMU connections: {e}"));
+                        break;
+                    }
+                };
+                let Ok(i) = u16::try_from(index) else { break };
+                if i >= MAX_STREAMS {
+                    me.fail(format!("QEMU opened more than {MAX_STREAMS} connections"));
+                    break;
+                }
+                let me2 = me.clone();
+                std::thread::spawn(move || match me2.dial(i, local, remote) {
+                    Ok(net) => me2.start_stream(i, net, u),
+                    Err(e) => me2.fail(crate::session::error_text(&e)),
+                });
+            }
+        });
+        // the unix listener's accept wakes on close: see `close`
+        let me = s.clone();
+        let wake = listen.clone();
+        std::thread::spawn(move || {
+            while !me.inner.closed.load(Ordering::Relaxed) {
+                me.check_stall();
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = UnixStream::connect(&wake);
+        });
+        Ok(s)
+    }
+
+    fn dial(
+        &self,
+        index: u16,
+        local: IpAddr,
+        remote: SocketAddr,
+    ) -> Result<TcpStream, TransportError> {
+        let what = format!("MPTCP stream {index} to {remote}");
+        let sock = mptcp_socket().map_err(io(&what))?;
+        sock.bind(&SocketAddr::new(local, 0).into())
+            .map_err(io(&what))?;
+        sock.connect_timeout(&remote.into(), Duration::from_secs(2))
+            .map_err(io(&what))?;
+        let _ = sock.set_tcp_nodelay(true);
+        let mut tcp: TcpStream = sock.into();
+        let nonce: [u8; 16] = rand::random();
+        let hello = Hello {
+            role: ROLE_SPLICED,
+            carrier: index as u8,
+            session: self.inner.session,
+            nonce,
+            sealed: false,
+        };
+        let hs = |source| TransportError::Handshake {
+            index: index as u8,
+            nic: "mptcp".into(),
+            source,
+        };
+        tcp.set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(io(&what))?;
+        tcp.write_all(&hello.encode(&self.inner.secret))
+            .map_err(io(&what))?;
+        let mut w = [0u8; WELCOME_LEN];
+        tcp.read_exact(&mut w).map_err(io(&what))?;
+        decode_welcome(&w, &nonce, &self.inner.secret).map_err(hs)?;
+        tcp.set_read_timeout(None).map_err(io(&what))?;
+        Ok(tcp)
+    }
+
+    /// Target side: listen on every address on a migration port; each
+    /// authenticated stream is connected to `connect_to` (QEMU's incoming
+    /// unix socket). Returns the session and the port.
+    pub fn target(
+        session: [u8; 16],
+        secret: &[u8],
+        nics: Vec<(String, IpAddr)>,
+        connect_to: PathBuf,
+    ) -> Result<(Spliced, u16), TransportError> {
+        let s = Spliced::new(session, secret, nics);
+        let mut last = None;
+        let mut bound = None;
+        for p in ferry_api::bandwidth::migration_ports(rand::random()) {
+            let sock = mptcp_socket().map_err(io("an MPTCP socket"))?;
+            let addr = SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), p);
+            match sock.bind(&addr.into()).and_then(|_| sock.listen(64)) {
+                Ok(()) => {
+                    bound = Some((sock, p));
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let (sock, port) = bound.ok_or_else(|| TransportError::Io {
+            what: "an MPTCP listener on a migration port".into(),
+            source: last.unwrap_or_else(|| std::io::ErrorKind::AddrInUse.into()),
+        })?;
+        let sock = Arc::new(sock);
+        *lock(&s.inner.listener) = Some(sock.clone());
+        let me = s.clone();
+        std::thread::spawn(move || loop {
+            let (conn, peer) = match sock.accept() {
+                Ok(c) => c,
+                Err(_) => break, // closed
+            };
+            if me.inner.closed.load(Ordering::Relaxed) {
+                break;
+            }
+            let me2 = me.clone();
+            let to = connect_to.clone();
+            std::thread::spawn(move || {
+                if let Err(e) = me2.accept(conn.into(), &to) {
+                    tracing::warn!(peer = ?peer.as_socket(), error = %e, "MPTCP stream refused");
+                }
+            });
+        });
+        Ok((s, port))
+    }
+
+    fn accept(&self, mut tcp: TcpStream, connect_to: &std::path::Path) -> Result<(), String> {
+        tcp.set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(|e| e.to_string())?;
+        let mut b = [0u8; HELLO_LEN];
+        tcp.read_exact(&mut b)
+            .map_err(|e| format!("reading the Hello: {e}"))?;
+        let refuse = |mut tcp: &TcpStream, status: u8, nonce: &[u8; 16], e: ProtocolError| {
+            let _ = tcp.write_all(&encode_welcome(status, nonce, &self.inner.secret));
+            e.to_string()
+        };
+        let hello = match Hello::decode(&b, &self.inner.secret) {
+            Ok(h) => h,
+            Err((e, status)) => return Err(refuse(&tcp, status, &[0; 16], e)),
+        };
+        if hello.role != ROLE_SPLICED {
+            return Err(refuse(
+                &tcp,
+                crate::protocol::STATUS_BAD_VERSION,
+                &hello.nonce,
+                ProtocolError::BadRole(hello.role),
+            ));
+        }
+        if hello.session != self.inner.session {
+            return Err(refuse(
+                &tcp,
+                STATUS_UNKNOWN_SESSION,
+                &hello.nonce,
+                ProtocolError::Refused("unknown session"),
+            ));
+        }
+        tcp.write_all(&encode_welcome(STATUS_OK, &hello.nonce, &self.inner.secret))
+            .map_err(|e| e.to_string())?;
+        tcp.set_read_timeout(None).map_err(|e| e.to_string())?;
+        let _ = tcp.set_nodelay(true);
+        let u = UnixStream::connect(connect_to)
+            .map_err(|e| format!("connecting to QEMU at {}: {e}", connect_to.display()))?;
+        self.start_stream(hello.carrier as u16, tcp, u);
+        Ok(())
+    }
+
+    fn start_stream(&self, index: u16, net: TcpStream, local: UnixStream) {
+        let s = Stream {
+            index,
+            net: Arc::new(net),
+            local: Arc::new(local),
+            out: Arc::default(),
+            back: Arc::default(),
+            open: Arc::new(AtomicBool::new(true)),
+        };
+        let epoch = self.inner.epoch;
+        // toward the peer: local → net; from the peer: net → local
+        for (from, to, flow, toward) in [
+            (s.local.as_raw_fd(), s.net.as_raw_fd(), s.out.clone(), true),
+            (
+                s.net.as_raw_fd(),
+                s.local.as_raw_fd(),
+                s.back.clone(),
+                false,
+            ),
+        ] {
+            let me = self.clone();
+            let keep = (s.net.clone(), s.local.clone(), s.open.clone());
+            std::thread::spawn(move || {
+                let r = pump(from, to, &flow, epoch);
+                if let Err(e) = r {
+                    if !me.inner.closed.load(Ordering::Relaxed) {
+                        let dir = if toward { "sending" } else { "receiving" };
+                        me.fail(format!("MPTCP stream {index}: {dir}: {e}"));
+                    }
+                }
+                if !toward {
+                    keep.2.store(false, Ordering::Relaxed);
+                }
+                drop(keep);
+            });
+        }
+        if self.inner.closed.load(Ordering::Relaxed) {
+            shut(&s);
+        }
+        lock(&self.inner.streams).push(s);
+    }
+
+    fn check_stall(&self) {
+        let now = self.inner.epoch.elapsed().as_millis() as u64 + 1;
+        let stalled = lock(&self.inner.streams).iter().find_map(|s| {
+            let w = s.out.waiting_since.load(Ordering::Relaxed);
+            (w != 0 && now.saturating_sub(w) > STALL_AFTER.as_millis() as u64).then_some(s.index)
+        });
+        if let Some(i) = stalled {
+            self.fail(format!(
+                "MPTCP stream {i} moved no byte for {} s: every link is down",
+                STALL_AFTER.as_secs()
+            ));
+        }
+    }
+
+    fn fail(&self, why: String) {
+        tracing::error!(reason = %why, "MPTCP session failed");
+        lock(&self.inner.failure).get_or_insert(why);
+        self.close();
+    }
+
+    /// Why the session failed, if it did.
+    pub fn failure(&self) -> Option<String> {
+        lock(&self.inner.failure).clone()
+    }
+
+    /// Ends every stream (QEMU sees its connections close) and the listener.
+    pub fn close(&self) {
+        if self.inner.closed.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        for s in lock(&self.inner.streams).iter() {
+            shut(s);
+        }
+        if let Some(l) = lock(&self.inner.listener).take() {
+            let _ = l.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// Subflows of every open stream, per stream index.
+    fn subflows(&self) -> Vec<(u16, Vec<Subflow>)> {
+        lock(&self.inner.streams)
+            .iter()
+            .filter(|s| s.open.load(Ordering::Relaxed))
+            .filter_map(|s| Some((s.index, subflows(s.net.as_raw_fd()).ok()?)))
+            .collect()
+    }
+
+    /// Carriers as the framed kind reports them, one per NIC: `up` when its
+    /// link is up and it carries a subflow of every open stream; bytes the
+    /// peer acknowledged on its subflows; `connects` subflows it has had.
+    pub fn stats(&self) -> SessionStats {
+        let flows = self.subflows();
+        let mut seen = lock(&self.inner.seen);
+        let (last, per_nic) = &mut *seen;
+        let nic_of = |a: IpAddr| self.inner.nics.iter().find(|(_, x)| *x == a);
+        let mut live: Vec<SubflowKey> = Vec::new();
+        for (i, sfs) in &flows {
+            for sf in sfs {
+                let key = (*i, sf.local, sf.remote);
+                live.push(key);
+                let before = last.insert(key, sf.bytes_acked);
+                if let Some((nic, _)) = nic_of(sf.local.ip()) {
+                    let e = per_nic.entry(nic.clone()).or_default();
+                    e.0 += sf.bytes_acked.saturating_sub(before.unwrap_or(0));
+                    if before.is_none() {
+                        e.1 += 1;
+                    }
+                }
+            }
+        }
+        let gone: Vec<SubflowKey> = last.keys().filter(|k| !live.contains(k)).cloned().collect();
+        for k in gone {
+            last.remove(&k);
+            if let Some((nic, _)) = nic_of(k.1.ip()) {
+                per_nic.entry(nic.clone()).or_default().2 += 1;
+            }
+        }
+        let carriers: Vec<CarrierStats> = self
+            .inner
+            .nics
+            .iter()
+            .enumerate()
+            .map(|(i, (nic, addr))| {
+                let (tx, connects, failures) = per_nic.get(nic).copied().unwrap_or_default();
+                CarrierStats {
+                    index: i as u8,
+                    nic: nic.clone(),
+                    up: link_up(nic)
+                        && !flows.is_empty()
+                        && flows
+                            .iter()
+                            .all(|(_, sfs)| sfs.iter().any(|sf| sf.local.ip() == *addr)),
+                    tx_bytes: tx,
+                    connects,
+                    failures,
+                    ..Default::default()
+                }
+            })
+            .collect();
+        let streams = lock(&self.inner.streams);
+        SessionStats {
+            healthy: carriers.iter().filter(|c| c.up).count(),
+            carriers,
+            streams: streams.len(),
+            rejoins: lock(&self.inner.watch).values().map(|w| w.rejoins).sum(),
+            ..Default::default()
+        }
+    }
+
+    /// Bytes QEMU handed to this side (toward the peer) and the peer's bytes
+    /// delivered to QEMU, over every stream.
+    pub fn bytes(&self) -> (u64, u64) {
+        lock(&self.inner.streams).iter().fold((0, 0), |(o, b), s| {
+            (
+                o + s.out.bytes.load(Ordering::Relaxed),
+                b + s.back.bytes.load(Ordering::Relaxed),
+            )
+        })
+    }
+
+    /// NICs of this host whose link is up but that have carried no subflow
+    /// of some open stream for [`REJOIN_AFTER`], at most once per NIC per
+    /// [`REJOIN_EVERY`]: the peer should announce its address on their fabric
+    /// again ([`announce`]).
+    pub fn due_rejoins(&self) -> Vec<String> {
+        let flows = self.subflows();
+        let now = Instant::now();
+        let mut watch = lock(&self.inner.watch);
+        let mut due = Vec::new();
+        for (nic, addr) in &self.inner.nics {
+            let w = watch.entry(nic.clone()).or_default();
+            let lacking = link_up(nic)
+                && flows
+                    .iter()
+                    .any(|(_, sfs)| !sfs.iter().any(|sf| sf.local.ip() == *addr));
+            if !lacking {
+                w.lacking_since = None;
+                continue;
+            }
+            let since = *w.lacking_since.get_or_insert(now);
+            if now - since >= REJOIN_AFTER && w.last_rejoin.is_none_or(|t| now - t >= REJOIN_EVERY)
+            {
+                w.last_rejoin = Some(now);
+                w.rejoins += 1;
+                due.push(nic.clone());
+            }
+        }
+        due
+    }
+}
+
+fn shut(s: &Stream) {
+    let _ = s.net.shutdown(std::net::Shutdown::Both);
+    let _ = s.local.shutdown(std::net::Shutdown::Both);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// These tests need a kernel with MPTCP (Linux ≥ 5.6, `net.mptcp.enabled`);
+    /// they fail, naming it, where it is missing.
+    fn need_mptcp() {
+        if let Err(e) = mptcp_socket() {
+            panic!("MPTCP tests need a kernel with MPTCP: {e}");
+        }
+    }
+
+    fn secret() -> Vec<u8> {
+        b"cluster credential for tests".to_vec()
+    }
+
+    /// A unix listener standing for the target QEMU: collects what arrives and echoes a reply.
+    fn fake_qemu(dir: &std::path::Path) -> (PathBuf, std::sync::mpsc::Receiver<Vec<u8>>) {
+        let path = dir.join("incoming.sock");
+        let l = UnixListener::bind(&path).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                let mut c = c.unwrap();
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    let mut got = Vec::new();
+                    c.read_to_end(&mut got).unwrap();
+                    c.write_all(b"done").unwrap();
+                    tx.send(got).unwrap();
+                });
+            }
+        });
+        (path, rx)
+    }
+
+    #[test]
+    fn streams_cross_intact_both_ways_over_loopback() {
+        need_mptcp();
+        let dir = tempdir();
+        let (qemu, rx) = fake_qemu(&dir);
+        let lo: IpAddr = "127.0.0.1".parse().unwrap();
+        let nics = vec![("lo".to_string(), lo)];
+        let (t, port) = Spliced::target([7; 16], &secret(), nics.clone(), qemu).unwrap();
+        let out = dir.join("out.sock");
+        let s = Spliced::source(
+            [7; 16],
+            &secret(),
+            out.clone(),
+            lo,
+            SocketAddr::new(lo, port),
+            nics,
+        )
+        .unwrap();
+        let data: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let mut threads = Vec::new();
+        for k in 0..3u8 {
+            let out = out.clone();
+            let mut d = data.clone();
+            d.push(k);
+            threads.push(std::thread::spawn(move || {
+                let mut c = UnixStream::connect(&out).unwrap();
+                c.write_all(&d).unwrap();
+                c.shutdown(std::net::Shutdown::Write).unwrap();
+                let mut reply = Vec::new();
+                c.read_to_end(&mut reply).unwrap();
+                reply
+            }));
+        }
+        let mut got: Vec<Vec<u8>> = (0..3)
+            .map(|_| rx.recv_timeout(Duration::from_secs(20)).unwrap())
+            .collect();
+        got.sort_by_key(|g| *g.last().unwrap());
+        for (k, g) in got.iter().enumerate() {
+            assert_eq!(g.len(), data.len() + 1);
+            assert_eq!(&g[..data.len()], &data[..], "stream {k} changed on the way");
+            assert_eq!(g[data.len()], k as u8);
+        }
+        for t in threads {
+            assert_eq!(t.join().unwrap(), b"done");
+        }
+        assert_eq!(s.bytes().0, 3 * (data.len() as u64 + 1));
+        assert_eq!(s.bytes().1, 3 * 4);
+        assert_eq!(s.failure(), None);
+        assert_eq!(t.failure(), None);
+        s.close();
+        t.close();
+    }
+
+    #[test]
+    fn a_wrong_credential_or_session_is_refused() {
+        need_mptcp();
+        let dir = tempdir();
+        let (qemu, rx) = fake_qemu(&dir);
+        let lo: IpAddr = "127.0.0.1".parse().unwrap();
+        let nics = vec![("lo".to_string(), lo)];
+        let (t, port) = Spliced::target([7; 16], &secret(), nics.clone(), qemu).unwrap();
+        for (session, cred, why) in [
+            ([7; 16], b"another credential".to_vec(), "credential"),
+            ([8; 16], secret(), "session"),
+        ] {
+            let out = dir.join(format!("out-{why}.sock"));
+            let s = Spliced::source(
+                session,
+                &cred,
+                out.clone(),
+                lo,
+                SocketAddr::new(lo, port),
+                nics.clone(),
+            )
+            .unwrap();
+            let mut c = UnixStream::connect(&out).unwrap();
+            let _ = c.write_all(b"guest memory");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while s.failure().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let f = s.failure().unwrap_or_default();
+            assert!(f.contains("handshake"), "{why}: {f}");
+            let mut rest = Vec::new();
+            let _ = c.read_to_end(&mut rest);
+            assert!(rest.is_empty(), "{why}");
+        }
+        assert!(
+            rx.recv_timeout(Duration::from_millis(300)).is_err(),
+            "nothing reached QEMU"
+        );
+        t.close();
+    }
+
+    #[test]
+    fn subflow_option_layouts_read_from_a_live_connection() {
+        need_mptcp();
+        let l = mptcp_socket().unwrap();
+        l.bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+            .unwrap();
+        l.listen(1).unwrap();
+        let addr = l.local_addr().unwrap().as_socket().unwrap();
+        let c = mptcp_socket().unwrap();
+        c.connect(&addr.into()).unwrap();
+        let mut c: TcpStream = c.into();
+        let (a, _) = l.accept().unwrap();
+        let mut a: TcpStream = a.into();
+        c.write_all(&[1u8; 100_000]).unwrap();
+        let mut got = vec![0u8; 100_000];
+        a.read_exact(&mut got).unwrap();
+        let sfs = subflows(c.as_raw_fd()).unwrap();
+        assert_eq!(sfs.len(), 1, "{sfs:?}");
+        assert_eq!(sfs[0].remote, addr);
+        assert_eq!(sfs[0].local, c.local_addr().unwrap());
+        assert!(sfs[0].bytes_acked >= 100_000, "{sfs:?}");
+    }
+
+    fn tempdir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("ferry-mptcp-{}", rand::random::<u64>()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+}
