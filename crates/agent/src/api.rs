@@ -12,6 +12,7 @@
 //! | GET/DELETE | /incoming/{id} | target: status / discard |
 //! | POST | /incoming/{id}/running | target: wait until the guest runs |
 //! | POST | /incoming/{id}/commit | target: final check and adopt |
+//! | POST | /incoming/{id}/rejoin | target, `mptcp`: announce the address on a fabric again (body: `RejoinRequest`) |
 //! | GET | /validate/facts | NICs, CPU power, queues, RDMA as seen here |
 //! | POST | /validate/path | largest don't-fragment packet to a peer |
 //! | POST, GET | /validate/sink, /validate/sink/{port} | throughput sink and its count |
@@ -124,6 +125,15 @@ async fn incoming_commit(
     Ok(Json(a.commit_incoming(&id).await?))
 }
 
+async fn incoming_rejoin(
+    State(a): State<Arc<Agent>>,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<ferry_api::RejoinRequest>,
+) -> R<serde_json::Value> {
+    let nic = a.rejoin_incoming(&id, req.fabric).await?;
+    Ok(Json(serde_json::json!({ "announced": nic })))
+}
+
 async fn incoming_abort(
     State(a): State<Arc<Agent>>,
     Path(id): Path<String>,
@@ -175,6 +185,7 @@ pub fn router(agent: Arc<Agent>) -> Router {
         )
         .route("/incoming/{id}/running", post(incoming_running))
         .route("/incoming/{id}/commit", post(incoming_commit))
+        .route("/incoming/{id}/rejoin", post(incoming_rejoin))
         .route("/validate/facts", get(facts))
         .route("/validate/path", post(probe_path))
         .route("/validate/sink", post(open_sink))

@@ -42,7 +42,7 @@ pub struct VmSlot {
     /// An outgoing migration is under way.
     pub migrating: bool,
     /// A skeleton's transport session (multichannel), closed with it.
-    pub transport: Option<ferry_transport::Session>,
+    pub transport: Option<ferry_transport::Carriers>,
 }
 
 #[derive(Default)]

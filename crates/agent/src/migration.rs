@@ -86,11 +86,12 @@ impl Events {
 enum Plan {
     /// QEMU's own TCP stream to the target QEMU over one NIC.
     Tcp { uri: String, nic: String },
-    /// QEMU multifd into a local socket, carried by Ferry's transport.
+    /// QEMU multifd into a local socket, carried by Ferry's transport
+    /// (either carrier kind).
     Multichannel {
-        session: ferry_transport::Session,
+        session: ferry_transport::Carriers,
         sock: std::path::PathBuf,
-        /// `multichannel` or `compression`.
+        /// `multichannel`, `compression` or `mptcp`.
         option: &'static str,
     },
 }
@@ -233,14 +234,19 @@ impl Agent {
         ev: &Events,
         started: Instant,
     ) -> Result<MigrationReport, Failure> {
-        if req.encrypt_carriers && req.option == MigrationOption::Tcp {
+        if req.encrypt_carriers
+            && matches!(req.option, MigrationOption::Tcp | MigrationOption::Mptcp)
+        {
             return Err(Failure {
                 step: "establish",
                 reason: String::new(),
                 passthrough: Some(ApiError::invalid(
                     "option",
-                    "tcp is QEMU's own unencrypted stream and this cluster encrypts migrations \
-                     (encrypt_carriers): use multichannel, compression or auto",
+                    format!(
+                        "{} sends the stream's bytes as they are and this cluster encrypts \
+                         migrations (encrypt_carriers): use multichannel, compression or auto",
+                        req.option.name()
+                    ),
                 )),
             });
         }
@@ -352,6 +358,48 @@ impl Agent {
         .await;
 
         let plan = match option {
+            MigrationOption::Mptcp => {
+                let sock = vm.dir.join(format!("out-{id}.sock"));
+                let mine = nics();
+                // the target's listener takes every address; the connection
+                // starts on the first fabric both hosts have up
+                let first = reply.carriers.iter().find_map(|c| {
+                    let n = mine.iter().find(|n| n.up && n.fabric == c.fabric)?;
+                    Some((n.address.parse().ok()?, c.address.parse().ok()?))
+                });
+                let Some((local, remote)) = first else {
+                    self.roll_back(id, vm, &target, None).await;
+                    return Err(fail("connection", "no NIC pair to carry the migration"));
+                };
+                let nic_addrs: Vec<(String, std::net::IpAddr)> = mine
+                    .iter()
+                    .filter_map(|n| Some((n.name.clone(), n.address.parse().ok()?)))
+                    .collect();
+                let started = ferry_transport::mptcp::prepare_host(&nic_addrs)
+                    .map_err(|e| e.to_string())
+                    .and_then(|_| {
+                        ferry_transport::Spliced::source(
+                            session,
+                            self.cred.secret(),
+                            sock.clone(),
+                            local,
+                            remote,
+                            nic_addrs,
+                        )
+                        .map_err(|e| error_chain(&e))
+                    });
+                match started {
+                    Ok(s) => Plan::Multichannel {
+                        session: ferry_transport::Carriers::Mptcp(s),
+                        sock,
+                        option: option.name(),
+                    },
+                    Err(e) => {
+                        self.roll_back(id, vm, &target, None).await;
+                        return Err(fail("connection", e));
+                    }
+                }
+            }
             MigrationOption::Multichannel | MigrationOption::Compression => {
                 let sock = vm.dir.join(format!("out-{id}.sock"));
                 let mine = nics();
@@ -385,7 +433,7 @@ impl Agent {
                     Ok(s) => {
                         s.set_compression(compress);
                         Plan::Multichannel {
-                            session: s,
+                            session: ferry_transport::Carriers::Ferry(s),
                             sock,
                             option: option.name(),
                         }
@@ -467,8 +515,10 @@ impl Agent {
             ),
             Plan::Multichannel { session, sock, .. } => {
                 // carriers come up in the background; give them a moment so the
-                // first frames do not all go to whichever dialled first
-                for _ in 0..20 {
+                // first frames do not all go to whichever dialled first (MPTCP
+                // connections open as QEMU connects)
+                let framed = matches!(session, ferry_transport::Carriers::Ferry(_));
+                for _ in 0..if framed { 20 } else { 0 } {
                     let st = session.stats();
                     if st.healthy == st.carriers.len() {
                         break;
@@ -652,7 +702,9 @@ impl Agent {
             } else if now - last_change > STALL_TIMEOUT {
                 let path = match plan {
                     Plan::Tcp { nic, .. } => format!("the data path over {nic} is down"),
-                    Plan::Multichannel { .. } => "every carrier is down".to_string(),
+                    Plan::Multichannel { session, .. } => {
+                        format!("every carrier ({}) is down", session.kind())
+                    }
                 };
                 return Err(fail(
                     "copy",
@@ -709,6 +761,9 @@ impl Agent {
                 Plan::Multichannel { session, .. } => {
                     if let Some(why) = session.failure() {
                         return Err(fail("copy", format!("transport: {why}")));
+                    }
+                    if let ferry_transport::Carriers::Mptcp(s) = session {
+                        self.ask_rejoins(id, target, s);
                     }
                     let st = session.stats();
                     (carrier_bytes(&st), Some(st.healthy))
@@ -888,7 +943,10 @@ impl Agent {
                     .collect();
                 (
                     *option,
-                    "ferry-transport",
+                    match session {
+                        ferry_transport::Carriers::Ferry(_) => "ferry-transport",
+                        ferry_transport::Carriers::Mptcp(_) => "ferry-mptcp",
+                    },
                     carrier_bytes(&st),
                     carriers,
                     st.frames_resent,
@@ -943,7 +1001,7 @@ impl Agent {
         id: &str,
         vm: &Arc<QemuVm>,
         target: &Client,
-        session: Option<&ferry_transport::Session>,
+        session: Option<&ferry_transport::Carriers>,
     ) {
         let qmp = &vm.qmp;
         let _ = qmp.migrate_cancel().await;
@@ -1006,7 +1064,9 @@ impl Agent {
             })?;
         let multichannel = match req.option {
             MigrationOption::Tcp => None,
-            MigrationOption::Multichannel | MigrationOption::Compression => {
+            MigrationOption::Multichannel
+            | MigrationOption::Compression
+            | MigrationOption::Mptcp => {
                 let id = req
                     .session
                     .as_deref()
@@ -1086,14 +1146,37 @@ impl Agent {
                 .iter()
                 .filter_map(|n| Some((n.name.clone(), n.address.parse().ok()?)))
                 .collect();
-            let keys = ferry_transport::Keys {
-                secret: self.cred.secret(),
-                sealed: req.sealed,
-            };
-            let (session, bound) =
-                ferry_transport::Session::target(session_id, &keys, listen, sock)
+            let (session, bound) = if req.option == MigrationOption::Mptcp {
+                if req.sealed {
+                    return Err(ApiError::invalid(
+                        "sealed",
+                        "a sealed migration needs Ferry's own carriers; mptcp sends bytes as they are",
+                    ));
+                }
+                ferry_transport::mptcp::prepare_host(&listen).map_err(ApiError::internal)?;
+                let (s, port) = ferry_transport::Spliced::target(
+                    session_id,
+                    self.cred.secret(),
+                    listen.clone(),
+                    sock,
+                )
+                .map_err(|e| ApiError::internal(error_chain(&e)))?;
+                // one listener takes every address: each NIC's address with its port
+                let bound = listen
+                    .into_iter()
+                    .map(|(n, a)| (n, std::net::SocketAddr::new(a, port)))
+                    .collect::<Vec<_>>();
+                (ferry_transport::Carriers::Mptcp(s), bound)
+            } else {
+                let keys = ferry_transport::Keys {
+                    secret: self.cred.secret(),
+                    sealed: req.sealed,
+                };
+                let (s, bound) = ferry_transport::Session::target(session_id, &keys, listen, sock)
                     .await
                     .map_err(|e| ApiError::internal(error_chain(&e)))?;
+                (ferry_transport::Carriers::Ferry(s), bound)
+            };
             if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
                 slot.transport = Some(session);
             }
@@ -1254,6 +1337,73 @@ impl Agent {
         }
         tracing::info!(vm = %name, "migration committed; vm runs here");
         Ok(result)
+    }
+
+    /// `mptcp` kind: announces this host's address on `fabric` again to the
+    /// source, whose NIC there has no subflow on some connection (its link
+    /// was down when the connection opened, or the subflow closed). Returns
+    /// the NIC announced.
+    pub async fn rejoin_incoming(&self, id: &str, fabric: u32) -> Result<String, ApiError> {
+        let (name, _) = self.incoming_slot(id).await?;
+        let mptcp = matches!(
+            self.state
+                .lock()
+                .await
+                .vms
+                .get(&name)
+                .and_then(|s| s.transport.as_ref()),
+            Some(ferry_transport::Carriers::Mptcp(_))
+        );
+        if !mptcp {
+            return Err(ApiError::invalid(
+                "id",
+                format!("migration {id} is not carried over mptcp"),
+            ));
+        }
+        let nic = nics()
+            .into_iter()
+            .find(|n| n.fabric == fabric)
+            .ok_or_else(|| ApiError::invalid("fabric", format!("no NIC on fabric {fabric}")))?;
+        let addr = nic
+            .address
+            .parse()
+            .map_err(|_| ApiError::internal(format!("{} has no IPv4 address", nic.name)))?;
+        ferry_transport::mptcp::announce(&nic.name, addr).map_err(ApiError::internal)?;
+        tracing::info!(migration = id, nic = %nic.name, "address announced again for a subflow re-join");
+        Ok(nic.name)
+    }
+
+    /// Source side, `mptcp` kind: asks the target to announce its address on
+    /// each fabric where a NIC of this host has its link up but no subflow
+    /// (see `Spliced::due_rejoins`). The request runs on its own.
+    fn ask_rejoins(&self, id: &str, target: &Client, s: &ferry_transport::Spliced) {
+        let due = s.due_rejoins();
+        if due.is_empty() {
+            return;
+        }
+        let mine = nics();
+        for nic in due {
+            let Some(fabric) = mine.iter().find(|n| n.name == nic).map(|n| n.fabric) else {
+                continue;
+            };
+            let target = target.clone();
+            let path = format!("/incoming/{id}/rejoin");
+            tokio::spawn(async move {
+                let r: Result<serde_json::Value, _> = target
+                    .post(
+                        &path,
+                        &ferry_api::RejoinRequest { fabric },
+                        Duration::from_secs(3),
+                    )
+                    .await;
+                match r {
+                    Ok(_) => {
+                        tracing::info!(%nic, fabric, "asked the target to announce its address again")
+                    }
+                    Err(e) => tracing::warn!(%nic, error = %e, "rejoin request failed"),
+                }
+            });
+        }
     }
 
     /// Discards a skeleton (the source rolled back).

@@ -462,6 +462,10 @@ pub enum MigrationOption {
     /// Ferry's transport over one NIC, frames compressed (LZ4) when that
     /// wins: the link is the bottleneck, CPU is idle, the data shrinks.
     Compression,
+    /// QEMU multifd over kernel MPTCP managed by Ferry: one MPTCP
+    /// connection per QEMU connection, a subflow per NIC, bytes spliced
+    /// (no copy through the agent), subflows re-added when a link returns.
+    Mptcp,
     /// Multichannel when more than one NIC pair is healthy (frames
     /// compressed when that wins), else tcp.
     #[default]
@@ -474,6 +478,7 @@ impl MigrationOption {
             MigrationOption::Tcp => "tcp",
             MigrationOption::Multichannel => "multichannel",
             MigrationOption::Compression => "compression",
+            MigrationOption::Mptcp => "mptcp",
             MigrationOption::Auto => "auto",
         }
     }
@@ -574,6 +579,14 @@ pub struct CarrierReport {
     pub failures: u64,
     pub frames_requeued: u64,
     pub last_failure: Option<String>,
+}
+
+/// Source → target agent, `mptcp` kind: announce your address on this
+/// fabric again, so the source's NIC there re-joins every connection.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RejoinRequest {
+    pub fabric: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -161,6 +161,7 @@ pub enum OptionArg {
     Tcp,
     Multichannel,
     Compression,
+    Mptcp,
     Auto,
 }
 
@@ -170,6 +171,7 @@ impl From<OptionArg> for MigrationOption {
             OptionArg::Tcp => MigrationOption::Tcp,
             OptionArg::Multichannel => MigrationOption::Multichannel,
             OptionArg::Compression => MigrationOption::Compression,
+            OptionArg::Mptcp => MigrationOption::Mptcp,
             OptionArg::Auto => MigrationOption::Auto,
         }
     }
