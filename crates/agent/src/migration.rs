@@ -703,7 +703,7 @@ impl Agent {
                 let path = match plan {
                     Plan::Tcp { nic, .. } => format!("the data path over {nic} is down"),
                     Plan::Multichannel { session, .. } => {
-                        format!("every carrier ({}) is down", session.kind())
+                        format!("every carrier is down ({} carriers)", session.kind())
                     }
                 };
                 return Err(fail(

@@ -1,6 +1,7 @@
 //! One migration over every NIC through Ferry's transport, in the lab:
 //! both NICs carry it, a NIC cut mid-move is absorbed, and losing every NIC
-//! leaves the guest running on the source.
+//! leaves the guest running on the source — on Ferry's own carriers and on
+//! kernel MPTCP managed by Ferry.
 //! Needs root and QEMU ≥ 9 (see common/mod.rs); CI sets FERRY_REQUIRE_LAB=1.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
@@ -149,6 +150,60 @@ fn losing_every_nic_leaves_the_guest_on_the_source() {
         "completed"
     );
     assert_intact_on("mc3", "host3");
+}
+
+/// `--option mptcp`: a NIC whose link is down when the move starts joins
+/// once it returns (the in-kernel path manager alone would never retry it),
+/// sealed clusters refuse the clear kind, and losing every NIC leaves the
+/// guest on the source.
+#[test]
+fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
+    if !lab_available("mptcp_move_rejoins_a_returning_nic_and_fails_safe") {
+        return;
+    }
+    let _g = serial();
+    lab(3, 2);
+    let _vm = VmGuard::create("mp1", "host1", "1G", "768M");
+    ferry_ok(&["lab", "link", "host1", "nic2", "down"]);
+    let r = move_with("mp1", "host2", "mptcp", 150 << 20, || {
+        ferry_ok(&["lab", "link", "host1", "nic2", "up"]);
+    });
+    ferry_ok(&["lab", "link", "host1", "nic2", "up"]);
+    assert_eq!(r["event"], "completed", "{r}");
+    assert_eq!(r["option"], "mptcp", "{r}");
+    assert_eq!(r["data_path"], "ferry-mptcp", "{r}");
+    let total = r["bytes_transferred"].as_u64().unwrap();
+    let carriers = r["carriers"].as_array().unwrap();
+    let nic2 = carriers.iter().find(|c| c["nic"] == "nic2").unwrap();
+    // nic2 came back after ~150 MiB of ~770: it must have carried a share of the rest
+    let carried = nic2["tx_bytes"].as_u64().unwrap();
+    assert!(
+        carried > total / 8,
+        "nic2 did not rejoin: {carried} of {total}: {r}"
+    );
+    assert!(nic2["connects"].as_u64().unwrap() >= 1, "{r}");
+    assert!(r["downtime_ms"].as_u64().unwrap() < 1000, "{r}");
+    assert!(r["cpu"]["per_gib_s"].as_f64().unwrap() > 0.0, "{r}");
+    assert_intact_on("mp1", "host2");
+
+    // a cluster that encrypts carriers refuses the clear kind, naming why
+    ferry_ok(&["cluster", "set", "--encrypt-carriers", "on"]);
+    let r = move_vm("mp1", "host1", "mptcp");
+    ferry_ok(&["cluster", "set", "--encrypt-carriers", "off"]);
+    assert_eq!(r["event"], "failed", "{r}");
+    assert!(r.to_string().contains("encrypt"), "{r}");
+
+    // every NIC lost mid-move: the guest stays where it was
+    let r = move_with("mp1", "host3", "mptcp", 150 << 20, || {
+        ferry_ok(&["lab", "link", "host3", "nic1", "down"]);
+        ferry_ok(&["lab", "link", "host3", "nic2", "down"]);
+    });
+    ferry_ok(&["lab", "link", "host3", "nic1", "up"]);
+    ferry_ok(&["lab", "link", "host3", "nic2", "up"]);
+    assert_eq!(r["event"], "failed", "{r}");
+    assert_eq!(r["error"]["running_on"], "host2", "{r}");
+    assert_intact_on("mp1", "host2");
+    assert!(qemu_pids("host3").is_empty(), "skeleton left on host3");
 }
 
 /// `--option compression` on a link shaped so it is the bottleneck: a guest
