@@ -2,12 +2,16 @@
 """Ferry multichannel vs what users would build from the same two NICs.
 
 One lab (2 hosts × 2 NICs shaped to --rate), one guest size, each path run
-twice: undisturbed, and with one of the source's NICs cut at 40% of the
-guest's filled memory (restored after the move): nic2, or for `qemu tcp`,
-which uses only nic1, nic1 (a cut of a NIC it does not use would prove
-nothing). Paths:
+undisturbed, then with one of the source's NICs cut at 40% of the guest's
+filled memory and held down for the rest of the move ("held"), and — Ferry's
+two kinds and QEMU over MPTCP, the paths that survive a cut — cut and restored
+--restore-after seconds later while the move goes on ("restored"). The NIC
+cut is nic2, or for `qemu tcp`, which uses only nic1, nic1 (a cut of a NIC it
+does not use would prove nothing). Paths:
 
 - ferry: `ferry vm move --option multichannel` (Ferry's carriers over both NICs)
+- ferry mptcp: `ferry vm move --option mptcp` (kernel MPTCP managed by Ferry:
+  one connection per QEMU channel, spliced, subflows re-joined)
 - qemu tcp: QEMU's own stream to the peer's nic1 address (one NIC)
 - qemu multifd / ecmp: QEMU multifd (4 channels) to the peer's team address,
   an ECMP route hashing connections on layer 4 (`ferry lab team ecmp`; this
@@ -20,8 +24,10 @@ workload) as Ferry's. Reported: transfer time (migrate → target running),
 bytes, throughput ÷ (NICs × rate), CPU-seconds per GiB of every QEMU and Ferry
 agent process on both hosts from `migrate` to the target running (QEMU runs:
 sampled every 100 ms, so up to 0.1 s of the source QEMU is missed; Ferry: the
-move report's own `cpu`, same span), and for a cut: whether it completed, and the time from the
-cut until the aggregate rate is back to ≥ 90% of the remaining link.
+move report's own `cpu`, same span), and for a cut: whether it completed, the time from the
+cut until the aggregate rate is back to ≥ 90% of the remaining link, and — the link
+restored --restore-after seconds after the cut, while the move goes on — the time
+from the restore until the cut NIC carries ≥ 50% of its link rate again.
 
     sudo python3 bench/alternatives.py [--rate 500mbit] [--memory 1280M] [--fill 1G]
 """
@@ -76,31 +82,44 @@ class Recovery:
     or Ferry handed to a socket) → time from the cut until it carries ≥ 90% of
     its link rate over 300 ms."""
 
-    def __init__(self, link, host, nic):
-        self.link, self.host, self.nic = link, host, nic
+    def __init__(self, link, host, nic, cut_nic=None):
+        self.link, self.host, self.nic, self.cut_nic = link, host, nic, cut_nic
         self.samples, self.cut_at, self.back = [], None, None
+        self.restored_at, self.rejoined, self.cut_samples = None, None, []
 
     def add(self):
         t = time.time()
-        if self.cut_at is None or self.back is not None:
-            return
-        b = nic_tx(self.host, self.nic)
-        self.samples.append((t, b))
-        old = [s for s in self.samples if s[0] <= t - 0.3]
-        if old and old[-1][0] >= self.cut_at:
-            t0, b0 = old[-1]
-            if (b - b0) * 8 / (t - t0) >= 0.9 * self.link:
-                self.back = t0 - self.cut_at
+        if self.cut_at is not None and self.back is None:
+            b = nic_tx(self.host, self.nic)
+            self.samples.append((t, b))
+            old = [s for s in self.samples if s[0] <= t - 0.3]
+            if old and old[-1][0] >= self.cut_at:
+                t0, b0 = old[-1]
+                if (b - b0) * 8 / (t - t0) >= 0.9 * self.link:
+                    self.back = t0 - self.cut_at
+        if self.restored_at is not None and self.rejoined is None and self.cut_nic:
+            b = nic_tx(self.host, self.cut_nic)
+            self.cut_samples.append((t, b))
+            old = [s for s in self.cut_samples if s[0] <= t - 0.3]
+            if old and old[-1][0] >= self.restored_at:
+                t0, b0 = old[-1]
+                if (b - b0) * 8 / (t - t0) >= 0.5 * self.link:
+                    self.rejoined = t0 - self.restored_at
+
+    def restore_due(self, after):
+        """The cut NIC should come back now (once, `after` seconds after the cut)."""
+        return (after is not None and self.cut_at is not None and self.restored_at is None
+                and time.time() - self.cut_at >= after)
 
 
 def cut(host, down, nic="nic2"):
     ferry("lab", "link", host, nic, "down" if down else "up")
 
 
-def ferry_move(vm, to, cut_bytes, link):
+def ferry_move(vm, to, cut_bytes, link, option="multichannel", restore_after=None):
     frm = "host1" if to == "host2" else "host2"
-    cpu, rec = Cpu(), Recovery(link, frm, "nic1")
-    p = subprocess.Popen([FERRY, "vm", "move", vm, "--to", to, "--option", "multichannel", "--json"],
+    cpu, rec = Cpu(), Recovery(link, frm, "nic1", "nic2")
+    p = subprocess.Popen([FERRY, "vm", "move", vm, "--to", to, "--option", option, "--json"],
                          stdout=subprocess.PIPE, text=True)
     last = None
     for line in p.stdout:
@@ -111,8 +130,11 @@ def ferry_move(vm, to, cut_bytes, link):
             if cut_bytes and rec.cut_at is None and last["transferred"] >= cut_bytes:
                 cut(frm, True)
                 rec.cut_at = time.time()
+            if rec.restore_due(restore_after):
+                cut(frm, False)
+                rec.restored_at = time.time()
     p.wait()
-    if cut_bytes:
+    if cut_bytes and rec.restored_at is None:
         cut(frm, False)
     done = last["event"] == "completed" and last["check"]["intact"]
     secs = last.get("transfer_ms", 0) / 1000
@@ -121,15 +143,16 @@ def ferry_move(vm, to, cut_bytes, link):
     rep = last.get("cpu", {})
     used = rep["source_s"] + rep["target_s"] if rep.get("target_s") is not None else cpu.total()
     return {"done": done, "secs": secs, "bytes": last.get("bytes_transferred", 0), "cpu": used,
-            "back": rec.back, "how": "completed, intact" if done else last.get("error", last)}
+            "back": rec.back, "rejoined": rec.rejoined, "restored": rec.restored_at is not None,
+            "how": "completed, intact" if done else last.get("error", last)}
 
 
-def direct_move(img, src, frm, to, kind, a, cut_bytes, link):
+def direct_move(img, src, frm, to, kind, a, cut_bytes, link, restore_after=None):
     """Migrates `src` (QEMU on `frm`) to a new QEMU on `to`; returns (new src, result)."""
     d = f"/run/ferry/bench/{to}"
     subprocess.run(["rm", "-rf", d])
     cut_nic = "nic1" if kind == "tcp" else "nic2"
-    cpu, rec = Cpu(), Recovery(link, frm, "nic2" if cut_nic == "nic1" else "nic1")
+    cpu, rec = Cpu(), Recovery(link, frm, "nic2" if cut_nic == "nic1" else "nic1", cut_nic)
     dp, dq = qemu(to, d, img, size(a.memory), size(a.fill), size(a.dirty_rate), True)
     sp, sq = src
     caps = [{"capability": "multifd", "state": kind != "tcp"}]
@@ -161,6 +184,9 @@ def direct_move(img, src, frm, to, kind, a, cut_bytes, link):
             if cut_bytes and rec.cut_at is None and ram["transferred"] >= cut_bytes:
                 cut(frm, True, cut_nic)
                 rec.cut_at = now
+            if rec.restore_due(restore_after):
+                cut(frm, False, cut_nic)
+                rec.restored_at = time.time()
         if info.get("status") in ("completed", "failed", "cancelled"):
             break
         if now - moved_at > a.stall:
@@ -174,10 +200,11 @@ def direct_move(img, src, frm, to, kind, a, cut_bytes, link):
         used = cpu.total()
         sq.cmd("quit")
         sp.wait()
-        if cut_bytes:
+        if cut_bytes and rec.restored_at is None:
             cut(frm, False, cut_nic)
         return (dp, dq), {"done": True, "secs": secs, "bytes": info["ram"]["transferred"], "cpu": used,
-                          "back": rec.back, "how": "completed"}
+                          "back": rec.back, "rejoined": rec.rejoined, "restored": rec.restored_at is not None,
+                          "how": "completed"}
     # failed or stalled: cancel (bounded), then start over from a fresh source guest
     if how is None:
         how = f"QEMU: {info.get('status')} {info.get('error-desc', '')}".strip()
@@ -195,10 +222,10 @@ def direct_move(img, src, frm, to, kind, a, cut_bytes, link):
     for p in (sp, dp):
         p.kill()
         p.wait()
-    if cut_bytes:
+    if cut_bytes and rec.restored_at is None:
         cut(frm, False, cut_nic)
     return None, {"done": False, "secs": time.time() - t0, "bytes": 0, "cpu": cpu.total(), "back": rec.back,
-                  "how": how}
+                  "rejoined": rec.rejoined, "restored": rec.restored_at is not None, "how": how}
 
 
 def fresh_source(img, a, at):
@@ -217,6 +244,8 @@ def main():
     ap.add_argument("--fill", default="1G")
     ap.add_argument("--dirty-rate", default="8M")
     ap.add_argument("--stall", type=float, default=20.0)
+    ap.add_argument("--restore-after", type=float, default=3.0,
+                    help="restore the cut NIC this many seconds after the cut, mid-move")
     a = ap.parse_args()
     link = rate(a.rate)
     cut_bytes = int(size(a.fill) * 0.4)
@@ -226,8 +255,14 @@ def main():
     # Ferry: there and back, the way back with a cut
     ferry("vm", "create", "alt", "--host", "host1", "--memory", a.memory, "--fill", a.fill,
           "--dirty-rate", a.dirty_rate)
-    rows.append(("ferry multichannel", 2, False, ferry_move("alt", "host2", 0, link)))
-    rows.append(("ferry multichannel", 2, True, ferry_move("alt", "host1", cut_bytes, link)))
+    ra = a.restore_after
+    at = "host1"
+    for option, label in (("multichannel", "ferry multichannel"), ("mptcp", "ferry mptcp")):
+        for how, restore in (("no", None), ("held", None), ("restored", ra)):
+            to = "host2" if at == "host1" else "host1"
+            rows.append((label, 2, how, ferry_move("alt", to, cut_bytes if how != "no" else 0, link, option, restore)))
+            print(label, how, rows[-1][3], file=sys.stderr)
+            at = to
     ferry("vm", "rm", "alt")
     # QEMU by hand over each alternative
     for kind, label, nics in (("tcp", "qemu tcp (one NIC)", 1), ("ecmp", "qemu multifd / ecmp team", 2),
@@ -236,13 +271,14 @@ def main():
         out = ferry("lab", "team", team)
         a.team = dict(l.split(": migrate to ") for l in out.strip().splitlines())
         src, at = fresh_source(img, a, "host1"), "host1"
-        for with_cut in (False, True):
+        runs = [("no", None), ("held", None)] + ([("restored", ra)] if kind == "mptcp" else [])
+        for how, restore in runs:
             if src is None:
                 src, at = fresh_source(img, a, "host1"), "host1"
             to = "host2" if at == "host1" else "host1"
-            src, r = direct_move(img, src, at, to, kind, a, cut_bytes if with_cut else 0, link)
-            rows.append((label, nics, with_cut, r))
-            print(label, "cut" if with_cut else "", r, file=sys.stderr)
+            src, r = direct_move(img, src, at, to, kind, a, cut_bytes if how != "no" else 0, link, restore)
+            rows.append((label, nics, how, r))
+            print(label, how, r, file=sys.stderr)
             at = to
             time.sleep(2)
         if src is not None:
@@ -250,14 +286,23 @@ def main():
             src[0].wait()
     ferry("lab", "team", "none")
     ferry("lab", "down")
-    print(f"| path | NIC cut at 40% | outcome | transfer s | MiB | Mbit/s | ÷ (2 × {a.rate}) | CPU s/GiB (QEMU + agents, both hosts) | cut → ≥ 90% of one link, s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for label, nics, with_cut, r in rows:
+    print(f"| path | NIC cut at 40% | outcome | transfer s | MiB | Mbit/s | ÷ (2 × {a.rate}) | CPU s/GiB (QEMU + agents, both hosts) | cut → ≥ 90% of one link, s | restored after {ra:.0f} s → ≥ 50% of its link, s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for label, nics, how, r in rows:
+        with_cut = how != "no"
         gib = r["bytes"] / 2**30
         mbit = r["bytes"] * 8 / r["secs"] / 1e6 if r["done"] else 0
         back = f"{r['back']:.2f}" if r["back"] is not None else ("—" if not with_cut else "never")
-        print(f"| {label} | {('nic1' if label.startswith('qemu tcp') else 'nic2') if with_cut else 'no'} | {r['how']} | {r['secs']:.2f} | {r['bytes'] / 2**20:.0f} | "
-              f"{mbit:.0f} | {mbit * 1e6 / (2 * link):.3f} | {r['cpu'] / gib if gib else float('nan'):.2f} | {back} |")
+        if how != "restored":
+            rejoin = "—"
+        elif r["rejoined"] is not None:
+            rejoin = f"{r['rejoined']:.2f}"
+        else:
+            rejoin = "never" if r["restored"] else "move ended first"
+        nic = "nic1" if label.startswith("qemu tcp") else "nic2"
+        cut_col = {"no": "no", "held": f"{nic}, held", "restored": f"{nic}, back after {ra:.0f} s"}[how]
+        print(f"| {label} | {cut_col} | {r['how']} | {r['secs']:.2f} | {r['bytes'] / 2**20:.0f} | "
+              f"{mbit:.0f} | {mbit * 1e6 / (2 * link):.3f} | {r['cpu'] / gib if gib else float('nan'):.2f} | {back} | {rejoin} |")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,8 @@ struct CpuIdle {
     last: Mutex<(Instant, u64, u64, f64)>,
 }
 
-fn read_stat() -> Option<(u64, u64)> {
+/// `(idle, total)` CPU time of all CPUs since boot, in clock ticks (`/proc/stat`).
+pub fn cpu_times() -> Option<(u64, u64)> {
     let s = std::fs::read_to_string("/proc/stat").ok()?;
     let line = s.lines().next()?;
     let v: Vec<u64> = line
@@ -77,7 +78,7 @@ fn read_stat() -> Option<(u64, u64)> {
 
 impl CpuIdle {
     fn new() -> CpuIdle {
-        let (i, t) = read_stat().unwrap_or((0, 0));
+        let (i, t) = cpu_times().unwrap_or((0, 0));
         CpuIdle {
             last: Mutex::new((Instant::now(), i, t, 0.0)),
         }
@@ -86,7 +87,7 @@ impl CpuIdle {
     fn idle(&self) -> f64 {
         let mut l = self.last.lock().unwrap_or_else(|p| p.into_inner());
         if l.0.elapsed() >= Duration::from_millis(250) {
-            if let Some((i, t)) = read_stat() {
+            if let Some((i, t)) = cpu_times() {
                 let (di, dt) = (i.saturating_sub(l.1), t.saturating_sub(l.2));
                 let frac = if dt == 0 { l.3 } else { di as f64 / dt as f64 };
                 *l = (Instant::now(), i, t, frac);

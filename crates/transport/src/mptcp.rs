@@ -9,7 +9,8 @@
 //! cluster credential. After that it carries the stream's bytes as they are,
 //! in both directions. They move between QEMU's unix socket and the MPTCP
 //! socket by splice(2) through a pipe, so the agent never copies payload
-//! through user space. Pipe pages go to the socket by reference.
+//! through user space (MPTCP's send path still copies into its own pages;
+//! what splicing saves is measured in `examples/splice_gain.rs`).
 //!
 //! The kernel spreads each connection over one subflow per NIC, moves a dead
 //! subflow's data to the others, and checks it with TCP's checksums. It does
@@ -71,6 +72,23 @@ const MAX_SUBFLOWS: usize = 16;
 /// Bytes moved per splice call.
 const CHUNK: usize = 1 << 20;
 
+/// Which directions of a stream splice (bit 0: toward the network, bit 1:
+/// from it); the others copy through user space. See [`set_splice`].
+static SPLICE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(SPLICE_DEFAULT);
+const SPLICE_TO_NET: u8 = 1;
+const SPLICE_FROM_NET: u8 = 2;
+const SPLICE_DEFAULT: u8 = SPLICE_TO_NET | SPLICE_FROM_NET;
+
+/// Sets which directions of every stream of this process splice:
+/// `(toward the network, from the network)`; both by default. Splicing
+/// spares the agent's copy through user space, but MPTCP's send path still
+/// copies what it is handed into its own pages, so the saving is small:
+/// `examples/splice_gain.rs` measures each combination (BENCHMARKS.md).
+pub fn set_splice(to_net: bool, from_net: bool) {
+    let v = if to_net { SPLICE_TO_NET } else { 0 } | if from_net { SPLICE_FROM_NET } else { 0 };
+    SPLICE.store(v, Ordering::Relaxed);
+}
+
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TransportError {
     let what = what.into();
     move |source| TransportError::Io { what, source }
@@ -93,6 +111,11 @@ fn mptcp_socket() -> std::io::Result<Socket> {
             e
         }
     })
+}
+
+/// This kernel takes MPTCP sockets.
+pub fn available() -> bool {
+    mptcp_socket().is_ok()
 }
 
 /// One subflow of a connection, as the kernel reports it.
@@ -290,11 +313,17 @@ struct Flow {
 /// Moves bytes from `from` to `to` until `from` ends, then ends `to`'s
 /// sending side. Splices through a pipe; copies only where a kernel refuses
 /// to splice these sockets.
-fn pump(from: RawFd, to: RawFd, flow: &Flow, epoch: Instant) -> std::io::Result<()> {
+fn pump(
+    from: RawFd,
+    to: RawFd,
+    flow: &Flow,
+    epoch: Instant,
+    splice_it: bool,
+) -> std::io::Result<()> {
     let ms = || epoch.elapsed().as_millis() as u64 + 1;
     let (pr, pw) = pipe()?;
-    let mut copy = false;
-    let mut buf: Vec<u8> = Vec::new();
+    let mut copy = !splice_it;
+    let mut buf: Vec<u8> = vec![0u8; if copy { 256 << 10 } else { 0 }];
     loop {
         let n = if copy {
             // SAFETY: buf is valid for its length.
@@ -605,8 +634,14 @@ impl Spliced {
         ] {
             let me = self.clone();
             let keep = (s.net.clone(), s.local.clone(), s.open.clone());
+            let bit = if toward {
+                SPLICE_TO_NET
+            } else {
+                SPLICE_FROM_NET
+            };
+            let splice_it = SPLICE.load(Ordering::Relaxed) & bit != 0;
             std::thread::spawn(move || {
-                let r = pump(from, to, &flow, epoch);
+                let r = pump(from, to, &flow, epoch, splice_it);
                 if let Err(e) = r {
                     if !me.inner.closed.load(Ordering::Relaxed) {
                         let dir = if toward { "sending" } else { "receiving" };
@@ -698,7 +733,9 @@ impl Spliced {
         let gone: Vec<SubflowKey> = last.keys().filter(|k| !live.contains(k)).cloned().collect();
         for k in gone {
             last.remove(&k);
-            if let Some((nic, _)) = nic_of(k.1.ip()) {
+            // a subflow of a stream that ended closed with it, not failed
+            let open = flows.iter().any(|(i, _)| *i == k.0);
+            if let Some((nic, _)) = nic_of(k.1.ip()).filter(|_| open) {
                 per_nic.entry(nic.clone()).or_default().2 += 1;
             }
         }
@@ -712,11 +749,15 @@ impl Spliced {
                 CarrierStats {
                     index: i as u8,
                     nic: nic.clone(),
+                    // with every stream ended, a NIC that carried some is up while its link is
                     up: link_up(nic)
-                        && !flows.is_empty()
-                        && flows
-                            .iter()
-                            .all(|(_, sfs)| sfs.iter().any(|sf| sf.local.ip() == *addr)),
+                        && if flows.is_empty() {
+                            connects > 0
+                        } else {
+                            flows
+                                .iter()
+                                .all(|(_, sfs)| sfs.iter().any(|sf| sf.local.ip() == *addr))
+                        },
                     tx_bytes: tx,
                     connects,
                     failures,
