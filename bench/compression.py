@@ -7,9 +7,10 @@ pattern LZ4 shrinks ~7x, else every word differs), moved to host2 with each opti
 (tcp first, then compression, then back is not needed: a new guest per move). Links: a
 3-host × 2-NIC lab at each --rates value ("10gbit" is in effect unshaped: the two cores are
 the limit). Reported: transfer time (QEMU's first byte to the target running), compression
-÷ tcp, and the compression ratio the transport reports.
+÷ tcp, the compression ratio the transport reports, and CPU-seconds per GiB (the move
+report's `cpu`: both QEMUs and both agents).
 
-    sudo python3 bench/compression.py [--memory 1G] [--fill 900M] [--rates 200mbit,10gbit]
+    sudo python3 bench/compression.py [--memory 1280M] [--fill 1G] [--rates 200mbit,10gbit]
 """
 import argparse, json, os, subprocess, sys
 
@@ -41,8 +42,8 @@ def move(name, option, compressible, a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--memory", default="1G")
-    ap.add_argument("--fill", default="900M")
+    ap.add_argument("--memory", default="1280M")
+    ap.add_argument("--fill", default="1G")
     ap.add_argument("--rates", default="200mbit,10gbit")
     a = ap.parse_args()
     rows = []
@@ -52,15 +53,16 @@ def main():
             t = move("cb-tcp", "tcp", compressible, a)
             c = move("cb-lz4", "compression", compressible, a)
             row = (rate, "compressible" if compressible else "random", t["transfer_ms"] / 1000,
-                   c["transfer_ms"] / 1000, c["compression_ratio"], c["frames_compressed"])
+                   c["transfer_ms"] / 1000, c["compression_ratio"], c["frames_compressed"],
+                   t["cpu"]["per_gib_s"], c["cpu"]["per_gib_s"])
             print(f"{row[0]} {row[1]}: tcp {row[2]:.1f} s, compression {row[3]:.1f} s "
                   f"({row[3] / row[2]:.2f}), ratio {row[4]:.2f}", file=sys.stderr)
             rows.append(row)
     ferry("lab", "down")
-    print("| link | memory | tcp s | compression s | compression ÷ tcp | bytes ratio | frames compressed |")
-    print("|---|---|---|---|---|---|---|")
-    for rate, mem, ts, cs, ratio, frames in rows:
-        print(f"| {rate} | {mem} | {ts:.1f} | {cs:.1f} | {cs / ts:.2f} | {ratio:.2f} | {frames} |")
+    print("| link | memory | tcp s | compression s | compression ÷ tcp | bytes ratio | frames compressed | CPU s/GiB tcp | CPU s/GiB compression |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rate, mem, ts, cs, ratio, frames, tcpu, ccpu in rows:
+        print(f"| {rate} | {mem} | {ts:.1f} | {cs:.1f} | {cs / ts:.2f} | {ratio:.2f} | {frames} | {tcpu:.2f} | {ccpu:.2f} |")
 
 
 if __name__ == "__main__":

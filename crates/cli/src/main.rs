@@ -117,6 +117,18 @@ impl Cli {
     }
 }
 
+/// Migration frames are buffers of up to 256 KiB, allocated and freed by the
+/// thousand per second. Above glibc's default threshold each would be its own
+/// mmap, faulted in page by page and unmapped again; a fixed threshold of
+/// 4 MiB keeps them on the heap, and a high trim threshold keeps the heap.
+fn keep_frame_buffers_on_the_heap() {
+    // SAFETY: mallopt only sets allocator parameters; called before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 4 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 64 << 20);
+    }
+}
+
 fn main() {
     let cli = Cli::parse();
     let daemon = matches!(
@@ -131,6 +143,9 @@ fn main() {
         .with_ansi(false)
         .with_writer(std::io::stderr)
         .init();
+    if daemon {
+        keep_frame_buffers_on_the_heap();
+    }
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpSocket, TcpStream, UnixListener, UnixStream};
@@ -736,13 +736,22 @@ impl Session {
                 Ok(h) => h,
                 Err(e) => return format!("protocol: {e}"),
             };
-            let mut payload = BytesMut::zeroed(h.len as usize);
-            if h.len > 0 {
-                match tokio::time::timeout(DEAD_AFTER * 4, r.read_exact(&mut payload)).await {
-                    Err(_) => return "stalled inside a frame".into(),
-                    Ok(Err(e)) => return format!("read: {e}"),
-                    Ok(Ok(_)) => {}
+            // filled straight from the socket, never zeroed first
+            let len = h.len as usize;
+            let mut payload = BytesMut::with_capacity(len);
+            let read_all = async {
+                while payload.len() < len {
+                    let want = len - payload.len();
+                    if r.read_buf(&mut (&mut payload).limit(want)).await? == 0 {
+                        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+                    }
                 }
+                Ok(())
+            };
+            match tokio::time::timeout(DEAD_AFTER * 4, read_all).await {
+                Err(_) => return "stalled inside a frame".into(),
+                Ok(Err(e)) => return format!("read: {e}"),
+                Ok(Ok(())) => {}
             }
             if let Err(e) = check_crc(&head, &payload) {
                 return format!("protocol: {e}");
