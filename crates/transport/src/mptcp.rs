@@ -232,12 +232,21 @@ pub fn prepare_host(nics: &[(String, IpAddr)]) -> Result<(), String> {
     ])?;
     let have = endpoints()?;
     for (nic, addr) in nics {
-        let a = addr.to_string();
-        if !have.iter().any(|(_, x)| *x == a) {
-            ip(&["mptcp", "endpoint", "add", &a, "dev", nic, "signal"])?;
+        if !have.iter().any(|(_, x)| *x == addr.to_string()) {
+            add_endpoint(nic, *addr)?;
         }
     }
     Ok(())
+}
+
+/// Adds a `signal` endpoint; one that another migration added meanwhile is fine.
+fn add_endpoint(nic: &str, addr: IpAddr) -> Result<(), String> {
+    let a = addr.to_string();
+    match ip(&["mptcp", "endpoint", "add", &a, "dev", nic, "signal"]) {
+        Ok(_) => Ok(()),
+        Err(_) if endpoints()?.iter().any(|(_, x)| *x == a) => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 /// Announces `addr` (on `nic`) again to every MPTCP peer of this host:
@@ -246,9 +255,10 @@ pub fn prepare_host(nics: &[(String, IpAddr)]) -> Result<(), String> {
 pub fn announce(nic: &str, addr: IpAddr) -> Result<(), String> {
     let a = addr.to_string();
     if let Some((id, _)) = endpoints()?.into_iter().find(|(_, x)| *x == a) {
-        ip(&["mptcp", "endpoint", "delete", "id", &id])?;
+        // gone already if another migration is announcing it too
+        let _ = ip(&["mptcp", "endpoint", "delete", "id", &id]);
     }
-    ip(&["mptcp", "endpoint", "add", &a, "dev", nic, "signal"]).map(|_| ())
+    add_endpoint(nic, addr)
 }
 
 fn link_up(nic: &str) -> bool {
