@@ -67,6 +67,8 @@ const SUBFLOW_ADDRS_LEN: usize = 256;
 /// `struct tcp_info` up to and including `tcpi_bytes_acked`.
 const TCP_INFO_LEN: usize = 128;
 const TCP_INFO_BYTES_ACKED: usize = 120;
+const TCP_INFO_UNACKED: usize = 24;
+const TCP_INFO_LAST_ACK_RECV: usize = 56;
 /// Subflows read per connection.
 const MAX_SUBFLOWS: usize = 16;
 /// Bytes moved per splice call.
@@ -125,6 +127,19 @@ pub struct Subflow {
     pub remote: SocketAddr,
     /// Bytes the peer acknowledged on this subflow.
     pub bytes_acked: u64,
+    /// Segments sent and not yet acknowledged, and ms since the last ACK
+    /// arrived: both large means the path is dead (an idle subflow has
+    /// nothing unacknowledged).
+    pub unacked: u32,
+    pub last_ack_ms: u32,
+}
+
+impl Subflow {
+    /// Waiting on an ACK for [`SILENT_AFTER`] or more: its path is down,
+    /// wherever it was cut.
+    pub fn stalled(&self) -> bool {
+        self.unacked > 0 && self.last_ack_ms as u128 >= SILENT_AFTER.as_millis()
+    }
 }
 
 fn sockaddr_v4(b: &[u8]) -> Option<SocketAddr> {
@@ -171,16 +186,23 @@ pub fn subflows(fd: RawFd) -> std::io::Result<Vec<Subflow>> {
         };
         // the two reads walk the same list; a subflow added in between leaves
         // the counts unequal, and the bytes are then left out of this reading
-        let bytes_acked = if infos.len() / i_stride.max(1) == n {
-            let b = &infos[i * i_stride + TCP_INFO_BYTES_ACKED..][..8];
-            u64::from_ne_bytes(b.try_into().unwrap_or_default())
-        } else {
-            0
+        let info = (infos.len() / i_stride.max(1) == n).then(|| &infos[i * i_stride..]);
+        let u32_at = |off: usize| {
+            info.map(|b| u32::from_ne_bytes(b[off..off + 4].try_into().unwrap_or_default()))
+                .unwrap_or(0)
         };
+        let bytes_acked = info
+            .map(|b| {
+                let v = &b[TCP_INFO_BYTES_ACKED..TCP_INFO_BYTES_ACKED + 8];
+                u64::from_ne_bytes(v.try_into().unwrap_or_default())
+            })
+            .unwrap_or(0);
         out.push(Subflow {
             local,
             remote,
             bytes_acked,
+            unacked: u32_at(TCP_INFO_UNACKED),
+            last_ack_ms: u32_at(TCP_INFO_LAST_ACK_RECV),
         });
     }
     Ok(out)
@@ -389,8 +411,21 @@ struct Stream {
 /// What the session keeps of one subflow it has seen: bytes acknowledged at the last reading.
 type SubflowKey = (u16, SocketAddr, SocketAddr);
 
-/// Per NIC: bytes its subflows carried, subflows it has had, subflows that closed.
-type NicTotals = BTreeMap<String, (u64, u64, u64)>;
+/// What one NIC's subflows did, summed over the session's streams.
+#[derive(Default, Clone, Copy)]
+struct NicTotal {
+    /// Bytes the peer acknowledged.
+    bytes: u64,
+    /// Subflows it has had, and those that closed while their stream went on.
+    connects: u64,
+    failures: u64,
+}
+
+type NicTotals = BTreeMap<String, NicTotal>;
+
+/// A subflow waiting this long for an ACK with data outstanding counts as
+/// down (its path may be cut further on, where this host cannot see it).
+pub const SILENT_AFTER: Duration = Duration::from_secs(1);
 
 #[derive(Default)]
 struct NicWatch {
@@ -718,8 +753,9 @@ impl Spliced {
     }
 
     /// Carriers as the framed kind reports them, one per NIC: `up` when its
-    /// link is up and it carries a subflow of every open stream; bytes the
-    /// peer acknowledged on its subflows; `connects` subflows it has had.
+    /// link is up and it carries a subflow of every open stream that is not
+    /// stalled ([`Subflow::stalled`]); bytes the peer acknowledged on its
+    /// subflows; `connects` subflows it has had.
     pub fn stats(&self) -> SessionStats {
         let flows = self.subflows();
         let mut seen = lock(&self.inner.seen);
@@ -733,9 +769,9 @@ impl Spliced {
                 let before = last.insert(key, sf.bytes_acked);
                 if let Some((nic, _)) = nic_of(sf.local.ip()) {
                     let e = per_nic.entry(nic.clone()).or_default();
-                    e.0 += sf.bytes_acked.saturating_sub(before.unwrap_or(0));
+                    e.bytes += sf.bytes_acked.saturating_sub(before.unwrap_or(0));
                     if before.is_none() {
-                        e.1 += 1;
+                        e.connects += 1;
                     }
                 }
             }
@@ -746,7 +782,7 @@ impl Spliced {
             // a subflow of a stream that ended closed with it, not failed
             let open = flows.iter().any(|(i, _)| *i == k.0);
             if let Some((nic, _)) = nic_of(k.1.ip()).filter(|_| open) {
-                per_nic.entry(nic.clone()).or_default().2 += 1;
+                per_nic.entry(nic.clone()).or_default().failures += 1;
             }
         }
         let carriers: Vec<CarrierStats> = self
@@ -755,22 +791,22 @@ impl Spliced {
             .iter()
             .enumerate()
             .map(|(i, (nic, addr))| {
-                let (tx, connects, failures) = per_nic.get(nic).copied().unwrap_or_default();
+                let t = per_nic.get(nic).copied().unwrap_or_default();
                 CarrierStats {
                     index: i as u8,
                     nic: nic.clone(),
                     // with every stream ended, a NIC that carried some is up while its link is
                     up: link_up(nic)
                         && if flows.is_empty() {
-                            connects > 0
+                            t.connects > 0
                         } else {
-                            flows
-                                .iter()
-                                .all(|(_, sfs)| sfs.iter().any(|sf| sf.local.ip() == *addr))
+                            flows.iter().all(|(_, sfs)| {
+                                sfs.iter().any(|sf| sf.local.ip() == *addr && !sf.stalled())
+                            })
                         },
-                    tx_bytes: tx,
-                    connects,
-                    failures,
+                    tx_bytes: t.bytes,
+                    connects: t.connects,
+                    failures: t.failures,
                     ..Default::default()
                 }
             })
@@ -978,11 +1014,36 @@ mod tests {
         c.write_all(&[1u8; 100_000]).unwrap();
         let mut got = vec![0u8; 100_000];
         a.read_exact(&mut got).unwrap();
-        let sfs = subflows(c.as_raw_fd()).unwrap();
+        // the last ACK may still be on its way (delayed ACKs)
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut sfs = subflows(c.as_raw_fd()).unwrap();
+        while sfs.iter().any(|s| s.unacked > 0) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            sfs = subflows(c.as_raw_fd()).unwrap();
+        }
         assert_eq!(sfs.len(), 1, "{sfs:?}");
         assert_eq!(sfs[0].remote, addr);
         assert_eq!(sfs[0].local, c.local_addr().unwrap());
         assert!(sfs[0].bytes_acked >= 100_000, "{sfs:?}");
+        // everything acknowledged: nothing outstanding, so not stalled
+        assert_eq!(sfs[0].unacked, 0, "{sfs:?}");
+        assert!(!sfs[0].stalled(), "{sfs:?}");
+    }
+
+    #[test]
+    fn a_subflow_waiting_on_an_ack_with_data_out_is_stalled() {
+        let sf = |unacked, last_ack_ms| Subflow {
+            local: "198.18.2.11:40000".parse().unwrap(),
+            remote: "198.18.2.12:7500".parse().unwrap(),
+            bytes_acked: 1,
+            unacked,
+            last_ack_ms,
+        };
+        assert!(sf(10, 1500).stalled());
+        // idle: nothing outstanding, however long ago the last ACK came
+        assert!(!sf(0, 60_000).stalled());
+        // data out, ACKs flowing
+        assert!(!sf(40, 3).stalled());
     }
 
     fn tempdir() -> PathBuf {
