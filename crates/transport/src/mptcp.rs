@@ -904,14 +904,27 @@ mod tests {
         (path, rx)
     }
 
-    #[test]
-    fn streams_cross_intact_both_ways_over_loopback() {
+    /// A target session for session `[7; 16]` on loopback, its QEMU stand-in's receiver.
+    fn loopback_target() -> (
+        PathBuf,
+        std::sync::mpsc::Receiver<Vec<u8>>,
+        Spliced,
+        IpAddr,
+        u16,
+    ) {
         need_mptcp();
         let dir = tempdir();
         let (qemu, rx) = fake_qemu(&dir);
         let lo: IpAddr = "127.0.0.1".parse().unwrap();
         let nics = vec![("lo".to_string(), lo)];
-        let (t, port) = Spliced::target([7; 16], &secret(), nics.clone(), qemu).unwrap();
+        let (t, port) = Spliced::target([7; 16], &secret(), nics, qemu).unwrap();
+        (dir, rx, t, lo, port)
+    }
+
+    #[test]
+    fn streams_cross_intact_both_ways_over_loopback() {
+        let (dir, rx, t, lo, port) = loopback_target();
+        let nics = vec![("lo".to_string(), lo)];
         let out = dir.join("out.sock");
         let s = Spliced::source(
             [7; 16],
@@ -959,12 +972,8 @@ mod tests {
 
     #[test]
     fn a_wrong_credential_or_session_is_refused() {
-        need_mptcp();
-        let dir = tempdir();
-        let (qemu, rx) = fake_qemu(&dir);
-        let lo: IpAddr = "127.0.0.1".parse().unwrap();
+        let (dir, rx, t, lo, port) = loopback_target();
         let nics = vec![("lo".to_string(), lo)];
-        let (t, port) = Spliced::target([7; 16], &secret(), nics.clone(), qemu).unwrap();
         for (session, cred, why) in [
             ([7; 16], b"another credential".to_vec(), "credential"),
             ([8; 16], secret(), "session"),
