@@ -191,6 +191,8 @@ pub enum HostCmd {
         #[arg(long, value_delimiter = ',')]
         to: Vec<String>,
         /// Simultaneous migrations: auto or 1..16 (default: the host's setting, auto).
+        /// auto: up to 4 (8 if every step pays), one more at a time while
+        /// it raises the rate, the next starting as one finishes.
         #[arg(long)]
         max_parallel: Option<String>,
         /// Performance option (default: the host's setting, else auto).
@@ -269,7 +271,9 @@ pub fn spec_from_args(
 }
 
 pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
-    let c = cli.client()?;
+    // the credential is read after the arguments are checked, so a bad flag
+    // is named even where no cluster is reachable
+    let client = || cli.client();
     match cmd {
         VmCmd::Create {
             name,
@@ -291,7 +295,7 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
                 *seed,
             )?;
             spec.compressible = *compressible;
-            let vm: VmInfo = c
+            let vm: VmInfo = client()?
                 .post(
                     "/vms",
                     &VmCreateRequest {
@@ -315,7 +319,7 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             Ok(0)
         }
         VmCmd::List { json } => {
-            let vms: Vec<VmInfo> = c.get("/vms", T).await?;
+            let vms: Vec<VmInfo> = client()?.get("/vms", T).await?;
             if *json {
                 print_json(&vms);
             } else {
@@ -337,7 +341,7 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             Ok(0)
         }
         VmCmd::Check { name, json } => {
-            let r: CheckResult = c.get(&format!("/vms/{name}/check"), T).await?;
+            let r: CheckResult = client()?.get(&format!("/vms/{name}/check"), T).await?;
             if *json {
                 print_json(&r);
             } else {
@@ -346,7 +350,7 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             Ok(if r.ok() { 0 } else { 1 })
         }
         VmCmd::Rm { name } => {
-            let _: serde_json::Value = c.delete(&format!("/vms/{name}"), T).await?;
+            let _: serde_json::Value = client()?.delete(&format!("/vms/{name}"), T).await?;
             println!("vm {name} removed");
             Ok(0)
         }
@@ -358,7 +362,8 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             json,
         } => {
             let conv = convergence.choice()?;
-            let outcome = move_vm(&c, name, to, option.map(Into::into), conv, *json).await?;
+            let outcome =
+                move_vm(&client()?, name, to, option.map(Into::into), conv, *json).await?;
             match outcome {
                 Ok(report) => {
                     if !*json {
@@ -565,7 +570,8 @@ pub fn print_report(r: &MigrationReport) {
 }
 
 pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
-    let c = cli.client()?;
+    // as in run_vm: arguments first, then the credential
+    let client = || cli.client();
     match cmd {
         HostCmd::Drain {
             host,
@@ -583,7 +589,7 @@ pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
                 max_parallel,
                 option: option.map(Into::into),
             };
-            let report = drain_host(&c, host, &req, *json).await?;
+            let report = drain_host(&client()?, host, &req, *json).await?;
             Ok(
                 if report.failed.is_empty() && report.unplaceable.is_empty() {
                     0
@@ -593,7 +599,7 @@ pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
             )
         }
         HostCmd::Resume { host } => {
-            let _: serde_json::Value = c
+            let _: serde_json::Value = client()?
                 .post(&format!("/hosts/{host}/resume"), &serde_json::json!({}), T)
                 .await?;
             println!("{host} takes VMs again");
@@ -620,7 +626,7 @@ pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
                 )
                 .into());
             }
-            let r: serde_json::Value = c
+            let r: serde_json::Value = client()?
                 .put(&format!("/hosts/{host}/settings"), &settings, T)
                 .await?;
             println!(
@@ -643,7 +649,9 @@ pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
                 hosts: host.iter().cloned().collect(),
                 throughput_ms: *throughput_ms,
             };
-            let r: ValidationReport = c.post("/validate", &req, Duration::from_secs(300)).await?;
+            let r: ValidationReport = client()?
+                .post("/validate", &req, Duration::from_secs(300))
+                .await?;
             if *json {
                 print_json(&r);
             } else {
@@ -689,7 +697,7 @@ pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
             Ok(if r.failed > 0 { 1 } else { 0 })
         }
         HostCmd::List { json } => {
-            let hosts: Vec<HostEntry> = c.get("/hosts", T).await?;
+            let hosts: Vec<HostEntry> = client()?.get("/hosts", T).await?;
             if *json {
                 print_json(&hosts);
                 return Ok(0);

@@ -117,18 +117,17 @@ impl Running {
 ///
 /// The limit starts at 4. Within it, the number of migrations run at once
 /// climbs like a slow start: one, then one more each time the aggregate rate
-/// of the host's migrations (bytes sent per second, measured over
+/// of the host's migrations — bytes sent per second, measured over
 /// [`AutoLimit::WINDOW`] while every running migration is copying and none
-/// is in its last round), unless the links are already full
-/// ([`AutoLimit::FULL`] of what the drained host's NICs carry) rose ≥ 10%
-/// with the last one added. A step that does not pay means the links (or the
-/// CPUs) were already full, so the tuner holds the concurrency that did and
-/// stops probing: more migrations at once would only share the same rate
-/// and re-send more of the pages their guests dirty meanwhile. When every
-/// step up to the limit paid, the limit itself rises (to 8). Once settled, a
-/// migration in its last round does not count, so the next one starts while
-/// it switches over and is checked, and the links do not fall idle between
-/// moves.
+/// is ending — rose ≥ 10% with the last one added. A level whose rate fills
+/// [`AutoLimit::FULL`] of what the drained host's NICs carry is held without
+/// trying the next; so is the last level that paid, once a step does not:
+/// more migrations at once would only share the same rate and re-send more
+/// of the pages their guests dirty meanwhile. When every step up to the
+/// limit paid, the limit itself rises (to 8). Once settled, a finishing
+/// migration (ending, or its switch-over nearer than [`AutoLimit::lead`])
+/// does not count, so the next one starts while it switches over and is
+/// checked, and the links do not fall idle between moves.
 #[derive(Debug, Clone)]
 pub struct AutoLimit {
     pub limit: u32,
