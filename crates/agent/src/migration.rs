@@ -816,8 +816,10 @@ impl Agent {
             // a lost NIC: tell QEMU the bandwidth it really has now, so the
             // switch-over it plans still fits the downtime target
             if let (Some(up), Some(before)) = (carriers_up, carriers_up_seen) {
-                if up < before && throughput > 0.0 {
-                    let now_bw = (throughput * up as f64 / before as f64) as u64;
+                // the rate over the last 2 s: a cut NIC can stop everything for a moment
+                let rate = path_rate.max(throughput);
+                if up < before && rate > 0.0 {
+                    let now_bw = (rate * up as f64 / before as f64) as u64;
                     let _ = qmp
                         .set_parameters(MigrationParameters {
                             avail_switchover_bandwidth: Some(now_bw.max(1 << 20)),

@@ -69,6 +69,8 @@ const TCP_INFO_LEN: usize = 128;
 const TCP_INFO_BYTES_ACKED: usize = 120;
 const TCP_INFO_UNACKED: usize = 24;
 const TCP_INFO_LAST_ACK_RECV: usize = 56;
+const TCP_INFO_LAST_DATA_SENT: usize = 44;
+const TCP_INFO_LAST_DATA_RECV: usize = 52;
 /// Subflows read per connection.
 const MAX_SUBFLOWS: usize = 16;
 /// Bytes moved per splice call.
@@ -132,6 +134,9 @@ pub struct Subflow {
     /// nothing unacknowledged).
     pub unacked: u32,
     pub last_ack_ms: u32,
+    /// ms since data was last sent and received on it.
+    pub last_sent_ms: u32,
+    pub last_recv_ms: u32,
 }
 
 impl Subflow {
@@ -139,6 +144,13 @@ impl Subflow {
     /// wherever it was cut.
     pub fn stalled(&self) -> bool {
         self.unacked > 0 && self.last_ack_ms as u128 >= SILENT_AFTER.as_millis()
+    }
+
+    /// No data either way for [`SILENT_AFTER`]: how a receiver sees a
+    /// subflow whose sender is waiting out its retransmission timer.
+    pub fn quiet(&self) -> bool {
+        let s = SILENT_AFTER.as_millis();
+        self.last_sent_ms as u128 >= s && self.last_recv_ms as u128 >= s
     }
 }
 
@@ -203,6 +215,8 @@ pub fn subflows(fd: RawFd) -> std::io::Result<Vec<Subflow>> {
             bytes_acked,
             unacked: u32_at(TCP_INFO_UNACKED),
             last_ack_ms: u32_at(TCP_INFO_LAST_ACK_RECV),
+            last_sent_ms: u32_at(TCP_INFO_LAST_DATA_SENT),
+            last_recv_ms: u32_at(TCP_INFO_LAST_DATA_RECV),
         });
     }
     Ok(out)
@@ -431,6 +445,8 @@ pub const SILENT_AFTER: Duration = Duration::from_secs(1);
 struct NicWatch {
     /// When this NIC was first seen up without a subflow on some stream.
     lacking_since: Option<Instant>,
+    /// Its link went down since it last carried normally.
+    was_down: bool,
     last_rejoin: Option<Instant>,
     rejoins: u64,
 }
@@ -597,6 +613,22 @@ impl Spliced {
         })?;
         let sock = Arc::new(sock);
         *lock(&s.inner.listener) = Some(sock.clone());
+        // this host's own NICs: one whose link came back while a subflow
+        // on it still waits is announced again from here
+        let me = s.clone();
+        std::thread::spawn(move || {
+            while !me.inner.closed.load(Ordering::Relaxed) {
+                for nic in me.rejoins_due(false) {
+                    if let Some((_, addr)) = me.inner.nics.iter().find(|(n, _)| *n == nic) {
+                        match announce(&nic, *addr) {
+                            Ok(()) => tracing::info!(%nic, "address announced again for a re-join"),
+                            Err(e) => tracing::warn!(%nic, error = %e, "re-announcing failed"),
+                        }
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(250));
+            }
+        });
         let me = s.clone();
         std::thread::spawn(move || loop {
             let (conn, peer) = match sock.accept() {
@@ -832,23 +864,43 @@ impl Spliced {
         })
     }
 
-    /// NICs of this host whose link is up but that have carried no subflow
-    /// of some open stream for [`REJOIN_AFTER`], at most once per NIC per
-    /// [`REJOIN_EVERY`]: the peer should announce its address on their fabric
-    /// again ([`announce`]).
+    /// NICs of this host to re-join, at most once per NIC per
+    /// [`REJOIN_EVERY`]: for [`REJOIN_AFTER`], its link is up and either
+    /// some open stream has no subflow on it, or its link went down and came
+    /// back and a subflow on it still waits on an ACK or has been quiet both
+    /// ways (the sender's retransmission timer may have backed off for seconds). The address on
+    /// that fabric should be announced again ([`announce`]: by the target
+    /// itself, or by the target at the source's request).
     pub fn due_rejoins(&self) -> Vec<String> {
+        self.rejoins_due(true)
+    }
+
+    /// [`Spliced::due_rejoins`]; with `missing` false, only NICs whose own
+    /// link flapped (the target's keeper: a subflow its peer lacks is the
+    /// peer's to ask for, and its link may be what is down).
+    fn rejoins_due(&self, missing: bool) -> Vec<String> {
         let flows = self.subflows();
         let now = Instant::now();
         let mut watch = lock(&self.inner.watch);
         let mut due = Vec::new();
         for (nic, addr) in &self.inner.nics {
             let w = watch.entry(nic.clone()).or_default();
-            let lacking = link_up(nic)
-                && flows
-                    .iter()
-                    .any(|(_, sfs)| !sfs.iter().any(|sf| sf.local.ip() == *addr));
-            if !lacking {
+            let up = link_up(nic);
+            w.was_down |= !up;
+            let on_nic = |sfs: &Vec<Subflow>| {
+                let mine: Vec<&Subflow> = sfs.iter().filter(|sf| sf.local.ip() == *addr).collect();
+                (
+                    mine.is_empty(),
+                    mine.iter().any(|sf| sf.stalled() || sf.quiet()),
+                )
+            };
+            let lacks = missing && flows.iter().any(|(_, sfs)| on_nic(sfs).0);
+            let stalled = flows.iter().any(|(_, sfs)| on_nic(sfs).1);
+            if !rejoin_wanted(up, w.was_down, lacks, stalled) {
                 w.lacking_since = None;
+                if up && !flows.is_empty() {
+                    w.was_down = false;
+                }
                 continue;
             }
             let since = *w.lacking_since.get_or_insert(now);
@@ -861,6 +913,13 @@ impl Spliced {
         }
         due
     }
+}
+
+/// Whether a NIC should be re-joined: its link is up and a stream lacks a
+/// subflow on it, or its own link flapped and a subflow on it still waits.
+/// A subflow stalled by a cut elsewhere is left to the host whose link it is.
+fn rejoin_wanted(link_up: bool, was_down: bool, lacks: bool, stalled: bool) -> bool {
+    link_up && (lacks || (was_down && stalled))
 }
 
 fn shut(s: &Stream) {
@@ -1047,12 +1106,39 @@ mod tests {
             bytes_acked: 1,
             unacked,
             last_ack_ms,
+            last_sent_ms: 0,
+            last_recv_ms: 0,
         };
         assert!(sf(10, 1500).stalled());
         // idle: nothing outstanding, however long ago the last ACK came
         assert!(!sf(0, 60_000).stalled());
         // data out, ACKs flowing
         assert!(!sf(40, 3).stalled());
+        let quiet = Subflow {
+            last_sent_ms: 1200,
+            last_recv_ms: 1500,
+            ..sf(0, 1500)
+        };
+        assert!(quiet.quiet() && !quiet.stalled());
+        assert!(!Subflow {
+            last_recv_ms: 10,
+            ..quiet.clone()
+        }
+        .quiet());
+    }
+
+    #[test]
+    fn rejoins_cover_missing_subflows_and_a_flapped_own_link_only() {
+        // a stream lacks a subflow on a NIC that is up
+        assert!(rejoin_wanted(true, false, true, false));
+        // this host's link went down and came back, a subflow still waits
+        assert!(rejoin_wanted(true, true, false, true));
+        // stalled by a cut elsewhere: the other host's business
+        assert!(!rejoin_wanted(true, false, false, true));
+        // link down: nothing to join over
+        assert!(!rejoin_wanted(false, true, true, true));
+        // back and carrying
+        assert!(!rejoin_wanted(true, true, false, false));
     }
 
     fn tempdir() -> PathBuf {
