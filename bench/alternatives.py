@@ -87,24 +87,28 @@ class Recovery:
         self.samples, self.cut_at, self.back = [], None, None
         self.restored_at, self.rejoined, self.cut_samples = None, None, []
 
-    def add(self):
+    def _reached(self, samples, nic, since, share):
+        """Adds a sample of `nic`'s transmit counter; the start of the first
+        300 ms window after `since` carrying ≥ `share` of the link, or None."""
         t = time.time()
+        b = nic_tx(self.host, nic)
+        samples.append((t, b))
+        old = [s for s in samples if s[0] <= t - 0.3]
+        if old and old[-1][0] >= since:
+            t0, b0 = old[-1]
+            if (b - b0) * 8 / (t - t0) >= share * self.link:
+                return t0
+        return None
+
+    def add(self):
         if self.cut_at is not None and self.back is None:
-            b = nic_tx(self.host, self.nic)
-            self.samples.append((t, b))
-            old = [s for s in self.samples if s[0] <= t - 0.3]
-            if old and old[-1][0] >= self.cut_at:
-                t0, b0 = old[-1]
-                if (b - b0) * 8 / (t - t0) >= 0.9 * self.link:
-                    self.back = t0 - self.cut_at
+            t0 = self._reached(self.samples, self.nic, self.cut_at, 0.9)
+            if t0 is not None:
+                self.back = t0 - self.cut_at
         if self.restored_at is not None and self.rejoined is None and self.cut_nic:
-            b = nic_tx(self.host, self.cut_nic)
-            self.cut_samples.append((t, b))
-            old = [s for s in self.cut_samples if s[0] <= t - 0.3]
-            if old and old[-1][0] >= self.restored_at:
-                t0, b0 = old[-1]
-                if (b - b0) * 8 / (t - t0) >= 0.5 * self.link:
-                    self.rejoined = t0 - self.restored_at
+            t0 = self._reached(self.cut_samples, self.cut_nic, self.restored_at, 0.5)
+            if t0 is not None:
+                self.rejoined = t0 - self.restored_at
 
     def restore_due(self, after):
         """The cut NIC should come back now (once, `after` seconds after the cut)."""
