@@ -186,7 +186,19 @@ fn a_shared_disk_serves_two_guests_and_follows_a_migration() {
     assert_intact_on("gc1", "host2");
     // gc1 keeps writing from host2 and gc2 keeps reading it
     wait_for_peer("host2", "gc2", 3, s1 + 4);
-    let (seq, errors, _) = last_disk_line("host2", "gc1").expect("gc1 writes on host2");
+    // the target's console starts empty: wait for gc1's first report from host2
+    let t0 = Instant::now();
+    let (seq, errors, _) = loop {
+        if let Some(l) = last_disk_line("host2", "gc1") {
+            break l;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "gc1 writes on host2:\n{}",
+            console("host2", "gc1")
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
     assert_eq!(errors, 0);
     assert!(seq > 0);
     std::thread::sleep(Duration::from_millis(1500));
