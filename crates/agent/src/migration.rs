@@ -806,10 +806,14 @@ impl Agent {
                     if let Some(why) = session.failure() {
                         return Err(fail("copy", format!("transport: {why}")));
                     }
-                    if let ferry_transport::Carriers::Mptcp(s) = session {
-                        self.ask_rejoins(id, target, s);
-                    }
-                    let st = session.stats();
+                    let st = match session {
+                        ferry_transport::Carriers::Mptcp(s) => {
+                            let (st, due) = s.tick();
+                            self.ask_rejoins(id, target, due);
+                            st
+                        }
+                        _ => session.stats(),
+                    };
                     (carrier_bytes(&st), Some(st.healthy))
                 }
             };
@@ -1421,9 +1425,8 @@ impl Agent {
 
     /// Source side, `mptcp` kind: asks the target to announce its address on
     /// each fabric where a NIC of this host has its link up but no subflow
-    /// (see `Spliced::due_rejoins`). The request runs on its own.
-    fn ask_rejoins(&self, id: &str, target: &Client, s: &ferry_transport::Spliced) {
-        let due = s.due_rejoins();
+    /// (`due`, from `Spliced::tick`). The request runs on its own.
+    fn ask_rejoins(&self, id: &str, target: &Client, due: Vec<String>) {
         if due.is_empty() {
             return;
         }

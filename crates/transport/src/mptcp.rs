@@ -48,7 +48,7 @@ use crate::protocol::{
     decode_welcome, encode_welcome, Hello, ProtocolError, HELLO_LEN, MAX_STREAMS, ROLE_SPLICED,
     STATUS_OK, STATUS_UNKNOWN_SESSION, WELCOME_LEN,
 };
-use crate::session::{CarrierStats, SessionStats, TransportError};
+use crate::session::{io, lock, CarrierStats, SessionStats, TransportError};
 
 /// A NIC with its link up but no subflow of some connection this long is re-joined.
 pub const REJOIN_AFTER: Duration = Duration::from_millis(500);
@@ -91,15 +91,6 @@ const SPLICE_DEFAULT: u8 = SPLICE_TO_NET | SPLICE_FROM_NET;
 pub fn set_splice(to_net: bool, from_net: bool) {
     let v = if to_net { SPLICE_TO_NET } else { 0 } | if from_net { SPLICE_FROM_NET } else { 0 };
     SPLICE.store(v, Ordering::Relaxed);
-}
-
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TransportError {
-    let what = what.into();
-    move |source| TransportError::Io { what, source }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn mptcp_socket() -> std::io::Result<Socket> {
@@ -618,7 +609,7 @@ impl Spliced {
         let me = s.clone();
         std::thread::spawn(move || {
             while !me.inner.closed.load(Ordering::Relaxed) {
-                for nic in me.rejoins_due(false) {
+                for nic in me.rejoins_of(&me.read(), false) {
                     if let Some((_, addr)) = me.inner.nics.iter().find(|(n, _)| *n == nic) {
                         match announce(&nic, *addr) {
                             Ok(()) => tracing::info!(%nic, "address announced again for a re-join"),
@@ -731,10 +722,13 @@ impl Spliced {
                 drop(keep);
             });
         }
+        // pushed before `closed` is read: a `close()` either sees this
+        // stream in the list or has set `closed` for the check below
+        let mut streams = lock(&self.inner.streams);
         if self.inner.closed.load(Ordering::Relaxed) {
             shut(&s);
         }
-        lock(&self.inner.streams).push(s);
+        streams.push(s);
     }
 
     fn check_stall(&self) {
@@ -775,13 +769,23 @@ impl Spliced {
         }
     }
 
-    /// Subflows of every open stream, per stream index.
-    fn subflows(&self) -> Vec<(u16, Vec<Subflow>)> {
-        lock(&self.inner.streams)
+    /// One reading of the subflows of every open stream and of every NIC's
+    /// link, for [`Spliced::stats`] and [`Spliced::due_rejoins`] alike.
+    fn read(&self) -> Reading {
+        let flows = lock(&self.inner.streams)
             .iter()
             .filter(|s| s.open.load(Ordering::Relaxed))
             .filter_map(|s| Some((s.index, subflows(s.net.as_raw_fd()).ok()?)))
-            .collect()
+            .collect();
+        let links = self.inner.nics.iter().map(|(n, _)| link_up(n)).collect();
+        Reading { flows, links }
+    }
+
+    /// [`Spliced::stats`] and [`Spliced::due_rejoins`] from one reading:
+    /// what the source's progress loop asks for every tick.
+    pub fn tick(&self) -> (SessionStats, Vec<String>) {
+        let r = self.read();
+        (self.stats_of(&r), self.rejoins_of(&r, true))
     }
 
     /// Carriers as the framed kind reports them, one per NIC: `up` when its
@@ -789,12 +793,16 @@ impl Spliced {
     /// stalled ([`Subflow::stalled`]); bytes the peer acknowledged on its
     /// subflows; `connects` subflows it has had.
     pub fn stats(&self) -> SessionStats {
-        let flows = self.subflows();
+        self.stats_of(&self.read())
+    }
+
+    fn stats_of(&self, r: &Reading) -> SessionStats {
+        let flows = &r.flows;
         let mut seen = lock(&self.inner.seen);
         let (last, per_nic) = &mut *seen;
         let nic_of = |a: IpAddr| self.inner.nics.iter().find(|(_, x)| *x == a);
         let mut live: Vec<SubflowKey> = Vec::new();
-        for (i, sfs) in &flows {
+        for (i, sfs) in flows {
             for sf in sfs {
                 let key = (*i, sf.local, sf.remote);
                 live.push(key);
@@ -828,7 +836,7 @@ impl Spliced {
                     index: i as u8,
                     nic: nic.clone(),
                     // with every stream ended, a NIC that carried some is up while its link is
-                    up: link_up(nic)
+                    up: r.links[i]
                         && if flows.is_empty() {
                             t.connects > 0
                         } else {
@@ -872,20 +880,19 @@ impl Spliced {
     /// that fabric should be announced again ([`announce`]: by the target
     /// itself, or by the target at the source's request).
     pub fn due_rejoins(&self) -> Vec<String> {
-        self.rejoins_due(true)
+        self.rejoins_of(&self.read(), true)
     }
 
-    /// [`Spliced::due_rejoins`]; with `missing` false, only NICs whose own
+    /// [`Spliced::due_rejoins`] from `r`; with `missing` false, only NICs whose own
     /// link flapped (the target's keeper: a subflow its peer lacks is the
     /// peer's to ask for, and its link may be what is down).
-    fn rejoins_due(&self, missing: bool) -> Vec<String> {
-        let flows = self.subflows();
+    fn rejoins_of(&self, r: &Reading, missing: bool) -> Vec<String> {
+        let flows = &r.flows;
         let now = Instant::now();
         let mut watch = lock(&self.inner.watch);
         let mut due = Vec::new();
-        for (nic, addr) in &self.inner.nics {
+        for ((nic, addr), &up) in self.inner.nics.iter().zip(&r.links) {
             let w = watch.entry(nic.clone()).or_default();
-            let up = link_up(nic);
             w.was_down |= !up;
             let on_nic = |sfs: &Vec<Subflow>| {
                 let mine: Vec<&Subflow> = sfs.iter().filter(|sf| sf.local.ip() == *addr).collect();
@@ -920,6 +927,13 @@ impl Spliced {
 /// A subflow stalled by a cut elsewhere is left to the host whose link it is.
 fn rejoin_wanted(link_up: bool, was_down: bool, lacks: bool, stalled: bool) -> bool {
     link_up && (lacks || (was_down && stalled))
+}
+
+/// Subflows of every open stream (per stream index) and whether each NIC's
+/// link is up, in `Inner::nics` order.
+struct Reading {
+    flows: Vec<(u16, Vec<Subflow>)>,
+    links: Vec<bool>,
 }
 
 fn shut(s: &Stream) {

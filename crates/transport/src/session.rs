@@ -61,7 +61,7 @@ pub enum TransportError {
     },
 }
 
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TransportError {
+pub(crate) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TransportError {
     let what = what.into();
     move |source| TransportError::Io { what, source }
 }
@@ -210,7 +210,7 @@ fn control_frame(sealer: &mut Option<Sealer>, kind: Kind, id: u64, buf: &mut Byt
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
