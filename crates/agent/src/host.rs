@@ -385,35 +385,60 @@ fn read_u64(path: PathBuf) -> u64 {
 }
 
 /// This host's migration NICs: interfaces named `nic*` with an IPv4 address,
-/// read from sysfs and `ip -j addr` in the agent's own network namespace.
+/// read from `getifaddrs` and sysfs in the agent's own network namespace
+/// (no process spawned: progress reads them every tick).
 pub fn nics() -> Vec<NicInfo> {
-    let addrs = std::process::Command::new("ip")
-        .args(["-j", "-4", "addr", "show"])
-        .output()
-        .ok()
-        .and_then(|o| serde_json::from_slice::<Vec<serde_json::Value>>(&o.stdout).ok())
-        .unwrap_or_default();
-    let mut out: Vec<NicInfo> = addrs
-        .iter()
-        .filter_map(|l| {
-            let name = l["ifname"].as_str()?;
-            ferry_lab::topology::nic_index(name)?;
-            let address = l["addr_info"].as_array()?.first()?["local"]
-                .as_str()?
-                .to_string();
-            let sys = PathBuf::from("/sys/class/net").join(name);
+    let mut out: Vec<NicInfo> = ipv4_addrs()
+        .into_iter()
+        .filter_map(|(name, ip)| {
+            ferry_lab::topology::nic_index(&name)?;
+            let address = ip.to_string();
+            let sys = PathBuf::from("/sys/class/net").join(&name);
             Some(NicInfo {
-                name: name.to_string(),
                 fabric: ferry_lab::topology::fabric_of_addr(&address).unwrap_or(0),
                 address,
                 mtu: read_u64(sys.join("mtu")) as u32,
                 up: read_u64(sys.join("carrier")) == 1,
                 tx_bytes: read_u64(sys.join("statistics/tx_bytes")),
                 rx_bytes: read_u64(sys.join("statistics/rx_bytes")),
+                name,
             })
         })
         .collect();
     out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+/// Every interface with an IPv4 address, with its first one.
+fn ipv4_addrs() -> Vec<(String, std::net::Ipv4Addr)> {
+    let mut out: Vec<(String, std::net::Ipv4Addr)> = Vec::new();
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: on success `list` heads a list getifaddrs allocated; it is read
+    // only until the freeifaddrs below.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return out;
+    }
+    let mut cur = list;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of that list; an IPv4 `ifa_addr` points to
+        // a sockaddr_in and `ifa_name` to a NUL-terminated name.
+        unsafe {
+            let i = &*cur;
+            if !i.ifa_addr.is_null() && i32::from((*i.ifa_addr).sa_family) == libc::AF_INET {
+                let sin = &*(i.ifa_addr as *const libc::sockaddr_in);
+                let ip = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+                let name = std::ffi::CStr::from_ptr(i.ifa_name)
+                    .to_string_lossy()
+                    .into_owned();
+                if !out.iter().any(|(n, _)| *n == name) {
+                    out.push((name, ip));
+                }
+            }
+            cur = i.ifa_next;
+        }
+    }
+    // SAFETY: `list` came from getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(list) };
     out
 }
 
@@ -484,6 +509,16 @@ fn cpu_of_stat(stat: &str) -> Option<Duration> {
 #[cfg(test)]
 mod cpu_tests {
     use super::*;
+
+    #[test]
+    fn interface_addresses_come_from_getifaddrs() {
+        let all = ipv4_addrs();
+        assert!(
+            all.iter()
+                .any(|(n, ip)| n == "lo" && *ip == std::net::Ipv4Addr::LOCALHOST),
+            "lo with 127.0.0.1 missing from {all:?}"
+        );
+    }
 
     #[test]
     fn stat_lines_with_odd_names_parse() {

@@ -327,6 +327,22 @@ fn start_agent(dir: &LabDir, spec: &LabSpec, i: u32) -> anyhow::Result<()> {
     {
         // SAFETY: kill(2) with a pid and a signal has no memory effects.
         unsafe { libc::kill(pid, libc::SIGKILL) };
+        // its listening socket is free only once it is gone
+        let gone = std::time::Instant::now() + Duration::from_secs(10);
+        while std::path::Path::new(&format!("/proc/{pid}")).exists()
+            && std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map(|s| {
+                    !s.rsplit(')')
+                        .next()
+                        .unwrap_or("")
+                        .trim_start()
+                        .starts_with('Z')
+                })
+                .unwrap_or(false)
+            && std::time::Instant::now() < gone
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
     let listen = format!("{}:{}", topology::mgmt_addr(i), topology::AGENT_PORT);
     let args: Vec<String> = [

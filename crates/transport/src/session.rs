@@ -43,6 +43,80 @@ pub const STREAM_BUFFER_LIMIT: usize = 512 << 20;
 const REDIAL: Duration = Duration::from_millis(250);
 /// Frames waiting for a carrier from which the link counts as the bottleneck.
 const LINK_BOUND_QUEUE: usize = 2;
+/// A frame payload with at least this much still to arrive is read with
+/// `SO_RCVLOWAT` set to what remains, so the reader wakes once for it rather
+/// than once for every few segments a shaped link delivers.
+const LOWAT_FROM: usize = 16 << 10;
+/// Data frames per ACK a busy receiver sends (cumulative ACKs: one covers
+/// them all). Well below what a carrier may have in flight
+/// ([`CARRIER_INFLIGHT`] ÷ [`MAX_PAYLOAD`] = 16 frames).
+const ACK_EVERY: u64 = 4;
+/// How long an idle carrier writer sleeps between looks at its ACKs and
+/// heartbeat when nothing wakes it.
+const WRITER_TICK: Duration = Duration::from_millis(20);
+
+/// Writes all of `a` then all of `b`, gathered into as few writes as the
+/// socket takes.
+async fn write_two(
+    w: &mut tokio::net::tcp::OwnedWriteHalf,
+    a: &[u8],
+    b: &[u8],
+) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < a.len() + b.len() {
+        let n = if done < a.len() {
+            let parts = [std::io::IoSlice::new(&a[done..]), std::io::IoSlice::new(b)];
+            w.write_vectored(&parts).await?
+        } else {
+            w.write(&b[done - a.len()..]).await?
+        };
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        done += n;
+    }
+    Ok(())
+}
+
+/// Writes all of `b` to a local connection shared with other tasks.
+async fn write_shared(u: &UnixStream, mut b: &[u8]) -> std::io::Result<()> {
+    while !b.is_empty() {
+        u.writable().await?;
+        match u.try_write(b) {
+            Ok(n) => b = &b[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads what a local connection shared with other tasks has (0: it ended).
+async fn read_shared(u: &UnixStream, buf: &mut BytesMut) -> std::io::Result<usize> {
+    loop {
+        u.readable().await?;
+        match u.try_read_buf(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            r => return r,
+        }
+    }
+}
+
+/// Sets `SO_RCVLOWAT` on a TCP socket: it reads as ready only once `bytes`
+/// are queued (or the peer closed, or the receive window filled).
+fn set_rcvlowat(fd: std::os::fd::RawFd, bytes: usize) -> bool {
+    let v = bytes.min(i32::MAX as usize) as libc::c_int;
+    // SAFETY: `fd` is an open socket owned by the caller; `v` lives for the call.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            &v as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        ) == 0
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
@@ -132,6 +206,10 @@ struct StreamIn {
     fin: Option<u64>,
     /// The local writer, once the local end is connected.
     to_local: Option<mpsc::UnboundedSender<Option<Bytes>>>,
+    /// The local connection itself: with nothing queued for the writer,
+    /// in-order bytes are written straight to it by the carrier's reader.
+    local: Option<Arc<UnixStream>>,
+    /// Bytes queued for the local writer and not yet written.
     buffered: Arc<AtomicU64>,
 }
 
@@ -142,6 +220,7 @@ impl StreamIn {
             pending: BTreeMap::new(),
             fin: None,
             to_local: None,
+            local: None,
             buffered: Arc::new(AtomicU64::new(0)),
         }
     }
@@ -687,13 +766,9 @@ impl Session {
                         }
                     }
                     self.inner.frames_sent.fetch_add(1, Ordering::Relaxed);
-                    if let Err(e) = w.write_all(&buf).await {
+                    // header and payload in one system call where they fit
+                    if let Err(e) = write_two(&mut w, &buf, &payload).await {
                         return format!("write: {e}");
-                    }
-                    if !payload.is_empty() {
-                        if let Err(e) = w.write_all(&payload).await {
-                            return format!("write: {e}");
-                        }
                     }
                     last_tx = Instant::now();
                 }
@@ -710,7 +785,7 @@ impl Session {
                     let wake = self.inner.queued.notified();
                     tokio::select! {
                         _ = wake => {}
-                        _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                        _ = tokio::time::sleep(WRITER_TICK) => {}
                     }
                 }
             }
@@ -724,6 +799,7 @@ impl Session {
         r: tokio::net::tcp::OwnedReadHalf,
         mut opener: Option<Opener>,
     ) -> String {
+        let fd = std::os::fd::AsRawFd::as_raw_fd(r.as_ref());
         let mut r = BufReader::with_capacity(64 << 10, r);
         loop {
             let mut head = [0u8; HEADER_LEN];
@@ -739,6 +815,8 @@ impl Session {
             // filled straight from the socket, never zeroed first
             let len = h.len as usize;
             let mut payload = BytesMut::with_capacity(len);
+            let to_come = len.saturating_sub(r.buffer().len());
+            let lowat = to_come >= LOWAT_FROM && set_rcvlowat(fd, to_come);
             let read_all = async {
                 while payload.len() < len {
                     let want = len - payload.len();
@@ -752,6 +830,10 @@ impl Session {
                 Err(_) => return "stalled inside a frame".into(),
                 Ok(Err(e)) => return format!("read: {e}"),
                 Ok(Ok(())) => {}
+            }
+            // the next header may be all that comes for a while
+            if lowat && !set_rcvlowat(fd, 1) {
+                return "read: SO_RCVLOWAT could not be reset".into();
             }
             if let Err(e) = check_crc(&head, &payload) {
                 return format!("protocol: {e}");
@@ -781,12 +863,20 @@ impl Session {
                 Kind::Ping => {}
                 Kind::Ack => self.acked(index, generation, h.id),
                 Kind::Data | Kind::Open | Kind::Fin => {
-                    if let Some(c) = lock(&self.inner.carriers).get_mut(&index) {
-                        c.received += 1;
-                        c.stats.rx_bytes += h.len as u64;
+                    let received = match lock(&self.inner.carriers).get_mut(&index) {
+                        Some(c) => {
+                            c.received += 1;
+                            c.stats.rx_bytes += h.len as u64;
+                            c.received
+                        }
+                        None => 0,
+                    };
+                    // wake the writers so this carrier's ACK goes out now:
+                    // every ACK_EVERY data frames, or at once for an open or
+                    // a fin (an idle writer ACKs the rest within its tick)
+                    if h.kind != Kind::Data || received % ACK_EVERY == 0 {
+                        self.inner.queued.notify_waiters();
                     }
-                    // wake the writers so this carrier's ACK goes out now
-                    self.inner.queued.notify_waiters();
                     if let Err(e) = self.received(h, payload) {
                         self.fail(e);
                         return "session failed".into();
@@ -887,13 +977,14 @@ impl Session {
 
     /// Carries one local connection both ways until both directions end.
     async fn run_stream(&self, id: u16, u: UnixStream) {
-        let (mut ur, mut uw) = u.into_split();
+        let u = Arc::new(u);
         let (tx, mut rx) = mpsc::unbounded_channel::<Option<Bytes>>();
         let buffered = Arc::new(AtomicU64::new(0));
         {
             let mut streams = lock(&self.inner.streams_in);
             let st = streams.entry(id).or_insert_with(StreamIn::new);
             st.to_local = Some(tx);
+            st.local = Some(u.clone());
             st.buffered = buffered.clone();
             // frames that arrived before the local end was connected
             Self::deliver_ready(st);
@@ -903,13 +994,15 @@ impl Session {
             while let Some(item) = rx.recv().await {
                 match item {
                     Some(b) => {
-                        buffered.fetch_sub(b.len() as u64, Ordering::Relaxed);
-                        if uw.write_all(&b).await.is_err() {
+                        if write_shared(&u, &b).await.is_err() {
                             break;
                         }
+                        // counted down once written: a reader that then sees
+                        // nothing queued may write the next bytes itself
+                        buffered.fetch_sub(b.len() as u64, Ordering::AcqRel);
                     }
                     None => {
-                        let _ = uw.shutdown().await;
+                        let _ = socket2::SockRef::from(&*u).shutdown(std::net::Shutdown::Write);
                         break;
                     }
                 }
@@ -920,7 +1013,7 @@ impl Session {
             let mut skip = 0u32;
             loop {
                 let mut buf = BytesMut::with_capacity(MAX_PAYLOAD);
-                match ur.read_buf(&mut buf).await {
+                match read_shared(&u, &mut buf).await {
                     Ok(0) | Err(_) => {
                         self.send_reliable(Kind::Fin, id, offset, Bytes::new(), 0)
                             .await;
@@ -950,9 +1043,19 @@ impl Session {
     /// Moves a stream's in-order frames to its local writer.
     fn deliver_ready(st: &mut StreamIn) {
         let Some(to_local) = &st.to_local else { return };
-        while let Some(b) = st.pending.remove(&st.next) {
+        while let Some(mut b) = st.pending.remove(&st.next) {
             st.next += b.len() as u64;
-            st.buffered.fetch_add(b.len() as u64, Ordering::Relaxed);
+            // nothing queued (the writer idle): as much as the socket takes
+            // now is written here, saving the writer task a wake-up
+            if st.buffered.load(Ordering::Acquire) == 0 {
+                if let Some(Ok(n)) = st.local.as_ref().map(|u| u.try_write(&b)) {
+                    if n == b.len() {
+                        continue;
+                    }
+                    b = b.slice(n..);
+                }
+            }
+            st.buffered.fetch_add(b.len() as u64, Ordering::AcqRel);
             let _ = to_local.send(Some(b));
         }
         if st.fin == Some(st.next) {
