@@ -48,7 +48,7 @@ use crate::protocol::{
     decode_welcome, encode_welcome, Hello, ProtocolError, HELLO_LEN, MAX_STREAMS, ROLE_SPLICED,
     STATUS_OK, STATUS_UNKNOWN_SESSION, WELCOME_LEN,
 };
-use crate::session::{io, lock, CarrierStats, SessionStats, TransportError};
+use crate::session::{io, lock, set_rcvlowat, CarrierStats, SessionStats, TransportError};
 
 /// A NIC with its link up but no subflow of some connection this long is re-joined.
 pub const REJOIN_AFTER: Duration = Duration::from_millis(500);
@@ -76,18 +76,28 @@ const MAX_SUBFLOWS: usize = 16;
 /// Bytes moved per splice call.
 const CHUNK: usize = 1 << 20;
 
+/// What arrives from the network is read once this much is queued
+/// (`SO_RCVLOWAT`) or [`BATCH_WAIT_MS`] after the last read, whichever comes
+/// first, instead of at every few segments a shaped link delivers; an idle
+/// connection's next byte is read at once.
+const BATCH: usize = 128 << 10;
+const BATCH_WAIT_MS: i32 = 2;
+
 /// Which directions of a stream splice (bit 0: toward the network, bit 1:
-/// from it); the others copy through user space. See [`set_splice`].
+/// from it); the others copy through user space, and from the network they
+/// read in batches ([`BATCH`]). See [`set_splice`].
 static SPLICE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(SPLICE_DEFAULT);
 const SPLICE_TO_NET: u8 = 1;
 const SPLICE_FROM_NET: u8 = 2;
-const SPLICE_DEFAULT: u8 = SPLICE_TO_NET | SPLICE_FROM_NET;
+const SPLICE_DEFAULT: u8 = SPLICE_TO_NET;
 
 /// Sets which directions of every stream of this process splice:
-/// `(toward the network, from the network)`; both by default. Splicing
+/// `(toward the network, from the network)`; toward it by default. Splicing
 /// spares the agent's copy through user space, but MPTCP's send path still
-/// copies what it is handed into its own pages, so the saving is small:
-/// `examples/splice_gain.rs` measures each combination (BENCHMARKS.md).
+/// copies what it is handed into its own pages, so the saving is small.
+/// From the network, copying wins: it reads in batches ([`BATCH`]), where a
+/// splice wakes for every few segments. `examples/splice_gain.rs` measures
+/// each combination (BENCHMARKS.md).
 pub fn set_splice(to_net: bool, from_net: bool) {
     let v = if to_net { SPLICE_TO_NET } else { 0 } | if from_net { SPLICE_FROM_NET } else { 0 };
     SPLICE.store(v, Ordering::Relaxed);
@@ -324,6 +334,58 @@ fn splice(from: RawFd, to: RawFd, len: usize) -> std::io::Result<usize> {
     }
 }
 
+/// Waits up to `ms` (-1: for ever) for `fd` to read as ready.
+fn poll_in(fd: RawFd, ms: i32) -> std::io::Result<()> {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: one pollfd, valid for the call.
+        match cvt(unsafe { libc::poll(&mut p, 1, ms) } as isize) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            r => return r.map(|_| ()),
+        }
+    }
+}
+
+/// Reads what `fd` has now; `None` when it has nothing.
+fn recv_now(fd: RawFd, buf: &mut [u8]) -> std::io::Result<Option<usize>> {
+    loop {
+        // SAFETY: buf is valid for its length.
+        let r = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        match cvt(r) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
+            r => return r.map(Some),
+        }
+    }
+}
+
+/// Reads from a connection in batches: once [`BATCH`] bytes are queued or
+/// [`BATCH_WAIT_MS`] passed; with nothing queued then, for its next byte
+/// (the low-water mark lowered meanwhile, so that byte is read at once).
+fn recv_batch(fd: RawFd, buf: &mut [u8]) -> std::io::Result<usize> {
+    poll_in(fd, BATCH_WAIT_MS)?;
+    loop {
+        if let Some(n) = recv_now(fd, buf)? {
+            return Ok(n);
+        }
+        if !set_rcvlowat(fd, 1) {
+            return Err(std::io::Error::last_os_error());
+        }
+        poll_in(fd, -1)?;
+        let n = recv_now(fd, buf)?;
+        if !set_rcvlowat(fd, BATCH) {
+            return Err(std::io::Error::last_os_error());
+        }
+        if let Some(n) = n {
+            return Ok(n);
+        }
+    }
+}
+
 fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0; 2];
     // SAFETY: fds has room for two descriptors.
@@ -348,21 +410,27 @@ struct Flow {
 }
 
 /// Moves bytes from `from` to `to` until `from` ends, then ends `to`'s
-/// sending side. Splices through a pipe; copies only where a kernel refuses
-/// to splice these sockets.
+/// sending side. Splices through a pipe when `splice_it` (copying where a
+/// kernel refuses to splice these sockets); else copies, and `from_net`
+/// reads in batches ([`recv_batch`]).
 fn pump(
     from: RawFd,
     to: RawFd,
     flow: &Flow,
     epoch: Instant,
     splice_it: bool,
+    from_net: bool,
 ) -> std::io::Result<()> {
     let ms = || epoch.elapsed().as_millis() as u64 + 1;
     let (pr, pw) = pipe()?;
     let mut copy = !splice_it;
     let mut buf: Vec<u8> = vec![0u8; if copy { 256 << 10 } else { 0 }];
+    // from the network, copying: in batches where the socket takes a low-water mark
+    let batched = copy && from_net && set_rcvlowat(from, BATCH);
     loop {
-        let n = if copy {
+        let n = if batched {
+            recv_batch(from, &mut buf)?
+        } else if copy {
             // SAFETY: buf is valid for its length.
             cvt(unsafe { libc::read(from, buf.as_mut_ptr().cast(), buf.len()) })?
         } else {
@@ -709,7 +777,7 @@ impl Spliced {
             };
             let splice_it = SPLICE.load(Ordering::Relaxed) & bit != 0;
             std::thread::spawn(move || {
-                let r = pump(from, to, &flow, epoch, splice_it);
+                let r = pump(from, to, &flow, epoch, splice_it, !toward);
                 if let Err(e) = r {
                     if !me.inner.closed.load(Ordering::Relaxed) {
                         let dir = if toward { "sending" } else { "receiving" };

@@ -102,9 +102,9 @@ async fn read_shared(u: &UnixStream, buf: &mut BytesMut) -> std::io::Result<usiz
     }
 }
 
-/// Sets `SO_RCVLOWAT` on a TCP socket: it reads as ready only once `bytes`
+/// Sets `SO_RCVLOWAT` on a TCP or MPTCP socket: it reads as ready only once `bytes`
 /// are queued (or the peer closed, or the receive window filled).
-fn set_rcvlowat(fd: std::os::fd::RawFd, bytes: usize) -> bool {
+pub(crate) fn set_rcvlowat(fd: std::os::fd::RawFd, bytes: usize) -> bool {
     let v = bytes.min(i32::MAX as usize) as libc::c_int;
     // SAFETY: `fd` is an open socket owned by the caller; `v` lives for the call.
     unsafe {
