@@ -7,7 +7,8 @@ filled memory and held down for the rest of the move ("held"), and — Ferry's
 two kinds and QEMU over MPTCP, the paths that survive a cut — cut and restored
 --restore-after seconds later while the move goes on ("restored"). The NIC
 cut is nic2, or for `qemu tcp`, which uses only nic1, nic1 (a cut of a NIC it
-does not use would prove nothing). Paths:
+does not use would prove nothing) — and for the active-backup team, nic1, its
+active NIC. Paths:
 
 - ferry: `ferry vm move --option multichannel` (Ferry's carriers over both NICs)
 - ferry mptcp: `ferry vm move --option mptcp` (kernel MPTCP managed by Ferry:
@@ -16,6 +17,11 @@ does not use would prove nothing). Paths:
 - qemu multifd / ecmp: QEMU multifd (4 channels) to the peer's team address,
   an ECMP route hashing connections on layer 4 (`ferry lab team ecmp`; this
   kernel has no bonding driver)
+- qemu multifd / active-backup: QEMU multifd (4 channels) to the peer's team
+  address routed over one fabric at a time, a monitor per host moving the
+  route when its probes over the active fabric go unanswered for 300 ms
+  (`ferry lab team active-backup`: a bond's active-backup mode with its ARP
+  monitor, which this kernel lacks)
 - qemu multifd / mptcp: QEMU multifd (4 channels) with `"mptcp": true`, the
   kernel path manager adding a subflow over nic2 (`ferry lab team mptcp`)
 
@@ -155,7 +161,7 @@ def direct_move(img, src, frm, to, kind, a, cut_bytes, link, restore_after=None)
     """Migrates `src` (QEMU on `frm`) to a new QEMU on `to`; returns (new src, result)."""
     d = f"/run/ferry/bench/{to}"
     subprocess.run(["rm", "-rf", d])
-    cut_nic = "nic1" if kind == "tcp" else "nic2"
+    cut_nic = "nic1" if kind in ("tcp", "ab") else "nic2"
     cpu, rec = Cpu(), Recovery(link, frm, "nic2" if cut_nic == "nic1" else "nic1", cut_nic)
     dp, dq = qemu(to, d, img, size(a.memory), size(a.fill), size(a.dirty_rate), True)
     sp, sq = src
@@ -164,7 +170,7 @@ def direct_move(img, src, frm, to, kind, a, cut_bytes, link, restore_after=None)
         q.cmd("migrate-set-capabilities", capabilities=caps)
         q.cmd("migrate-set-parameters", **{"multifd-channels": 4})
     sq.cmd("migrate-set-parameters", **{"max-bandwidth": 100 << 30, "downtime-limit": 300})
-    host = {"tcp": NIC1[to], "mptcp": NIC1[to], "ecmp": a.team[to]}[kind]
+    host = {"tcp": NIC1[to], "mptcp": NIC1[to], "ecmp": a.team[to], "ab": a.team[to]}[kind]
     addr = {"transport": "socket", "type": "inet", "host": host, "port": "0"}
     listen = dict(addr)
     if kind == "mptcp":
@@ -270,10 +276,11 @@ def main():
     ferry("vm", "rm", "alt")
     # QEMU by hand over each alternative
     for kind, label, nics in (("tcp", "qemu tcp (one NIC)", 1), ("ecmp", "qemu multifd / ecmp team", 2),
+                              ("ab", "qemu multifd / active-backup team", 2),
                               ("mptcp", "qemu multifd / mptcp", 2)):
-        team = {"tcp": "none", "ecmp": "ecmp", "mptcp": "mptcp"}[kind]
+        team = {"tcp": "none", "ecmp": "ecmp", "ab": "active-backup", "mptcp": "mptcp"}[kind]
         out = ferry("lab", "team", team)
-        a.team = dict(l.split(": migrate to ") for l in out.strip().splitlines())
+        a.team = dict(l.split(": migrate to ") for l in out.strip().splitlines() if ": migrate to " in l)
         src, at = fresh_source(img, a, "host1"), "host1"
         runs = [("no", None), ("held", None)] + ([("restored", ra)] if kind == "mptcp" else [])
         for how, restore in runs:
@@ -303,7 +310,7 @@ def main():
             rejoin = f"{r['rejoined']:.2f}"
         else:
             rejoin = "never" if r["restored"] else "move ended first"
-        nic = "nic1" if label.startswith("qemu tcp") else "nic2"
+        nic = "nic1" if label.startswith("qemu tcp") or "active-backup" in label else "nic2"
         cut_col = {"no": "no", "held": f"{nic}, held", "restored": f"{nic}, back after {ra:.0f} s"}[how]
         print(f"| {label} | {cut_col} | {r['how']} | {r['secs']:.2f} | {r['bytes'] / 2**20:.0f} | "
               f"{mbit:.0f} | {mbit * 1e6 / (2 * link):.3f} | {r['cpu'] / gib if gib else float('nan'):.2f} | {back} | {rejoin} |")

@@ -37,9 +37,14 @@ pub enum LabCmd {
     },
     /// Give every host an alternative to Ferry's transport over the same NICs,
     /// for running the same QEMU migration over it: an ECMP "team" hashing
-    /// connections on layer 4 (no bonding driver here), kernel MPTCP with one
-    /// subflow per NIC, or none.
+    /// connections on layer 4 (no bonding driver here), an active-backup team
+    /// (one fabric at a time, moved by a probing monitor per host), kernel
+    /// MPTCP with one subflow per NIC, or none.
     Team { kind: TeamArg },
+    /// Run one host's active-backup monitor (started by `ferry lab team
+    /// active-backup`, inside the host's namespace).
+    #[command(hide = true)]
+    TeamMonitor { host: String },
     /// Start a host's agent again (after it was killed).
     RestartAgent { host: String },
     /// Build (or show) the cached guest image.
@@ -52,6 +57,7 @@ pub enum LabCmd {
 #[derive(Clone, Copy, ValueEnum)]
 pub enum TeamArg {
     Ecmp,
+    ActiveBackup,
     Mptcp,
     None,
 }
@@ -116,12 +122,40 @@ pub async fn run(cli: &Cli, cmd: &LabCmd) -> anyhow::Result<i32> {
             let spec = LabDir::default_path().load_spec()?;
             let k = match kind {
                 TeamArg::Ecmp => ferry_lab::team::TeamKind::Ecmp,
+                TeamArg::ActiveBackup => ferry_lab::team::TeamKind::ActiveBackup,
                 TeamArg::Mptcp => ferry_lab::team::TeamKind::Mptcp,
                 TeamArg::None => ferry_lab::team::TeamKind::None,
             };
+            let dir = LabDir::default_path();
+            for h in spec.host_names() {
+                stop_pidfile(&dir.host_dir(&h).join(MONITOR_PID));
+            }
             for (host, addr) in ferry_lab::team::set(&spec, k)? {
                 println!("{host}: migrate to {addr}");
             }
+            if matches!(kind, TeamArg::ActiveBackup) {
+                let exe = std::env::current_exe()?;
+                for h in spec.host_names() {
+                    let hd = dir.host_dir(&h);
+                    let args = ["lab".to_string(), "team-monitor".into(), h.clone()];
+                    let pid =
+                        net::spawn_daemon(Some(&h), &exe, &args, &hd.join("team-monitor.log"))?;
+                    std::fs::write(hd.join(MONITOR_PID), pid.to_string())?;
+                }
+                println!(
+                    "active-backup monitors started (probing every {} ms, moving after {} ms of silence)",
+                    ferry_lab::monitor::PROBE_EVERY.as_millis(),
+                    ferry_lab::monitor::DOWN_AFTER.as_millis()
+                );
+            }
+            Ok(0)
+        }
+        LabCmd::TeamMonitor { host } => {
+            let spec = LabDir::default_path().load_spec()?;
+            let i = topology::host_index(host)
+                .filter(|i| *i <= spec.hosts)
+                .ok_or_else(|| anyhow::anyhow!("no lab host named '{host}'"))?;
+            ferry_lab::monitor::run_monitor(&spec, i)?;
             Ok(0)
         }
         LabCmd::RestartAgent { host } => {
@@ -315,35 +349,46 @@ fn start_root_daemon(dir: &std::path::Path, name: &str, args: &[&str]) -> anyhow
 }
 
 /// Starts (or restarts) host `i`'s agent inside its namespace.
+/// A host's active-backup monitor's pid file, in its host directory.
+const MONITOR_PID: &str = "team-monitor.pid";
+
+/// Kills the daemon a pid file names, if any, and waits (up to 10 s) until
+/// it is gone (or a zombie); removes the file.
+fn stop_pidfile(path: &std::path::Path) {
+    let Some(pid) = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|p| p.trim().parse::<i32>().ok())
+    else {
+        return;
+    };
+    // SAFETY: kill(2) with a pid and a signal has no memory effects.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let alive = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| {
+                !s.rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z')
+            })
+            .unwrap_or(false)
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while alive() && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = std::fs::remove_file(path);
+}
+
 fn start_agent(dir: &LabDir, spec: &LabSpec, i: u32) -> anyhow::Result<()> {
     let img = ferry_lab::image::ensure(false)?;
     let exe = std::env::current_exe()?;
     let h = topology::host_name(i);
     let hd = dir.host_dir(&h);
     std::fs::create_dir_all(&hd)?;
-    if let Some(pid) = std::fs::read_to_string(hd.join("agent.pid"))
-        .ok()
-        .and_then(|p| p.trim().parse::<i32>().ok())
-    {
-        // SAFETY: kill(2) with a pid and a signal has no memory effects.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        // its listening socket is free only once it is gone
-        let gone = std::time::Instant::now() + Duration::from_secs(10);
-        while std::path::Path::new(&format!("/proc/{pid}")).exists()
-            && std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .map(|s| {
-                    !s.rsplit(')')
-                        .next()
-                        .unwrap_or("")
-                        .trim_start()
-                        .starts_with('Z')
-                })
-                .unwrap_or(false)
-            && std::time::Instant::now() < gone
-        {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
+    // its listening socket is free only once the old agent is gone
+    stop_pidfile(&hd.join("agent.pid"));
     let listen = format!("{}:{}", topology::mgmt_addr(i), topology::AGENT_PORT);
     let args: Vec<String> = [
         "agent",

@@ -12,6 +12,7 @@
 pub mod console;
 pub mod cpio;
 pub mod image;
+pub mod monitor;
 pub mod net;
 pub mod team;
 pub mod topology;
@@ -31,6 +32,12 @@ pub enum LabError {
     #[error("I/O error on {path}")]
     Io {
         path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("Cannot open {what}")]
+    Socket {
+        what: String,
         #[source]
         source: std::io::Error,
     },

@@ -15,12 +15,14 @@
 //!   subflow per NIC. A socket opts in (QEMU: `"mptcp": true`), and the
 //!   listener must take joins on every address (`0.0.0.0`): a subflow
 //!   arrives at the target's nic2 address, not the one first dialled.
-//! - `none`: removes both.
-//!
-//! Active-backup is not offered: the lab's fabrics are independent switches
-//! with nothing between them, so a backup path needs both ends to learn of a
-//! cut on one host's cable, which only a bond's ARP monitor (not a route)
-//! does.
+//! - `active-backup`: the same team address, routed over one fabric at a
+//!   time (fabric 1 first). A bond in active-backup mode moves its address
+//!   to a backup member when its ARP monitor stops hearing the peer; here the
+//!   lab's fabrics are independent switches, so both ends must learn of a cut
+//!   on one host's cable. A monitor per host ([`crate::monitor`], started by
+//!   `ferry lab team active-backup`) probes every peer over every fabric and
+//!   moves the route when the active fabric goes silent.
+//! - `none`: removes all of them.
 
 use crate::topology::*;
 use crate::{run, LabError};
@@ -28,8 +30,26 @@ use crate::{run, LabError};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TeamKind {
     Ecmp,
+    ActiveBackup,
     Mptcp,
     None,
+}
+
+/// `ip` arguments routing host `i` to peer `j`'s team address over fabric
+/// `k` only (the active-backup team).
+pub(crate) fn backup_route(i: u32, j: u32, k: u32) -> Vec<String> {
+    [
+        "route".to_string(),
+        "replace".into(),
+        format!("{}/32", team_addr(j)),
+        "via".into(),
+        nic_addr(j, k),
+        "dev".into(),
+        nic_name(k),
+        "src".into(),
+        team_addr(i),
+    ]
+    .into()
 }
 
 /// The team address of host `i` (reachable over every NIC with `ecmp`).
@@ -94,7 +114,7 @@ pub fn set(spec: &LabSpec, kind: TeamKind) -> Result<Vec<(String, String)>, LabE
         mptcp_limits(&h, 0)?;
         match kind {
             TeamKind::None => out.push((h, nic_addr(i, 1))),
-            TeamKind::Ecmp => {
+            TeamKind::Ecmp | TeamKind::ActiveBackup => {
                 for (k, v) in [
                     ("net.ipv4.fib_multipath_hash_policy", "1"),
                     ("net.ipv4.fib_multipath_use_neigh", "1"),
@@ -116,6 +136,11 @@ pub fn set(spec: &LabSpec, kind: TeamKind) -> Result<Vec<(String, String)>, LabE
                     &["addr", "add", &format!("{}/32", team_addr(i)), "dev", "lo"],
                 )?;
                 for j in (1..=spec.hosts).filter(|j| *j != i) {
+                    if kind == TeamKind::ActiveBackup {
+                        let args = backup_route(i, j, 1);
+                        ns(&h, &args.iter().map(String::as_str).collect::<Vec<_>>())?;
+                        continue;
+                    }
                     let dst = format!("{}/32", team_addr(j));
                     let src = team_addr(i);
                     let mut args: Vec<String> = ["route", "replace", &dst, "src", &src]
