@@ -153,7 +153,7 @@ def ferry_move(vm, to, cut_bytes, link, option="multichannel", restore_after=Non
     rep = last.get("cpu", {})
     used = rep["source_s"] + rep["target_s"] if rep.get("target_s") is not None else cpu.total()
     return {"done": done, "secs": secs, "bytes": last.get("bytes_transferred", 0), "cpu": used,
-            "back": rec.back, "rejoined": rec.rejoined, "restored": rec.restored_at is not None,
+            "path": last.get("data_path"), "back": rec.back, "rejoined": rec.rejoined, "restored": rec.restored_at is not None,
             "how": "completed, intact" if done else last.get("error", last)}
 
 
