@@ -248,14 +248,23 @@ impl Qmp {
 
     async fn call<C>(&self, cmd: C, deadline: Duration) -> Result<C::Ok, QmpError>
     where
-        C: qapi::Command + qapi::qmp::QmpCommand + 'static,
+        C: qapi::Command + qapi::qmp::QmpCommand + Send + 'static,
+        C::Ok: Send,
     {
         let name = C::NAME;
-        match tokio::time::timeout(deadline, self.svc.execute(cmd)).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(QmpError::Command {
+        // run to its reply on its own: a command dropped while it waits
+        // (a deadline, a caller that gave up) would leave its id pending
+        // in the QMP service, and the next command with that id panics
+        let running = tokio::spawn(self.svc.execute(cmd));
+        match tokio::time::timeout(deadline, running).await {
+            Ok(Ok(Ok(v))) => Ok(v),
+            Ok(Ok(Err(e))) => Err(QmpError::Command {
                 command: name,
                 reason: e.to_string(),
+            }),
+            Ok(Err(e)) => Err(QmpError::Command {
+                command: name,
+                reason: format!("the command's task ended: {e}"),
             }),
             Err(_) => Err(QmpError::Timeout {
                 command: name,
@@ -359,5 +368,55 @@ impl Qmp {
 
     pub async fn quit(&self) -> Result<(), QmpError> {
         self.call(Quit {}, Duration::from_secs(3)).await.map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+    /// A QMP server that answers every command in order, the first
+    /// `query-status` only after `late`.
+    async fn slow_qemu(path: std::path::PathBuf, late: Duration) {
+        let l = tokio::net::UnixListener::bind(&path).unwrap();
+        let (s, _) = l.accept().await.unwrap();
+        let (r, mut w) = s.into_split();
+        let mut lines = BufReader::new(r).lines();
+        w.write_all(b"{\"QMP\": {\"version\": {\"qemu\": {\"micro\": 0, \"minor\": 0, \"major\": 10}, \"package\": \"\"}, \"capabilities\": []}}\n")
+            .await
+            .unwrap();
+        let mut first = true;
+        while let Ok(Some(line)) = lines.next_line().await {
+            let reply = if line.contains("query-status") {
+                if first {
+                    first = false;
+                    tokio::time::sleep(late).await;
+                }
+                "{\"return\": {\"status\": \"running\", \"running\": true}}\n"
+            } else {
+                "{\"return\": {}}\n"
+            };
+            w.write_all(reply.as_bytes()).await.unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn a_command_past_its_deadline_does_not_break_the_next() {
+        let dir = std::env::temp_dir().join(format!("ferry-qmp-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("qmp.sock");
+        tokio::spawn(slow_qemu(path.clone(), Duration::from_millis(600)));
+        let q = Qmp::connect(&path, Duration::from_secs(5)).await.unwrap();
+        let r = q.call(QueryStatus {}, Duration::from_millis(100)).await;
+        assert!(matches!(r, Err(QmpError::Timeout { .. })), "{r:?}");
+        // the late reply still belongs to the first command; the next gets its own
+        let s = q
+            .call(QueryStatus {}, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert!(s.running);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

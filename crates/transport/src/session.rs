@@ -800,7 +800,8 @@ impl Session {
         mut opener: Option<Opener>,
     ) -> String {
         let fd = std::os::fd::AsRawFd::as_raw_fd(r.as_ref());
-        let mut r = BufReader::with_capacity(64 << 10, r);
+        // small: what it holds beyond a header is copied once more into the payload
+        let mut r = BufReader::with_capacity(4 << 10, r);
         loop {
             let mut head = [0u8; HEADER_LEN];
             match tokio::time::timeout(DEAD_AFTER, r.read_exact(&mut head)).await {
@@ -815,14 +816,31 @@ impl Session {
             // filled straight from the socket, never zeroed first
             let len = h.len as usize;
             let mut payload = BytesMut::with_capacity(len);
-            let to_come = len.saturating_sub(r.buffer().len());
-            let lowat = to_come >= LOWAT_FROM && set_rcvlowat(fd, to_come);
             let read_all = async {
+                // the socket's low-water mark: what is left of this payload
+                // (a read may return less, so it is set again each time)
+                let mut lowat = 1;
                 while payload.len() < len {
                     let want = len - payload.len();
+                    let from_socket = want.saturating_sub(r.buffer().len());
+                    let mark = if from_socket >= LOWAT_FROM {
+                        from_socket
+                    } else {
+                        1
+                    };
+                    if mark != lowat {
+                        if !set_rcvlowat(fd, mark) {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        lowat = mark;
+                    }
                     if r.read_buf(&mut (&mut payload).limit(want)).await? == 0 {
                         return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
                     }
+                }
+                // the next header may be all that comes for a while
+                if lowat != 1 && !set_rcvlowat(fd, 1) {
+                    return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
             };
@@ -830,10 +848,6 @@ impl Session {
                 Err(_) => return "stalled inside a frame".into(),
                 Ok(Err(e)) => return format!("read: {e}"),
                 Ok(Ok(())) => {}
-            }
-            // the next header may be all that comes for a while
-            if lowat && !set_rcvlowat(fd, 1) {
-                return "read: SO_RCVLOWAT could not be reset".into();
             }
             if let Err(e) = check_crc(&head, &payload) {
                 return format!("protocol: {e}");

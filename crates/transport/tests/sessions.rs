@@ -54,9 +54,11 @@ fn pattern(stream: u8, len: usize) -> Vec<u8> {
 const PASS: u8 = 0;
 const SILENT: u8 = 1;
 const CORRUPT_ONCE: u8 = 2;
+const TRICKLE: u8 = 3;
 
-/// A TCP proxy for one carrier: passes bytes, drops everything (a cut link), or
-/// flips one byte deep inside the stream once.
+/// A TCP proxy for one carrier: passes bytes, drops everything (a cut link),
+/// flips one byte deep inside the stream once, or passes what the source
+/// sends in pieces of 96 KiB, 20 ms apart (frames arrive cut anywhere).
 async fn proxy(to: SocketAddr, mode: Arc<AtomicU8>) -> SocketAddr {
     let l = TcpListener::bind((LO, 0)).await.unwrap();
     let addr = l.local_addr().unwrap();
@@ -90,7 +92,26 @@ async fn proxy(to: SocketAddr, mode: Arc<AtomicU8>) -> SocketAddr {
                             _ => {}
                         }
                         seen += n;
-                        if bw.write_all(&buf[..n]).await.is_err() {
+                        if mode.load(Ordering::SeqCst) == TRICKLE {
+                            // gather what the source sends in a burst, then
+                            // pass it on in pieces of 96 KiB, 20 ms apart
+                            let mut burst = buf[..n].to_vec();
+                            while let Ok(Ok(m)) =
+                                tokio::time::timeout(Duration::from_millis(5), ar.read(&mut buf))
+                                    .await
+                            {
+                                if m == 0 {
+                                    break;
+                                }
+                                burst.extend_from_slice(&buf[..m]);
+                            }
+                            for piece in burst.chunks(96 << 10) {
+                                if bw.write_all(piece).await.is_err() {
+                                    return;
+                                }
+                                tokio::time::sleep(Duration::from_millis(20)).await;
+                            }
+                        } else if bw.write_all(&buf[..n]).await.is_err() {
                             return;
                         }
                     }
@@ -269,6 +290,33 @@ async fn streams_cross_two_carriers_exactly_once_in_order() {
         "both carriers carry: {st:?}"
     );
     assert_eq!(st.frames_resent, 0);
+    p.source.close();
+    p.target.close();
+}
+
+/// A frame that arrives in pieces is read whole, however its reads split it,
+/// and its carrier never stalls on it (the receiver's low-water mark follows
+/// what is left of the payload).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_arriving_in_pieces_never_stall_their_carrier() {
+    let p = pair("trickle", 1, SECRET).await;
+    wait_healthy(&p.source, 1).await;
+    p.modes[0].store(TRICKLE, Ordering::SeqCst);
+    // frames of every size the reads may cut, the last one left alone on the wire
+    for (s, len) in [
+        (1u8, 200 << 10),
+        (2, 600 << 10),
+        (3, 100 << 10),
+        (4, 20 << 10),
+    ] {
+        transfer_from(&p, s, 1, len, || {}).await;
+    }
+    let st = p.source.stats();
+    assert!(
+        st.carriers.iter().all(|c| c.failures == 0),
+        "a carrier stalled on a frame in pieces: {st:?}"
+    );
+    assert_eq!(st.frames_resent, 0, "{st:?}");
     p.source.close();
     p.target.close();
 }
