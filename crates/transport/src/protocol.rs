@@ -75,7 +75,9 @@
 //! received. See `seal.rs`.
 //! DATA, OPEN and FIN are *reliable*: each is sent on one carrier and kept in
 //! the sender's replay buffer until that carrier's ACK count covers it (TCP
-//! keeps a carrier's frames in order, so a count suffices); if the carrier
+//! keeps a carrier's frames in order, so a count suffices; a receiver may
+//! let one ACK cover several frames, and acknowledges within 20 ms of a
+//! frame's arrival, an OPEN or FIN at once); if the carrier
 //! dies first it is sent again on another. The receiver puts each stream back in order by offset and
 //! drops what it already has, so a stream's bytes arrive once, in order.
 //! OPEN announces a stream (the target connects it to QEMU); FIN ends one.

@@ -41,6 +41,11 @@ pub const CARRIER_INFLIGHT: usize = 4 << 20;
 /// Bytes one stream may have waiting for its local reader before the session fails.
 pub const STREAM_BUFFER_LIMIT: usize = 512 << 20;
 const REDIAL: Duration = Duration::from_millis(250);
+/// How long a carrier's dial waits for the peer's SYN-ACK. A SYN sent while
+/// the link was down is lost, and the kernel would resend it only after 1 s;
+/// dialling again sooner lets a returning link carry within about half a
+/// second (a migration fabric's round trip is far shorter).
+const CONNECT_WITHIN: Duration = Duration::from_millis(400);
 /// Frames waiting for a carrier from which the link counts as the bottleneck.
 const LINK_BOUND_QUEUE: usize = 2;
 /// A frame payload with at least this much still to arrive is read with
@@ -498,7 +503,7 @@ impl Session {
         let what = format!("carrier {index} ({nic}) to {remote}");
         let sock = TcpSocket::new_v4().map_err(io(&what))?;
         sock.bind(SocketAddr::new(local, 0)).map_err(io(&what))?;
-        let mut tcp = tokio::time::timeout(Duration::from_secs(1), sock.connect(remote))
+        let mut tcp = tokio::time::timeout(CONNECT_WITHIN, sock.connect(remote))
             .await
             .map_err(|_| TransportError::Io {
                 what: what.clone(),
