@@ -63,7 +63,7 @@ struct CpuIdle {
 }
 
 /// `(idle, total)` CPU time of all CPUs since boot, in clock ticks (`/proc/stat`).
-pub fn cpu_times() -> Option<(u64, u64)> {
+pub(crate) fn cpu_times() -> Option<(u64, u64)> {
     let s = std::fs::read_to_string("/proc/stat").ok()?;
     let line = s.lines().next()?;
     let v: Vec<u64> = line
