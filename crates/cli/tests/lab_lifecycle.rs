@@ -157,3 +157,80 @@ fn lab_down_removes_a_half_made_lab() {
     ferry_ok(&["lab", "up", "--hosts", "1", "--nics", "1"]);
     ferry_ok(&["lab", "down"]);
 }
+
+/// This host's route to a peer's team address, as `ip route` prints it.
+fn team_route(host: &str, peer_team_addr: &str) -> String {
+    let out = std::process::Command::new("ip")
+        .args(["-n", host, "route", "show", peer_team_addr])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// A ping between the two hosts' team addresses (from host1's).
+fn team_ping() -> bool {
+    std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            "host1",
+            "ping",
+            "-c",
+            "1",
+            "-W",
+            "1",
+            "-I",
+            "198.19.0.11",
+            "198.19.0.12",
+        ])
+        .output()
+        .unwrap()
+        .status
+        .success()
+}
+
+#[test]
+fn active_backup_team_moves_both_ends_off_a_cut_link() {
+    if !lab_available("active_backup_team_moves_both_ends_off_a_cut_link") {
+        return;
+    }
+    let _g = serial();
+    lab_at(2, 2, "500mbit");
+    let out = ferry_ok(&["lab", "team", "active-backup"]);
+    assert!(out.contains("host1: migrate to 198.19.0.11"), "{out}");
+    assert!(out.contains("monitors started"), "{out}");
+    assert!(team_route("host1", "198.19.0.12").contains("dev nic1"));
+    assert!(team_route("host2", "198.19.0.11").contains("dev nic1"));
+    assert!(team_ping(), "the team addresses reach each other over nic1");
+    // host1's active cable pulled: both ends move to fabric 2, as a bond's ARP
+    // monitor would make them
+    ferry_ok(&["lab", "link", "host1", "nic1", "down"]);
+    let t0 = std::time::Instant::now();
+    while !(team_route("host1", "198.19.0.12").contains("dev nic2")
+        && team_route("host2", "198.19.0.11").contains("dev nic2"))
+    {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(3),
+            "routes not moved 3 s after the cut: host1 {:?}, host2 {:?}",
+            team_route("host1", "198.19.0.12"),
+            team_route("host2", "198.19.0.11")
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(team_ping(), "the team addresses reach each other over nic2");
+    let log = std::fs::read_to_string("/run/ferry/lab/host2/team-monitor.log").unwrap();
+    assert!(log.contains("route moved to fabric 2"), "{log}");
+    ferry_ok(&["lab", "link", "host1", "nic1", "up"]);
+    // `team none` stops the monitors and removes the team's routes
+    ferry_ok(&["lab", "team", "none"]);
+    assert!(!std::path::Path::new("/run/ferry/lab/host1/team-monitor.pid").exists());
+    assert_eq!(team_route("host1", "198.19.0.12"), "");
+    let monitors: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains("lab team-monitor"))
+        .collect();
+    assert!(monitors.is_empty(), "monitors left running: {monitors:?}");
+    ferry_ok(&["lab", "down"]);
+}
