@@ -348,7 +348,6 @@ fn start_root_daemon(dir: &std::path::Path, name: &str, args: &[&str]) -> anyhow
     Ok(())
 }
 
-/// Starts (or restarts) host `i`'s agent inside its namespace.
 /// A host's active-backup monitor's pid file, in its host directory.
 const MONITOR_PID: &str = "team-monitor.pid";
 
@@ -381,6 +380,7 @@ fn stop_pidfile(path: &std::path::Path) {
     let _ = std::fs::remove_file(path);
 }
 
+/// Starts (or restarts) host `i`'s agent inside its namespace.
 fn start_agent(dir: &LabDir, spec: &LabSpec, i: u32) -> anyhow::Result<()> {
     let img = ferry_lab::image::ensure(false)?;
     let exe = std::env::current_exe()?;
