@@ -147,6 +147,15 @@ const AUTO_CARRIERS: &str =
     "Ferry's carriers (no slower than kernel MPTCP at the same CPU per GiB; \
 compression per frame when it wins)";
 
+/// What carries a session's bytes, as the report names it.
+fn data_path_of(session: &ferry_transport::Carriers) -> &'static str {
+    match session {
+        ferry_transport::Carriers::Ferry(_) => "ferry-transport",
+        ferry_transport::Carriers::Mptcp(s) if s.handoff_fd().is_some() => "ferry-mptcp",
+        ferry_transport::Carriers::Mptcp(_) => "ferry-mptcp-relay",
+    }
+}
+
 /// Multifd channels per multichannel migration (streams over the carriers).
 pub const MULTIFD_CHANNELS: u64 = 4;
 
@@ -245,7 +254,10 @@ impl Agent {
         started: Instant,
     ) -> Result<MigrationReport, Failure> {
         if req.encrypt_carriers
-            && matches!(req.option, MigrationOption::Tcp | MigrationOption::Mptcp)
+            && matches!(
+                req.option,
+                MigrationOption::Tcp | MigrationOption::Mptcp | MigrationOption::MptcpRelay
+            )
         {
             return Err(Failure {
                 step: "establish",
@@ -372,7 +384,7 @@ impl Agent {
         .await;
 
         let plan = match option {
-            MigrationOption::Mptcp => {
+            MigrationOption::Mptcp | MigrationOption::MptcpRelay => {
                 let sock = vm.dir.join(format!("out-{id}.sock"));
                 let mine = nics();
                 // the target's listener takes every address; the connection
@@ -392,14 +404,25 @@ impl Agent {
                 let started = ferry_transport::mptcp::prepare_host(&nic_addrs)
                     .map_err(|e| e.to_string())
                     .and_then(|_| {
-                        ferry_transport::Spliced::source(
-                            session,
-                            self.cred.secret(),
-                            sock.clone(),
-                            local,
-                            remote,
-                            nic_addrs,
-                        )
+                        if option == MigrationOption::Mptcp {
+                            // QEMU gets the socket itself (see `transfer`)
+                            ferry_transport::Spliced::source_handoff(
+                                session,
+                                self.cred.secret(),
+                                local,
+                                remote,
+                                nic_addrs,
+                            )
+                        } else {
+                            ferry_transport::Spliced::source(
+                                session,
+                                self.cred.secret(),
+                                sock.clone(),
+                                local,
+                                remote,
+                                nic_addrs,
+                            )
+                        }
                         .map_err(|e| error_chain(&e))
                     });
                 match started {
@@ -502,7 +525,13 @@ impl Agent {
         let q = |step: &'static str| move |e: crate::qmp::QmpError| fail(step, error_chain(&e));
         // post-copy and multifd do not mix in QEMU: with post-copy allowed,
         // Ferry's transport carries QEMU's one stream over every NIC instead
-        let multifd = matches!(plan, Plan::Multichannel { .. }) && !conv.postcopy;
+        // a handed-off MPTCP socket carries QEMU's one stream: no multifd either
+        let handoff = match plan {
+            Plan::Multichannel { session, .. } => session.handoff_fd(),
+            Plan::Tcp { .. } => None,
+        };
+        let multifd =
+            matches!(plan, Plan::Multichannel { .. }) && !conv.postcopy && handoff.is_none();
         qmp.set_capabilities(&[
             ("multifd", multifd),
             ("auto-converge", conv.throttle),
@@ -545,17 +574,21 @@ impl Agent {
                     .iter()
                     .map(|c| c.nic.clone())
                     .collect();
+                let how = if handoff.is_some() {
+                    "QEMU's one stream written straight into an MPTCP socket the agents opened"
+                        .to_string()
+                } else if multifd {
+                    format!("{MULTIFD_CHANNELS} multifd channels")
+                } else {
+                    "QEMU's one stream (post-copy allowed)".to_string()
+                };
                 (
                     format!("unix:{}", sock.display()),
                     format!(
-                        "Ferry transport over {} ({} up), {}",
+                        "Ferry transport ({}) over {} ({} up), {how}",
+                        data_path_of(session),
                         names.join(", "),
                         session.stats().healthy,
-                        if multifd {
-                            format!("{MULTIFD_CHANNELS} multifd channels")
-                        } else {
-                            "QEMU's one stream (post-copy allowed)".to_string()
-                        }
                     ),
                 )
             }
@@ -565,7 +598,18 @@ impl Agent {
             crate::host::own_cpu(),
             crate::host::process_cpu(vm.pid).unwrap_or_default(),
         );
-        qmp.migrate(&uri).await.map_err(q("connection"))?;
+        match handoff {
+            Some(fd) => {
+                let monitor = vm.dir.join(crate::qemu::HANDOFF_SOCK);
+                tokio::task::spawn_blocking(move || {
+                    crate::qmp::hand_socket(&monitor, fd, crate::qmp::HandTo::Migrate)
+                })
+                .await
+                .map_err(|e| fail("connection", e.to_string()))?
+                .map_err(q("connection"))?
+            }
+            None => qmp.migrate(&uri).await.map_err(q("connection"))?,
+        }
         ev.step("connection", detail).await;
 
         // 6-8. copy, iterate, blackout
@@ -963,10 +1007,7 @@ impl Agent {
                     .collect();
                 (
                     *option,
-                    match session {
-                        ferry_transport::Carriers::Ferry(_) => "ferry-transport",
-                        ferry_transport::Carriers::Mptcp(_) => "ferry-mptcp",
-                    },
+                    data_path_of(session),
                     carrier_bytes(&st),
                     carriers,
                     st.frames_resent,
@@ -1086,7 +1127,8 @@ impl Agent {
             MigrationOption::Tcp => None,
             MigrationOption::Multichannel
             | MigrationOption::Compression
-            | MigrationOption::Mptcp => {
+            | MigrationOption::Mptcp
+            | MigrationOption::MptcpRelay => {
                 let id = req
                     .session
                     .as_deref()
@@ -1142,8 +1184,10 @@ impl Agent {
                     .ok_or_else(|| ApiError::internal("QEMU did not report its listening port"))?;
                 return Ok::<_, ApiError>((datapath.source_uri(&nic.address, &port), Vec::new()));
             };
-            // multichannel: QEMU listens on a local socket; carriers end here
-            let multifd = !req.postcopy;
+            // multichannel: QEMU listens on a local socket, carriers end
+            // here; or (mptcp) QEMU is handed the authenticated socket
+            let handoff = req.option == MigrationOption::Mptcp;
+            let multifd = !req.postcopy && !handoff;
             vm.qmp
                 .set_capabilities(&[("multifd", multifd), ("postcopy-ram", req.postcopy)])
                 .await
@@ -1158,15 +1202,20 @@ impl Agent {
                     .map_err(qerr)?;
             }
             let sock = dir.join("incoming.sock");
-            vm.qmp
-                .migrate_incoming(&format!("unix:{}", sock.display()))
-                .await
-                .map_err(qerr)?;
+            if !handoff {
+                vm.qmp
+                    .migrate_incoming(&format!("unix:{}", sock.display()))
+                    .await
+                    .map_err(qerr)?;
+            }
             let listen: Vec<(String, std::net::IpAddr)> = usable
                 .iter()
                 .filter_map(|n| Some((n.name.clone(), n.address.parse().ok()?)))
                 .collect();
-            let (session, bound) = if req.option == MigrationOption::Mptcp {
+            let (session, bound) = if matches!(
+                req.option,
+                MigrationOption::Mptcp | MigrationOption::MptcpRelay
+            ) {
                 if req.sealed {
                     return Err(ApiError::invalid(
                         "sealed",
@@ -1174,11 +1223,27 @@ impl Agent {
                     ));
                 }
                 ferry_transport::mptcp::prepare_host(&listen).map_err(ApiError::internal)?;
+                let deliver = if handoff {
+                    let monitor = dir.join(crate::qemu::HANDOFF_SOCK);
+                    ferry_transport::Deliver::Handoff(Box::new(
+                        move |t: &std::net::TcpStream| {
+                            use std::os::fd::AsRawFd;
+                            crate::qmp::hand_socket(
+                                &monitor,
+                                t.as_raw_fd(),
+                                crate::qmp::HandTo::Incoming,
+                            )
+                            .map_err(|e| error_chain(&e))
+                        },
+                    ))
+                } else {
+                    ferry_transport::Deliver::Relay(sock)
+                };
                 let (s, port) = ferry_transport::Spliced::target(
                     session_id,
                     self.cred.secret(),
                     listen.clone(),
-                    sock,
+                    deliver,
                 )
                 .map_err(|e| ApiError::internal(error_chain(&e)))?;
                 // one listener takes every address: each NIC's address with its port

@@ -97,6 +97,9 @@ fn kernel_cmdline(spec: &VmSpec) -> String {
     )
 }
 
+/// The second QMP monitor's socket, in the VM's directory.
+pub const HANDOFF_SOCK: &str = "handoff.sock";
+
 /// The QEMU arguments for a VM; identical on source and target but for `-incoming`.
 pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) -> Vec<String> {
     let p = |name: &str| dir.join(name).display().to_string();
@@ -129,6 +132,14 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
         "chardev:con0",
         "-qmp",
         &format!("unix:{},server=on,wait=off", p("qmp.sock")),
+        // a second monitor for handing QEMU a socket (see `qmp::hand_socket`)
+        "-chardev",
+        &format!(
+            "socket,id=handoff,path={},server=on,wait=off",
+            p(HANDOFF_SOCK)
+        ),
+        "-mon",
+        "chardev=handoff,mode=control",
     ]
     .iter()
     .map(|s| s.to_string())

@@ -6,6 +6,8 @@
 //! newer QEMU cannot break decoding. Every call has a deadline: a QEMU whose
 //! monitor is stuck must never stall an agent.
 
+use std::io::{ErrorKind, Write};
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::time::Duration;
 
@@ -371,6 +373,155 @@ impl Qmp {
     }
 }
 
+/// Which end of a migration a handed socket is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandTo {
+    /// The source: `migrate` writes the stream into it.
+    Migrate,
+    /// The target: `migrate-incoming` reads the stream from it.
+    Incoming,
+}
+
+/// The name the handed socket gets in QEMU's monitor.
+const HANDED_FD: &str = "ferry-migration";
+
+/// Hands QEMU the connected socket `fd` and starts the migration on it:
+/// QMP `getfd` with the descriptor attached (SCM_RIGHTS), then `migrate` or
+/// `migrate-incoming` with `fd:` and its name. QEMU gets its own duplicate;
+/// the caller keeps `fd`.
+///
+/// This runs on QEMU's second monitor (`qemu::HANDOFF_SOCK`), synchronously
+/// (call it off the async runtime): a named descriptor belongs to the
+/// monitor that received it, and the `qapi` client cannot attach one.
+pub fn hand_socket(monitor: &Path, fd: RawFd, to: HandTo) -> Result<(), QmpError> {
+    let connect = |source| QmpError::Connect {
+        path: monitor.display().to_string(),
+        source,
+    };
+    let s = std::os::unix::net::UnixStream::connect(monitor).map_err(connect)?;
+    s.set_read_timeout(Some(DEFAULT_DEADLINE))
+        .map_err(connect)?;
+    let mut lines = std::io::BufReader::new(&s);
+    let mut line = String::new();
+    read_line(&mut lines, &mut line, "greeting")?;
+    let (command, args) = match to {
+        HandTo::Migrate => ("migrate", "uri"),
+        HandTo::Incoming => ("migrate-incoming", "uri"),
+    };
+    let steps: [(&'static str, serde_json::Value, bool); 3] = [
+        ("qmp_capabilities", serde_json::json!({}), false),
+        ("getfd", serde_json::json!({ "fdname": HANDED_FD }), true),
+        (
+            command,
+            serde_json::json!({ args: format!("fd:{HANDED_FD}") }),
+            false,
+        ),
+    ];
+    for (name, arguments, attach) in steps {
+        let msg = serde_json::json!({ "execute": name, "arguments": arguments }).to_string() + "\n";
+        let sent = if attach {
+            send_with_fd(&s, msg.as_bytes(), fd)
+        } else {
+            (&s).write_all(msg.as_bytes())
+        };
+        sent.map_err(|e| QmpError::Command {
+            command: name,
+            reason: format!("sending it: {e}"),
+        })?;
+        // the reply; events may come first
+        loop {
+            read_line(&mut lines, &mut line, name)?;
+            let v: serde_json::Value =
+                serde_json::from_str(&line).map_err(|e| QmpError::Command {
+                    command: name,
+                    reason: format!("unreadable reply {line:?}: {e}"),
+                })?;
+            if v.get("return").is_some() {
+                break;
+            }
+            if let Some(e) = v.get("error") {
+                return Err(QmpError::Command {
+                    command: name,
+                    reason: e
+                        .get("desc")
+                        .and_then(|d| d.as_str())
+                        .unwrap_or("error")
+                        .to_string(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn read_line(
+    r: &mut impl std::io::BufRead,
+    line: &mut String,
+    command: &'static str,
+) -> Result<(), QmpError> {
+    line.clear();
+    match r.read_line(line) {
+        Ok(0) => Err(QmpError::Command {
+            command,
+            reason: "QEMU closed the monitor".into(),
+        }),
+        Ok(_) => Ok(()),
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+            Err(QmpError::Timeout {
+                command,
+                secs: DEFAULT_DEADLINE.as_secs(),
+            })
+        }
+        Err(e) => Err(QmpError::Command {
+            command,
+            reason: e.to_string(),
+        }),
+    }
+}
+
+/// Sends `bytes` in one message with descriptor `fd` attached.
+fn send_with_fd(
+    s: &std::os::unix::net::UnixStream,
+    bytes: &[u8],
+    fd: RawFd,
+) -> std::io::Result<()> {
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: zeroed msghdr is valid; every pointer set below outlives sendmsg.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: control holds one cmsg of CMSG_SPACE(sizeof fd) bytes.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::copy_nonoverlapping(
+            (&fd as *const RawFd).cast::<u8>(),
+            libc::CMSG_DATA(c),
+            std::mem::size_of::<RawFd>(),
+        );
+    }
+    // SAFETY: msg is fully initialised above.
+    let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if (n as usize) < bytes.len() {
+        // the descriptor went with the first part; the rest follows plainly
+        (&*s).write_all(&bytes[n as usize..])?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -417,6 +568,92 @@ mod tests {
             .await
             .unwrap();
         assert!(s.running);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A monitor that answers every command, keeps the descriptor that
+    /// arrives with `getfd`, and reports (command names, that descriptor).
+    fn fd_monitor(
+        path: std::path::PathBuf,
+        fail: Option<&'static str>,
+    ) -> std::thread::JoinHandle<(Vec<String>, Option<std::os::fd::OwnedFd>)> {
+        use std::io::Write as _;
+        use std::os::fd::FromRawFd;
+        let l = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.write_all(b"{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n")
+                .unwrap();
+            let (mut names, mut got) = (Vec::new(), None);
+            loop {
+                let mut buf = [0u8; 4096];
+                let mut control = [0u8; 64];
+                let mut iov = libc::iovec {
+                    iov_base: buf.as_mut_ptr().cast(),
+                    iov_len: buf.len(),
+                };
+                // SAFETY: every pointer is valid for the call.
+                let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+                msg.msg_iov = &mut iov;
+                msg.msg_iovlen = 1;
+                msg.msg_control = control.as_mut_ptr().cast();
+                msg.msg_controllen = control.len() as _;
+                // SAFETY: msg is initialised above.
+                let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, 0) };
+                if n <= 0 {
+                    break;
+                }
+                // SAFETY: the kernel filled msg's control area.
+                unsafe {
+                    let c = libc::CMSG_FIRSTHDR(&msg);
+                    if !c.is_null() && (*c).cmsg_type == libc::SCM_RIGHTS {
+                        let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>());
+                        got = Some(std::os::fd::OwnedFd::from_raw_fd(fd));
+                    }
+                }
+                let v: serde_json::Value = serde_json::from_slice(&buf[..n as usize]).unwrap();
+                let name = v["execute"].as_str().unwrap().to_string();
+                let reply = if Some(name.as_str()) == fail {
+                    "{\"error\": {\"class\": \"GenericError\", \"desc\": \"no such fd\"}}\n"
+                } else {
+                    // an event before the reply, as QEMU may send
+                    "{\"event\": \"MIGRATION\", \"data\": {}}\n{\"return\": {}}\n"
+                };
+                names.push(name);
+                s.write_all(reply.as_bytes()).unwrap();
+            }
+            (names, got)
+        })
+    }
+
+    #[test]
+    fn a_socket_is_handed_with_getfd_then_migrate_on_it() {
+        use std::io::Read as _;
+        let dir = std::env::temp_dir().join(format!("ferry-qmp-fd-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("handoff.sock");
+        let monitor = fd_monitor(path.clone(), None);
+        let (mine, mut peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        hand_socket(&path, mine.as_raw_fd(), HandTo::Incoming).unwrap();
+        let (names, got) = monitor.join().unwrap();
+        assert_eq!(names, ["qmp_capabilities", "getfd", "migrate-incoming"]);
+        // what "QEMU" received is the same socket: its writes reach the peer
+        let handed = std::os::unix::net::UnixStream::from(got.expect("no descriptor arrived"));
+        (&handed).write_all(b"stream").unwrap();
+        let mut b = [0u8; 6];
+        peer.read_exact(&mut b).unwrap();
+        assert_eq!(&b, b"stream");
+
+        // an error reply names the command and QEMU's reason
+        let path2 = dir.join("handoff2.sock");
+        let monitor = fd_monitor(path2.clone(), Some("migrate"));
+        let e = hand_socket(&path2, mine.as_raw_fd(), HandTo::Migrate).unwrap_err();
+        assert!(
+            matches!(&e, QmpError::Command { command: "migrate", reason } if reason == "no such fd"),
+            "{e}"
+        );
+        drop(monitor);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

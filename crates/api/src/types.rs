@@ -462,10 +462,17 @@ pub enum MigrationOption {
     /// Ferry's transport over one NIC, frames compressed (LZ4) when that
     /// wins: the link is the bottleneck, CPU is idle, the data shrinks.
     Compression,
-    /// QEMU multifd over kernel MPTCP managed by Ferry: one MPTCP
-    /// connection per QEMU connection, a subflow per NIC, bytes spliced
-    /// (no copy through the agent), subflows re-added when a link returns.
+    /// Kernel MPTCP managed by Ferry: the agents open one authenticated
+    /// MPTCP connection (a subflow per NIC) and hand the socket to QEMU,
+    /// which writes its one migration stream into it; no byte passes
+    /// through an agent. Subflows are re-added when a link returns; the
+    /// agents shut the socket when every path is dead or the move fails.
     Mptcp,
+    /// QEMU multifd relayed over kernel MPTCP: one MPTCP connection per
+    /// QEMU connection, bytes spliced toward the network and copied in
+    /// batches from it by the agents.
+    #[serde(rename = "mptcp-relay")]
+    MptcpRelay,
     /// Multichannel when more than one NIC pair is healthy (frames
     /// compressed when that wins), else tcp.
     #[default]
@@ -479,6 +486,7 @@ impl MigrationOption {
             MigrationOption::Multichannel => "multichannel",
             MigrationOption::Compression => "compression",
             MigrationOption::Mptcp => "mptcp",
+            MigrationOption::MptcpRelay => "mptcp-relay",
             MigrationOption::Auto => "auto",
         }
     }

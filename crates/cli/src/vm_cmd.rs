@@ -162,6 +162,7 @@ pub enum OptionArg {
     Multichannel,
     Compression,
     Mptcp,
+    MptcpRelay,
     Auto,
 }
 
@@ -172,6 +173,7 @@ impl From<OptionArg> for MigrationOption {
             OptionArg::Multichannel => MigrationOption::Multichannel,
             OptionArg::Compression => MigrationOption::Compression,
             OptionArg::Mptcp => MigrationOption::Mptcp,
+            OptionArg::MptcpRelay => MigrationOption::MptcpRelay,
             OptionArg::Auto => MigrationOption::Auto,
         }
     }

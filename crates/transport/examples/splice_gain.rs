@@ -13,7 +13,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::Instant;
 
-use ferry_transport::mptcp::{set_splice, Spliced};
+use ferry_transport::mptcp::{set_splice, Deliver, Spliced};
 
 fn cpu_seconds() -> f64 {
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
@@ -34,7 +34,8 @@ fn run(mode: (bool, bool), bytes: u64, streams: u64) -> (f64, f64) {
     let nics = vec![("lo".to_string(), lo)];
     let secret = b"splice gain measurement credential";
     let session = [5u8; 16];
-    let (t, port) = Spliced::target(session, secret, nics.clone(), qemu_in).unwrap();
+    let (t, port) =
+        Spliced::target(session, secret, nics.clone(), Deliver::Relay(qemu_in)).unwrap();
     let out = dir.join("out.sock");
     let s = Spliced::source(
         session,

@@ -21,7 +21,7 @@ pub mod seal;
 pub mod session;
 
 pub use compress::{CompressionStats, Mode as CompressMode};
-pub use mptcp::Spliced;
+pub use mptcp::{Deliver, Spliced};
 pub use session::{CarrierStats, Keys, Session, SessionStats, TransportError};
 
 /// A migration's carriers, of either kind, as the agents drive them.
@@ -29,7 +29,8 @@ pub use session::{CarrierStats, Keys, Session, SessionStats, TransportError};
 pub enum Carriers {
     /// Ferry's own: framed carriers per NIC ([`Session`]).
     Ferry(Session),
-    /// Kernel MPTCP, spliced ([`Spliced`]).
+    /// Kernel MPTCP managed by Ferry ([`Spliced`]): QEMU's one stream
+    /// handed the socket, or QEMU's connections relayed.
     Mptcp(Spliced),
 }
 
@@ -57,6 +58,14 @@ impl Carriers {
         match self {
             Carriers::Ferry(s) => s.close(),
             Carriers::Mptcp(s) => s.close(),
+        }
+    }
+    /// The socket QEMU is to be handed, when the session carries QEMU's
+    /// stream without relaying it.
+    pub fn handoff_fd(&self) -> Option<std::os::fd::RawFd> {
+        match self {
+            Carriers::Mptcp(s) => s.handoff_fd(),
+            Carriers::Ferry(_) => None,
         }
     }
     /// Every frame sealed (only Ferry's own carriers seal).

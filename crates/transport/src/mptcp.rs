@@ -1,16 +1,25 @@
-//! The second carrier kind: kernel MPTCP, managed by Ferry (option `mptcp`).
+//! The second carrier kind: kernel MPTCP, managed by Ferry.
 //!
-//! Each of QEMU's migration connections (the main channel, every multifd
-//! channel) becomes one MPTCP connection between the two agents. The source
-//! opens it from its first NIC to the target's per-session listener, which is
-//! bound to every address so that subflows can join on any NIC. The
-//! connection starts with the transport's Hello and Welcome (role 2,
+//! Every connection starts with the transport's Hello and Welcome (role 2,
 //! *spliced stream*, see `protocol.rs`), so both agents prove they hold the
-//! cluster credential. After that it carries the stream's bytes as they are,
-//! in both directions. They move between QEMU's unix socket and the MPTCP
-//! socket by splice(2) through a pipe, so the agent never copies payload
-//! through user space (MPTCP's send path still copies into its own pages;
-//! what splicing saves is measured in `examples/splice_gain.rs`).
+//! cluster credential before a byte of guest memory moves. The source opens
+//! it from its first NIC to the target's per-session listener, which is bound
+//! to every address so that subflows can join on any NIC. Then one of two
+//! things happens to it ([`Deliver`]):
+//!
+//! - **Handed off** (option `mptcp`): QEMU's one migration stream uses the
+//!   socket itself. Each agent passes its end to its QEMU (QMP `getfd`, then
+//!   `migrate` / `migrate-incoming` with `fd:`) and keeps a descriptor of its
+//!   own. QEMU writes into and reads from the kernel directly: no byte passes
+//!   through an agent, which costs the agents nothing per GiB. The agents'
+//!   descriptors serve to watch the subflows and to shut the socket, which
+//!   ends QEMU's sends and reads at once, wherever they block.
+//! - **Relayed** (option `mptcp-relay`): each of QEMU's connections (main
+//!   channel, every multifd channel) ends at an agent's unix socket and
+//!   gets its own MPTCP connection. Bytes move toward the network by
+//!   splice(2) through a pipe; from the network they are copied in batches.
+//!   MPTCP's send path copies into its own pages either way; what splicing
+//!   saves is measured in `examples/splice_gain.rs`.
 //!
 //! The kernel spreads each connection over one subflow per NIC, moves a dead
 //! subflow's data to the others, and checks it with TCP's checksums. It does
@@ -30,7 +39,9 @@
 //!   ([`announce`]: RM_ADDR, then ADD_ADDR). The source then joins.
 //! - **Stalls**: when a source's send has moved no byte for [`STALL_AFTER`]
 //!   (every link dead), the session fails and shuts its sockets. QEMU's
-//!   writes then end, and the migration is cancelled cleanly.
+//!   writes then end, and the migration is cancelled cleanly. A handed-off
+//!   stream's sends are QEMU's: it counts as waiting while every subflow
+//!   waits on an ACK ([`Subflow::stalled`]) or none is left.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
@@ -474,7 +485,9 @@ fn pump(
 struct Stream {
     index: u16,
     net: Arc<TcpStream>,
-    local: Arc<UnixStream>,
+    /// QEMU's unix connection the agent relays; `None` when QEMU was handed
+    /// the MPTCP socket itself ([`Deliver::Handoff`]) and no byte passes here.
+    local: Option<Arc<UnixStream>>,
     /// Toward the peer, from the peer.
     out: Arc<Flow>,
     back: Arc<Flow>,
@@ -509,6 +522,19 @@ struct NicWatch {
     last_rejoin: Option<Instant>,
     rejoins: u64,
 }
+
+/// Where a target session puts each authenticated stream.
+pub enum Deliver {
+    /// Connect it to QEMU's incoming unix socket at this path and relay
+    /// bytes both ways (QEMU multifd: one MPTCP connection per channel).
+    Relay(PathBuf),
+    /// Give the socket itself to QEMU: this function passes it (QMP
+    /// `getfd`, then `migrate-incoming`). One stream per session.
+    Handoff(HandOver),
+}
+
+/// Passes an authenticated socket to QEMU and starts its incoming migration.
+pub type HandOver = Box<dyn Fn(&TcpStream) -> Result<(), String> + Send + Sync>;
 
 struct Inner {
     session: [u8; 16],
@@ -593,16 +619,54 @@ impl Spliced {
             }
         });
         // the unix listener's accept wakes on close: see `close`
-        let me = s.clone();
-        let wake = listen.clone();
+        s.watch_stalls(Some(listen));
+        Ok(s)
+    }
+
+    /// Source side, QEMU's stream handed off: opens one MPTCP connection
+    /// from `local` (the first NIC's address) to the target's listener
+    /// `remote` and proves the cluster credential on it. The agent then
+    /// hands the socket ([`Spliced::handoff_fd`]) to QEMU, which writes its
+    /// migration stream into it directly: no byte passes through the agent.
+    /// The session keeps its own descriptor of the socket, to watch the
+    /// subflows, re-join NICs, and shut the socket when the session fails or
+    /// is closed (QEMU's sends then end at once, wherever they block).
+    pub fn source_handoff(
+        session: [u8; 16],
+        secret: &[u8],
+        local: IpAddr,
+        remote: SocketAddr,
+        nics: Vec<(String, IpAddr)>,
+    ) -> Result<Spliced, TransportError> {
+        let s = Spliced::new(session, secret, nics);
+        let net = s.dial(0, local, remote)?;
+        s.keep_handed_off(0, net);
+        s.watch_stalls(None);
+        Ok(s)
+    }
+
+    /// The socket of a handed-off session's stream, for QEMU; `None` when
+    /// the session relays QEMU's connections instead.
+    pub fn handoff_fd(&self) -> Option<RawFd> {
+        lock(&self.inner.streams)
+            .iter()
+            .find(|s| s.local.is_none())
+            .map(|s| s.net.as_raw_fd())
+    }
+
+    /// Checks for stalls every 100 ms until the session closes; then wakes
+    /// the unix listener at `wake`, if any.
+    fn watch_stalls(&self, wake: Option<PathBuf>) {
+        let me = self.clone();
         std::thread::spawn(move || {
             while !me.inner.closed.load(Ordering::Relaxed) {
                 me.check_stall();
                 std::thread::sleep(Duration::from_millis(100));
             }
-            let _ = UnixStream::connect(&wake);
+            if let Some(w) = wake {
+                let _ = UnixStream::connect(&w);
+            }
         });
-        Ok(s)
     }
 
     fn dial(
@@ -644,14 +708,15 @@ impl Spliced {
     }
 
     /// Target side: listen on every address on a migration port; each
-    /// authenticated stream is connected to `connect_to` (QEMU's incoming
-    /// unix socket). Returns the session and the port.
+    /// authenticated stream goes where `deliver` says. Returns the session
+    /// and the port.
     pub fn target(
         session: [u8; 16],
         secret: &[u8],
         nics: Vec<(String, IpAddr)>,
-        connect_to: PathBuf,
+        deliver: Deliver,
     ) -> Result<(Spliced, u16), TransportError> {
+        let deliver = Arc::new(deliver);
         let s = Spliced::new(session, secret, nics);
         let mut last = None;
         let mut bound = None;
@@ -698,7 +763,7 @@ impl Spliced {
                 break;
             }
             let me2 = me.clone();
-            let to = connect_to.clone();
+            let to = deliver.clone();
             std::thread::spawn(move || {
                 if let Err(e) = me2.accept(conn.into(), &to) {
                     tracing::warn!(peer = ?peer.as_socket(), error = %e, "MPTCP stream refused");
@@ -708,7 +773,7 @@ impl Spliced {
         Ok((s, port))
     }
 
-    fn accept(&self, mut tcp: TcpStream, connect_to: &std::path::Path) -> Result<(), String> {
+    fn accept(&self, mut tcp: TcpStream, deliver: &Deliver) -> Result<(), String> {
         tcp.set_read_timeout(Some(Duration::from_secs(5)))
             .map_err(|e| e.to_string())?;
         let mut b = [0u8; HELLO_LEN];
@@ -738,21 +803,45 @@ impl Spliced {
                 ProtocolError::Refused("unknown session"),
             ));
         }
+        // QEMU takes one handed-off stream: its first
+        if matches!(deliver, Deliver::Handoff(_))
+            && (hello.carrier != 0 || !lock(&self.inner.streams).is_empty())
+        {
+            return Err(refuse(
+                &tcp,
+                crate::protocol::STATUS_TOO_MANY,
+                &hello.nonce,
+                ProtocolError::Refused("a handed-off session carries one stream"),
+            ));
+        }
         tcp.write_all(&encode_welcome(STATUS_OK, &hello.nonce, &self.inner.secret))
             .map_err(|e| e.to_string())?;
         tcp.set_read_timeout(None).map_err(|e| e.to_string())?;
         let _ = tcp.set_nodelay(true);
-        let u = UnixStream::connect(connect_to)
-            .map_err(|e| format!("connecting to QEMU at {}: {e}", connect_to.display()))?;
-        self.start_stream(hello.carrier as u16, tcp, u);
+        match deliver {
+            Deliver::Relay(to) => {
+                let u = UnixStream::connect(to)
+                    .map_err(|e| format!("connecting to QEMU at {}: {e}", to.display()))?;
+                self.start_stream(hello.carrier as u16, tcp, u);
+            }
+            Deliver::Handoff(hand) => {
+                if let Err(e) = hand(&tcp) {
+                    let _ = tcp.shutdown(std::net::Shutdown::Both);
+                    self.fail(format!("handing the stream to QEMU: {e}"));
+                    return Err(e);
+                }
+                self.keep_handed_off(0, tcp);
+            }
+        }
         Ok(())
     }
 
     fn start_stream(&self, index: u16, net: TcpStream, local: UnixStream) {
+        let local = Arc::new(local);
         let s = Stream {
             index,
             net: Arc::new(net),
-            local: Arc::new(local),
+            local: Some(local.clone()),
             out: Arc::default(),
             back: Arc::default(),
             open: Arc::new(AtomicBool::new(true)),
@@ -760,16 +849,11 @@ impl Spliced {
         let epoch = self.inner.epoch;
         // toward the peer: local → net; from the peer: net → local
         for (from, to, flow, toward) in [
-            (s.local.as_raw_fd(), s.net.as_raw_fd(), s.out.clone(), true),
-            (
-                s.net.as_raw_fd(),
-                s.local.as_raw_fd(),
-                s.back.clone(),
-                false,
-            ),
+            (local.as_raw_fd(), s.net.as_raw_fd(), s.out.clone(), true),
+            (s.net.as_raw_fd(), local.as_raw_fd(), s.back.clone(), false),
         ] {
             let me = self.clone();
-            let keep = (s.net.clone(), s.local.clone(), s.open.clone());
+            let keep = (s.net.clone(), local.clone(), s.open.clone());
             let bit = if toward {
                 SPLICE_TO_NET
             } else {
@@ -790,6 +874,23 @@ impl Spliced {
                 drop(keep);
             });
         }
+        self.push_stream(s);
+    }
+
+    /// A stream whose MPTCP socket QEMU holds: nothing to pump, only to
+    /// watch (subflows, stalls) and to shut on failure.
+    fn keep_handed_off(&self, index: u16, net: TcpStream) {
+        self.push_stream(Stream {
+            index,
+            net: Arc::new(net),
+            local: None,
+            out: Arc::default(),
+            back: Arc::default(),
+            open: Arc::new(AtomicBool::new(true)),
+        });
+    }
+
+    fn push_stream(&self, s: Stream) {
         // pushed before `closed` is read: a `close()` either sees this
         // stream in the list or has set `closed` for the check below
         let mut streams = lock(&self.inner.streams);
@@ -801,6 +902,23 @@ impl Spliced {
 
     fn check_stall(&self) {
         let now = self.inner.epoch.elapsed().as_millis() as u64 + 1;
+        // a handed-off stream's sends are QEMU's: it waits while every
+        // subflow waits on an ACK (or none is left)
+        for s in lock(&self.inner.streams)
+            .iter()
+            .filter(|s| s.local.is_none())
+        {
+            let waiting = match subflows(s.net.as_raw_fd()) {
+                Ok(sfs) => sfs.is_empty() || sfs.iter().all(Subflow::stalled),
+                Err(_) => false,
+            };
+            let w = &s.out.waiting_since;
+            if !waiting {
+                w.store(0, Ordering::Relaxed);
+            } else if w.load(Ordering::Relaxed) == 0 {
+                w.store(now, Ordering::Relaxed);
+            }
+        }
         let stalled = lock(&self.inner.streams).iter().find_map(|s| {
             let w = s.out.waiting_since.load(Ordering::Relaxed);
             (w != 0 && now.saturating_sub(w) > STALL_AFTER.as_millis() as u64).then_some(s.index)
@@ -1005,8 +1123,12 @@ struct Reading {
 }
 
 fn shut(s: &Stream) {
+    // a handed-off socket is QEMU's too: shutting it ends QEMU's reads and
+    // writes at once, wherever they block
     let _ = s.net.shutdown(std::net::Shutdown::Both);
-    let _ = s.local.shutdown(std::net::Shutdown::Both);
+    if let Some(l) = &s.local {
+        let _ = l.shutdown(std::net::Shutdown::Both);
+    }
 }
 
 #[cfg(test)]
@@ -1058,7 +1180,7 @@ mod tests {
         let (qemu, rx) = fake_qemu(&dir);
         let lo: IpAddr = "127.0.0.1".parse().unwrap();
         let nics = vec![("lo".to_string(), lo)];
-        let (t, port) = Spliced::target([7; 16], &secret(), nics, qemu).unwrap();
+        let (t, port) = Spliced::target([7; 16], &secret(), nics, Deliver::Relay(qemu)).unwrap();
         (dir, rx, t, lo, port)
     }
 
@@ -1144,6 +1266,102 @@ mod tests {
         assert!(
             rx.recv_timeout(Duration::from_millis(300)).is_err(),
             "nothing reached QEMU"
+        );
+        t.close();
+    }
+
+    /// A handoff target whose "QEMU" takes a duplicate of each socket it is handed.
+    fn handoff_target() -> (Spliced, IpAddr, u16, std::sync::mpsc::Receiver<TcpStream>) {
+        need_mptcp();
+        let lo: IpAddr = "127.0.0.1".parse().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tx = Mutex::new(tx);
+        let hand = Deliver::Handoff(Box::new(move |t: &TcpStream| {
+            let dup = t.try_clone().map_err(|e| e.to_string())?;
+            lock(&tx).send(dup).map_err(|e| e.to_string())
+        }));
+        let nics = vec![("lo".to_string(), lo)];
+        let (t, port) = Spliced::target([7; 16], &secret(), nics, hand).unwrap();
+        (t, lo, port, rx)
+    }
+
+    #[test]
+    fn a_handed_off_stream_crosses_intact_and_close_ends_qemus_end() {
+        let (t, lo, port, rx) = handoff_target();
+        let nics = vec![("lo".to_string(), lo)];
+        let s = Spliced::source_handoff([7; 16], &secret(), lo, SocketAddr::new(lo, port), nics)
+            .unwrap();
+        // "QEMU" on the source: its own descriptor of the handed socket
+        let fd = s
+            .handoff_fd()
+            .expect("a handed-off session has a socket for QEMU");
+        // SAFETY: dup of a descriptor the session keeps open.
+        let mut qemu_out = unsafe { TcpStream::from_raw_fd(libc::dup(fd)) };
+        let mut qemu_in = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        let data: Vec<u8> = (0..3_000_000u32).map(|i| (i * 13 % 253) as u8).collect();
+        let d = data.clone();
+        let w = std::thread::spawn(move || {
+            qemu_out.write_all(&d).unwrap();
+            qemu_out
+        });
+        let mut got = vec![0u8; data.len()];
+        qemu_in.read_exact(&mut got).unwrap();
+        assert_eq!(got, data, "the stream changed on the way");
+        // the return path: target QEMU to source QEMU
+        qemu_in.write_all(b"ack").unwrap();
+        let mut qemu_out = w.join().unwrap();
+        let mut b = [0u8; 3];
+        qemu_out.read_exact(&mut b).unwrap();
+        assert_eq!(&b, b"ack");
+        // no byte passed through the agent, yet the subflows show what moved
+        assert_eq!(s.bytes(), (0, 0));
+        let st = s.stats();
+        assert!(st.carriers[0].tx_bytes >= data.len() as u64 / 2, "{st:?}");
+        assert_eq!(s.failure(), None);
+        assert_eq!(t.failure(), None);
+        // a second stream into a handed-off session is refused
+        let extra = Spliced::source_handoff(
+            [7; 16],
+            &secret(),
+            lo,
+            SocketAddr::new(lo, port),
+            vec![("lo".to_string(), lo)],
+        );
+        assert!(extra.is_err(), "a second stream was taken");
+        // closing the session ends QEMU's own descriptor too: a blocked read returns
+        s.close();
+        let mut rest = Vec::new();
+        qemu_out
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        assert_eq!(qemu_out.read_to_end(&mut rest).unwrap(), 0);
+        t.close();
+    }
+
+    #[test]
+    fn a_wrong_credential_gets_no_socket_handed_to_qemu() {
+        let (t, lo, port, rx) = handoff_target();
+        let nics = vec![("lo".to_string(), lo)];
+        for (session, cred) in [
+            ([7; 16], b"another credential".to_vec()),
+            ([8; 16], secret()),
+        ] {
+            let r = Spliced::source_handoff(
+                session,
+                &cred,
+                lo,
+                SocketAddr::new(lo, port),
+                nics.clone(),
+            );
+            let e = r
+                .err()
+                .map(|e| crate::session::error_text(&e))
+                .unwrap_or_default();
+            assert!(e.contains("handshake"), "{e}");
+        }
+        assert!(
+            rx.recv_timeout(Duration::from_millis(300)).is_err(),
+            "QEMU got a socket"
         );
         t.close();
     }
