@@ -3,7 +3,7 @@
 
 One lab (2 hosts × 2 NICs shaped to --rate). Three cases, each a guest of
 --memory with --fill of non-zero memory moved with `--option multichannel`
-(Ferry's own carriers), `--option mptcp` (kernel MPTCP managed by Ferry) and
+(Ferry's own carriers), `--option mptcp` (QEMU handed an MPTCP socket managed by Ferry) and
 `--option auto`, one after the other, back and forth between the hosts:
 
 - idle: random memory, nothing else running.

@@ -6,8 +6,10 @@ One lab (2 hosts × 2 NICs shaped to --rate). Each round moves the same guest
 (kernel, initramfs, workload; --memory, --fill, --dirty-rate) undisturbed:
 
 - with Ferry: `--option multichannel` (Ferry's carriers), `--option mptcp`
-  (kernel MPTCP managed by Ferry) and `--option auto`, one guest moved there
-  and back (CPU: the move report's `cpu`, both QEMUs and both agents);
+  (QEMU handed an MPTCP socket managed by Ferry: no byte through an agent),
+  `--option mptcp-relay` (QEMU multifd relayed by the agents over MPTCP) and
+  `--option auto`, one guest moved there and back (CPU: the move report's
+  `cpu`, both QEMUs and both agents);
 - by hand: QEMU multifd (4 channels) with `"mptcp": true` to the peer, the
   in-kernel path manager adding a subflow per NIC (`ferry lab team mptcp`;
   CPU: both QEMUs, sampled every 100 ms, plus the agents, idle).
@@ -17,8 +19,9 @@ move of the same round; rounds show how far two-core figures swing. Most of
 each move's CPU is the target QEMU faulting in the guest's memory, and on this
 virtual machine that costs more the longer the memory went untouched: the
 first move after a guest starts cost 15-25% more than the next in trial runs.
-So each round starts with a move that is not counted, and the three Ferry
-paths take turns at going first.
+So each round starts with a move that is not counted, and the Ferry paths
+take turns at going first. mptcp against multichannel and mptcp-relay is
+what sparing the agents' copies gains.
 
     sudo python3 bench/cpu_ratio.py [--rounds 3] [--rate 500mbit] [--memory 1280M] [--fill 1G]
 """
@@ -52,8 +55,9 @@ def main():
         if not warm["done"]:
             sys.exit(f"round {n}: the first move failed: {warm['how']}")
         at = "host2"
-        paths = ["multichannel", "mptcp", "auto"]
-        for option in paths[(n - 1) % 3:] + paths[:(n - 1) % 3]:
+        paths = ["multichannel", "mptcp", "mptcp-relay", "auto"]
+        k = (n - 1) % len(paths)
+        for option in paths[k:] + paths[:k]:
             to = "host2" if at == "host1" else "host1"
             r = alt.ferry_move("ratio", to, 0, link, option)
             if not r["done"]:

@@ -196,6 +196,15 @@ struct DeviceAdd {
 }
 qmp_command!(DeviceAdd, "device_add", qapi::Empty);
 
+/// Guest-physical memory `[val, val + size)` written to `filename`.
+#[derive(Serialize)]
+struct PmemSave {
+    val: u64,
+    size: u64,
+    filename: String,
+}
+qmp_command!(PmemSave, "pmemsave", qapi::Empty);
+
 #[derive(Serialize)]
 struct Quit {}
 qmp_command!(Quit, "quit", qapi::Empty);
@@ -366,6 +375,21 @@ impl Qmp {
         )
         .await
         .map(|_| ())
+    }
+
+    /// Writes `size` bytes of guest-physical memory from `addr` to `file`.
+    pub async fn pmemsave(&self, addr: u64, size: u64, file: &Path) -> Result<(), QmpError> {
+        let filename = file.display().to_string();
+        self.call(
+            PmemSave {
+                val: addr,
+                size,
+                filename,
+            },
+            DEFAULT_DEADLINE,
+        )
+        .await
+        .map(drop)
     }
 
     pub async fn quit(&self) -> Result<(), QmpError> {

@@ -62,10 +62,15 @@ fn multichannel_move_spreads_over_both_nics() {
         "{r}"
     );
     assert_intact_on("mc1", "host2");
-    // and back with auto: over two healthy NICs, Ferry's carriers
+    // and back with auto: over two healthy NICs, memory that does not
+    // compress goes by the handed-off MPTCP socket
     let r = move_vm("mc1", "host1", "auto");
     assert_eq!(r["event"], "completed", "{r}");
-    assert_eq!(r["option"], "multichannel", "auto over two NICs: {r}");
+    assert_eq!(
+        r["option"], "mptcp",
+        "auto over two NICs, random memory: {r}"
+    );
+    assert_eq!(r["data_path"], "ferry-mptcp", "{r}");
     assert!(
         nic_bytes(&r, "nic1") > 0 && nic_bytes(&r, "nic2") > 0,
         "auto used one NIC: {r}"
@@ -153,10 +158,11 @@ fn losing_every_nic_leaves_the_guest_on_the_source() {
     assert_intact_on("mc3", "host3");
 }
 
-/// `--option mptcp`: a NIC whose link is down when the move starts joins
-/// once it returns (the in-kernel path manager alone would never retry it),
-/// sealed clusters refuse the clear kind, and losing every NIC leaves the
-/// guest on the source.
+/// `--option mptcp` (QEMU handed the MPTCP socket): a NIC whose link is
+/// down when the move starts joins once it returns (the in-kernel path
+/// manager alone would never retry it), sealed clusters refuse the clear
+/// kind, and losing every NIC leaves the guest on the source; then
+/// `mptcp-relay` moves it back.
 #[test]
 fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
     if !lab_available("mptcp_move_rejoins_a_returning_nic_and_fails_safe") {
@@ -205,6 +211,12 @@ fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
     assert_eq!(r["error"]["running_on"], "host2", "{r}");
     assert_intact_on("mp1", "host2");
     assert!(qemu_pids("host3").is_empty(), "skeleton left on host3");
+
+    // the relayed form: QEMU multifd, each channel its own MPTCP connection
+    let r = move_vm("mp1", "host1", "mptcp-relay");
+    assert_eq!(r["event"], "completed", "{r}");
+    assert_eq!(r["data_path"], "ferry-mptcp-relay", "{r}");
+    assert_intact_on("mp1", "host1");
 }
 
 /// `--option compression` on a link shaped so it is the bottleneck: a guest
@@ -247,6 +259,15 @@ fn compression_shrinks_what_compresses_and_leaves_the_rest() {
     assert!(r["frames_compressed"].as_u64().unwrap() > 0, "{r}");
     assert!(r["compression_ratio"].as_f64().unwrap() > 2.0, "{r}");
     assert_intact_on("cz1", "host2");
+    // auto over both NICs: memory that compresses goes by Ferry's carriers
+    let r = move_vm("cz1", "host1", "auto");
+    assert_eq!(r["event"], "completed", "{r}");
+    assert_eq!(
+        r["option"], "multichannel",
+        "auto, compressible memory: {r}"
+    );
+    assert_eq!(r["data_path"], "ferry-transport", "{r}");
+    assert_intact_on("cz1", "host1");
 
     let _vm2 = VmGuard::create("cz2", "host1", "512M", "384M");
     let r = move_vm("cz2", "host2", "compression");
