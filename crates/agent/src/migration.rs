@@ -2,7 +2,7 @@
 //! source agent with the target agent, QEMU doing the memory copy.
 //!
 //! ```text
-//!  source agent                                   target agent
+//!  source agent target agent
 //!  1 establish   GET  /host ───────────────────────▶ (credential checked)
 //!  2 permission  (a refused credential ends here)
 //!  3 memory      POST /incoming ───────────────────▶ reserve memory or refuse
@@ -180,19 +180,22 @@ fn auto_choice(
         (Some(r), Some(i)) if r <= AUTO_COMPRESSES && i >= min_idle => (
             carriers,
             format!(
-                "Ferry's carriers: a memory sample compresses to {shown} and the CPU is                  {idle_pct:.0}% idle, so frames are compressed when the link is the bottleneck"
+                "Ferry's carriers: a memory sample compresses to {shown} and the CPU is \
+                 {idle_pct:.0}% idle, so frames are compressed when the link is the bottleneck"
             ),
         ),
         (Some(r), _) if r <= AUTO_COMPRESSES => (
             MigrationOption::Mptcp,
             format!(
-                "QEMU handed an MPTCP socket: memory compresses to {shown} but the CPU is only                  {idle_pct:.0}% idle, too little to compress; no byte passes through an agent"
+                "QEMU handed an MPTCP socket: memory compresses to {shown} but the CPU is \
+                 only {idle_pct:.0}% idle, too little to compress; no byte passes through an agent"
             ),
         ),
         _ => (
             MigrationOption::Mptcp,
             format!(
-                "QEMU handed an MPTCP socket: a memory sample compresses to {shown} only,                  so no byte passes through an agent"
+                "QEMU handed an MPTCP socket: a memory sample compresses to {shown} only, \
+                 so no byte passes through an agent"
             ),
         ),
     }
@@ -1646,5 +1649,6 @@ mod tests {
         // the reason names what was measured
         let (_, why) = auto_choice(false, true, Some(0.97), Some(0.8));
         assert!(why.contains("0.97") && why.contains("MPTCP"), "{why}");
+        assert!(!why.contains("  "), "{why}");
     }
 }
