@@ -150,8 +150,8 @@ pub const AUTO_COMPRESSES: f64 = 0.8;
 /// CPU, when the link is the bottleneck); a guest whose memory compresses
 /// crosses link-bound fabrics several times faster on them. Otherwise the
 /// handed-off MPTCP socket wins: QEMU writes straight into the kernel and no
-/// byte passes through an agent, so the move costs the CPU of QEMU over
-/// MPTCP (the agents' relay costs 1.7–2.2 CPU-s/GiB more) at 0.92–0.93 of
+/// byte passes through an agent, so the move costs no more CPU than QEMU
+/// over MPTCP (the agents' relay costs 1.7–2.2 CPU-s/GiB more) at 0.90–0.93 of
 /// the links against the carriers' 0.95. BENCHMARKS.md has the runs.
 /// Sealing needs Ferry's frames, and so does a kernel without MPTCP.
 fn auto_choice(

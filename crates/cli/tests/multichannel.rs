@@ -15,6 +15,18 @@ fn nic_bytes(r: &Value, nic: &str) -> u64 {
     r["nic_tx_bytes"][nic].as_u64().unwrap_or(0)
 }
 
+/// Moves `vm` with `auto`; it must complete, taken by `(option, data path)`.
+fn auto_move(vm: &str, to: &str, took: (&str, &str)) -> Value {
+    let r = move_vm(vm, to, "auto");
+    assert_eq!(r["event"], "completed", "{r}");
+    assert_eq!(
+        (r["option"].as_str(), r["data_path"].as_str()),
+        (Some(took.0), Some(took.1)),
+        "auto took another kind: {r}"
+    );
+    r
+}
+
 #[test]
 fn multichannel_move_spreads_over_both_nics() {
     if !lab_available("multichannel_move_spreads_over_both_nics") {
@@ -64,13 +76,7 @@ fn multichannel_move_spreads_over_both_nics() {
     assert_intact_on("mc1", "host2");
     // and back with auto: over two healthy NICs, memory that does not
     // compress goes by the handed-off MPTCP socket
-    let r = move_vm("mc1", "host1", "auto");
-    assert_eq!(r["event"], "completed", "{r}");
-    assert_eq!(
-        r["option"], "mptcp",
-        "auto over two NICs, random memory: {r}"
-    );
-    assert_eq!(r["data_path"], "ferry-mptcp", "{r}");
+    let r = auto_move("mc1", "host1", ("mptcp", "ferry-mptcp"));
     assert!(
         nic_bytes(&r, "nic1") > 0 && nic_bytes(&r, "nic2") > 0,
         "auto used one NIC: {r}"
@@ -260,13 +266,7 @@ fn compression_shrinks_what_compresses_and_leaves_the_rest() {
     assert!(r["compression_ratio"].as_f64().unwrap() > 2.0, "{r}");
     assert_intact_on("cz1", "host2");
     // auto over both NICs: memory that compresses goes by Ferry's carriers
-    let r = move_vm("cz1", "host1", "auto");
-    assert_eq!(r["event"], "completed", "{r}");
-    assert_eq!(
-        r["option"], "multichannel",
-        "auto, compressible memory: {r}"
-    );
-    assert_eq!(r["data_path"], "ferry-transport", "{r}");
+    auto_move("cz1", "host1", ("multichannel", "ferry-transport"));
     assert_intact_on("cz1", "host1");
 
     let _vm2 = VmGuard::create("cz2", "host1", "512M", "384M");
