@@ -473,8 +473,9 @@ pub enum MigrationOption {
     /// batches from it by the agents.
     #[serde(rename = "mptcp-relay")]
     MptcpRelay,
-    /// Multichannel when more than one NIC pair is healthy (frames
-    /// compressed when that wins), else tcp.
+    /// More than one NIC pair healthy: multichannel (frames compressed
+    /// when that wins) for a guest whose memory compresses, else mptcp
+    /// (the source reads a sample of the guest's memory). One pair: tcp.
     #[default]
     Auto,
 }
