@@ -207,15 +207,7 @@ fn require_root() -> anyhow::Result<()> {
 pub fn down() -> Vec<String> {
     let dir = LabDir::default_path();
     for daemon in ["control.pid", "storage.pid"] {
-        let pid_file = dir.control_dir().join(daemon);
-        if let Some(pid) = std::fs::read_to_string(&pid_file)
-            .ok()
-            .and_then(|s| s.trim().parse::<i32>().ok())
-        {
-            let _ = std::process::Command::new("kill")
-                .args(["-9", &pid.to_string()])
-                .status();
-        }
+        stop_pidfile(&dir.control_dir().join(daemon));
     }
     let removed = net::destroy();
     let _ = std::fs::remove_dir_all(&dir.0);
