@@ -24,16 +24,21 @@
 //! Welcome (target → source), 64 bytes
 //!   0  [8]  magic "FERRYTP1"
 //!   8  u16  version = 1
-//!  10  u8   status: 0 ok, 1 bad version, 2 bad credential, 3 unknown session, 4 too many carriers,
+//!  10  u8   status: 0 ok, 1 bad version, 2 bad credential, 3 unknown session, 4 too many carriers
+//!           (or streams),
 //!           5 sealing differs (the Hello's SEALED flag is not the session's)
 //!  11  [5]  reserved, 0
 //!  16  [16] the Hello's nonce
 //!  32  [32] HMAC-SHA256(cluster credential, "ferry-transport welcome" ‖ bytes 0..32)
 //! ```
-//! A *spliced stream* (the `mptcp` carrier kind, see `mptcp.rs`) is one
+//! A *spliced stream* (the MPTCP carrier kind, see `mptcp.rs`) is one
 //! MPTCP connection per QEMU connection: after the Welcome it carries that
 //! connection's bytes as they are, both ways, and ends with it. No frames
-//! follow on it; the kernel's subflows carry it over every NIC.
+//! follow on it; the kernel's subflows carry it over every NIC. Relayed
+//! (`mptcp-relay`), each end is an agent copying to and from QEMU; handed
+//! off (`mptcp`), there is one stream, index 0, and after the Welcome each
+//! agent gives the socket to its QEMU. Status 4 also refuses a second
+//! stream into a handed-off session.
 //!
 //! The target answers a Hello whose HMAC is wrong with status 2 and closes,
 //! without a MAC of its own; the source checks the Welcome's MAC, so both ends
