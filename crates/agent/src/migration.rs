@@ -2,7 +2,7 @@
 //! source agent with the target agent, QEMU doing the memory copy.
 //!
 //! ```text
-//!  source agent target agent
+//!  source agent                                   target agent
 //!  1 establish   GET  /host ───────────────────────▶ (credential checked)
 //!  2 permission  (a refused credential ends here)
 //!  3 memory      POST /incoming ───────────────────▶ reserve memory or refuse

@@ -428,16 +428,16 @@ pub fn hand_socket(monitor: &Path, fd: RawFd, to: HandTo) -> Result<(), QmpError
     let mut lines = std::io::BufReader::new(&s);
     let mut line = String::new();
     read_line(&mut lines, &mut line, "greeting")?;
-    let (command, args) = match to {
-        HandTo::Migrate => ("migrate", "uri"),
-        HandTo::Incoming => ("migrate-incoming", "uri"),
+    let command = match to {
+        HandTo::Migrate => "migrate",
+        HandTo::Incoming => "migrate-incoming",
     };
     let steps: [(&'static str, serde_json::Value, bool); 3] = [
         ("qmp_capabilities", serde_json::json!({}), false),
         ("getfd", serde_json::json!({ "fdname": HANDED_FD }), true),
         (
             command,
-            serde_json::json!({ args: format!("fd:{HANDED_FD}") }),
+            serde_json::json!({ "uri": format!("fd:{HANDED_FD}") }),
             false,
         ),
     ];

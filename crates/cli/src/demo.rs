@@ -1,9 +1,10 @@
 //! `ferry demo`: Ferry's main job on its embedded defaults. Brings up a lab
 //! (3 hosts × 2 NICs at 1 Gbit/s), boots four VMs of mixed sizes on host1,
 //! plugs one shared disk from the storage service (under the seed-004 QoS
-//! policy) into every VM, drains host1 with live migrations (auto: over both NICs, by the kind
-//! each guest's memory calls for; simultaneous migrations tuned automatically), checks every guest where it
-//! landed, shows the storage flows following their VMs, and prints a report.
+//! policy) into every VM, drains host1 with live migrations (auto: over both
+//! NICs, by the kind each guest's memory calls for; simultaneous migrations
+//! tuned automatically), checks every guest where it landed, shows the
+//! storage flows following their VMs, and prints a report.
 //! Uses the same control API as every front end.
 
 use std::time::Duration;
