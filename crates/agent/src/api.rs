@@ -10,8 +10,10 @@
 //! | POST | /vms/{name}/migrate | move (body: `MigrateRequest`), NDJSON events |
 //! | POST | /incoming | target: reserve + skeleton (body: `IncomingRequest`) |
 //! | GET/DELETE | /incoming/{id} | target: status / discard |
-//! | POST | /incoming/{id}/running | target: wait until the guest runs |
-//! | POST | /incoming/{id}/commit | target: final check and adopt |
+//! | POST | /incoming/{id}/ready | target: wait until everything has loaded, paused (before the commit) |
+//! | POST | /incoming/{id}/run | target: RUN, the source has committed: start the guest, adopt it |
+//! | GET | /migrations/{id} | source: its record of a migration (`SourceStatus`), asked by a waiting target |
+//! | POST | /vms/{name}/resolve | settle a migration of this VM that is in doubt here (`ResolveReport`) |
 //! | POST | /incoming/{id}/rejoin | target, `mptcp`: announce the address on a fabric again (body: `RejoinRequest`) |
 //! | GET | /validate/facts | NICs, CPU power, queues, RDMA as seen here |
 //! | POST | /validate/path | largest don't-fragment packet to a peer |
@@ -111,18 +113,32 @@ async fn incoming_status(
     Ok(Json(a.incoming_status(&id).await?))
 }
 
-async fn incoming_running(
+async fn incoming_ready(
     State(a): State<Arc<Agent>>,
     Path(id): Path<String>,
 ) -> R<ferry_api::IncomingStatus> {
-    Ok(Json(a.incoming_running(&id).await?))
+    Ok(Json(a.ready_incoming(&id).await?))
 }
 
-async fn incoming_commit(
+async fn incoming_run(
     State(a): State<Arc<Agent>>,
     Path(id): Path<String>,
-) -> R<ferry_api::CheckResult> {
-    Ok(Json(a.commit_incoming(&id).await?))
+) -> R<ferry_api::IncomingStatus> {
+    Ok(Json(a.run_incoming(&id).await?))
+}
+
+async fn migration_record(
+    State(a): State<Arc<Agent>>,
+    Path(id): Path<String>,
+) -> R<ferry_api::SourceStatus> {
+    Ok(Json(a.source_status(&id)?))
+}
+
+async fn resolve_vm(
+    State(a): State<Arc<Agent>>,
+    Path(name): Path<String>,
+) -> R<Vec<ferry_api::ResolveReport>> {
+    Ok(Json(a.resolve_vm(&name).await?))
 }
 
 async fn incoming_rejoin(
@@ -183,8 +199,10 @@ pub fn router(agent: Arc<Agent>) -> Router {
             "/incoming/{id}",
             get(incoming_status).delete(incoming_abort),
         )
-        .route("/incoming/{id}/running", post(incoming_running))
-        .route("/incoming/{id}/commit", post(incoming_commit))
+        .route("/incoming/{id}/ready", post(incoming_ready))
+        .route("/incoming/{id}/run", post(incoming_run))
+        .route("/migrations/{id}", get(migration_record))
+        .route("/vms/{name}/resolve", post(resolve_vm))
         .route("/incoming/{id}/rejoin", post(incoming_rejoin))
         .route("/validate/facts", get(facts))
         .route("/validate/path", post(probe_path))
@@ -199,8 +217,10 @@ pub fn router(agent: Arc<Agent>) -> Router {
         .layer(middleware::from_fn_with_state(cred, require_credential))
 }
 
-/// Serves the agent until the process ends; reaps dead skeletons every 2 s.
+/// Serves the agent until the process ends: first settles what its journal
+/// left open (see [`crate::commit`]), then reaps and questions skeletons every 2 s.
 pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
+    agent.recover().await;
     let listener = tokio::net::TcpListener::bind(agent.cfg.listen).await?;
     tracing::info!(host = %agent.cfg.name, listen = %agent.cfg.listen, "agent serving");
     let classes = agent.classes.clone();
@@ -220,6 +240,7 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
         loop {
             tokio::time::sleep(std::time::Duration::from_secs(2)).await;
             reaper.reap_incoming().await;
+            reaper.settle_committed().await;
         }
     });
     axum::serve(listener, router(agent)).await

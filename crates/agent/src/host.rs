@@ -30,6 +30,12 @@ pub enum Role {
     Incoming {
         migration_id: String,
         source: String,
+        /// The source agent's URL, to ask it what became of the migration.
+        source_url: String,
+        /// The skeleton's directory.
+        dir: PathBuf,
+        /// When the skeleton was asked for.
+        since: std::time::Instant,
         /// This agent's CPU time when the skeleton was asked for.
         agent_cpu_at_start: Duration,
     },
@@ -43,6 +49,24 @@ pub struct VmSlot {
     pub migrating: bool,
     /// A skeleton's transport session (multichannel), closed with it.
     pub transport: Option<ferry_transport::Carriers>,
+    /// A migration of this VM is in doubt here (see [`crate::commit`]).
+    pub doubt: Option<String>,
+    /// The last guest check after a migration failed: why.
+    pub problem: Option<String>,
+}
+
+impl VmSlot {
+    pub fn new(spec: VmSpec, role: Role, qemu: Option<Arc<QemuVm>>) -> VmSlot {
+        VmSlot {
+            spec,
+            role,
+            qemu,
+            migrating: false,
+            transport: None,
+            doubt: None,
+            problem: None,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -63,12 +87,18 @@ pub struct Agent {
     pub sinks: crate::validate::Sinks,
     /// Bandwidth classes on this host's NICs.
     pub classes: Arc<std::sync::Mutex<crate::classes::Classes>>,
+    /// Every migration's commit record (see [`crate::commit`]).
+    pub journal: crate::commit::Journal,
+    /// Migrations a move of this process is driving now (by id).
+    pub live: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
 
 impl Agent {
     pub fn new(cfg: AgentConfig, cred: ferry_api::auth::Credential) -> Arc<Agent> {
         Arc::new(Agent {
             cred,
+            journal: crate::commit::Journal::new(&cfg.state_dir),
+            live: Default::default(),
             state: Default::default(),
             sinks: Default::default(),
             classes: Arc::new(std::sync::Mutex::new(crate::classes::Classes::new(
@@ -105,16 +135,8 @@ impl Agent {
                 available,
             });
         }
-        st.vms.insert(
-            spec.name.clone(),
-            VmSlot {
-                spec: spec.clone(),
-                role,
-                qemu: None,
-                migrating: false,
-                transport: None,
-            },
-        );
+        st.vms
+            .insert(spec.name.clone(), VmSlot::new(spec.clone(), role, None));
         Ok(())
     }
 
@@ -164,6 +186,17 @@ impl Agent {
     }
 
     async fn vm_info(&self, spec: &VmSpec, role: &Role, qemu: Option<&Arc<QemuVm>>) -> VmInfo {
+        self.vm_info_with(spec, role, qemu, None, None).await
+    }
+
+    async fn vm_info_with(
+        &self,
+        spec: &VmSpec,
+        role: &Role,
+        qemu: Option<&Arc<QemuVm>>,
+        in_doubt: Option<String>,
+        problem: Option<String>,
+    ) -> VmInfo {
         let state = match (role, qemu) {
             (Role::Starting, _) => "starting".to_string(),
             (Role::Incoming { .. }, _) => "incoming".to_string(),
@@ -180,6 +213,8 @@ impl Agent {
             spec: spec.clone(),
             state,
             pid: qemu.map(|q| q.pid),
+            in_doubt,
+            problem,
         }
     }
 
@@ -188,12 +223,23 @@ impl Agent {
             let st = self.state.lock().await;
             st.vms
                 .values()
-                .map(|s| (s.spec.clone(), s.role.clone(), s.qemu.clone()))
+                .map(|s| {
+                    (
+                        s.spec.clone(),
+                        s.role.clone(),
+                        s.qemu.clone(),
+                        s.doubt.clone(),
+                        s.problem.clone(),
+                    )
+                })
                 .collect()
         };
         let mut out = Vec::new();
-        for (spec, role, q) in slots {
-            out.push(self.vm_info(&spec, &role, q.as_ref()).await);
+        for (spec, role, q, doubt, problem) in slots {
+            out.push(
+                self.vm_info_with(&spec, &role, q.as_ref(), doubt, problem)
+                    .await,
+            );
         }
         out
     }
@@ -275,15 +321,32 @@ impl Agent {
         }
         if let Some(q) = self.release(name).await {
             q.stop().await;
-            let _ = std::fs::remove_dir_all(&q.dir);
+            self.remove_vm_dir(&q.dir, &format!("{name}.removed"));
         }
         tracing::info!(vm = name, "vm removed");
         Ok(())
     }
 
+    /// Checks a running guest; a failure is kept on the VM (`problem` in
+    /// `vm list`) until a check passes.
     pub async fn check_vm(&self, name: &str) -> Result<CheckResult, ApiError> {
         let (_, q) = self.running_vm(name).await?;
-        Ok(check(&self.cfg.name, name, &q, Duration::from_secs(8)).await)
+        let r = check(&self.cfg.name, name, &q, Duration::from_secs(8)).await;
+        let problem = (!r.ok()).then(|| r.summary());
+        if let Some(slot) = self.state.lock().await.vms.get_mut(name) {
+            slot.problem = problem;
+        }
+        Ok(r)
+    }
+
+    /// Removes a VM's directory, keeping its QEMU log (every run-state change
+    /// is traced there) as `STATE_DIR/log/LABEL.qemu.log`.
+    pub fn remove_vm_dir(&self, dir: &std::path::Path, label: &str) {
+        let logs = self.cfg.state_dir.join("log");
+        if std::fs::create_dir_all(&logs).is_ok() {
+            let _ = std::fs::copy(dir.join("qemu.log"), logs.join(format!("{label}.qemu.log")));
+        }
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     pub async fn host_info(&self) -> HostInfo {
@@ -452,7 +515,15 @@ pub async fn check(host: &str, name: &str, q: &QemuVm, wait: Duration) -> CheckR
     };
     let deadline = tokio::time::Instant::now() + wait;
     let path = q.console_path();
-    let read = || console::parse_log(&console::read_tail(&path, 256 << 10).unwrap_or_default());
+    // an unreadable console is a failed check, never a skipped one
+    let mut unreadable = None;
+    let mut read = || match console::read_tail(&path, 256 << 10) {
+        Ok(text) => console::parse_log(&text),
+        Err(e) => {
+            unreadable = Some(format!("console {} unreadable: {e}", path.display()));
+            console::parse_log("")
+        }
+    };
     let mut first = None;
     let mut state = read();
     loop {
@@ -465,6 +536,9 @@ pub async fn check(host: &str, name: &str, q: &QemuVm, wait: Duration) -> CheckR
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
         state = read();
+    }
+    if let Some(why) = unreadable {
+        state.problems.push(why);
     }
     // integrity errors since boot are in the tick's counter; a panic stops the ticks
     let last = state.last;

@@ -7,7 +7,9 @@
 //! - [`qmp`]: typed QMP commands over the `qapi` crate, each with a deadline.
 //! - [`qemu`]: starting/stopping one VM's QEMU; skeletons for migration targets.
 //! - [`host`]: the host's state: VMs, reservations, NICs, the guest check.
-//! - [`migration`]: the ten steps, source side and target side.
+//! - [`migration`]: the steps, source and target side, around the commit point.
+//! - [`commit`]: the commit point: who may run the guest, decided and journaled.
+//! - [`failpoint`]: faults injected on purpose at named steps (tests).
 //! - [`convergence`]: will pre-copy converge, and when (a pure model).
 //! - [`datapath`]: the seam where a migration's bytes leave QEMU (today QEMU's
 //!   own TCP stream over one NIC; Ferry's multi-NIC transport plugs in here).
@@ -17,8 +19,10 @@
 
 pub mod api;
 pub mod classes;
+pub mod commit;
 pub mod convergence;
 pub mod datapath;
+pub mod failpoint;
 pub mod host;
 pub mod migration;
 pub mod qemu;

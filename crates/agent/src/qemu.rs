@@ -179,8 +179,17 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
             format!("virtio-blk-pci,drive=disk{i},id=vd{i},bus=rp{i}"),
         ]);
     }
+    // every run-state change goes to qemu.log ("vm_state_notify running 1"):
+    // the record of whether, and when, a guest's vCPUs ran on this host
+    a.extend(["-trace".to_string(), "enable=vm_state_notify".to_string()]);
     if incoming {
-        a.extend(["-incoming".to_string(), "defer".to_string()]);
+        // a skeleton stays paused after the memory has arrived: its vCPUs
+        // start only on the commit's RUN (see `commit`)
+        a.extend([
+            "-S".to_string(),
+            "-incoming".to_string(),
+            "defer".to_string(),
+        ]);
     }
     a
 }
@@ -276,7 +285,7 @@ mod tests {
         let src = qemu_args(&cfg(), &spec(), d, false);
         let dst = qemu_args(&cfg(), &spec(), d, true);
         assert_eq!(&dst[..src.len()], &src[..]);
-        assert_eq!(&dst[src.len()..], ["-incoming", "defer"]);
+        assert_eq!(&dst[src.len()..], ["-S", "-incoming", "defer"]);
     }
 
     #[test]

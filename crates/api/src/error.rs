@@ -35,6 +35,27 @@ pub enum ApiError {
         reason: String,
         running_on: String,
     },
+    /// The source committed (only the target may run the guest now) and the
+    /// target's answer to RUN was lost: both stay paused until one agent can
+    /// ask the other (`ferry vm resolve`).
+    #[error(
+        "Migration of {vm} from {source_host} to {target} is in doubt: {reason}; the guest is paused \
+         and runs on neither until {target} answers (ferry vm resolve {vm})"
+    )]
+    MigrationInDoubt {
+        vm: String,
+        source_host: String,
+        target: String,
+        reason: String,
+    },
+    /// After the commit (post-copy): the guest's state is on the target and the
+    /// migration broke; the source is never resumed.
+    #[error("Migration of {vm} to {target} failed after its commit point: {reason}")]
+    MigrationLost {
+        vm: String,
+        target: String,
+        reason: String,
+    },
     #[error("Internal error: {reason}")]
     Internal { reason: String },
 }
@@ -49,7 +70,9 @@ impl ApiError {
             ApiError::InsufficientMemory { .. } => 507,
             ApiError::Unauthorized => 401,
             ApiError::Unavailable { .. } => 503,
-            ApiError::MigrationFailed { .. } => 502,
+            ApiError::MigrationFailed { .. }
+            | ApiError::MigrationInDoubt { .. }
+            | ApiError::MigrationLost { .. } => 502,
             ApiError::Internal { .. } => 500,
         }
     }

@@ -232,6 +232,12 @@ pub struct VmInfo {
     /// QEMU's run state (`running`, `paused`, `inmigrate`, …) or `unreachable`.
     pub state: String,
     pub pid: Option<u32>,
+    /// A migration of this VM is in doubt here: what is known and since when.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_doubt: Option<String>,
+    /// The last guest check after a migration failed: why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub problem: Option<String>,
 }
 
 /// The answer to "is this guest intact and still running?".
@@ -256,6 +262,25 @@ pub struct CheckResult {
 impl CheckResult {
     pub fn ok(&self) -> bool {
         self.running && self.advancing && self.intact
+    }
+
+    /// One line: what failed (or "ok").
+    pub fn summary(&self) -> String {
+        if self.ok() {
+            return "ok".into();
+        }
+        let mut why = Vec::new();
+        if !self.running {
+            why.push(format!("not running (QEMU: {})", self.qemu_status));
+        }
+        if !self.advancing {
+            why.push("counter not advancing".to_string());
+        }
+        if !self.intact {
+            why.push(format!("{} integrity errors", self.errors));
+        }
+        why.extend(self.problems.iter().cloned());
+        format!("guest check failed on {}: {}", self.host, why.join("; "))
     }
 }
 
@@ -556,6 +581,10 @@ pub struct IncomingRequest {
     /// Multichannel: carriers seal every frame.
     #[serde(default)]
     pub sealed: bool,
+    /// The source agent's URL: a waiting target asks it whether the
+    /// migration was committed (see the agent's `commit` module).
+    #[serde(default)]
+    pub source_url: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -607,6 +636,38 @@ pub struct IncomingStatus {
     /// QEMU and its agent).
     #[serde(default)]
     pub cpu_ms: Option<u64>,
+    /// The target's record: `waiting` (paused, never ran), `running` (told
+    /// to run: the guest may have run here), `discarded` (never ran).
+    #[serde(default)]
+    pub phase: String,
+    /// QEMU's incoming migration status (`active`, `completed`, …).
+    #[serde(default)]
+    pub migration_status: String,
+}
+
+/// A migration as its source agent recorded it (`GET /migrations/{id}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceStatus {
+    pub migration_id: String,
+    pub vm: String,
+    /// `copying`, `committed`, `aborted` or `done`.
+    pub phase: String,
+}
+
+/// What `ferry vm resolve` found and did on one host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResolveReport {
+    pub vm: String,
+    pub host: String,
+    /// `source` or `target`.
+    pub side: String,
+    pub migration_id: String,
+    /// The host's record before and after.
+    pub phase_before: String,
+    pub phase: String,
+    /// Still in doubt (the other agent did not answer).
+    pub in_doubt: bool,
+    pub detail: String,
 }
 
 /// Where a migration is, as seen by the source.

@@ -4,7 +4,7 @@
 //! with post-copy forbidden, pauses and copies at expiry when asked to, and
 //! completes in post-copy with one of two NICs cut and with every path cut
 //! for seconds.
-//! Needs root and QEMU ≥ 9 (see common/mod.rs); CI sets FERRY_REQUIRE_LAB=1.
+//! Needs root and QEMU ≥ 9 (see common/mod.rs); the tests are #[ignore]d; scripts/run test includes them.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
@@ -69,10 +69,9 @@ fn move_busy(
 }
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn a_busy_guest_completes_with_postcopy_allowed() {
-    if !lab_available("a_busy_guest_completes_with_postcopy_allowed") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab_at(3, 2, RATE);
     let _vm = busy("busy1");
@@ -124,11 +123,9 @@ fn a_busy_guest_completes_with_postcopy_allowed() {
 }
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn a_busy_guest_fails_clearly_with_postcopy_forbidden_and_stays_on_the_source() {
-    if !lab_available("a_busy_guest_fails_clearly_with_postcopy_forbidden_and_stays_on_the_source")
-    {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab_at(3, 2, RATE);
     let _vm = busy("busy2");
@@ -160,10 +157,9 @@ fn a_busy_guest_fails_clearly_with_postcopy_forbidden_and_stays_on_the_source() 
 }
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn postcopy_survives_a_nic_cut() {
-    if !lab_available("postcopy_survives_a_nic_cut") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab_at(3, 2, RATE);
     let _vm = busy("busy3");
@@ -200,10 +196,9 @@ fn postcopy_survives_a_nic_cut() {
 }
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn a_busy_guest_is_paused_and_copied_at_expiry_when_chosen() {
-    if !lab_available("a_busy_guest_is_paused_and_copied_at_expiry_when_chosen") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab_at(3, 2, RATE);
     let _vm = busy("busy4");
@@ -248,10 +243,9 @@ fn a_busy_guest_is_paused_and_copied_at_expiry_when_chosen() {
 }
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn postcopy_survives_losing_every_path_for_seconds() {
-    if !lab_available("postcopy_survives_losing_every_path_for_seconds") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab_at(3, 2, RATE);
     let _vm = busy("busy5");

@@ -96,10 +96,9 @@ fn flows() -> Vec<Value> {
 }
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn a_shared_disk_serves_two_guests_and_follows_a_migration() {
-    if !lab_available("a_shared_disk_serves_two_guests_and_follows_a_migration") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab(2, 1);
     let _ = ferry(&["disk", "rm", "quorum"]);

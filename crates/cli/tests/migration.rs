@@ -1,6 +1,6 @@
 //! Live migration in the lab, end to end through the `ferry` CLI: real
 //! namespaces, real QEMU guests, real links shaped to 1 Gbit/s.
-//! Needs root and QEMU ≥ 9 (see common/mod.rs); CI sets FERRY_REQUIRE_LAB=1.
+//! Needs root and QEMU ≥ 9 (see common/mod.rs); the tests are #[ignore]d; scripts/run test includes them.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
@@ -9,10 +9,9 @@ mod common;
 use common::*;
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn vm_with_1gib_filled_moves_host1_host2_three_times_intact() {
-    if !lab_available("vm_with_1gib_filled_moves_host1_host2_three_times_intact") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab(3, 2);
     let _vm = VmGuard::create("big1", "host1", "1280M", "1G");
@@ -49,10 +48,9 @@ fn vm_with_1gib_filled_moves_host1_host2_three_times_intact() {
 }
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn move_to_a_host_without_memory_is_refused_before_anything_starts() {
-    if !lab_available("move_to_a_host_without_memory_is_refused_before_anything_starts") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab(3, 2);
     let _vm = VmGuard::create("mem1", "host1", "512M", "256M");
@@ -72,10 +70,9 @@ fn move_to_a_host_without_memory_is_refused_before_anything_starts() {
 }
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn target_agent_killed_mid_migration_leaves_guest_running_on_source() {
-    if !lab_available("target_agent_killed_mid_migration_leaves_guest_running_on_source") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab(3, 2);
     let _vm = VmGuard::create("ka1", "host1", "640M", "512M");
@@ -102,10 +99,9 @@ fn target_agent_killed_mid_migration_leaves_guest_running_on_source() {
 }
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn target_qemu_killed_mid_migration_leaves_guest_running_on_source() {
-    if !lab_available("target_qemu_killed_mid_migration_leaves_guest_running_on_source") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab(3, 2);
     let _vm = VmGuard::create("kq1", "host1", "640M", "512M");
@@ -133,10 +129,9 @@ fn target_qemu_killed_mid_migration_leaves_guest_running_on_source() {
 }
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn link_cut_mid_migration_leaves_guest_running_on_source() {
-    if !lab_available("link_cut_mid_migration_leaves_guest_running_on_source") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab(3, 2);
     let _vm = VmGuard::create("lc1", "host1", "640M", "512M");
@@ -156,10 +151,9 @@ fn link_cut_mid_migration_leaves_guest_running_on_source() {
 }
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn unknown_names_and_bad_sizes_are_clear_errors() {
-    if !lab_available("unknown_names_and_bad_sizes_are_clear_errors") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab(3, 2);
     let cases: [(&[&str], &str); 6] = [
@@ -205,10 +199,9 @@ fn unknown_names_and_bad_sizes_are_clear_errors() {
 
 /// Agents and the control service refuse requests without the cluster credential.
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn unauthenticated_requests_are_refused() {
-    if !lab_available("unauthenticated_requests_are_refused") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab(3, 2);
     use std::io::{Read, Write};
@@ -243,10 +236,9 @@ fn unauthenticated_requests_are_refused() {
 }
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn a_dead_agent_is_detected_and_its_host_takes_no_vms() {
-    if !lab_available("a_dead_agent_is_detected_and_its_host_takes_no_vms") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab(3, 2);
     let pid = std::fs::read_to_string("/run/ferry/lab/host3/agent.pid").expect("agent pid");

@@ -2,7 +2,7 @@
 //! both NICs carry it, a NIC cut mid-move is absorbed, and losing every NIC
 //! leaves the guest running on the source — on Ferry's own carriers and on
 //! kernel MPTCP managed by Ferry.
-//! Needs root and QEMU ≥ 9 (see common/mod.rs); CI sets FERRY_REQUIRE_LAB=1.
+//! Needs root and QEMU ≥ 9 (see common/mod.rs); the tests are #[ignore]d; scripts/run test includes them.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
@@ -28,10 +28,9 @@ fn auto_move(vm: &str, to: &str, took: (&str, &str)) -> Value {
 }
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn multichannel_move_spreads_over_both_nics() {
-    if !lab_available("multichannel_move_spreads_over_both_nics") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab(3, 2);
     let _vm = VmGuard::create("mc1", "host1", "1G", "768M");
@@ -104,10 +103,9 @@ fn multichannel_move_spreads_over_both_nics() {
 }
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn a_nic_cut_mid_multichannel_move_is_absorbed() {
-    if !lab_available("a_nic_cut_mid_multichannel_move_is_absorbed") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab(3, 2);
     let _vm = VmGuard::create("mc2", "host1", "1G", "768M");
@@ -132,10 +130,9 @@ fn a_nic_cut_mid_multichannel_move_is_absorbed() {
 }
 
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn losing_every_nic_leaves_the_guest_on_the_source() {
-    if !lab_available("losing_every_nic_leaves_the_guest_on_the_source") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab(3, 2);
     let _vm = VmGuard::create("mc3", "host1", "1G", "768M");
@@ -170,10 +167,9 @@ fn losing_every_nic_leaves_the_guest_on_the_source() {
 /// kind, and losing every NIC leaves the guest on the source; then
 /// `mptcp-relay` moves it back.
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
-    if !lab_available("mptcp_move_rejoins_a_returning_nic_and_fails_safe") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab(3, 2);
     let _vm = VmGuard::create("mp1", "host1", "1G", "768M");
@@ -229,10 +225,9 @@ fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
 /// whose memory compresses crosses one carrier with LZ4 frames, intact; a
 /// guest whose memory does not is sent as it is.
 #[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn compression_shrinks_what_compresses_and_leaves_the_rest() {
-    if !lab_available("compression_shrinks_what_compresses_and_leaves_the_rest") {
-        return;
-    }
+    require_lab();
     let _g = serial();
     lab(3, 2);
     struct Restore;

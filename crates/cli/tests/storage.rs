@@ -1,8 +1,8 @@
 //! The storage service against real NBD peers: libnbd's `nbdinfo` and
 //! `nbdcopy`, QEMU's NBD client (`qemu-io`), fio's nbd engine, and raw
 //! hostile clients; QoS accuracy measured by fio. These run a storage node
-//! on loopback (no root) and need those tools: without them a test prints
-//! `SKIP`; with `FERRY_REQUIRE_LAB=1` (CI) a missing tool fails it.
+//! on loopback (no root) and need those tools: such tests are `#[ignore]`d
+//! (`--include-ignored` runs them, and a missing tool fails them).
 
 #![allow(clippy::unwrap_used)]
 
@@ -16,20 +16,18 @@ use serde_json::{json, Value};
 
 const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
 
-fn tools_available(test: &str) -> bool {
+/// Tests that need the NBD peers are `#[ignore]`d; included, they fail at
+/// once naming a missing tool.
+fn require_tools() {
     let missing: Vec<&str> = ["nbdinfo", "nbdcopy", "qemu-io", "fio"]
         .into_iter()
         .filter(|t| Command::new(t).arg("--version").output().is_err())
         .collect();
-    if missing.is_empty() {
-        return true;
-    }
-    let why = format!("missing {}", missing.join(", "));
-    if std::env::var("FERRY_REQUIRE_LAB").as_deref() == Ok("1") {
-        panic!("{test}: FERRY_REQUIRE_LAB=1 but {why}");
-    }
-    eprintln!("SKIP {test}: {why} (apt install libnbd-bin qemu-utils fio)");
-    false
+    assert!(
+        missing.is_empty(),
+        "missing {} (apt install libnbd-bin qemu-utils fio)",
+        missing.join(", ")
+    );
 }
 
 fn free_port() -> u16 {
@@ -210,10 +208,9 @@ fn run(cmd: &str, args: &[&str]) -> String {
 }
 
 #[test]
+#[ignore = "needs nbdinfo, nbdcopy, qemu-io and fio; scripts/run test runs it with --include-ignored"]
 fn libnbd_qemu_and_fio_read_and_write_disks() {
-    if !tools_available("libnbd_qemu_and_fio_read_and_write_disks") {
-        return;
-    }
+    require_tools();
     let node = Node::start("interop", 0);
     node.disk("d1", 64 << 20, false);
     node.disk("d2", 8 << 20, false);
@@ -414,10 +411,9 @@ impl Raw {
 }
 
 #[test]
+#[ignore = "needs nbdinfo, nbdcopy, qemu-io and fio; scripts/run test runs it with --include-ignored"]
 fn hostile_clients_get_the_spec_errors_and_others_are_served() {
-    if !tools_available("hostile_clients_get_the_spec_errors_and_others_are_served") {
-        return;
-    }
+    require_tools();
     let node = Node::start("hostile", 0);
     node.disk("d", 1 << 20, false);
     let good = vec![0x5au8; 4096];
@@ -498,10 +494,9 @@ fn hostile_clients_get_the_spec_errors_and_others_are_served() {
 }
 
 #[test]
+#[ignore = "needs nbdinfo, nbdcopy, qemu-io and fio; scripts/run test runs it with --include-ignored"]
 fn write_through_writes_survive_sigkill() {
-    if !tools_available("write_through_writes_survive_sigkill") {
-        return;
-    }
+    require_tools();
     let mut node = Node::start("wt", 0);
     node.disk("wt", 4 << 20, true);
     let (mut r, _) = Raw::go(&node, "wt");
@@ -569,10 +564,9 @@ fn fio_ramped(jobs: &[(&str, String)], bs: &str, secs: u32, ramp: u32) -> Vec<(f
 }
 
 #[test]
+#[ignore = "needs nbdinfo, nbdcopy, qemu-io and fio; scripts/run test runs it with --include-ignored"]
 fn qos_limits_hold_and_the_seed_policy_is_limited_by_what_is_reached_first() {
-    if !tools_available("qos_limits_hold") {
-        return;
-    }
+    require_tools();
     let node = Node::start("limits", 0);
     node.disk("d", 64 << 20, false);
     node.ok(
@@ -675,10 +669,9 @@ fn qos_limits_hold_and_the_seed_policy_is_limited_by_what_is_reached_first() {
 }
 
 #[test]
+#[ignore = "needs nbdinfo, nbdcopy, qemu-io and fio; scripts/run test runs it with --include-ignored"]
 fn a_reservation_holds_against_busy_neighbours_and_statuses_follow() {
-    if !tools_available("a_reservation_holds") {
-        return;
-    }
+    require_tools();
     // a node whose backing store sustains 4000 normalized IOPS: five busy
     // flows would get 800 each; the reserved one must keep its 1000
     let node = Node::start("reserve", 4000);
@@ -733,9 +726,6 @@ fn a_reservation_holds_against_busy_neighbours_and_statuses_follow() {
 
 #[test]
 fn bad_requests_to_the_api_name_what_was_wrong() {
-    if !tools_available("bad_requests_to_the_api") {
-        return;
-    }
     let node = Node::start("api", 0);
     let cases = [
         (
@@ -795,10 +785,9 @@ fn bad_requests_to_the_api_name_what_was_wrong() {
 }
 
 #[test]
+#[ignore = "needs nbdinfo, nbdcopy, qemu-io and fio; scripts/run test runs it with --include-ignored"]
 fn the_policy_manager_holds_an_aggregated_policy_across_two_nodes() {
-    if !tools_available("the_policy_manager_holds_an_aggregated_policy_across_two_nodes") {
-        return;
-    }
+    require_tools();
     let s1 = Node::start_named("pm1", "s1");
     let mut s2 = Node::start_named("pm2", "s2");
     // a control service in front of both nodes (no hosts needed)

@@ -1,7 +1,8 @@
 //! Helpers for the lab integration tests: they drive the real `ferry` binary
 //! against a real lab (network namespaces, QEMU guests), so they need root,
-//! QEMU ≥ 9 and iproute2. Without them a test prints `SKIP` and why; with
-//! `FERRY_REQUIRE_LAB=1` (set by CI) a missing requirement fails the test.
+//! QEMU ≥ 9 and iproute2. They are `#[ignore]`d: `cargo test` lists them as
+//! ignored; `cargo test -- --include-ignored` (as `scripts/run test` and CI
+//! do) runs them, and a missing requirement fails them.
 
 #![allow(dead_code, clippy::unwrap_used)]
 
@@ -42,18 +43,12 @@ fn missing() -> Option<String> {
     None
 }
 
-/// Returns false (after saying so loudly) when the lab cannot run here;
-/// panics instead when `FERRY_REQUIRE_LAB=1`.
-pub fn lab_available(test: &str) -> bool {
-    match missing() {
-        None => true,
-        Some(why) if std::env::var("FERRY_REQUIRE_LAB").as_deref() == Ok("1") => {
-            panic!("{test}: FERRY_REQUIRE_LAB=1 but the lab cannot run: {why}")
-        }
-        Some(why) => {
-            eprintln!("SKIP {test}: {why} (set FERRY_REQUIRE_LAB=1 to make this a failure)");
-            false
-        }
+/// Lab tests are `#[ignore]`d (so a plain `cargo test` lists them as
+/// ignored, never as passed); run with `--include-ignored`, they fail at once,
+/// naming what is missing, when the lab cannot run here.
+pub fn require_lab() {
+    if let Some(why) = missing() {
+        panic!("this lab test cannot run here: {why}");
     }
 }
 

@@ -34,12 +34,21 @@ use ferry_api::{
 };
 use tokio::sync::mpsc;
 
+mod auto;
+mod settle;
+mod target;
+
+use crate::commit::{
+    source_next, Record, Side, SourceAction, SourceEvent, SourcePhase, TargetAnswer,
+};
 use crate::convergence;
-use crate::datapath::{DataPath, QemuTcp};
-use crate::host::{check, error_chain, nics, Agent, Role, VmSlot};
-use crate::qemu::{self, QemuVm};
+use crate::host::{error_chain, nics, Agent, Role};
+use crate::qemu::QemuVm;
 use crate::qmp::MigrationParameters;
-use ferry_api::{AtExpiry, CarrierEndpoint, CarrierReport, Convergence, MigrationOption};
+use auto::{auto_choice, sample_memory};
+use ferry_api::{AtExpiry, CarrierReport, Convergence, MigrationOption};
+use settle::{console_tick, resume_guest};
+use target::answer_of;
 
 /// No byte moved for this long: the data path is down.
 pub const STALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -55,6 +64,19 @@ struct Failure {
     reason: String,
     /// An API error to pass through as is (e.g. `InsufficientMemory`).
     passthrough: Option<ApiError>,
+    /// Where the failure leaves the commit point.
+    after: AfterCommit,
+}
+
+/// A failure before the commit rolls back; after it, it never does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AfterCommit {
+    /// Before the commit: roll back, the source resumes.
+    No,
+    /// RUN's answer is lost: both stay paused until the target answers.
+    InDoubt,
+    /// Post-copy broke: the guest's state is on the target.
+    Lost,
 }
 
 fn fail(step: &'static str, reason: impl Into<String>) -> Failure {
@@ -62,8 +84,13 @@ fn fail(step: &'static str, reason: impl Into<String>) -> Failure {
         step,
         reason: reason.into(),
         passthrough: None,
+        after: AfterCommit::No,
     }
 }
+
+/// After post-copy's stream broke, this long in `postcopy-paused` ends the
+/// move as lost (the guest stays paused on the target for recovery).
+const POSTCOPY_PAUSED_LIMIT: Duration = Duration::from_secs(30);
 
 struct Events(mpsc::Sender<MigrationEvent>);
 
@@ -137,93 +164,6 @@ fn progress_event(
     })
 }
 
-/// `auto` over more than one NIC pair reads this many chunks of guest
-/// memory, spread evenly over it, to judge whether it compresses.
-const SAMPLE_CHUNKS: u64 = 32;
-const SAMPLE_CHUNK: u64 = 128 << 10;
-/// A sample that LZ4 shrinks to this share or less counts as compressible.
-pub const AUTO_COMPRESSES: f64 = 0.8;
-
-/// What `auto` picks over more than one NIC pair, and why.
-///
-/// Ferry's carriers are the kind that can compress (per frame, with idle
-/// CPU, when the link is the bottleneck); a guest whose memory compresses
-/// crosses link-bound fabrics several times faster on them. Otherwise the
-/// handed-off MPTCP socket wins: QEMU writes straight into the kernel and no
-/// byte passes through an agent, so the move costs no more CPU than QEMU
-/// over MPTCP (the agents' relay costs 1.7–2.2 CPU-s/GiB more) at 0.90–0.93 of
-/// the links against the carriers' 0.95. BENCHMARKS.md has the runs.
-/// Sealing needs Ferry's frames, and so does a kernel without MPTCP.
-fn auto_choice(
-    sealed: bool,
-    mptcp: bool,
-    ratio: Option<f64>,
-    idle: Option<f64>,
-) -> (MigrationOption, String) {
-    let carriers = MigrationOption::Multichannel;
-    if sealed {
-        return (
-            carriers,
-            "Ferry's carriers (the cluster seals carriers)".into(),
-        );
-    }
-    if !mptcp {
-        return (
-            carriers,
-            "Ferry's carriers (this kernel has no MPTCP)".into(),
-        );
-    }
-    let shown = ratio.map_or("all zero".to_string(), |r| format!("{r:.2}"));
-    let idle_pct = idle.map_or(0.0, |i| i * 100.0);
-    let min_idle = ferry_transport::compress::MIN_IDLE;
-    match (ratio, idle) {
-        (Some(r), Some(i)) if r <= AUTO_COMPRESSES && i >= min_idle => (
-            carriers,
-            format!(
-                "Ferry's carriers: a memory sample compresses to {shown} and the CPU is \
-                 {idle_pct:.0}% idle, so frames are compressed when the link is the bottleneck"
-            ),
-        ),
-        (Some(r), _) if r <= AUTO_COMPRESSES => (
-            MigrationOption::Mptcp,
-            format!(
-                "QEMU handed an MPTCP socket: memory compresses to {shown} but the CPU is \
-                 only {idle_pct:.0}% idle, too little to compress; no byte passes through an agent"
-            ),
-        ),
-        _ => (
-            MigrationOption::Mptcp,
-            format!(
-                "QEMU handed an MPTCP socket: a memory sample compresses to {shown} only, \
-                 so no byte passes through an agent"
-            ),
-        ),
-    }
-}
-
-/// LZ4's ratio on [`SAMPLE_CHUNKS`] chunks of the guest's memory (QMP
-/// `pmemsave` into the VM's directory); `None` if it is all zero or cannot be read.
-async fn sample_memory(vm: &QemuVm, memory: u64) -> Option<f64> {
-    // below 2 GiB guest-physical addresses are RAM on q35 whatever the size
-    let span = memory.min(2 << 30);
-    let step = span / SAMPLE_CHUNKS;
-    let file = vm.dir.join("auto-sample.bin");
-    let mut sample = Vec::with_capacity((SAMPLE_CHUNKS * SAMPLE_CHUNK) as usize);
-    for i in 0..SAMPLE_CHUNKS {
-        let addr = (step * i + step / 2) & !4095;
-        let size = SAMPLE_CHUNK.min(span.saturating_sub(addr));
-        if vm.qmp.pmemsave(addr, size, &file).await.is_err() {
-            break;
-        }
-        match tokio::fs::read(&file).await {
-            Ok(b) => sample.extend(b),
-            Err(_) => break,
-        }
-    }
-    let _ = tokio::fs::remove_file(&file).await;
-    ferry_transport::compress::sample_ratio(&sample)
-}
-
 /// What carries a session's bytes, as the report names it.
 fn data_path_of(session: &ferry_transport::Carriers) -> &'static str {
     match session {
@@ -295,7 +235,9 @@ impl Agent {
             let events = Events(tx);
             let started = Instant::now();
             let id = format!("{:016x}", rand::random::<u64>());
+            agent.live(&id, true);
             let outcome = agent.migrate(&id, &spec, &vm, &req, &events, started).await;
+            agent.live(&id, false);
             match outcome {
                 Ok(report) => {
                     tracing::info!(vm = %spec.name, to = %req.target, total_ms = report.total_ms, downtime_ms = report.downtime_ms, "migration completed");
@@ -304,8 +246,10 @@ impl Agent {
                         .await;
                 }
                 Err(f) => {
-                    if let Some(s) = agent.state.lock().await.vms.get_mut(&spec.name) {
-                        s.migrating = false;
+                    if f.after == AfterCommit::No {
+                        if let Some(s) = agent.state.lock().await.vms.get_mut(&spec.name) {
+                            s.migrating = false;
+                        }
                     }
                     tracing::warn!(vm = %spec.name, step = f.step, reason = %f.reason, "migration failed");
                     let error = f.passthrough.unwrap_or_else(|| ApiError::MigrationFailed {
@@ -339,6 +283,7 @@ impl Agent {
             return Err(Failure {
                 step: "establish",
                 reason: String::new(),
+                after: AfterCommit::No,
                 passthrough: Some(ApiError::invalid(
                     "option",
                     format!(
@@ -436,8 +381,21 @@ impl Agent {
             MigrationOption::Auto => MigrationOption::Tcp,
             o => o,
         };
+        // the record exists before the target hears of the migration: a
+        // target that asks always finds an answer
+        self.journal
+            .write(&Record {
+                migration_id: id.into(),
+                vm: spec.name.clone(),
+                peer: req.target.clone(),
+                peer_url: req.target_url.clone(),
+                side: Side::Source(SourcePhase::Copying),
+                updated: 0,
+            })
+            .map_err(|e| fail("memory", error_chain(&e)))?;
         let session: [u8; 16] = rand::random();
         let incoming = IncomingRequest {
+            source_url: self.cfg.url.clone(),
             migration_id: id.into(),
             source: self.cfg.name.clone(),
             spec: spec.clone(),
@@ -455,6 +413,7 @@ impl Agent {
                     step: "memory",
                     reason: e.to_string(),
                     passthrough: Some(e),
+                    after: AfterCommit::No,
                 },
                 e => fail("skeleton", e.to_string()),
             })?;
@@ -578,7 +537,17 @@ impl Agent {
             },
         };
         let result = self
-            .transfer(id, spec, vm, &target, ev, &plan, req.convergence, started)
+            .transfer(
+                id,
+                &req.target,
+                spec,
+                vm,
+                &target,
+                ev,
+                &plan,
+                req.convergence,
+                started,
+            )
             .await;
         let session = match &plan {
             Plan::Multichannel { session, .. } => Some(session),
@@ -586,8 +555,42 @@ impl Agent {
         };
         let outcome = match result {
             Ok(report) => Ok(report),
-            Err(f) => {
+            Err(f) if f.after == AfterCommit::No => {
                 self.roll_back(id, vm, &target, session).await;
+                Err(f)
+            }
+            Err(mut f) if f.after == AfterCommit::InDoubt => {
+                let why = format!(
+                    "committed, RUN unanswered since unix time {} ({}); asking {} every 2 s",
+                    crate::commit::now_secs(),
+                    f.reason,
+                    req.target
+                );
+                if let Some(s) = self.state.lock().await.vms.get_mut(&spec.name) {
+                    s.doubt = Some(why);
+                }
+                ev.step(
+                    "in-doubt",
+                    format!(
+                        "{} did not answer RUN: {} stays paused here and runs on neither host until {} answers",
+                        req.target, spec.name, req.target
+                    ),
+                )
+                .await;
+                f.passthrough = Some(ApiError::MigrationInDoubt {
+                    vm: spec.name.clone(),
+                    source_host: self.cfg.name.clone(),
+                    target: req.target.clone(),
+                    reason: f.reason.clone(),
+                });
+                Err(f)
+            }
+            Err(mut f) => {
+                f.passthrough = Some(ApiError::MigrationLost {
+                    vm: spec.name.clone(),
+                    target: req.target.clone(),
+                    reason: f.reason.clone(),
+                });
                 Err(f)
             }
         };
@@ -603,6 +606,7 @@ impl Agent {
     async fn transfer(
         &self,
         id: &str,
+        target_name: &str,
         spec: &VmSpec,
         vm: &Arc<QemuVm>,
         target: &Client,
@@ -724,22 +728,50 @@ impl Agent {
         let mut last_target_poll = Instant::now();
         let (mut copy_seen, mut iterate_seen, mut blackout_seen) = (false, false, false);
         let mut carriers_up_seen = None;
+        // the commit record is written (post-copy commits before it starts)
+        let mut committed = false;
+        let mut run_answer: Option<IncomingStatus> = None;
+        let mut last_run_try = Instant::now() - Duration::from_secs(60);
+        let mut postcopy_paused: Option<Instant> = None;
+        let lost = |why: String| Failure {
+            step: "postcopy",
+            reason: why,
+            passthrough: None,
+            after: AfterCommit::Lost,
+        };
+        let in_doubt = |why: String| Failure {
+            step: "run",
+            reason: why,
+            passthrough: None,
+            after: AfterCommit::InDoubt,
+        };
         let info = loop {
             tokio::time::sleep(POLL).await;
-            let info = qmp.query_migrate().await.map_err(q("copy"))?;
+            let info = match qmp.query_migrate().await {
+                Ok(i) => i,
+                Err(e) if committed => return Err(lost(error_chain(&e))),
+                Err(e) => return Err(fail("copy", error_chain(&e))),
+            };
             let status = info.status.clone().unwrap_or_default();
             let ram = info.ram.clone().unwrap_or_default();
             if status.starts_with("postcopy") && !postcopy {
                 postcopy = true;
             }
+            let broke = |why: String| {
+                if committed {
+                    lost(why)
+                } else {
+                    fail("copy", why)
+                }
+            };
             match status.as_str() {
                 "completed" => break info,
                 "failed" => {
                     let why = info.error_desc.unwrap_or_else(|| "failed".into());
-                    return Err(fail("copy", format!("QEMU: {why}")));
+                    return Err(broke(format!("QEMU: {why}")));
                 }
                 "cancelled" | "cancelling" => {
-                    return Err(fail("copy", "QEMU cancelled the migration"))
+                    return Err(broke("QEMU cancelled the migration".into()))
                 }
                 _ => {}
             }
@@ -792,7 +824,41 @@ impl Agent {
                     || not_converging >= 100
                     || (expired && expiry == AtExpiry::Postcopy)
                 {
-                    qmp.start_postcopy().await.map_err(q("postcopy"))?;
+                    // post-copy is after the commit by definition: the target
+                    // gets the device state and runs before it has every page
+                    let st: IncomingStatus = target
+                        .get(&format!("/incoming/{id}"), Duration::from_secs(5))
+                        .await
+                        .map_err(|e| {
+                            fail("postcopy", format!("the target does not answer: {e}"))
+                        })?;
+                    if !(st.qemu_alive && st.phase == "waiting") {
+                        return Err(fail(
+                            "postcopy",
+                            format!(
+                                "the target is not waiting ({}, QEMU {})",
+                                st.phase, st.qemu_status
+                            ),
+                        ));
+                    }
+                    self.set_source_phase(id, SourcePhase::Committed)
+                        .map_err(|e| fail("postcopy", e.to_string()))?;
+                    committed = true;
+                    ev.step(
+                        "commit",
+                        format!(
+                            "commit recorded on {} before post-copy: from now on only {target_name} may run {}",
+                            self.cfg.name, spec.name
+                        ),
+                    )
+                    .await;
+                    crate::failpoint::hit("source-after-commit");
+                    if let Err(e) = qmp.start_postcopy().await {
+                        return Err(lost(format!(
+                            "QEMU refused to start post-copy after the commit: {}",
+                            error_chain(&e)
+                        )));
+                    }
                     postcopy = true;
                     let detail = format!(
                         "pre-copy does not converge ({rates}); the guest now runs on the target, pages follow on demand"
@@ -801,6 +867,31 @@ impl Agent {
                 }
             }
             if postcopy {
+                // RUN: the target has the device state (or soon will) and
+                // waits, paused, for it; asked again every 2 s until it answers
+                if run_answer.is_none() && last_run_try.elapsed() >= Duration::from_secs(2) {
+                    last_run_try = Instant::now();
+                    if let Ok(st) = self
+                        .send_run_within(target, id, Duration::from_secs(2))
+                        .await
+                    {
+                        if answer_of(&st) == TargetAnswer::Running {
+                            run_answer = Some(st);
+                        }
+                    }
+                }
+                if status == "postcopy-paused" {
+                    let since = *postcopy_paused.get_or_insert(now);
+                    if now - since > POSTCOPY_PAUSED_LIMIT {
+                        return Err(lost(format!(
+                            "post-copy's stream broke and stayed down for {} s; the guest waits \
+                             paused on {target_name} for QEMU's post-copy recovery",
+                            POSTCOPY_PAUSED_LIMIT.as_secs()
+                        )));
+                    }
+                } else {
+                    postcopy_paused = None;
+                }
                 // nothing can be rolled back now: wait for QEMU, whatever the path does
                 let p = progress_event(
                     &info, &ram, started, path_rate, plan, &tx_before, "postcopy",
@@ -999,65 +1090,133 @@ impl Agent {
             )
             .await;
         }
-        // the target runs once every byte has arrived and loaded: time it from here
+        // 9. the commit point. Both guests are paused: the source since the
+        // blackout, the target since it started (-S). Everything that can be
+        // checked without running the target is checked now; any failure
+        // here rolls back and the source resumes.
         let t_completed = Instant::now();
-        let on_target: IncomingStatus = target
-            .post(
-                &format!("/incoming/{id}/running"),
-                &serde_json::json!({}),
-                Duration::from_secs(30),
+        let tick_before = console_tick(vm)
+            .map_err(|e| fail("final-check", format!("reading the source console: {e}")))?;
+        let on_target = if committed {
+            None
+        } else {
+            let ready: IncomingStatus = target
+                .post(
+                    &format!("/incoming/{id}/ready"),
+                    &serde_json::json!({}),
+                    Duration::from_secs(40),
+                )
+                .await
+                .map_err(|e| fail("commit", format!("the target is not ready: {e}")))?;
+            self.set_source_phase(id, SourcePhase::Committed)
+                .map_err(|e| fail("commit", e.to_string()))?;
+            ev.step(
+                "commit",
+                format!(
+                    "{} loaded everything, paused; commit recorded on {}: from now on only {} may run {}",
+                    target_name, self.cfg.name, target_name, spec.name
+                ),
             )
-            .await
-            .map_err(|e| fail("final-check", e.to_string()))?;
+            .await;
+            crate::failpoint::hit("source-after-commit");
+            Some(ready)
+        };
+        // RUN: the target starts the guest (in post-copy it was sent already)
+        let ran = match run_answer {
+            Some(st) => st,
+            None => match self.send_run(target, id).await {
+                Ok(st) => st,
+                Err(why) => return Err(in_doubt(why)),
+            },
+        };
+        match source_next(SourcePhase::Committed, SourceEvent::Answer(answer_of(&ran))).1 {
+            SourceAction::Finish => {}
+            SourceAction::AbortAndResume => {
+                // the target's skeleton is gone and never ran: the only copy is here
+                return Err(fail(
+                    "run",
+                    format!(
+                        "{target_name} lost its skeleton before it ran ({})",
+                        ran.qemu_status
+                    ),
+                ));
+            }
+            _ => {
+                return Err(in_doubt(format!(
+                    "{target_name} answered RUN with {}",
+                    ran.phase
+                )))
+            }
+        }
         let t_running = Instant::now();
         // this agent (all of it) and the source QEMU, from `migrate` to here
         let cpu_source = crate::host::own_cpu().saturating_sub(cpu_at_start.0)
             + crate::host::process_cpu(vm.pid)
                 .unwrap_or_default()
                 .saturating_sub(cpu_at_start.1);
-        let tick_before = ferry_lab::console::parse_log(
-            &ferry_lab::console::read_tail(&vm.console_path(), 64 << 10).unwrap_or_default(),
-        )
-        .last
-        .map(|t| t.tick);
 
-        // 9. final check on the target before the source is stopped (the
-        // transport keeps carrying until the target QEMU has everything)
-        let check: CheckResult = target
-            .post(
-                &format!("/incoming/{id}/commit"),
-                &serde_json::json!({}),
-                Duration::from_secs(40),
-            )
-            .await
-            .map_err(|e| fail("final-check", e.to_string()))?;
-        if let (Some(before), Some(after)) = (tick_before, check.tick_last) {
-            if after <= before {
-                return Err(fail(
-                    "final-check",
-                    format!("guest counter went back from {before} to {after}"),
-                ));
-            }
-        }
-        let detail = format!(
-            "{} runs the guest: counter {}→{}, {} integrity errors",
-            check.host,
-            check.tick_first.unwrap_or(0),
-            check.tick_last.unwrap_or(0),
-            check.errors
-        );
-        ev.step("final-check", detail).await;
-
-        // 10. cleanup on the source
-        if let Some(q) = self.release(&spec.name).await {
-            q.stop().await;
-            let _ = std::fs::remove_dir_all(&q.dir);
-        }
+        // 10. cleanup on the source: its QEMU stops, the record says Done
+        self.finish_source(&spec.name, id).await;
         ev.step(
             "cleanup",
             format!("source QEMU on {} stopped and removed", self.cfg.name),
         )
         .await;
+
+        // 11. the guest check on the running target: a report, never a rollback
+        let check: CheckResult = match target
+            .get(
+                &format!("/vms/{}/check", spec.name),
+                Duration::from_secs(30),
+            )
+            .await
+        {
+            Ok(c) => c,
+            Err(e) => CheckResult {
+                vm: spec.name.clone(),
+                host: target_name.to_string(),
+                qemu_status: "unknown".into(),
+                tick_first: None,
+                tick_last: None,
+                sweeps: None,
+                errors: 0,
+                problems: vec![format!("the check could not run: {e}")],
+                running: false,
+                advancing: false,
+                intact: false,
+            },
+        };
+        let went_back = matches!((tick_before, check.tick_last), (Some(b), Some(a)) if a <= b);
+        if check.ok() && !went_back {
+            ev.step(
+                "final-check",
+                format!(
+                    "{} runs the guest: counter {}→{}, {} integrity errors",
+                    check.host,
+                    check.tick_first.unwrap_or(0),
+                    check.tick_last.unwrap_or(0),
+                    check.errors
+                ),
+            )
+            .await;
+        } else {
+            let why = if went_back {
+                format!(
+                    "guest counter went back from {} to {}",
+                    tick_before.unwrap_or(0),
+                    check.tick_last.unwrap_or(0)
+                )
+            } else {
+                check.summary()
+            };
+            ev.send(MigrationEvent::Warning {
+                message: format!(
+                    "the guest moved and runs on {target_name}, but its check failed: {why}"
+                ),
+            })
+            .await;
+        }
+        let on_target = on_target.unwrap_or(ran);
 
         let qemu_total_ms = info.total_time.unwrap_or(0);
         // rates over the time until the target ran: QEMU's own total ends when
@@ -1146,8 +1305,10 @@ impl Agent {
         })
     }
 
-    /// Cancels QEMU's migration, discards the target's skeleton, and makes
-    /// sure the guest runs on this host again.
+    /// Before the commit: records Aborted, cancels QEMU's migration, tells
+    /// the target to discard its skeleton (which never ran: it waits paused
+    /// for a RUN that will not come, and asks this host if nobody tells it),
+    /// and makes sure the guest runs here again.
     async fn roll_back(
         &self,
         id: &str,
@@ -1155,6 +1316,11 @@ impl Agent {
         target: &Client,
         session: Option<&ferry_transport::Carriers>,
     ) {
+        if let Err(e) = self.set_source_phase(id, SourcePhase::Aborted) {
+            // the record still says Copying: a target asking hears "copying"
+            // and waits; this agent's next start records Aborted
+            tracing::error!(error = %e, "recording the rollback");
+        }
         let qmp = &vm.qmp;
         let _ = qmp.migrate_cancel().await;
         // QEMU's sockets end at this agent, so cancelling never waits on a dead link
@@ -1169,386 +1335,17 @@ impl Agent {
                 _ => break,
             }
         }
-        // the target goes first: it must never run alongside the resumed source
         if let Err(e) = target
             .delete::<serde_json::Value>(&format!("/incoming/{id}"), Duration::from_secs(5))
             .await
         {
-            tracing::warn!(error = %e, "could not discard the target skeleton; its QEMU dies with its agent");
+            tracing::warn!(error = %e, "could not tell the target to discard its skeleton; it will ask");
         }
-        match qmp.status().await {
-            Ok(s) if !s.running => {
-                tracing::warn!(status = %s.status, "resuming the source guest");
-                if let Err(e) = qmp.cont().await {
-                    tracing::error!(error = %e, "could not resume the source guest");
-                }
-            }
-            Ok(_) => {}
-            Err(e) => tracing::error!(error = %e, "source QEMU does not answer"),
-        }
+        resume_guest(vm).await;
     }
+}
 
-    // ---- target side ----
-
-    /// Step 3-4 on the target: reserve memory, start a skeleton VM waiting on
-    /// the chosen NIC, and report where the source should send.
-    pub async fn prepare_incoming(&self, req: IncomingRequest) -> Result<IncomingReply, ApiError> {
-        if req.sealed && req.option == MigrationOption::Tcp {
-            return Err(ApiError::invalid(
-                "sealed",
-                "a sealed migration needs Ferry's transport; tcp is QEMU's clear stream",
-            ));
-        }
-        let datapath = QemuTcp;
-        let usable: Vec<_> = nics()
-            .into_iter()
-            .filter(|n| n.up && req.source_fabrics_up.contains(&n.fabric))
-            .collect();
-        let nic = usable
-            .iter()
-            .min_by_key(|n| n.fabric)
-            .cloned()
-            .ok_or_else(|| {
-                ApiError::unavailable(
-                    format!("a migration path from {} to {}", req.source, self.cfg.name),
-                    "no fabric has a NIC up on both hosts",
-                )
-            })?;
-        let multichannel = match req.option {
-            MigrationOption::Tcp => None,
-            MigrationOption::Multichannel
-            | MigrationOption::Compression
-            | MigrationOption::Mptcp
-            | MigrationOption::MptcpRelay => {
-                let id = req
-                    .session
-                    .as_deref()
-                    .and_then(ferry_transport::session_from_hex)
-                    .ok_or_else(|| {
-                        ApiError::invalid("session", "multichannel needs a 32-hex-digit session id")
-                    })?;
-                Some(id)
-            }
-            MigrationOption::Auto => {
-                return Err(ApiError::invalid(
-                    "option",
-                    "the source resolves auto before asking",
-                ))
-            }
-        };
-        let role = Role::Incoming {
-            migration_id: req.migration_id.clone(),
-            source: req.source.clone(),
-            agent_cpu_at_start: crate::host::own_cpu(),
-        };
-        self.reserve(&req.spec, role).await?;
-        let dir = self.vm_dir(&req.spec.name, &format!(".in-{}", req.migration_id));
-        let started = async {
-            let vm = qemu::launch(&self.cfg.qemu, &req.spec, &dir, true)
-                .await
-                .map_err(|e| {
-                    ApiError::internal(format!("starting skeleton QEMU: {}", error_chain(&e)))
-                })?;
-            let vm = Arc::new(vm);
-            // registered first, so a failure below still kills this QEMU
-            if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
-                slot.qemu = Some(vm.clone());
-            }
-            let qerr = |e: crate::qmp::QmpError| ApiError::internal(error_chain(&e));
-            let Some(session_id) = multichannel else {
-                if req.postcopy {
-                    vm.qmp
-                        .set_capabilities(&[("postcopy-ram", true)])
-                        .await
-                        .map_err(qerr)?;
-                }
-                vm.qmp
-                    .migrate_incoming(&datapath.incoming_uri(&nic.address))
-                    .await
-                    .map_err(qerr)?;
-                let info = vm.qmp.query_migrate().await.map_err(qerr)?;
-                let port = info
-                    .socket_address
-                    .unwrap_or_default()
-                    .into_iter()
-                    .find_map(|a| a.port)
-                    .ok_or_else(|| ApiError::internal("QEMU did not report its listening port"))?;
-                return Ok::<_, ApiError>((datapath.source_uri(&nic.address, &port), Vec::new()));
-            };
-            // multichannel: QEMU listens on a local socket, carriers end
-            // here; or (mptcp) QEMU is handed the authenticated socket
-            let handoff = req.option == MigrationOption::Mptcp;
-            let multifd = !req.postcopy && !handoff;
-            vm.qmp
-                .set_capabilities(&[("multifd", multifd), ("postcopy-ram", req.postcopy)])
-                .await
-                .map_err(qerr)?;
-            if multifd {
-                vm.qmp
-                    .set_parameters(MigrationParameters {
-                        multifd_channels: Some(MULTIFD_CHANNELS),
-                        ..Default::default()
-                    })
-                    .await
-                    .map_err(qerr)?;
-            }
-            let sock = dir.join("incoming.sock");
-            if !handoff {
-                vm.qmp
-                    .migrate_incoming(&format!("unix:{}", sock.display()))
-                    .await
-                    .map_err(qerr)?;
-            }
-            let listen: Vec<(String, std::net::IpAddr)> = usable
-                .iter()
-                .filter_map(|n| Some((n.name.clone(), n.address.parse().ok()?)))
-                .collect();
-            let (session, bound) = if matches!(
-                req.option,
-                MigrationOption::Mptcp | MigrationOption::MptcpRelay
-            ) {
-                if req.sealed {
-                    return Err(ApiError::invalid(
-                        "sealed",
-                        "a sealed migration needs Ferry's own carriers; mptcp sends bytes as they are",
-                    ));
-                }
-                ferry_transport::mptcp::prepare_host(&listen).map_err(ApiError::internal)?;
-                let deliver = if handoff {
-                    let monitor = dir.join(crate::qemu::HANDOFF_SOCK);
-                    ferry_transport::Deliver::Handoff(Box::new(
-                        move |t: &std::net::TcpStream| {
-                            use std::os::fd::AsRawFd;
-                            crate::qmp::hand_socket(
-                                &monitor,
-                                t.as_raw_fd(),
-                                crate::qmp::HandTo::Incoming,
-                            )
-                            .map_err(|e| error_chain(&e))
-                        },
-                    ))
-                } else {
-                    ferry_transport::Deliver::Relay(sock)
-                };
-                let (s, port) = ferry_transport::Spliced::target(
-                    session_id,
-                    self.cred.secret(),
-                    listen.clone(),
-                    deliver,
-                )
-                .map_err(|e| ApiError::internal(error_chain(&e)))?;
-                // one listener takes every address: each NIC's address with its port
-                let bound = listen
-                    .into_iter()
-                    .map(|(n, a)| (n, std::net::SocketAddr::new(a, port)))
-                    .collect::<Vec<_>>();
-                (ferry_transport::Carriers::Mptcp(s), bound)
-            } else {
-                let keys = ferry_transport::Keys {
-                    secret: self.cred.secret(),
-                    sealed: req.sealed,
-                };
-                let (s, bound) = ferry_transport::Session::target(session_id, &keys, listen, sock)
-                    .await
-                    .map_err(|e| ApiError::internal(error_chain(&e)))?;
-                (ferry_transport::Carriers::Ferry(s), bound)
-            };
-            if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
-                slot.transport = Some(session);
-            }
-            let carriers = bound
-                .into_iter()
-                .filter_map(|(name, addr)| {
-                    let fabric = usable.iter().find(|n| n.name == name)?.fabric;
-                    Some(CarrierEndpoint {
-                        fabric,
-                        nic: name,
-                        address: addr.to_string(),
-                    })
-                })
-                .collect();
-            Ok(("ferry-transport".to_string(), carriers))
-        }
-        .await;
-        match started {
-            Ok((uri, carriers)) => {
-                tracing::info!(vm = %req.spec.name, source = %req.source, %uri, "skeleton waiting");
-                Ok(IncomingReply {
-                    migration_id: req.migration_id,
-                    uri,
-                    fabric: nic.fabric,
-                    nic: nic.name,
-                    carriers,
-                })
-            }
-            Err(e) => {
-                self.discard(&req.spec.name).await;
-                let _ = std::fs::remove_dir_all(&dir);
-                Err(e)
-            }
-        }
-    }
-
-    /// Drops a skeleton: its transport session, its QEMU, its reservation.
-    async fn discard(&self, name: &str) {
-        let slot = self.state.lock().await.vms.remove(name);
-        if let Some(slot) = slot {
-            if let Some(t) = slot.transport {
-                t.close();
-            }
-            if let Some(q) = slot.qemu {
-                q.kill().await;
-                let _ = std::fs::remove_dir_all(&q.dir);
-            }
-        }
-    }
-
-    async fn incoming_slot(&self, id: &str) -> Result<(String, Option<Arc<QemuVm>>), ApiError> {
-        let st = self.state.lock().await;
-        st.vms
-            .iter()
-            .find(|(_, s)| matches!(&s.role, Role::Incoming { migration_id, .. } if migration_id == id))
-            .map(|(n, s)| (n.clone(), s.qemu.clone()))
-            .ok_or_else(|| ApiError::not_found("incoming migration", id))
-    }
-
-    pub async fn incoming_status(&self, id: &str) -> Result<IncomingStatus, ApiError> {
-        let (_, q) = self.incoming_slot(id).await?;
-        let (alive, status) = match q {
-            Some(q) => (
-                q.alive().await,
-                q.qmp
-                    .status()
-                    .await
-                    .map(|s| s.status)
-                    .unwrap_or_else(|_| "unreachable".into()),
-            ),
-            None => (true, "starting".into()),
-        };
-        Ok(IncomingStatus {
-            migration_id: id.into(),
-            qemu_status: status,
-            qemu_alive: alive,
-            cpu_ms: None,
-        })
-    }
-
-    /// CPU this host spent on an incoming migration so far: the target QEMU
-    /// since it started plus this agent since the skeleton was asked for
-    /// (the whole agent: other migrations at the same time count too).
-    async fn incoming_cpu(&self, id: &str, q: &QemuVm) -> Option<u64> {
-        let st = self.state.lock().await;
-        let at_start = st.vms.values().find_map(|s| match &s.role {
-            Role::Incoming {
-                migration_id,
-                agent_cpu_at_start,
-                ..
-            } if migration_id == id => Some(*agent_cpu_at_start),
-            _ => None,
-        })?;
-        let agent = crate::host::own_cpu().saturating_sub(at_start);
-        let qemu = crate::host::process_cpu(q.pid)?;
-        Some((agent + qemu).as_millis() as u64)
-    }
-
-    /// Waits until the target guest runs (QEMU starts it once everything is loaded).
-    pub async fn incoming_running(&self, id: &str) -> Result<IncomingStatus, ApiError> {
-        let (_, q) = self.incoming_slot(id).await?;
-        let q = q.ok_or_else(|| ApiError::Conflict {
-            reason: "skeleton QEMU is still starting".into(),
-        })?;
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if !q.alive().await {
-                return Err(ApiError::internal("the target QEMU exited"));
-            }
-            match q.qmp.status().await {
-                Ok(s) if s.running => {
-                    return Ok(IncomingStatus {
-                        migration_id: id.into(),
-                        qemu_status: s.status,
-                        qemu_alive: true,
-                        cpu_ms: self.incoming_cpu(id, &q).await,
-                    })
-                }
-                Ok(s) if Instant::now() > deadline => {
-                    return Err(ApiError::internal(format!(
-                        "guest not running on the target: {}",
-                        s.status
-                    )))
-                }
-                Err(e) if Instant::now() > deadline => {
-                    return Err(ApiError::internal(error_chain(&e)))
-                }
-                _ => tokio::time::sleep(Duration::from_millis(10)).await,
-            }
-        }
-    }
-
-    /// Step 9 on the target: wait for the guest to run, check it, adopt it.
-    pub async fn commit_incoming(&self, id: &str) -> Result<CheckResult, ApiError> {
-        self.incoming_running(id).await?;
-        let (name, q) = self.incoming_slot(id).await?;
-        let q = q.ok_or_else(|| ApiError::internal("the skeleton lost its QEMU"))?;
-        let result = check(&self.cfg.name, &name, &q, Duration::from_secs(10)).await;
-        if !result.ok() {
-            return Err(ApiError::internal(format!(
-                "guest check failed on {}: running={} advancing={} intact={} problems={:?}",
-                self.cfg.name, result.running, result.advancing, result.intact, result.problems
-            )));
-        }
-        let mut st = self.state.lock().await;
-        if let Some(slot) = st.vms.get_mut(&name) {
-            // the guest runs: everything has arrived, the carriers can go
-            if let Some(t) = slot.transport.take() {
-                t.close();
-            }
-            *slot = VmSlot {
-                spec: slot.spec.clone(),
-                role: Role::Running,
-                qemu: Some(q),
-                migrating: false,
-                transport: None,
-            };
-        }
-        tracing::info!(vm = %name, "migration committed; vm runs here");
-        Ok(result)
-    }
-
-    /// `mptcp` kind: announces this host's address on `fabric` again to the
-    /// source, whose NIC there has no subflow on some connection (its link
-    /// was down when the connection opened, or the subflow closed). Returns
-    /// the NIC announced.
-    pub async fn rejoin_incoming(&self, id: &str, fabric: u32) -> Result<String, ApiError> {
-        let (name, _) = self.incoming_slot(id).await?;
-        let mptcp = matches!(
-            self.state
-                .lock()
-                .await
-                .vms
-                .get(&name)
-                .and_then(|s| s.transport.as_ref()),
-            Some(ferry_transport::Carriers::Mptcp(_))
-        );
-        if !mptcp {
-            return Err(ApiError::invalid(
-                "id",
-                format!("migration {id} is not carried over mptcp"),
-            ));
-        }
-        let nic = nics()
-            .into_iter()
-            .find(|n| n.fabric == fabric)
-            .ok_or_else(|| ApiError::invalid("fabric", format!("no NIC on fabric {fabric}")))?;
-        let addr = nic
-            .address
-            .parse()
-            .map_err(|_| ApiError::internal(format!("{} has no IPv4 address", nic.name)))?;
-        ferry_transport::mptcp::announce(&nic.name, addr).map_err(ApiError::internal)?;
-        tracing::info!(migration = id, nic = %nic.name, "address announced again for a subflow re-join");
-        Ok(nic.name)
-    }
-
+impl Agent {
     /// Source side, `mptcp` kind: asks the target to announce its address on
     /// each fabric where a NIC of this host has its link up but no subflow
     /// (`due`, from `Spliced::tick`). The request runs on its own.
@@ -1579,76 +1376,5 @@ impl Agent {
                 }
             });
         }
-    }
-
-    /// Discards a skeleton (the source rolled back).
-    pub async fn abort_incoming(&self, id: &str) -> Result<(), ApiError> {
-        let (name, _) = self.incoming_slot(id).await?;
-        self.discard(&name).await;
-        tracing::info!(vm = %name, migration = id, "skeleton discarded");
-        Ok(())
-    }
-
-    /// Discards skeletons whose QEMU exited on its own (a failed incoming
-    /// migration makes QEMU exit); run periodically.
-    pub async fn reap_incoming(&self) {
-        let dead: Vec<String> = {
-            let st = self.state.lock().await;
-            let mut out = Vec::new();
-            for s in st.vms.values() {
-                if let (Role::Incoming { migration_id, .. }, Some(q)) = (&s.role, &s.qemu) {
-                    if !q.alive().await {
-                        out.push(migration_id.clone());
-                    }
-                }
-            }
-            out
-        };
-        for id in dead {
-            let _ = self.abort_incoming(&id).await;
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn auto_compresses_on_carriers_only_what_compresses_with_idle_cpu() {
-        let pick = |sealed, mptcp, ratio, idle| auto_choice(sealed, mptcp, ratio, idle).0;
-        // compressible memory and idle CPU: the kind that compresses
-        assert_eq!(
-            pick(false, true, Some(0.3), Some(0.9)),
-            MigrationOption::Multichannel
-        );
-        // random memory, or no CPU to spare, or all zero: the handed-off socket
-        assert_eq!(
-            pick(false, true, Some(0.99), Some(0.9)),
-            MigrationOption::Mptcp
-        );
-        assert_eq!(
-            pick(false, true, Some(0.3), Some(0.05)),
-            MigrationOption::Mptcp
-        );
-        assert_eq!(pick(false, true, None, Some(0.9)), MigrationOption::Mptcp);
-        // the edge counts as compressible
-        assert_eq!(
-            pick(false, true, Some(AUTO_COMPRESSES), Some(0.5)),
-            MigrationOption::Multichannel
-        );
-        // sealing and a kernel without MPTCP need Ferry's frames
-        assert_eq!(
-            pick(true, true, Some(0.99), Some(0.9)),
-            MigrationOption::Multichannel
-        );
-        assert_eq!(
-            pick(false, false, Some(0.99), Some(0.9)),
-            MigrationOption::Multichannel
-        );
-        // the reason names what was measured
-        let (_, why) = auto_choice(false, true, Some(0.97), Some(0.8));
-        assert!(why.contains("0.97") && why.contains("MPTCP"), "{why}");
-        assert!(!why.contains("  "), "{why}");
     }
 }

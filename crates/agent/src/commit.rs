@@ -1,0 +1,752 @@
+//! The commit point of a live migration: which side may run the guest,
+//! decided once, written down, and never taken back.
+//!
+//! ```text
+//!  source (journal)                       target (journal)
+//!  Copying ─── only the source may run ─── Waiting (QEMU -S: paused, never ran)
+//!     │  memory arrived, both paused, target loaded and reachable
+//!     ▼
+//!  Committed ── write + fsync ── RUN ────▶ Running (written, then `cont`)
+//!     │  ◀─────────────── ran ────────────── │
+//!     ▼
+//!  Done (source QEMU stopped)
+//!
+//!  any failure before Committed: Aborted (written), then the source resumes;
+//!  the target discards its paused skeleton when told or when it asks.
+//! ```
+//!
+//! Rules:
+//! 1. The target's vCPUs start only on RUN, and RUN is sent only after the
+//!    source's Committed record is on disk. So before that record only the
+//!    source may run; after it, only the target.
+//! 2. The source resumes only from Copying (→ Aborted), or from Committed
+//!    when the target *proves* it never ran and never can (its skeleton is
+//!    gone and its journal has no Running record).
+//! 3. A RUN whose answer is lost leaves the migration **in doubt**: the source
+//!    stays paused and asks the target until one of them answers.
+//! 4. A waiting target asks the source; Committed or Done → it runs, Aborted
+//!    or unknown → it discards, no answer → it waits (in doubt).
+//!
+//! This module holds the decisions only ([`source_next`], [`target_next`]) and
+//! the journal that persists them; the agent performs the actions. The tests
+//! check every interleaving of messages lost, duplicated, reordered and agent
+//! restarts against the rule "never two copies, never one the other lost".
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// The source's record of one outgoing migration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SourcePhase {
+    /// Before the commit: the source alone may run the guest.
+    Copying,
+    /// The commit record is written: the target alone may run the guest.
+    Committed,
+    /// Given up before the target ran: the source runs the guest.
+    Aborted,
+    /// The target runs the guest; the source's QEMU is gone.
+    Done,
+}
+
+/// The target's record of one incoming migration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TargetPhase {
+    /// A paused skeleton that has never run.
+    Waiting,
+    /// Told to run (written before `cont`): the guest may have run here.
+    Running,
+    /// Discarded without ever running.
+    Discarded,
+}
+
+/// What the target says when the source asks about a migration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TargetAnswer {
+    /// Its skeleton is paused and alive.
+    Waiting,
+    /// It runs (or ran) the guest.
+    Running,
+    /// It has no skeleton and no Running record: it never ran and never will.
+    NeverRan,
+}
+
+/// What the source says when the target asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SourceAnswer {
+    Copying,
+    Committed,
+    Aborted,
+    Done,
+    /// No record of this migration (never started, or long forgotten).
+    Unknown,
+}
+
+impl From<SourcePhase> for SourceAnswer {
+    fn from(p: SourcePhase) -> Self {
+        match p {
+            SourcePhase::Copying => SourceAnswer::Copying,
+            SourcePhase::Committed => SourceAnswer::Committed,
+            SourcePhase::Aborted => SourceAnswer::Aborted,
+            SourcePhase::Done => SourceAnswer::Done,
+        }
+    }
+}
+
+/// What happens to the source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceEvent {
+    /// Something failed (copy, checks, a lost agent, a bad answer).
+    Failed,
+    /// Both sides paused, the target loaded everything and answers: commit.
+    Ready,
+    /// The target answered (RUN's reply, or a question asked later).
+    Answer(TargetAnswer),
+    /// No answer from the target (RUN or a question timed out).
+    NoAnswer,
+    /// The source agent started again and found this record.
+    Restarted,
+}
+
+/// What the source must do, in order, after a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceAction {
+    /// Nothing to do.
+    None,
+    /// Write Aborted, tell the target to discard, resume the source guest.
+    AbortAndResume,
+    /// Write Committed (fsync), then send RUN to the target.
+    CommitAndRun,
+    /// Send RUN again (the target waits, paused).
+    SendRun,
+    /// The target runs the guest: stop the source QEMU, write Done.
+    Finish,
+    /// In doubt: stay paused, ask the target again later.
+    AskLater,
+}
+
+/// The source's decision table.
+pub fn source_next(phase: SourcePhase, ev: SourceEvent) -> (SourcePhase, SourceAction) {
+    use SourceAction as A;
+    use SourceEvent as E;
+    use SourcePhase as P;
+    match (phase, ev) {
+        (P::Copying, E::Failed | E::Restarted) => (P::Aborted, A::AbortAndResume),
+        (P::Copying, E::Ready) => (P::Committed, A::CommitAndRun),
+        // before the commit no answer changes anything: the copy loop decides
+        (P::Copying, E::Answer(_) | E::NoAnswer) => (P::Copying, A::None),
+        (P::Committed, E::Answer(TargetAnswer::Running)) => (P::Done, A::Finish),
+        (P::Committed, E::Answer(TargetAnswer::Waiting)) => (P::Committed, A::SendRun),
+        // the target's skeleton is gone and it never ran: the only copy is here
+        (P::Committed, E::Answer(TargetAnswer::NeverRan)) => (P::Aborted, A::AbortAndResume),
+        (P::Committed, E::Failed | E::NoAnswer | E::Restarted | E::Ready) => {
+            (P::Committed, A::AskLater)
+        }
+        (P::Aborted, _) => (P::Aborted, A::None),
+        (P::Done, _) => (P::Done, A::None),
+    }
+}
+
+/// What happens to the target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TargetEvent {
+    /// RUN from the source.
+    Run,
+    /// The source says it rolled back: discard.
+    Abort,
+    /// The source answered a question (None: no answer).
+    SourceSaid(Option<SourceAnswer>),
+    /// The skeleton's QEMU is gone (it exited, was killed, or died with a
+    /// restarted agent).
+    QemuGone,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TargetAction {
+    None,
+    /// Write Running (fsync), then `cont` the guest and adopt it; answer ran.
+    RecordAndRun,
+    /// Already running: answer ran again.
+    AnswerRunning,
+    /// Kill the paused skeleton, write Discarded; answer never-ran.
+    Discard,
+    /// Discarded before: answer never-ran.
+    AnswerNeverRan,
+    /// Refuse to discard: the guest may have run here.
+    RefuseAbort,
+    /// In doubt: stay paused, ask the source again later.
+    AskLater,
+}
+
+/// The target's decision table.
+pub fn target_next(phase: TargetPhase, ev: TargetEvent) -> (TargetPhase, TargetAction) {
+    use SourceAnswer as S;
+    use TargetAction as A;
+    use TargetEvent as E;
+    use TargetPhase as P;
+    match (phase, ev) {
+        (P::Waiting, E::Run | E::SourceSaid(Some(S::Committed | S::Done))) => {
+            (P::Running, A::RecordAndRun)
+        }
+        (P::Waiting, E::Abort | E::QemuGone | E::SourceSaid(Some(S::Aborted | S::Unknown))) => {
+            (P::Discarded, A::Discard)
+        }
+        (P::Waiting, E::SourceSaid(Some(S::Copying))) => (P::Waiting, A::None),
+        (P::Waiting, E::SourceSaid(None)) => (P::Waiting, A::AskLater),
+        (P::Running, E::Run) => (P::Running, A::AnswerRunning),
+        (P::Running, E::Abort) => (P::Running, A::RefuseAbort),
+        (P::Running, _) => (P::Running, A::None),
+        (P::Discarded, E::Run) => (P::Discarded, A::AnswerNeverRan),
+        (P::Discarded, _) => (P::Discarded, A::None),
+    }
+}
+
+/// The answer a target gives about a migration, from its phase (None: no record).
+pub fn target_answer(phase: Option<TargetPhase>) -> TargetAnswer {
+    match phase {
+        Some(TargetPhase::Waiting) => TargetAnswer::Waiting,
+        Some(TargetPhase::Running) => TargetAnswer::Running,
+        Some(TargetPhase::Discarded) | None => TargetAnswer::NeverRan,
+    }
+}
+
+/// One migration as written in an agent's journal.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Record {
+    pub migration_id: String,
+    pub vm: String,
+    /// The other host's name and agent URL.
+    pub peer: String,
+    pub peer_url: String,
+    #[serde(flatten)]
+    pub side: Side,
+    /// Unix seconds of the last change.
+    pub updated: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "side", content = "phase", rename_all = "kebab-case")]
+pub enum Side {
+    Source(SourcePhase),
+    Target(TargetPhase),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error("migration journal {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("migration journal {path}: {source}")]
+    Format {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+}
+
+/// Migration records on disk, one file each, replaced atomically and
+/// fsynced before a decision is acted on: `STATE_DIR/migrations/ID.{source,target}.json`.
+#[derive(Debug, Clone)]
+pub struct Journal {
+    dir: PathBuf,
+}
+
+pub fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl Journal {
+    pub fn new(state_dir: &Path) -> Journal {
+        Journal {
+            dir: state_dir.join("migrations"),
+        }
+    }
+
+    fn path(&self, id: &str, side: &Side) -> PathBuf {
+        let s = match side {
+            Side::Source(_) => "source",
+            Side::Target(_) => "target",
+        };
+        self.dir.join(format!("{id}.{s}.json"))
+    }
+
+    /// Writes `rec` durably: a temporary file, fsync, rename, fsync of the directory.
+    pub fn write(&self, rec: &Record) -> Result<(), JournalError> {
+        use std::io::Write;
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| JournalError::Io { path, source }
+        };
+        std::fs::create_dir_all(&self.dir).map_err(io(&self.dir))?;
+        let path = self.path(&rec.migration_id, &rec.side);
+        let tmp = path.with_extension("tmp");
+        let mut rec = rec.clone();
+        rec.updated = now_secs();
+        let body = serde_json::to_vec_pretty(&rec).map_err(|source| JournalError::Format {
+            path: path.clone(),
+            source,
+        })?;
+        let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+        f.write_all(&body).map_err(io(&tmp))?;
+        f.sync_all().map_err(io(&tmp))?;
+        std::fs::rename(&tmp, &path).map_err(io(&path))?;
+        std::fs::File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io(&self.dir))?;
+        Ok(())
+    }
+
+    /// The record of migration `id` on `side` ("source" or "target"), if any.
+    pub fn read(&self, id: &str, source_side: bool) -> Result<Option<Record>, JournalError> {
+        let side = if source_side {
+            Side::Source(SourcePhase::Copying)
+        } else {
+            Side::Target(TargetPhase::Waiting)
+        };
+        let path = self.path(id, &side);
+        match std::fs::read(&path) {
+            Ok(b) => serde_json::from_slice(&b)
+                .map(Some)
+                .map_err(|source| JournalError::Format { path, source }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(JournalError::Io { path, source }),
+        }
+    }
+
+    /// Every record (unreadable files are reported, not skipped silently).
+    pub fn all(&self) -> (Vec<Record>, Vec<JournalError>) {
+        let (mut out, mut errs) = (Vec::new(), Vec::new());
+        let Ok(rd) = std::fs::read_dir(&self.dir) else {
+            return (out, errs);
+        };
+        for e in rd.flatten() {
+            let path = e.path();
+            if path.extension().and_then(|x| x.to_str()) != Some("json") {
+                continue;
+            }
+            match std::fs::read(&path) {
+                Ok(b) => match serde_json::from_slice(&b) {
+                    Ok(r) => out.push(r),
+                    Err(source) => errs.push(JournalError::Format { path, source }),
+                },
+                Err(source) => errs.push(JournalError::Io { path, source }),
+            }
+        }
+        out.sort_by(|a: &Record, b| a.migration_id.cmp(&b.migration_id));
+        (out, errs)
+    }
+
+    /// Forgets settled records older than `age_secs`.
+    pub fn prune(&self, age_secs: u64) {
+        let cutoff = now_secs().saturating_sub(age_secs);
+        for r in self.all().0 {
+            let settled = matches!(
+                r.side,
+                Side::Source(SourcePhase::Aborted | SourcePhase::Done)
+                    | Side::Target(TargetPhase::Running | TargetPhase::Discarded)
+            );
+            if settled && r.updated < cutoff {
+                let _ = std::fs::remove_file(self.path(&r.migration_id, &r.side));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::{BTreeSet, HashSet, VecDeque};
+
+    #[test]
+    fn source_decisions() {
+        use SourceAction as A;
+        use SourceEvent as E;
+        use SourcePhase as P;
+        let cases = [
+            (P::Copying, E::Failed, P::Aborted, A::AbortAndResume),
+            (P::Copying, E::Restarted, P::Aborted, A::AbortAndResume),
+            (P::Copying, E::Ready, P::Committed, A::CommitAndRun),
+            (P::Copying, E::NoAnswer, P::Copying, A::None),
+            // the RUN's answer lost, or any failure after the commit: in doubt, never resume
+            (P::Committed, E::NoAnswer, P::Committed, A::AskLater),
+            (P::Committed, E::Failed, P::Committed, A::AskLater),
+            (P::Committed, E::Restarted, P::Committed, A::AskLater),
+            (
+                P::Committed,
+                E::Answer(TargetAnswer::Running),
+                P::Done,
+                A::Finish,
+            ),
+            (
+                P::Committed,
+                E::Answer(TargetAnswer::Waiting),
+                P::Committed,
+                A::SendRun,
+            ),
+            (
+                P::Committed,
+                E::Answer(TargetAnswer::NeverRan),
+                P::Aborted,
+                A::AbortAndResume,
+            ),
+            (
+                P::Aborted,
+                E::Answer(TargetAnswer::Running),
+                P::Aborted,
+                A::None,
+            ),
+            (P::Done, E::Failed, P::Done, A::None),
+        ];
+        for (p, e, want_p, want_a) in cases {
+            assert_eq!(source_next(p, e), (want_p, want_a), "{p:?} on {e:?}");
+        }
+    }
+
+    #[test]
+    fn target_decisions() {
+        use SourceAnswer as S;
+        use TargetAction as A;
+        use TargetEvent as E;
+        use TargetPhase as P;
+        let cases = [
+            (P::Waiting, E::Run, P::Running, A::RecordAndRun),
+            (
+                P::Waiting,
+                E::SourceSaid(Some(S::Committed)),
+                P::Running,
+                A::RecordAndRun,
+            ),
+            (
+                P::Waiting,
+                E::SourceSaid(Some(S::Done)),
+                P::Running,
+                A::RecordAndRun,
+            ),
+            (P::Waiting, E::Abort, P::Discarded, A::Discard),
+            (P::Waiting, E::QemuGone, P::Discarded, A::Discard),
+            (
+                P::Waiting,
+                E::SourceSaid(Some(S::Aborted)),
+                P::Discarded,
+                A::Discard,
+            ),
+            (
+                P::Waiting,
+                E::SourceSaid(Some(S::Unknown)),
+                P::Discarded,
+                A::Discard,
+            ),
+            (
+                P::Waiting,
+                E::SourceSaid(Some(S::Copying)),
+                P::Waiting,
+                A::None,
+            ),
+            (P::Waiting, E::SourceSaid(None), P::Waiting, A::AskLater),
+            (P::Running, E::Run, P::Running, A::AnswerRunning),
+            (P::Running, E::Abort, P::Running, A::RefuseAbort),
+            (P::Discarded, E::Run, P::Discarded, A::AnswerNeverRan),
+        ];
+        for (p, e, want_p, want_a) in cases {
+            assert_eq!(target_next(p, e), (want_p, want_a), "{p:?} on {e:?}");
+        }
+    }
+
+    // ---- every interleaving ----
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+    enum Msg {
+        Run,
+        Abort,
+        AskTarget,
+        TargetSaid(TargetAnswer),
+        AskSource,
+        SourceSaid(SourceAnswer),
+    }
+
+    /// The two agents, their QEMUs and the network between them.
+    #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+    struct World {
+        s: SourcePhase,
+        /// None: the target never heard of it (its record is written with the skeleton).
+        t: Option<TargetPhase>,
+        /// The source guest runs now / the target guest has ever run.
+        source_runs: bool,
+        target_ran: bool,
+        /// The source QEMU (paused after the copy) still exists.
+        source_qemu: bool,
+        /// The target skeleton's QEMU exists.
+        target_qemu: bool,
+        /// Messages in flight (a set: duplicates merge, any order, any loss).
+        net: BTreeSet<Msg>,
+        restarts: u8,
+        kills: u8,
+    }
+
+    impl World {
+        fn start() -> World {
+            World {
+                s: SourcePhase::Copying,
+                t: Some(TargetPhase::Waiting),
+                // the guest is paused for the switch-over once the memory has arrived
+                source_runs: false,
+                target_ran: false,
+                source_qemu: true,
+                target_qemu: true,
+                net: BTreeSet::new(),
+                restarts: 0,
+                kills: 0,
+            }
+        }
+
+        fn source_acts(&mut self, a: SourceAction) {
+            match a {
+                SourceAction::None | SourceAction::AskLater => {}
+                SourceAction::AbortAndResume => {
+                    self.net.insert(Msg::Abort);
+                    if self.source_qemu {
+                        self.source_runs = true;
+                    }
+                }
+                SourceAction::CommitAndRun | SourceAction::SendRun => {
+                    self.net.insert(Msg::Run);
+                }
+                SourceAction::Finish => {
+                    self.source_qemu = false;
+                    self.source_runs = false;
+                }
+            }
+        }
+
+        fn source_on(&mut self, e: SourceEvent) {
+            let (p, a) = source_next(self.s, e);
+            self.s = p;
+            self.source_acts(a);
+        }
+
+        fn target_on(&mut self, e: TargetEvent) {
+            let Some(t) = self.t else {
+                // no record: RUN finds nothing, so the source hears "never ran"
+                if e == TargetEvent::Run {
+                    self.net.insert(Msg::TargetSaid(TargetAnswer::NeverRan));
+                }
+                return;
+            };
+            let (p, a) = target_next(t, e);
+            self.t = Some(p);
+            match a {
+                TargetAction::RecordAndRun => {
+                    if self.target_qemu {
+                        self.target_ran = true;
+                    }
+                    self.net.insert(Msg::TargetSaid(TargetAnswer::Running));
+                }
+                TargetAction::AnswerRunning => {
+                    self.net.insert(Msg::TargetSaid(TargetAnswer::Running));
+                }
+                TargetAction::Discard => {
+                    self.target_qemu = false;
+                    if e == TargetEvent::Run {
+                        self.net.insert(Msg::TargetSaid(TargetAnswer::NeverRan));
+                    }
+                }
+                TargetAction::AnswerNeverRan => {
+                    self.net.insert(Msg::TargetSaid(TargetAnswer::NeverRan));
+                }
+                TargetAction::RefuseAbort | TargetAction::None => {}
+                TargetAction::AskLater => {}
+            }
+        }
+
+        /// Every next world.
+        fn next(&self) -> Vec<World> {
+            let mut out = Vec::new();
+            let mut push = |f: &dyn Fn(&mut World)| {
+                let mut w = self.clone();
+                f(&mut w);
+                out.push(w);
+            };
+            // the source's own decisions
+            if self.s == SourcePhase::Copying {
+                push(&|w| w.source_on(SourceEvent::Ready));
+                push(&|w| w.source_on(SourceEvent::Failed));
+            }
+            // timeouts: a lost RUN answer, the source asking, the target asking
+            if self.s == SourcePhase::Committed {
+                push(&|w| w.source_on(SourceEvent::NoAnswer));
+                push(&|w| {
+                    w.net.insert(Msg::AskTarget);
+                });
+            }
+            if self.t == Some(TargetPhase::Waiting) {
+                push(&|w| {
+                    w.net.insert(Msg::AskSource);
+                });
+                push(&|w| w.target_on(TargetEvent::SourceSaid(None)));
+            }
+            // each message delivered, or lost
+            for m in &self.net {
+                let m = *m;
+                push(&move |w| {
+                    w.net.remove(&m);
+                });
+                push(&move |w| {
+                    w.net.remove(&m);
+                    match m {
+                        Msg::Run => w.target_on(TargetEvent::Run),
+                        Msg::Abort => w.target_on(TargetEvent::Abort),
+                        Msg::AskTarget => {
+                            let a = target_answer(w.t);
+                            // a waiting record without its QEMU is reported as it is
+                            w.net.insert(Msg::TargetSaid(a));
+                        }
+                        Msg::TargetSaid(a) => w.source_on(SourceEvent::Answer(a)),
+                        Msg::AskSource => {
+                            w.net.insert(Msg::SourceSaid(w.s.into()));
+                        }
+                        Msg::SourceSaid(a) => w.target_on(TargetEvent::SourceSaid(Some(a))),
+                    }
+                });
+            }
+            // crashes: an agent restarts with its journal; a waiting skeleton's
+            // QEMU dies (with its agent, or killed)
+            if self.restarts < 2 {
+                push(&|w| {
+                    w.restarts += 1;
+                    w.source_on(SourceEvent::Restarted);
+                });
+                push(&|w| {
+                    w.restarts += 1;
+                    if w.t == Some(TargetPhase::Waiting) {
+                        w.target_qemu = false;
+                        w.target_on(TargetEvent::QemuGone);
+                    }
+                });
+            }
+            if self.kills < 1 && self.target_qemu && self.t == Some(TargetPhase::Waiting) {
+                push(&|w| {
+                    w.kills += 1;
+                    w.target_qemu = false;
+                    w.target_on(TargetEvent::QemuGone);
+                });
+            }
+            out
+        }
+
+        fn settled(&self) -> bool {
+            matches!(
+                (self.s, self.t),
+                (SourcePhase::Done, Some(TargetPhase::Running))
+                    | (SourcePhase::Aborted, Some(TargetPhase::Discarded) | None)
+            )
+        }
+    }
+
+    /// Explores every reachable world: no two copies ever, and from every
+    /// world, delivering messages (no more loss) settles it with the guest
+    /// alive on exactly one host.
+    #[test]
+    fn no_interleaving_runs_two_copies_or_loses_the_guest() {
+        let mut seen = HashSet::new();
+        let mut queue = VecDeque::from([World::start()]);
+        while let Some(w) = queue.pop_front() {
+            if !seen.insert(w.clone()) {
+                continue;
+            }
+            // safety: the source never runs once the target has run
+            assert!(!(w.source_runs && w.target_ran), "two copies ran: {w:?}");
+            // the target ran only after the source's commit record
+            if w.target_ran {
+                assert!(
+                    matches!(w.s, SourcePhase::Committed | SourcePhase::Done),
+                    "target ran without a commit: {w:?}"
+                );
+            }
+            // liveness: with a working network and no more crashes, it settles
+            let settled = settle(w.clone());
+            assert!(settled.settled(), "never settles from {w:?}: {settled:?}");
+            let alive = settled.source_runs || (settled.target_ran && settled.target_qemu);
+            assert!(alive, "guest lost: {w:?} settles as {settled:?}");
+            queue.extend(w.next());
+        }
+        assert!(seen.len() > 500, "explored only {} worlds", seen.len());
+    }
+
+    /// Runs a world to its end with every message delivered and each side
+    /// asking the other when it waits.
+    fn settle(mut w: World) -> World {
+        for _ in 0..50 {
+            if w.settled() && w.net.is_empty() {
+                return w;
+            }
+            if let Some(m) = w.net.iter().next().copied() {
+                w.net.remove(&m);
+                match m {
+                    Msg::Run => w.target_on(TargetEvent::Run),
+                    Msg::Abort => w.target_on(TargetEvent::Abort),
+                    Msg::AskTarget => {
+                        let a = target_answer(w.t);
+                        w.net.insert(Msg::TargetSaid(a));
+                    }
+                    Msg::TargetSaid(a) => w.source_on(SourceEvent::Answer(a)),
+                    Msg::AskSource => {
+                        w.net.insert(Msg::SourceSaid(w.s.into()));
+                    }
+                    Msg::SourceSaid(a) => w.target_on(TargetEvent::SourceSaid(Some(a))),
+                }
+                continue;
+            }
+            match (w.s, w.t) {
+                (SourcePhase::Copying, _) => w.source_on(SourceEvent::Ready),
+                (SourcePhase::Committed, _) => {
+                    w.net.insert(Msg::AskTarget);
+                }
+                (_, Some(TargetPhase::Waiting)) => {
+                    w.net.insert(Msg::AskSource);
+                }
+                _ => {}
+            }
+        }
+        w
+    }
+
+    #[test]
+    fn journal_round_trips_and_replaces_atomically() {
+        let dir = std::env::temp_dir().join(format!("ferry-journal-{}", std::process::id()));
+        let j = Journal::new(&dir);
+        let mut r = Record {
+            migration_id: "abc".into(),
+            vm: "vm1".into(),
+            peer: "host2".into(),
+            peer_url: "http://h2".into(),
+            side: Side::Source(SourcePhase::Copying),
+            updated: 0,
+        };
+        j.write(&r).unwrap();
+        r.side = Side::Source(SourcePhase::Committed);
+        j.write(&r).unwrap();
+        let back = j.read("abc", true).unwrap().unwrap();
+        assert_eq!(back.side, Side::Source(SourcePhase::Committed));
+        assert!(back.updated > 0);
+        assert_eq!(j.read("abc", false).unwrap(), None);
+        // a damaged file is reported, not skipped
+        std::fs::write(dir.join("migrations/bad.source.json"), b"{").unwrap();
+        let (all, errs) = j.all();
+        assert_eq!(all.len(), 1);
+        assert_eq!(errs.len(), 1);
+        assert!(
+            errs[0].to_string().contains("bad.source.json"),
+            "{}",
+            errs[0]
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,98 @@
+//! Named points in the migration path where a fault can be injected on
+//! purpose, to test what the commit protocol promises (an agent frozen, an
+//! agent killed, a QEMU killed at an exact step). Off unless the agent's
+//! environment sets `FERRY_FAILPOINTS`, e.g.
+//! `FERRY_FAILPOINTS=target-before-run=stop,source-after-commit=exit`.
+//!
+//! | point | where |
+//! |---|---|
+//! | `target-at-ready` | target, asked whether the memory has arrived, before answering |
+//! | `target-before-run` | target, told to run, before it writes Running |
+//! | `source-after-commit` | source, right after its Committed record is on disk |
+//!
+//! Actions: `stop` (SIGSTOP to the whole agent: frozen until SIGCONT), `exit`
+//! (SIGKILL to the agent: a crash), `kill-qemu` (the caller kills the VM's
+//! QEMU). Each point fires once per process.
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, OnceLock};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Stop,
+    Exit,
+    KillQemu,
+}
+
+fn parse(spec: &str) -> Result<BTreeMap<String, Action>, String> {
+    let mut out = BTreeMap::new();
+    for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (point, action) = item
+            .split_once('=')
+            .ok_or_else(|| format!("FERRY_FAILPOINTS: {item:?} is not POINT=ACTION"))?;
+        let action = match action {
+            "stop" => Action::Stop,
+            "exit" => Action::Exit,
+            "kill-qemu" => Action::KillQemu,
+            a => {
+                return Err(format!(
+                    "FERRY_FAILPOINTS: unknown action {a:?} for {point} (stop, exit, kill-qemu)"
+                ))
+            }
+        };
+        out.insert(point.to_string(), action);
+    }
+    Ok(out)
+}
+
+fn armed() -> &'static Mutex<BTreeMap<String, Action>> {
+    static ARMED: OnceLock<Mutex<BTreeMap<String, Action>>> = OnceLock::new();
+    ARMED.get_or_init(|| {
+        let spec = std::env::var("FERRY_FAILPOINTS").unwrap_or_default();
+        let map = parse(&spec).unwrap_or_else(|e| {
+            tracing::error!("{e}; no failpoint armed");
+            BTreeMap::new()
+        });
+        if !map.is_empty() {
+            tracing::warn!(?map, "failpoints armed (FERRY_FAILPOINTS)");
+        }
+        Mutex::new(map)
+    })
+}
+
+/// Fires point `name` if it is armed: `stop` and `exit` act on this process
+/// here; `kill-qemu` is returned for the caller to carry out.
+pub fn hit(name: &str) -> Option<Action> {
+    let action = armed()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(name)?;
+    tracing::warn!(point = name, ?action, "failpoint fired");
+    match action {
+        // SAFETY: raising a signal on this process has no memory effects.
+        Action::Stop => unsafe {
+            libc::kill(libc::getpid(), libc::SIGSTOP);
+        },
+        // SAFETY: as above; SIGKILL ends the process at once, like a crash.
+        Action::Exit => unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        },
+        Action::KillQemu => {}
+    }
+    Some(action)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_and_bad_ones_name_the_item() {
+        let m = parse("target-before-run=stop, source-after-commit=exit").unwrap();
+        assert_eq!(m["target-before-run"], Action::Stop);
+        assert_eq!(m["source-after-commit"], Action::Exit);
+        assert!(parse("").unwrap().is_empty());
+        assert!(parse("x").unwrap_err().contains("\"x\""));
+        assert!(parse("x=boom").unwrap_err().contains("boom"));
+    }
+}

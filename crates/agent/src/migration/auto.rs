@@ -1,0 +1,136 @@
+//! `auto`: which data path a migration takes, from what the source measures
+//! (NIC pairs, MPTCP, a sample of guest memory, idle CPU).
+
+use ferry_api::MigrationOption;
+
+use crate::qemu::QemuVm;
+
+/// `auto` over more than one NIC pair reads this many chunks of guest
+/// memory, spread evenly over it, to judge whether it compresses.
+const SAMPLE_CHUNKS: u64 = 32;
+const SAMPLE_CHUNK: u64 = 128 << 10;
+/// A sample that LZ4 shrinks to this share or less counts as compressible.
+pub const AUTO_COMPRESSES: f64 = 0.8;
+
+/// What `auto` picks over more than one NIC pair, and why.
+///
+/// Ferry's carriers are the kind that can compress (per frame, with idle
+/// CPU, when the link is the bottleneck); a guest whose memory compresses
+/// crosses link-bound fabrics several times faster on them. Otherwise the
+/// handed-off MPTCP socket wins: QEMU writes straight into the kernel and no
+/// byte passes through an agent, so the move costs no more CPU than QEMU
+/// over MPTCP (the agents' relay costs 1.7–2.2 CPU-s/GiB more) at 0.90–0.93 of
+/// the links against the carriers' 0.95. BENCHMARKS.md has the runs.
+/// Sealing needs Ferry's frames, and so does a kernel without MPTCP.
+pub(super) fn auto_choice(
+    sealed: bool,
+    mptcp: bool,
+    ratio: Option<f64>,
+    idle: Option<f64>,
+) -> (MigrationOption, String) {
+    let carriers = MigrationOption::Multichannel;
+    if sealed {
+        return (
+            carriers,
+            "Ferry's carriers (the cluster seals carriers)".into(),
+        );
+    }
+    if !mptcp {
+        return (
+            carriers,
+            "Ferry's carriers (this kernel has no MPTCP)".into(),
+        );
+    }
+    let shown = ratio.map_or("all zero".to_string(), |r| format!("{r:.2}"));
+    let idle_pct = idle.map_or(0.0, |i| i * 100.0);
+    let min_idle = ferry_transport::compress::MIN_IDLE;
+    match (ratio, idle) {
+        (Some(r), Some(i)) if r <= AUTO_COMPRESSES && i >= min_idle => (
+            carriers,
+            format!(
+                "Ferry's carriers: a memory sample compresses to {shown} and the CPU is \
+                 {idle_pct:.0}% idle, so frames are compressed when the link is the bottleneck"
+            ),
+        ),
+        (Some(r), _) if r <= AUTO_COMPRESSES => (
+            MigrationOption::Mptcp,
+            format!(
+                "QEMU handed an MPTCP socket: memory compresses to {shown} but the CPU is \
+                 only {idle_pct:.0}% idle, too little to compress; no byte passes through an agent"
+            ),
+        ),
+        _ => (
+            MigrationOption::Mptcp,
+            format!(
+                "QEMU handed an MPTCP socket: a memory sample compresses to {shown} only, \
+                 so no byte passes through an agent"
+            ),
+        ),
+    }
+}
+
+/// LZ4's ratio on [`SAMPLE_CHUNKS`] chunks of the guest's memory (QMP
+/// `pmemsave` into the VM's directory); `None` if it is all zero or cannot be read.
+pub(super) async fn sample_memory(vm: &QemuVm, memory: u64) -> Option<f64> {
+    // below 2 GiB guest-physical addresses are RAM on q35 whatever the size
+    let span = memory.min(2 << 30);
+    let step = span / SAMPLE_CHUNKS;
+    let file = vm.dir.join("auto-sample.bin");
+    let mut sample = Vec::with_capacity((SAMPLE_CHUNKS * SAMPLE_CHUNK) as usize);
+    for i in 0..SAMPLE_CHUNKS {
+        let addr = (step * i + step / 2) & !4095;
+        let size = SAMPLE_CHUNK.min(span.saturating_sub(addr));
+        if vm.qmp.pmemsave(addr, size, &file).await.is_err() {
+            break;
+        }
+        match tokio::fs::read(&file).await {
+            Ok(b) => sample.extend(b),
+            Err(_) => break,
+        }
+    }
+    let _ = tokio::fs::remove_file(&file).await;
+    ferry_transport::compress::sample_ratio(&sample)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_compresses_on_carriers_only_what_compresses_with_idle_cpu() {
+        let pick = |sealed, mptcp, ratio, idle| auto_choice(sealed, mptcp, ratio, idle).0;
+        // compressible memory and idle CPU: the kind that compresses
+        assert_eq!(
+            pick(false, true, Some(0.3), Some(0.9)),
+            MigrationOption::Multichannel
+        );
+        // random memory, or no CPU to spare, or all zero: the handed-off socket
+        assert_eq!(
+            pick(false, true, Some(0.99), Some(0.9)),
+            MigrationOption::Mptcp
+        );
+        assert_eq!(
+            pick(false, true, Some(0.3), Some(0.05)),
+            MigrationOption::Mptcp
+        );
+        assert_eq!(pick(false, true, None, Some(0.9)), MigrationOption::Mptcp);
+        // the edge counts as compressible
+        assert_eq!(
+            pick(false, true, Some(AUTO_COMPRESSES), Some(0.5)),
+            MigrationOption::Multichannel
+        );
+        // sealing and a kernel without MPTCP need Ferry's frames
+        assert_eq!(
+            pick(true, true, Some(0.99), Some(0.9)),
+            MigrationOption::Multichannel
+        );
+        assert_eq!(
+            pick(false, false, Some(0.99), Some(0.9)),
+            MigrationOption::Multichannel
+        );
+        // the reason names what was measured
+        let (_, why) = auto_choice(false, true, Some(0.97), Some(0.8));
+        assert!(why.contains("0.97") && why.contains("MPTCP"), "{why}");
+        assert!(!why.contains("  "), "{why}");
+    }
+}

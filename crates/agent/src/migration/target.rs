@@ -1,0 +1,698 @@
+//! The target side of a live migration: the paused skeleton, its answers to
+//! the source (ready? ran?), RUN, discarding, and asking the source when
+//! nobody tells it anything (see [`crate::commit`]).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry_api::client::Client;
+use ferry_api::{
+    ApiError, CarrierEndpoint, IncomingReply, IncomingRequest, IncomingStatus, MigrationOption,
+    SourceStatus,
+};
+
+use super::MULTIFD_CHANNELS;
+use crate::commit::{
+    target_next, Record, Side, SourceAnswer, TargetAction, TargetAnswer, TargetEvent, TargetPhase,
+};
+use crate::datapath::{DataPath, QemuTcp};
+use crate::host::{error_chain, nics, Agent, Role};
+use crate::qemu::{self, QemuVm};
+use crate::qmp::MigrationParameters;
+
+impl Agent {
+    /// Step 3-4 on the target: reserve memory, start a skeleton VM waiting on
+    /// the chosen NIC, and report where the source should send.
+    pub async fn prepare_incoming(&self, req: IncomingRequest) -> Result<IncomingReply, ApiError> {
+        if req.sealed && req.option == MigrationOption::Tcp {
+            return Err(ApiError::invalid(
+                "sealed",
+                "a sealed migration needs Ferry's transport; tcp is QEMU's clear stream",
+            ));
+        }
+        let datapath = QemuTcp;
+        let usable: Vec<_> = nics()
+            .into_iter()
+            .filter(|n| n.up && req.source_fabrics_up.contains(&n.fabric))
+            .collect();
+        let nic = usable
+            .iter()
+            .min_by_key(|n| n.fabric)
+            .cloned()
+            .ok_or_else(|| {
+                ApiError::unavailable(
+                    format!("a migration path from {} to {}", req.source, self.cfg.name),
+                    "no fabric has a NIC up on both hosts",
+                )
+            })?;
+        let multichannel = match req.option {
+            MigrationOption::Tcp => None,
+            MigrationOption::Multichannel
+            | MigrationOption::Compression
+            | MigrationOption::Mptcp
+            | MigrationOption::MptcpRelay => {
+                let id = req
+                    .session
+                    .as_deref()
+                    .and_then(ferry_transport::session_from_hex)
+                    .ok_or_else(|| {
+                        ApiError::invalid("session", "multichannel needs a 32-hex-digit session id")
+                    })?;
+                Some(id)
+            }
+            MigrationOption::Auto => {
+                return Err(ApiError::invalid(
+                    "option",
+                    "the source resolves auto before asking",
+                ))
+            }
+        };
+        let dir = self.vm_dir(&req.spec.name, &format!(".in-{}", req.migration_id));
+        let role = Role::Incoming {
+            migration_id: req.migration_id.clone(),
+            source: req.source.clone(),
+            source_url: req.source_url.clone(),
+            dir: dir.clone(),
+            since: Instant::now(),
+            agent_cpu_at_start: crate::host::own_cpu(),
+        };
+        self.reserve(&req.spec, role).await?;
+        // the record exists before the skeleton does: a restart finds it
+        if let Err(e) = self.record_target(
+            &req.migration_id,
+            &req.spec.name,
+            &req.source,
+            &req.source_url,
+            TargetPhase::Waiting,
+        ) {
+            self.release(&req.spec.name).await;
+            return Err(e);
+        }
+        let started = async {
+            let vm = qemu::launch(&self.cfg.qemu, &req.spec, &dir, true)
+                .await
+                .map_err(|e| {
+                    ApiError::internal(format!("starting skeleton QEMU: {}", error_chain(&e)))
+                })?;
+            let vm = Arc::new(vm);
+            // registered first, so a failure below still kills this QEMU
+            if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
+                slot.qemu = Some(vm.clone());
+            }
+            let qerr = |e: crate::qmp::QmpError| ApiError::internal(error_chain(&e));
+            let Some(session_id) = multichannel else {
+                if req.postcopy {
+                    vm.qmp
+                        .set_capabilities(&[("postcopy-ram", true)])
+                        .await
+                        .map_err(qerr)?;
+                }
+                vm.qmp
+                    .migrate_incoming(&datapath.incoming_uri(&nic.address))
+                    .await
+                    .map_err(qerr)?;
+                let info = vm.qmp.query_migrate().await.map_err(qerr)?;
+                let port = info
+                    .socket_address
+                    .unwrap_or_default()
+                    .into_iter()
+                    .find_map(|a| a.port)
+                    .ok_or_else(|| ApiError::internal("QEMU did not report its listening port"))?;
+                return Ok::<_, ApiError>((datapath.source_uri(&nic.address, &port), Vec::new()));
+            };
+            // multichannel: QEMU listens on a local socket, carriers end
+            // here; or (mptcp) QEMU is handed the authenticated socket
+            let handoff = req.option == MigrationOption::Mptcp;
+            let multifd = !req.postcopy && !handoff;
+            vm.qmp
+                .set_capabilities(&[("multifd", multifd), ("postcopy-ram", req.postcopy)])
+                .await
+                .map_err(qerr)?;
+            if multifd {
+                vm.qmp
+                    .set_parameters(MigrationParameters {
+                        multifd_channels: Some(MULTIFD_CHANNELS),
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(qerr)?;
+            }
+            let sock = dir.join("incoming.sock");
+            if !handoff {
+                vm.qmp
+                    .migrate_incoming(&format!("unix:{}", sock.display()))
+                    .await
+                    .map_err(qerr)?;
+            }
+            let listen: Vec<(String, std::net::IpAddr)> = usable
+                .iter()
+                .filter_map(|n| Some((n.name.clone(), n.address.parse().ok()?)))
+                .collect();
+            let (session, bound) = if matches!(
+                req.option,
+                MigrationOption::Mptcp | MigrationOption::MptcpRelay
+            ) {
+                if req.sealed {
+                    return Err(ApiError::invalid(
+                        "sealed",
+                        "a sealed migration needs Ferry's own carriers; mptcp sends bytes as they are",
+                    ));
+                }
+                ferry_transport::mptcp::prepare_host(&listen).map_err(ApiError::internal)?;
+                let deliver = if handoff {
+                    let monitor = dir.join(crate::qemu::HANDOFF_SOCK);
+                    ferry_transport::Deliver::Handoff(Box::new(
+                        move |t: &std::net::TcpStream| {
+                            use std::os::fd::AsRawFd;
+                            crate::qmp::hand_socket(
+                                &monitor,
+                                t.as_raw_fd(),
+                                crate::qmp::HandTo::Incoming,
+                            )
+                            .map_err(|e| error_chain(&e))
+                        },
+                    ))
+                } else {
+                    ferry_transport::Deliver::Relay(sock)
+                };
+                let (s, port) = ferry_transport::Spliced::target(
+                    session_id,
+                    self.cred.secret(),
+                    listen.clone(),
+                    deliver,
+                )
+                .map_err(|e| ApiError::internal(error_chain(&e)))?;
+                // one listener takes every address: each NIC's address with its port
+                let bound = listen
+                    .into_iter()
+                    .map(|(n, a)| (n, std::net::SocketAddr::new(a, port)))
+                    .collect::<Vec<_>>();
+                (ferry_transport::Carriers::Mptcp(s), bound)
+            } else {
+                let keys = ferry_transport::Keys {
+                    secret: self.cred.secret(),
+                    sealed: req.sealed,
+                };
+                let (s, bound) = ferry_transport::Session::target(session_id, &keys, listen, sock)
+                    .await
+                    .map_err(|e| ApiError::internal(error_chain(&e)))?;
+                (ferry_transport::Carriers::Ferry(s), bound)
+            };
+            if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
+                slot.transport = Some(session);
+            }
+            let carriers = bound
+                .into_iter()
+                .filter_map(|(name, addr)| {
+                    let fabric = usable.iter().find(|n| n.name == name)?.fabric;
+                    Some(CarrierEndpoint {
+                        fabric,
+                        nic: name,
+                        address: addr.to_string(),
+                    })
+                })
+                .collect();
+            Ok(("ferry-transport".to_string(), carriers))
+        }
+        .await;
+        match started {
+            Ok((uri, carriers)) => {
+                tracing::info!(vm = %req.spec.name, source = %req.source, %uri, "skeleton waiting");
+                Ok(IncomingReply {
+                    migration_id: req.migration_id,
+                    uri,
+                    fabric: nic.fabric,
+                    nic: nic.name,
+                    carriers,
+                })
+            }
+            Err(e) => {
+                self.discard(&req.spec.name).await;
+                let _ = std::fs::remove_dir_all(&dir);
+                Err(e)
+            }
+        }
+    }
+
+    /// Writes this host's record of incoming migration `id` (fsynced).
+    fn record_target(
+        &self,
+        id: &str,
+        vm: &str,
+        source: &str,
+        source_url: &str,
+        phase: TargetPhase,
+    ) -> Result<(), ApiError> {
+        self.journal
+            .write(&Record {
+                migration_id: id.into(),
+                vm: vm.into(),
+                peer: source.into(),
+                peer_url: source_url.into(),
+                side: Side::Target(phase),
+                updated: 0,
+            })
+            .map_err(|e| ApiError::internal(error_chain(&e)))
+    }
+
+    /// This host's phase for incoming migration `id`: a skeleton in the
+    /// table is waiting; otherwise the journal says (None: never heard of it).
+    async fn target_phase(&self, id: &str) -> (Option<TargetPhase>, Option<Record>) {
+        if self.incoming_slot(id).await.is_ok() {
+            return (Some(TargetPhase::Waiting), None);
+        }
+        match self.journal.read(id, false) {
+            Ok(Some(r)) => match r.side {
+                Side::Target(p) => (Some(p), Some(r)),
+                Side::Source(_) => (None, None),
+            },
+            Ok(None) => (None, None),
+            Err(e) => {
+                tracing::error!(error = %e, "reading the migration journal");
+                (None, None)
+            }
+        }
+    }
+
+    /// Drops a skeleton that never ran: its transport session, its QEMU (its
+    /// log kept), its reservation; the journal then says Discarded.
+    async fn discard(&self, name: &str) {
+        let slot = self.state.lock().await.vms.remove(name);
+        let Some(slot) = slot else { return };
+        if let Some(t) = slot.transport {
+            t.close();
+        }
+        if let Some(q) = &slot.qemu {
+            q.kill().await;
+        }
+        if let Role::Incoming {
+            migration_id,
+            source,
+            source_url,
+            dir,
+            ..
+        } = &slot.role
+        {
+            self.remove_vm_dir(dir, &format!("{name}.{migration_id}.target"));
+            if let Err(e) = self.record_target(
+                migration_id,
+                name,
+                source,
+                source_url,
+                TargetPhase::Discarded,
+            ) {
+                tracing::error!(error = %e, "recording a discarded skeleton");
+            }
+            tracing::info!(vm = %name, migration = %migration_id, "skeleton discarded; it never ran");
+        }
+    }
+
+    async fn incoming_slot(&self, id: &str) -> Result<(String, Option<Arc<QemuVm>>), ApiError> {
+        let st = self.state.lock().await;
+        st.vms
+            .iter()
+            .find(|(_, s)| matches!(&s.role, Role::Incoming { migration_id, .. } if migration_id == id))
+            .map(|(n, s)| (n.clone(), s.qemu.clone()))
+            .ok_or_else(|| ApiError::not_found("incoming migration", id))
+    }
+
+    /// Where incoming migration `id` stands here: a waiting skeleton, a guest
+    /// that was told to run, one discarded, or `unknown`.
+    pub async fn incoming_status(&self, id: &str) -> Result<IncomingStatus, ApiError> {
+        let (phase, rec) = self.target_phase(id).await;
+        let q = match (phase, &rec) {
+            (Some(TargetPhase::Waiting), _) => self.incoming_slot(id).await?.1,
+            (Some(TargetPhase::Running), Some(r)) => self
+                .state
+                .lock()
+                .await
+                .vms
+                .get(&r.vm)
+                .and_then(|s| s.qemu.clone()),
+            _ => None,
+        };
+        let mut st = IncomingStatus {
+            migration_id: id.into(),
+            qemu_status: "none".into(),
+            qemu_alive: false,
+            cpu_ms: None,
+            phase: phase_name(phase),
+            migration_status: String::new(),
+        };
+        if let Some(q) = q {
+            st.qemu_alive = q.alive().await;
+            st.qemu_status = q
+                .qmp
+                .status()
+                .await
+                .map(|s| s.status)
+                .unwrap_or_else(|_| "unreachable".into());
+            st.migration_status = q
+                .qmp
+                .query_migrate()
+                .await
+                .ok()
+                .and_then(|i| i.status)
+                .unwrap_or_default();
+        } else if phase == Some(TargetPhase::Waiting) {
+            // the skeleton's QEMU is still starting
+            st.qemu_alive = true;
+            st.qemu_status = "starting".into();
+        }
+        Ok(st)
+    }
+
+    /// CPU this host spent on an incoming migration so far: the target QEMU
+    /// since it started plus this agent since the skeleton was asked for
+    /// (the whole agent: other migrations at the same time count too).
+    async fn incoming_cpu(&self, id: &str, q: &QemuVm) -> Option<u64> {
+        let st = self.state.lock().await;
+        let at_start = st.vms.values().find_map(|s| match &s.role {
+            Role::Incoming {
+                migration_id,
+                agent_cpu_at_start,
+                ..
+            } if migration_id == id => Some(*agent_cpu_at_start),
+            _ => None,
+        })?;
+        let agent = crate::host::own_cpu().saturating_sub(at_start);
+        let qemu = crate::host::process_cpu(q.pid)?;
+        Some((agent + qemu).as_millis() as u64)
+    }
+
+    /// Before the commit: waits until the skeleton's QEMU has loaded every
+    /// byte and device, paused (it was started with `-S` and has never run).
+    pub async fn ready_incoming(&self, id: &str) -> Result<IncomingStatus, ApiError> {
+        let (_, q) = self.incoming_slot(id).await?;
+        let q = q.ok_or_else(|| ApiError::Conflict {
+            reason: "skeleton QEMU is still starting".into(),
+        })?;
+        if crate::failpoint::hit("target-at-ready") == Some(crate::failpoint::Action::KillQemu) {
+            q.kill().await;
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if !q.alive().await {
+                return Err(ApiError::internal(
+                    "the target QEMU exited before the commit",
+                ));
+            }
+            let mig = q.qmp.query_migrate().await.ok().and_then(|i| i.status);
+            let run = q.qmp.status().await.ok();
+            match (mig.as_deref(), run) {
+                (Some("failed"), _) => {
+                    return Err(ApiError::internal(
+                        "the target QEMU failed to load the migration",
+                    ))
+                }
+                (_, Some(s)) if s.running => {
+                    // -S makes this impossible; say so loudly rather than commit on it
+                    return Err(ApiError::internal(
+                        "the target guest runs before the commit (QEMU started without -S?)",
+                    ));
+                }
+                (Some("completed"), Some(s)) => {
+                    let cpu_ms = self.incoming_cpu(id, &q).await;
+                    return Ok(IncomingStatus {
+                        migration_id: id.into(),
+                        qemu_status: s.status,
+                        qemu_alive: true,
+                        cpu_ms,
+                        phase: phase_name(Some(TargetPhase::Waiting)),
+                        migration_status: "completed".into(),
+                    });
+                }
+                (m, s) if Instant::now() > deadline => return Err(ApiError::internal(format!(
+                    "the target has not loaded the migration after 30 s (migration {}, guest {})",
+                    m.unwrap_or("unknown"),
+                    s.map(|s| s.status).unwrap_or_else(|| "unreachable".into())
+                ))),
+                _ => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        }
+    }
+
+    /// RUN: the source has recorded its commit, so this host alone may run
+    /// the guest. Writes Running, then starts the vCPUs and adopts the VM.
+    /// Idempotent: a repeated RUN makes sure the guest runs and says so; a
+    /// RUN for a skeleton discarded earlier answers `discarded`.
+    pub async fn run_incoming(&self, id: &str) -> Result<IncomingStatus, ApiError> {
+        crate::failpoint::hit("target-before-run");
+        let (phase, rec) = self.target_phase(id).await;
+        let Some(phase) = phase else {
+            return self.incoming_status(id).await;
+        };
+        match target_next(phase, TargetEvent::Run).1 {
+            TargetAction::RecordAndRun => {
+                let (name, q) = self.incoming_slot(id).await?;
+                let q = match q {
+                    Some(q) if q.alive().await => q,
+                    _ => {
+                        // its QEMU is gone: it never ran and never will
+                        self.discard(&name).await;
+                        return self.incoming_status(id).await;
+                    }
+                };
+                let (source, source_url) = {
+                    let st = self.state.lock().await;
+                    match st.vms.get(&name).map(|s| &s.role) {
+                        Some(Role::Incoming {
+                            source, source_url, ..
+                        }) => (source.clone(), source_url.clone()),
+                        _ => return Err(ApiError::not_found("incoming migration", id)),
+                    }
+                };
+                self.record_target(id, &name, &source, &source_url, TargetPhase::Running)?;
+                let cpu_ms = self.incoming_cpu(id, &q).await;
+                q.qmp.cont().await.map_err(|e| {
+                    ApiError::internal(format!("starting the guest: {}", error_chain(&e)))
+                })?;
+                self.adopt(&name, id, q.clone()).await;
+                tracing::info!(vm = %name, migration = id, "committed by {source}: the guest runs here");
+                let mut st = self.incoming_status(id).await?;
+                st.cpu_ms = cpu_ms;
+                Ok(st)
+            }
+            TargetAction::AnswerRunning => {
+                // make sure it runs (a `cont` may have been lost with a crash)
+                if let Some(r) = rec {
+                    let q = self
+                        .state
+                        .lock()
+                        .await
+                        .vms
+                        .get(&r.vm)
+                        .and_then(|s| s.qemu.clone());
+                    if let Some(q) = q {
+                        if q.qmp.status().await.is_ok_and(|s| s.status == "paused") {
+                            q.qmp
+                                .cont()
+                                .await
+                                .map_err(|e| ApiError::internal(error_chain(&e)))?;
+                        }
+                    }
+                }
+                self.incoming_status(id).await
+            }
+            _ => self.incoming_status(id).await,
+        }
+    }
+
+    /// Makes a skeleton that was told to run an ordinary VM of this host. Its
+    /// transport stays until QEMU has every page (post-copy pulls after RUN).
+    async fn adopt(&self, name: &str, id: &str, q: Arc<QemuVm>) {
+        let transport = {
+            let mut st = self.state.lock().await;
+            let Some(slot) = st.vms.get_mut(name) else {
+                return;
+            };
+            slot.role = Role::Running;
+            slot.migrating = false;
+            slot.doubt = None;
+            slot.transport.take()
+        };
+        if let Some(t) = transport {
+            let id = id.to_string();
+            tokio::spawn(async move {
+                while q.alive().await {
+                    let s = q.qmp.query_migrate().await.ok().and_then(|i| i.status);
+                    if matches!(s.as_deref(), Some("completed" | "failed") | None) {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                tracing::info!(migration = %id, "incoming migration over; closing its transport");
+                t.close();
+            });
+        }
+    }
+
+    /// `mptcp` kind: announces this host's address on `fabric` again to the
+    /// source, whose NIC there has no subflow on some connection (its link
+    /// was down when the connection opened, or the subflow closed). Returns
+    /// the NIC announced.
+    pub async fn rejoin_incoming(&self, id: &str, fabric: u32) -> Result<String, ApiError> {
+        let (name, _) = self.incoming_slot(id).await?;
+        let mptcp = matches!(
+            self.state
+                .lock()
+                .await
+                .vms
+                .get(&name)
+                .and_then(|s| s.transport.as_ref()),
+            Some(ferry_transport::Carriers::Mptcp(_))
+        );
+        if !mptcp {
+            return Err(ApiError::invalid(
+                "id",
+                format!("migration {id} is not carried over mptcp"),
+            ));
+        }
+        let nic = nics()
+            .into_iter()
+            .find(|n| n.fabric == fabric)
+            .ok_or_else(|| ApiError::invalid("fabric", format!("no NIC on fabric {fabric}")))?;
+        let addr = nic
+            .address
+            .parse()
+            .map_err(|_| ApiError::internal(format!("{} has no IPv4 address", nic.name)))?;
+        ferry_transport::mptcp::announce(&nic.name, addr).map_err(ApiError::internal)?;
+        tracing::info!(migration = id, nic = %nic.name, "address announced again for a subflow re-join");
+        Ok(nic.name)
+    }
+
+    /// The source rolled back: discard the skeleton. Refused once the guest
+    /// may have run here.
+    pub async fn abort_incoming(&self, id: &str) -> Result<(), ApiError> {
+        let (phase, _) = self.target_phase(id).await;
+        let Some(phase) = phase else {
+            return Err(ApiError::not_found("incoming migration", id));
+        };
+        match target_next(phase, TargetEvent::Abort).1 {
+            TargetAction::Discard => {
+                let (name, _) = self.incoming_slot(id).await?;
+                self.discard(&name).await;
+                Ok(())
+            }
+            TargetAction::RefuseAbort => Err(ApiError::Conflict {
+                reason: format!(
+                    "migration {id} was committed and the guest runs on {}; it is not discarded",
+                    self.cfg.name
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Run every 2 s: skeletons whose QEMU is gone are discarded; a skeleton
+    /// older than [`ASK_AFTER`] asks its source what became of the migration
+    /// (it runs if the source committed, goes if the source gave up, and
+    /// waits, in doubt, while the source does not answer).
+    pub async fn reap_incoming(self: &Arc<Self>) {
+        let waiting: Vec<(String, String, Option<Arc<QemuVm>>, String, Instant)> = {
+            let st = self.state.lock().await;
+            st.vms
+                .iter()
+                .filter_map(|(n, s)| match &s.role {
+                    Role::Incoming {
+                        migration_id,
+                        source_url,
+                        since,
+                        ..
+                    } => Some((
+                        n.clone(),
+                        migration_id.clone(),
+                        s.qemu.clone(),
+                        source_url.clone(),
+                        *since,
+                    )),
+                    _ => None,
+                })
+                .collect()
+        };
+        for (name, id, q, source_url, since) in waiting {
+            if let Some(q) = &q {
+                if !q.alive().await {
+                    if target_next(TargetPhase::Waiting, TargetEvent::QemuGone).1
+                        == TargetAction::Discard
+                    {
+                        self.discard(&name).await;
+                    }
+                    continue;
+                }
+            }
+            if since.elapsed() < ASK_AFTER || source_url.is_empty() {
+                continue;
+            }
+            let agent = self.clone();
+            tokio::spawn(async move { agent.ask_source(&name, &id, &source_url).await });
+        }
+    }
+
+    /// Asks the source of a waiting skeleton what it recorded, and acts on it.
+    pub(super) async fn ask_source(&self, name: &str, id: &str, source_url: &str) -> String {
+        let client = Client::new("source agent", source_url, self.cred.clone());
+        let said = match client
+            .get::<SourceStatus>(&format!("/migrations/{id}"), Duration::from_secs(2))
+            .await
+        {
+            Ok(s) => {
+                serde_json::from_value::<SourceAnswer>(serde_json::Value::String(s.phase)).ok()
+            }
+            Err(ApiError::NotFound { .. }) => Some(SourceAnswer::Unknown),
+            Err(_) => None,
+        };
+        let (_, action) = target_next(TargetPhase::Waiting, TargetEvent::SourceSaid(said));
+        match action {
+            TargetAction::RecordAndRun => match self.run_incoming(id).await {
+                Ok(_) => "the source had committed: the guest runs here".into(),
+                Err(e) => format!("the source had committed; running failed: {e}"),
+            },
+            TargetAction::Discard => {
+                self.discard(name).await;
+                "the source did not commit: the skeleton is discarded".into()
+            }
+            TargetAction::AskLater => {
+                let why =
+                    format!("the source ({source_url}) does not answer; the skeleton stays paused");
+                if let Some(s) = self.state.lock().await.vms.get_mut(name) {
+                    if s.doubt.is_none() {
+                        tracing::warn!(vm = %name, migration = id, "in doubt: {why}");
+                    }
+                    s.doubt = Some(why.clone());
+                }
+                why
+            }
+            _ => {
+                if let Some(s) = self.state.lock().await.vms.get_mut(name) {
+                    s.doubt = None;
+                }
+                "the source is still copying".into()
+            }
+        }
+    }
+}
+
+/// A waiting skeleton asks its source after this long.
+pub const ASK_AFTER: Duration = Duration::from_secs(10);
+
+fn phase_name(p: Option<TargetPhase>) -> String {
+    match p {
+        Some(p) => serde_json::to_value(p)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default(),
+        None => "unknown".into(),
+    }
+}
+
+/// How the source reads a target's answer.
+pub(super) fn answer_of(st: &IncomingStatus) -> TargetAnswer {
+    match st.phase.as_str() {
+        "waiting" if st.qemu_alive => TargetAnswer::Waiting,
+        "running" => TargetAnswer::Running,
+        // a waiting record whose QEMU is gone: the target discards it at its next look
+        "waiting" => TargetAnswer::Waiting,
+        _ => TargetAnswer::NeverRan,
+    }
+}
