@@ -59,6 +59,14 @@ pub enum VmCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Show and settle a migration of the VM left in doubt (its RUN
+    /// unanswered): each host with a record asks the other side now.
+    /// Exit status 1 while it stays in doubt.
+    Resolve {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Stop and remove a VM.
     Rm { name: String },
     /// Live-migrate a VM to another host.
@@ -328,10 +336,15 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
                 let mut t =
                     Table::new(&["NAME", "HOST", "STATE", "MEMORY", "FILL", "DIRTY/S", "PID"]);
                 for v in vms {
+                    let state = match (&v.in_doubt, &v.problem) {
+                        (Some(_), _) => format!("{} (in doubt)", v.state),
+                        (None, Some(_)) => format!("{} (check failed)", v.state),
+                        _ => v.state,
+                    };
                     t.row(vec![
                         v.name,
                         v.host,
-                        v.state,
+                        state,
                         human_bytes(v.spec.memory),
                         human_bytes(v.spec.fill),
                         human_bytes(v.spec.dirty_rate),
@@ -350,6 +363,31 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
                 print_check(&r);
             }
             Ok(if r.ok() { 0 } else { 1 })
+        }
+        VmCmd::Resolve { name, json } => {
+            let r: Vec<ferry_api::ResolveReport> = client()?
+                .post(&format!("/vms/{name}/resolve"), &serde_json::json!({}), T)
+                .await?;
+            if *json {
+                print_json(&r);
+            } else if r.is_empty() {
+                println!("{name}: no migration in doubt");
+            } else {
+                for x in &r {
+                    println!(
+                        "{} on {} ({} of migration {}): {} → {}{}: {}",
+                        x.vm,
+                        x.host,
+                        x.side,
+                        x.migration_id,
+                        x.phase_before,
+                        x.phase,
+                        if x.in_doubt { ", still in doubt" } else { "" },
+                        x.detail
+                    );
+                }
+            }
+            Ok(if r.iter().any(|x| x.in_doubt) { 1 } else { 0 })
         }
         VmCmd::Rm { name } => {
             let _: serde_json::Value = client()?.delete(&format!("/vms/{name}"), T).await?;

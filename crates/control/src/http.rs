@@ -7,6 +7,7 @@
 //! | GET | /vms | ListVms |
 //! | POST | /vms | CreateVm (body: `VmCreateRequest`) |
 //! | GET | /vms/{name}/check | CheckVm |
+//! | POST | /vms/{name}/resolve | ResolveVm |
 //! | DELETE | /vms/{name} | RemoveVm |
 //! | POST | /vms/{name}/move | MoveVm (body: `MoveRequest`), NDJSON `MigrationEvent`s |
 //! | POST | /validate | Validate (body: `ValidateRequest`) → `ValidationReport` |
@@ -82,6 +83,9 @@ async fn create(State(c): S, ApiJson(req): ApiJson<VmCreateRequest>) -> Response
 }
 async fn check(State(c): S, Path(name): Path<String>) -> Response {
     run(&c, Command::CheckVm { name }).await
+}
+async fn resolve(State(c): S, Path(name): Path<String>) -> Response {
+    run(&c, Command::ResolveVm { name }).await
 }
 async fn remove(State(c): S, Path(name): Path<String>) -> Response {
     run(&c, Command::RemoveVm { name }).await
@@ -238,6 +242,7 @@ pub fn router(control: Arc<Control>, cred: Credential) -> Router {
         .route("/vms", get(vms).post(create))
         .route("/vms/{name}", axum::routing::delete(remove))
         .route("/vms/{name}/check", get(check))
+        .route("/vms/{name}/resolve", post(resolve))
         .route("/vms/{name}/move", post(move_vm))
         .route("/validate", post(validate))
         .route("/hosts/{host}/drain", post(drain))

@@ -51,6 +51,11 @@ pub enum Command {
     CheckVm {
         name: String,
     },
+    /// Shows and settles a migration of the VM left in doubt (on every host
+    /// that has a record of it).
+    ResolveVm {
+        name: String,
+    },
     RemoveVm {
         name: String,
     },
@@ -258,6 +263,7 @@ impl Control {
             Command::ListVms => value(self.list_vms().await?),
             Command::CreateVm(req) => value(self.create_vm(req).await?),
             Command::CheckVm { name } => value(self.check_vm(&name).await?),
+            Command::ResolveVm { name } => value(self.resolve_vm(&name).await?),
             Command::RemoveVm { name } => value(self.remove_vm(&name).await?),
             Command::MoveVm { name, req } => {
                 let target = req.to.clone();
@@ -473,6 +479,40 @@ impl Control {
         self.host(&host)?
             .get(&format!("/vms/{name}/check"), Duration::from_secs(30))
             .await
+    }
+
+    /// Asks every host that lists the VM (source and target alike) to settle
+    /// what it has in doubt; an unreachable host is named in the answer.
+    async fn resolve_vm(&self, name: &str) -> Result<Vec<ferry_api::ResolveReport>, ApiError> {
+        let vms = self.list_vms().await?;
+        let hosts: std::collections::BTreeSet<String> = vms
+            .iter()
+            .filter(|v| v.name == name)
+            .map(|v| v.host.clone())
+            .collect();
+        if hosts.is_empty() {
+            return Err(ApiError::not_found("vm", name));
+        }
+        let mut out = Vec::new();
+        for h in hosts {
+            let r: Vec<ferry_api::ResolveReport> = self
+                .host(&h)?
+                .post(
+                    &format!("/vms/{name}/resolve"),
+                    &serde_json::json!({}),
+                    Duration::from_secs(30),
+                )
+                .await?;
+            out.extend(r);
+        }
+        if out.iter().any(|r| r.phase != r.phase_before) {
+            self.log(
+                "migration-resolved",
+                name,
+                serde_json::to_value(&out).unwrap_or_default(),
+            );
+        }
+        Ok(out)
     }
 
     async fn remove_vm(&self, name: &str) -> Result<serde_json::Value, ApiError> {
