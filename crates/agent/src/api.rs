@@ -120,11 +120,14 @@ async fn incoming_ready(
     Ok(Json(a.ready_incoming(&id).await?))
 }
 
+/// RUN and discarding run to their end in their own task: a caller that
+/// hangs up (its deadline passed) must not cut a journaled step in half.
 async fn incoming_run(
     State(a): State<Arc<Agent>>,
     Path(id): Path<String>,
 ) -> R<ferry_api::IncomingStatus> {
-    Ok(Json(a.run_incoming(&id).await?))
+    let run = tokio::spawn(async move { a.run_incoming(&id).await });
+    Ok(Json(run.await.map_err(ApiError::internal)??))
 }
 
 async fn migration_record(
@@ -154,7 +157,9 @@ async fn incoming_abort(
     State(a): State<Arc<Agent>>,
     Path(id): Path<String>,
 ) -> R<serde_json::Value> {
-    a.abort_incoming(&id).await?;
+    let id2 = id.clone();
+    let abort = tokio::spawn(async move { a.abort_incoming(&id2).await });
+    abort.await.map_err(ApiError::internal)??;
     Ok(Json(serde_json::json!({ "discarded": id })))
 }
 

@@ -422,11 +422,13 @@ impl Agent {
                         migration_status: "completed".into(),
                     });
                 }
-                (m, s) if Instant::now() > deadline => return Err(ApiError::internal(format!(
+                (m, s) if Instant::now() > deadline => {
+                    return Err(ApiError::internal(format!(
                     "the target has not loaded the migration after 30 s (migration {}, guest {})",
                     m.unwrap_or("unknown"),
                     s.map(|s| s.status).unwrap_or_else(|| "unreachable".into())
-                ))),
+                )))
+                }
                 _ => tokio::time::sleep(Duration::from_millis(10)).await,
             }
         }

@@ -1,0 +1,196 @@
+//! The commit point in the lab: faults injected at exact steps of a move
+//! (`FERRY_FAILPOINTS` in an agent's environment, see the agent's
+//! `failpoint` module) and what each leaves behind — never two running
+//! copies. Whether a QEMU's vCPUs ever ran is read from its own log: every
+//! QEMU traces its run-state changes (`vm_state_notify running 1`), and the
+//! agent keeps the log of every QEMU it removes under `STATE_DIR/log/`.
+//! Needs root and QEMU ≥ 9 (see common/mod.rs); the tests are #[ignore]d and
+//! scripts/run test includes them.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const LAB: &str = "/run/ferry/lab";
+
+/// Restarts a host's agent with failpoints armed ("" for none). Its VMs go with it.
+fn restart_agent_with(host: &str, failpoints: &str) {
+    let out = Command::new(FERRY)
+        .args(["lab", "restart-agent", host])
+        .env("FERRY_FAILPOINTS", failpoints)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "restart-agent {host}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Times the guest's vCPUs were started by a QEMU, from its log.
+fn runs_in(log: &Path) -> usize {
+    let text =
+        std::fs::read_to_string(log).unwrap_or_else(|e| panic!("reading {}: {e}", log.display()));
+    text.lines()
+        .filter(|l| l.contains("vm_state_notify running 1"))
+        .count()
+}
+
+/// The one file in `dir` whose name starts with `prefix` and ends with `suffix`.
+fn one_file(dir: &str, prefix: &str, suffix: &str) -> PathBuf {
+    let found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{dir}: {e}"))
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let n = p.file_name().unwrap().to_string_lossy();
+            n.starts_with(prefix) && n.ends_with(suffix)
+        })
+        .collect();
+    assert_eq!(found.len(), 1, "{dir}/{prefix}*{suffix}: {found:?}");
+    found.into_iter().next().unwrap()
+}
+
+fn vm_entries(name: &str) -> Vec<serde_json::Value> {
+    ferry_json(&["vm", "list"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v["name"] == name)
+        .cloned()
+        .collect()
+}
+
+/// Waits until `name` runs intact on `host` and no QEMU is left on `gone`.
+fn wait_settled_on(name: &str, host: &str, gone: &str, within: Duration) {
+    let t0 = Instant::now();
+    loop {
+        // not found while only a skeleton has it: try again
+        let out = ferry(&["vm", "check", name, "--json"]);
+        let c: serde_json::Value =
+            serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+        if c["host"] == host && c["intact"] == true && c["advancing"] == true {
+            if qemu_pids(gone).is_empty() {
+                return;
+            }
+        }
+        assert!(
+            t0.elapsed() < within,
+            "{name} not settled on {host} within {within:?}: {c}; QEMUs on {gone}: {:?}",
+            qemu_pids(gone)
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
+fn target_qemu_killed_before_the_commit_resumes_the_source_and_the_target_never_ran() {
+    require_lab();
+    let _g = serial();
+    lab(3, 2);
+    restart_agent_with("host2", "target-at-ready=kill-qemu");
+    let _vm = VmGuard::create("cp1", "host1", "384M", "256M");
+    let r = move_vm("cp1", "host2", "tcp");
+    restart_agent_with("host2", "");
+    assert_eq!(r["event"], "failed", "{r}");
+    assert_eq!(r["error"]["step"], "commit", "{r}");
+    assert_eq!(r["error"]["running_on"], "host1", "{r}");
+    assert_intact_on("cp1", "host1");
+    // the skeleton's own log: loaded, killed, never started
+    let log = one_file(&format!("{LAB}/host2/log"), "cp1.", ".target.qemu.log");
+    assert_eq!(runs_in(&log), 0, "the target ran: {}", log.display());
+    // the source was stopped for the switch-over and resumed once: boot + resume
+    assert_eq!(
+        runs_in(Path::new(&format!("{LAB}/host1/vms/cp1/qemu.log"))),
+        2
+    );
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
+fn target_agent_frozen_at_run_leaves_the_move_in_doubt_and_sigcont_settles_it_on_the_target() {
+    require_lab();
+    let _g = serial();
+    lab(3, 2);
+    restart_agent_with("host2", "target-before-run=stop");
+    let _vm = VmGuard::create("cp2", "host1", "384M", "256M");
+    let r = move_vm("cp2", "host2", "tcp");
+    let pid = std::fs::read_to_string(format!("{LAB}/host2/agent.pid")).unwrap();
+    let pid = pid.trim().to_string();
+    let cont = || {
+        let _ = Command::new("kill").args(["-CONT", &pid]).status();
+    };
+    // whatever happens below, the agent is not left frozen
+    struct Thaw<F: Fn()>(F);
+    impl<F: Fn()> Drop for Thaw<F> {
+        fn drop(&mut self) {
+            (self.0)()
+        }
+    }
+    let _thaw = Thaw(cont);
+    assert_eq!(r["event"], "failed", "{r}");
+    assert_eq!(r["error"]["code"], "migration_in_doubt", "{r}");
+    // shown in doubt; neither copy runs
+    let on1 = vm_entries("cp2");
+    let src = on1
+        .iter()
+        .find(|v| v["host"] == "host1")
+        .expect("listed on host1");
+    assert!(src["in_doubt"].is_string(), "{src}");
+    assert_ne!(src["state"], "running", "{src}");
+    let target_log = one_file(&format!("{LAB}/host2/vms"), "cp2.in-", "");
+    assert_eq!(runs_in(&target_log.join("qemu.log")), 0);
+    assert_eq!(
+        runs_in(Path::new(&format!("{LAB}/host1/vms/cp2/qemu.log"))),
+        1
+    );
+    // resolving by hand while the target is frozen keeps it in doubt (exit 1)
+    let out = ferry(&["vm", "resolve", "cp2"]);
+    assert_eq!(out.status.code(), Some(1), "resolve while frozen");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("still in doubt"));
+    // the target thaws: it finishes RUN, the source learns it and stops its copy
+    cont();
+    wait_settled_on("cp2", "host2", "host1", Duration::from_secs(60));
+    let source_log = one_file(&format!("{LAB}/host1/log"), "cp2.", ".source.qemu.log");
+    assert_eq!(runs_in(&source_log), 1, "the source resumed");
+    assert_eq!(runs_in(&target_log.join("qemu.log")), 1);
+    assert_eq!(vm_entries("cp2").len(), 1, "{:?}", vm_entries("cp2"));
+    restart_agent_with("host2", "");
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
+fn source_agent_killed_after_its_commit_record_lets_the_target_run_once_it_is_back() {
+    require_lab();
+    let _g = serial();
+    lab(3, 2);
+    restart_agent_with("host1", "source-after-commit=exit");
+    let _vm = VmGuard::create("cp3", "host1", "384M", "256M");
+    // the source agent dies mid-move: the move's stream ends without a report
+    let _ = ferry(&[
+        "vm", "move", "cp3", "--to", "host2", "--option", "tcp", "--json",
+    ]);
+    // the skeleton waits, paused: it may run only once the source's record is read
+    std::thread::sleep(Duration::from_secs(3));
+    let target_log = one_file(&format!("{LAB}/host2/vms"), "cp3.in-", "");
+    assert_eq!(
+        runs_in(&target_log.join("qemu.log")),
+        0,
+        "ran before the source was back"
+    );
+    restart_agent_with("host1", "");
+    wait_settled_on("cp3", "host2", "host1", Duration::from_secs(60));
+    assert_eq!(runs_in(&target_log.join("qemu.log")), 1);
+    // the source QEMU (gone with its agent) ran once, at boot, never after
+    assert_eq!(
+        runs_in(Path::new(&format!("{LAB}/host1/vms/cp3/qemu.log"))),
+        1
+    );
+}
