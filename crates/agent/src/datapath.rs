@@ -15,7 +15,7 @@ pub trait DataPath: Send + Sync {
     /// URI for the target's `migrate-incoming`, on the chosen NIC's address,
     /// on a free migration port (where traffic classes recognize live
     /// migration); read back by [`DataPath::source_uri`].
-    fn incoming_uri(&self, nic_addr: &str) -> String;
+    fn incoming_uri(&self, nic_addr: &str) -> Result<String, String>;
     /// URI the source QEMU sends to, from the address QEMU reports listening on.
     fn source_uri(&self, host: &str, port: &str) -> String;
 }
@@ -27,13 +27,14 @@ impl DataPath for QemuTcp {
     fn name(&self) -> &'static str {
         "qemu-tcp"
     }
-    fn incoming_uri(&self, nic_addr: &str) -> String {
-        let port = nic_addr
+    fn incoming_uri(&self, nic_addr: &str) -> Result<String, String> {
+        let addr = nic_addr
             .parse()
-            .ok()
-            .and_then(|a| ferry_api::bandwidth::free_migration_port(a, rand::random()).ok())
-            .unwrap_or(0);
-        format!("tcp:{nic_addr}:{port}")
+            .map_err(|_| format!("{nic_addr:?} is not an IP address"))?;
+        // never port 0: a port outside the migration block escapes the bandwidth classes
+        let port = ferry_api::bandwidth::free_migration_port(addr, rand::random())
+            .map_err(|e| format!("no free migration port on {nic_addr}: {e}"))?;
+        Ok(format!("tcp:{nic_addr}:{port}"))
     }
     fn source_uri(&self, host: &str, port: &str) -> String {
         format!("tcp:{host}:{port}")
@@ -47,7 +48,8 @@ mod tests {
     #[test]
     fn tcp_uris() {
         let d = QemuTcp;
-        let uri = d.incoming_uri("127.0.0.1");
+        let uri = d.incoming_uri("127.0.0.1").unwrap();
+        assert!(d.incoming_uri("nic1").unwrap_err().contains("nic1"));
         let port: u16 = uri.rsplit(':').next().unwrap().parse().unwrap();
         assert_eq!(
             port & ferry_api::bandwidth::MIGRATION_PORT_MASK,

@@ -428,6 +428,19 @@ async fn wait_workload(vm: &QemuVm, timeout: Duration) -> Result<(), String> {
     }
 }
 
+/// Logs `message` once per `key` for the life of the agent.
+fn warn_once(key: &str, message: &str) {
+    static SEEN: std::sync::Mutex<std::collections::BTreeSet<String>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    if SEEN
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(key.to_string())
+    {
+        tracing::warn!("{message}");
+    }
+}
+
 /// The error and its sources on one line, for messages that cross the wire.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
@@ -457,8 +470,18 @@ pub fn nics() -> Vec<NicInfo> {
             ferry_lab::topology::nic_index(&name)?;
             let address = ip.to_string();
             let sys = PathBuf::from("/sys/class/net").join(&name);
+            // a NIC whose fabric is unknown is never paired by default
+            let Some(fabric) = ferry_lab::topology::fabric_of_addr(&address) else {
+                warn_once(
+                    &name,
+                    &format!(
+                        "NIC {name} ({address}) is on no known fabric: not used for migrations"
+                    ),
+                );
+                return None;
+            };
             Some(NicInfo {
-                fabric: ferry_lab::topology::fabric_of_addr(&address).unwrap_or(0),
+                fabric,
                 address,
                 mtu: read_u64(sys.join("mtu")) as u32,
                 up: read_u64(sys.join("carrier")) == 1,

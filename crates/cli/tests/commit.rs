@@ -75,10 +75,12 @@ fn wait_settled_on(name: &str, host: &str, gone: &str, within: Duration) {
         let out = ferry(&["vm", "check", name, "--json"]);
         let c: serde_json::Value =
             serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
-        if c["host"] == host && c["intact"] == true && c["advancing"] == true {
-            if qemu_pids(gone).is_empty() {
-                return;
-            }
+        if c["host"] == host
+            && c["intact"] == true
+            && c["advancing"] == true
+            && qemu_pids(gone).is_empty()
+        {
+            return;
         }
         assert!(
             t0.elapsed() < within,

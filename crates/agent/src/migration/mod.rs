@@ -1020,12 +1020,22 @@ impl Agent {
                 let rate = path_rate.max(throughput);
                 if up < before && rate > 0.0 {
                     let now_bw = (rate * up as f64 / before as f64) as u64;
-                    let _ = qmp
+                    if let Err(e) = qmp
                         .set_parameters(MigrationParameters {
                             avail_switchover_bandwidth: Some(now_bw.max(1 << 20)),
                             ..Default::default()
                         })
+                        .await
+                    {
+                        // the switch-over would be planned on the old bandwidth: say so
+                        ev.send(MigrationEvent::Warning {
+                            message: format!(
+                                "QEMU refused the bandwidth left after a carrier loss: {}",
+                                error_chain(&e)
+                            ),
+                        })
                         .await;
+                    }
                     ev.send(MigrationEvent::Warning {
                         message: format!("a carrier went down: {up} of {before} up; QEMU told to plan switch-over at {} MB/s", now_bw >> 20),
                     })

@@ -108,7 +108,7 @@ impl Agent {
                         .map_err(qerr)?;
                 }
                 vm.qmp
-                    .migrate_incoming(&datapath.incoming_uri(&nic.address))
+                    .migrate_incoming(&datapath.incoming_uri(&nic.address).map_err(ApiError::internal)?)
                     .await
                     .map_err(qerr)?;
                 let info = vm.qmp.query_migrate().await.map_err(qerr)?;
@@ -591,7 +591,7 @@ impl Agent {
     /// (it runs if the source committed, goes if the source gave up, and
     /// waits, in doubt, while the source does not answer).
     pub async fn reap_incoming(self: &Arc<Self>) {
-        let waiting: Vec<(String, String, Option<Arc<QemuVm>>, String, Instant)> = {
+        let waiting: Vec<Waiting> = {
             let st = self.state.lock().await;
             st.vms
                 .iter()
@@ -674,6 +674,9 @@ impl Agent {
         }
     }
 }
+
+/// A skeleton as the reaper sees it: VM, migration id, QEMU, source URL, since.
+type Waiting = (String, String, Option<Arc<QemuVm>>, String, Instant);
 
 /// A waiting skeleton asks its source after this long.
 pub const ASK_AFTER: Duration = Duration::from_secs(10);
