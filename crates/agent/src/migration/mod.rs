@@ -35,6 +35,7 @@ use ferry_api::{
 use tokio::sync::mpsc;
 
 mod auto;
+mod copy_loop;
 mod settle;
 mod target;
 
@@ -46,12 +47,10 @@ use crate::host::{error_chain, nics, Agent, Role};
 use crate::qemu::QemuVm;
 use crate::qmp::MigrationParameters;
 use auto::{auto_choice, sample_memory};
-use ferry_api::{AtExpiry, CarrierReport, Convergence, MigrationOption};
+use ferry_api::{CarrierReport, Convergence, MigrationOption};
 use settle::{console_tick, resume_guest};
 use target::answer_of;
 
-/// No byte moved for this long: the data path is down.
-pub const STALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Consecutive failed polls of the target agent before giving up on it.
 pub const TARGET_POLL_FAILURES: u32 = 2;
 /// QEMU's largest downtime limit: pause-and-copy sets it so the next
@@ -713,16 +712,19 @@ impl Agent {
         // over memory is done (that pass is a plain copy at the path's rate,
         // watched by the stall watchdog), so a slow or shared path does not
         // fail a guest that would converge
-        let mut deadline: Option<Instant> = None;
+        let mut copy = copy_loop::CopyLoop::new(
+            copy_loop::Policy {
+                postcopy: conv.postcopy,
+                throttle: conv.throttle,
+                expiry: conv.expiry(),
+                timeout,
+                max_downtime_ms: conv.max_downtime_ms,
+            },
+            Instant::now(),
+        );
         let mut postcopy = false;
-        let mut pausing = false;
         let mut rounds = convergence::Rounds::default();
-        let expiry = conv.expiry();
-        let mut not_converging = 0u32;
         let mut max_throttle = 0u64;
-        let mut window: std::collections::VecDeque<(Instant, u64)> = Default::default();
-        let mut last_transferred = 0u64;
-        let mut last_change = Instant::now();
         let mut last_sample = (Instant::now(), 0u64);
         let mut target_failures = 0u32;
         let mut last_target_poll = Instant::now();
@@ -756,6 +758,7 @@ impl Agent {
             let ram = info.ram.clone().unwrap_or_default();
             if status.starts_with("postcopy") && !postcopy {
                 postcopy = true;
+                copy.entered_postcopy();
             }
             let broke = |why: String| {
                 if committed {
@@ -776,54 +779,29 @@ impl Agent {
                 _ => {}
             }
             let now = Instant::now();
-            if deadline.is_none() && ram.dirty_sync_count >= 2 {
-                deadline = Some(now + timeout);
-            }
-            let expired = deadline.is_some_and(|d| now > d);
-            let throttle = info.cpu_throttle_percentage.unwrap_or(0);
-            max_throttle = max_throttle.max(throttle);
-            // rates over the last 2 s: what the path moves vs what the guest dirties
-            window.push_back((now, ram.transferred));
-            while window.len() > 2 && now - window[0].0 > Duration::from_secs(2) {
-                window.pop_front();
-            }
-            let path_rate = match (window.front(), window.back()) {
-                (Some(a), Some(b)) if b.0 > a.0 => (b.1 - a.1) as f64 / (b.0 - a.0).as_secs_f64(),
-                _ => 0.0,
-            };
             let page = if ram.page_size == 0 {
                 4096
             } else {
                 ram.page_size
             };
             let dirty_rate = (ram.dirty_pages_rate * page) as f64;
-            // pre-copy converges only if the path outruns the guest's dirtying
-            // by enough that what is left fits the downtime target; after the
-            // first pass, QEMU's expected downtime (remaining ÷ bandwidth)
-            // staying over twice the target says it does not
-            let too_slow = dirty_rate >= 0.9 * path_rate
-                || info
-                    .expected_downtime
-                    .is_some_and(|d| d > 2 * conv.max_downtime_ms && ram.dirty_sync_count >= 3);
-            if !postcopy && ram.dirty_sync_count >= 2 && path_rate > 0.0 && too_slow {
-                not_converging += 1;
-            } else {
-                not_converging = 0;
-            }
-            let rates = format!(
-                "the guest dirties {:.1} MB/s, the path moves {:.1} MB/s, vCPU throttle {throttle}%",
-                dirty_rate / 1e6,
-                path_rate / 1e6
+            let throttle = info.cpu_throttle_percentage.unwrap_or(0);
+            max_throttle = max_throttle.max(throttle);
+            let decided = copy.observe(
+                &copy_loop::Sample {
+                    transferred: ram.transferred,
+                    dirty_sync_count: ram.dirty_sync_count,
+                    dirty_rate,
+                    expected_downtime_ms: info.expected_downtime,
+                    throttle_pct: throttle,
+                },
+                now,
             );
-            if !postcopy && conv.postcopy {
-                // after 3 s of not converging with throttling at its limit (or
-                // without throttling), 10 s with it, or at the timeout: post-copy
-                let throttled_out = !conv.throttle || throttle >= 99;
-                // throttling gets 10 s to show it helps before the switch
-                if (not_converging >= 30 && throttled_out)
-                    || not_converging >= 100
-                    || (expired && expiry == AtExpiry::Postcopy)
-                {
+            let path_rate = decided.path_rate;
+            let rates = decided.rates();
+            match decided.action {
+                copy_loop::Action::Continue => {}
+                copy_loop::Action::StartPostcopy => {
                     // post-copy is after the commit by definition: the target
                     // gets the device state and runs before it has every page
                     let st: IncomingStatus = target
@@ -859,11 +837,63 @@ impl Agent {
                             error_chain(&e)
                         )));
                     }
+                    copy.entered_postcopy();
                     postcopy = true;
                     let detail = format!(
                         "pre-copy does not converge ({rates}); the guest now runs on the target, pages follow on demand"
                     );
                     ev.step("postcopy", detail).await;
+                }
+                copy_loop::Action::PauseAndCopy => {
+                    // pause-and-copy: QEMU stops the guest at its next iteration and
+                    // copies what remains; the downtime is remaining ÷ path rate
+                    qmp.set_parameters(MigrationParameters {
+                        downtime_limit: Some(PAUSE_DOWNTIME_MS),
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(q("copy"))?;
+                    let pause = convergence::drain_time(ram.remaining, path_rate)
+                        .map(|d| format!("~{:.1} s", d.as_secs_f64()))
+                        .unwrap_or_else(|| "unknown time".into());
+                    ev.step(
+                        "pause-and-copy",
+                        format!(
+                            "pre-copy did not converge within {} s after the first pass ({rates}); the guest is paused while the remaining {} MB are copied ({pause})",
+                            timeout.as_secs(),
+                            ram.remaining / 1_000_000
+                        ),
+                    )
+                    .await;
+                }
+                copy_loop::Action::NotConverging => {
+                    let advice = if conv.throttle {
+                        "allow post-copy"
+                    } else {
+                        "allow throttling or post-copy"
+                    };
+                    return Err(fail(
+                        "copy",
+                        format!(
+                            "pre-copy did not converge within {} s after the first pass: {rates}; {advice}",
+                            timeout.as_secs()
+                        ),
+                    ));
+                }
+                copy_loop::Action::Stalled => {
+                    let path = match plan {
+                        Plan::Tcp { nic, .. } => format!("the data path over {nic} is down"),
+                        Plan::Multichannel { session, .. } => {
+                            format!("every carrier is down ({} carriers)", session.kind())
+                        }
+                    };
+                    return Err(fail(
+                        "copy",
+                        format!(
+                            "no bytes moved for {} s: {path}",
+                            copy_loop::STALL_TIMEOUT.as_secs()
+                        ),
+                    ));
                 }
             }
             if postcopy {
@@ -899,59 +929,6 @@ impl Agent {
                 ev.send(p).await;
                 continue;
             }
-            if expired && !pausing && expiry == AtExpiry::Pause {
-                // pause-and-copy: QEMU stops the guest at its next iteration and
-                // copies what remains; the downtime is remaining ÷ path rate
-                qmp.set_parameters(MigrationParameters {
-                    downtime_limit: Some(PAUSE_DOWNTIME_MS),
-                    ..Default::default()
-                })
-                .await
-                .map_err(q("copy"))?;
-                pausing = true;
-                let pause = convergence::drain_time(ram.remaining, path_rate)
-                    .map(|d| format!("~{:.1} s", d.as_secs_f64()))
-                    .unwrap_or_else(|| "unknown time".into());
-                ev.step(
-                    "pause-and-copy",
-                    format!(
-                        "pre-copy did not converge within {} s after the first pass ({rates}); the guest is paused while the remaining {} MB are copied ({pause})",
-                        timeout.as_secs(),
-                        ram.remaining / 1_000_000
-                    ),
-                )
-                .await;
-            }
-            if expired && !pausing {
-                let advice = if conv.throttle {
-                    "allow post-copy"
-                } else {
-                    "allow throttling or post-copy"
-                };
-                return Err(fail(
-                    "copy",
-                    format!(
-                        "pre-copy did not converge within {} s after the first pass: {rates}; {advice}",
-                        timeout.as_secs()
-                    ),
-                ));
-            }
-            if ram.transferred != last_transferred {
-                last_transferred = ram.transferred;
-                last_change = now;
-            } else if now - last_change > STALL_TIMEOUT {
-                let path = match plan {
-                    Plan::Tcp { nic, .. } => format!("the data path over {nic} is down"),
-                    Plan::Multichannel { session, .. } => {
-                        format!("every carrier is down ({} carriers)", session.kind())
-                    }
-                };
-                return Err(fail(
-                    "copy",
-                    format!("no bytes moved for {} s: {path}", STALL_TIMEOUT.as_secs()),
-                ));
-            }
-
             if now - last_target_poll >= Duration::from_secs(1) {
                 last_target_poll = now;
                 let path = format!("/incoming/{id}");
@@ -1045,7 +1022,7 @@ impl Agent {
             if carriers_up.is_some() {
                 carriers_up_seen = carriers_up;
             }
-            let (eta, converging) = if pausing {
+            let (eta, converging) = if copy.pausing() {
                 (convergence::drain_time(ram.remaining, path_rate), None)
             } else {
                 rounds.observe(ram.dirty_sync_count, ram.remaining);
@@ -1076,7 +1053,7 @@ impl Agent {
                 carriers_up,
                 phase: if info.status.as_deref() == Some("device") {
                     "blackout".into()
-                } else if pausing {
+                } else if copy.pausing() {
                     "pause-and-copy".into()
                 } else {
                     "precopy".into()
@@ -1302,7 +1279,7 @@ impl Agent {
             rounds: ram.dirty_sync_count,
             phase: if postcopy {
                 "postcopy".into()
-            } else if pausing {
+            } else if copy.pausing() {
                 "pause-and-copy".into()
             } else {
                 "precopy".into()
