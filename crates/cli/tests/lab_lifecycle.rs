@@ -47,11 +47,9 @@ fn lab_up_status_link_cut_and_down() {
         assert_eq!(l["state"], "UP", "{l}");
         assert!(l["address"].as_str().unwrap().starts_with("198.18."));
     }
-    assert!(st["agents"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .all(|a| a["running"] == true));
+    let agents = st["agents"].as_array().unwrap();
+    assert_eq!(agents.len(), 2, "one agent per host: {st}");
+    assert!(agents.iter().all(|a| a["running"] == true), "{st}");
     // shaped: tbf at 500mbit on the host side of each NIC
     let tc = std::process::Command::new("ip")
         .args([

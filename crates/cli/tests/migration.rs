@@ -26,7 +26,19 @@ fn vm_with_1gib_filled_moves_host1_host2_three_times_intact() {
             let downtime = r["downtime_ms"].as_u64().expect("downtime_ms");
             assert!(downtime < 1000, "downtime {downtime} ms");
             assert!(r["bytes_transferred"].as_u64().unwrap() >= 1 << 30, "{r}");
-            assert!(r["total_ms"].as_u64().unwrap() > 0 && r["throughput"].as_f64().unwrap() > 0.0);
+            // at least a GiB moved at no more than the 1 Gbit/s line rate
+            let (total_ms, throughput) = (
+                r["total_ms"].as_u64().unwrap(),
+                r["throughput"].as_f64().unwrap(),
+            );
+            assert!(
+                total_ms >= 8_000,
+                "1 GiB over 1 Gbit/s in {total_ms} ms: {r}"
+            );
+            assert!(
+                throughput > 50e6 && throughput <= 1.25e8 * 1.02,
+                "throughput {throughput} B/s: {r}"
+            );
             assert!(
                 r["nic_tx_bytes"]["nic1"].as_u64().unwrap() >= 1 << 30,
                 "{r}"

@@ -64,10 +64,10 @@ fn multichannel_move_spreads_over_both_nics() {
         (cpu["per_gib_s"].as_f64().unwrap() - per_gib).abs() < 0.01,
         "{cpu}"
     );
+    let carriers = r["carriers"].as_array().unwrap();
+    assert_eq!(carriers.len(), 2, "one carrier per NIC: {r}");
     assert!(
-        r["carriers"]
-            .as_array()
-            .unwrap()
+        carriers
             .iter()
             .all(|c| c["up"] == true && c["failures"] == 0),
         "{r}"

@@ -96,7 +96,12 @@ fn validation_finds_and_names_mtu_mismatch_cut_link_and_slow_path() {
         (link[0]["host"].as_str(), link[0]["nic"].as_str()),
         (Some("host3"), Some("nic2"))
     );
-    assert!(rows(&r, "mtu-path", "fail")
+    let mtu_fails = rows(&r, "mtu-path", "fail");
+    assert!(
+        !mtu_fails.is_empty(),
+        "the cut path fails its MTU probe too"
+    );
+    assert!(mtu_fails
         .iter()
         .all(|p| p["observed"].as_str().unwrap().contains("path is down")));
 
@@ -113,9 +118,9 @@ fn validation_finds_and_names_mtu_mismatch_cut_link_and_slow_path() {
             "{s}"
         );
     }
-    assert!(rows(&r, "throughput", "pass")
-        .iter()
-        .all(|p| p["nic"] == "nic1"));
+    let fast = rows(&r, "throughput", "pass");
+    assert!(!fast.is_empty(), "nic1's paths pass");
+    assert!(fast.iter().all(|p| p["nic"] == "nic1"));
 
     // a move between hosts whose path validation marked failed warns first
     let _vm = VmGuard::create("val1", "host1", "256M", "64M");

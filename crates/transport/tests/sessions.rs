@@ -285,6 +285,7 @@ async fn streams_cross_two_carriers_exactly_once_in_order() {
     wait_healthy(&p.source, 2).await;
     transfer(&p, 3, 24 << 20, || {}).await;
     let st = p.source.stats();
+    assert_eq!(st.carriers.len(), 2, "{st:?}");
     assert!(
         st.carriers.iter().all(|c| c.tx_bytes > 8 << 20),
         "both carriers carry: {st:?}"
@@ -312,6 +313,7 @@ async fn frames_arriving_in_pieces_never_stall_their_carrier() {
         transfer_from(&p, s, 1, len, || {}).await;
     }
     let st = p.source.stats();
+    assert_eq!(st.carriers.len(), 1, "{st:?}");
     assert!(
         st.carriers.iter().all(|c| c.failures == 0),
         "a carrier stalled on a frame in pieces: {st:?}"
