@@ -27,7 +27,6 @@
 //! link rate changed, the qdisc replaced by someone else).
 
 use std::collections::BTreeMap;
-use std::process::Command;
 use std::time::Instant;
 
 use ferry_api::bandwidth::{
@@ -49,19 +48,7 @@ fn classid(c: TrafficClass) -> &'static str {
 }
 
 fn tc(args: &[&str]) -> Result<String, String> {
-    let out = Command::new("tc")
-        .args(args)
-        .output()
-        .map_err(|e| format!("tc: {e}"))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(format!(
-            "tc {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
+    ferry_api::util::run_command("tc", args)
 }
 
 fn tc_json(args: &[&str]) -> Vec<Value> {

@@ -441,17 +441,7 @@ fn warn_once(key: &str, message: &str) {
     }
 }
 
-/// The error and its sources on one line, for messages that cross the wire.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
+pub use ferry_api::util::error_chain;
 
 fn read_u64(path: PathBuf) -> u64 {
     std::fs::read_to_string(path)

@@ -19,11 +19,7 @@ use crate::host::nics;
 pub const MAX_SEND: Duration = Duration::from_secs(10);
 
 fn cmd(prog: &str, args: &[&str]) -> Result<String, String> {
-    match std::process::Command::new(prog).args(args).output() {
-        Ok(o) if o.status.success() => Ok(String::from_utf8_lossy(&o.stdout).into_owned()),
-        Ok(o) => Err(String::from_utf8_lossy(&o.stderr).trim().to_string()),
-        Err(e) => Err(format!("cannot run {prog}: {e}")),
-    }
+    ferry_api::util::run_command(prog, args)
 }
 
 fn read(p: impl AsRef<Path>) -> Option<String> {

@@ -97,12 +97,7 @@ impl Cap {
 }
 
 fn parse_rate(t: &str) -> Option<u64> {
-    let (num, scale) = [("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)]
-        .iter()
-        .find_map(|(suf, k)| t.strip_suffix(suf).map(|n| (n, *k)))
-        .unwrap_or((t, 1.0));
-    let v: f64 = num.trim().parse().ok()?;
-    (v.is_finite() && v > 0.0).then_some((v * scale) as u64)
+    crate::util::parse_rate_bits(t)
 }
 
 /// One class's limits.

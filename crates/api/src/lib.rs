@@ -12,6 +12,7 @@
 //!   HTTP status mapping.
 //! - [`auth`]: the cluster credential made at lab/cluster creation.
 //! - [`client`]: an authenticated HTTP client with NDJSON event streams.
+//! - [`util`]: error chains, poison-tolerant locks, commands, rates: written once.
 
 pub mod auth;
 pub mod bandwidth;
@@ -22,6 +23,7 @@ pub mod server;
 pub mod size;
 pub mod storage;
 pub mod types;
+pub mod util;
 pub mod validation;
 
 pub use error::ApiError;

@@ -1205,6 +1205,4 @@ fn failed_path_warning(c: &CheckOutcome) -> String {
     )
 }
 
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use ferry_api::util::lock;

@@ -70,17 +70,10 @@ pub fn parse_rate(rate: &str) -> Result<u64, LabError> {
             "--rate '{rate}' is not a rate (examples: 1gbit, 500mbit)"
         ))
     };
-    let (num, mult) = if let Some(n) = r.strip_suffix("gbit") {
-        (n, 1_000_000_000u64)
-    } else if let Some(n) = r.strip_suffix("mbit") {
-        (n, 1_000_000)
-    } else if let Some(n) = r.strip_suffix("kbit") {
-        (n, 1_000)
-    } else {
+    if !["gbit", "mbit", "kbit"].iter().any(|u| r.ends_with(u)) {
         return Err(bad());
-    };
-    let v: f64 = num.parse().map_err(|_| bad())?;
-    let bps = v * mult as f64;
+    }
+    let bps = ferry_api::util::parse_rate_bits(&r).ok_or_else(bad)? as f64;
     if !(100_000.0..=100e9).contains(&bps) {
         return Err(bad());
     }

@@ -237,18 +237,7 @@ pub fn subflows(fd: RawFd) -> std::io::Result<Vec<Subflow>> {
 // ---- the path manager ----
 
 fn ip(args: &[&str]) -> Result<String, String> {
-    let out = std::process::Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
-    if !out.status.success() {
-        return Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    ferry_api::util::run_command("ip", args)
 }
 
 /// `(id, address)` of every endpoint of this host's path manager.

@@ -294,9 +294,7 @@ fn control_frame(sealer: &mut Option<Sealer>, kind: Kind, id: u64, buf: &mut Byt
     }
 }
 
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+pub(crate) use ferry_api::util::lock;
 
 impl Session {
     fn new(session: [u8; 16], keys: &Keys, connect_to: Option<PathBuf>) -> Session {
