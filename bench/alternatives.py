@@ -39,7 +39,7 @@ from the restore until the cut NIC carries ≥ 50% of its link rate again.
 """
 import argparse, json, os, subprocess, sys, time
 
-from labqemu import FERRY, agent_pids, cpu_seconds, ferry, qemu, rate, size, wait_ready
+from labqemu import FERRY, agent_pids, cpu_seconds, ferry, qemu, rate, run_target, size, wait_ready
 
 HOSTS = ("host1", "host2")
 NIC1 = {"host1": "198.18.1.11", "host2": "198.18.1.12"}
@@ -204,8 +204,7 @@ def direct_move(img, src, frm, to, kind, a, cut_bytes, link, restore_after=None)
             break
         time.sleep(0.1)
     if how is None and info["status"] == "completed":
-        while dq.cmd("query-status")["status"] != "running":
-            time.sleep(0.02)
+        run_target(dq)
         secs = time.time() - t0
         used = cpu.total()
         sq.cmd("quit")

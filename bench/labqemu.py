@@ -65,16 +65,22 @@ class Qmp:
 def qemu(ns, d, img, mem, fill, dirty, incoming):
     """Starts QEMU in namespace `ns` (`ip netns exec` execs it: the pid is QEMU's)."""
     os.makedirs(d, exist_ok=True)
-    args = ["ip", "netns", "exec", ns, "qemu-system-x86_64", "-name", "guest=bench", "-machine", "q35",
-            "-accel", "tcg", "-cpu", "qemu64", "-smp", "1", "-m", f"{mem >> 20}M", "-nodefaults",
-            "-no-user-config", "-display", "none", "-kernel", f"{img}/vmlinux", "-initrd", f"{img}/initrd.cpio",
-            "-append", f"console=ttyS0 quiet ferry.fill={fill} ferry.dirty={dirty} ferry.verify={32 << 20} ferry.seed=1",
-            "-chardev", f"file,id=con0,path={d}/console.log", "-serial", "chardev:con0",
-            "-qmp", f"unix:{d}/qmp.sock,server=on,wait=off"]
-    if incoming:
-        args += ["-incoming", "defer"]
+    # the agent's own argument builder: the baseline runs the very QEMU a Ferry move runs
+    spec = {"name": "bench", "memory": mem, "fill": fill, "dirty_rate": dirty, "verify_rate": 32 << 20, "seed": 1}
+    built = ferry("qemu-args", "--spec", json.dumps(spec), "--dir", d, *(["--incoming"] if incoming else []))
+    args = ["ip", "netns", "exec", ns, *json.loads(built)]
     p = subprocess.Popen(args, stderr=open(f"{d}/qemu.log", "w"))
     return p, Qmp(f"{d}/qmp.sock")
+
+
+def run_target(q):
+    """Starts a skeleton's guest (started paused, `-S`, as an agent's) once its
+    migration has loaded, as an agent does at the commit; waits until it runs."""
+    while q.cmd("query-migrate").get("status") != "completed":
+        time.sleep(0.005)
+    q.cmd("cont")
+    while q.cmd("query-status")["status"] != "running":
+        time.sleep(0.005)
 
 
 def wait_ready(console):

@@ -11,7 +11,7 @@ QEMU time / (bytes / link rate). Needs root and a built ferry binary.
 """
 import argparse, json, subprocess, sys, time
 
-from labqemu import ferry, qemu, size, wait_ready
+from labqemu import ferry, qemu, run_target, size, wait_ready
 
 
 def direct_run(img, src_ns, dst_ns, dst_addr, mem, fill, dirty, src):
@@ -31,8 +31,7 @@ def direct_run(img, src_ns, dst_ns, dst_addr, mem, fill, dirty, src):
         time.sleep(0.1)
     if info["status"] != "completed":
         sys.exit(f"direct migration failed: {info}")
-    while dq.cmd("query-status")["status"] != "running":
-        time.sleep(0.02)
+    run_target(dq)
     total = (time.time() - t0) * 1000
     sq.cmd("quit")
     sp.wait()

@@ -38,6 +38,40 @@ pub struct AgentArgs {
     accel: String,
 }
 
+#[derive(Args)]
+pub struct QemuArgsArgs {
+    /// The VM (a `VmSpec` as JSON).
+    #[arg(long)]
+    spec: String,
+    /// The VM's directory (sockets, console, log).
+    #[arg(long)]
+    dir: PathBuf,
+    /// A migration target's skeleton (`-S -incoming defer`).
+    #[arg(long)]
+    incoming: bool,
+    #[arg(long, default_value = "qemu-system-x86_64")]
+    qemu: String,
+    #[arg(long, default_value = "tcg")]
+    accel: String,
+}
+
+pub fn qemu_args(a: &QemuArgsArgs) -> anyhow::Result<i32> {
+    let spec: ferry_api::VmSpec = serde_json::from_str(&a.spec).context("--spec")?;
+    spec.validate()?;
+    let img = ferry_lab::image::cached()?
+        .context("no guest image is built (run `ferry lab image`)")?;
+    let cfg = ferry_agent::qemu::QemuConfig {
+        binary: a.qemu.clone(),
+        accel: a.accel.clone(),
+        kernel: img.kernel,
+        initrd: img.initrd,
+    };
+    let mut args = vec![a.qemu.clone()];
+    args.extend(ferry_agent::qemu::qemu_args(&cfg, &spec, &a.dir, a.incoming));
+    println!("{}", serde_json::to_string(&args)?);
+    Ok(0)
+}
+
 pub async fn agent(a: &AgentArgs) -> anyhow::Result<i32> {
     let cred = ferry_api::auth::Credential::load(&a.token_file)
         .with_context(|| format!("reading {}", a.token_file.display()))?;

@@ -74,6 +74,10 @@ enum Cmd {
     Demo(demo::DemoArgs),
     /// Run a host agent (started by `ferry lab up` inside each host).
     Agent(daemons::AgentArgs),
+    /// Print, as a JSON array, the QEMU command line an agent would run for a
+    /// VM (benchmarks run QEMU by hand with exactly the agent's arguments).
+    #[command(hide = true)]
+    QemuArgs(daemons::QemuArgsArgs),
     /// Run the control service (started by `ferry lab up`).
     Control(daemons::ControlArgs),
     /// Storage service.
@@ -165,6 +169,7 @@ fn main() {
             Cmd::Events { limit, json } => vm_cmd::events(&cli, *limit, *json).await,
             Cmd::Demo(a) => demo::run(&cli, a).await,
             Cmd::Agent(a) => daemons::agent(a).await,
+            Cmd::QemuArgs(a) => daemons::qemu_args(a),
             Cmd::Control(a) => daemons::control(a).await,
             Cmd::Storage(StorageCmd::Serve(a)) => daemons::storage(a).await,
             Cmd::Storage(StorageCmd::List { json }) => storage_cmd::list_nodes(&cli, *json).await,
