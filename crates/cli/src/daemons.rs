@@ -58,8 +58,8 @@ pub struct QemuArgsArgs {
 pub fn qemu_args(a: &QemuArgsArgs) -> anyhow::Result<i32> {
     let spec: ferry_api::VmSpec = serde_json::from_str(&a.spec).context("--spec")?;
     spec.validate()?;
-    let img = ferry_lab::image::cached()?
-        .context("no guest image is built (run `ferry lab image`)")?;
+    let img =
+        ferry_lab::image::cached()?.context("no guest image is built (run `ferry lab image`)")?;
     let cfg = ferry_agent::qemu::QemuConfig {
         binary: a.qemu.clone(),
         accel: a.accel.clone(),
@@ -67,7 +67,9 @@ pub fn qemu_args(a: &QemuArgsArgs) -> anyhow::Result<i32> {
         initrd: img.initrd,
     };
     let mut args = vec![a.qemu.clone()];
-    args.extend(ferry_agent::qemu::qemu_args(&cfg, &spec, &a.dir, a.incoming));
+    args.extend(ferry_agent::qemu::qemu_args(
+        &cfg, &spec, &a.dir, a.incoming,
+    ));
     println!("{}", serde_json::to_string(&args)?);
     Ok(0)
 }

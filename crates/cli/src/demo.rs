@@ -18,9 +18,10 @@ use ferry_api::storage::{
 };
 use ferry_api::{CheckResult, VmCreateRequest, VmInfo};
 
+use crate::host_cmd::drain_host;
 use crate::lab_cmd::{self, UpArgs};
 use crate::output::{mbit, print_json, Table};
-use crate::vm_cmd::{drain_host, print_check, spec_from_args};
+use crate::vm_cmd::{print_check, spec_from_args};
 use crate::Cli;
 
 #[derive(Args)]

@@ -9,6 +9,7 @@ mod bandwidth_cmd;
 mod cluster_cmd;
 mod daemons;
 mod demo;
+mod host_cmd;
 mod lab_cmd;
 mod output;
 mod storage_cmd;
@@ -50,7 +51,7 @@ enum Cmd {
     Vm(vm_cmd::VmCmd),
     /// Hosts of the cluster.
     #[command(subcommand)]
-    Host(vm_cmd::HostCmd),
+    Host(host_cmd::HostCmd),
     /// Disks served over NBD by the storage service.
     #[command(subcommand)]
     Disk(storage_cmd::DiskCmd),
@@ -161,7 +162,7 @@ fn main() {
         match &cli.cmd {
             Cmd::Lab(c) => lab_cmd::run(&cli, c).await,
             Cmd::Vm(c) => vm_cmd::run_vm(&cli, c).await,
-            Cmd::Host(c) => vm_cmd::run_host(&cli, c).await,
+            Cmd::Host(c) => host_cmd::run_host(&cli, c).await,
             Cmd::Disk(c) => storage_cmd::run_disk(&cli, c).await,
             Cmd::Qos(c) => storage_cmd::run_qos(&cli, c).await,
             Cmd::Bandwidth(c) => bandwidth_cmd::run(&cli, c).await,

@@ -210,7 +210,10 @@ fn a_shared_disk_serves_two_guests_and_follows_a_migration() {
     // written would write older numbers again)
     std::thread::sleep(Duration::from_secs(3));
     let seen = peer_history("host2", "gc2", 3);
-    assert!(seen.len() >= 8, "too few reads of gc1's block: {seen:?}");
+    assert!(
+        seen.len() >= 5 && seen.last() > Some(&(s1 + 4)),
+        "too few reads of gc1's block across the move: {seen:?}"
+    );
     assert!(
         seen.windows(2).all(|w| w[1] >= w[0]),
         "gc1's writes went back in time (two writers): {seen:?}"
