@@ -566,6 +566,24 @@ mod tests {
             }
         }
 
+        /// Message `m` arrives (it leaves the network) and its receiver acts.
+        fn deliver(&mut self, m: Msg) {
+            self.net.remove(&m);
+            match m {
+                Msg::Run => self.target_on(TargetEvent::Run),
+                Msg::Abort => self.target_on(TargetEvent::Abort),
+                Msg::AskTarget => {
+                    let a = target_answer(self.t);
+                    self.net.insert(Msg::TargetSaid(a));
+                }
+                Msg::TargetSaid(a) => self.source_on(SourceEvent::Answer(a)),
+                Msg::AskSource => {
+                    self.net.insert(Msg::SourceSaid(self.s.into()));
+                }
+                Msg::SourceSaid(a) => self.target_on(TargetEvent::SourceSaid(Some(a))),
+            }
+        }
+
         /// Every next world.
         fn next(&self) -> Vec<World> {
             let mut out = Vec::new();
@@ -598,23 +616,7 @@ mod tests {
                 push(&move |w| {
                     w.net.remove(&m);
                 });
-                push(&move |w| {
-                    w.net.remove(&m);
-                    match m {
-                        Msg::Run => w.target_on(TargetEvent::Run),
-                        Msg::Abort => w.target_on(TargetEvent::Abort),
-                        Msg::AskTarget => {
-                            let a = target_answer(w.t);
-                            // a waiting record without its QEMU is reported as it is
-                            w.net.insert(Msg::TargetSaid(a));
-                        }
-                        Msg::TargetSaid(a) => w.source_on(SourceEvent::Answer(a)),
-                        Msg::AskSource => {
-                            w.net.insert(Msg::SourceSaid(w.s.into()));
-                        }
-                        Msg::SourceSaid(a) => w.target_on(TargetEvent::SourceSaid(Some(a))),
-                    }
-                });
+                push(&move |w| w.deliver(m));
             }
             // crashes: an agent restarts with its journal; a waiting skeleton's
             // QEMU dies (with its agent, or killed)
@@ -688,20 +690,7 @@ mod tests {
                 return w;
             }
             if let Some(m) = w.net.iter().next().copied() {
-                w.net.remove(&m);
-                match m {
-                    Msg::Run => w.target_on(TargetEvent::Run),
-                    Msg::Abort => w.target_on(TargetEvent::Abort),
-                    Msg::AskTarget => {
-                        let a = target_answer(w.t);
-                        w.net.insert(Msg::TargetSaid(a));
-                    }
-                    Msg::TargetSaid(a) => w.source_on(SourceEvent::Answer(a)),
-                    Msg::AskSource => {
-                        w.net.insert(Msg::SourceSaid(w.s.into()));
-                    }
-                    Msg::SourceSaid(a) => w.target_on(TargetEvent::SourceSaid(Some(a))),
-                }
+                w.deliver(m);
                 continue;
             }
             match (w.s, w.t) {
