@@ -444,10 +444,10 @@ async fn sealed_carriers_carry_streams_intact_and_refuse_a_corrupted_frame() {
         .find(|c| c.failures > 0)
         .expect("a carrier saw the corruption");
     let why = hit.last_failure.clone().unwrap_or_default();
-    assert!(
-        why.contains("checksum mismatch") || why.contains("does not open"),
-        "{st:?}"
-    );
+    // a byte flipped in transit is caught by the frame's CRC, checked before
+    // the seal is opened (forged frames with a valid CRC, replays and
+    // reordering are refused by the seal: `seal.rs` unit tests)
+    assert!(why.contains("checksum mismatch"), "{why}: {st:?}");
     assert!(p.source.stats().frames_resent > 0);
     p.source.close();
     p.target.close();

@@ -43,23 +43,33 @@
 //!   stream's sends are QEMU's: it counts as waiting while every subflow
 //!   waits on an ACK ([`Subflow::stalled`]) or none is left.
 
+mod path_manager;
+mod pump;
+mod sockopt;
+
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use socket2::{Domain, Protocol, Socket, Type};
+use socket2::Socket;
 
 use crate::protocol::{
     decode_welcome, encode_welcome, Hello, ProtocolError, HELLO_LEN, MAX_STREAMS, ROLE_SPLICED,
     STATUS_OK, STATUS_UNKNOWN_SESSION, WELCOME_LEN,
 };
-use crate::session::{io, lock, set_rcvlowat, CarrierStats, SessionStats, TransportError};
+use crate::session::{io, lock, CarrierStats, SessionStats, TransportError};
+
+use path_manager::*;
+pub use path_manager::{announce, prepare_host};
+use pump::*;
+use sockopt::*;
+pub use sockopt::{available, subflows, Subflow};
 
 /// A NIC with its link up but no subflow of some connection this long is re-joined.
 pub const REJOIN_AFTER: Duration = Duration::from_millis(500);
@@ -97,7 +107,8 @@ const BATCH_WAIT_MS: i32 = 2;
 /// Which directions of a stream splice (bit 0: toward the network, bit 1:
 /// from it); the others copy through user space, and from the network they
 /// read in batches ([`BATCH`]). See [`set_splice`].
-static SPLICE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(SPLICE_DEFAULT);
+static SPLICE: std::sync::atomic::AtomicU8 =
+    std::sync::atomic::AtomicU8::new(SPLICE_DEFAULT);
 const SPLICE_TO_NET: u8 = 1;
 const SPLICE_FROM_NET: u8 = 2;
 const SPLICE_DEFAULT: u8 = SPLICE_TO_NET;
@@ -112,362 +123,6 @@ const SPLICE_DEFAULT: u8 = SPLICE_TO_NET;
 pub fn set_splice(to_net: bool, from_net: bool) {
     let v = if to_net { SPLICE_TO_NET } else { 0 } | if from_net { SPLICE_FROM_NET } else { 0 };
     SPLICE.store(v, Ordering::Relaxed);
-}
-
-fn mptcp_socket() -> std::io::Result<Socket> {
-    Socket::new(
-        Domain::IPV4,
-        Type::STREAM,
-        Some(Protocol::from(IPPROTO_MPTCP)),
-    )
-    .map_err(|e| {
-        if e.raw_os_error() == Some(libc::EPROTONOSUPPORT) {
-            std::io::Error::other("this kernel has no MPTCP (or net.mptcp.enabled is 0)")
-        } else {
-            e
-        }
-    })
-}
-
-/// This kernel takes MPTCP sockets.
-pub fn available() -> bool {
-    mptcp_socket().is_ok()
-}
-
-/// One subflow of a connection, as the kernel reports it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Subflow {
-    pub local: SocketAddr,
-    pub remote: SocketAddr,
-    /// Bytes the peer acknowledged on this subflow.
-    pub bytes_acked: u64,
-    /// Segments sent and not yet acknowledged, and ms since the last ACK
-    /// arrived: both large means the path is dead (an idle subflow has
-    /// nothing unacknowledged).
-    pub unacked: u32,
-    pub last_ack_ms: u32,
-    /// ms since data was last sent and received on it.
-    pub last_sent_ms: u32,
-    pub last_recv_ms: u32,
-}
-
-impl Subflow {
-    /// Waiting on an ACK for [`SILENT_AFTER`] or more: its path is down,
-    /// wherever it was cut.
-    pub fn stalled(&self) -> bool {
-        self.unacked > 0 && self.last_ack_ms as u128 >= SILENT_AFTER.as_millis()
-    }
-
-    /// No data either way for [`SILENT_AFTER`]: how a receiver sees a
-    /// subflow whose sender is waiting out its retransmission timer.
-    pub fn quiet(&self) -> bool {
-        let s = SILENT_AFTER.as_millis();
-        self.last_sent_ms as u128 >= s && self.last_recv_ms as u128 >= s
-    }
-}
-
-fn sockaddr_v4(b: &[u8]) -> Option<SocketAddr> {
-    let family = u16::from_ne_bytes([b[0], b[1]]);
-    if family != libc::AF_INET as u16 {
-        return None;
-    }
-    let port = u16::from_be_bytes([b[2], b[3]]);
-    let ip = std::net::Ipv4Addr::new(b[4], b[5], b[6], b[7]);
-    Some(SocketAddr::new(IpAddr::V4(ip), port))
-}
-
-/// Reads one of MPTCP's per-subflow socket options: `(entries, entry size)`.
-fn subflow_data(fd: RawFd, opt: i32, size_user: usize) -> std::io::Result<(Vec<u8>, usize)> {
-    let mut buf = vec![0u8; SUBFLOW_DATA_LEN + size_user * MAX_SUBFLOWS];
-    buf[0..4].copy_from_slice(&(SUBFLOW_DATA_LEN as u32).to_ne_bytes());
-    buf[12..16].copy_from_slice(&(size_user as u32).to_ne_bytes());
-    let mut len = buf.len() as libc::socklen_t;
-    // SAFETY: buf is valid for len bytes; the kernel writes at most len.
-    let r = unsafe { libc::getsockopt(fd, SOL_MPTCP, opt, buf.as_mut_ptr().cast(), &mut len) };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let n = u32::from_ne_bytes(buf[4..8].try_into().unwrap_or_default()) as usize;
-    let stride = u32::from_ne_bytes(buf[12..16].try_into().unwrap_or_default()) as usize;
-    let n = n
-        .min(MAX_SUBFLOWS)
-        .min((len as usize - SUBFLOW_DATA_LEN) / stride.max(1));
-    buf.truncate(SUBFLOW_DATA_LEN + n * stride);
-    Ok((buf.split_off(SUBFLOW_DATA_LEN), stride))
-}
-
-/// The subflows of one MPTCP connection (IPv4 only), read from the kernel.
-pub fn subflows(fd: RawFd) -> std::io::Result<Vec<Subflow>> {
-    let (addrs, a_stride) = subflow_data(fd, MPTCP_SUBFLOW_ADDRS, SUBFLOW_ADDRS_LEN)?;
-    let (infos, i_stride) = subflow_data(fd, MPTCP_TCPINFO, TCP_INFO_LEN)?;
-    let n = addrs.len() / a_stride.max(1);
-    let mut out = Vec::new();
-    for i in 0..n {
-        let a = &addrs[i * a_stride..(i + 1) * a_stride];
-        let (Some(local), Some(remote)) = (sockaddr_v4(&a[0..128]), sockaddr_v4(&a[128..256]))
-        else {
-            continue;
-        };
-        // the two reads walk the same list; a subflow added in between leaves
-        // the counts unequal, and the bytes are then left out of this reading
-        let info = (infos.len() / i_stride.max(1) == n).then(|| &infos[i * i_stride..]);
-        let u32_at = |off: usize| {
-            info.map(|b| u32::from_ne_bytes(b[off..off + 4].try_into().unwrap_or_default()))
-                .unwrap_or(0)
-        };
-        let bytes_acked = info
-            .map(|b| {
-                let v = &b[TCP_INFO_BYTES_ACKED..TCP_INFO_BYTES_ACKED + 8];
-                u64::from_ne_bytes(v.try_into().unwrap_or_default())
-            })
-            .unwrap_or(0);
-        out.push(Subflow {
-            local,
-            remote,
-            bytes_acked,
-            unacked: u32_at(TCP_INFO_UNACKED),
-            last_ack_ms: u32_at(TCP_INFO_LAST_ACK_RECV),
-            last_sent_ms: u32_at(TCP_INFO_LAST_DATA_SENT),
-            last_recv_ms: u32_at(TCP_INFO_LAST_DATA_RECV),
-        });
-    }
-    Ok(out)
-}
-
-// ---- the path manager ----
-
-fn ip(args: &[&str]) -> Result<String, String> {
-    ferry_api::util::run_command("ip", args)
-}
-
-/// `(id, address)` of every endpoint of this host's path manager.
-fn endpoints() -> Result<Vec<(String, String)>, String> {
-    let out = ip(&["mptcp", "endpoint", "show"])?;
-    Ok(out
-        .lines()
-        .filter_map(|l| {
-            let w: Vec<&str> = l.split_whitespace().collect();
-            let id = w.iter().position(|x| *x == "id")?;
-            Some((w.get(id + 1)?.to_string(), w.first()?.to_string()))
-        })
-        .collect())
-}
-
-/// Makes this host's path manager announce every NIC and accept a subflow
-/// per NIC and connection: limits, and a `signal` endpoint per NIC (added
-/// where missing; endpoints of other addresses are left alone).
-pub fn prepare_host(nics: &[(String, IpAddr)]) -> Result<(), String> {
-    let n = (nics.len() as u32).clamp(2, 8).to_string();
-    ip(&[
-        "mptcp",
-        "limits",
-        "set",
-        "subflows",
-        &n,
-        "add_addr_accepted",
-        &n,
-    ])?;
-    let have = endpoints()?;
-    for (nic, addr) in nics {
-        if !have.iter().any(|(_, x)| *x == addr.to_string()) {
-            add_endpoint(nic, *addr)?;
-        }
-    }
-    Ok(())
-}
-
-/// Adds a `signal` endpoint; one that another migration added meanwhile is fine.
-fn add_endpoint(nic: &str, addr: IpAddr) -> Result<(), String> {
-    let a = addr.to_string();
-    match ip(&["mptcp", "endpoint", "add", &a, "dev", nic, "signal"]) {
-        Ok(_) => Ok(()),
-        Err(_) if endpoints()?.iter().any(|(_, x)| *x == a) => Ok(()),
-        Err(e) => Err(e),
-    }
-}
-
-/// Announces `addr` (on `nic`) again to every MPTCP peer of this host:
-/// its endpoint is removed and added back, which sends RM_ADDR then
-/// ADD_ADDR, and a peer lacking a subflow to it joins.
-pub fn announce(nic: &str, addr: IpAddr) -> Result<(), String> {
-    let a = addr.to_string();
-    if let Some((id, _)) = endpoints()?.into_iter().find(|(_, x)| *x == a) {
-        // gone already if another migration is announcing it too
-        let _ = ip(&["mptcp", "endpoint", "delete", "id", &id]);
-    }
-    add_endpoint(nic, addr)
-}
-
-fn link_up(nic: &str) -> bool {
-    std::fs::read_to_string(format!("/sys/class/net/{nic}/operstate"))
-        .map(|s| s.trim() == "up")
-        .unwrap_or(false)
-}
-
-// ---- splicing ----
-
-fn cvt(r: isize) -> std::io::Result<usize> {
-    if r < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(r as usize)
-    }
-}
-
-fn splice(from: RawFd, to: RawFd, len: usize) -> std::io::Result<usize> {
-    loop {
-        // SAFETY: plain fds, no offsets.
-        let r = unsafe {
-            libc::splice(
-                from,
-                std::ptr::null_mut(),
-                to,
-                std::ptr::null_mut(),
-                len,
-                libc::SPLICE_F_MOVE | libc::SPLICE_F_MORE,
-            )
-        };
-        match cvt(r) {
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            r => return r,
-        }
-    }
-}
-
-/// Waits up to `ms` (-1: for ever) for `fd` to read as ready.
-fn poll_in(fd: RawFd, ms: i32) -> std::io::Result<()> {
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    loop {
-        // SAFETY: one pollfd, valid for the call.
-        match cvt(unsafe { libc::poll(&mut p, 1, ms) } as isize) {
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            r => return r.map(|_| ()),
-        }
-    }
-}
-
-/// Reads what `fd` has now; `None` when it has nothing.
-fn recv_now(fd: RawFd, buf: &mut [u8]) -> std::io::Result<Option<usize>> {
-    loop {
-        // SAFETY: buf is valid for its length.
-        let r = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
-        match cvt(r) {
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
-            r => return r.map(Some),
-        }
-    }
-}
-
-/// Reads from a connection in batches: once [`BATCH`] bytes are queued or
-/// [`BATCH_WAIT_MS`] passed; with nothing queued then, for its next byte
-/// (the low-water mark lowered meanwhile, so that byte is read at once).
-fn recv_batch(fd: RawFd, buf: &mut [u8]) -> std::io::Result<usize> {
-    poll_in(fd, BATCH_WAIT_MS)?;
-    loop {
-        if let Some(n) = recv_now(fd, buf)? {
-            return Ok(n);
-        }
-        if !set_rcvlowat(fd, 1) {
-            return Err(std::io::Error::last_os_error());
-        }
-        poll_in(fd, -1)?;
-        let n = recv_now(fd, buf)?;
-        if !set_rcvlowat(fd, BATCH) {
-            return Err(std::io::Error::last_os_error());
-        }
-        if let Some(n) = n {
-            return Ok(n);
-        }
-    }
-}
-
-fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0; 2];
-    // SAFETY: fds has room for two descriptors.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: both are fresh descriptors this function owns.
-    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-    // a bigger pipe means fewer calls; the default size works too
-    // SAFETY: fcntl on an fd we own.
-    unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETPIPE_SZ, CHUNK as libc::c_int) };
-    Ok((r, w))
-}
-
-/// One direction of a stream, as the session watches it.
-#[derive(Default)]
-struct Flow {
-    bytes: AtomicU64,
-    /// While bytes wait to be sent: ms (since the session started) of the
-    /// last progress; 0 when nothing waits.
-    waiting_since: AtomicU64,
-}
-
-/// Moves bytes from `from` to `to` until `from` ends, then ends `to`'s
-/// sending side. Splices through a pipe when `splice_it` (copying where a
-/// kernel refuses to splice these sockets); else copies, and `from_net`
-/// reads in batches ([`recv_batch`]).
-fn pump(
-    from: RawFd,
-    to: RawFd,
-    flow: &Flow,
-    epoch: Instant,
-    splice_it: bool,
-    from_net: bool,
-) -> std::io::Result<()> {
-    let ms = || epoch.elapsed().as_millis() as u64 + 1;
-    let (pr, pw) = pipe()?;
-    let mut copy = !splice_it;
-    let mut buf: Vec<u8> = vec![0u8; if copy { 256 << 10 } else { 0 }];
-    // from the network, copying: in batches where the socket takes a low-water mark
-    let batched = copy && from_net && set_rcvlowat(from, BATCH);
-    loop {
-        let n = if batched {
-            recv_batch(from, &mut buf)?
-        } else if copy {
-            // SAFETY: buf is valid for its length.
-            cvt(unsafe { libc::read(from, buf.as_mut_ptr().cast(), buf.len()) })?
-        } else {
-            match splice(from, pw.as_raw_fd(), CHUNK) {
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    copy = true;
-                    buf = vec![0u8; 256 << 10];
-                    continue;
-                }
-                r => r?,
-            }
-        };
-        if n == 0 {
-            break;
-        }
-        flow.waiting_since.store(ms(), Ordering::Relaxed);
-        let mut left = n;
-        while left > 0 {
-            let m = if copy {
-                let off = n - left;
-                // SAFETY: the range lies inside buf.
-                cvt(unsafe { libc::write(to, buf[off..].as_ptr().cast(), left) })?
-            } else {
-                splice(pr.as_raw_fd(), to, left)?
-            };
-            if m == 0 {
-                return Err(std::io::ErrorKind::WriteZero.into());
-            }
-            left -= m;
-            flow.bytes.fetch_add(m as u64, Ordering::Relaxed);
-            flow.waiting_since.store(ms(), Ordering::Relaxed);
-        }
-        flow.waiting_since.store(0, Ordering::Relaxed);
-    }
-    // SAFETY: shutdown on an fd the caller keeps open.
-    unsafe { libc::shutdown(to, libc::SHUT_WR) };
-    Ok(())
 }
 
 /// One QEMU connection carried by one MPTCP connection.
@@ -1123,6 +778,7 @@ fn shut(s: &Stream) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::FromRawFd;
 
     /// These tests need a kernel with MPTCP (Linux ≥ 5.6, `net.mptcp.enabled`);
     /// they fail, naming it, where it is missing.
