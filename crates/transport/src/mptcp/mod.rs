@@ -107,8 +107,7 @@ const BATCH_WAIT_MS: i32 = 2;
 /// Which directions of a stream splice (bit 0: toward the network, bit 1:
 /// from it); the others copy through user space, and from the network they
 /// read in batches ([`BATCH`]). See [`set_splice`].
-static SPLICE: std::sync::atomic::AtomicU8 =
-    std::sync::atomic::AtomicU8::new(SPLICE_DEFAULT);
+static SPLICE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(SPLICE_DEFAULT);
 const SPLICE_TO_NET: u8 = 1;
 const SPLICE_FROM_NET: u8 = 2;
 const SPLICE_DEFAULT: u8 = SPLICE_TO_NET;
