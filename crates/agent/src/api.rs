@@ -234,10 +234,8 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
         loop {
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
             let c = classes.clone();
-            let _ = tokio::task::spawn_blocking(move || {
-                c.lock().unwrap_or_else(|e| e.into_inner()).reconcile()
-            })
-            .await;
+            let _ =
+                tokio::task::spawn_blocking(move || ferry_api::util::lock(&c).reconcile()).await;
         }
     });
     let reaper = agent.clone();

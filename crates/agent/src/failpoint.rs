@@ -63,10 +63,7 @@ fn armed() -> &'static Mutex<BTreeMap<String, Action>> {
 /// Fires point `name` if it is armed: `stop` and `exit` act on this process
 /// here; `kill-qemu` is returned for the caller to carry out.
 pub fn hit(name: &str) -> Option<Action> {
-    let action = armed()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(name)?;
+    let action = ferry_api::util::lock(armed()).remove(name)?;
     tracing::warn!(point = name, ?action, "failpoint fired");
     match action {
         // SAFETY: raising a signal on this process has no memory effects.

@@ -360,12 +360,7 @@ impl Agent {
             memory_free: self.cfg.memory.saturating_sub(reserved),
             nics: nics(),
             vms,
-            bandwidth: self
-                .classes
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .policy()
-                .clone(),
+            bandwidth: ferry_api::util::lock(&self.classes).policy().clone(),
         }
     }
 
@@ -378,7 +373,7 @@ impl Agent {
         let classes = self.classes.clone();
         let host = self.cfg.name.clone();
         tokio::task::spawn_blocking(move || {
-            let mut c = classes.lock().unwrap_or_else(|e| e.into_inner());
+            let mut c = ferry_api::util::lock(&classes);
             c.set_policy(p);
             c.reconcile();
             c.status(&host)
@@ -390,14 +385,9 @@ impl Agent {
     pub async fn bandwidth(&self) -> Result<ferry_api::bandwidth::HostBandwidth, ApiError> {
         let classes = self.classes.clone();
         let host = self.cfg.name.clone();
-        tokio::task::spawn_blocking(move || {
-            classes
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .status(&host)
-        })
-        .await
-        .map_err(ApiError::internal)
+        tokio::task::spawn_blocking(move || ferry_api::util::lock(&classes).status(&host))
+            .await
+            .map_err(ApiError::internal)
     }
 }
 
@@ -432,11 +422,7 @@ async fn wait_workload(vm: &QemuVm, timeout: Duration) -> Result<(), String> {
 fn warn_once(key: &str, message: &str) {
     static SEEN: std::sync::Mutex<std::collections::BTreeSet<String>> =
         std::sync::Mutex::new(std::collections::BTreeSet::new());
-    if SEEN
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(key.to_string())
-    {
+    if ferry_api::util::lock(&SEEN).insert(key.to_string()) {
         tracing::warn!("{message}");
     }
 }

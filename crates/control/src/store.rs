@@ -108,7 +108,7 @@ impl Store {
     }
 
     fn sql(m: &Mutex<Connection>) -> std::sync::MutexGuard<'_, Connection> {
-        m.lock().unwrap_or_else(|e| e.into_inner())
+        ferry_api::util::lock(m)
     }
 
     /// Values of every key under `prefix`: (key, value, create revision).

@@ -152,7 +152,7 @@ impl Node {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        ferry_api::util::lock(&self.state)
     }
 
     fn save(&self, st: &State) -> Result<(), ApiError> {

@@ -52,7 +52,7 @@ fn phase_str(p: SourcePhase) -> String {
 impl Agent {
     /// Marks migration `id` as run by this process (the settler leaves it alone).
     pub(super) fn live(&self, id: &str, on: bool) {
-        let mut l = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        let mut l = ferry_api::util::lock(&self.live);
         if on {
             l.insert(id.to_string());
         } else {
@@ -61,10 +61,7 @@ impl Agent {
     }
 
     fn is_live(&self, id: &str) -> bool {
-        self.live
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(id)
+        ferry_api::util::lock(&self.live).contains(id)
     }
 
     /// Rewrites the source record of `id` with a new phase (fsynced).

@@ -138,7 +138,7 @@ impl Scheduler {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        ferry_api::util::lock(&self.state)
     }
 
     fn now(&self) -> f64 {
