@@ -1,27 +1,29 @@
-//! Live migration: the ten steps of seed 000's checklist, carried out by the
-//! source agent with the target agent, QEMU doing the memory copy.
+//! Live migration: seed 000's checklist around one commit point, carried out
+//! by the source agent with the target agent, QEMU doing the memory copy.
 //!
 //! ```text
-//!  source agent                                   target agent
-//!  1 establish   GET  /host ───────────────────────▶ (credential checked)
-//!  2 permission  (a refused credential ends here)
-//!  3 memory      POST /incoming ───────────────────▶ reserve memory or refuse
-//!  4 skeleton                                        QEMU -incoming defer,
-//!                ◀─────────────────── uri ────────── migrate-incoming tcp:NIC:0
-//!  5 connection  QMP migrate uri ══ QEMU stream ══▶
-//!  6 copy        query-migrate every 250 ms; watch target, stall, deadline
-//!  7 iterate     (dirty-sync-count > 1)
-//!  8 blackout    QEMU pauses the source and sends the rest
-//!  9 final-check POST /incoming/ID/commit ─────────▶ running? counter advancing?
-//!                                                    no errors? → adopt the VM
-//! 10 cleanup     quit source QEMU, free its memory
+//!  source agent                                   target agent          may run
+//!  1 establish   GET  /host ───────────────────────▶ (credential checked)   source
+//!  2 permission  (a refused credential ends here)                           source
+//!  3 memory      journal: copying; POST /incoming ─▶ reserve or refuse;     source
+//!                                                    journal: waiting
+//!  4 skeleton                                        QEMU -S -incoming defer source
+//!                ◀─────────────────── uri ────────── migrate-incoming …
+//!  5 connection  QMP migrate uri ══ QEMU stream ══▶                         source
+//!  6 copy        query-migrate every 100 ms; the copy loop decides          source
+//!  7 iterate     (dirty-sync-count > 1)                                     source
+//!  8 blackout    QEMU pauses the source and sends the rest                  nobody
+//!  9 commit      POST /incoming/ID/ready ──────────▶ loaded, still paused?  nobody
+//!                journal: committed (fsync) ═══ the commit point ═══
+//!                POST /incoming/ID/run ────────────▶ journal: running; cont target
+//! 10 cleanup     quit source QEMU; journal: done                            target
+//! 11 final-check GET /vms/NAME/check ──────────────▶ a report, not a rollback
 //! ```
 //!
-//! Failure rule: until the target has passed its final check the source is
-//! authoritative. Any failure cancels QEMU's migration, discards the target's
-//! skeleton (DELETE /incoming/ID), and makes sure the source guest runs.
-//! A target agent that dies takes its QEMU with it (PR_SET_PDEATHSIG), so
-//! resuming the source can never produce a twin.
+//! Before the commit record any failure rolls back (`roll_back`): the target
+//! cannot have run, since it runs only on RUN. After it the source never
+//! resumes on its own judgement; a RUN without answer leaves the move in
+//! doubt, settled by `settle` or the target asking (see [`crate::commit`]).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
