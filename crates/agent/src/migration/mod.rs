@@ -92,6 +92,8 @@ fn fail(step: &'static str, reason: impl Into<String>) -> Failure {
 /// After post-copy's stream broke, this long in `postcopy-paused` ends the
 /// move as lost (the guest stays paused on the target for recovery).
 const POSTCOPY_PAUSED_LIMIT: Duration = Duration::from_secs(30);
+/// Post-copy that moves no byte for this long is broken (it ends as lost).
+const POSTCOPY_STALL_LIMIT: Duration = Duration::from_secs(60);
 
 struct Events(mpsc::Sender<MigrationEvent>);
 
@@ -737,6 +739,7 @@ impl Agent {
         let mut run_answer: Option<IncomingStatus> = None;
         let mut last_run_try = Instant::now() - Duration::from_secs(60);
         let mut postcopy_paused: Option<Instant> = None;
+        let mut postcopy_moved = (Instant::now(), 0u64);
         let lost = |why: String| Failure {
             step: "postcopy",
             reason: why,
@@ -911,6 +914,17 @@ impl Agent {
                             run_answer = Some(st);
                         }
                     }
+                }
+                // post-copy pushes every remaining page in the background: a
+                // stream that moves nothing for a minute is broken, not idle
+                if ram.transferred != postcopy_moved.1 {
+                    postcopy_moved = (now, ram.transferred);
+                } else if now - postcopy_moved.0 > POSTCOPY_STALL_LIMIT {
+                    return Err(lost(format!(
+                        "post-copy moved no byte for {} s; the guest waits on {target_name} for \
+                         its pages",
+                        POSTCOPY_STALL_LIMIT.as_secs()
+                    )));
                 }
                 if status == "postcopy-paused" {
                     let since = *postcopy_paused.get_or_insert(now);

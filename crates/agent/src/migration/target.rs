@@ -517,9 +517,12 @@ impl Agent {
             let id = id.to_string();
             tokio::spawn(async move {
                 while q.alive().await {
-                    let s = q.qmp.query_migrate().await.ok().and_then(|i| i.status);
-                    if matches!(s.as_deref(), Some("completed" | "failed") | None) {
-                        break;
+                    // a QMP call that fails (QEMU busy faulting pages in over a
+                    // cut NIC) is asked again: the carriers must outlive post-copy
+                    if let Ok(i) = q.qmp.query_migrate().await {
+                        if matches!(i.status.as_deref(), Some("completed" | "failed") | None) {
+                            break;
+                        }
                     }
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
