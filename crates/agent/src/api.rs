@@ -164,8 +164,8 @@ async fn incoming_abort(
 }
 
 async fn facts(State(a): State<Arc<Agent>>) -> R<HostFacts> {
-    let (name, rate) = (a.cfg.name.clone(), a.cfg.nic_rate);
-    tokio::task::spawn_blocking(move || crate::validate::facts(&name, rate))
+    let (name, rate, nics) = (a.cfg.name.clone(), a.cfg.nic_rate, a.nics());
+    tokio::task::spawn_blocking(move || crate::validate::facts(&name, rate, nics))
         .await
         .map(Json)
         .map_err(|e| ErrorResponse(ApiError::internal(e)))

@@ -122,6 +122,9 @@ pub struct Classes {
     last: BTreeMap<String, (Instant, BTreeMap<TrafficClass, u64>)>,
     rates: BTreeMap<String, BTreeMap<TrafficClass, f64>>,
     error: Option<String>,
+    /// The migration NICs, and the storage NIC if separate.
+    nics: crate::NicSelection,
+    storage_nic: Option<String>,
     /// Rate for NICs without a rate-limiting root or a sysfs speed, bit/s.
     fallback_rate: Option<u64>,
     /// No policy, and the last pass found no classes to remove: nothing to
@@ -130,11 +133,35 @@ pub struct Classes {
 }
 
 impl Classes {
-    pub fn new(fallback_rate: Option<u64>) -> Classes {
+    pub fn new(
+        fallback_rate: Option<u64>,
+        nics: crate::NicSelection,
+        storage_nic: Option<String>,
+    ) -> Classes {
         Classes {
             fallback_rate,
+            nics,
+            storage_nic,
             ..Default::default()
         }
+    }
+
+    /// The NICs whose classes this manages: the migration NICs and the
+    /// storage NIC.
+    fn managed(&self) -> Vec<ferry_api::NicInfo> {
+        let mut v = nics(&self.nics);
+        if let Some(name) = &self.storage_nic {
+            let only = crate::NicSelection {
+                names: vec![name.clone()],
+                networks: vec![],
+            };
+            for n in nics(&only) {
+                if !v.iter().any(|m| m.name == n.name) {
+                    v.push(n);
+                }
+            }
+        }
+        v
     }
 
     pub fn policy(&self) -> &BandwidthPolicy {
@@ -168,7 +195,7 @@ impl Classes {
         }
         let mut links = Vec::new();
         let mut kernels = BTreeMap::new();
-        for n in nics() {
+        for n in self.managed() {
             let k = kernel(&n.name);
             links.push(NicLink {
                 nic: n.name.clone(),
@@ -237,7 +264,8 @@ impl Classes {
     }
 
     pub fn status(&self, host: &str) -> HostBandwidth {
-        let nics = nics()
+        let nics = self
+            .managed()
             .into_iter()
             .map(|n| {
                 let applied = self.applied.get(&n.name);

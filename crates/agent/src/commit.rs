@@ -235,6 +235,29 @@ pub enum Side {
     Target(TargetPhase),
 }
 
+impl Side {
+    fn file_suffix(&self) -> &'static str {
+        match self {
+            Side::Source(_) => "source",
+            Side::Target(_) => "target",
+        }
+    }
+}
+
+/// A phase or an answer as it crosses the wire (`committed`, `never-ran`, …):
+/// its serde name, the one spelling the API and the journal share.
+pub fn wire_name<T: Serialize>(v: T) -> String {
+    serde_json::to_value(v)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from))
+        .unwrap_or_default()
+}
+
+/// The phase or answer a wire name stands for.
+pub fn from_wire_name<T: serde::de::DeserializeOwned>(name: &str) -> Option<T> {
+    serde_json::from_value(serde_json::Value::String(name.into())).ok()
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum JournalError {
     #[error("migration journal {path}: {source}")]
@@ -247,6 +270,8 @@ pub enum JournalError {
         path: PathBuf,
         source: serde_json::Error,
     },
+    #[error("migration journal {path}: no such record")]
+    Missing { path: PathBuf },
 }
 
 /// Migration records on disk, one file each, replaced atomically and
@@ -271,11 +296,7 @@ impl Journal {
     }
 
     fn path(&self, id: &str, side: &Side) -> PathBuf {
-        let s = match side {
-            Side::Source(_) => "source",
-            Side::Target(_) => "target",
-        };
-        self.dir.join(format!("{id}.{s}.json"))
+        self.dir.join(format!("{id}.{}.json", side.file_suffix()))
     }
 
     /// Writes `rec` durably: a temporary file, fsync, rename, fsync of the directory.
@@ -304,14 +325,32 @@ impl Journal {
         Ok(())
     }
 
-    /// The record of migration `id` on `side` ("source" or "target"), if any.
+    /// Moves the record of migration `id` on `side`'s side to `side`'s phase
+    /// (durably, as [`Journal::write`]); returns the record as written.
+    pub fn update(&self, id: &str, side: Side) -> Result<Record, JournalError> {
+        let mut rec = self
+            .read_side(id, &side)?
+            .ok_or_else(|| JournalError::Missing {
+                path: self.path(id, &side),
+            })?;
+        rec.side = side;
+        self.write(&rec)?;
+        Ok(rec)
+    }
+
+    /// The record of migration `id` on the source side, or the target side, if any.
     pub fn read(&self, id: &str, source_side: bool) -> Result<Option<Record>, JournalError> {
         let side = if source_side {
             Side::Source(SourcePhase::Copying)
         } else {
             Side::Target(TargetPhase::Waiting)
         };
-        let path = self.path(id, &side);
+        self.read_side(id, &side)
+    }
+
+    /// The record of migration `id` on the side of `side` (its phase ignored).
+    fn read_side(&self, id: &str, side: &Side) -> Result<Option<Record>, JournalError> {
+        let path = self.path(id, side);
         match std::fs::read(&path) {
             Ok(b) => serde_json::from_slice(&b)
                 .map(Some)
@@ -724,6 +763,22 @@ mod tests {
         j.write(&r).unwrap();
         let back = j.read("abc", true).unwrap().unwrap();
         assert_eq!(back.side, Side::Source(SourcePhase::Committed));
+        // update keeps the rest of the record; a missing one is an error naming it
+        let done = j.update("abc", Side::Source(SourcePhase::Done)).unwrap();
+        assert_eq!(
+            (done.vm.as_str(), done.side),
+            ("vm1", Side::Source(SourcePhase::Done))
+        );
+        let e = j
+            .update("abc", Side::Target(TargetPhase::Running))
+            .unwrap_err();
+        assert!(e.to_string().contains("abc.target.json"), "{e}");
+        assert_eq!(wire_name(SourcePhase::Committed), "committed");
+        assert_eq!(
+            from_wire_name::<SourceAnswer>("aborted"),
+            Some(SourceAnswer::Aborted)
+        );
+        assert_eq!(from_wire_name::<SourceAnswer>("nonsense"), None);
         assert!(back.updated > 0);
         assert_eq!(j.read("abc", false).unwrap(), None);
         // a damaged file is reported, not skipped

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_api::{ApiError, CheckResult, HostInfo, NicInfo, VmInfo, VmSpec};
-use ferry_lab::console;
 
+use crate::guest::{read_tail, GuestCheck, Reading};
 use crate::qemu::{self, QemuVm};
 use crate::AgentConfig;
 
@@ -91,21 +91,35 @@ pub struct Agent {
     pub journal: crate::commit::Journal,
     /// Migrations a move of this process is driving now (by id).
     pub live: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    /// Reads guests' consoles for the guest check.
+    pub guest: Arc<dyn GuestCheck>,
 }
 
 impl Agent {
-    pub fn new(cfg: AgentConfig, cred: ferry_api::auth::Credential) -> Arc<Agent> {
+    pub fn new(
+        cfg: AgentConfig,
+        cred: ferry_api::auth::Credential,
+        guest: Arc<dyn GuestCheck>,
+    ) -> Arc<Agent> {
         Arc::new(Agent {
             cred,
+            guest,
             journal: crate::commit::Journal::new(&cfg.state_dir),
             live: Default::default(),
             state: Default::default(),
             sinks: Default::default(),
             classes: Arc::new(std::sync::Mutex::new(crate::classes::Classes::new(
                 cfg.nic_rate,
+                cfg.nics.clone(),
+                cfg.storage_nic.clone(),
             ))),
             cfg,
         })
+    }
+
+    /// This host's migration NICs (see [`nics`]).
+    pub fn nics(&self) -> Vec<NicInfo> {
+        nics(&self.cfg.nics)
     }
 
     pub fn vm_dir(&self, name: &str, suffix: &str) -> PathBuf {
@@ -157,7 +171,7 @@ impl Agent {
         match qemu::launch(&self.cfg.qemu, &spec, &dir, false).await {
             Ok(vm) => {
                 let vm = Arc::new(vm);
-                if let Err(e) = wait_workload(&vm, BOOT_TIMEOUT).await {
+                if let Err(e) = wait_workload(self.guest.as_ref(), &vm, BOOT_TIMEOUT).await {
                     vm.kill().await;
                     self.release(&spec.name).await;
                     return Err(ApiError::internal(format!(
@@ -302,6 +316,10 @@ impl Agent {
         slot.spec.disks.push(plug);
         let spec = slot.spec.clone();
         drop(st);
+        // a restarted agent takes the VM back with its disks
+        if let Err(e) = q.record(&spec).await {
+            tracing::error!(vm = %name, error = %error_chain(&e), "recording the plugged disk");
+        }
         tracing::info!(vm = %name, disks = spec.disks.len(), "disk plugged");
         Ok(self.vm_info(&spec, &Role::Running, Some(&q)).await)
     }
@@ -331,7 +349,14 @@ impl Agent {
     /// `vm list`) until a check passes.
     pub async fn check_vm(&self, name: &str) -> Result<CheckResult, ApiError> {
         let (_, q) = self.running_vm(name).await?;
-        let r = check(&self.cfg.name, name, &q, Duration::from_secs(8)).await;
+        let r = check(
+            self.guest.as_ref(),
+            &self.cfg.name,
+            name,
+            &q,
+            Duration::from_secs(8),
+        )
+        .await;
         let problem = (!r.ok()).then(|| r.summary());
         if let Some(slot) = self.state.lock().await.vms.get_mut(name) {
             slot.problem = problem;
@@ -358,7 +383,7 @@ impl Agent {
             memory_total: self.cfg.memory,
             memory_reserved: reserved,
             memory_free: self.cfg.memory.saturating_sub(reserved),
-            nics: nics(),
+            nics: self.nics(),
             vms,
             bandwidth: ferry_api::util::lock(&self.classes).policy().clone(),
         }
@@ -396,16 +421,18 @@ pub const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// Waits until the guest workload prints its first tick (it has filled its
 /// memory and runs), so a created VM is ready to check or move.
-async fn wait_workload(vm: &QemuVm, timeout: Duration) -> Result<(), String> {
+async fn wait_workload(
+    guest: &dyn GuestCheck,
+    vm: &QemuVm,
+    timeout: Duration,
+) -> Result<(), String> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        let state = console::parse_log(
-            &console::read_tail(&vm.console_path(), 64 << 10).unwrap_or_default(),
-        );
+        let state = guest.read(&read_tail(&vm.console_path(), 64 << 10).unwrap_or_default());
         if !state.problems.is_empty() {
             return Err(state.problems.join(" | "));
         }
-        if state.last.is_some() {
+        if state.last.is_some() || !guest.has_progress() {
             return Ok(());
         }
         if !vm.alive().await {
@@ -418,15 +445,6 @@ async fn wait_workload(vm: &QemuVm, timeout: Duration) -> Result<(), String> {
     }
 }
 
-/// Logs `message` once per `key` for the life of the agent.
-fn warn_once(key: &str, message: &str) {
-    static SEEN: std::sync::Mutex<std::collections::BTreeSet<String>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    if ferry_api::util::lock(&SEEN).insert(key.to_string()) {
-        tracing::warn!("{message}");
-    }
-}
-
 pub use ferry_api::util::error_chain;
 
 fn read_u64(path: PathBuf) -> u64 {
@@ -436,44 +454,182 @@ fn read_u64(path: PathBuf) -> u64 {
         .unwrap_or(0)
 }
 
-/// This host's migration NICs: interfaces named `nic*` with an IPv4 address,
-/// read from `getifaddrs` and sysfs in the agent's own network namespace
-/// (no process spawned: progress reads them every tick).
-pub fn nics() -> Vec<NicInfo> {
+/// An IPv4 network, `10.10.0.0/24`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ipv4Net {
+    pub addr: std::net::Ipv4Addr,
+    pub prefix: u8,
+}
+
+impl Ipv4Net {
+    pub fn mask(prefix: u8) -> u32 {
+        if prefix == 0 {
+            0
+        } else {
+            u32::MAX << (32 - u32::from(prefix.min(32)))
+        }
+    }
+
+    pub fn contains(&self, ip: std::net::Ipv4Addr) -> bool {
+        let m = Self::mask(self.prefix);
+        u32::from(ip) & m == u32::from(self.addr) & m
+    }
+
+    /// The network `ip` is on with `prefix` bits.
+    pub fn of(ip: std::net::Ipv4Addr, prefix: u8) -> Ipv4Net {
+        Ipv4Net {
+            addr: (u32::from(ip) & Self::mask(prefix)).into(),
+            prefix,
+        }
+    }
+}
+
+impl std::fmt::Display for Ipv4Net {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+impl std::str::FromStr for Ipv4Net {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, p) = s
+            .split_once('/')
+            .ok_or_else(|| format!("'{s}' is not a network (ADDRESS/PREFIX, e.g. 10.10.0.0/24)"))?;
+        let addr = a
+            .parse()
+            .map_err(|_| format!("'{a}' in '{s}' is not an IPv4 address"))?;
+        let prefix: u8 = p
+            .parse()
+            .ok()
+            .filter(|p| *p <= 32)
+            .ok_or_else(|| format!("'/{p}' in '{s}' is not a prefix length 0..32"))?;
+        Ok(Ipv4Net { addr, prefix })
+    }
+}
+
+/// Which interfaces carry live migrations: by name, by network, or (both
+/// empty) every interface with an IPv4 address but loopback.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NicSelection {
+    pub names: Vec<String>,
+    pub networks: Vec<Ipv4Net>,
+}
+
+/// A selection that names what this host does not have.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NicSelectionError {
+    #[error("no interface named '{name}' on this host (it has: {have})")]
+    NoSuchNic { name: String, have: String },
+    #[error("interface '{name}' has no IPv4 address")]
+    NoAddress { name: String },
+    #[error("{network} matches no address of this host (it has: {have})")]
+    NoMatch { network: Ipv4Net, have: String },
+}
+
+impl NicSelection {
+    fn selects(&self, name: &str, ip: std::net::Ipv4Addr) -> bool {
+        if self.names.is_empty() && self.networks.is_empty() {
+            return !ip.is_loopback();
+        }
+        self.names.iter().any(|n| n == name) || self.networks.iter().any(|n| n.contains(ip))
+    }
+
+    /// Refuses a selection naming an interface this host lacks, or a
+    /// network none of its addresses is on.
+    pub fn check(&self) -> Result<(), NicSelectionError> {
+        self.check_against(&ipv4_addrs(), &interface_names())
+    }
+
+    fn check_against(
+        &self,
+        addrs: &[(String, std::net::Ipv4Addr, u8)],
+        names: &[String],
+    ) -> Result<(), NicSelectionError> {
+        for name in &self.names {
+            if !names.contains(name) {
+                return Err(NicSelectionError::NoSuchNic {
+                    name: name.clone(),
+                    have: names.join(", "),
+                });
+            }
+            if !addrs.iter().any(|(n, _, _)| n == name) {
+                return Err(NicSelectionError::NoAddress { name: name.clone() });
+            }
+        }
+        for net in &self.networks {
+            if !addrs.iter().any(|(_, ip, _)| net.contains(*ip)) {
+                let have: Vec<String> = addrs
+                    .iter()
+                    .map(|(n, ip, p)| format!("{n} {ip}/{p}"))
+                    .collect();
+                return Err(NicSelectionError::NoMatch {
+                    network: *net,
+                    have: have.join(", "),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Every network interface's name (`/sys/class/net`).
+fn interface_names() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir("/sys/class/net")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// A fabric's number: NICs of different hosts whose IPv4 networks are the
+/// same share it (two hosts' NICs reach each other directly on it).
+pub fn fabric_of(net: Ipv4Net) -> u32 {
+    u32::from(net.addr) | u32::from(net.prefix)
+}
+
+/// This host's migration NICs (`sel`) with an IPv4 address, read from
+/// `getifaddrs` and sysfs in the agent's own network namespace (no process
+/// spawned: progress reads them every tick).
+pub fn nics(sel: &NicSelection) -> Vec<NicInfo> {
     let mut out: Vec<NicInfo> = ipv4_addrs()
         .into_iter()
-        .filter_map(|(name, ip)| {
-            ferry_lab::topology::nic_index(&name)?;
-            let address = ip.to_string();
+        .filter(|(name, ip, _)| sel.selects(name, *ip))
+        .map(|(name, ip, prefix)| {
             let sys = PathBuf::from("/sys/class/net").join(&name);
-            // a NIC whose fabric is unknown is never paired by default
-            let Some(fabric) = ferry_lab::topology::fabric_of_addr(&address) else {
-                warn_once(
-                    &name,
-                    &format!(
-                        "NIC {name} ({address}) is on no known fabric: not used for migrations"
-                    ),
-                );
-                return None;
-            };
-            Some(NicInfo {
-                fabric,
-                address,
+            let net = Ipv4Net::of(ip, prefix);
+            NicInfo {
+                fabric: fabric_of(net),
+                network: net.to_string(),
+                address: ip.to_string(),
                 mtu: read_u64(sys.join("mtu")) as u32,
                 up: read_u64(sys.join("carrier")) == 1,
                 tx_bytes: read_u64(sys.join("statistics/tx_bytes")),
                 rx_bytes: read_u64(sys.join("statistics/rx_bytes")),
                 name,
-            })
+            }
         })
         .collect();
     out.sort_by(|a, b| a.name.cmp(&b.name));
     out
 }
 
-/// Every interface with an IPv4 address, with its first one.
-fn ipv4_addrs() -> Vec<(String, std::net::Ipv4Addr)> {
-    let mut out: Vec<(String, std::net::Ipv4Addr)> = Vec::new();
+/// The IPv4 address of interface `name` (any interface, not only a
+/// migration NIC).
+pub fn interface_address(name: &str) -> Option<std::net::Ipv4Addr> {
+    ipv4_addrs()
+        .into_iter()
+        .find(|(n, _, _)| n == name)
+        .map(|(_, ip, _)| ip)
+}
+
+/// Every interface with an IPv4 address, with its first one and its prefix length.
+fn ipv4_addrs() -> Vec<(String, std::net::Ipv4Addr, u8)> {
+    let mut out: Vec<(String, std::net::Ipv4Addr, u8)> = Vec::new();
     let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: on success `list` heads a list getifaddrs allocated; it is read
     // only until the freeifaddrs below.
@@ -482,8 +638,9 @@ fn ipv4_addrs() -> Vec<(String, std::net::Ipv4Addr)> {
     }
     let mut cur = list;
     while !cur.is_null() {
-        // SAFETY: `cur` is a node of that list; an IPv4 `ifa_addr` points to
-        // a sockaddr_in and `ifa_name` to a NUL-terminated name.
+        // SAFETY: `cur` is a node of that list; an IPv4 `ifa_addr` (and its
+        // `ifa_netmask`) points to a sockaddr_in and `ifa_name` to a
+        // NUL-terminated name.
         unsafe {
             let i = &*cur;
             if !i.ifa_addr.is_null() && i32::from((*i.ifa_addr).sa_family) == libc::AF_INET {
@@ -492,8 +649,14 @@ fn ipv4_addrs() -> Vec<(String, std::net::Ipv4Addr)> {
                 let name = std::ffi::CStr::from_ptr(i.ifa_name)
                     .to_string_lossy()
                     .into_owned();
-                if !out.iter().any(|(n, _)| *n == name) {
-                    out.push((name, ip));
+                let prefix = if i.ifa_netmask.is_null() {
+                    32
+                } else {
+                    let m = &*(i.ifa_netmask as *const libc::sockaddr_in);
+                    u32::from_be(m.sin_addr.s_addr).count_ones() as u8
+                };
+                if !out.iter().any(|(n, _, _)| *n == name) {
+                    out.push((name, ip, prefix));
                 }
             }
             cur = i.ifa_next;
@@ -505,9 +668,16 @@ fn ipv4_addrs() -> Vec<(String, std::net::Ipv4Addr)> {
 }
 
 /// Checks a guest: QEMU's run state, the workload's counter advancing over
-/// the check, and no integrity error or panic on its console. Waits up to
-/// `wait` for a tick, then for a newer one.
-pub async fn check(host: &str, name: &str, q: &QemuVm, wait: Duration) -> CheckResult {
+/// the check, and no integrity error or panic on its console (as `guest`
+/// reads it). Waits up to `wait` for a tick, then for a newer one. A guest
+/// whose console shows no counter is intact when it runs with no problem.
+pub async fn check(
+    guest: &dyn GuestCheck,
+    host: &str,
+    name: &str,
+    q: &QemuVm,
+    wait: Duration,
+) -> CheckResult {
     let qemu_status = match q.qmp.status().await {
         Ok(s) => s.status,
         Err(_) => "unreachable".into(),
@@ -516,11 +686,11 @@ pub async fn check(host: &str, name: &str, q: &QemuVm, wait: Duration) -> CheckR
     let path = q.console_path();
     // an unreadable console is a failed check, never a skipped one
     let mut unreadable = None;
-    let mut read = || match console::read_tail(&path, 256 << 10) {
-        Ok(text) => console::parse_log(&text),
+    let mut read = || match read_tail(&path, 256 << 10) {
+        Ok(text) => guest.read(&text),
         Err(e) => {
             unreadable = Some(format!("console {} unreadable: {e}", path.display()));
-            console::parse_log("")
+            Reading::default()
         }
     };
     let mut first = None;
@@ -530,7 +700,8 @@ pub async fn check(host: &str, name: &str, q: &QemuVm, wait: Duration) -> CheckR
             first = state.last;
         }
         let advanced = matches!((first, state.last), (Some(a), Some(b)) if b.tick > a.tick);
-        if advanced || !state.problems.is_empty() || tokio::time::Instant::now() >= deadline {
+        let done = advanced || !guest.has_progress() || !state.problems.is_empty();
+        if done || tokio::time::Instant::now() >= deadline {
             break;
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
@@ -542,17 +713,20 @@ pub async fn check(host: &str, name: &str, q: &QemuVm, wait: Duration) -> CheckR
     // integrity errors since boot are in the tick's counter; a panic stops the ticks
     let last = state.last;
     let errors = last.map(|t| t.errors).unwrap_or(0);
+    let running = qemu_status == "running";
     CheckResult {
         vm: name.into(),
         host: host.into(),
-        running: qemu_status == "running",
+        running,
         qemu_status,
         tick_first: first.map(|t| t.tick),
         tick_last: last.map(|t| t.tick),
         sweeps: last.map(|t| t.sweeps),
         errors,
         advancing: matches!((first, last), (Some(a), Some(b)) if b.tick > a.tick),
-        intact: errors == 0 && state.problems.is_empty() && last.is_some(),
+        intact: errors == 0
+            && state.problems.is_empty()
+            && (last.is_some() || (!guest.has_progress() && running)),
         problems: state.problems,
     }
 }
@@ -588,9 +762,68 @@ mod cpu_tests {
         let all = ipv4_addrs();
         assert!(
             all.iter()
-                .any(|(n, ip)| n == "lo" && *ip == std::net::Ipv4Addr::LOCALHOST),
+                .any(|(n, ip, p)| n == "lo" && *ip == std::net::Ipv4Addr::LOCALHOST && *p == 8),
             "lo with 127.0.0.1 missing from {all:?}"
         );
+    }
+
+    #[test]
+    fn a_selection_names_what_the_host_lacks() {
+        let ip = |s: &str| s.parse::<std::net::Ipv4Addr>().unwrap();
+        let addrs = vec![
+            ("lo".to_string(), ip("127.0.0.1"), 8),
+            ("ens1f0".to_string(), ip("10.10.0.5"), 24),
+            ("ens1f1".to_string(), ip("10.20.0.5"), 24),
+        ];
+        let names: Vec<String> = ["ens1f0", "ens1f1", "ens2", "lo"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let by_name = |n: &[&str]| NicSelection {
+            names: n.iter().map(|s| s.to_string()).collect(),
+            networks: vec![],
+        };
+        assert_eq!(by_name(&["ens1f0"]).check_against(&addrs, &names), Ok(()));
+        assert!(matches!(
+            by_name(&["eth9"]).check_against(&addrs, &names),
+            Err(NicSelectionError::NoSuchNic { name, .. }) if name == "eth9"
+        ));
+        assert!(matches!(
+            by_name(&["ens2"]).check_against(&addrs, &names),
+            Err(NicSelectionError::NoAddress { name }) if name == "ens2"
+        ));
+        let net = |s: &str| NicSelection {
+            names: vec![],
+            networks: vec![s.parse().unwrap()],
+        };
+        assert_eq!(net("10.20.0.0/16").check_against(&addrs, &names), Ok(()));
+        let e = net("10.30.0.0/24")
+            .check_against(&addrs, &names)
+            .unwrap_err();
+        assert!(
+            e.to_string().starts_with("10.30.0.0/24 matches no address"),
+            "{e}"
+        );
+        assert!(NicSelection::default().selects("eth0", ip("10.0.0.1")));
+        assert!(!NicSelection::default().selects("lo", ip("127.0.0.1")));
+        assert!(net("10.20.0.0/24").selects("x", ip("10.20.0.9")));
+        assert!(!net("10.20.0.0/24").selects("x", ip("10.21.0.9")));
+    }
+
+    #[test]
+    fn networks_parse_and_name_their_fabric() {
+        let n: Ipv4Net = "198.18.1.13/24".parse().unwrap();
+        assert_eq!(Ipv4Net::of(n.addr, n.prefix).to_string(), "198.18.1.0/24");
+        assert!("10.0.0.0".parse::<Ipv4Net>().is_err());
+        assert!("10.0.0.0/33".parse::<Ipv4Net>().is_err());
+        assert!("10.0.0/8".parse::<Ipv4Net>().is_err());
+        let a = Ipv4Net::of("10.1.0.7".parse().unwrap(), 24);
+        let b = Ipv4Net::of("10.1.0.9".parse().unwrap(), 24);
+        let c = Ipv4Net::of("10.2.0.9".parse().unwrap(), 24);
+        assert_eq!(fabric_of(a), fabric_of(b));
+        assert_ne!(fabric_of(a), fabric_of(c));
+        assert_eq!(Ipv4Net::mask(0), 0);
+        assert_eq!(Ipv4Net::mask(32), u32::MAX);
     }
 
     #[test]

@@ -9,6 +9,8 @@
 //! - [`host`]: the host's state: VMs, reservations, NICs, the guest check.
 //! - [`migration`]: the steps, source and target side, around the commit point.
 //! - [`commit`]: the commit point: who may run the guest, decided and journaled.
+//! - [`guest`]: the guest check's seam (what a guest's console says).
+//! - [`recover`]: at start, the QEMUs left running and the open migrations taken back.
 //! - [`failpoint`]: faults injected on purpose at named steps (tests).
 //! - [`convergence`]: will pre-copy converge, and when (a pure model).
 //! - [`datapath`]: the seam where a migration's bytes leave QEMU (today QEMU's
@@ -23,13 +25,17 @@ pub mod commit;
 pub mod convergence;
 pub mod datapath;
 pub mod failpoint;
+pub mod guest;
 pub mod host;
 pub mod migration;
 pub mod qemu;
 pub mod qmp;
+pub mod recover;
 pub mod validate;
 
 use std::path::PathBuf;
+
+pub use host::{Ipv4Net, NicSelection};
 
 /// Everything an agent is started with (`ferry agent …`).
 #[derive(Debug, Clone)]
@@ -44,6 +50,11 @@ pub struct AgentConfig {
     /// The rate this host's NICs are rated at, bit/s (when sysfs cannot tell).
     pub nic_rate: Option<u64>,
     pub qemu: qemu::QemuConfig,
+    /// The interfaces that carry live migrations.
+    pub nics: NicSelection,
+    /// A NIC for storage traffic (NBD), if separate; its traffic classes
+    /// are managed with the migration NICs'.
+    pub storage_nic: Option<String>,
 }
 
 pub use host::Agent;

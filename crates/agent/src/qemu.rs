@@ -5,8 +5,14 @@
 //! command line, the serial console written to `console.log`, and QMP on a
 //! unix socket. A skeleton VM on a migration target is the same command line
 //! plus `-incoming defer`, so both ends always agree on the device model.
-//! QEMU gets `PR_SET_PDEATHSIG`: if the agent dies, its QEMUs die with it, so a
-//! dead agent can never leave a half-migrated twin running.
+//!
+//! QEMU outlives the agent: it runs in its own session (`setsid`), is never
+//! killed when the agent exits, and leaves in its directory everything a
+//! restarted agent needs to take it back ([`adopt`]): `vm.json` (the spec,
+//! the pid and the process's start time, so a recycled pid is never taken
+//! for it), `qemu.pid` and the QMP socket. Which copy of a migrating guest
+//! may run is decided by the journal, not by processes dying together (see
+//! [`crate::commit`] and `Agent::recover`).
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -32,6 +38,14 @@ pub enum QemuError {
     },
     #[error("QEMU exited during start-up: {log}")]
     Exited { log: String },
+    #[error("Cannot record the VM in {path}")]
+    Record {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{dir}: {why}")]
+    NotAdoptable { dir: PathBuf, why: String },
     #[error(transparent)]
     Qmp(#[from] QmpError),
 }
@@ -46,13 +60,32 @@ pub struct QemuConfig {
     pub initrd: PathBuf,
 }
 
+/// The QEMU process of a VM: started by this agent (its child, reaped by
+/// it) or adopted from an agent that ran before it.
+enum Process {
+    Child(tokio::process::Child),
+    Adopted { pid: u32, started: u64 },
+}
+
 /// A running QEMU and its QMP session.
 pub struct QemuVm {
     pub dir: PathBuf,
     pub pid: u32,
     pub qmp: Qmp,
-    child: tokio::sync::Mutex<tokio::process::Child>,
+    process: tokio::sync::Mutex<Process>,
 }
+
+/// What a VM's directory says about it (`vm.json`).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct VmRecord {
+    pub spec: VmSpec,
+    pub pid: u32,
+    /// The process's start time (`/proc/PID/stat` field 22, clock ticks
+    /// since boot): a pid reused by another process does not match.
+    pub started: u64,
+}
+
+pub const RECORD_FILE: &str = "vm.json";
 
 impl QemuVm {
     pub fn console_path(&self) -> PathBuf {
@@ -61,24 +94,149 @@ impl QemuVm {
 
     /// True while the QEMU process has not exited.
     pub async fn alive(&self) -> bool {
-        matches!(self.child.lock().await.try_wait(), Ok(None))
+        match &mut *self.process.lock().await {
+            Process::Child(c) => matches!(c.try_wait(), Ok(None)),
+            Process::Adopted { pid, started } => start_time(*pid) == Some(*started),
+        }
     }
 
     /// Asks QEMU to quit, then kills it if it has not exited within 3 s.
     pub async fn stop(&self) {
         let _ = self.qmp.quit().await;
-        let mut child = self.child.lock().await;
-        if tokio::time::timeout(Duration::from_secs(3), child.wait())
-            .await
-            .is_err()
-        {
-            let _ = child.kill().await;
+        if !self.wait_gone(Duration::from_secs(3)).await {
+            self.kill().await;
         }
     }
 
-    /// Kills QEMU at once (a skeleton being discarded) and reaps it.
+    /// Kills QEMU at once (a skeleton being discarded) and waits until it is gone.
     pub async fn kill(&self) {
-        let _ = self.child.lock().await.kill().await;
+        let mut p = self.process.lock().await;
+        match &mut *p {
+            Process::Child(c) => {
+                let _ = c.kill().await;
+            }
+            Process::Adopted { pid, started } => {
+                if start_time(*pid) == Some(*started) {
+                    // SAFETY: kill(2) with a pid checked to be this QEMU (its
+                    // start time matches) has no memory effects.
+                    unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
+                }
+                drop(p);
+                self.wait_gone(Duration::from_secs(5)).await;
+            }
+        }
+    }
+
+    /// Waits up to `wait` for the process to exit; true once it has.
+    async fn wait_gone(&self, wait: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            if !self.alive().await {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Rewrites `vm.json` with `spec` (a disk was plugged).
+    pub async fn record(&self, spec: &VmSpec) -> Result<(), QemuError> {
+        let started = match &*self.process.lock().await {
+            Process::Child(_) => start_time(self.pid).unwrap_or(0),
+            Process::Adopted { started, .. } => *started,
+        };
+        write_record(
+            &self.dir,
+            &VmRecord {
+                spec: spec.clone(),
+                pid: self.pid,
+                started,
+            },
+        )
+    }
+}
+
+/// The start time of process `pid` (clock ticks since boot), `None` when
+/// there is no such process or it has exited (a zombie).
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let f: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    // f[0] is field 3 (state); field 22 (starttime) is f[19]
+    if f.first() == Some(&"Z") || f.first() == Some(&"X") {
+        return None;
+    }
+    f.get(19)?.parse().ok()
+}
+
+/// Writes `vm.json` in `dir` (fsynced, then renamed into place).
+fn write_record(dir: &Path, rec: &VmRecord) -> Result<(), QemuError> {
+    use std::io::Write;
+    let path = dir.join(RECORD_FILE);
+    let tmp = dir.join(format!("{RECORD_FILE}.tmp"));
+    let err = |source| QemuError::Record {
+        path: path.clone(),
+        source,
+    };
+    let body = serde_json::to_vec_pretty(rec).map_err(|e| err(e.into()))?;
+    let mut f = std::fs::File::create(&tmp).map_err(err)?;
+    f.write_all(&body).map_err(err)?;
+    f.sync_all().map_err(err)?;
+    std::fs::rename(&tmp, &path).map_err(err)
+}
+
+/// Reads `vm.json` in `dir`.
+pub fn read_record(dir: &Path) -> Result<VmRecord, QemuError> {
+    let path = dir.join(RECORD_FILE);
+    let bad = |why: String| QemuError::NotAdoptable {
+        dir: dir.into(),
+        why,
+    };
+    let text = std::fs::read_to_string(&path).map_err(|e| bad(format!("{RECORD_FILE}: {e}")))?;
+    serde_json::from_str(&text).map_err(|e| bad(format!("{RECORD_FILE}: {e}")))
+}
+
+/// Takes back the QEMU a previous agent started in `dir`: its process must
+/// still be the one `vm.json` names, and its QMP must answer.
+pub async fn adopt(dir: &Path) -> Result<(VmRecord, QemuVm), QemuError> {
+    let rec = read_record(dir)?;
+    let bad = |why: String| QemuError::NotAdoptable {
+        dir: dir.into(),
+        why,
+    };
+    match start_time(rec.pid) {
+        Some(t) if t == rec.started => {}
+        Some(_) => return Err(bad(format!("pid {} is another process now", rec.pid))),
+        None => return Err(bad(format!("QEMU (pid {}) has exited", rec.pid))),
+    }
+    let qmp = Qmp::connect(&dir.join("qmp.sock"), Duration::from_secs(5)).await?;
+    let vm = QemuVm {
+        dir: dir.into(),
+        pid: rec.pid,
+        qmp,
+        process: tokio::sync::Mutex::new(Process::Adopted {
+            pid: rec.pid,
+            started: rec.started,
+        }),
+    };
+    Ok((rec, vm))
+}
+
+/// Kills the QEMU `vm.json` in `dir` names, if it still runs (a VM that
+/// cannot be adopted, e.g. its QMP does not answer).
+pub async fn kill_recorded(dir: &Path) {
+    let Ok(rec) = read_record(dir) else { return };
+    if start_time(rec.pid) != Some(rec.started) {
+        return;
+    }
+    // SAFETY: kill(2) with a pid checked to be this QEMU has no memory effects.
+    unsafe { libc::kill(rec.pid as i32, libc::SIGKILL) };
+    for _ in 0..100 {
+        if start_time(rec.pid) != Some(rec.started) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -132,6 +290,8 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
         "chardev:con0",
         "-qmp",
         &format!("unix:{},server=on,wait=off", p("qmp.sock")),
+        "-pidfile",
+        &p("qemu.pid"),
         // a second monitor for handing QEMU a socket (see `qmp::hand_socket`)
         "-chardev",
         &format!(
@@ -214,13 +374,14 @@ pub async fn launch(
     cmd.args(qemu_args(cfg, spec, dir, incoming))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(log)
-        .kill_on_drop(true);
-    // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag on the child; it is
+        .stderr(log);
+    // its own session: a signal to the agent's process group (a terminal's
+    // ^C, a service manager stopping the agent) never reaches the guest
+    // SAFETY: setsid(2) only changes the child's own session; it is
     // async-signal-safe and touches no memory shared with the parent.
     unsafe {
         cmd.pre_exec(|| {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            libc::setsid();
             Ok(())
         });
     }
@@ -229,6 +390,15 @@ pub async fn launch(
         source,
     })?;
     let pid = child.id().unwrap_or(0);
+    let record = VmRecord {
+        spec: spec.clone(),
+        pid,
+        started: start_time(pid).unwrap_or(0),
+    };
+    if let Err(e) = write_record(dir, &record) {
+        let _ = child.kill().await;
+        return Err(e);
+    }
     let sock = dir.join("qmp.sock");
     let qmp = tokio::select! {
         r = Qmp::connect(&sock, Duration::from_secs(10)) => r,
@@ -248,7 +418,7 @@ pub async fn launch(
         dir: dir.into(),
         pid,
         qmp,
-        child: tokio::sync::Mutex::new(child),
+        process: tokio::sync::Mutex::new(Process::Child(child)),
     })
 }
 

@@ -13,8 +13,6 @@ use ferry_api::validation::*;
 use ferry_api::ApiError;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::host::nics;
-
 /// Longest throughput test an agent runs.
 pub const MAX_SEND: Duration = Duration::from_secs(10);
 
@@ -154,8 +152,8 @@ fn cpu_facts() -> CpuFacts {
 }
 
 /// Everything validation needs to know about this host.
-pub fn facts(host: &str, nominal_rate: Option<u64>) -> HostFacts {
-    let nics = nics()
+pub fn facts(host: &str, nominal_rate: Option<u64>, nics: Vec<ferry_api::NicInfo>) -> HostFacts {
+    let nics = nics
         .into_iter()
         .map(|n| {
             let sys = Path::new("/sys/class/net").join(&n.name);
@@ -171,6 +169,7 @@ pub fn facts(host: &str, nominal_rate: Option<u64>) -> HostFacts {
                 name: n.name,
                 address: n.address,
                 fabric: n.fabric,
+                network: n.network,
                 mtu: n.mtu,
                 up: n.up,
             }
@@ -193,10 +192,8 @@ pub fn facts(host: &str, nominal_rate: Option<u64>) -> HostFacts {
 }
 
 fn nic_address(nic: &str) -> Result<String, ApiError> {
-    nics()
-        .into_iter()
-        .find(|n| n.name == nic)
-        .map(|n| n.address)
+    crate::host::interface_address(nic)
+        .map(|a| a.to_string())
         .ok_or_else(|| ApiError::not_found("nic", nic))
 }
 

@@ -13,10 +13,14 @@ use crate::ApiError;
 /// One NIC of a host as its agent sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NicInfo {
-    /// Interface name inside the host, `nic1` …
+    /// Interface name inside the host (`ens1f0`, `eth4` …).
     pub name: String,
-    /// The fabric (independent switch) it is wired to, 1 …
+    /// The fabric it is wired to: NICs of two hosts on the same fabric
+    /// reach each other directly. A number, the same on every host.
     pub fabric: u32,
+    /// Its IPv4 network, `10.10.0.0/24`.
+    #[serde(default)]
+    pub network: String,
     pub address: String,
     pub mtu: u32,
     /// Carrier up (the link is not cut).
@@ -640,9 +644,6 @@ pub struct IncomingStatus {
     /// to run: the guest may have run here), `discarded` (never ran).
     #[serde(default)]
     pub phase: String,
-    /// QEMU's incoming migration status (`active`, `completed`, …).
-    #[serde(default)]
-    pub migration_status: String,
 }
 
 /// A migration as its source agent recorded it (`GET /migrations/{id}`).

@@ -119,11 +119,25 @@ pub struct Rings {
     pub tx: Option<u32>,
 }
 
+impl NicFacts {
+    /// The fabric as shown to people: the NIC's network, else its number.
+    pub fn fabric_name(&self) -> String {
+        if self.network.is_empty() {
+            self.fabric.to_string()
+        } else {
+            self.network.clone()
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NicFacts {
     pub name: String,
     pub address: String,
     pub fabric: u32,
+    /// Its IPv4 network (`10.10.0.0/24`), how its fabric is shown.
+    #[serde(default)]
+    pub network: String,
     pub mtu: u32,
     /// Carrier present.
     pub up: bool,

@@ -6,36 +6,45 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
+use crate::config;
+
 #[derive(Args)]
 pub struct AgentArgs {
-    /// Host name (`host1` …).
+    /// Configuration file (default /etc/ferry/agent.toml, if present); flags override it.
     #[arg(long)]
-    name: String,
+    config: Option<PathBuf>,
+    /// Host name (default: the file's `name`, else the system host name).
     #[arg(long)]
-    listen: SocketAddr,
+    name: Option<String>,
+    #[arg(long)]
+    listen: Option<SocketAddr>,
     /// URL peers reach this agent at (default: http://LISTEN).
     #[arg(long)]
     url: Option<String>,
     #[arg(long)]
-    state_dir: PathBuf,
+    state_dir: Option<PathBuf>,
+    /// The cluster credential (default: the file's `credential`, else /etc/ferry/cluster.token).
     #[arg(long)]
-    token_file: PathBuf,
+    token_file: Option<PathBuf>,
     /// Memory this host offers to VMs (e.g. 6G).
     #[arg(long)]
-    memory: String,
+    memory: Option<String>,
     /// Guest kernel and initramfs (default: the cached lab image).
     #[arg(long)]
     kernel: Option<PathBuf>,
     #[arg(long)]
     initrd: Option<PathBuf>,
-    #[arg(long, default_value = "qemu-system-x86_64")]
-    qemu: String,
+    #[arg(long)]
+    qemu: Option<String>,
     /// Rate the NICs are rated at (e.g. 1gbit), when sysfs cannot tell.
     #[arg(long)]
     nic_rate: Option<String>,
     /// QEMU accelerator: tcg or kvm.
-    #[arg(long, default_value = "tcg")]
-    accel: String,
+    #[arg(long)]
+    accel: Option<String>,
+    /// Check the configuration and print it resolved, then exit.
+    #[arg(long)]
+    check_config: bool,
 }
 
 #[derive(Args)]
@@ -74,56 +83,170 @@ pub fn qemu_args(a: &QemuArgsArgs) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-pub async fn agent(a: &AgentArgs) -> anyhow::Result<i32> {
-    let cred = ferry_api::auth::Credential::load(&a.token_file)
-        .with_context(|| format!("reading {}", a.token_file.display()))?;
-    let memory = ferry_api::size::parse_size("--memory", &a.memory)?;
-    let (kernel, initrd) = match (&a.kernel, &a.initrd) {
-        (Some(k), Some(i)) => (k.clone(), i.clone()),
-        _ => {
-            let img = ferry_lab::image::cached()?
-                .context("no guest image is built (run `ferry lab image`) and --kernel/--initrd are not given")?;
-            (img.kernel, img.initrd)
+/// The workload guest's console, read for the guest check.
+struct WorkloadConsole;
+
+impl ferry_agent::guest::GuestCheck for WorkloadConsole {
+    fn has_progress(&self) -> bool {
+        true
+    }
+    fn read(&self, console_tail: &str) -> ferry_agent::guest::Reading {
+        let s = ferry_lab::console::parse_log(console_tail);
+        ferry_agent::guest::Reading {
+            last: s.last.map(|t| ferry_agent::guest::Progress {
+                tick: t.tick,
+                sweeps: t.sweeps,
+                errors: t.errors,
+            }),
+            problems: s.problems,
+        }
+    }
+}
+
+/// The agent's settings: flags over `agent.toml` over defaults, checked
+/// against this host.
+fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, PathBuf)> {
+    let (f, file) = config::load::<config::AgentFile>(
+        a.config.as_deref(),
+        &format!("{}/agent.toml", config::ETC),
+    )?;
+    let key = |key: &'static str, why: String| config::ConfigError::Key {
+        file: file.clone(),
+        key,
+        why,
+    };
+    let name = a
+        .name
+        .clone()
+        .or(f.name.clone())
+        .unwrap_or_else(config::system_hostname);
+    let listen = a
+        .listen
+        .or(f.listen)
+        .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 7800)));
+    let url = a.url.clone().or(f.url.clone()).unwrap_or_else(|| {
+        if listen.ip().is_unspecified() {
+            format!("http://{name}:{}", listen.port())
+        } else {
+            format!("http://{listen}")
+        }
+    });
+    let memory = match a.memory.as_ref().or(f.memory.as_ref()) {
+        Some(m) => {
+            ferry_api::size::parse_size("memory", m).map_err(|e| key("memory", e.to_string()))?
+        }
+        None => {
+            let reserved = f.reserved_memory.as_deref().unwrap_or("2G");
+            let reserved = ferry_api::size::parse_size("reserved_memory", reserved)
+                .map_err(|e| key("reserved_memory", e.to_string()))?;
+            let total = config::host_memory().context("reading /proc/meminfo")?;
+            if total <= reserved {
+                return Err(key(
+                    "reserved_memory",
+                    format!("{reserved} bytes is all of this host's {total}"),
+                )
+                .into());
+            }
+            total - reserved
         }
     };
-    std::fs::create_dir_all(a.state_dir.join("vms"))
-        .with_context(|| format!("creating {}", a.state_dir.display()))?;
+    let nic_rate = match a.nic_rate.as_ref().or(f.nic_rate.as_ref()) {
+        Some(r) => {
+            Some(ferry_lab::topology::parse_rate(r).map_err(|e| key("nic_rate", e.to_string()))?)
+        }
+        None => None,
+    };
+    let accel = a.accel.clone().or(f.accel.clone()).unwrap_or_else(|| {
+        if std::path::Path::new("/dev/kvm").exists() {
+            "kvm".into()
+        } else {
+            "tcg".into()
+        }
+    });
+    if accel != "kvm" && accel != "tcg" {
+        return Err(key("accel", format!("'{accel}' is neither kvm nor tcg")).into());
+    }
+    let (kernel, initrd) = match (
+        a.kernel.as_ref().or(f.kernel.as_ref()),
+        a.initrd.as_ref().or(f.initrd.as_ref()),
+    ) {
+        (Some(k), Some(i)) => (k.clone(), i.clone()),
+        _ => match ferry_lab::image::cached()? {
+            Some(img) => (img.kernel, img.initrd),
+            // no workload guest can start until one is given; VMs already
+            // running are still taken back
+            None => (PathBuf::new(), PathBuf::new()),
+        },
+    };
+    let nics = config::nic_selection(&file, &f.nics, &f.networks)?;
+    if let Some(s) = &f.storage_nic {
+        config::nic_selection(&file, std::slice::from_ref(s), &[]).map_err(|_| {
+            key(
+                "storage_nic",
+                format!("no interface named '{s}' with an IPv4 address"),
+            )
+        })?;
+    }
     let cfg = ferry_agent::AgentConfig {
-        name: a.name.clone(),
-        listen: a.listen,
-        url: a
-            .url
+        name,
+        listen,
+        url,
+        state_dir: a
+            .state_dir
             .clone()
-            .unwrap_or_else(|| format!("http://{}", a.listen)),
-        state_dir: a.state_dir.clone(),
+            .or(f.state_dir.clone())
+            .unwrap_or_else(|| PathBuf::from("/var/lib/ferry/agent")),
         memory,
-        nic_rate: a
-            .nic_rate
-            .as_deref()
-            .map(ferry_lab::topology::parse_rate)
-            .transpose()?,
+        nic_rate,
         qemu: ferry_agent::qemu::QemuConfig {
-            binary: a.qemu.clone(),
-            accel: a.accel.clone(),
+            binary: a
+                .qemu
+                .clone()
+                .or(f.qemu.clone())
+                .unwrap_or_else(|| "qemu-system-x86_64".into()),
+            accel,
             kernel,
             initrd,
         },
+        nics,
+        storage_nic: f.storage_nic.clone(),
     };
-    ferry_agent::api::serve(ferry_agent::Agent::new(cfg, cred)).await?;
+    Ok((
+        cfg,
+        config::credential(a.token_file.as_ref(), f.credential.as_ref()),
+    ))
+}
+
+pub async fn agent(a: &AgentArgs) -> anyhow::Result<i32> {
+    let (cfg, token_file) = agent_config(a)?;
+    if a.check_config {
+        println!("{cfg:#?}\ncredential: {}", token_file.display());
+        return Ok(0);
+    }
+    let cred = ferry_api::auth::Credential::load(&token_file)
+        .with_context(|| format!("reading the cluster credential {}", token_file.display()))?;
+    std::fs::create_dir_all(cfg.state_dir.join("vms"))
+        .with_context(|| format!("creating {}", cfg.state_dir.display()))?;
+    let agent = ferry_agent::Agent::new(cfg, cred, std::sync::Arc::new(WorkloadConsole));
+    ferry_agent::api::serve(agent).await?;
     Ok(0)
 }
 
 #[derive(Args)]
 pub struct ControlArgs {
-    #[arg(long, default_value = "127.0.0.1:7700")]
-    listen: SocketAddr,
+    /// Configuration file (default /etc/ferry/control.toml, if present); flags override it.
     #[arg(long)]
-    token_file: PathBuf,
+    config: Option<PathBuf>,
+    /// API address (default: the file's `listen`, else 127.0.0.1:7700).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    #[arg(long)]
+    token_file: Option<PathBuf>,
     /// Hosts as NAME=AGENT_URL; repeatable.
     #[arg(long = "host")]
     hosts: Vec<String>,
     /// SQLite file for the control service's state (draining marks, host
-    /// settings, event log); default: the lab's, else /var/lib/ferry/control/state.db.
+    /// settings, event log); default: the file's `state`, else /var/lib/ferry/control/state.db.
     #[arg(long, conflicts_with = "store")]
     state: Option<PathBuf>,
     /// Keep the state in etcd instead (`etcd://HOST:PORT`), shared by every
@@ -133,48 +256,38 @@ pub struct ControlArgs {
     /// Storage nodes as NAME=API_URL; repeatable.
     #[arg(long = "storage")]
     storage: Vec<String>,
-    /// Take the hosts (and the lab's storage node) from a lab directory's lab.json instead.
-    #[arg(long)]
-    lab_dir: Option<PathBuf>,
 }
 
 pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
-    let cred = ferry_api::auth::Credential::load(&a.token_file)
-        .with_context(|| format!("reading {}", a.token_file.display()))?;
-    let mut hosts = Vec::new();
+    let (f, _) = config::load::<config::ControlFile>(
+        a.config.as_deref(),
+        &format!("{}/control.toml", config::ETC),
+    )?;
+    let token_file = config::credential(a.token_file.as_ref(), f.credential.as_ref());
+    let cred = ferry_api::auth::Credential::load(&token_file)
+        .with_context(|| format!("reading the cluster credential {}", token_file.display()))?;
+    let mut hosts: Vec<(String, String)> = f.hosts.clone().into_iter().collect();
     for h in &a.hosts {
         let (n, u) = h
             .split_once('=')
             .with_context(|| format!("--host '{h}' is not NAME=URL"))?;
         hosts.push((n.to_string(), u.to_string()));
     }
-    let mut storage = Vec::new();
+    let mut storage: Vec<(String, String)> = f.storage.clone().into_iter().collect();
     for s in &a.storage {
         let (n, u) = s
             .split_once('=')
             .with_context(|| format!("--storage '{s}' is not NAME=URL"))?;
         storage.push((n.to_string(), u.to_string()));
     }
-    if let Some(dir) = &a.lab_dir {
-        storage.push((
-            ferry_lab::topology::STORAGE_NODE.to_string(),
-            ferry_lab::topology::storage_url(),
-        ));
-        let spec = ferry_lab::net::LabDir(dir.clone()).load_spec()?;
-        for i in 1..=spec.hosts {
-            hosts.push((
-                ferry_lab::topology::host_name(i),
-                ferry_lab::topology::agent_url(i),
-            ));
-        }
-    }
     let mut control = ferry_control::Control::with_storage(hosts, storage, cred.clone());
-    // SQLite by default: the lab's file, else one under /var/lib/ferry
-    let state = a.state.clone().unwrap_or_else(|| match &a.lab_dir {
-        Some(d) => d.join("control").join("state.db"),
-        None => PathBuf::from("/var/lib/ferry/control/state.db"),
-    });
-    if let Some(url) = &a.store {
+    // SQLite by default
+    let state = a
+        .state
+        .clone()
+        .or(f.state.clone())
+        .unwrap_or_else(|| PathBuf::from("/var/lib/ferry/control/state.db"));
+    if let Some(url) = a.store.as_ref().or(f.store.as_ref()) {
         control = control
             .with_store(ferry_control::store::Store::etcd(url).await?)
             .await?;
@@ -184,45 +297,62 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
             .await?;
     }
     let control = std::sync::Arc::new(control);
-    ferry_control::http::serve(a.listen, control, cred).await?;
+    let listen = a
+        .listen
+        .or(f.listen)
+        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7700)));
+    ferry_control::http::serve(listen, control, cred).await?;
     Ok(0)
 }
 
 #[derive(Args)]
 pub struct StorageArgs {
-    /// Storage node name.
-    #[arg(long, default_value = "storage1")]
-    name: String,
-    /// Directory of the node's disks and state.
+    /// Configuration file (default /etc/ferry/storage.toml, if present); flags override it.
     #[arg(long)]
-    dir: PathBuf,
-    /// NBD listen address.
-    #[arg(long, default_value = "127.0.0.1:10809")]
-    nbd_listen: SocketAddr,
-    /// REST API listen address.
-    #[arg(long, default_value = "127.0.0.1:7900")]
-    api_listen: SocketAddr,
+    config: Option<PathBuf>,
+    /// Storage node name (default storage1).
+    #[arg(long)]
+    name: Option<String>,
+    /// Directory of the node's disks and state (default /var/lib/ferry/storage).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// NBD listen address (default 127.0.0.1:10809).
+    #[arg(long)]
+    nbd_listen: Option<SocketAddr>,
+    /// REST API listen address (default 127.0.0.1:7900).
+    #[arg(long)]
+    api_listen: Option<SocketAddr>,
     /// Address clients reach NBD at, for disk URIs (default: --nbd-listen).
     #[arg(long)]
     nbd_address: Option<String>,
     #[arg(long)]
-    token_file: PathBuf,
+    token_file: Option<PathBuf>,
     /// Normalized IOPS the backing store sustains (0: no limit here). The
     /// scheduler never dispatches faster, so minimums are kept against it.
-    #[arg(long, default_value_t = 0)]
-    capacity_iops: u64,
+    #[arg(long)]
+    capacity_iops: Option<u64>,
     /// Client address → host name, as ADDR=HOST; repeatable.
     #[arg(long = "peer")]
     peers: Vec<String>,
-    /// Take peer addresses from a lab directory's lab.json.
-    #[arg(long)]
-    lab_dir: Option<PathBuf>,
 }
 
 pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
-    let cred = ferry_api::auth::Credential::load(&a.token_file)
-        .with_context(|| format!("reading {}", a.token_file.display()))?;
+    let (f, file) = config::load::<config::StorageFile>(
+        a.config.as_deref(),
+        &format!("{}/storage.toml", config::ETC),
+    )?;
+    let token_file = config::credential(a.token_file.as_ref(), f.credential.as_ref());
+    let cred = ferry_api::auth::Credential::load(&token_file)
+        .with_context(|| format!("reading the cluster credential {}", token_file.display()))?;
     let mut peers = std::collections::BTreeMap::new();
+    for (ip, host) in &f.peers {
+        let addr: std::net::IpAddr = ip.parse().map_err(|_| config::ConfigError::Key {
+            file: file.clone(),
+            key: "peers",
+            why: format!("'{ip}' is not an address"),
+        })?;
+        peers.insert(addr, host.clone());
+    }
     for p in &a.peers {
         let (ip, host) = p
             .split_once('=')
@@ -232,22 +362,33 @@ pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
             .with_context(|| format!("--peer '{p}': '{ip}' is not an address"))?;
         peers.insert(ip, host.to_string());
     }
-    if let Some(dir) = &a.lab_dir {
-        let spec = ferry_lab::net::LabDir(dir.clone()).load_spec()?;
-        for (ip, host) in ferry_lab::topology::peer_addresses(&spec) {
-            peers.insert(ip, host);
-        }
-    }
+    let nbd_listen = a
+        .nbd_listen
+        .or(f.nbd_listen)
+        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 10809)));
+    let api_listen = a
+        .api_listen
+        .or(f.api_listen)
+        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7900)));
     let node = ferry_storage::node::Node::open(ferry_storage::node::NodeConfig {
-        name: a.name.clone(),
-        dir: a.dir.clone(),
+        name: a
+            .name
+            .clone()
+            .or(f.name.clone())
+            .unwrap_or_else(|| "storage1".into()),
+        dir: a
+            .dir
+            .clone()
+            .or(f.dir.clone())
+            .unwrap_or_else(|| PathBuf::from("/var/lib/ferry/storage")),
         nbd_address: a
             .nbd_address
             .clone()
-            .unwrap_or_else(|| a.nbd_listen.to_string()),
-        capacity_iops: a.capacity_iops,
+            .or(f.nbd_address.clone())
+            .unwrap_or_else(|| nbd_listen.to_string()),
+        capacity_iops: a.capacity_iops.or(f.capacity_iops).unwrap_or(0),
         peers,
     })?;
-    ferry_storage::serve(node, a.nbd_listen, a.api_listen, cred).await?;
+    ferry_storage::serve(node, nbd_listen, api_listen, cred).await?;
     Ok(0)
 }

@@ -243,48 +243,57 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
         down();
         return Err(e).context("creating the lab network");
     }
-    let token = dir.token_path().display().to_string();
     for i in 1..=spec.hosts {
         start_agent(&dir, &spec, i)?;
     }
     let cd = dir.control_dir();
-    // the storage node, on the management bridge
-    let storage_dir = dir.0.join(topology::STORAGE_NODE);
-    let storage_args = [
+    std::fs::create_dir_all(&cd)?;
+    // the storage node, on the management bridge; every address a host
+    // connects from is named, so flows show per host
+    let storage = crate::config::StorageFile {
+        name: Some(topology::STORAGE_NODE.into()),
+        dir: Some(dir.0.join(topology::STORAGE_NODE)),
+        nbd_listen: Some(
+            format!(
+                "{}:{}",
+                topology::CONTROL_MGMT_ADDR,
+                topology::STORAGE_NBD_PORT
+            )
+            .parse()?,
+        ),
+        api_listen: Some(
+            format!(
+                "{}:{}",
+                topology::CONTROL_MGMT_ADDR,
+                topology::STORAGE_API_PORT
+            )
+            .parse()?,
+        ),
+        credential: Some(dir.token_path()),
+        peers: topology::peer_addresses(&spec)
+            .into_iter()
+            .map(|(ip, host)| (ip.to_string(), host))
+            .collect(),
+        ..Default::default()
+    };
+    let storage_conf = write_config(&cd, "storage.toml", &storage)?;
+    start_root_daemon(
+        &cd,
         "storage",
-        "serve",
-        "--name",
-        topology::STORAGE_NODE,
-        "--dir",
-        &storage_dir.display().to_string(),
-        "--nbd-listen",
-        &format!(
-            "{}:{}",
-            topology::CONTROL_MGMT_ADDR,
-            topology::STORAGE_NBD_PORT
-        ),
-        "--api-listen",
-        &format!(
-            "{}:{}",
-            topology::CONTROL_MGMT_ADDR,
-            topology::STORAGE_API_PORT
-        ),
-        "--token-file",
-        &token,
-        "--lab-dir",
-        &dir.0.display().to_string(),
-    ];
-    start_root_daemon(&cd, "storage", &storage_args)?;
-    let listen = cli.control.trim_start_matches("http://").to_string();
-    let control_args = [
-        "control",
-        "--listen",
-        &listen,
-        "--token-file",
-        &token,
-        "--lab-dir",
-        &dir.0.display().to_string(),
-    ];
+        &["storage", "serve", "--config", &storage_conf],
+    )?;
+    let control = crate::config::ControlFile {
+        listen: Some(cli.control.trim_start_matches("http://").parse()?),
+        credential: Some(dir.token_path()),
+        state: Some(cd.join("state.db")),
+        hosts: (1..=spec.hosts)
+            .map(|i| (topology::host_name(i), topology::agent_url(i)))
+            .collect(),
+        storage: [(topology::STORAGE_NODE.to_string(), topology::storage_url())].into(),
+        ..Default::default()
+    };
+    let control_conf = write_config(&cd, "control.toml", &control)?;
+    let control_args = ["control", "--config", control_conf.as_str()];
     start_root_daemon(&cd, "control", &control_args)?;
 
     // wait for the control service and every agent to answer
@@ -328,6 +337,18 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
         );
     }
     Ok(0)
+}
+
+/// Writes a service's configuration file in `dir`; returns its path.
+fn write_config(
+    dir: &std::path::Path,
+    name: &str,
+    file: &impl serde::Serialize,
+) -> anyhow::Result<String> {
+    let path = dir.join(name);
+    std::fs::write(&path, toml::to_string(file)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(path.display().to_string())
 }
 
 /// Starts `ferry ARGS…` in the root namespace, logging to `DIR/NAME.log`,
@@ -381,29 +402,24 @@ fn start_agent(dir: &LabDir, spec: &LabSpec, i: u32) -> anyhow::Result<()> {
     std::fs::create_dir_all(&hd)?;
     // its listening socket is free only once the old agent is gone
     stop_pidfile(&hd.join("agent.pid"));
+    // configured like any host: an agent.toml in the host's directory
     let listen = format!("{}:{}", topology::mgmt_addr(i), topology::AGENT_PORT);
-    let args: Vec<String> = [
-        "agent",
-        "--name",
-        &h,
-        "--listen",
-        &listen,
-        "--state-dir",
-        &hd.display().to_string(),
-        "--token-file",
-        &dir.token_path().display().to_string(),
-        "--memory",
-        &spec.host_memory.to_string(),
-        "--kernel",
-        &img.kernel.display().to_string(),
-        "--initrd",
-        &img.initrd.display().to_string(),
-        "--nic-rate",
-        &spec.rate,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let file = crate::config::AgentFile {
+        name: Some(h.clone()),
+        listen: Some(listen.parse()?),
+        url: Some(topology::agent_url(i)),
+        credential: Some(dir.token_path()),
+        state_dir: Some(hd.clone()),
+        accel: Some("tcg".into()),
+        memory: Some(spec.host_memory.to_string()),
+        nics: (1..=spec.nics).map(topology::nic_name).collect(),
+        nic_rate: Some(spec.rate.clone()),
+        kernel: Some(img.kernel),
+        initrd: Some(img.initrd),
+        ..Default::default()
+    };
+    let conf = write_config(&hd, "agent.toml", &file)?;
+    let args = vec!["agent".to_string(), "--config".to_string(), conf];
     let pid = net::spawn_daemon(Some(&h), &exe, &args, &hd.join("agent.log"))?;
     std::fs::write(hd.join("agent.pid"), pid.to_string())?;
     Ok(())

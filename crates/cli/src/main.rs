@@ -7,6 +7,7 @@
 
 mod bandwidth_cmd;
 mod cluster_cmd;
+mod config;
 mod daemons;
 mod demo;
 mod host_cmd;
@@ -34,7 +35,7 @@ pub struct Cli {
         default_value = "http://127.0.0.1:7700"
     )]
     control: String,
-    /// Cluster credential file (made by `ferry lab up`).
+    /// Cluster credential file (default /etc/ferry/cluster.token, else the lab's).
     #[arg(long, global = true, env = "FERRY_TOKEN_FILE")]
     token_file: Option<PathBuf>,
     #[command(subcommand)]
@@ -100,10 +101,17 @@ enum StorageCmd {
 }
 
 impl Cli {
+    /// The credential: `--token-file`, else the installed cluster's
+    /// (`/etc/ferry/cluster.token`), else the lab's.
     fn token_file(&self) -> PathBuf {
-        self.token_file
-            .clone()
-            .unwrap_or_else(|| ferry_lab::net::LabDir::default_path().token_path())
+        self.token_file.clone().unwrap_or_else(|| {
+            let installed = PathBuf::from(config::DEFAULT_CREDENTIAL);
+            if installed.exists() {
+                installed
+            } else {
+                ferry_lab::net::LabDir::default_path().token_path()
+            }
+        })
     }
 
     fn client(&self) -> anyhow::Result<ferry_api::client::Client> {

@@ -130,7 +130,8 @@ pub fn evaluate(
                     CheckStatus::Pass,
                     format!(
                         "{} on fabric {}: up, {rate}; carries live migration",
-                        n.address, n.fabric
+                        n.address,
+                        n.fabric_name()
                     ),
                     None,
                 ));
@@ -143,7 +144,9 @@ pub fn evaluate(
                     CheckStatus::Fail,
                     format!(
                         "{} on fabric {}: no carrier ({}); migrations avoid it",
-                        n.address, n.fabric, n.oper_state
+                        n.address,
+                        n.fabric_name(),
+                        n.oper_state
                     ),
                     Some(format!(
                         "check the cable and switch port of {} {} (lab: `ferry lab link {} {} up`)",
@@ -159,7 +162,7 @@ pub fn evaluate(
                     Some(&n.name),
                     None,
                     CheckStatus::Pass,
-                    format!("MTU {}, as every NIC on fabric {}", n.mtu, n.fabric),
+                    format!("MTU {}, as every NIC on fabric {}", n.mtu, n.fabric_name()),
                     None,
                 ));
             } else {
@@ -171,7 +174,9 @@ pub fn evaluate(
                     CheckStatus::Fail,
                     format!(
                         "MTU {} differs from the {} the other NICs on fabric {} use",
-                        n.mtu, want, n.fabric
+                        n.mtu,
+                        want,
+                        n.fabric_name()
                     ),
                     Some(format!(
                         "on {}: ip link set dev {} mtu {want}",
@@ -230,7 +235,7 @@ pub fn evaluate(
                     _ => (
                         format!(
                             "something on fabric {} drops them",
-                            me.map(|m| m.fabric).unwrap_or(0)
+                            me.map(|m| m.fabric_name()).unwrap_or_default()
                         ),
                         "check the switch ports' MTU on this fabric".into(),
                     ),
@@ -304,12 +309,11 @@ pub fn evaluate(
                     ),
                     None => format!("{} (link rate unknown)", gbit(*bps)),
                 };
+                let fabric = nic_of(facts, &t.host, &t.nic)
+                    .map(|n| n.fabric_name())
+                    .unwrap_or_else(|| t.fabric.to_string());
                 let what = match of_median {
-                    Some(m) => format!(
-                        "{what}, {:.0}% of the fabric {} median",
-                        m * 100.0,
-                        t.fabric
-                    ),
+                    Some(m) => format!("{what}, {:.0}% of the fabric {fabric} median", m * 100.0,),
                     None => what,
                 };
                 let status = if worst < SLOW_PATH {
@@ -587,6 +591,7 @@ mod tests {
         NicFacts {
             name: name.into(),
             address: format!("198.18.{fabric}.{}", 10 + host_i),
+            network: format!("198.18.{fabric}.0/24"),
             fabric,
             mtu,
             up,

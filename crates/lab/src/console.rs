@@ -74,19 +74,6 @@ pub fn parse_log(text: &str) -> ConsoleState {
     s
 }
 
-/// Reads the last `max` bytes of a console log (the log grows ~500 B/s).
-pub fn read_tail(path: &std::path::Path, max: u64) -> std::io::Result<String> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut f = std::fs::File::open(path)?;
-    let len = f.metadata()?.len();
-    if len > max {
-        f.seek(SeekFrom::Start(len - max))?;
-    }
-    let mut buf = Vec::new();
-    f.take(max).read_to_end(&mut buf)?;
-    Ok(String::from_utf8_lossy(&buf).into_owned())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

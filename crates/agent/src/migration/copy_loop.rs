@@ -104,6 +104,10 @@ impl CopyLoop {
         self.postcopy = true;
     }
 
+    pub fn in_postcopy(&self) -> bool {
+        self.postcopy
+    }
+
     pub fn pausing(&self) -> bool {
         self.pausing
     }
@@ -357,5 +361,6 @@ mod tests {
             let st = l.observe(&s, t0 + Duration::from_millis(100 * i));
             assert_eq!(st.action, Action::Continue, "at {i}");
         }
+        assert!(l.in_postcopy());
     }
 }

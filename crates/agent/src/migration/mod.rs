@@ -50,7 +50,7 @@ use crate::qemu::QemuVm;
 use crate::qmp::MigrationParameters;
 use auto::{auto_choice, sample_memory};
 use ferry_api::{CarrierReport, Convergence, MigrationOption};
-use settle::{console_tick, resume_guest};
+pub(crate) use settle::resume_guest;
 use target::answer_of;
 
 /// Consecutive failed polls of the target agent before giving up on it.
@@ -133,11 +133,11 @@ fn progress_event(
     started: Instant,
     rate: f64,
     plan: &Plan,
-    tx_before: &BTreeMap<String, u64>,
+    (tx_before, nics): (&BTreeMap<String, u64>, &crate::NicSelection),
     phase: &str,
 ) -> MigrationEvent {
     let (nic_tx_bytes, carriers_up) = match plan {
-        Plan::Tcp { .. } => (delta(tx_before, &nic_tx()), None),
+        Plan::Tcp { .. } => (delta(tx_before, &nic_tx(nics)), None),
         Plan::Multichannel { session, .. } => {
             let st = session.stats();
             (carrier_bytes(&st), Some(st.healthy))
@@ -194,8 +194,11 @@ fn carrier_bytes(st: &ferry_transport::SessionStats) -> BTreeMap<String, u64> {
         .collect()
 }
 
-fn nic_tx() -> BTreeMap<String, u64> {
-    nics().into_iter().map(|n| (n.name, n.tx_bytes)).collect()
+fn nic_tx(sel: &crate::NicSelection) -> BTreeMap<String, u64> {
+    nics(sel)
+        .into_iter()
+        .map(|n| (n.name, n.tx_bytes))
+        .collect()
 }
 
 impl Agent {
@@ -346,7 +349,12 @@ impl Agent {
             ),
         )
         .await;
-        let fabrics_up: Vec<u32> = nics().iter().filter(|n| n.up).map(|n| n.fabric).collect();
+        let fabrics_up: Vec<u32> = self
+            .nics()
+            .iter()
+            .filter(|n| n.up)
+            .map(|n| n.fabric)
+            .collect();
         let shared = tinfo
             .nics
             .iter()
@@ -439,7 +447,7 @@ impl Agent {
         let plan = match option {
             MigrationOption::Mptcp | MigrationOption::MptcpRelay => {
                 let sock = vm.dir.join(format!("out-{id}.sock"));
-                let mine = nics();
+                let mine = self.nics();
                 // the target's listener takes every address; the connection
                 // starts on the first fabric both hosts have up
                 let first = reply.carriers.iter().find_map(|c| {
@@ -492,7 +500,7 @@ impl Agent {
             }
             MigrationOption::Multichannel | MigrationOption::Compression => {
                 let sock = vm.dir.join(format!("out-{id}.sock"));
-                let mine = nics();
+                let mine = self.nics();
                 // compression is the one-NIC option: the target's first carrier
                 let offered = if option == MigrationOption::Compression {
                     &reply.carriers[..reply.carriers.len().min(1)]
@@ -648,7 +656,7 @@ impl Agent {
         })
         .await
         .map_err(q("connection"))?;
-        let tx_before = nic_tx();
+        let tx_before = nic_tx(&self.cfg.nics);
         let (uri, detail) = match plan {
             Plan::Tcp { uri, nic } => (
                 uri.clone(),
@@ -726,7 +734,6 @@ impl Agent {
             },
             Instant::now(),
         );
-        let mut postcopy = false;
         let mut rounds = convergence::Rounds::default();
         let mut max_throttle = 0u64;
         let mut last_sample = (Instant::now(), 0u64);
@@ -761,8 +768,7 @@ impl Agent {
             };
             let status = info.status.clone().unwrap_or_default();
             let ram = info.ram.clone().unwrap_or_default();
-            if status.starts_with("postcopy") && !postcopy {
-                postcopy = true;
+            if status.starts_with("postcopy") {
                 copy.entered_postcopy();
             }
             let broke = |why: String| {
@@ -843,7 +849,6 @@ impl Agent {
                         )));
                     }
                     copy.entered_postcopy();
-                    postcopy = true;
                     let detail = format!(
                         "pre-copy does not converge ({rates}); the guest now runs on the target, pages follow on demand"
                     );
@@ -901,7 +906,7 @@ impl Agent {
                     ));
                 }
             }
-            if postcopy {
+            if copy.in_postcopy() {
                 // RUN: the target has the device state (or soon will) and
                 // waits, paused, for it; asked again every 2 s until it answers
                 if run_answer.is_none() && last_run_try.elapsed() >= Duration::from_secs(2) {
@@ -940,7 +945,13 @@ impl Agent {
                 }
                 // nothing can be rolled back now: wait for QEMU, whatever the path does
                 let p = progress_event(
-                    &info, &ram, started, path_rate, plan, &tx_before, "postcopy",
+                    &info,
+                    &ram,
+                    started,
+                    path_rate,
+                    plan,
+                    (&tx_before, &self.cfg.nics),
+                    "postcopy",
                 );
                 ev.send(p).await;
                 continue;
@@ -990,7 +1001,7 @@ impl Agent {
             let throughput = ram.transferred.saturating_sub(last_sample.1) as f64 / dt;
             last_sample = (now, ram.transferred);
             let (nic_tx_bytes, carriers_up) = match plan {
-                Plan::Tcp { .. } => (delta(&tx_before, &nic_tx()), None),
+                Plan::Tcp { .. } => (delta(&tx_before, &nic_tx(&self.cfg.nics)), None),
                 Plan::Multichannel { session, .. } => {
                     if let Some(why) = session.failure() {
                         return Err(fail("copy", format!("transport: {why}")));
@@ -1098,7 +1109,8 @@ impl Agent {
         // checked without running the target is checked now; any failure
         // here rolls back and the source resumes.
         let t_completed = Instant::now();
-        let tick_before = console_tick(vm)
+        let tick_before = self
+            .console_tick(vm)
             .map_err(|e| fail("final-check", format!("reading the source console: {e}")))?;
         let on_target = if committed {
             None
@@ -1236,7 +1248,7 @@ impl Agent {
             Plan::Tcp { .. } => (
                 "tcp",
                 "qemu-tcp",
-                delta(&tx_before, &nic_tx()),
+                delta(&tx_before, &nic_tx(&self.cfg.nics)),
                 Vec::new(),
                 0,
                 Default::default(),
@@ -1293,7 +1305,7 @@ impl Agent {
             compression_ratio: compression.ratio(),
             frames_compressed: compression.frames_compressed,
             rounds: ram.dirty_sync_count,
-            phase: if postcopy {
+            phase: if copy.in_postcopy() {
                 "postcopy".into()
             } else if copy.pausing() {
                 "pause-and-copy".into()
@@ -1356,7 +1368,7 @@ impl Agent {
         if due.is_empty() {
             return;
         }
-        let mine = nics();
+        let mine = self.nics();
         for nic in due {
             let Some(fabric) = mine.iter().find(|n| n.name == nic).map(|n| n.fabric) else {
                 continue;

@@ -1,6 +1,7 @@
 //! The source after its commit: RUN, a migration in doubt, `ferry vm
-//! resolve`, and what an agent settles from its journal when it starts
-//! (see [`crate::commit`] for the rules).
+//! resolve` and the periodic settler
+//! (see [`crate::commit`] for the rules; what an agent finds at start is
+//! [`crate::recover`]'s).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,19 +10,15 @@ use ferry_api::client::Client;
 use ferry_api::{ApiError, IncomingStatus, ResolveReport, SourceStatus};
 
 use super::target::answer_of;
-use crate::commit::{
-    source_next, Record, Side, SourceAction, SourceEvent, SourcePhase, TargetPhase,
-};
+use crate::commit::{source_next, wire_name, Record, Side, SourceAction, SourceEvent, SourcePhase};
 use crate::host::{error_chain, Agent, Role};
 use crate::qemu::QemuVm;
 
 /// How long the source waits for RUN's answer before the migration is in doubt.
 pub const RUN_TIMEOUT: Duration = Duration::from_secs(10);
-/// Settled records are forgotten after a week.
-const PRUNE_AFTER_SECS: u64 = 7 * 24 * 3600;
 
 /// Resumes a paused guest (a rollback before the commit).
-pub(super) async fn resume_guest(vm: &QemuVm) {
+pub(crate) async fn resume_guest(vm: &QemuVm) {
     match vm.qmp.status().await {
         Ok(s) if !s.running => {
             tracing::warn!(status = %s.status, "resuming the source guest");
@@ -34,22 +31,15 @@ pub(super) async fn resume_guest(vm: &QemuVm) {
     }
 }
 
-/// The workload's last counter on a guest's console (None: no tick yet, as
-/// for guests without the workload). An unreadable console is an error.
-pub(super) fn console_tick(vm: &QemuVm) -> Result<Option<u64>, String> {
-    let text = ferry_lab::console::read_tail(&vm.console_path(), 64 << 10)
-        .map_err(|e| format!("{}: {e}", vm.console_path().display()))?;
-    Ok(ferry_lab::console::parse_log(&text).last.map(|t| t.tick))
-}
-
-fn phase_str(p: SourcePhase) -> String {
-    serde_json::to_value(p)
-        .ok()
-        .and_then(|v| v.as_str().map(String::from))
-        .unwrap_or_default()
-}
-
 impl Agent {
+    /// The workload's last counter on a guest's console (None: no tick yet, as
+    /// for guests without the workload). An unreadable console is an error.
+    pub(super) fn console_tick(&self, vm: &QemuVm) -> Result<Option<u64>, String> {
+        let text = crate::guest::read_tail(&vm.console_path(), 64 << 10)
+            .map_err(|e| format!("{}: {e}", vm.console_path().display()))?;
+        Ok(self.guest.read(&text).last.map(|t| t.tick))
+    }
+
     /// Marks migration `id` as run by this process (the settler leaves it alone).
     pub(super) fn live(&self, id: &str, on: bool) {
         let mut l = ferry_api::util::lock(&self.live);
@@ -66,14 +56,9 @@ impl Agent {
 
     /// Rewrites the source record of `id` with a new phase (fsynced).
     pub(super) fn set_source_phase(&self, id: &str, phase: SourcePhase) -> Result<(), ApiError> {
-        let mut rec = self
-            .journal
-            .read(id, true)
-            .map_err(|e| ApiError::internal(error_chain(&e)))?
-            .ok_or_else(|| ApiError::not_found("migration record", id))?;
-        rec.side = Side::Source(phase);
         self.journal
-            .write(&rec)
+            .update(id, Side::Source(phase))
+            .map(|_| ())
             .map_err(|e| ApiError::internal(error_chain(&e)))
     }
 
@@ -90,7 +75,7 @@ impl Agent {
         Ok(SourceStatus {
             migration_id: rec.migration_id,
             vm: rec.vm,
-            phase: phase_str(p),
+            phase: wire_name(p),
         })
     }
 
@@ -236,8 +221,8 @@ impl Agent {
                 host: self.cfg.name.clone(),
                 side: "source".into(),
                 migration_id: rec.migration_id.clone(),
-                phase_before: phase_str(SourcePhase::Committed),
-                phase: phase_str(phase),
+                phase_before: wire_name(SourcePhase::Committed),
+                phase: wire_name(phase),
                 in_doubt: phase == SourcePhase::Committed,
                 detail,
             });
@@ -272,40 +257,5 @@ impl Agent {
             });
         }
         Ok(out)
-    }
-
-    /// At start: what the journal left open. A source record still copying
-    /// is aborted (its QEMU died with the agent before the commit); a target
-    /// record still waiting is discarded (its paused skeleton died with the
-    /// agent, never having run); committed records are settled by the
-    /// periodic settler. Settled records older than a week are forgotten.
-    pub async fn recover(&self) {
-        let (records, errors) = self.journal.all();
-        for e in errors {
-            tracing::error!(error = %e, "unreadable migration record");
-        }
-        for rec in records {
-            match rec.side {
-                Side::Source(SourcePhase::Copying) => {
-                    tracing::warn!(vm = %rec.vm, migration = %rec.migration_id, "restart: a migration that never committed is aborted");
-                    let _ = self.set_source_phase(&rec.migration_id, SourcePhase::Aborted);
-                }
-                Side::Source(SourcePhase::Committed) => {
-                    tracing::warn!(vm = %rec.vm, migration = %rec.migration_id, "restart: a committed migration is settled with {}", rec.peer);
-                }
-                Side::Target(TargetPhase::Waiting) => {
-                    let dir = self.vm_dir(&rec.vm, &format!(".in-{}", rec.migration_id));
-                    self.remove_vm_dir(&dir, &format!("{}.{}.target", rec.vm, rec.migration_id));
-                    let mut r = rec.clone();
-                    r.side = Side::Target(TargetPhase::Discarded);
-                    if let Err(e) = self.journal.write(&r) {
-                        tracing::error!(error = %e, "recording a skeleton lost with a restart");
-                    }
-                    tracing::warn!(vm = %rec.vm, migration = %rec.migration_id, "restart: a skeleton that never ran is discarded");
-                }
-                _ => {}
-            }
-        }
-        self.journal.prune(PRUNE_AFTER_SECS);
     }
 }

@@ -13,10 +13,11 @@ use ferry_api::{
 
 use super::MULTIFD_CHANNELS;
 use crate::commit::{
-    target_next, Record, Side, SourceAnswer, TargetAction, TargetAnswer, TargetEvent, TargetPhase,
+    from_wire_name, target_next, wire_name, Record, Side, SourceAnswer, TargetAction, TargetAnswer,
+    TargetEvent, TargetPhase,
 };
 use crate::datapath::{DataPath, QemuTcp};
-use crate::host::{error_chain, nics, Agent, Role};
+use crate::host::{error_chain, Agent, Role};
 use crate::qemu::{self, QemuVm};
 use crate::qmp::MigrationParameters;
 
@@ -31,7 +32,8 @@ impl Agent {
             ));
         }
         let datapath = QemuTcp;
-        let usable: Vec<_> = nics()
+        let usable: Vec<_> = self
+            .nics()
             .into_iter()
             .filter(|n| n.up && req.source_fabrics_up.contains(&n.fabric))
             .collect();
@@ -78,15 +80,17 @@ impl Agent {
         };
         self.reserve(&req.spec, role).await?;
         // the record exists before the skeleton does: a restart finds it
-        if let Err(e) = self.record_target(
-            &req.migration_id,
-            &req.spec.name,
-            &req.source,
-            &req.source_url,
-            TargetPhase::Waiting,
-        ) {
+        let waiting = Record {
+            migration_id: req.migration_id.clone(),
+            vm: req.spec.name.clone(),
+            peer: req.source.clone(),
+            peer_url: req.source_url.clone(),
+            side: Side::Target(TargetPhase::Waiting),
+            updated: 0,
+        };
+        if let Err(e) = self.journal.write(&waiting) {
             self.release(&req.spec.name).await;
-            return Err(e);
+            return Err(ApiError::internal(error_chain(&e)));
         }
         let started = async {
             let vm = qemu::launch(&self.cfg.qemu, &req.spec, &dir, true)
@@ -227,31 +231,18 @@ impl Agent {
                 })
             }
             Err(e) => {
+                // its directory goes too (the QEMU log kept)
                 self.discard(&req.spec.name).await;
-                let _ = std::fs::remove_dir_all(&dir);
                 Err(e)
             }
         }
     }
 
-    /// Writes this host's record of incoming migration `id` (fsynced).
-    fn record_target(
-        &self,
-        id: &str,
-        vm: &str,
-        source: &str,
-        source_url: &str,
-        phase: TargetPhase,
-    ) -> Result<(), ApiError> {
+    /// Moves this host's record of incoming migration `id` to `phase`
+    /// (fsynced); returns the record.
+    fn set_target_phase(&self, id: &str, phase: TargetPhase) -> Result<Record, ApiError> {
         self.journal
-            .write(&Record {
-                migration_id: id.into(),
-                vm: vm.into(),
-                peer: source.into(),
-                peer_url: source_url.into(),
-                side: Side::Target(phase),
-                updated: 0,
-            })
+            .update(id, Side::Target(phase))
             .map_err(|e| ApiError::internal(error_chain(&e)))
     }
 
@@ -286,21 +277,11 @@ impl Agent {
             q.kill().await;
         }
         if let Role::Incoming {
-            migration_id,
-            source,
-            source_url,
-            dir,
-            ..
+            migration_id, dir, ..
         } = &slot.role
         {
             self.remove_vm_dir(dir, &format!("{name}.{migration_id}.target"));
-            if let Err(e) = self.record_target(
-                migration_id,
-                name,
-                source,
-                source_url,
-                TargetPhase::Discarded,
-            ) {
+            if let Err(e) = self.set_target_phase(migration_id, TargetPhase::Discarded) {
                 tracing::error!(error = %e, "recording a discarded skeleton");
             }
             tracing::info!(vm = %name, migration = %migration_id, "skeleton discarded; it never ran");
@@ -337,7 +318,6 @@ impl Agent {
             qemu_alive: false,
             cpu_ms: None,
             phase: phase_name(phase),
-            migration_status: String::new(),
         };
         if let Some(q) = q {
             st.qemu_alive = q.alive().await;
@@ -347,13 +327,6 @@ impl Agent {
                 .await
                 .map(|s| s.status)
                 .unwrap_or_else(|_| "unreachable".into());
-            st.migration_status = q
-                .qmp
-                .query_migrate()
-                .await
-                .ok()
-                .and_then(|i| i.status)
-                .unwrap_or_default();
         } else if phase == Some(TargetPhase::Waiting) {
             // the skeleton's QEMU is still starting
             st.qemu_alive = true;
@@ -419,7 +392,6 @@ impl Agent {
                         qemu_alive: true,
                         cpu_ms,
                         phase: phase_name(Some(TargetPhase::Waiting)),
-                        migration_status: "completed".into(),
                     });
                 }
                 (m, s) if Instant::now() > deadline => {
@@ -455,16 +427,7 @@ impl Agent {
                         return self.incoming_status(id).await;
                     }
                 };
-                let (source, source_url) = {
-                    let st = self.state.lock().await;
-                    match st.vms.get(&name).map(|s| &s.role) {
-                        Some(Role::Incoming {
-                            source, source_url, ..
-                        }) => (source.clone(), source_url.clone()),
-                        _ => return Err(ApiError::not_found("incoming migration", id)),
-                    }
-                };
-                self.record_target(id, &name, &source, &source_url, TargetPhase::Running)?;
+                let source = self.set_target_phase(id, TargetPhase::Running)?.peer;
                 let cpu_ms = self.incoming_cpu(id, &q).await;
                 q.qmp.cont().await.map_err(|e| {
                     ApiError::internal(format!("starting the guest: {}", error_chain(&e)))
@@ -553,7 +516,8 @@ impl Agent {
                 format!("migration {id} is not carried over mptcp"),
             ));
         }
-        let nic = nics()
+        let nic = self
+            .nics()
             .into_iter()
             .find(|n| n.fabric == fabric)
             .ok_or_else(|| ApiError::invalid("fabric", format!("no NIC on fabric {fabric}")))?;
@@ -641,9 +605,7 @@ impl Agent {
             .get::<SourceStatus>(&format!("/migrations/{id}"), Duration::from_secs(2))
             .await
         {
-            Ok(s) => {
-                serde_json::from_value::<SourceAnswer>(serde_json::Value::String(s.phase)).ok()
-            }
+            Ok(s) => from_wire_name::<SourceAnswer>(&s.phase),
             Err(ApiError::NotFound { .. }) => Some(SourceAnswer::Unknown),
             Err(_) => None,
         };
@@ -685,22 +647,16 @@ type Waiting = (String, String, Option<Arc<QemuVm>>, String, Instant);
 pub const ASK_AFTER: Duration = Duration::from_secs(10);
 
 fn phase_name(p: Option<TargetPhase>) -> String {
-    match p {
-        Some(p) => serde_json::to_value(p)
-            .ok()
-            .and_then(|v| v.as_str().map(String::from))
-            .unwrap_or_default(),
-        None => "unknown".into(),
-    }
+    p.map_or_else(|| "unknown".into(), wire_name)
 }
 
 /// How the source reads a target's answer.
 pub(super) fn answer_of(st: &IncomingStatus) -> TargetAnswer {
     match st.phase.as_str() {
-        "waiting" if st.qemu_alive => TargetAnswer::Waiting,
-        "running" => TargetAnswer::Running,
-        // a waiting record whose QEMU is gone: the target discards it at its next look
+        // even with its QEMU gone: the target discards it at its next look,
+        // and then answers never-ran
         "waiting" => TargetAnswer::Waiting,
+        "running" => TargetAnswer::Running,
         _ => TargetAnswer::NeverRan,
     }
 }

@@ -9,10 +9,14 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Output, Stdio};
 use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 pub const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
+
+/// Where `ferry lab up` keeps its state (agents' state directories).
+pub const LAB: &str = "/run/ferry/lab";
 
 /// Why the lab cannot run here, if it cannot.
 fn missing() -> Option<String> {
@@ -229,5 +233,54 @@ impl VmGuard {
 impl Drop for VmGuard {
     fn drop(&mut self) {
         remove_vm(self.0);
+    }
+}
+
+/// Restarts a host's agent (SIGKILL, then start) with failpoints armed (""
+/// for none). Its VMs outlive it and the new agent takes them back.
+pub fn restart_agent_with(host: &str, failpoints: &str) {
+    let out = Command::new(FERRY)
+        .args(["lab", "restart-agent", host])
+        .env("FERRY_FAILPOINTS", failpoints)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "restart-agent {host}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+pub fn vm_entries(name: &str) -> Vec<serde_json::Value> {
+    ferry_json(&["vm", "list"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v["name"] == name)
+        .cloned()
+        .collect()
+}
+
+/// Waits until `name` runs intact on `host` and no QEMU is left on `gone`.
+pub fn wait_settled_on(name: &str, host: &str, gone: &str, within: Duration) {
+    let t0 = Instant::now();
+    loop {
+        // not found while only a skeleton has it: try again
+        let out = ferry(&["vm", "check", name, "--json"]);
+        let c: serde_json::Value =
+            serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+        if c["host"] == host
+            && c["intact"] == true
+            && c["advancing"] == true
+            && qemu_pids(gone).is_empty()
+        {
+            return;
+        }
+        assert!(
+            t0.elapsed() < within,
+            "{name} not settled on {host} within {within:?}: {c}; QEMUs on {gone}: {:?}",
+            qemu_pids(gone)
+        );
+        std::thread::sleep(Duration::from_millis(500));
     }
 }

@@ -1,0 +1,314 @@
+//! The services' configuration files: `/etc/ferry/agent.toml`,
+//! `control.toml` and `storage.toml` (every key in `docs/config.md`).
+//!
+//! A file is read whole and strictly: an unknown key, a value of the wrong
+//! type or a value that cannot hold on this host is refused at start, naming
+//! the file, the key and what is wrong. Command-line flags override the file.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+/// Where the packaged services look for their files.
+pub const ETC: &str = "/etc/ferry";
+/// The cluster credential every service and the CLI read by default.
+pub const DEFAULT_CREDENTIAL: &str = "/etc/ferry/cluster.token";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: cannot read it: {source}")]
+    Read {
+        file: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{file}: {message}")]
+    Parse { file: PathBuf, message: String },
+    #[error("{file}: key `{key}`: {why}")]
+    Key {
+        file: PathBuf,
+        key: &'static str,
+        why: String,
+    },
+}
+
+/// Reads `path` as `T`. A file given explicitly must exist; the default
+/// file may be absent (then every key takes its default). Returns the file
+/// read, if any, for naming it in later errors.
+pub fn load<T: DeserializeOwned + Default>(
+    explicit: Option<&Path>,
+    default: &str,
+) -> Result<(T, PathBuf), ConfigError> {
+    let path = explicit
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from(default));
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if explicit.is_none() && e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok((T::default(), path))
+        }
+        Err(source) => return Err(ConfigError::Read { file: path, source }),
+    };
+    parse(&text, &path).map(|t| (t, path))
+}
+
+pub fn parse<T: DeserializeOwned>(text: &str, file: &Path) -> Result<T, ConfigError> {
+    toml::from_str(text).map_err(|e| ConfigError::Parse {
+        file: file.into(),
+        // toml's message names the key and points at the line
+        message: e.to_string().trim_end().to_string(),
+    })
+}
+
+/// `/etc/ferry/agent.toml`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentFile {
+    /// This host's name in the cluster (default: the system host name).
+    pub name: Option<String>,
+    /// The agent's API address (default `0.0.0.0:7800`).
+    pub listen: Option<SocketAddr>,
+    /// The URL peers and the control service reach the agent at (default:
+    /// `http://LISTEN`, with this host's name when LISTEN is 0.0.0.0).
+    pub url: Option<String>,
+    /// The cluster credential file (default `/etc/ferry/cluster.token`).
+    pub credential: Option<PathBuf>,
+    /// VMs, journal, logs (default `/var/lib/ferry/agent`).
+    pub state_dir: Option<PathBuf>,
+    /// QEMU binary (default `qemu-system-x86_64`).
+    pub qemu: Option<String>,
+    /// `kvm` or `tcg` (default: `kvm` when `/dev/kvm` exists).
+    pub accel: Option<String>,
+    /// Memory offered to VMs (e.g. `48G`); default: the host's memory less
+    /// `reserved_memory`.
+    pub memory: Option<String>,
+    /// Memory kept for the host itself when `memory` is not given (default `2G`).
+    pub reserved_memory: Option<String>,
+    /// Migration NICs by interface name.
+    #[serde(default)]
+    pub nics: Vec<String>,
+    /// Migration NICs by network: every interface with an address in one.
+    #[serde(default)]
+    pub networks: Vec<String>,
+    /// A NIC for storage traffic, when separate.
+    pub storage_nic: Option<String>,
+    /// The NICs' rate when sysfs cannot tell (e.g. `10gbit`).
+    pub nic_rate: Option<String>,
+    /// Guest kernel and initramfs for workload guests.
+    pub kernel: Option<PathBuf>,
+    pub initrd: Option<PathBuf>,
+}
+
+/// `/etc/ferry/control.toml`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ControlFile {
+    /// The API address (default `127.0.0.1:7700`).
+    pub listen: Option<SocketAddr>,
+    pub credential: Option<PathBuf>,
+    /// SQLite state file (default `/var/lib/ferry/control/state.db`).
+    pub state: Option<PathBuf>,
+    /// Or etcd: `etcd://HOST:PORT`, shared by every control instance.
+    pub store: Option<String>,
+    /// Hosts: name → agent URL.
+    #[serde(default)]
+    pub hosts: BTreeMap<String, String>,
+    /// Storage nodes: name → API URL.
+    #[serde(default)]
+    pub storage: BTreeMap<String, String>,
+}
+
+/// `/etc/ferry/storage.toml`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StorageFile {
+    /// The node's name (default `storage1`).
+    pub name: Option<String>,
+    /// Disks and state (default `/var/lib/ferry/storage`).
+    pub dir: Option<PathBuf>,
+    pub nbd_listen: Option<SocketAddr>,
+    pub api_listen: Option<SocketAddr>,
+    /// Address clients reach NBD at, for disk URIs (default: `nbd_listen`).
+    pub nbd_address: Option<String>,
+    pub credential: Option<PathBuf>,
+    /// Normalized IOPS the backing store sustains (0: no limit).
+    pub capacity_iops: Option<u64>,
+    /// Client address → host name (flows are shown per host).
+    #[serde(default)]
+    pub peers: BTreeMap<String, String>,
+}
+
+/// Checks `networks` and `nics` of an agent file against this host.
+pub fn nic_selection(
+    file: &Path,
+    nics: &[String],
+    networks: &[String],
+) -> Result<ferry_agent::NicSelection, ConfigError> {
+    let mut sel = ferry_agent::NicSelection {
+        names: nics.to_vec(),
+        networks: Vec::new(),
+    };
+    for n in networks {
+        sel.networks.push(n.parse().map_err(|why| ConfigError::Key {
+            file: file.into(),
+            key: "networks",
+            why,
+        })?);
+    }
+    sel.check().map_err(|e| ConfigError::Key {
+        file: file.into(),
+        key: match e {
+            ferry_agent::host::NicSelectionError::NoMatch { .. } => "networks",
+            _ => "nics",
+        },
+        why: e.to_string(),
+    })?;
+    Ok(sel)
+}
+
+/// The credential file: the flag, the file's key, `/etc/ferry/cluster.token`.
+pub fn credential(flag: Option<&PathBuf>, file: Option<&PathBuf>) -> PathBuf {
+    flag.or(file)
+        .cloned()
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_CREDENTIAL))
+}
+
+/// The host's memory (`MemTotal` of /proc/meminfo), bytes.
+pub fn host_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
+
+/// The system's host name.
+pub fn system_hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn agent(text: &str) -> Result<AgentFile, ConfigError> {
+        parse(text, Path::new("/etc/ferry/agent.toml"))
+    }
+
+    #[test]
+    fn a_full_agent_file_parses() {
+        let f = agent(
+            r#"
+name = "host1"
+listen = "10.0.0.11:7800"
+credential = "/etc/ferry/cluster.token"
+state_dir = "/var/lib/ferry/agent"
+qemu = "/usr/bin/qemu-system-x86_64"
+accel = "kvm"
+reserved_memory = "4G"
+nics = ["ens1f0", "ens1f1"]
+networks = ["10.10.0.0/24"]
+storage_nic = "ens2f0"
+nic_rate = "10gbit"
+"#,
+        )
+        .unwrap();
+        assert_eq!(f.name.as_deref(), Some("host1"));
+        assert_eq!(f.nics, ["ens1f0", "ens1f1"]);
+        assert_eq!(f.listen, Some("10.0.0.11:7800".parse().unwrap()));
+    }
+
+    #[test]
+    fn an_unknown_key_is_refused_with_the_file_and_the_key() {
+        let e = agent("name = \"h\"\nnic = [\"eth0\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("/etc/ferry/agent.toml: "), "{e}");
+        assert!(e.contains("unknown field `nic`"), "{e}");
+        assert!(e.contains("line 2"), "{e}");
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_type_is_refused() {
+        let e = agent("listen = \"not an address\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("listen"), "{e}");
+        let e = agent("nics = \"eth0\"\n").unwrap_err().to_string();
+        assert!(e.contains("nics") || e.contains("sequence"), "{e}");
+    }
+
+    #[test]
+    fn a_nic_or_network_the_host_lacks_is_named() {
+        let f = Path::new("/etc/ferry/agent.toml");
+        let e = nic_selection(f, &["ferry-no-such-nic0".into()], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with(
+                "/etc/ferry/agent.toml: key `nics`: no interface named 'ferry-no-such-nic0'"
+            ),
+            "{e}"
+        );
+        let e = nic_selection(f, &[], &["203.0.113.0/24".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("key `networks`: 203.0.113.0/24 matches no address"),
+            "{e}"
+        );
+        let e = nic_selection(f, &[], &["10.0.0.0".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("key `networks`: '10.0.0.0' is not a network"),
+            "{e}"
+        );
+        assert!(nic_selection(f, &["lo".into()], &[]).is_ok());
+    }
+
+    #[test]
+    fn control_and_storage_files_parse_strictly() {
+        let c: ControlFile = parse(
+            "listen = \"0.0.0.0:7700\"\n[hosts]\nhost1 = \"http://10.0.0.11:7800\"\n",
+            Path::new("c.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.hosts["host1"], "http://10.0.0.11:7800");
+        assert!(parse::<ControlFile>("hosts = 3\n", Path::new("c.toml")).is_err());
+        let s: StorageFile = parse(
+            "name = \"s1\"\ncapacity_iops = 5000\n[peers]\n\"10.0.0.11\" = \"host1\"\n",
+            Path::new("s.toml"),
+        )
+        .unwrap();
+        assert_eq!(s.capacity_iops, Some(5000));
+        let e = parse::<StorageFile>("capacity = 1\n", Path::new("s.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown field `capacity`"), "{e}");
+    }
+
+    #[test]
+    fn a_missing_default_file_means_defaults_but_a_named_one_must_exist() {
+        let (f, _) = load::<AgentFile>(None, "/nonexistent/ferry/agent.toml").unwrap();
+        assert_eq!(f, AgentFile::default());
+        let e = load::<AgentFile>(Some(Path::new("/nonexistent/agent.toml")), ETC).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("/nonexistent/agent.toml: cannot read it"),
+            "{e}"
+        );
+    }
+}
