@@ -301,6 +301,20 @@ nic_rate = "10gbit"
     }
 
     #[test]
+    fn the_packaged_examples_parse() {
+        let p = Path::new("example");
+        let a: AgentFile =
+            parse(include_str!("../../../packaging/examples/agent.toml"), p).unwrap();
+        assert_eq!(a.nics, ["ens1f0", "ens1f1"]);
+        let c: ControlFile =
+            parse(include_str!("../../../packaging/examples/control.toml"), p).unwrap();
+        assert_eq!(c.hosts.len(), 2);
+        let s: StorageFile =
+            parse(include_str!("../../../packaging/examples/storage.toml"), p).unwrap();
+        assert_eq!(s.peers.len(), 2);
+    }
+
+    #[test]
     fn a_missing_default_file_means_defaults_but_a_named_one_must_exist() {
         let (f, _) = load::<AgentFile>(None, "/nonexistent/ferry/agent.toml").unwrap();
         assert_eq!(f, AgentFile::default());

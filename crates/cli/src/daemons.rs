@@ -131,14 +131,16 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
             format!("http://{listen}")
         }
     });
+    let reserved = ferry_api::size::parse_size(
+        "reserved_memory",
+        f.reserved_memory.as_deref().unwrap_or("2G"),
+    )
+    .map_err(|e| key("reserved_memory", e.to_string()))?;
     let memory = match a.memory.as_ref().or(f.memory.as_ref()) {
         Some(m) => {
             ferry_api::size::parse_size("memory", m).map_err(|e| key("memory", e.to_string()))?
         }
         None => {
-            let reserved = f.reserved_memory.as_deref().unwrap_or("2G");
-            let reserved = ferry_api::size::parse_size("reserved_memory", reserved)
-                .map_err(|e| key("reserved_memory", e.to_string()))?;
             let total = config::host_memory().context("reading /proc/meminfo")?;
             if total <= reserved {
                 return Err(key(

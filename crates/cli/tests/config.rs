@@ -1,0 +1,158 @@
+//! The services' configuration files, through the real `ferry` binary: a
+//! file with an unknown key, a NIC that does not exist or a network that
+//! matches nothing is refused at start naming the file and the key; `ferry
+//! cluster init` writes files the services accept. Needs no root.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use std::path::PathBuf;
+use std::process::Command;
+
+const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ferry-config-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// `ferry agent --config FILE --check-config` with `body` as the file;
+/// returns (success, stdout + stderr).
+fn check_agent(dir: &std::path::Path, body: &str) -> (bool, String, String) {
+    let file = dir.join("agent.toml");
+    std::fs::write(&file, body).unwrap();
+    let out = Command::new(FERRY)
+        .args([
+            "agent",
+            "--config",
+            file.to_str().unwrap(),
+            "--check-config",
+        ])
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+const BASE: &str = "name = \"h1\"\nlisten = \"127.0.0.1:7800\"\nmemory = \"1G\"\n";
+
+#[test]
+fn an_agent_file_with_an_unknown_key_is_refused_naming_it() {
+    let d = scratch("unknown");
+    let (ok, _, err) = check_agent(&d, &format!("{BASE}nic = [\"lo\"]\n"));
+    assert!(!ok);
+    assert!(
+        err.contains(&format!("{}: ", d.join("agent.toml").display())),
+        "{err}"
+    );
+    assert!(err.contains("unknown field `nic`"), "{err}");
+}
+
+#[test]
+fn a_nic_that_does_not_exist_is_refused_naming_it() {
+    let d = scratch("nic");
+    let (ok, _, err) = check_agent(&d, &format!("{BASE}nics = [\"ferry-no-nic9\"]\n"));
+    assert!(!ok);
+    assert!(
+        err.contains("key `nics`: no interface named 'ferry-no-nic9' on this host"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_network_that_matches_nothing_is_refused_naming_it() {
+    let d = scratch("net");
+    let (ok, _, err) = check_agent(&d, &format!("{BASE}networks = [\"203.0.113.0/24\"]\n"));
+    assert!(!ok);
+    assert!(
+        err.contains("key `networks`: 203.0.113.0/24 matches no address of this host"),
+        "{err}"
+    );
+    let (ok, _, err) = check_agent(&d, &format!("{BASE}reserved_memory = \"lots\"\n"));
+    assert!(!ok, "{err}");
+}
+
+#[test]
+fn a_good_file_resolves_with_flags_over_keys() {
+    let d = scratch("good");
+    let (ok, out, err) = check_agent(&d, &format!("{BASE}networks = [\"127.0.0.0/8\"]\n"));
+    assert!(ok, "{err}");
+    assert!(out.contains("name: \"h1\""), "{out}");
+    assert!(out.contains("127.0.0.0"), "{out}");
+    let file = d.join("agent.toml");
+    let out = Command::new(FERRY)
+        .args([
+            "agent",
+            "--config",
+            file.to_str().unwrap(),
+            "--check-config",
+            "--name",
+            "h9",
+        ])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("name: \"h9\""));
+}
+
+#[test]
+fn cluster_init_writes_a_credential_and_files_the_services_accept() {
+    let d = scratch("init");
+    let out = Command::new(FERRY)
+        .args([
+            "cluster",
+            "init",
+            "--host",
+            "a1=127.0.0.1",
+            "--host",
+            "a2=127.0.0.2:7801",
+        ])
+        .args(["--dir", d.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(d.join("cluster.token"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let control = std::fs::read_to_string(d.join("control.toml")).unwrap();
+    assert!(
+        control.contains("a2 = \"http://127.0.0.2:7801\""),
+        "{control}"
+    );
+    // an agent file made by init, with its NICs listed, is accepted
+    let agent = std::fs::read_to_string(d.join("agent-a1.toml")).unwrap();
+    let agent = agent.replace("nics = []", "nics = [\"lo\"]").replace(
+        "credential = \"/etc/ferry/cluster.token\"",
+        &format!(
+            "credential = \"{}\"\nmemory = \"1G\"",
+            d.join("cluster.token").display()
+        ),
+    );
+    let (ok, out, err) = check_agent(&d, &agent);
+    assert!(ok, "{err}");
+    assert!(out.contains("\"lo\""), "{out}");
+    // a second init does not silently replace the credential
+    let again = Command::new(FERRY)
+        .args([
+            "cluster",
+            "init",
+            "--host",
+            "a1=127.0.0.1",
+            "--dir",
+            d.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("--force"));
+}
