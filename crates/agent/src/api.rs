@@ -14,7 +14,9 @@
 //! | POST | /incoming/{id}/run | target: RUN, the source has committed: start the guest, adopt it |
 //! | GET | /migrations/{id} | source: its record of a migration (`SourceStatus`), asked by a waiting target |
 //! | POST | /vms/{name}/resolve | settle a migration of this VM that is in doubt here (`ResolveReport`) |
-//! | POST | /incoming/{id}/rejoin | target, `mptcp`: announce the address on a fabric again (body: `RejoinRequest`) |
+//! | POST | /incoming/{id}/rejoin | target, `mptcp`: announce a NIC's address again (body: `RejoinRequest`) |
+//! | GET | /paths | NIC pairs to peers, as last probed (`NicPath`) |
+//! | POST | /paths/probe | probe the peers given (body: `[PeerRef]`), return every pair |
 //! | GET | /validate/facts | NICs, CPU power, queues, RDMA as seen here |
 //! | POST | /validate/path | largest don't-fragment packet to a peer |
 //! | POST, GET | /validate/sink, /validate/sink/{port} | throughput sink and its count |
@@ -44,6 +46,17 @@ type R<T> = Result<Json<T>, ErrorResponse>;
 
 async fn host(State(a): State<Arc<Agent>>) -> R<ferry_api::HostInfo> {
     Ok(Json(a.host_info().await))
+}
+
+async fn paths(State(a): State<Arc<Agent>>) -> R<Vec<ferry_api::NicPath>> {
+    Ok(Json(a.paths.all()))
+}
+
+async fn probe_paths(
+    State(a): State<Arc<Agent>>,
+    ApiJson(peers): ApiJson<Vec<ferry_api::PeerRef>>,
+) -> R<Vec<ferry_api::NicPath>> {
+    Ok(Json(a.probe_peers(peers).await))
 }
 
 async fn list_vms(State(a): State<Arc<Agent>>) -> R<Vec<ferry_api::VmInfo>> {
@@ -149,7 +162,7 @@ async fn incoming_rejoin(
     Path(id): Path<String>,
     ApiJson(req): ApiJson<ferry_api::RejoinRequest>,
 ) -> R<serde_json::Value> {
-    let nic = a.rejoin_incoming(&id, req.fabric).await?;
+    let nic = a.rejoin_incoming(&id, &req.nic).await?;
     Ok(Json(serde_json::json!({ "announced": nic })))
 }
 
@@ -209,6 +222,8 @@ pub fn router(agent: Arc<Agent>) -> Router {
         .route("/migrations/{id}", get(migration_record))
         .route("/vms/{name}/resolve", post(resolve_vm))
         .route("/incoming/{id}/rejoin", post(incoming_rejoin))
+        .route("/paths", get(paths))
+        .route("/paths/probe", post(probe_paths))
         .route("/validate/facts", get(facts))
         .route("/validate/path", post(probe_path))
         .route("/validate/sink", post(open_sink))
@@ -227,6 +242,14 @@ pub fn router(agent: Arc<Agent>) -> Router {
 pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
     agent.recover().await;
     let listener = tokio::net::TcpListener::bind(agent.cfg.listen).await?;
+    let probes = std::net::UdpSocket::bind(std::net::SocketAddr::from((
+        [0, 0, 0, 0],
+        agent.cfg.probe_port,
+    )))?;
+    let (name, secret) = (agent.cfg.name.clone(), agent.cred.secret().to_vec());
+    std::thread::Builder::new()
+        .name("probe-responder".into())
+        .spawn(move || crate::probe::respond(probes, name, secret))?;
     tracing::info!(host = %agent.cfg.name, listen = %agent.cfg.listen, "agent serving");
     let classes = agent.classes.clone();
     tokio::spawn(async move {

@@ -93,6 +93,8 @@ pub struct Agent {
     pub live: std::sync::Mutex<std::collections::BTreeSet<String>>,
     /// Reads guests' consoles for the guest check.
     pub guest: Arc<dyn GuestCheck>,
+    /// NIC pairs to peers, as probed (see [`crate::probe`]).
+    pub paths: crate::probe::PathCache,
 }
 
 impl Agent {
@@ -104,6 +106,7 @@ impl Agent {
         Arc::new(Agent {
             cred,
             guest,
+            paths: Default::default(),
             journal: crate::commit::Journal::new(&cfg.state_dir),
             live: Default::default(),
             state: Default::default(),
@@ -115,6 +118,57 @@ impl Agent {
             ))),
             cfg,
         })
+    }
+
+    /// The NIC pairs to `peer` (whose host info is `info`): probed again
+    /// when older than [`crate::probe::PROBE_TTL`] or when a link on
+    /// either side changed.
+    pub async fn paths_to(&self, info: &HostInfo) -> Vec<ferry_api::NicPath> {
+        let mine = self.nics();
+        if let Some(p) = self.paths.get(&info.name) {
+            if p.fresh(&mine, &info.nics) {
+                return p.pairs;
+            }
+        }
+        let p = crate::probe::probe_all(
+            &self.cfg.name,
+            self.cred.secret(),
+            &mine,
+            &info.name,
+            &info.nics,
+            info.probe_port,
+        )
+        .await;
+        let reach = p.pairs.iter().filter(|x| x.reachable).count();
+        tracing::info!(peer = %info.name, pairs = p.pairs.len(), reachable = reach, "NIC pairs probed");
+        let pairs = p.pairs.clone();
+        self.paths.put(&info.name, p);
+        pairs
+    }
+
+    /// Probes every peer given (each asked for its NICs first); returns
+    /// every pair known.
+    pub async fn probe_peers(&self, peers: Vec<ferry_api::PeerRef>) -> Vec<ferry_api::NicPath> {
+        let jobs = peers
+            .into_iter()
+            .filter(|p| p.name != self.cfg.name)
+            .map(|p| async move {
+                let c = ferry_api::client::Client::new(
+                    &format!("agent {}", p.name),
+                    &p.url,
+                    self.cred.clone(),
+                );
+                match c.get::<HostInfo>("/host", Duration::from_secs(5)).await {
+                    Ok(info) => {
+                        self.paths_to(&info).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(peer = %p.name, error = %e, "cannot ask a peer for its NICs")
+                    }
+                }
+            });
+        futures::future::join_all(jobs).await;
+        self.paths.all()
     }
 
     /// This host's migration NICs (see [`nics`]).
@@ -386,6 +440,8 @@ impl Agent {
             nics: self.nics(),
             vms,
             bandwidth: ferry_api::util::lock(&self.classes).policy().clone(),
+            probe_port: self.cfg.probe_port,
+            paths: self.paths.all(),
         }
     }
 

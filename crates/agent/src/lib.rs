@@ -15,6 +15,7 @@
 //! - [`convergence`]: will pre-copy converge, and when (a pure model).
 //! - [`datapath`]: the seam where a migration's bytes leave QEMU (today QEMU's
 //!   own TCP stream over one NIC; Ferry's multi-NIC transport plugs in here).
+//! - [`probe`]: which local NIC reaches which NIC of a peer, measured.
 //! - [`classes`]: bandwidth per traffic class, enforced with HTB on each NIC.
 //! - [`validate`]: facts and probes for `ferry host validate`.
 //! - [`api`]: the authenticated HTTP API the control service and peer agents call.
@@ -28,6 +29,7 @@ pub mod failpoint;
 pub mod guest;
 pub mod host;
 pub mod migration;
+pub mod probe;
 pub mod qemu;
 pub mod qmp;
 pub mod recover;
@@ -52,6 +54,8 @@ pub struct AgentConfig {
     pub qemu: qemu::QemuConfig,
     /// The interfaces that carry live migrations.
     pub nics: NicSelection,
+    /// Where this agent answers NIC probes (every address).
+    pub probe_port: u16,
     /// A NIC for storage traffic (NBD), if separate; its traffic classes
     /// are managed with the migration NICs'.
     pub storage_nic: Option<String>,

@@ -29,6 +29,35 @@ pub struct NicInfo {
     pub rx_bytes: u64,
 }
 
+/// One NIC pair between two hosts, as a probe found it: a connection
+/// bound to this host's `nic` reached `peer`'s `peer_nic` (or did not).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NicPath {
+    pub nic: String,
+    pub address: String,
+    pub peer: String,
+    pub peer_nic: String,
+    pub peer_address: String,
+    pub reachable: bool,
+    /// Connect-and-answer time, microseconds (reachable pairs).
+    #[serde(default)]
+    pub rtt_us: Option<u64>,
+    /// Why the pair does not work (unreachable pairs).
+    #[serde(default)]
+    pub error: Option<String>,
+    /// Milliseconds since it was probed.
+    #[serde(default)]
+    pub age_ms: u64,
+}
+
+/// A peer an agent probes: its name and its agent's URL.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerRef {
+    pub name: String,
+    pub url: String,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostInfo {
     pub name: String,
@@ -41,6 +70,18 @@ pub struct HostInfo {
     /// The bandwidth policy this host enforces.
     #[serde(default)]
     pub bandwidth: crate::bandwidth::BandwidthPolicy,
+    /// The port this host's agent answers NIC probes on (every address).
+    #[serde(default = "default_probe_port")]
+    pub probe_port: u16,
+    /// NIC pairs to other hosts, as last probed.
+    #[serde(default)]
+    pub paths: Vec<NicPath>,
+}
+
+pub const DEFAULT_PROBE_PORT: u16 = 7801;
+
+fn default_probe_port() -> u16 {
+    DEFAULT_PROBE_PORT
 }
 
 /// One entry of the control service's event log.
@@ -571,8 +612,9 @@ pub struct IncomingRequest {
     pub migration_id: String,
     pub source: String,
     pub spec: VmSpec,
-    /// Fabrics on which the source has a NIC up; the target picks one it has up too.
-    pub source_fabrics_up: Vec<u32>,
+    /// The target's NICs a NIC of the source, up, reaches (probed); the
+    /// target listens on those.
+    pub reachable_nics: Vec<String>,
     /// `tcp` or `multichannel` (never `auto`: the source decides).
     #[serde(default)]
     pub option: MigrationOption,
@@ -623,12 +665,12 @@ pub struct CarrierReport {
     pub last_failure: Option<String>,
 }
 
-/// Source → target agent, `mptcp` kind: announce your address on this
-/// fabric again, so the source's NIC there re-joins every connection.
+/// Source → target agent, `mptcp` kind: announce the address of your NIC
+/// `nic` again, so the source's NIC that reaches it re-joins every connection.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RejoinRequest {
-    pub fabric: u32,
+    pub nic: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

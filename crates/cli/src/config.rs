@@ -96,6 +96,8 @@ pub struct AgentFile {
     pub storage_nic: Option<String>,
     /// The NICs' rate when sysfs cannot tell (e.g. `10gbit`).
     pub nic_rate: Option<String>,
+    /// Where the agent answers NIC probes from peers (default 7801, every address).
+    pub probe_port: Option<u16>,
     /// Guest kernel and initramfs for workload guests.
     pub kernel: Option<PathBuf>,
     pub initrd: Option<PathBuf>,

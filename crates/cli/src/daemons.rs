@@ -211,6 +211,7 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
             initrd,
         },
         nics,
+        probe_port: f.probe_port.unwrap_or(ferry_api::DEFAULT_PROBE_PORT),
         storage_nic: f.storage_nic.clone(),
     };
     Ok((

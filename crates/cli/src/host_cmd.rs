@@ -209,6 +209,26 @@ pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
                 return Ok(0);
             }
             let mut t = Table::new(&["HOST", "AGENT", "MEMORY FREE", "NICS", "VMS"]);
+            // NIC pairs as the agents last probed them (a move or `host validate` probes)
+            let mut paths = Table::new(&["HOST", "NIC", "REACHES", "PEER NIC", "PROBED"]);
+            let mut any_path = false;
+            for h in &hosts {
+                for p in h.info.iter().flat_map(|i| &i.paths) {
+                    any_path = true;
+                    paths.row(vec![
+                        h.name.clone(),
+                        p.nic.clone(),
+                        match (p.reachable, p.rtt_us, &p.error) {
+                            (true, Some(us), _) => format!("yes ({:.2} ms)", us as f64 / 1e3),
+                            (true, None, _) => "yes".into(),
+                            (false, _, Some(e)) => format!("no: {e}"),
+                            (false, _, None) => "no".into(),
+                        },
+                        format!("{} {} {}", p.peer, p.peer_nic, p.peer_address),
+                        format!("{:.0} s ago", p.age_ms as f64 / 1e3),
+                    ]);
+                }
+            }
             for h in hosts {
                 let (free, nics, vms) = match &h.info {
                     Some(i) => (
@@ -257,6 +277,10 @@ pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
                 ]);
             }
             t.print();
+            if any_path {
+                println!();
+                paths.print();
+            }
             Ok(0)
         }
     }

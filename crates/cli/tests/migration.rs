@@ -224,7 +224,7 @@ fn unauthenticated_requests_are_refused() {
         s.read_to_string(&mut out).unwrap();
         out
     };
-    let body = r#"{"migration_id":"x","source":"evil","spec":{"name":"evil","memory":268435456,"fill":0,"dirty_rate":0},"source_fabrics_up":[1]}"#;
+    let body = r#"{"migration_id":"x","source":"evil","spec":{"name":"evil","memory":268435456,"fill":0,"dirty_rate":0},"reachable_nics":["nic1"]}"#;
     let requests = [
         ("198.18.0.11:7800", "GET /api/v1/host HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n".to_string()),
         ("198.18.0.12:7800", format!("POST /api/v1/incoming HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())),

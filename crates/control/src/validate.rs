@@ -583,6 +583,112 @@ fn consistency(facts: &[HostFacts]) -> Vec<CheckOutcome> {
     out
 }
 
+/// Fabrics found by probing. NICs joined by a pair that a probe reached
+/// (either way) share a fabric. A NIC whose link is down keeps the fabric of
+/// the NICs on its network. Fabrics are numbered 1… in the order of their
+/// first (host, NIC). An up NIC that reaches no NIC of another host is its
+/// own fabric, and a failed `reach` row names it.
+pub fn assign_fabrics(
+    facts: &mut [HostFacts],
+    probed: &[(String, ferry_api::NicPath)],
+) -> Vec<CheckOutcome> {
+    let nodes: Vec<(String, String)> = facts
+        .iter()
+        .flat_map(|f| f.nics.iter().map(|n| (f.host.clone(), n.name.clone())))
+        .collect();
+    let index = |h: &str, n: &str| nodes.iter().position(|(a, b)| a == h && b == n);
+    let mut parent: Vec<usize> = (0..nodes.len()).collect();
+    fn root(p: &mut [usize], mut i: usize) -> usize {
+        while p[i] != i {
+            p[i] = p[p[i]];
+            i = p[i];
+        }
+        i
+    }
+    let mut reaches = vec![false; nodes.len()];
+    for (host, p) in probed.iter().filter(|(_, p)| p.reachable) {
+        if let (Some(a), Some(b)) = (index(host, &p.nic), index(&p.peer, &p.peer_nic)) {
+            reaches[a] = true;
+            reaches[b] = true;
+            let (ra, rb) = (root(&mut parent, a), root(&mut parent, b));
+            parent[ra] = rb;
+        }
+    }
+    // a NIC with no reachable pair and its link down joins the NICs on its network
+    let nic_of = |i: usize| {
+        let (h, n) = &nodes[i];
+        facts
+            .iter()
+            .find(|f| f.host == *h)
+            .and_then(|f| f.nics.iter().find(|x| x.name == *n))
+            .cloned()
+    };
+    for i in 0..nodes.len() {
+        let Some(me) = nic_of(i) else { continue };
+        if reaches[i] || me.up || me.network.is_empty() {
+            continue;
+        }
+        let mate = (0..nodes.len())
+            .find(|&j| j != i && reaches[j] && nic_of(j).is_some_and(|o| o.network == me.network));
+        if let Some(j) = mate {
+            let (ri, rj) = (root(&mut parent, i), root(&mut parent, j));
+            parent[ri] = rj;
+        }
+    }
+    let mut numbers: BTreeMap<usize, u32> = BTreeMap::new();
+    let mut fabric_of = Vec::with_capacity(nodes.len());
+    for i in 0..nodes.len() {
+        let r = root(&mut parent, i);
+        let next = numbers.len() as u32 + 1;
+        fabric_of.push(*numbers.entry(r).or_insert(next));
+    }
+    let mut rows = Vec::new();
+    let hosts_with_nics = facts.iter().filter(|f| !f.nics.is_empty()).count();
+    let mut i = 0;
+    for f in facts.iter_mut() {
+        for n in f.nics.iter_mut() {
+            n.fabric = fabric_of[i];
+            if n.up && !reaches[i] && hosts_with_nics > 1 {
+                let tried: Vec<String> = probed
+                    .iter()
+                    .filter(|(h, p)| *h == f.host && p.nic == n.name)
+                    .map(|(_, p)| {
+                        format!(
+                            "{} {}: {}",
+                            p.peer,
+                            p.peer_nic,
+                            p.error.as_deref().unwrap_or("no answer")
+                        )
+                    })
+                    .take(3)
+                    .collect();
+                rows.push(CheckOutcome {
+                    check: "reach".into(),
+                    host: f.host.clone(),
+                    nic: Some(n.name.clone()),
+                    peer: None,
+                    status: CheckStatus::Fail,
+                    observed: format!(
+                        "{} reaches no NIC of any other host ({})",
+                        n.address,
+                        if tried.is_empty() {
+                            "no probe answered".to_string()
+                        } else {
+                            tried.join("; ")
+                        }
+                    ),
+                    fix: Some(format!(
+                        "check {}'s cable, switch port and address, or leave it out of `nics` in {}'s agent.toml",
+                        n.name, f.host
+                    )),
+                });
+            }
+            i += 1;
+        }
+    }
+    rows
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -629,6 +735,76 @@ mod tests {
             },
             rdma: Probe::unavailable("no RDMA device"),
         }
+    }
+
+    fn reached(
+        h: u32,
+        nic: &str,
+        p: u32,
+        peer_nic: &str,
+        ok: bool,
+    ) -> (String, ferry_api::NicPath) {
+        (
+            format!("host{h}"),
+            ferry_api::NicPath {
+                nic: nic.into(),
+                address: String::new(),
+                peer: format!("host{p}"),
+                peer_nic: peer_nic.into(),
+                peer_address: String::new(),
+                reachable: ok,
+                rtt_us: None,
+                error: (!ok).then(|| "Network is unreachable".into()),
+                age_ms: 0,
+            },
+        )
+    }
+
+    #[test]
+    fn fabrics_come_from_probes_not_addresses() {
+        // host1's NICs are in different subnets than host2's, and wired
+        // crosswise: nic1 reaches host2's nic2 and nic2 reaches host2's nic1
+        let mut facts = vec![host(1, 1500, true), host(2, 1500, true)];
+        let probed = vec![
+            reached(1, "nic1", 2, "nic2", true),
+            reached(1, "nic2", 2, "nic1", true),
+            reached(1, "nic1", 2, "nic1", false),
+        ];
+        let rows = assign_fabrics(&mut facts, &probed);
+        assert!(rows.is_empty(), "{rows:?}");
+        assert_eq!(facts[0].nics[0].fabric, facts[1].nics[1].fabric);
+        assert_eq!(facts[0].nics[1].fabric, facts[1].nics[0].fabric);
+        assert_ne!(facts[0].nics[0].fabric, facts[0].nics[1].fabric);
+        assert_eq!((facts[0].nics[0].fabric, facts[0].nics[1].fabric), (1, 2));
+    }
+
+    #[test]
+    fn a_nic_that_reaches_nothing_is_named_and_a_cut_one_keeps_its_network() {
+        // host2's nic1 is cut (down); host1's nic2 is up but reaches nothing
+        let mut facts = vec![host(1, 1500, true), host(2, 1500, false)];
+        let probed = vec![
+            reached(1, "nic1", 2, "nic1", false),
+            reached(1, "nic2", 2, "nic2", false),
+            reached(2, "nic2", 1, "nic2", false),
+            reached(3, "nic1", 1, "nic1", true),
+        ];
+        facts.push(host(3, 1500, true));
+        let rows = assign_fabrics(&mut facts, &probed);
+        let named: Vec<_> = rows
+            .iter()
+            .map(|r| (r.host.as_str(), r.nic.as_deref().unwrap_or("")))
+            .collect();
+        assert_eq!(
+            named,
+            [("host1", "nic2"), ("host2", "nic2"), ("host3", "nic2")]
+        );
+        assert!(rows[0]
+            .observed
+            .contains("reaches no NIC of any other host"));
+        assert!(rows[0].observed.contains("Network is unreachable"));
+        // the cut NIC is on its network's fabric, with host1's and host3's nic1
+        assert_eq!(facts[1].nics[0].fabric, facts[0].nics[0].fabric);
+        assert_eq!(facts[2].nics[0].fabric, facts[0].nics[0].fabric);
     }
 
     fn path(h: u32, p: u32, size: u32, largest: u32) -> PathResult {

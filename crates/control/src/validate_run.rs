@@ -44,6 +44,34 @@ impl Control {
                 }),
             }
         }
+        // which NIC reaches which: every agent probes every other host's NICs
+        let peers: Vec<ferry_api::PeerRef> = self
+            .hosts
+            .iter()
+            .map(|(n, c)| ferry_api::PeerRef {
+                name: n.clone(),
+                url: c.base().to_string(),
+            })
+            .collect();
+        let probes = facts.iter().map(|f| {
+            let peers = peers.clone();
+            async move {
+                let r = match self.host(&f.host) {
+                    Ok(c) => c
+                        .post::<_, Vec<ferry_api::NicPath>>("/paths/probe", &peers, t)
+                        .await
+                        .unwrap_or_default(),
+                    Err(_) => Vec::new(),
+                };
+                (f.host.clone(), r)
+            }
+        });
+        let probed: Vec<(String, ferry_api::NicPath)> = futures::future::join_all(probes)
+            .await
+            .into_iter()
+            .flat_map(|(h, v)| v.into_iter().map(move |p| (h.clone(), p)))
+            .collect();
+        rows.extend(validate::assign_fabrics(&mut facts, &probed));
         // every ordered pair on every fabric that touches a selected host
         let mut pairs: Vec<(String, String, NicFacts, NicFacts)> = Vec::new();
         for a in &facts {

@@ -349,17 +349,10 @@ impl Agent {
             ),
         )
         .await;
-        let fabrics_up: Vec<u32> = self
-            .nics()
-            .iter()
-            .filter(|n| n.up)
-            .map(|n| n.fabric)
-            .collect();
-        let shared = tinfo
-            .nics
-            .iter()
-            .filter(|n| n.up && fabrics_up.contains(&n.fabric))
-            .count();
+        // which NIC here reaches which NIC there, probed (cached while no link changes)
+        let paths = crate::probe::usable(&self.paths_to(&tinfo).await, &self.nics());
+        let reachable_nics: Vec<String> = paths.iter().map(|p| p.peer_nic.clone()).collect();
+        let shared = reachable_nics.len();
         // compression is tried (only when it wins) for auto and compression
         let compress = match req.option {
             MigrationOption::Auto | MigrationOption::Compression => {
@@ -410,7 +403,7 @@ impl Agent {
             migration_id: id.into(),
             source: self.cfg.name.clone(),
             spec: spec.clone(),
-            source_fabrics_up: fabrics_up,
+            reachable_nics,
             option,
             session: Some(ferry_transport::session_to_hex(&session)),
             postcopy: req.convergence.postcopy,
@@ -449,10 +442,10 @@ impl Agent {
                 let sock = vm.dir.join(format!("out-{id}.sock"));
                 let mine = self.nics();
                 // the target's listener takes every address; the connection
-                // starts on the first fabric both hosts have up
+                // starts on the first pair probed to work
                 let first = reply.carriers.iter().find_map(|c| {
-                    let n = mine.iter().find(|n| n.up && n.fabric == c.fabric)?;
-                    Some((n.address.parse().ok()?, c.address.parse().ok()?))
+                    let p = paths.iter().find(|p| p.peer_nic == c.nic)?;
+                    Some((p.address.parse().ok()?, c.address.parse().ok()?))
                 });
                 let Some((local, remote)) = first else {
                     self.roll_back(id, vm, &target, None).await;
@@ -500,7 +493,6 @@ impl Agent {
             }
             MigrationOption::Multichannel | MigrationOption::Compression => {
                 let sock = vm.dir.join(format!("out-{id}.sock"));
-                let mine = self.nics();
                 // compression is the one-NIC option: the target's first carrier
                 let offered = if option == MigrationOption::Compression {
                     &reply.carriers[..reply.carriers.len().min(1)]
@@ -510,10 +502,10 @@ impl Agent {
                 let carriers = offered
                     .iter()
                     .filter_map(|c| {
-                        let n = mine.iter().find(|n| n.fabric == c.fabric)?;
+                        let p = paths.iter().find(|p| p.peer_nic == c.nic)?;
                         Some((
-                            n.name.clone(),
-                            n.address.parse().ok()?,
+                            p.nic.clone(),
+                            p.address.parse().ok()?,
                             c.address.parse().ok()?,
                         ))
                     })
@@ -1009,7 +1001,7 @@ impl Agent {
                     let st = match session {
                         ferry_transport::Carriers::Mptcp(s) => {
                             let (st, due) = s.tick();
-                            self.ask_rejoins(id, target, due);
+                            self.ask_rejoins(id, (target_name, target), due);
                             st
                         }
                         _ => session.stats(),
@@ -1364,13 +1356,18 @@ impl Agent {
     /// Source side, `mptcp` kind: asks the target to announce its address on
     /// each fabric where a NIC of this host has its link up but no subflow
     /// (`due`, from `Spliced::tick`). The request runs on its own.
-    fn ask_rejoins(&self, id: &str, target: &Client, due: Vec<String>) {
+    fn ask_rejoins(&self, id: &str, (peer, target): (&str, &Client), due: Vec<String>) {
         if due.is_empty() {
             return;
         }
-        let mine = self.nics();
+        let pairs = self.paths.get(peer).map(|p| p.pairs).unwrap_or_default();
         for nic in due {
-            let Some(fabric) = mine.iter().find(|n| n.name == nic).map(|n| n.fabric) else {
+            // the target's NIC this one was probed to reach
+            let Some(peer_nic) = pairs
+                .iter()
+                .find(|p| p.nic == nic && p.reachable)
+                .map(|p| p.peer_nic.clone())
+            else {
                 continue;
             };
             let target = target.clone();
@@ -1379,13 +1376,15 @@ impl Agent {
                 let r: Result<serde_json::Value, _> = target
                     .post(
                         &path,
-                        &ferry_api::RejoinRequest { fabric },
+                        &ferry_api::RejoinRequest {
+                            nic: peer_nic.clone(),
+                        },
                         Duration::from_secs(3),
                     )
                     .await;
                 match r {
                     Ok(_) => {
-                        tracing::info!(%nic, fabric, "asked the target to announce its address again")
+                        tracing::info!(%nic, %peer_nic, "asked the target to announce its address again")
                     }
                     Err(e) => tracing::warn!(%nic, error = %e, "rejoin request failed"),
                 }

@@ -32,21 +32,18 @@ impl Agent {
             ));
         }
         let datapath = QemuTcp;
+        // the NICs the source reached in its probes, up here now
         let usable: Vec<_> = self
             .nics()
             .into_iter()
-            .filter(|n| n.up && req.source_fabrics_up.contains(&n.fabric))
+            .filter(|n| n.up && req.reachable_nics.contains(&n.name))
             .collect();
-        let nic = usable
-            .iter()
-            .min_by_key(|n| n.fabric)
-            .cloned()
-            .ok_or_else(|| {
-                ApiError::unavailable(
-                    format!("a migration path from {} to {}", req.source, self.cfg.name),
-                    "no fabric has a NIC up on both hosts",
-                )
-            })?;
+        let nic = usable.first().cloned().ok_or_else(|| {
+            ApiError::unavailable(
+                format!("a migration path from {} to {}", req.source, self.cfg.name),
+                "no NIC of the source reaches a NIC up here",
+            )
+        })?;
         let multichannel = match req.option {
             MigrationOption::Tcp => None,
             MigrationOption::Multichannel
@@ -495,11 +492,11 @@ impl Agent {
         }
     }
 
-    /// `mptcp` kind: announces this host's address on `fabric` again to the
-    /// source, whose NIC there has no subflow on some connection (its link
-    /// was down when the connection opened, or the subflow closed). Returns
-    /// the NIC announced.
-    pub async fn rejoin_incoming(&self, id: &str, fabric: u32) -> Result<String, ApiError> {
+    /// `mptcp` kind: announces the address of this host's NIC `nic` again to
+    /// the source, whose NIC reaching it has no subflow on some connection
+    /// (its link was down when the connection opened, or the subflow
+    /// closed). Returns the NIC announced.
+    pub async fn rejoin_incoming(&self, id: &str, nic: &str) -> Result<String, ApiError> {
         let (name, _) = self.incoming_slot(id).await?;
         let mptcp = matches!(
             self.state
@@ -519,8 +516,8 @@ impl Agent {
         let nic = self
             .nics()
             .into_iter()
-            .find(|n| n.fabric == fabric)
-            .ok_or_else(|| ApiError::invalid("fabric", format!("no NIC on fabric {fabric}")))?;
+            .find(|n| n.name == nic)
+            .ok_or_else(|| ApiError::invalid("nic", format!("no migration NIC named '{nic}'")))?;
         let addr = nic
             .address
             .parse()

@@ -1,0 +1,551 @@
+//! Which NIC of this host reaches which NIC of a peer: measured, not read
+//! from an address plan.
+//!
+//! Every agent answers probes on its probe port (UDP, default 7801, every
+//! address). A prober sends a datagram from a socket bound to one local NIC
+//! (`SO_BINDTODEVICE` and the NIC's address) to one address of the peer;
+//! the responder answers naming the interface the datagram *arrived on*
+//! (hosts answer for all their addresses on every NIC, so the address alone
+//! would not say which wire carried it):
+//!
+//! ```text
+//! prober    → responder: "FERRY-PROBE 1 " NONCE " " PROBER-HOST "\n"
+//! responder → prober:    "FERRY-PROBE 1 " HOST " " NIC " " MAC "\n"
+//!   NONCE  32 hex digits, fresh per probe
+//!   NIC    the responder's interface the request arrived on (IP_PKTINFO)
+//!   MAC    64 hex digits: HMAC-SHA256(cluster secret,
+//!          "ferry-probe-1" NONCE " " HOST " " NIC)
+//! ```
+//!
+//! A datagram is at most [`MAX_LINE`] bytes; anything else is ignored. A
+//! probe is sent up to [`TRIES`] times, [`TRY_TIMEOUT`] apart. A pair (local
+//! NIC, peer NIC) is reachable when a probe from the local NIC arrived on
+//! the peer NIC and its answer's MAC proves the peer holds the cluster
+//! credential. Results are cached per peer and probed again after
+//! [`PROBE_TTL`] or as soon as a link changes on either side.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use ferry_api::{NicInfo, NicPath};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use tokio::net::UdpSocket;
+
+pub const MAX_LINE: usize = 256;
+pub const TRIES: u32 = 3;
+pub const TRY_TIMEOUT: Duration = Duration::from_millis(300);
+/// Probes older than this are taken again before they are used.
+pub const PROBE_TTL: Duration = Duration::from_secs(30);
+const VERSION: &str = "FERRY-PROBE 1";
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProbeError {
+    #[error("connect from {nic}: {why}")]
+    Connect { nic: String, why: String },
+    #[error("no answer to {TRIES} probes")]
+    Timeout,
+    #[error("malformed answer: {0}")]
+    Malformed(String),
+    #[error("the answer's MAC is wrong: the peer does not hold the cluster credential")]
+    BadMac,
+    #[error("answered by {host}, not the host probed")]
+    Elsewhere { host: String },
+}
+
+fn mac(secret: &[u8], nonce: &str, host: &str, nic: &str) -> String {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(secret)
+        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+    m.update(b"ferry-probe-1");
+    m.update(nonce.as_bytes());
+    m.update(b" ");
+    m.update(host.as_bytes());
+    m.update(b" ");
+    m.update(nic.as_bytes());
+    m.finalize()
+        .into_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn is_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:@".contains(&b))
+}
+
+/// Parses a probe request line: the nonce.
+fn parse_request(line: &str) -> Option<String> {
+    let rest = line.strip_suffix('\n')?.strip_prefix(VERSION)?;
+    let mut f = rest.split(' ').skip(1);
+    let (nonce, host) = (f.next()?, f.next()?);
+    (f.next().is_none()
+        && nonce.len() == 32
+        && nonce.bytes().all(|b| b.is_ascii_hexdigit())
+        && is_token(host))
+    .then(|| nonce.to_string())
+}
+
+/// Parses an answer line: (host, nic, mac).
+fn parse_answer(line: &str) -> Result<(String, String, String), ProbeError> {
+    let bad = || ProbeError::Malformed(line.trim_end().chars().take(80).collect());
+    let rest = line
+        .strip_suffix('\n')
+        .and_then(|l| l.strip_prefix(VERSION))
+        .and_then(|l| l.strip_prefix(' '))
+        .ok_or_else(bad)?;
+    let f: Vec<&str> = rest.split(' ').collect();
+    match f[..] {
+        [host, nic, mac] if is_token(host) && is_token(nic) && mac.len() == 64 => {
+            Ok((host.into(), nic.into(), mac.into()))
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// Answers probes until the process ends (a thread of its own: it reads
+/// each datagram's arrival interface with `recvmsg`).
+pub fn respond(sock: std::net::UdpSocket, host: String, secret: Vec<u8>) {
+    use std::os::fd::AsRawFd;
+    let fd = sock.as_raw_fd();
+    let on: libc::c_int = 1;
+    // SAFETY: a live UDP socket; the option value is an int of the size given.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::IPPROTO_IP,
+            libc::IP_PKTINFO,
+            (&on as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+    loop {
+        let Some((line, from, ifindex)) = recv_with_ifindex(fd) else {
+            continue;
+        };
+        let Some(nonce) = parse_request(&line) else {
+            continue;
+        };
+        let Some(nic) = if_name(ifindex) else {
+            continue;
+        };
+        let answer = format!(
+            "{VERSION} {host} {nic} {}\n",
+            mac(&secret, &nonce, &host, &nic)
+        );
+        let _ = sock.send_to(answer.as_bytes(), from);
+    }
+}
+
+/// One datagram: its text, its sender and the interface it arrived on.
+fn recv_with_ifindex(fd: std::os::fd::RawFd) -> Option<(String, SocketAddr, u32)> {
+    let mut buf = [0u8; MAX_LINE];
+    // room for one in_pktinfo control message, u64-aligned
+    let mut control = [0u64; 16];
+    // SAFETY: zeroed plain C structs.
+    let mut from: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: zeroed plain C struct, filled in below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_name = (&mut from as *mut libc::sockaddr_in).cast();
+    msg.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control);
+    // SAFETY: every pointer in `msg` points to a live buffer of the length given.
+    let n = unsafe { libc::recvmsg(fd, &mut msg, 0) };
+    if n <= 0 || msg.msg_flags & libc::MSG_TRUNC != 0 {
+        return None;
+    }
+    let mut ifindex = None;
+    // SAFETY: the CMSG macros walk the control buffer recvmsg filled, within msg_controllen.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::IPPROTO_IP && (*c).cmsg_type == libc::IP_PKTINFO {
+                let info = libc::CMSG_DATA(c) as *const libc::in_pktinfo;
+                ifindex = Some(std::ptr::read_unaligned(info).ipi_ifindex as u32);
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    let text = String::from_utf8(buf[..n as usize].to_vec()).ok()?;
+    let ip = Ipv4Addr::from(u32::from_be(from.sin_addr.s_addr));
+    let from = SocketAddr::new(IpAddr::V4(ip), u16::from_be(from.sin_port));
+    Some((text, from, ifindex?))
+}
+
+fn if_name(index: u32) -> Option<String> {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: the buffer holds IF_NAMESIZE bytes, as if_indextoname requires.
+    let p = unsafe { libc::if_indextoname(index, buf.as_mut_ptr()) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: if_indextoname wrote a NUL-terminated name into `buf`.
+    Some(
+        unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned(),
+    )
+}
+
+/// Probes `peer` at `peer_addr` from local `nic` (`local`). Returns the
+/// peer's NIC the probe arrived on, and the round trip.
+pub async fn probe(
+    me: &str,
+    secret: &[u8],
+    (nic, local): (&str, Ipv4Addr),
+    (peer, peer_addr): (&str, SocketAddr),
+) -> Result<(String, Duration), ProbeError> {
+    let connect = |why: String| ProbeError::Connect {
+        nic: nic.into(),
+        why,
+    };
+    let std_sock = std::net::UdpSocket::bind(SocketAddr::new(IpAddr::V4(local), 0))
+        .map_err(|e| connect(e.to_string()))?;
+    bind_to_device(&std_sock, nic).map_err(|e| connect(format!("SO_BINDTODEVICE: {e}")))?;
+    std_sock
+        .set_nonblocking(true)
+        .map_err(|e| connect(e.to_string()))?;
+    let sock = UdpSocket::from_std(std_sock).map_err(|e| connect(e.to_string()))?;
+    let nonce: String = rand::random::<[u8; 16]>()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let request = format!("{VERSION} {nonce} {me}\n");
+    let mut buf = [0u8; MAX_LINE];
+    for _ in 0..TRIES {
+        let t0 = Instant::now();
+        sock.send_to(request.as_bytes(), peer_addr)
+            .await
+            .map_err(|e| connect(e.to_string()))?;
+        let deadline = tokio::time::Instant::now() + TRY_TIMEOUT;
+        // answers to earlier tries, or anything else, are skipped
+        while let Ok(r) = tokio::time::timeout_at(deadline, sock.recv_from(&mut buf)).await {
+            let (n, from) = r.map_err(|e| connect(e.to_string()))?;
+            if from != peer_addr {
+                continue;
+            }
+            let Ok(line) = std::str::from_utf8(&buf[..n]) else {
+                continue;
+            };
+            let (host, got_nic, got_mac) = parse_answer(line)?;
+            if got_mac != mac(secret, &nonce, &host, &got_nic) {
+                return Err(ProbeError::BadMac);
+            }
+            if host != peer {
+                return Err(ProbeError::Elsewhere { host });
+            }
+            return Ok((got_nic, t0.elapsed()));
+        }
+    }
+    Err(ProbeError::Timeout)
+}
+
+fn bind_to_device(sock: &impl std::os::fd::AsRawFd, nic: &str) -> std::io::Result<()> {
+    let name = std::ffi::CString::new(nic)
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: the fd is a live socket; the option value is a NUL-terminated
+    // interface name of the length given.
+    let r = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_BINDTODEVICE,
+            name.as_ptr().cast(),
+            name.as_bytes_with_nul().len() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// What was probed to one peer, and against which link states.
+#[derive(Debug, Clone)]
+pub struct PeerPaths {
+    pub at: Instant,
+    /// (local NIC, up) when probed: a change means probe again.
+    pub local_links: Vec<(String, bool)>,
+    /// The peer's NICs (name, address, up) when probed.
+    pub peer_nics: Vec<(String, String, bool)>,
+    pub pairs: Vec<NicPath>,
+}
+
+impl PeerPaths {
+    /// Still good for these local and peer NICs?
+    pub fn fresh(&self, local: &[NicInfo], peer: &[NicInfo]) -> bool {
+        self.at.elapsed() < PROBE_TTL
+            && self.local_links == links(local)
+            && self.peer_nics == peer_links(peer)
+    }
+}
+
+pub fn links(nics: &[NicInfo]) -> Vec<(String, bool)> {
+    nics.iter().map(|n| (n.name.clone(), n.up)).collect()
+}
+
+pub fn peer_links(nics: &[NicInfo]) -> Vec<(String, String, bool)> {
+    nics.iter()
+        .map(|n| (n.name.clone(), n.address.clone(), n.up))
+        .collect()
+}
+
+/// Probes every (local NIC, peer NIC address) at once. A pair (local NIC,
+/// peer NIC) is reachable when a probe from the local NIC arrived on the
+/// peer NIC, whichever of the peer's addresses it was sent to.
+pub async fn probe_all(
+    me: &str,
+    secret: &[u8],
+    local: &[NicInfo],
+    peer: &str,
+    peer_nics: &[NicInfo],
+    port: u16,
+) -> PeerPaths {
+    let mut jobs = Vec::new();
+    for l in local {
+        for p in peer_nics {
+            let (Ok(la), Ok(pa)) = (l.address.parse::<Ipv4Addr>(), p.address.parse::<Ipv4Addr>())
+            else {
+                continue;
+            };
+            let (l, p) = (l.clone(), p.clone());
+            let (me, secret, peer) = (me.to_string(), secret.to_vec(), peer.to_string());
+            jobs.push(async move {
+                let r = if !l.up {
+                    Err("link down".to_string())
+                } else {
+                    probe(
+                        &me,
+                        &secret,
+                        (&l.name, la),
+                        (&peer, SocketAddr::new(IpAddr::V4(pa), port)),
+                    )
+                    .await
+                    .map_err(|e| e.to_string())
+                };
+                (l, p, r)
+            });
+        }
+    }
+    let results = futures::future::join_all(jobs).await;
+    let mut pairs = Vec::new();
+    for l in local {
+        for p in peer_nics {
+            // every probe from l that arrived on p, to whichever address
+            let arrived = results
+                .iter()
+                .filter(|(a, _, r)| a.name == l.name && matches!(r, Ok((n, _)) if *n == p.name))
+                .filter_map(|(_, _, r)| r.as_ref().ok().map(|(_, d)| d.as_micros() as u64))
+                .min();
+            let direct = results
+                .iter()
+                .find(|(a, b, _)| a.name == l.name && b.name == p.name)
+                .map(|(_, _, r)| r);
+            let error = match (arrived, direct) {
+                (Some(_), _) => None,
+                (None, Some(Ok((other, _)))) => Some(format!(
+                    "probes to {} arrive on {peer}'s {other}",
+                    p.address
+                )),
+                (None, Some(Err(e))) => Some(e.clone()),
+                (None, None) => Some("not probed".into()),
+            };
+            pairs.push(NicPath {
+                nic: l.name.clone(),
+                address: l.address.clone(),
+                peer: peer.to_string(),
+                peer_nic: p.name.clone(),
+                peer_address: p.address.clone(),
+                reachable: arrived.is_some(),
+                rtt_us: arrived,
+                error,
+                age_ms: 0,
+            });
+        }
+    }
+    PeerPaths {
+        at: Instant::now(),
+        local_links: links(local),
+        peer_nics: peer_links(peer_nics),
+        pairs,
+    }
+}
+
+/// Every peer's pairs, by peer name.
+#[derive(Default)]
+pub struct PathCache(std::sync::Mutex<BTreeMap<String, PeerPaths>>);
+
+impl PathCache {
+    pub fn get(&self, peer: &str) -> Option<PeerPaths> {
+        ferry_api::util::lock(&self.0).get(peer).cloned()
+    }
+
+    pub fn put(&self, peer: &str, p: PeerPaths) {
+        ferry_api::util::lock(&self.0).insert(peer.to_string(), p);
+    }
+
+    /// Every pair known, with its age.
+    pub fn all(&self) -> Vec<NicPath> {
+        ferry_api::util::lock(&self.0)
+            .values()
+            .flat_map(|pp| {
+                let age = pp.at.elapsed().as_millis() as u64;
+                pp.pairs.iter().cloned().map(move |mut p| {
+                    p.age_ms = age;
+                    p
+                })
+            })
+            .collect()
+    }
+}
+
+/// The pairs to use toward a peer: reachable, and the local NIC up now.
+/// Each peer NIC is reached from one local NIC, spread so that two peer
+/// NICs use two local NICs where they can.
+pub fn usable(pairs: &[NicPath], local: &[NicInfo]) -> Vec<NicPath> {
+    let up = |n: &str| local.iter().any(|l| l.name == n && l.up);
+    let mut by_peer: BTreeMap<&str, Vec<&NicPath>> = BTreeMap::new();
+    for p in pairs.iter().filter(|p| p.reachable && up(&p.nic)) {
+        by_peer.entry(&p.peer_nic).or_default().push(p);
+    }
+    let mut used: Vec<String> = Vec::new();
+    let mut out = Vec::new();
+    for (_, cands) in by_peer {
+        let pick = cands
+            .iter()
+            .find(|p| !used.contains(&p.nic))
+            .or(cands.first())
+            .copied();
+        if let Some(p) = pick {
+            used.push(p.nic.clone());
+            out.push(p.clone());
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn request_and_answer_lines_parse_strictly() {
+        let nonce = "0123456789abcdef0123456789abcdef";
+        assert_eq!(
+            parse_request(&format!("FERRY-PROBE 1 {nonce} host1\n")).as_deref(),
+            Some(nonce)
+        );
+        for bad in [
+            format!("FERRY-PROBE 1 {nonce} host1"),
+            format!("FERRY-PROBE 2 {nonce} host1\n"),
+            format!("FERRY-PROBE 1 {nonce} host1 x\n"),
+            "FERRY-PROBE 1 zz host1\n".to_string(),
+            format!("FERRY-PROBE 1 {nonce} bad/name\n"),
+        ] {
+            assert_eq!(parse_request(&bad), None, "{bad}");
+        }
+        let m = mac(b"s", nonce, "host2", "eth4");
+        assert_eq!(m.len(), 64);
+        assert_eq!(
+            parse_answer(&format!("FERRY-PROBE 1 host2 eth4 {m}\n")).unwrap(),
+            ("host2".into(), "eth4".into(), m.clone())
+        );
+        assert!(parse_answer("FERRY-PROBE 1 host2 eth4\n").is_err());
+        assert!(parse_answer(&format!("HTTP/1.1 host2 eth4 {m}\n")).is_err());
+        assert_ne!(mac(b"other", nonce, "host2", "eth4"), m);
+        assert_ne!(mac(b"s", nonce, "host2", "eth5"), m);
+    }
+
+    fn pair(nic: &str, peer_nic: &str, reachable: bool) -> NicPath {
+        NicPath {
+            nic: nic.into(),
+            address: String::new(),
+            peer: "p".into(),
+            peer_nic: peer_nic.into(),
+            peer_address: String::new(),
+            reachable,
+            rtt_us: None,
+            error: None,
+            age_ms: 0,
+        }
+    }
+
+    fn nic(name: &str, up: bool) -> NicInfo {
+        NicInfo {
+            name: name.into(),
+            fabric: 0,
+            network: String::new(),
+            address: String::new(),
+            mtu: 1500,
+            up,
+            tx_bytes: 0,
+            rx_bytes: 0,
+        }
+    }
+
+    #[test]
+    fn usable_pairs_spread_over_local_nics() {
+        // two NICs on one switch: each reaches both peer NICs
+        let pairs = [
+            pair("a", "x", true),
+            pair("a", "y", true),
+            pair("b", "x", true),
+            pair("b", "y", true),
+        ];
+        let u = usable(&pairs, &[nic("a", true), nic("b", true)]);
+        let got: Vec<_> = u
+            .iter()
+            .map(|p| (p.nic.as_str(), p.peer_nic.as_str()))
+            .collect();
+        assert_eq!(got, [("a", "x"), ("b", "y")]);
+        // a local NIC down, an unreachable pair: left out
+        let u = usable(
+            &[
+                pair("a", "x", true),
+                pair("b", "y", true),
+                pair("c", "z", false),
+            ],
+            &[nic("a", false), nic("b", true), nic("c", true)],
+        );
+        assert_eq!(u.len(), 1);
+        assert_eq!(u[0].peer_nic, "y");
+    }
+
+    #[tokio::test]
+    async fn a_probe_over_loopback_proves_the_peer_and_names_its_nic() {
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let port = sock.local_addr().unwrap().port();
+        std::thread::spawn(move || respond(sock, "peer1".into(), b"secret".to_vec()));
+        let at = SocketAddr::from(([127, 0, 0, 1], port));
+        let lo = ("lo", Ipv4Addr::LOCALHOST);
+        let (nic, _) = probe("me", b"secret", lo, ("peer1", at)).await.unwrap();
+        assert_eq!(nic, "lo", "the arrival interface");
+        assert_eq!(
+            probe("me", b"wrong", lo, ("peer1", at)).await,
+            Err(ProbeError::BadMac)
+        );
+        assert!(matches!(
+            probe("me", b"secret", lo, ("peer2", at)).await,
+            Err(ProbeError::Elsewhere { host }) if host == "peer1"
+        ));
+        // nothing answering: no answer after every try
+        let quiet = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let quiet_at = quiet.local_addr().unwrap();
+        assert_eq!(
+            probe("me", b"secret", lo, ("peer1", quiet_at)).await,
+            Err(ProbeError::Timeout)
+        );
+    }
+}
