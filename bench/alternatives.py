@@ -39,10 +39,11 @@ from the restore until the cut NIC carries ≥ 50% of its link rate again.
 """
 import argparse, json, os, subprocess, sys, time
 
-from labqemu import FERRY, agent_pids, cpu_seconds, ferry, qemu, rate, run_target, size, wait_ready
+from labqemu import FERRY, agent_pids, cpu_seconds, ferry, lab_addr, lab_nic, qemu, rate, run_target, size, wait_ready
 
 HOSTS = ("host1", "host2")
-NIC1 = {"host1": "198.18.1.11", "host2": "198.18.1.12"}
+def nic1_addr(host):
+    return lab_addr(host, 1)
 
 
 def qemu_pids():
@@ -79,7 +80,7 @@ class Cpu:
 
 
 def nic_tx(host, nic):
-    out = subprocess.run(["ip", "-n", host, "-s", "-j", "link", "show", nic], capture_output=True, text=True)
+    out = subprocess.run(["ip", "-n", host, "-s", "-j", "link", "show", lab_nic(host, nic)], capture_output=True, text=True)
     return json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"]
 
 
@@ -170,7 +171,7 @@ def direct_move(img, src, frm, to, kind, a, cut_bytes, link, restore_after=None)
         q.cmd("migrate-set-capabilities", capabilities=caps)
         q.cmd("migrate-set-parameters", **{"multifd-channels": 4})
     sq.cmd("migrate-set-parameters", **{"max-bandwidth": 100 << 30, "downtime-limit": 300})
-    host = {"tcp": NIC1[to], "mptcp": NIC1[to], "ecmp": a.team[to], "ab": a.team[to]}[kind]
+    host = {"tcp": nic1_addr(to), "mptcp": nic1_addr(to), "ecmp": a.team[to], "ab": a.team[to]}[kind]
     addr = {"transport": "socket", "type": "inet", "host": host, "port": "0"}
     listen = dict(addr)
     if kind == "mptcp":

@@ -15,6 +15,8 @@ list`, sampled each second while fio runs), drain time.
 """
 import argparse, json, os, subprocess, sys, threading, time
 
+from labqemu import lab_addr, lab_nic
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
 
@@ -28,7 +30,7 @@ def ferry(*args, check=True):
 
 def fio(secs):
     out = subprocess.run(["ip", "netns", "exec", "host1", "fio", "--name=storage", "--ioengine=nbd",
-                          "--uri=nbd://198.18.1.12:10809/", "--rw=write", "--bs=1M", "--iodepth=8",
+                          f"--uri=nbd://{lab_addr('host2', 1)}:10809/", "--rw=write", "--bs=1M", "--iodepth=8",
                           "--size=4G", "--time_based", f"--runtime={secs}", "--output-format=json"],
                          capture_output=True, text=True)
     s = out.stdout
@@ -44,7 +46,7 @@ def lm_rate_nic1():
     for h in r["hosts"]:
         if h["host"] == "host1":
             for n in h["nics"]:
-                if n["nic"] == "nic1":
+                if n["nic"] == lab_nic("host1", "nic1"):
                     for c in n["classes"]:
                         if c["class"] == "live-migration":
                             return c["tx_rate"]
@@ -53,7 +55,7 @@ def lm_rate_nic1():
 
 def scenario(a, classes, cut):
     ferry("lab", "up", "--replace", "--hosts", "3", "--nics", "2", "--rate", a.rate)
-    nbd = subprocess.Popen(["ip", "netns", "exec", "host2", "nbdkit", "-f", "-p", "10809", "-i", "198.18.1.12",
+    nbd = subprocess.Popen(["ip", "netns", "exec", "host2", "nbdkit", "-f", "-p", "10809", "-i", lab_addr("host2", 1),
                             "memory", "4G"])
     if classes:
         ferry("bandwidth", "set", "--class", "live-migration", "--max", "60%", "--min", "30%")

@@ -15,6 +15,36 @@ def ferry(*args):
     return out.stdout
 
 
+_LINKS = None
+
+
+def _links():
+    global _LINKS
+    if _LINKS is None:
+        _LINKS = json.loads(ferry("lab", "status", "--json"))["links"]
+    return _LINKS
+
+
+def lab_nic(host, nic):
+    """A lab host's own name for its NIC `nic` (`nicK` is the one on fabric K;
+    host1's are ens1f0/ens1f1, host2's eth4/eth5, …; a real name is returned as is)."""
+    if nic.startswith("nic") and nic[3:].isdigit():
+        k = int(nic[3:])
+        for l in _links():
+            if l["host"] == host and l["fabric"] == k:
+                return l["nic"]
+        sys.exit(f"no NIC on fabric {k} on {host}")
+    return nic
+
+
+def lab_addr(host, k):
+    """The address of a lab host's NIC on fabric `k`."""
+    for l in _links():
+        if l["host"] == host and l["fabric"] == k:
+            return l["address"]
+    sys.exit(f"no NIC on fabric {k} on {host}")
+
+
 def size(s):
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1].upper(), 1)
     return int(float(s.rstrip("KMGkmg")) * mult)

@@ -11,7 +11,7 @@ QEMU time / (bytes / link rate). Needs root and a built ferry binary.
 """
 import argparse, json, subprocess, sys, time
 
-from labqemu import ferry, qemu, run_target, size, wait_ready
+from labqemu import ferry, lab_addr, qemu, run_target, size, wait_ready
 
 
 def direct_run(img, src_ns, dst_ns, dst_addr, mem, fill, dirty, src):
@@ -65,7 +65,7 @@ def main():
     src = qemu("host1", "/run/ferry/bench/host1", img, mem, fill, dirty, False)
     wait_ready("/run/ferry/bench/host1/console.log")
     time.sleep(2)
-    addrs = {"host1": "198.18.1.11", "host2": "198.18.1.12"}
+    addrs = {h: lab_addr(h, 1) for h in ("host1", "host2")}
     at = "host1"
     for i in range(a.runs):
         to = hosts[i % 2]

@@ -11,6 +11,8 @@ the same for every option that uses multifd). Needs root and a built ferry.
 """
 import argparse, json, os, subprocess, sys, time
 
+from labqemu import lab_nic
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
 TICK = os.sysconf("SC_CLK_TCK")
@@ -37,7 +39,8 @@ def where(vm):
 
 
 def move(vm, option, cut=None):
-    to = "host2" if where(vm) == "host1" else "host1"
+    where_from = where(vm)
+    to = "host2" if where_from == "host1" else "host1"
     cpu0 = agent_cpu()
     p = subprocess.Popen([FERRY, "vm", "move", vm, "--to", to, "--option", option, "--json"],
                          stdout=subprocess.PIPE, text=True)
@@ -56,7 +59,8 @@ def move(vm, option, cut=None):
         if cut_at is not None and recovered is None and len(events) > 3:
             prev = [e for e in events if e["event"] == "progress"][-3]
             dt = (ev["elapsed_ms"] - prev["elapsed_ms"]) / 1000
-            b = ev["nic_tx_bytes"].get("nic1", 0) - prev["nic_tx_bytes"].get("nic1", 0)
+            n1 = lab_nic(where_from, "nic1")
+            b = ev["nic_tx_bytes"].get(n1, 0) - prev["nic_tx_bytes"].get(n1, 0)
             if ev["elapsed_ms"] > cut_at and dt > 0 and b * 8 / dt >= 0.9 * RATE:
                 recovered = ev["elapsed_ms"]
     p.wait()

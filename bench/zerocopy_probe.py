@@ -56,7 +56,8 @@ def main():
         return
     print("| path | sends completed without a copy | sends the kernel copied |")
     print("|---|---|---|")
-    for label, srv_ns, cli_ns, addr in (("host1 nic1 → host2 (veth, namespaces)", "host2", "host1", "198.18.1.12"),
+    from labqemu import lab_addr
+    for label, srv_ns, cli_ns, addr in (("host1 nic1 → host2 (veth, namespaces)", "host2", "host1", lab_addr("host2", 1)),
                                         ("loopback", None, None, "127.0.0.1")):
         wrap = lambda ns: ["ip", "netns", "exec", ns] if ns else []
         srv = subprocess.Popen(wrap(srv_ns) + [sys.executable, __file__, "serve"])

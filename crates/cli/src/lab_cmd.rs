@@ -412,7 +412,7 @@ fn start_agent(dir: &LabDir, spec: &LabSpec, i: u32) -> anyhow::Result<()> {
         state_dir: Some(hd.clone()),
         accel: Some("tcg".into()),
         memory: Some(spec.host_memory.to_string()),
-        nics: (1..=spec.nics).map(topology::nic_name).collect(),
+        nics: (1..=spec.nics).map(|k| topology::nic_name(i, k)).collect(),
         nic_rate: Some(spec.rate.clone()),
         kernel: Some(img.kernel),
         initrd: Some(img.initrd),

@@ -34,7 +34,7 @@ impl Nbd {
                 "-p",
                 "10809",
                 "-i",
-                "198.18.1.12",
+                &nic_addr("host2", 1),
                 "memory",
                 "4G",
             ])
@@ -64,7 +64,7 @@ fn storage_load(secs: u32) -> f64 {
             "fio",
             "--name=storage",
             "--ioengine=nbd",
-            "--uri=nbd://198.18.1.12:10809/",
+            &format!("--uri=nbd://{}:10809/", nic_addr("host2", 1)),
             "--rw=write",
             "--bs=1M",
             "--iodepth=8",
@@ -114,10 +114,11 @@ fn host1_live_migration(nic: &str, field: &str) -> u64 {
         .unwrap_or_else(|| panic!("{field} of host1/{nic} live-migration"))
 }
 
-/// `tc WHAT show dev nic1` in host1: what the kernel really has.
+/// `tc WHAT show dev NIC` for host1's first NIC: what the kernel really has.
 fn host1_nic1_tc(what: &str) -> String {
     let out = Command::new("ip")
-        .args(["netns", "exec", "host1", "tc", what, "show", "dev", "nic1"])
+        .args(["netns", "exec", "host1", "tc", what, "show", "dev"])
+        .arg(nic("host1", 1))
         .output()
         .unwrap();
     String::from_utf8_lossy(&out.stdout).into_owned()
@@ -188,11 +189,12 @@ fn a_capped_migration_leaves_storage_its_share_and_caps_follow_the_nics_up() {
     ferry_ok(&["bandwidth", "set", "--class", "storage", "--min", "40%"]);
     let r = ferry_json(&["bandwidth", "list"]);
     for host in ["host1", "host2", "host3"] {
-        for nic in ["nic1", "nic2"] {
-            let lm = class_on(&r, host, nic, "live-migration");
+        for k in [1, 2] {
+            let n = nic(host, k);
+            let lm = class_on(&r, host, &n, "live-migration");
             assert_eq!(lm["ceil"], 120_000_000u64, "{lm}");
             assert_eq!(lm["rate"], 60_000_000u64, "{lm}");
-            assert_eq!(class_on(&r, host, nic, "storage")["rate"], 120_000_000u64);
+            assert_eq!(class_on(&r, host, &n, "storage")["rate"], 120_000_000u64);
         }
     }
     // the kernel really has them
@@ -201,7 +203,7 @@ fn a_capped_migration_leaves_storage_its_share_and_caps_follow_the_nics_up() {
 
     let _nbd = Nbd::start();
     let _vm = VmGuard::create("bw1", "host1", "384M", "256M");
-    let lm_before = host1_live_migration("nic1", "tx_bytes");
+    let lm_before = host1_live_migration(&nic("host1", 1), "tx_bytes");
     // storage load on nic1 while the VM moves over nic1 (tcp: QEMU's one stream)
     let mover = std::thread::spawn(|| {
         // the cap makes the move slower than the default timeout allows
@@ -244,7 +246,7 @@ fn a_capped_migration_leaves_storage_its_share_and_caps_follow_the_nics_up() {
         "storage below its minimum: {storage}"
     );
     // the migration's bytes were counted in the live-migration class
-    let lm_after = host1_live_migration("nic1", "tx_bytes");
+    let lm_after = host1_live_migration(&nic("host1", 1), "tx_bytes");
     let moved = report["bytes_transferred"].as_u64().unwrap();
     assert!(
         lm_after - lm_before >= moved / 10 * 9,
@@ -263,15 +265,15 @@ fn a_capped_migration_leaves_storage_its_share_and_caps_follow_the_nics_up() {
     ]);
     let ceil = |nic: &str| host1_live_migration(nic, "ceil");
     wait_for("240mbit split 120/120", || {
-        ceil("nic1") == 120_000_000 && ceil("nic2") == 120_000_000
+        ceil(&nic("host1", 1)) == 120_000_000 && ceil(&nic("host1", 2)) == 120_000_000
     });
     ferry_ok(&["lab", "link", "host1", "nic2", "down"]);
     wait_for("nic1 carries the whole 240mbit cap", || {
-        ceil("nic1") == 240_000_000
+        ceil(&nic("host1", 1)) == 240_000_000
     });
     ferry_ok(&["lab", "link", "host1", "nic2", "up"]);
     wait_for("back to 120/120", || {
-        ceil("nic1") == 120_000_000 && ceil("nic2") == 120_000_000
+        ceil(&nic("host1", 1)) == 120_000_000 && ceil(&nic("host1", 2)) == 120_000_000
     });
 
     // cleared: the NICs are one queue again

@@ -11,35 +11,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use common::*;
-
-/// Times the guest's vCPUs were started by a QEMU, from its log.
-fn runs_in(log: &Path) -> usize {
-    let text =
-        std::fs::read_to_string(log).unwrap_or_else(|e| panic!("reading {}: {e}", log.display()));
-    text.lines()
-        .filter(|l| l.contains("vm_state_notify running 1"))
-        .count()
-}
-
-/// The one file in `dir` whose name starts with `prefix` and ends with `suffix`.
-fn one_file(dir: &str, prefix: &str, suffix: &str) -> PathBuf {
-    let found: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("{dir}: {e}"))
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            let n = p.file_name().unwrap().to_string_lossy();
-            n.starts_with(prefix) && n.ends_with(suffix)
-        })
-        .collect();
-    assert_eq!(found.len(), 1, "{dir}/{prefix}*{suffix}: {found:?}");
-    found.into_iter().next().unwrap()
-}
 
 #[test]
 #[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]

@@ -185,7 +185,7 @@ fn postcopy_survives_a_nic_cut() {
         .as_array()
         .unwrap()
         .iter()
-        .find(|c| c["nic"] == "nic2")
+        .find(|c| c["nic"] == nic("host1", 2).as_str())
         .unwrap()
         .clone();
     assert!(

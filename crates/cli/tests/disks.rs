@@ -256,7 +256,7 @@ fn a_shared_disk_serves_two_guests_and_follows_a_migration() {
     for want in [
         "ferry_migration_state{vm=\"gc1\",source=\"host1\",target=\"host2\"} 1",
         "ferry_migration_downtime_seconds{vm=\"gc1\",source=\"host1\",target=\"host2\"}",
-        "ferry_nic_transmit_bytes_total{host=\"host1\",nic=\"nic1\"}",
+        &format!("ferry_nic_transmit_bytes_total{{host=\"host1\",nic=\"{}\"}}", nic("host1", 1)),
         "ferry_storage_flow_iops{flow=\"quorum/gc2\",disk=\"quorum\",node=\"storage1\",initiator=\"gc2\",host=\"host2\"}",
     ] {
         assert!(text.contains(want), "metrics lack {want}:\n{text}");

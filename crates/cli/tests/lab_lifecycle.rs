@@ -52,9 +52,8 @@ fn lab_up_status_link_cut_and_down() {
     assert!(agents.iter().all(|a| a["running"] == true), "{st}");
     // shaped: tbf at 500mbit on the host side of each NIC
     let tc = std::process::Command::new("ip")
-        .args([
-            "netns", "exec", "host1", "tc", "qdisc", "show", "dev", "nic2",
-        ])
+        .args(["netns", "exec", "host1", "tc", "qdisc", "show", "dev"])
+        .arg(nic("host1", 2))
         .output()
         .unwrap();
     let tc = String::from_utf8_lossy(&tc.stdout);
@@ -194,15 +193,15 @@ fn active_backup_team_moves_both_ends_off_a_cut_link() {
     let out = ferry_ok(&["lab", "team", "active-backup"]);
     assert!(out.contains("host1: migrate to 198.19.0.11"), "{out}");
     assert!(out.contains("monitors started"), "{out}");
-    assert!(team_route("host1", "198.19.0.12").contains("dev nic1"));
-    assert!(team_route("host2", "198.19.0.11").contains("dev nic1"));
+    assert!(team_route("host1", "198.19.0.12").contains(&format!("dev {}", nic("host1", 1))));
+    assert!(team_route("host2", "198.19.0.11").contains(&format!("dev {}", nic("host2", 1))));
     assert!(team_ping(), "the team addresses reach each other over nic1");
     // host1's active cable pulled: both ends move to fabric 2, as a bond's ARP
     // monitor would make them
     ferry_ok(&["lab", "link", "host1", "nic1", "down"]);
     let t0 = std::time::Instant::now();
-    while !(team_route("host1", "198.19.0.12").contains("dev nic2")
-        && team_route("host2", "198.19.0.11").contains("dev nic2"))
+    while !(team_route("host1", "198.19.0.12").contains(&format!("dev {}", nic("host1", 2)))
+        && team_route("host2", "198.19.0.11").contains(&format!("dev {}", nic("host2", 2))))
     {
         assert!(
             t0.elapsed() < std::time::Duration::from_secs(3),

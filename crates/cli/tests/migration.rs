@@ -40,7 +40,7 @@ fn vm_with_1gib_filled_moves_host1_host2_three_times_intact() {
                 "throughput {throughput} B/s: {r}"
             );
             assert!(
-                r["nic_tx_bytes"]["nic1"].as_u64().unwrap() >= 1 << 30,
+                r["nic_tx_bytes"][nic("host1", 1)].as_u64().unwrap() >= 1 << 30,
                 "{r}"
             );
             // the counter kept advancing across the switch-over, and the guest verified itself
@@ -99,12 +99,15 @@ fn target_agent_killed_mid_migration_leaves_guest_running_on_source() {
     assert_eq!(r["event"], "failed", "{r}");
     assert_eq!(r["error"]["running_on"], "host1", "{r}");
     assert_intact_on("ka1", "host1");
-    // the target QEMU died with its agent
+    // the skeleton outlives its agent, paused; the restarted agent finds its
+    // `waiting` record and kills it: it never ran
+    ferry_ok(&["lab", "restart-agent", "host2"]);
     assert!(
         qemu_pids("host2").is_empty(),
-        "a target QEMU survived its agent"
+        "the skeleton survived its agent's restart"
     );
-    ferry_ok(&["lab", "restart-agent", "host2"]);
+    let log = one_file(&format!("{LAB}/host2/log"), "ka1.", ".target.qemu.log");
+    assert_eq!(runs_in(&log), 0, "the skeleton ran");
     // and the VM can still move once the agent is back
     assert_eq!(move_vm("ka1", "host2", "tcp")["event"], "completed");
     assert_intact_on("ka1", "host2");
@@ -154,7 +157,10 @@ fn link_cut_mid_migration_leaves_guest_running_on_source() {
     assert_eq!(r["event"], "failed", "{r}");
     assert_eq!(r["error"]["step"], "copy");
     assert!(
-        r["error"]["reason"].as_str().unwrap().contains("nic1"),
+        r["error"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains(&nic("host1", 1)),
         "{r}"
     );
     assert_eq!(r["error"]["running_on"], "host1");
@@ -224,7 +230,7 @@ fn unauthenticated_requests_are_refused() {
         s.read_to_string(&mut out).unwrap();
         out
     };
-    let body = r#"{"migration_id":"x","source":"evil","spec":{"name":"evil","memory":268435456,"fill":0,"dirty_rate":0},"reachable_nics":["nic1"]}"#;
+    let body = r#"{"migration_id":"x","source":"evil","spec":{"name":"evil","memory":268435456,"fill":0,"dirty_rate":0},"reachable_nics":["eth4"]}"#;
     let requests = [
         ("198.18.0.11:7800", "GET /api/v1/host HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n".to_string()),
         ("198.18.0.12:7800", format!("POST /api/v1/incoming HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len())),

@@ -38,7 +38,10 @@ fn multichannel_move_spreads_over_both_nics() {
     assert_eq!(r["event"], "completed", "{r}");
     assert_eq!(r["option"], "multichannel");
     assert_eq!(r["data_path"], "ferry-transport");
-    let (a, b) = (nic_bytes(&r, "nic1"), nic_bytes(&r, "nic2"));
+    let (a, b) = (
+        nic_bytes(&r, &nic("host1", 1)),
+        nic_bytes(&r, &nic("host1", 2)),
+    );
     let total = r["bytes_transferred"].as_u64().unwrap();
     // QEMU also counts zero pages it only describes; the payload is what crossed
     assert!(
@@ -77,7 +80,7 @@ fn multichannel_move_spreads_over_both_nics() {
     // compress goes by the handed-off MPTCP socket
     let r = auto_move("mc1", "host1", ("mptcp", "ferry-mptcp"));
     assert!(
-        nic_bytes(&r, "nic1") > 0 && nic_bytes(&r, "nic2") > 0,
+        nic_bytes(&r, &nic("host1", 1)) > 0 && nic_bytes(&r, &nic("host1", 2)) > 0,
         "auto used one NIC: {r}"
     );
     assert_eq!(r["encrypted"], false);
@@ -96,7 +99,7 @@ fn multichannel_move_spreads_over_both_nics() {
         "{r}"
     );
     assert!(
-        nic_bytes(&r, "nic1") > 0 && nic_bytes(&r, "nic2") > 0,
+        nic_bytes(&r, &nic("host1", 1)) > 0 && nic_bytes(&r, &nic("host1", 2)) > 0,
         "{r}"
     );
     assert_intact_on("mc1", "host2");
@@ -116,15 +119,24 @@ fn a_nic_cut_mid_multichannel_move_is_absorbed() {
     ferry_ok(&["lab", "link", "host2", "nic2", "up"]);
     assert_eq!(r["event"], "completed", "{r}");
     let carriers = r["carriers"].as_array().unwrap();
-    let nic2 = carriers.iter().find(|c| c["nic"] == "nic2").unwrap();
+    let nic2 = carriers
+        .iter()
+        .find(|c| c["nic"] == nic("host1", 2).as_str())
+        .unwrap();
     assert!(
         nic2["failures"].as_u64().unwrap() >= 1,
         "the cut was not noticed: {r}"
     );
-    let nic1 = carriers.iter().find(|c| c["nic"] == "nic1").unwrap();
+    let nic1 = carriers
+        .iter()
+        .find(|c| c["nic"] == nic("host1", 1).as_str())
+        .unwrap();
     assert_eq!(nic1["failures"], 0);
     // nic1 carried the rest
-    assert!(nic_bytes(&r, "nic1") > nic_bytes(&r, "nic2"), "{r}");
+    assert!(
+        nic_bytes(&r, &nic("host1", 1)) > nic_bytes(&r, &nic("host1", 2)),
+        "{r}"
+    );
     assert!(r["downtime_ms"].as_u64().unwrap() < 1000, "{r}");
     assert_intact_on("mc2", "host2");
 }
@@ -183,7 +195,10 @@ fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
     assert_eq!(r["data_path"], "ferry-mptcp", "{r}");
     let total = r["bytes_transferred"].as_u64().unwrap();
     let carriers = r["carriers"].as_array().unwrap();
-    let nic2 = carriers.iter().find(|c| c["nic"] == "nic2").unwrap();
+    let nic2 = carriers
+        .iter()
+        .find(|c| c["nic"] == nic("host1", 2).as_str())
+        .unwrap();
     // nic2 came back after ~150 MiB of ~770: it must have carried a share of the rest
     let carried = nic2["tx_bytes"].as_u64().unwrap();
     assert!(

@@ -70,7 +70,7 @@ fn validation_finds_and_names_mtu_mismatch_cut_link_and_slow_path() {
     assert_eq!(mtu.len(), 1, "{mtu:?}");
     assert_eq!(
         (mtu[0]["host"].as_str(), mtu[0]["nic"].as_str()),
-        (Some("host2"), Some("nic1"))
+        (Some("host2"), Some(nic("host2", 1).as_str()))
     );
     let paths = rows(&r, "mtu-path", "fail");
     assert!(!paths.is_empty());
@@ -80,7 +80,7 @@ fn validation_finds_and_names_mtu_mismatch_cut_link_and_slow_path() {
             p["observed"]
                 .as_str()
                 .unwrap()
-                .contains("host2 nic1 has MTU 1400"),
+                .contains(&format!("host2 {} has MTU 1400", nic("host2", 1))),
             "{p}"
         );
     }
@@ -94,7 +94,7 @@ fn validation_finds_and_names_mtu_mismatch_cut_link_and_slow_path() {
     assert_eq!(link.len(), 1, "{link:?}");
     assert_eq!(
         (link[0]["host"].as_str(), link[0]["nic"].as_str()),
-        (Some("host3"), Some("nic2"))
+        (Some("host3"), Some(nic("host3", 2).as_str()))
     );
     let mtu_fails = rows(&r, "mtu-path", "fail");
     assert!(
@@ -114,13 +114,13 @@ fn validation_finds_and_names_mtu_mismatch_cut_link_and_slow_path() {
     for s in &slow {
         assert_eq!(
             (s["host"].as_str(), s["nic"].as_str()),
-            (Some("host1"), Some("nic2")),
+            (Some("host1"), Some(nic("host1", 2).as_str())),
             "{s}"
         );
     }
     let fast = rows(&r, "throughput", "pass");
     assert!(!fast.is_empty(), "nic1's paths pass");
-    assert!(fast.iter().all(|p| p["nic"] == "nic1"));
+    assert!(fast.iter().all(|p| p["nic"] == nic("host1", 1).as_str()));
 
     // a move between hosts whose path validation marked failed warns first
     let _vm = VmGuard::create("val1", "host1", "256M", "64M");
@@ -136,7 +136,7 @@ fn validation_finds_and_names_mtu_mismatch_cut_link_and_slow_path() {
     assert!(events[0]["message"]
         .as_str()
         .unwrap()
-        .contains("host1 nic2"));
+        .contains(&format!("host1 {}", nic("host1", 2))));
     assert_eq!(events.last().unwrap()["event"], "completed");
 
     // and with the lab repaired, validation is clean again

@@ -72,8 +72,8 @@ struct Prober {
 }
 
 impl Prober {
-    fn new(fabric: u32) -> Result<Prober, LabError> {
-        let what = format!("an ICMP socket on {}", nic_name(fabric));
+    fn new(i: u32, fabric: u32) -> Result<Prober, LabError> {
+        let what = format!("an ICMP socket on {}", nic_name(i, fabric));
         // SAFETY: socket(2) with constant arguments.
         let raw = unsafe {
             libc::socket(
@@ -90,7 +90,7 @@ impl Prober {
         }
         // SAFETY: a fresh descriptor this function owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let dev = nic_name(fabric);
+        let dev = nic_name(i, fabric);
         // SAFETY: `dev` outlives the call; its length is passed.
         let r = unsafe {
             libc::setsockopt(
@@ -173,7 +173,9 @@ fn route_via(i: u32, j: u32, k: u32) -> Result<(), LabError> {
 
 /// Runs host `i`'s monitor, in its own namespace, until killed.
 pub fn run_monitor(spec: &LabSpec, i: u32) -> Result<(), LabError> {
-    let probers: Vec<Prober> = (1..=spec.nics).map(Prober::new).collect::<Result<_, _>>()?;
+    let probers: Vec<Prober> = (1..=spec.nics)
+        .map(|k| Prober::new(i, k))
+        .collect::<Result<_, _>>()?;
     let peers: Vec<u32> = (1..=spec.hosts).filter(|j| *j != i).collect();
     let id = (std::process::id() & 0xffff) as u16;
     let start = Instant::now();

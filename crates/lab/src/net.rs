@@ -77,7 +77,7 @@ pub fn create(spec: &LabSpec) -> Result<(), LabError> {
         )?;
         in_ns(&h, &["link", "set", "mgmt0", "up"])?;
         for k in 1..=spec.nics {
-            let (fab, nic, port) = (fabric_ns(k), nic_name(k), switch_port(i, k));
+            let (fab, nic, port) = (fabric_ns(k), nic_name(i, k), switch_port(i, k));
             in_ns(
                 &h,
                 &[
@@ -166,12 +166,16 @@ fn locate(spec: &LabSpec, host: &str, nic: &str) -> Result<(u32, u32), LabError>
                 spec.hosts
             ))
         })?;
-    let k = nic_index(nic).filter(|k| *k <= spec.nics).ok_or_else(|| {
-        LabError::Invalid(format!(
-            "no NIC named '{nic}' on {host} (nic1..nic{})",
-            spec.nics
-        ))
-    })?;
+    let k = nic_index(i, nic)
+        .filter(|k| *k <= spec.nics)
+        .ok_or_else(|| {
+            let names: Vec<String> = (1..=spec.nics).map(|k| nic_name(i, k)).collect();
+            LabError::Invalid(format!(
+                "no NIC named '{nic}' on {host} ({}, or nic1..nic{})",
+                names.join(", "),
+                spec.nics
+            ))
+        })?;
     Ok((i, k))
 }
 
@@ -232,7 +236,7 @@ pub fn status(spec: &LabSpec) -> Vec<LinkStatus> {
         let json = in_ns(&h, &["-j", "-s", "link", "show"]).unwrap_or_else(|_| "[]".into());
         let links: Vec<serde_json::Value> = serde_json::from_str(&json).unwrap_or_default();
         for k in 1..=spec.nics {
-            let nic = nic_name(k);
+            let nic = nic_name(i, k);
             let l = links.iter().find(|l| l["ifname"] == nic.as_str());
             let stat = |dir: &str| {
                 l.and_then(|l| l["stats64"][dir]["bytes"].as_u64())

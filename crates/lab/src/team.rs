@@ -45,7 +45,7 @@ pub(crate) fn backup_route(i: u32, j: u32, k: u32) -> Vec<String> {
         "via".into(),
         nic_addr(j, k),
         "dev".into(),
-        nic_name(k),
+        nic_name(i, k),
         "src".into(),
         team_addr(i),
     ]
@@ -124,10 +124,17 @@ pub fn set(spec: &LabSpec, kind: TeamKind) -> Result<Vec<(String, String)>, LabE
                     sysctl(&h, k, v)?;
                 }
                 for k in 1..=spec.nics {
-                    sysctl(&h, &format!("net.ipv4.conf.{}.rp_filter", nic_name(k)), "0")?;
                     sysctl(
                         &h,
-                        &format!("net.ipv4.conf.{}.ignore_routes_with_linkdown", nic_name(k)),
+                        &format!("net.ipv4.conf.{}.rp_filter", nic_name(i, k)),
+                        "0",
+                    )?;
+                    sysctl(
+                        &h,
+                        &format!(
+                            "net.ipv4.conf.{}.ignore_routes_with_linkdown",
+                            nic_name(i, k)
+                        ),
                         "1",
                     )?;
                 }
@@ -149,7 +156,7 @@ pub fn set(spec: &LabSpec, kind: TeamKind) -> Result<Vec<(String, String)>, LabE
                         .collect();
                     for k in 1..=spec.nics {
                         args.extend(
-                            ["nexthop", "via", &nic_addr(j, k), "dev", &nic_name(k)]
+                            ["nexthop", "via", &nic_addr(j, k), "dev", &nic_name(i, k)]
                                 .iter()
                                 .map(|s| s.to_string()),
                         );
@@ -170,7 +177,7 @@ pub fn set(spec: &LabSpec, kind: TeamKind) -> Result<Vec<(String, String)>, LabE
                             "add",
                             &nic_addr(i, k),
                             "dev",
-                            &nic_name(k),
+                            &nic_name(i, k),
                             "signal",
                         ],
                     )?;

@@ -4,11 +4,17 @@
 //!   root namespace: bridge ferry-mgmt 198.18.0.1/24 (control service)
 //!        │ fm-h<i>
 //!   host<i> namespace: mgmt0 198.18.0.(10+i)   agent listens here, port 7800
-//!                      nic<k> 198.18.k.(10+i)  wired to fabric k
+//!                      NIC k: a name of host i's own  wired to fabric k
+//!                      (host1 ens1f0 ens1f1, host2 eth4 eth5, host3 enp3s0 enp4s0, …)
+//!                      address FABRIC_NETS[k].(10+i)/24
 //!        │ h<i>n<k>
 //!   ferry-fab<k> namespace: bridge br0 (an independent switch per fabric)
 //! ```
 //! All addresses are inside 198.18.0.0/15 (RFC 2544 benchmarking space).
+//! Neither a NIC's name nor its address says which fabric it is on: the
+//! agents find out by probing, as on real hosts. Only the lab itself (its
+//! commands `ferry lab link|mtu|rate HOST NIC`, which also take `nicK`)
+//! knows the plan.
 
 use serde::{Deserialize, Serialize};
 
@@ -96,16 +102,26 @@ pub fn fabric_ns(k: u32) -> String {
     format!("ferry-fab{k}")
 }
 
-pub fn nic_name(k: u32) -> String {
-    format!("nic{k}")
+/// Host `i`'s name for its NIC on fabric `k`: three naming schemes in
+/// turn, as three kinds of server would have.
+pub fn nic_name(i: u32, k: u32) -> String {
+    match i % 3 {
+        1 => format!("ens1f{}", k - 1),
+        2 => format!("eth{}", k + 3),
+        _ => format!("enp{}s0", k + 2),
+    }
 }
 
-/// Index of `nicK`.
-pub fn nic_index(name: &str) -> Option<u32> {
-    name.strip_prefix("nic")?
-        .parse()
-        .ok()
+/// The fabric of host `i`'s NIC `name`: its own name, or `nicK`.
+pub fn nic_index(i: u32, name: &str) -> Option<u32> {
+    if let Some(k) = name
+        .strip_prefix("nic")
+        .and_then(|k| k.parse().ok())
         .filter(|k| (1..=MAX_NICS).contains(k))
+    {
+        return Some(k);
+    }
+    (1..=MAX_NICS).find(|k| nic_name(i, *k) == name)
 }
 
 /// The switch-side end of host `i`'s NIC `k`, inside the fabric namespace.
@@ -126,8 +142,20 @@ pub fn mgmt_addr(i: u32) -> String {
     format!("198.18.0.{}", last_octet(i))
 }
 
+/// Each fabric's /24, in no order that says which fabric it is.
+const FABRIC_NETS: [&str; MAX_NICS as usize] = [
+    "198.19.37",
+    "198.18.201",
+    "198.19.112",
+    "198.18.77",
+    "198.19.5",
+    "198.18.150",
+    "198.19.240",
+    "198.18.99",
+];
+
 pub fn nic_addr(i: u32, k: u32) -> String {
-    format!("198.18.{k}.{}", last_octet(i))
+    format!("{}.{}", FABRIC_NETS[(k - 1) as usize], last_octet(i))
 }
 
 pub fn agent_url(i: u32) -> String {
@@ -159,15 +187,6 @@ pub fn peer_addresses(spec: &LabSpec) -> Vec<(std::net::IpAddr, String)> {
     v
 }
 
-/// The fabric a NIC address belongs to (`198.18.K.x` → K).
-pub fn fabric_of_addr(addr: &str) -> Option<u32> {
-    let mut it = addr.split('.');
-    match (it.next(), it.next(), it.next()) {
-        (Some("198"), Some("18"), Some(k)) => k.parse().ok().filter(|k| (1..=MAX_NICS).contains(k)),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -187,8 +206,11 @@ mod tests {
         for i in 1..=MAX_HOSTS {
             for k in 1..=MAX_NICS {
                 let a = nic_addr(i, k);
-                assert!(a.starts_with("198.18."), "{a}");
-                assert_eq!(fabric_of_addr(&a), Some(k));
+                assert!(a.starts_with("198.18.") || a.starts_with("198.19."), "{a}");
+                assert!(
+                    !a.starts_with("198.18.0.") && !a.starts_with("198.19.0."),
+                    "{a}"
+                );
                 let last: u32 = a.rsplit('.').next().unwrap().parse().unwrap();
                 assert!(last < 255);
             }
@@ -226,7 +248,20 @@ mod tests {
     fn names_parse_back() {
         assert_eq!(host_index("host12"), Some(12));
         assert_eq!(host_index("hostx"), None);
-        assert_eq!(nic_index("nic2"), Some(2));
-        assert_eq!(nic_index("eth0"), None);
+        assert_eq!(nic_index(1, "nic2"), Some(2));
+        assert_eq!(nic_index(1, "ens1f1"), Some(2));
+        assert_eq!(nic_index(2, "eth4"), Some(1));
+        assert_eq!(nic_index(3, "enp4s0"), Some(2));
+        assert_eq!(nic_index(1, "eth4"), None);
+        assert_eq!(nic_index(2, "eth0"), None);
+        for i in 1..=MAX_HOSTS {
+            for k in 1..=MAX_NICS {
+                assert!(nic_name(i, k).len() <= 15);
+                assert_eq!(nic_index(i, &nic_name(i, k)), Some(k));
+            }
+        }
+        // three hosts, three naming schemes
+        assert_ne!(nic_name(1, 1), nic_name(2, 1));
+        assert_ne!(nic_name(2, 1), nic_name(3, 1));
     }
 }

@@ -7,6 +7,7 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -283,4 +284,44 @@ pub fn wait_settled_on(name: &str, host: &str, gone: &str, within: Duration) {
         );
         std::thread::sleep(Duration::from_millis(500));
     }
+}
+
+/// Times the guest's vCPUs were started by a QEMU, from its log.
+pub fn runs_in(log: &Path) -> usize {
+    let text =
+        std::fs::read_to_string(log).unwrap_or_else(|e| panic!("reading {}: {e}", log.display()));
+    text.lines()
+        .filter(|l| l.contains("vm_state_notify running 1"))
+        .count()
+}
+
+/// The one file in `dir` whose name starts with `prefix` and ends with `suffix`.
+pub fn one_file(dir: &str, prefix: &str, suffix: &str) -> PathBuf {
+    let found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{dir}: {e}"))
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let n = p.file_name().unwrap().to_string_lossy();
+            n.starts_with(prefix) && n.ends_with(suffix)
+        })
+        .collect();
+    assert_eq!(found.len(), 1, "{dir}/{prefix}*{suffix}: {found:?}");
+    found.into_iter().next().unwrap()
+}
+
+fn lab_host(host: &str) -> u32 {
+    ferry_lab::topology::host_index(host).unwrap_or_else(|| panic!("{host} is not a lab host"))
+}
+
+/// `host`'s own name for its NIC on lab fabric `k` (host1's are `ens1f0`,
+/// `ens1f1`; host2's `eth4`, `eth5`; host3's `enp3s0`, `enp4s0`). Lab
+/// commands take `nicK` as well; what agents report is the real name.
+pub fn nic(host: &str, k: u32) -> String {
+    ferry_lab::topology::nic_name(lab_host(host), k)
+}
+
+/// The address of `host`'s NIC on lab fabric `k`.
+pub fn nic_addr(host: &str, k: u32) -> String {
+    ferry_lab::topology::nic_addr(lab_host(host), k)
 }
