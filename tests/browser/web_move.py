@@ -45,6 +45,9 @@ def main():
     ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", "300mbit")
     ferry("vm", "create", "web1", "--host", "host1", "--memory", "512M", "--fill", "384M")
     token = open("/run/ferry/lab/cluster.token").read().strip()
+    # host1's NICs by their own names (the lab names them as hardware would)
+    links = json.loads(ferry("lab", "status", "--json"))["links"]
+    keys = [f"host1/{l['nic']}" for l in links if l["host"] == "host1"]
     opts = Options()
     for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1200"):
         opts.add_argument(a)
@@ -55,7 +58,7 @@ def main():
         wait("the page polls the API", lambda: d.execute_script("return window.ferry.polls") >= 3, 20)
         wait("a graph per host", lambda: len(d.find_elements(By.CSS_SELECTOR, "#host-host1 canvas")) > 0, 10)
         rates = lambda: d.execute_script("return window.ferry.peakRates")
-        idle = max(rates().get(k, 0) for k in ("host1/nic1", "host1/nic2"))
+        idle = max(rates().get(k, 0) for k in keys)
         Select(d.find_element(By.ID, "to-web1")).select_by_value("host2")
         d.find_element(By.ID, "move-web1").click()
         wait("the move to finish", lambda: d.execute_script("return (window.ferry.moves.web1 || {}).done"), 180)
@@ -68,7 +71,7 @@ def main():
             sys.exit(f"FAIL: the page does not say the move finished: {status!r}")
         time.sleep(2)
         peak = rates()
-        busy = {k: peak.get(k, 0) for k in ("host1/nic1", "host1/nic2")}
+        busy = {k: peak.get(k, 0) for k in keys}
         # the graph saw both NICs carry the move (multichannel), well above idle
         for k, v in busy.items():
             if v < 50 or v < 5 * max(idle, 1):

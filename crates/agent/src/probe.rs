@@ -279,6 +279,8 @@ pub struct PeerPaths {
     pub local_links: Vec<(String, bool)>,
     /// The peer's NICs (name, address, up) when probed.
     pub peer_nics: Vec<(String, String, bool)>,
+    /// The peer's probe port.
+    pub port: u16,
     pub pairs: Vec<NicPath>,
 }
 
@@ -378,8 +380,36 @@ pub async fn probe_all(
         at: Instant::now(),
         local_links: links(local),
         peer_nics: peer_links(peer_nics),
+        port,
         pairs,
     }
+}
+
+/// The peer NIC that local `nic` reaches, probed now: each of the peer's
+/// NICs that were up is tried until a probe arrives on the NIC it was sent to.
+pub async fn reach_now(
+    me: &str,
+    secret: &[u8],
+    (nic, local): (&str, Ipv4Addr),
+    peer: &str,
+    peer_nics: &[(String, String, bool)],
+    port: u16,
+) -> Option<String> {
+    for (name, addr, up) in peer_nics {
+        let Ok(a) = addr.parse::<Ipv4Addr>() else {
+            continue;
+        };
+        if !up {
+            continue;
+        }
+        let to = (peer, SocketAddr::new(IpAddr::V4(a), port));
+        if let Ok((arrived, _)) = probe(me, secret, (nic, local), to).await {
+            if arrived == *name {
+                return Some(arrived);
+            }
+        }
+    }
+    None
 }
 
 /// Every peer's pairs, by peer name.

@@ -177,6 +177,17 @@ pub fn credential(flag: Option<&PathBuf>, file: Option<&PathBuf>) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(DEFAULT_CREDENTIAL))
 }
 
+/// Reads the cluster credential: the flag, the file's key, or the default.
+pub fn load_credential(
+    flag: Option<&PathBuf>,
+    file: Option<&PathBuf>,
+) -> anyhow::Result<ferry_api::auth::Credential> {
+    use anyhow::Context;
+    let path = credential(flag, file);
+    ferry_api::auth::Credential::load(&path)
+        .with_context(|| format!("reading the cluster credential {}", path.display()))
+}
+
 /// The host's memory (`MemTotal` of /proc/meminfo), bytes.
 pub fn host_memory() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;

@@ -266,9 +266,7 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
         a.config.as_deref(),
         &format!("{}/control.toml", config::ETC),
     )?;
-    let token_file = config::credential(a.token_file.as_ref(), f.credential.as_ref());
-    let cred = ferry_api::auth::Credential::load(&token_file)
-        .with_context(|| format!("reading the cluster credential {}", token_file.display()))?;
+    let cred = config::load_credential(a.token_file.as_ref(), f.credential.as_ref())?;
     let mut hosts: Vec<(String, String)> = f.hosts.clone().into_iter().collect();
     for h in &a.hosts {
         let (n, u) = h
@@ -344,9 +342,7 @@ pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
         a.config.as_deref(),
         &format!("{}/storage.toml", config::ETC),
     )?;
-    let token_file = config::credential(a.token_file.as_ref(), f.credential.as_ref());
-    let cred = ferry_api::auth::Credential::load(&token_file)
-        .with_context(|| format!("reading the cluster credential {}", token_file.display()))?;
+    let cred = config::load_credential(a.token_file.as_ref(), f.credential.as_ref())?;
     let mut peers = std::collections::BTreeMap::new();
     for (ip, host) in &f.peers {
         let addr: std::net::IpAddr = ip.parse().map_err(|_| config::ConfigError::Key {

@@ -80,7 +80,7 @@ fn multichannel_move_spreads_over_both_nics() {
     // compress goes by the handed-off MPTCP socket
     let r = auto_move("mc1", "host1", ("mptcp", "ferry-mptcp"));
     assert!(
-        nic_bytes(&r, &nic("host1", 1)) > 0 && nic_bytes(&r, &nic("host1", 2)) > 0,
+        nic_bytes(&r, &nic("host2", 1)) > 0 && nic_bytes(&r, &nic("host2", 2)) > 0,
         "auto used one NIC: {r}"
     );
     assert_eq!(r["encrypted"], false);

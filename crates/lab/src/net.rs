@@ -182,18 +182,22 @@ fn locate(spec: &LabSpec, host: &str, nic: &str) -> Result<(u32, u32), LabError>
 /// Sets the MTU of a host's NIC on the host side only, as a host configured
 /// differently from the rest would be.
 pub fn set_mtu(spec: &LabSpec, host: &str, nic: &str, mtu: u32) -> Result<(), LabError> {
-    locate(spec, host, nic)?;
+    let (i, k) = locate(spec, host, nic)?;
     if !(576..=9000).contains(&mtu) {
         return Err(LabError::Invalid(format!("MTU {mtu} is outside 576..9000")));
     }
-    in_ns(host, &["link", "set", nic, "mtu", &mtu.to_string()]).map(|_| ())
+    in_ns(
+        host,
+        &["link", "set", &nic_name(i, k), "mtu", &mtu.to_string()],
+    )
+    .map(|_| ())
 }
 
 /// Reshapes both directions of one host NIC's link.
 pub fn set_rate(spec: &LabSpec, host: &str, nic: &str, rate: &str) -> Result<(), LabError> {
     let (i, k) = locate(spec, host, nic)?;
     parse_rate(rate)?;
-    shape(host, nic, rate)?;
+    shape(host, &nic_name(i, k), rate)?;
     shape(&fabric_ns(k), &switch_port(i, k), rate)
 }
 

@@ -1360,19 +1360,48 @@ impl Agent {
         if due.is_empty() {
             return;
         }
-        let pairs = self.paths.get(peer).map(|p| p.pairs).unwrap_or_default();
+        let Some(pp) = self.paths.get(peer) else {
+            return;
+        };
+        let mine = self.nics();
         for nic in due {
-            // the target's NIC this one was probed to reach
-            let Some(peer_nic) = pairs
+            // the target's NIC this one was probed to reach; a NIC that was
+            // down when the pairs were probed is probed now
+            let cached = pp
+                .pairs
                 .iter()
                 .find(|p| p.nic == nic && p.reachable)
-                .map(|p| p.peer_nic.clone())
+                .map(|p| p.peer_nic.clone());
+            let Some(local) = mine
+                .iter()
+                .find(|n| n.name == nic)
+                .and_then(|n| n.address.parse::<std::net::Ipv4Addr>().ok())
             else {
                 continue;
             };
+            let (me, secret) = (self.cfg.name.clone(), self.cred.secret().to_vec());
+            let (peer, peer_nics, port) = (peer.to_string(), pp.peer_nics.clone(), pp.port);
             let target = target.clone();
             let path = format!("/incoming/{id}/rejoin");
             tokio::spawn(async move {
+                let peer_nic = match cached {
+                    Some(n) => Some(n),
+                    None => {
+                        crate::probe::reach_now(
+                            &me,
+                            &secret,
+                            (&nic, local),
+                            &peer,
+                            &peer_nics,
+                            port,
+                        )
+                        .await
+                    }
+                };
+                let Some(peer_nic) = peer_nic else {
+                    tracing::warn!(%nic, "no NIC of the target answers a probe from it; no rejoin");
+                    return;
+                };
                 let r: Result<serde_json::Value, _> = target
                     .post(
                         &path,
