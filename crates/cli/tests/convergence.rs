@@ -179,6 +179,12 @@ fn postcopy_survives_a_nic_cut() {
         },
     );
     ferry_ok(&["lab", "link", "host3", "nic2", "up"]);
+    if r["event"] != "completed" {
+        // what both transports saw, for the report
+        for h in ["host1", "host3"] {
+            eprintln!("--- {h} agent.log (tail) ---\n{}", agent_log_tail(h, 40));
+        }
+    }
     assert_eq!(r["event"], "completed", "{r}");
     assert_eq!(r["phase"], "postcopy", "{r}");
     let nic2 = r["carriers"]

@@ -54,6 +54,14 @@ impl Carriers {
             Carriers::Mptcp(s) => s.failure(),
         }
     }
+    /// Everything this side sent has been acknowledged (Ferry's carriers;
+    /// kernel MPTCP sockets flush their own buffers when shut).
+    pub fn drained(&self) -> bool {
+        match self {
+            Carriers::Ferry(s) => s.undelivered() == 0,
+            Carriers::Mptcp(_) => true,
+        }
+    }
     pub fn close(&self) {
         match self {
             Carriers::Ferry(s) => s.close(),

@@ -410,6 +410,17 @@ impl Session {
         }
     }
 
+    /// Frames not yet acknowledged by the peer: queued for a carrier, or
+    /// sent and unacknowledged. Zero once everything sent has arrived.
+    pub fn undelivered(&self) -> usize {
+        let queued = lock(&self.inner.queue).len();
+        let unacked: usize = lock(&self.inner.carriers)
+            .values()
+            .map(|c| c.unacked.len())
+            .sum();
+        queued + unacked
+    }
+
     /// Why the session failed, if it did (a stream over its buffer limit, …).
     pub fn failure(&self) -> Option<String> {
         lock(&self.inner.failure).clone()

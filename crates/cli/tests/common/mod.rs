@@ -325,3 +325,10 @@ pub fn nic(host: &str, k: u32) -> String {
 pub fn nic_addr(host: &str, k: u32) -> String {
     ferry_lab::topology::nic_addr(lab_host(host), k)
 }
+
+/// The last `n` lines of a host agent's log, for a failing test's report.
+pub fn agent_log_tail(host: &str, n: usize) -> String {
+    let text = std::fs::read_to_string(format!("{LAB}/{host}/agent.log")).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
