@@ -94,7 +94,7 @@ pub struct Agent {
     /// Reads guests' consoles for the guest check.
     pub guest: Arc<dyn GuestCheck>,
     /// NIC pairs to peers, as probed (see [`crate::probe`]).
-    pub paths: crate::probe::PathCache,
+    pub paths: Arc<crate::probe::PathCache>,
 }
 
 impl Agent {
@@ -130,20 +130,15 @@ impl Agent {
                 return p.pairs;
             }
         }
-        let p = crate::probe::probe_all(
-            &self.cfg.name,
-            self.cred.secret(),
+        crate::probe::refresh(
+            &self.paths,
+            (&self.cfg.name, self.cred.secret()),
             &mine,
             &info.name,
             &info.nics,
             info.probe_port,
         )
-        .await;
-        let reach = p.pairs.iter().filter(|x| x.reachable).count();
-        tracing::info!(peer = %info.name, pairs = p.pairs.len(), reachable = reach, "NIC pairs probed");
-        let pairs = p.pairs.clone();
-        self.paths.put(&info.name, p);
-        pairs
+        .await
     }
 
     /// Probes every peer given (each asked for its NICs first); returns
@@ -799,10 +794,15 @@ pub fn own_cpu() -> Duration {
     process_cpu(std::process::id()).unwrap_or_default()
 }
 
-/// utime + stime (fields 14 and 15) of a `/proc/PID/stat` line; the command
-/// name in parentheses may itself contain spaces and parentheses.
+/// The fields of a `/proc/PID/stat` line after the command name (which may
+/// itself contain spaces and parentheses): `[0]` is field 3, the state.
+pub fn stat_fields(stat: &str) -> Option<Vec<&str>> {
+    Some(stat.rsplit_once(')')?.1.split_whitespace().collect())
+}
+
+/// utime + stime (fields 14 and 15) of a `/proc/PID/stat` line.
 fn cpu_of_stat(stat: &str) -> Option<Duration> {
-    let f: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let f = stat_fields(stat)?;
     let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
     // SAFETY: sysconf only reads a constant of the running system
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;

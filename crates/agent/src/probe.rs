@@ -277,8 +277,8 @@ pub struct PeerPaths {
     pub at: Instant,
     /// (local NIC, up) when probed: a change means probe again.
     pub local_links: Vec<(String, bool)>,
-    /// The peer's NICs (name, address, up) when probed.
-    pub peer_nics: Vec<(String, String, bool)>,
+    /// The peer's NICs when probed.
+    pub peer_nics: Vec<NicInfo>,
     /// The peer's probe port.
     pub port: u16,
     pub pairs: Vec<NicPath>,
@@ -289,7 +289,7 @@ impl PeerPaths {
     pub fn fresh(&self, local: &[NicInfo], peer: &[NicInfo]) -> bool {
         self.at.elapsed() < PROBE_TTL
             && self.local_links == links(local)
-            && self.peer_nics == peer_links(peer)
+            && peer_links(&self.peer_nics) == peer_links(peer)
     }
 }
 
@@ -379,37 +379,33 @@ pub async fn probe_all(
     PeerPaths {
         at: Instant::now(),
         local_links: links(local),
-        peer_nics: peer_links(peer_nics),
+        peer_nics: peer_nics.to_vec(),
         port,
         pairs,
     }
 }
 
-/// The peer NIC that local `nic` reaches, probed now: each of the peer's
-/// NICs that were up is tried until a probe arrives on the NIC it was sent to.
-pub async fn reach_now(
-    me: &str,
-    secret: &[u8],
-    (nic, local): (&str, Ipv4Addr),
+/// Probes every pair to `peer` (see [`probe_all`]) and caches the result
+/// in `cache`; returns the pairs.
+pub async fn refresh(
+    cache: &PathCache,
+    (me, secret): (&str, &[u8]),
+    local: &[NicInfo],
     peer: &str,
-    peer_nics: &[(String, String, bool)],
+    peer_nics: &[NicInfo],
     port: u16,
-) -> Option<String> {
-    for (name, addr, up) in peer_nics {
-        let Ok(a) = addr.parse::<Ipv4Addr>() else {
-            continue;
-        };
-        if !up {
-            continue;
-        }
-        let to = (peer, SocketAddr::new(IpAddr::V4(a), port));
-        if let Ok((arrived, _)) = probe(me, secret, (nic, local), to).await {
-            if arrived == *name {
-                return Some(arrived);
-            }
-        }
-    }
-    None
+) -> Vec<NicPath> {
+    let p = probe_all(me, secret, local, peer, peer_nics, port).await;
+    let reach = p.pairs.iter().filter(|x| x.reachable).count();
+    tracing::info!(
+        peer,
+        pairs = p.pairs.len(),
+        reachable = reach,
+        "NIC pairs probed"
+    );
+    let pairs = p.pairs.clone();
+    cache.put(peer, p);
+    pairs
 }
 
 /// Every peer's pairs, by peer name.

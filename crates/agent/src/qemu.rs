@@ -60,19 +60,16 @@ pub struct QemuConfig {
     pub initrd: PathBuf,
 }
 
-/// The QEMU process of a VM: started by this agent (its child, reaped by
-/// it) or adopted from an agent that ran before it.
-enum Process {
-    Child(tokio::process::Child),
-    Adopted { pid: u32, started: u64 },
-}
-
 /// A running QEMU and its QMP session.
 pub struct QemuVm {
     pub dir: PathBuf,
     pub pid: u32,
+    /// The process's start time (see [`VmRecord::started`]).
+    started: u64,
     pub qmp: Qmp,
-    process: tokio::sync::Mutex<Process>,
+    /// This agent's child (reaped by it), or `None` for a QEMU adopted from
+    /// an agent that ran before it.
+    child: tokio::sync::Mutex<Option<tokio::process::Child>>,
 }
 
 /// What a VM's directory says about it (`vm.json`).
@@ -94,9 +91,9 @@ impl QemuVm {
 
     /// True while the QEMU process has not exited.
     pub async fn alive(&self) -> bool {
-        match &mut *self.process.lock().await {
-            Process::Child(c) => matches!(c.try_wait(), Ok(None)),
-            Process::Adopted { pid, started } => start_time(*pid) == Some(*started),
+        match &mut *self.child.lock().await {
+            Some(c) => matches!(c.try_wait(), Ok(None)),
+            None => start_time(self.pid) == Some(self.started),
         }
     }
 
@@ -110,20 +107,11 @@ impl QemuVm {
 
     /// Kills QEMU at once (a skeleton being discarded) and waits until it is gone.
     pub async fn kill(&self) {
-        let mut p = self.process.lock().await;
-        match &mut *p {
-            Process::Child(c) => {
+        match &mut *self.child.lock().await {
+            Some(c) => {
                 let _ = c.kill().await;
             }
-            Process::Adopted { pid, started } => {
-                if start_time(*pid) == Some(*started) {
-                    // SAFETY: kill(2) with a pid checked to be this QEMU (its
-                    // start time matches) has no memory effects.
-                    unsafe { libc::kill(*pid as i32, libc::SIGKILL) };
-                }
-                drop(p);
-                self.wait_gone(Duration::from_secs(5)).await;
-            }
+            None => kill_verified(self.pid, self.started).await,
         }
     }
 
@@ -143,18 +131,31 @@ impl QemuVm {
 
     /// Rewrites `vm.json` with `spec` (a disk was plugged).
     pub async fn record(&self, spec: &VmSpec) -> Result<(), QemuError> {
-        let started = match &*self.process.lock().await {
-            Process::Child(_) => start_time(self.pid).unwrap_or(0),
-            Process::Adopted { started, .. } => *started,
-        };
         write_record(
             &self.dir,
             &VmRecord {
                 spec: spec.clone(),
                 pid: self.pid,
-                started,
+                started: self.started,
             },
         )
+    }
+}
+
+/// SIGKILLs process `pid` if it is still the one that started at `started`,
+/// and waits (up to 5 s) until it is gone.
+async fn kill_verified(pid: u32, started: u64) {
+    if start_time(pid) != Some(started) {
+        return;
+    }
+    // SAFETY: kill(2) with a pid checked to be this QEMU (its start time
+    // matches) has no memory effects.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    for _ in 0..100 {
+        if start_time(pid) != Some(started) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -162,7 +163,7 @@ impl QemuVm {
 /// there is no such process or it has exited (a zombie).
 pub fn start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let f: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let f = crate::host::stat_fields(&stat)?;
     // f[0] is field 3 (state); field 22 (starttime) is f[19]
     if f.first() == Some(&"Z") || f.first() == Some(&"X") {
         return None;
@@ -214,11 +215,9 @@ pub async fn adopt(dir: &Path) -> Result<(VmRecord, QemuVm), QemuError> {
     let vm = QemuVm {
         dir: dir.into(),
         pid: rec.pid,
+        started: rec.started,
         qmp,
-        process: tokio::sync::Mutex::new(Process::Adopted {
-            pid: rec.pid,
-            started: rec.started,
-        }),
+        child: tokio::sync::Mutex::new(None),
     };
     Ok((rec, vm))
 }
@@ -226,17 +225,8 @@ pub async fn adopt(dir: &Path) -> Result<(VmRecord, QemuVm), QemuError> {
 /// Kills the QEMU `vm.json` in `dir` names, if it still runs (a VM that
 /// cannot be adopted, e.g. its QMP does not answer).
 pub async fn kill_recorded(dir: &Path) {
-    let Ok(rec) = read_record(dir) else { return };
-    if start_time(rec.pid) != Some(rec.started) {
-        return;
-    }
-    // SAFETY: kill(2) with a pid checked to be this QEMU has no memory effects.
-    unsafe { libc::kill(rec.pid as i32, libc::SIGKILL) };
-    for _ in 0..100 {
-        if start_time(rec.pid) != Some(rec.started) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    if let Ok(rec) = read_record(dir) {
+        kill_verified(rec.pid, rec.started).await;
     }
 }
 
@@ -418,7 +408,8 @@ pub async fn launch(
         dir: dir.into(),
         pid,
         qmp,
-        process: tokio::sync::Mutex::new(Process::Child(child)),
+        started: record.started,
+        child: tokio::sync::Mutex::new(Some(child)),
     })
 }
 

@@ -62,6 +62,28 @@ impl Carriers {
             Carriers::Mptcp(_) => true,
         }
     }
+
+    /// Closes once everything this side sent has stayed acknowledged for
+    /// `quiet` (what its local end writes last may still be on the way),
+    /// or after `within` in any case.
+    pub async fn close_when_drained(
+        &self,
+        quiet: std::time::Duration,
+        within: std::time::Duration,
+    ) {
+        let deadline = tokio::time::Instant::now() + within;
+        let mut drained_since: Option<tokio::time::Instant> = None;
+        while tokio::time::Instant::now() < deadline {
+            let now = tokio::time::Instant::now();
+            if !self.drained() {
+                drained_since = None;
+            } else if now - *drained_since.get_or_insert(now) >= quiet {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        self.close();
+    }
     pub fn close(&self) {
         match self {
             Carriers::Ferry(s) => s.close(),

@@ -1353,9 +1353,11 @@ impl Agent {
 }
 
 impl Agent {
-    /// Source side, `mptcp` kind: asks the target to announce its address on
-    /// each fabric where a NIC of this host has its link up but no subflow
-    /// (`due`, from `Spliced::tick`). The request runs on its own.
+    /// Source side, `mptcp` kind: asks the target to announce again the
+    /// address of the NIC that each NIC of this host with its link up but no
+    /// subflow (`due`, from `Spliced::tick`) was probed to reach. A NIC that
+    /// was down when the pairs were probed has none yet: the pairs are
+    /// probed again first. The requests run on their own.
     fn ask_rejoins(&self, id: &str, (peer, target): (&str, &Client), due: Vec<String>) {
         if due.is_empty() {
             return;
@@ -1363,44 +1365,35 @@ impl Agent {
         let Some(pp) = self.paths.get(peer) else {
             return;
         };
-        let mine = self.nics();
-        for nic in due {
-            // the target's NIC this one was probed to reach; a NIC that was
-            // down when the pairs were probed is probed now
-            let cached = pp
-                .pairs
+        let reached = |pairs: &[ferry_api::NicPath], nic: &str| {
+            pairs
                 .iter()
                 .find(|p| p.nic == nic && p.reachable)
-                .map(|p| p.peer_nic.clone());
-            let Some(local) = mine
-                .iter()
-                .find(|n| n.name == nic)
-                .and_then(|n| n.address.parse::<std::net::Ipv4Addr>().ok())
-            else {
-                continue;
+                .map(|p| p.peer_nic.clone())
+        };
+        let stale = due.iter().any(|nic| reached(&pp.pairs, nic).is_none());
+        let (cache, mine) = (self.paths.clone(), self.nics());
+        let (me, secret) = (self.cfg.name.clone(), self.cred.secret().to_vec());
+        let (peer, target) = (peer.to_string(), target.clone());
+        let path = format!("/incoming/{id}/rejoin");
+        tokio::spawn(async move {
+            let pairs = if stale {
+                let probe = crate::probe::refresh(
+                    &cache,
+                    (&me, &secret),
+                    &mine,
+                    &peer,
+                    &pp.peer_nics,
+                    pp.port,
+                );
+                probe.await
+            } else {
+                pp.pairs
             };
-            let (me, secret) = (self.cfg.name.clone(), self.cred.secret().to_vec());
-            let (peer, peer_nics, port) = (peer.to_string(), pp.peer_nics.clone(), pp.port);
-            let target = target.clone();
-            let path = format!("/incoming/{id}/rejoin");
-            tokio::spawn(async move {
-                let peer_nic = match cached {
-                    Some(n) => Some(n),
-                    None => {
-                        crate::probe::reach_now(
-                            &me,
-                            &secret,
-                            (&nic, local),
-                            &peer,
-                            &peer_nics,
-                            port,
-                        )
-                        .await
-                    }
-                };
-                let Some(peer_nic) = peer_nic else {
+            for nic in due {
+                let Some(peer_nic) = reached(&pairs, &nic) else {
                     tracing::warn!(%nic, "no NIC of the target answers a probe from it; no rejoin");
-                    return;
+                    continue;
                 };
                 let r: Result<serde_json::Value, _> = target
                     .post(
@@ -1417,7 +1410,7 @@ impl Agent {
                     }
                     Err(e) => tracing::warn!(%nic, error = %e, "rejoin request failed"),
                 }
-            });
-        }
+            }
+        });
     }
 }

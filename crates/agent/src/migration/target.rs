@@ -488,24 +488,10 @@ impl Agent {
                 }
                 // QEMU's last words on the return path (post-copy's shut
                 // message, which the source waits for) may still be queued
-                // behind a carrier that just came back: close once everything
-                // sent has been acknowledged for 0.5 s (at most 30 s)
-                let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-                let mut drained_since: Option<tokio::time::Instant> = None;
-                while tokio::time::Instant::now() < deadline {
-                    let now = tokio::time::Instant::now();
-                    if t.drained() {
-                        let since = *drained_since.get_or_insert(now);
-                        if now - since >= Duration::from_millis(500) {
-                            break;
-                        }
-                    } else {
-                        drained_since = None;
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                tracing::info!(migration = %id, "incoming migration over; closing its transport");
-                t.close();
+                // behind a carrier that just came back
+                tracing::info!(migration = %id, "incoming migration over; closing its transport once drained");
+                t.close_when_drained(Duration::from_millis(500), Duration::from_secs(30))
+                    .await;
             });
         }
     }
