@@ -95,6 +95,8 @@ pub struct Agent {
     pub guest: Arc<dyn GuestCheck>,
     /// NIC pairs to peers, as probed (see [`crate::probe`]).
     pub paths: Arc<crate::probe::PathCache>,
+    /// The CPU models QEMU can run here, asked once (see [`crate::hardware`]).
+    cpus: tokio::sync::OnceCell<Result<Arc<crate::hardware::CpuCatalog>, String>>,
 }
 
 impl Agent {
@@ -107,6 +109,7 @@ impl Agent {
             cred,
             guest,
             paths: Default::default(),
+            cpus: Default::default(),
             journal: crate::commit::Journal::new(&cfg.state_dir),
             live: Default::default(),
             state: Default::default(),
@@ -166,6 +169,49 @@ impl Agent {
         self.paths.all()
     }
 
+    /// The CPU models QEMU can run on this host.
+    pub async fn cpu_catalog(&self) -> Result<Arc<crate::hardware::CpuCatalog>, String> {
+        self.cpus
+            .get_or_init(|| async {
+                crate::hardware::probe_cpus(&self.cfg.qemu.binary, &self.cfg.qemu.accel)
+                    .await
+                    .map(Arc::new)
+            })
+            .await
+            .clone()
+    }
+
+    /// Refuses a VM this host cannot run — a bridge, drive path, kernel or
+    /// firmware file or CPU model it lacks — before anything starts.
+    /// `source` is the source host's expansion of a host-dependent CPU
+    /// model, on a migration's target.
+    pub async fn preflight(
+        &self,
+        spec: &VmSpec,
+        source: Option<&crate::hardware::Expansion>,
+    ) -> Result<(), ApiError> {
+        let mut missing = crate::hardware::missing_here(spec, &self.cfg.qemu.ovmf);
+        match self.cpu_catalog().await {
+            Ok(cat) => missing.extend(crate::hardware::cpu_problem(
+                &cat,
+                self.cfg.cpu_models.as_deref(),
+                &spec.cpu,
+                source,
+            )),
+            Err(e) => missing.push(format!("CPU model {} (cannot ask QEMU: {e})", spec.cpu)),
+        }
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            tracing::warn!(vm = %spec.name, ?missing, "refused: this host lacks what the VM needs");
+            Err(ApiError::HostCannotRun {
+                host: self.cfg.name.clone(),
+                vm: spec.name.clone(),
+                missing,
+            })
+        }
+    }
+
     /// This host's migration NICs (see [`nics`]).
     pub fn nics(&self) -> Vec<NicInfo> {
         nics(&self.cfg.nics)
@@ -215,12 +261,20 @@ impl Agent {
 
     /// Creates and boots a VM.
     pub async fn create_vm(&self, spec: VmSpec) -> Result<VmInfo, ApiError> {
+        spec.validate()?;
+        self.preflight(&spec, None).await?;
         self.reserve(&spec, Role::Starting).await?;
         let dir = self.vm_dir(&spec.name, "");
         match qemu::launch(&self.cfg.qemu, &spec, &dir, false).await {
             Ok(vm) => {
                 let vm = Arc::new(vm);
-                if let Err(e) = wait_workload(self.guest.as_ref(), &vm, BOOT_TIMEOUT).await {
+                // a workload guest is ready once it ticks; any other once QEMU runs it
+                let ready = if spec.is_workload() {
+                    wait_workload(self.guest.as_ref(), &vm, BOOT_TIMEOUT).await
+                } else {
+                    Ok(())
+                };
+                if let Err(e) = ready {
                     vm.kill().await;
                     self.release(&spec.name).await;
                     return Err(ApiError::internal(format!(
@@ -278,6 +332,7 @@ impl Agent {
             pid: qemu.map(|q| q.pid),
             in_doubt,
             problem,
+            accel: self.cfg.qemu.accel.clone(),
         }
     }
 
@@ -397,11 +452,11 @@ impl Agent {
     /// Checks a running guest; a failure is kept on the VM (`problem` in
     /// `vm list`) until a check passes.
     pub async fn check_vm(&self, name: &str) -> Result<CheckResult, ApiError> {
-        let (_, q) = self.running_vm(name).await?;
+        let (spec, q) = self.running_vm(name).await?;
         let r = check(
             self.guest.as_ref(),
             &self.cfg.name,
-            name,
+            &spec,
             &q,
             Duration::from_secs(8),
         )
@@ -718,17 +773,22 @@ fn ipv4_addrs() -> Vec<(String, std::net::Ipv4Addr, u8)> {
     out
 }
 
-/// Checks a guest: QEMU's run state, the workload's counter advancing over
-/// the check, and no integrity error or panic on its console (as `guest`
-/// reads it). Waits up to `wait` for a tick, then for a newer one. A guest
-/// whose console shows no counter is intact when it runs with no problem.
+/// Checks a guest: QEMU's run state, the guest advancing, and no integrity
+/// error or panic on its console (as `guest` reads it).
+///
+/// "Advancing" is the workload's counter for the lab's workload guest
+/// (waits up to `wait` for a tick, then a newer one); for any other guest,
+/// CPU time spent by its vCPU threads during the check. A guest with the
+/// guest agent must also answer `guest-ping`, and its clock
+/// (`guest-get-time`) must move forward.
 pub async fn check(
     guest: &dyn GuestCheck,
     host: &str,
-    name: &str,
+    spec: &VmSpec,
     q: &QemuVm,
     wait: Duration,
 ) -> CheckResult {
+    let workload = spec.is_workload() && guest.has_progress();
     let qemu_status = match q.qmp.status().await {
         Ok(s) => s.status,
         Err(_) => "unreachable".into(),
@@ -746,12 +806,23 @@ pub async fn check(
     };
     let mut first = None;
     let mut state = read();
+    let vcpu_start = vcpu_cpu(q).await;
+    let mut vcpu_ms = None;
     loop {
         if first.is_none() {
             first = state.last;
         }
-        let advanced = matches!((first, state.last), (Some(a), Some(b)) if b.tick > a.tick);
-        let done = advanced || !guest.has_progress() || !state.problems.is_empty();
+        let advanced = if workload {
+            matches!((first, state.last), (Some(a), Some(b)) if b.tick > a.tick)
+        } else {
+            let now = vcpu_cpu(q).await;
+            vcpu_ms = match (vcpu_start, now) {
+                (Some(a), Some(b)) => Some(b.saturating_sub(a).as_millis() as u64),
+                _ => None,
+            };
+            vcpu_ms.is_some_and(|ms| ms > 0)
+        };
+        let done = advanced || !state.problems.is_empty();
         if done || tokio::time::Instant::now() >= deadline {
             break;
         }
@@ -761,24 +832,76 @@ pub async fn check(
     if let Some(why) = unreadable {
         state.problems.push(why);
     }
+    let guest_agent = if spec.guest_agent {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let r = ask_guest_agent(q, left.max(Duration::from_secs(3))).await;
+        if let Err(why) = &r {
+            state.problems.push(format!("guest agent: {why}"));
+        }
+        Some(r.is_ok())
+    } else {
+        None
+    };
     // integrity errors since boot are in the tick's counter; a panic stops the ticks
     let last = state.last;
-    let errors = last.map(|t| t.errors).unwrap_or(0);
+    let errors = if workload {
+        last.map(|t| t.errors).unwrap_or(0)
+    } else {
+        0
+    };
     let running = qemu_status == "running";
+    let advancing = if workload {
+        matches!((first, last), (Some(a), Some(b)) if b.tick > a.tick)
+    } else {
+        vcpu_ms.is_some_and(|ms| ms > 0)
+    };
     CheckResult {
-        vm: name.into(),
+        vm: spec.name.clone(),
         host: host.into(),
         running,
         qemu_status,
-        tick_first: first.map(|t| t.tick),
-        tick_last: last.map(|t| t.tick),
-        sweeps: last.map(|t| t.sweeps),
+        tick_first: first.filter(|_| workload).map(|t| t.tick),
+        tick_last: last.filter(|_| workload).map(|t| t.tick),
+        sweeps: last.filter(|_| workload).map(|t| t.sweeps),
         errors,
-        advancing: matches!((first, last), (Some(a), Some(b)) if b.tick > a.tick),
+        advancing,
         intact: errors == 0
             && state.problems.is_empty()
-            && (last.is_some() || (!guest.has_progress() && running)),
+            && (!workload || last.is_some())
+            && running,
         problems: state.problems,
+        vcpu_ms,
+        guest_agent,
+    }
+}
+
+/// CPU time the VM's vCPU threads have used so far (`query-cpus-fast`
+/// names them; `/proc/PID/task/TID/stat` counts them).
+async fn vcpu_cpu(q: &QemuVm) -> Option<Duration> {
+    let vcpus = q.qmp.vcpus().await.ok()?;
+    let mut total = Duration::ZERO;
+    for v in vcpus {
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/task/{}/stat", q.pid, v.thread_id)).ok()?;
+        total += cpu_of_stat(&stat)?;
+    }
+    Some(total)
+}
+
+/// The guest agent answers a ping and its clock moves forward.
+async fn ask_guest_agent(q: &QemuVm, wait: Duration) -> Result<(), String> {
+    let sock = q.dir.join(crate::qemu::QGA_SOCK);
+    let mut a = crate::qga::Qga::connect(&sock, wait)
+        .await
+        .map_err(|e| e.to_string())?;
+    a.ping().await.map_err(|e| e.to_string())?;
+    let t0 = a.time_ns().await.map_err(|e| e.to_string())?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let t1 = a.time_ns().await.map_err(|e| e.to_string())?;
+    if t1 > t0 {
+        Ok(())
+    } else {
+        Err(format!("its clock did not advance ({t0} then {t1})"))
     }
 }
 

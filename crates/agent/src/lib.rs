@@ -27,10 +27,12 @@ pub mod convergence;
 pub mod datapath;
 pub mod failpoint;
 pub mod guest;
+pub mod hardware;
 pub mod host;
 pub mod migration;
 pub mod probe;
 pub mod qemu;
+pub mod qga;
 pub mod qmp;
 pub mod recover;
 pub mod validate;
@@ -59,6 +61,9 @@ pub struct AgentConfig {
     /// A NIC for storage traffic (NBD), if separate; its traffic classes
     /// are managed with the migration NICs'.
     pub storage_nic: Option<String>,
+    /// The CPU models this host offers guests (None: every model QEMU can
+    /// run here), for clusters kept to a common baseline.
+    pub cpu_models: Option<Vec<String>>,
 }
 
 pub use host::Agent;

@@ -46,6 +46,14 @@ pub enum QemuError {
     },
     #[error("{dir}: {why}")]
     NotAdoptable { dir: PathBuf, why: String },
+    #[error("Cannot build the cloud-init seed: {0}")]
+    Seed(String),
+    #[error("Cannot put tap {tap} on bridge {bridge}: {why}")]
+    Tap {
+        tap: String,
+        bridge: String,
+        why: String,
+    },
     #[error(transparent)]
     Qmp(#[from] QmpError),
 }
@@ -58,6 +66,8 @@ pub struct QemuConfig {
     pub accel: String,
     pub kernel: PathBuf,
     pub initrd: PathBuf,
+    /// UEFI firmware for `firmware = "uefi"` guests.
+    pub ovmf: crate::hardware::Ovmf,
 }
 
 /// A running QEMU and its QMP session.
@@ -248,18 +258,158 @@ fn kernel_cmdline(spec: &VmSpec) -> String {
 /// The second QMP monitor's socket, in the VM's directory.
 pub const HANDOFF_SOCK: &str = "handoff.sock";
 
-/// The QEMU arguments for a VM; identical on source and target but for `-incoming`.
+/// The tap device of a VM's NIC `i`: made by QEMU (it lives as long as
+/// QEMU does), put on its bridge by the agent. The name is the same on every
+/// host, derived from the VM's name.
+pub fn tap_name(vm: &str, i: usize) -> String {
+    let mut h: u32 = 0x811c9dc5;
+    for b in vm.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x01000193);
+    }
+    format!("fy{h:08x}n{i}")
+}
+
+/// The file name of a VM's UEFI variable store, in its directory.
+pub const OVMF_VARS: &str = "OVMF_VARS.fd";
+/// The cloud-init seed, in the VM's directory.
+pub const SEED_ISO: &str = "seed.iso";
+/// The guest agent's channel, in the VM's directory.
+pub const QGA_SOCK: &str = "qga.sock";
+
+/// How the guest boots: QEMU arguments for its firmware or kernel.
+fn boot_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path) -> Vec<String> {
+    use ferry_api::hardware::Firmware;
+    match (spec.firmware, &spec.kernel) {
+        (Firmware::Kernel, None) => vec![
+            "-kernel".into(),
+            cfg.kernel.display().to_string(),
+            "-initrd".into(),
+            cfg.initrd.display().to_string(),
+            "-append".into(),
+            kernel_cmdline(spec),
+        ],
+        (Firmware::Kernel, Some(k)) => {
+            let mut a = vec!["-kernel".to_string(), k.kernel.clone()];
+            if let Some(i) = &k.initrd {
+                a.extend(["-initrd".to_string(), i.clone()]);
+            }
+            a.extend(["-append".to_string(), k.append.clone()]);
+            a
+        }
+        (Firmware::Bios, _) => Vec::new(),
+        (Firmware::Uefi, _) => vec![
+            "-drive".into(),
+            format!(
+                "if=pflash,unit=0,format=raw,readonly=on,file={}",
+                cfg.ovmf.code.display()
+            ),
+            "-drive".into(),
+            format!(
+                "if=pflash,unit=1,format=raw,file={}",
+                dir.join(OVMF_VARS).display()
+            ),
+        ],
+    }
+}
+
+/// Drives, NICs, the cloud-init seed and the guest agent's channel.
+fn device_args(spec: &VmSpec, dir: &Path) -> Vec<String> {
+    let mut a = Vec::new();
+    for (i, d) in spec.drives.iter().enumerate() {
+        let file = match (&d.nbd, &d.path) {
+            (Some(uri), _) => {
+                let plug = ferry_api::DiskPlug {
+                    disk: String::new(),
+                    uri: uri.clone(),
+                };
+                let Ok((host, port, export)) = plug.parse_uri() else {
+                    continue; // refused by VmSpec::validate before any launch
+                };
+                serde_json::json!({
+                    "driver": "nbd",
+                    "server": {"type": "inet", "host": host, "port": port.to_string()},
+                    "export": export,
+                })
+            }
+            (None, Some(p)) => serde_json::json!({"driver": "file", "filename": p}),
+            // a Ferry disk the control service did not resolve
+            (None, None) => continue,
+        };
+        let node = serde_json::json!({
+            "driver": d.format.as_str(),
+            "node-name": format!("drive{i}"),
+            "read-only": d.readonly,
+            "file": file,
+        });
+        // firmware boots the first drive (a direct kernel boot has its own)
+        let boot = if i == 0 && spec.firmware != ferry_api::hardware::Firmware::Kernel {
+            ",bootindex=0"
+        } else {
+            ""
+        };
+        a.extend([
+            "-blockdev".to_string(),
+            node.to_string(),
+            "-device".to_string(),
+            format!("virtio-blk-pci,drive=drive{i},id=vdrive{i}{boot}"),
+        ]);
+    }
+    for (i, n) in spec.nics.iter().enumerate() {
+        a.extend([
+            "-netdev".to_string(),
+            format!(
+                "tap,id=net{i},ifname={},script=no,downscript=no",
+                tap_name(&spec.name, i)
+            ),
+            "-device".to_string(),
+            format!("virtio-net-pci,netdev=net{i},mac={},id=nic{i}", n.mac),
+        ]);
+    }
+    if spec.cloud_init.is_some() {
+        let seed = serde_json::json!({
+            "driver": "raw",
+            "node-name": "seed",
+            "read-only": true,
+            "file": {"driver": "file", "filename": dir.join(SEED_ISO).display().to_string()},
+        });
+        a.extend([
+            "-blockdev".to_string(),
+            seed.to_string(),
+            "-device".to_string(),
+            "ide-cd,drive=seed,bus=ide.0,id=seedcd".to_string(),
+        ]);
+    }
+    if spec.guest_agent {
+        a.extend([
+            "-chardev".to_string(),
+            format!(
+                "socket,id=qga0,path={},server=on,wait=off",
+                dir.join(QGA_SOCK).display()
+            ),
+            "-device".to_string(),
+            "virtio-serial-pci,id=vser0".to_string(),
+            "-device".to_string(),
+            "virtserialport,bus=vser0.0,chardev=qga0,name=org.qemu.guest_agent.0".to_string(),
+        ]);
+    }
+    a
+}
+
+/// The QEMU arguments for a VM; identical on source and target but for
+/// `-incoming`. QEMU starts paused (`-S`): a new VM runs once its taps are
+/// on their bridges, a skeleton on the commit's RUN.
 pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) -> Vec<String> {
     let p = |name: &str| dir.join(name).display().to_string();
     let mut a: Vec<String> = [
         "-name",
         &format!("guest={},debug-threads=on", spec.name),
         "-machine",
-        "q35",
+        &spec.machine,
         "-accel",
         &cfg.accel,
         "-cpu",
-        "qemu64",
+        &spec.cpu,
         "-smp",
         &spec.vcpus.to_string(),
         "-m",
@@ -268,32 +418,33 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
         "-no-user-config",
         "-display",
         "none",
-        "-kernel",
-        &cfg.kernel.display().to_string(),
-        "-initrd",
-        &cfg.initrd.display().to_string(),
-        "-append",
-        &kernel_cmdline(spec),
-        "-chardev",
-        &format!("file,id=con0,path={}", p("console.log")),
-        "-serial",
-        "chardev:con0",
-        "-qmp",
-        &format!("unix:{},server=on,wait=off", p("qmp.sock")),
-        "-pidfile",
-        &p("qemu.pid"),
-        // a second monitor for handing QEMU a socket (see `qmp::hand_socket`)
-        "-chardev",
-        &format!(
-            "socket,id=handoff,path={},server=on,wait=off",
-            p(HANDOFF_SOCK)
-        ),
-        "-mon",
-        "chardev=handoff,mode=control",
     ]
     .iter()
     .map(|s| s.to_string())
     .collect();
+    a.extend(boot_args(cfg, spec, dir));
+    a.extend(
+        [
+            "-chardev",
+            &format!("file,id=con0,path={}", p("console.log")),
+            "-serial",
+            "chardev:con0",
+            "-qmp",
+            &format!("unix:{},server=on,wait=off", p("qmp.sock")),
+            "-pidfile",
+            &p("qemu.pid"),
+            // a second monitor for handing QEMU a socket (see `qmp::hand_socket`)
+            "-chardev",
+            &format!(
+                "socket,id=handoff,path={},server=on,wait=off",
+                p(HANDOFF_SOCK)
+            ),
+            "-mon",
+            "chardev=handoff,mode=control",
+        ]
+        .iter()
+        .map(|s| s.to_string()),
+    );
     // hot-plug ports for disks (native PCIe hot-plug: the guest has no ACPI hot-plug)
     a.extend([
         "-global".to_string(),
@@ -329,19 +480,83 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
             format!("virtio-blk-pci,drive=disk{i},id=vd{i},bus=rp{i}"),
         ]);
     }
+    a.extend(device_args(spec, dir));
     // every run-state change goes to qemu.log ("vm_state_notify running 1"):
     // the record of whether, and when, a guest's vCPUs ran on this host
     a.extend(["-trace".to_string(), "enable=vm_state_notify".to_string()]);
+    a.push("-S".to_string());
     if incoming {
         // a skeleton stays paused after the memory has arrived: its vCPUs
         // start only on the commit's RUN (see `commit`)
-        a.extend([
-            "-S".to_string(),
-            "-incoming".to_string(),
-            "defer".to_string(),
-        ]);
+        a.extend(["-incoming".to_string(), "defer".to_string()]);
     }
     a
+}
+
+/// Writes the cloud-init NoCloud seed (an ISO 9660 image labelled
+/// `cidata`) into `dir`.
+fn write_seed(c: &ferry_api::hardware::CloudInit, dir: &Path) -> Result<(), QemuError> {
+    let src = dir.join("seed");
+    let io = |e: std::io::Error| QemuError::Seed(format!("{}: {e}", src.display()));
+    std::fs::create_dir_all(&src).map_err(io)?;
+    std::fs::write(src.join("user-data"), &c.user_data).map_err(io)?;
+    std::fs::write(src.join("meta-data"), &c.meta_data).map_err(io)?;
+    let mut files = vec!["user-data", "meta-data"];
+    if let Some(n) = &c.network_config {
+        std::fs::write(src.join("network-config"), n).map_err(io)?;
+        files.push("network-config");
+    }
+    let out = dir.join(SEED_ISO).display().to_string();
+    let mut tried = Vec::new();
+    for (tool, pre) in [("genisoimage", vec![]), ("xorriso", vec!["-as", "mkisofs"])] {
+        let r = std::process::Command::new(tool)
+            .args(pre)
+            .args([
+                "-quiet", "-output", &out, "-volid", "cidata", "-joliet", "-rock",
+            ])
+            .args(&files)
+            .current_dir(&src)
+            .output();
+        match r {
+            Ok(o) if o.status.success() => return Ok(()),
+            Ok(o) => tried.push(format!(
+                "{tool}: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            )),
+            Err(e) => tried.push(format!("{tool}: {e}")),
+        }
+    }
+    Err(QemuError::Seed(format!(
+        "no ISO writer worked (install genisoimage): {}",
+        tried.join("; ")
+    )))
+}
+
+/// Puts VM NIC taps on their bridges (with the bridge's MTU), up.
+async fn plug_taps(spec: &VmSpec) -> Result<(), QemuError> {
+    for (i, n) in spec.nics.iter().enumerate() {
+        let tap = tap_name(&spec.name, i);
+        let mtu = std::fs::read_to_string(format!("/sys/class/net/{}/mtu", n.bridge))
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|_| "1500".into());
+        let out = tokio::process::Command::new("ip")
+            .args([
+                "link", "set", "dev", &tap, "master", &n.bridge, "mtu", &mtu, "up",
+            ])
+            .output()
+            .await;
+        let why = match out {
+            Ok(o) if o.status.success() => continue,
+            Ok(o) => String::from_utf8_lossy(&o.stderr).trim().to_string(),
+            Err(e) => format!("running ip: {e}"),
+        };
+        return Err(QemuError::Tap {
+            tap,
+            bridge: n.bridge.clone(),
+            why,
+        });
+    }
+    Ok(())
 }
 
 /// Starts QEMU for `spec` in `dir` (created fresh) and connects QMP.
@@ -360,6 +575,15 @@ pub async fn launch(
         path: dir.into(),
         source,
     })?;
+    if let Some(c) = &spec.cloud_init {
+        write_seed(c, dir)?;
+    }
+    if spec.firmware == ferry_api::hardware::Firmware::Uefi {
+        std::fs::copy(&cfg.ovmf.vars, dir.join(OVMF_VARS)).map_err(|source| QemuError::Dir {
+            path: cfg.ovmf.vars.clone(),
+            source,
+        })?;
+    }
     let mut cmd = tokio::process::Command::new(&cfg.binary);
     cmd.args(qemu_args(cfg, spec, dir, incoming))
         .stdin(Stdio::null())
@@ -404,6 +628,17 @@ pub async fn launch(
             return Err(e.into());
         }
     };
+    let ready = async {
+        plug_taps(spec).await?;
+        if !incoming {
+            qmp.cont().await?;
+        }
+        Ok::<_, QemuError>(())
+    };
+    if let Err(e) = ready.await {
+        let _ = child.kill().await;
+        return Err(e);
+    }
     Ok(QemuVm {
         dir: dir.into(),
         pid,
@@ -423,20 +658,14 @@ mod tests {
             accel: "tcg".into(),
             kernel: "/k".into(),
             initrd: "/i".into(),
+            ovmf: Default::default(),
         }
     }
 
     fn spec() -> VmSpec {
         VmSpec {
-            name: "vm1".into(),
-            memory: 1 << 30,
-            fill: 768 << 20,
-            dirty_rate: 20 << 20,
-            verify_rate: 32 << 20,
             seed: 7,
-            vcpus: 1,
-            disks: Vec::new(),
-            compressible: false,
+            ..VmSpec::workload("vm1", 1 << 30, 768 << 20, 20 << 20)
         }
     }
 
@@ -446,7 +675,56 @@ mod tests {
         let src = qemu_args(&cfg(), &spec(), d, false);
         let dst = qemu_args(&cfg(), &spec(), d, true);
         assert_eq!(&dst[..src.len()], &src[..]);
-        assert_eq!(&dst[src.len()..], ["-S", "-incoming", "defer"]);
+        assert_eq!(&dst[src.len()..], ["-incoming", "defer"]);
+        assert_eq!(src.last().unwrap(), "-S");
+    }
+
+    #[test]
+    fn a_users_vm_gets_its_drives_nics_seed_and_agent() {
+        use ferry_api::hardware::*;
+        let mut s = VmSpec::workload("deb1", 512 << 20, 0, 0);
+        s.cpu = "max".into();
+        s.firmware = Firmware::Uefi;
+        s.drives = vec![
+            Drive {
+                nbd: Some("nbd://198.18.0.1:10809/root/deb1".into()),
+                format: DriveFormat::Qcow2,
+                ..Default::default()
+            },
+            Drive {
+                path: Some("/srv/shared/data.img".into()),
+                readonly: true,
+                ..Default::default()
+            },
+        ];
+        s.nics = vec![GuestNic {
+            bridge: "br-guest".into(),
+            mac: "52:54:00:aa:00:01".into(),
+        }];
+        s.cloud_init = Some(CloudInit {
+            user_data: "#cloud-config\n".into(),
+            meta_data: "instance-id: deb1\n".into(),
+            network_config: None,
+        });
+        s.guest_agent = true;
+        let a = qemu_args(&cfg(), &s, Path::new("/d"), false).join(" ");
+        for want in [
+            "-cpu max",
+            "if=pflash,unit=0,format=raw,readonly=on,file=/usr/share/OVMF/OVMF_CODE_4M.fd",
+            "file=/d/OVMF_VARS.fd",
+            r#""driver":"qcow2""#,
+            r#""export":"root/deb1""#,
+            "virtio-blk-pci,drive=drive0,id=vdrive0,bootindex=0",
+            r#""filename":"/srv/shared/data.img""#,
+            &format!("tap,id=net0,ifname={},script=no", tap_name("deb1", 0)),
+            "virtio-net-pci,netdev=net0,mac=52:54:00:aa:00:01",
+            "ide-cd,drive=seed,bus=ide.0",
+            "name=org.qemu.guest_agent.0",
+        ] {
+            assert!(a.contains(want), "{want} not in {a}");
+        }
+        assert!(!a.contains("-kernel"), "{a}");
+        assert!(tap_name("a-thirty-two-character-vm-name-x", 3).len() <= 15);
     }
 
     #[test]

@@ -164,6 +164,39 @@ qmp_command!(StartPostcopy, "migrate-start-postcopy", qapi::Empty);
 struct Cont {}
 qmp_command!(Cont, "cont", qapi::Empty);
 
+#[derive(Serialize)]
+struct QueryCpusFast {}
+/// One vCPU as `query-cpus-fast` reports it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct VcpuInfo {
+    pub cpu_index: u32,
+    pub thread_id: u32,
+}
+qmp_command!(QueryCpusFast, "query-cpus-fast", Vec<VcpuInfo>);
+
+/// `announce-self`: the guest's NICs announce their MACs (RARP, and a
+/// guest-side announcement where virtio-net offers it) `rounds` times, the
+/// first after `initial` ms, then `step` ms further apart each time up to
+/// `max` ms.
+#[derive(Serialize, Debug, Clone, Copy)]
+pub struct AnnounceSelf {
+    pub initial: u64,
+    pub max: u64,
+    pub rounds: u64,
+    pub step: u64,
+}
+qmp_command!(AnnounceSelf, "announce-self", qapi::Empty);
+
+/// Ferry's announce timing: the first at once, five in the first 1.1 s, so
+/// a switch that missed one (a port still learning) hears the next.
+pub const ANNOUNCE: AnnounceSelf = AnnounceSelf {
+    initial: 1,
+    max: 400,
+    rounds: 5,
+    step: 100,
+};
+
 /// `blockdev-add` of a raw disk over NBD.
 #[derive(Serialize)]
 struct BlockdevAdd {
@@ -335,6 +368,14 @@ impl Qmp {
 
     pub async fn cont(&self) -> Result<(), QmpError> {
         self.call(Cont {}, DEFAULT_DEADLINE).await.map(drop)
+    }
+
+    pub async fn vcpus(&self) -> Result<Vec<VcpuInfo>, QmpError> {
+        self.call(QueryCpusFast {}, DEFAULT_DEADLINE).await
+    }
+
+    pub async fn announce_self(&self, a: AnnounceSelf) -> Result<(), QmpError> {
+        self.call(a, DEFAULT_DEADLINE).await.map(drop)
     }
 
     /// Hot-plugs disk number `index` (a virtio-blk on root port `rp{index}`)

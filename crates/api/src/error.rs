@@ -56,6 +56,14 @@ pub enum ApiError {
         target: String,
         reason: String,
     },
+    /// A host lacks what a VM needs (a bridge, a disk path, a firmware
+    /// file, a CPU model): refused before anything starts there.
+    #[error("Host {host} cannot run VM {vm}: {}", missing.join("; "))]
+    HostCannotRun {
+        host: String,
+        vm: String,
+        missing: Vec<String>,
+    },
     #[error("Internal error: {reason}")]
     Internal { reason: String },
 }
@@ -68,6 +76,7 @@ impl ApiError {
             ApiError::AlreadyExists { .. } | ApiError::Conflict { .. } => 409,
             ApiError::InvalidArgument { .. } => 400,
             ApiError::InsufficientMemory { .. } => 507,
+            ApiError::HostCannotRun { .. } => 412,
             ApiError::Unauthorized => 401,
             ApiError::Unavailable { .. } => 503,
             ApiError::MigrationFailed { .. }
@@ -159,6 +168,11 @@ mod tests {
                 step: "transfer".into(),
                 reason: "link".into(),
                 running_on: "host1".into(),
+            },
+            ApiError::HostCannotRun {
+                host: "host3".into(),
+                vm: "deb1".into(),
+                missing: vec!["bridge br-guest".into()],
             },
             ApiError::internal("x"),
         ];

@@ -8,6 +8,7 @@
 //! Layout:
 //! - [`size`]: byte sizes and rates as users write them (`1G`, `768M`, `20M`).
 //! - [`types`]: hosts, NICs, VMs, migration events and reports.
+//! - [`hardware`]: a VM's machine, CPU model, firmware, drives and NICs.
 //! - [`error`]: [`ApiError`], the one error enum that crosses the wire, and its
 //!   HTTP status mapping.
 //! - [`auth`]: the cluster credential made at lab/cluster creation.
@@ -19,6 +20,7 @@ pub mod bandwidth;
 pub mod client;
 pub mod drain;
 pub mod error;
+pub mod hardware;
 pub mod server;
 pub mod size;
 pub mod storage;

@@ -147,6 +147,30 @@ pub struct VmSpec {
     /// The workload fills memory with a pattern that compresses (~7x).
     #[serde(default)]
     pub compressible: bool,
+    /// QEMU machine type: `q35` or a versioned `pc-q35-X.Y`.
+    #[serde(default = "crate::hardware::default_machine")]
+    pub machine: String,
+    /// CPU model (`qemu64`, `Skylake-Server-v4`, `host`, …): a migration's
+    /// target must offer it.
+    #[serde(default = "crate::hardware::default_cpu")]
+    pub cpu: String,
+    #[serde(default)]
+    pub firmware: crate::hardware::Firmware,
+    /// The kernel booted with `firmware = "kernel"`; none: the host's
+    /// workload kernel (the lab's workload guest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<crate::hardware::KernelBoot>,
+    /// Disks present from boot; the first boots.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drives: Vec<crate::hardware::Drive>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nics: Vec<crate::hardware::GuestNic>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloud_init: Option<crate::hardware::CloudInit>,
+    /// A virtio-serial channel for qemu-guest-agent: the final check of a
+    /// move pings it and reads the guest's clock.
+    #[serde(default)]
+    pub guest_agent: bool,
 }
 
 /// Most disks a VM takes (one hot-plug port each).
@@ -198,9 +222,42 @@ pub const GUEST_OVERHEAD: u64 = 128 << 20;
 pub const MAX_VM_MEMORY: u64 = 64 << 30;
 
 impl VmSpec {
+    /// A lab workload guest (the host's kernel and workload, memory filled
+    /// with a checkable pattern), with defaults for everything else.
+    pub fn workload(name: &str, memory: u64, fill: u64, dirty_rate: u64) -> VmSpec {
+        VmSpec {
+            name: name.into(),
+            memory,
+            fill,
+            dirty_rate,
+            verify_rate: default_verify_rate(),
+            seed: default_seed(),
+            vcpus: default_vcpus(),
+            disks: Vec::new(),
+            compressible: false,
+            machine: crate::hardware::default_machine(),
+            cpu: crate::hardware::default_cpu(),
+            firmware: Default::default(),
+            kernel: None,
+            drives: Vec::new(),
+            nics: Vec::new(),
+            cloud_init: None,
+            guest_agent: false,
+        }
+    }
+
+    /// The lab's workload guest: booted from the host's workload kernel,
+    /// checked by its console's counter.
+    pub fn is_workload(&self) -> bool {
+        self.firmware == crate::hardware::Firmware::Kernel
+            && self.kernel.is_none()
+            && self.drives.is_empty()
+    }
+
     /// Checks a spec before anything starts; errors name the offending field.
     pub fn validate(&self) -> Result<(), ApiError> {
         validate_name("name", &self.name)?;
+        crate::hardware::validate(self)?;
         if self.disks.len() > MAX_VM_DISKS {
             return Err(ApiError::invalid(
                 "disks",
@@ -222,7 +279,7 @@ impl VmSpec {
         if !self.memory.is_multiple_of(1 << 20) {
             return Err(ApiError::invalid("memory", "must be a whole number of MiB"));
         }
-        if self.fill + GUEST_OVERHEAD > self.memory {
+        if self.is_workload() && self.fill + GUEST_OVERHEAD > self.memory {
             return Err(ApiError::invalid(
                 "fill",
                 format!(
@@ -283,6 +340,9 @@ pub struct VmInfo {
     /// The last guest check after a migration failed: why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub problem: Option<String>,
+    /// How the host runs it: `kvm` or `tcg` (software emulation).
+    #[serde(default)]
+    pub accel: String,
 }
 
 /// The answer to "is this guest intact and still running?".
@@ -302,6 +362,14 @@ pub struct CheckResult {
     pub running: bool,
     pub advancing: bool,
     pub intact: bool,
+    /// A guest other than the workload: CPU time its vCPUs used during the
+    /// check, ms (its "advancing").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vcpu_ms: Option<u64>,
+    /// The guest agent answered a ping and its clock advanced (None: the
+    /// VM has no guest agent channel).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_agent: Option<bool>,
 }
 
 impl CheckResult {
@@ -319,7 +387,11 @@ impl CheckResult {
             why.push(format!("not running (QEMU: {})", self.qemu_status));
         }
         if !self.advancing {
-            why.push("counter not advancing".to_string());
+            why.push(if self.vcpu_ms.is_some() {
+                "vCPUs not advancing".to_string()
+            } else {
+                "counter not advancing".to_string()
+            });
         }
         if !self.intact {
             why.push(format!("{} integrity errors", self.errors));
@@ -631,6 +703,11 @@ pub struct IncomingRequest {
     /// migration was committed (see the agent's `commit` module).
     #[serde(default)]
     pub source_url: String,
+    /// For a VM whose CPU model is `host` or `max`: the source host's
+    /// expansion of it (QEMU's `query-cpu-model-expansion`, full); the
+    /// target refuses unless its own is the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_expansion: Option<std::collections::BTreeMap<String, serde_json::Value>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -860,17 +937,36 @@ mod tests {
     use super::*;
 
     fn spec() -> VmSpec {
-        VmSpec {
-            name: "vm1".into(),
-            memory: 1 << 30,
-            fill: 768 << 20,
-            dirty_rate: 20 << 20,
-            verify_rate: 32 << 20,
-            seed: 1,
-            vcpus: 1,
-            disks: Vec::new(),
-            compressible: false,
-        }
+        VmSpec::workload("vm1", 1 << 30, 768 << 20, 20 << 20)
+    }
+
+    #[test]
+    fn a_spec_from_before_the_hardware_fields_is_a_workload_guest() {
+        let old = r#"{"name":"vm1","memory":1073741824,"fill":805306368,"dirty_rate":20971520}"#;
+        let s: VmSpec = serde_json::from_str(old).unwrap();
+        assert!(s.is_workload());
+        assert_eq!((s.machine.as_str(), s.cpu.as_str()), ("q35", "qemu64"));
+        s.validate().unwrap();
+    }
+
+    #[test]
+    fn a_users_vm_carries_no_workload_fields() {
+        let mut s = spec();
+        s.firmware = crate::hardware::Firmware::Bios;
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("drives"), "{e}");
+        s.drives.push(crate::hardware::Drive {
+            path: Some("/srv/vm1.qcow2".into()),
+            format: crate::hardware::DriveFormat::Qcow2,
+            ..Default::default()
+        });
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("workload"), "{e}");
+        s.fill = 0;
+        s.dirty_rate = 0;
+        s.validate().unwrap();
+        s.machine = "pc-i440fx-9.0".into();
+        assert!(s.validate().unwrap_err().to_string().contains("machine"));
     }
 
     #[test]

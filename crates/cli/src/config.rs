@@ -79,7 +79,7 @@ pub struct AgentFile {
     pub state_dir: Option<PathBuf>,
     /// QEMU binary (default `qemu-system-x86_64`).
     pub qemu: Option<String>,
-    /// `kvm` or `tcg` (default: `kvm` when `/dev/kvm` exists).
+    /// `auto` (the default: KVM when it runs guests here, else TCG), `kvm` or `tcg`.
     pub accel: Option<String>,
     /// Memory offered to VMs (e.g. `48G`); default: the host's memory less
     /// `reserved_memory`.
@@ -101,6 +101,13 @@ pub struct AgentFile {
     /// Guest kernel and initramfs for workload guests.
     pub kernel: Option<PathBuf>,
     pub initrd: Option<PathBuf>,
+    /// The CPU models this host offers guests (default: every model QEMU
+    /// can run here); a move to this host of a VM with another is refused.
+    pub cpu_models: Option<Vec<String>>,
+    /// UEFI firmware code (default `/usr/share/OVMF/OVMF_CODE_4M.fd`).
+    pub ovmf_code: Option<PathBuf>,
+    /// UEFI variable store template (default `/usr/share/OVMF/OVMF_VARS_4M.fd`).
+    pub ovmf_vars: Option<PathBuf>,
 }
 
 /// `/etc/ferry/control.toml`.

@@ -39,7 +39,7 @@ pub struct AgentArgs {
     /// Rate the NICs are rated at (e.g. 1gbit), when sysfs cannot tell.
     #[arg(long)]
     nic_rate: Option<String>,
-    /// QEMU accelerator: tcg or kvm.
+    /// QEMU accelerator: auto (KVM when it runs guests here, else TCG), kvm or tcg.
     #[arg(long)]
     accel: Option<String>,
     /// Check the configuration and print it resolved, then exit.
@@ -74,6 +74,7 @@ pub fn qemu_args(a: &QemuArgsArgs) -> anyhow::Result<i32> {
         accel: a.accel.clone(),
         kernel: img.kernel,
         initrd: img.initrd,
+        ovmf: Default::default(),
     };
     let mut args = vec![a.qemu.clone()];
     args.extend(ferry_agent::qemu::qemu_args(
@@ -158,15 +159,34 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
         }
         None => None,
     };
-    let accel = a.accel.clone().or(f.accel.clone()).unwrap_or_else(|| {
-        if std::path::Path::new("/dev/kvm").exists() {
-            "kvm".into()
-        } else {
-            "tcg".into()
+    let binary = a
+        .qemu
+        .clone()
+        .or(f.qemu.clone())
+        .unwrap_or_else(|| "qemu-system-x86_64".into());
+    let accel = match a
+        .accel
+        .clone()
+        .or(f.accel.clone())
+        .unwrap_or_else(|| "auto".into())
+        .as_str()
+    {
+        "auto" => ferry_agent::hardware::detect_accel(&binary),
+        a @ ("kvm" | "tcg") => a.to_string(),
+        other => return Err(key("accel", format!("'{other}' is none of auto, kvm or tcg")).into()),
+    };
+    if let Some(models) = &f.cpu_models {
+        for m in models {
+            ferry_api::hardware::validate_cpu_model(m)
+                .map_err(|e| key("cpu_models", e.to_string()))?;
         }
-    });
-    if accel != "kvm" && accel != "tcg" {
-        return Err(key("accel", format!("'{accel}' is neither kvm nor tcg")).into());
+    }
+    let mut ovmf = ferry_agent::hardware::Ovmf::default();
+    if let Some(c) = &f.ovmf_code {
+        ovmf.code = c.clone();
+    }
+    if let Some(v) = &f.ovmf_vars {
+        ovmf.vars = v.clone();
     }
     let (kernel, initrd) = match (
         a.kernel.as_ref().or(f.kernel.as_ref()),
@@ -201,18 +221,16 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
         memory,
         nic_rate,
         qemu: ferry_agent::qemu::QemuConfig {
-            binary: a
-                .qemu
-                .clone()
-                .or(f.qemu.clone())
-                .unwrap_or_else(|| "qemu-system-x86_64".into()),
+            binary,
             accel,
             kernel,
             initrd,
+            ovmf,
         },
         nics,
         probe_port: f.probe_port.unwrap_or(ferry_api::DEFAULT_PROBE_PORT),
         storage_nic: f.storage_nic.clone(),
+        cpu_models: f.cpu_models.clone(),
     };
     Ok((
         cfg,

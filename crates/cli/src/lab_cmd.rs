@@ -51,6 +51,10 @@ pub enum LabCmd {
     Image {
         #[arg(long)]
         rebuild: bool,
+        /// Also build the Debian guest (systemd, qemu-guest-agent, a TCP echo
+        /// service) from Debian packages with mmdebstrap.
+        #[arg(long)]
+        debian: bool,
     },
 }
 
@@ -183,13 +187,27 @@ pub async fn run(cli: &Cli, cmd: &LabCmd) -> anyhow::Result<i32> {
             println!("agent of {host} restarted");
             Ok(0)
         }
-        LabCmd::Image { rebuild } => {
+        LabCmd::Image { rebuild, debian } => {
             let img = ferry_lab::image::ensure(*rebuild)?;
             println!(
                 "guest image: {} ({})",
                 img.dir.display(),
                 img.kernel_package
             );
+            if *debian {
+                let t = std::time::Instant::now();
+                let was = ferry_lab::debian::cached().is_some();
+                let d = ferry_lab::debian::ensure(*rebuild)?;
+                println!(
+                    "debian guest: {} ({})",
+                    d.dir.display(),
+                    if was && !*rebuild {
+                        "cached".to_string()
+                    } else {
+                        format!("built in {:.0} s", t.elapsed().as_secs_f64())
+                    }
+                );
+            }
             Ok(0)
         }
     }
@@ -410,7 +428,6 @@ fn start_agent(dir: &LabDir, spec: &LabSpec, i: u32) -> anyhow::Result<()> {
         url: Some(topology::agent_url(i)),
         credential: Some(dir.token_path()),
         state_dir: Some(hd.clone()),
-        accel: Some("tcg".into()),
         memory: Some(spec.host_memory.to_string()),
         nics: (1..=spec.nics).map(|k| topology::nic_name(i, k)).collect(),
         nic_rate: Some(spec.rate.clone()),
@@ -418,7 +435,16 @@ fn start_agent(dir: &LabDir, spec: &LabSpec, i: u32) -> anyhow::Result<()> {
         initrd: Some(img.initrd),
         ..Default::default()
     };
-    let conf = write_config(&hd, "agent.toml", &file)?;
+    // settings an administrator keeps for this host (agent.local.toml in
+    // its directory) override the lab's, across restarts
+    let mut merged = toml::Table::try_from(&file)?;
+    let local = hd.join("agent.local.toml");
+    if let Ok(text) = std::fs::read_to_string(&local) {
+        let t: toml::Table =
+            toml::from_str(&text).with_context(|| format!("reading {}", local.display()))?;
+        merged.extend(t);
+    }
+    let conf = write_config(&hd, "agent.toml", &merged)?;
     let args = vec!["agent".to_string(), "--config".to_string(), conf];
     let pid = net::spawn_daemon(Some(&h), &exe, &args, &hd.join("agent.log"))?;
     std::fs::write(hd.join("agent.pid"), pid.to_string())?;

@@ -15,6 +15,7 @@ mod lab_cmd;
 mod output;
 mod storage_cmd;
 mod vm_cmd;
+mod vm_spec;
 
 use std::path::PathBuf;
 

@@ -32,6 +32,19 @@ pub enum DiskCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Create a disk holding an image file's contents (raw, qcow2 or any
+    /// format qemu-img reads), written through the disk's own NBD export.
+    Import {
+        name: String,
+        /// The image file.
+        file: std::path::PathBuf,
+        #[arg(long)]
+        write_through: bool,
+        #[arg(long)]
+        node: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
     List {
         #[arg(long)]
         json: bool,
@@ -210,6 +223,16 @@ pub async fn run_disk(cli: &Cli, cmd: &DiskCmd) -> anyhow::Result<i32> {
             let d: DiskInfo = c.post("/disks", &req, T).await?;
             show(*json, &d, || print_disks(std::slice::from_ref(&d)));
         }
+        DiskCmd::Import {
+            name,
+            file,
+            write_through,
+            node,
+            json,
+        } => {
+            let d = import_disk(&c, name, file, *write_through, node.clone()).await?;
+            show(*json, &d, || print_disks(std::slice::from_ref(&d)));
+        }
         DiskCmd::List { json } => {
             let d: Vec<DiskInfo> = c.get("/disks", T).await?;
             show(*json, &d, || print_disks(&d));
@@ -375,4 +398,62 @@ pub async fn list_nodes(cli: &Cli, json: bool) -> anyhow::Result<i32> {
         t.print();
     });
     Ok(0)
+}
+
+/// `ferry disk import`: a disk of the image's virtual size, then
+/// `qemu-img convert` into its NBD export (zeroes are not sent). A failed
+/// copy removes the disk it made.
+pub async fn import_disk(
+    c: &ferry_api::client::Client,
+    name: &str,
+    file: &std::path::Path,
+    write_through: bool,
+    node: Option<String>,
+) -> anyhow::Result<DiskInfo> {
+    use anyhow::Context;
+    let info = tokio::process::Command::new("qemu-img")
+        .args(["info", "--output", "json"])
+        .arg(file)
+        .output()
+        .await
+        .context("running qemu-img (package qemu-utils)")?;
+    if !info.status.success() {
+        return Err(ferry_api::ApiError::invalid(
+            "FILE",
+            format!(
+                "{}: {}",
+                file.display(),
+                String::from_utf8_lossy(&info.stderr).trim()
+            ),
+        )
+        .into());
+    }
+    let v: serde_json::Value = serde_json::from_slice(&info.stdout)?;
+    let size = v["virtual-size"]
+        .as_u64()
+        .context("qemu-img info gave no virtual-size")?;
+    let format = v["format"].as_str().unwrap_or("raw").to_string();
+    let req = DiskCreateRequest {
+        name: name.to_string(),
+        size: size.div_ceil(512) * 512,
+        write_through,
+        node,
+    };
+    let d: DiskInfo = c.post("/disks", &req, T).await?;
+    let out = tokio::process::Command::new("qemu-img")
+        .args(["convert", "-n", "-f", &format, "-O", "raw"])
+        .arg(file)
+        .arg(format!("{}/import", d.uri))
+        .output()
+        .await
+        .context("running qemu-img convert")?;
+    if !out.status.success() {
+        let _ = c.delete::<DiskInfo>(&format!("/disks/{name}"), T).await;
+        anyhow::bail!(
+            "copying {} into disk {name}: {}",
+            file.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(d)
 }

@@ -17,23 +17,26 @@ use crate::Cli;
 
 pub(crate) const T: Duration = Duration::from_secs(90);
 
+// parsed once per process: a large variant costs nothing worth boxing
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 pub enum VmCmd {
-    /// Create and boot a VM on a host.
+    /// Create and boot a VM on a host: the lab's workload guest, or a
+    /// user's VM from `--spec FILE` and hardware flags.
     Create {
         name: String,
         #[arg(long)]
         host: String,
-        /// Guest memory (e.g. 1G).
+        /// Guest memory (e.g. 1G); required unless the spec file gives it.
         #[arg(long)]
-        memory: String,
+        memory: Option<String>,
         /// Memory the workload fills with its verifiable pattern
         /// (default: 75% of --memory, leaving the guest at least 128M).
         #[arg(long)]
         fill: Option<String>,
-        /// Bytes per second the workload rewrites.
-        #[arg(long, default_value = "8M")]
-        dirty_rate: String,
+        /// Bytes per second the workload rewrites (default 8M).
+        #[arg(long)]
+        dirty_rate: Option<String>,
         /// Bytes per second the workload re-verifies.
         #[arg(long, default_value = "32M")]
         verify_rate: String,
@@ -42,6 +45,8 @@ pub enum VmCmd {
         /// Fill memory with a pattern that compresses (~7x) instead of not at all.
         #[arg(long)]
         compressible: bool,
+        #[command(flatten)]
+        hardware: crate::vm_spec::HardwareArgs,
         #[arg(long)]
         json: bool,
     },
@@ -199,15 +204,9 @@ pub fn spec_from_args(
         None => (memory / 4 * 3).min(memory.saturating_sub(ferry_api::GUEST_OVERHEAD)),
     };
     let spec = VmSpec {
-        name: name.to_string(),
-        memory,
-        fill,
-        dirty_rate: parse_size("--dirty-rate", dirty)?,
         verify_rate: parse_size("--verify-rate", verify)?,
         seed,
-        vcpus: 1,
-        disks: Vec::new(),
-        compressible: false,
+        ..VmSpec::workload(name, memory, fill, parse_size("--dirty-rate", dirty)?)
     };
     spec.validate().map_err(|e| match e {
         ApiError::InvalidArgument { field, reason } => ApiError::InvalidArgument {
@@ -233,17 +232,51 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             verify_rate,
             seed,
             compressible,
+            hardware,
             json,
         } => {
-            let mut spec = spec_from_args(
-                name,
-                memory,
-                fill.as_deref(),
-                dirty_rate,
-                verify_rate,
-                *seed,
-            )?;
-            spec.compressible = *compressible;
+            let spec = if hardware.any() {
+                let mut spec = match &hardware.spec {
+                    Some(file) => crate::vm_spec::read_spec_file(file, name)?,
+                    None => {
+                        let memory = memory.as_deref().ok_or_else(|| {
+                            ApiError::invalid(
+                                "--memory",
+                                "give --memory or a --spec file with memory",
+                            )
+                        })?;
+                        VmSpec::workload(name, parse_size("--memory", memory)?, 0, 0)
+                    }
+                };
+                if let Some(m) = memory {
+                    spec.memory = parse_size("--memory", m)?;
+                }
+                if let Some(f) = fill {
+                    spec.fill = parse_size("--fill", f)?;
+                }
+                if let Some(d) = dirty_rate {
+                    spec.dirty_rate = parse_size("--dirty-rate", d)?;
+                }
+                hardware.apply(&mut spec)?;
+                spec.validate()?;
+                spec
+            } else {
+                let memory = memory.as_deref().ok_or_else(|| {
+                    ApiError::invalid("--memory", "give the guest's memory (e.g. 1G)")
+                })?;
+                let mut spec = spec_from_args(
+                    name,
+                    memory,
+                    fill.as_deref(),
+                    dirty_rate.as_deref().unwrap_or("8M"),
+                    verify_rate,
+                    *seed,
+                )?;
+                spec.compressible = *compressible;
+                hardware.apply(&mut spec)?;
+                spec.validate()?;
+                spec
+            };
             let vm: VmInfo = client()?
                 .post(
                     "/vms",
@@ -272,8 +305,9 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             if *json {
                 print_json(&vms);
             } else {
-                let mut t =
-                    Table::new(&["NAME", "HOST", "STATE", "MEMORY", "FILL", "DIRTY/S", "PID"]);
+                let mut t = Table::new(&[
+                    "NAME", "HOST", "STATE", "MEMORY", "FILL", "DIRTY/S", "CPU", "ACCEL", "PID",
+                ]);
                 for v in vms {
                     let state = match (&v.in_doubt, &v.problem) {
                         (Some(_), _) => format!("{} (in doubt)", v.state),
@@ -287,6 +321,8 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
                         human_bytes(v.spec.memory),
                         human_bytes(v.spec.fill),
                         human_bytes(v.spec.dirty_rate),
+                        v.spec.cpu.clone(),
+                        v.accel.clone(),
                         v.pid.map(|p| p.to_string()).unwrap_or_default(),
                     ]);
                 }

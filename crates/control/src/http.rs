@@ -79,7 +79,7 @@ async fn vms(State(c): S) -> Response {
     run(&c, Command::ListVms).await
 }
 async fn create(State(c): S, ApiJson(req): ApiJson<VmCreateRequest>) -> Response {
-    run(&c, Command::CreateVm(req)).await
+    run(&c, Command::CreateVm(Box::new(req))).await
 }
 async fn check(State(c): S, Path(name): Path<String>) -> Response {
     run(&c, Command::CheckVm { name }).await
@@ -403,6 +403,57 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn the_openapi_file_describes_every_field_of_a_vm_spec() {
+        use ferry_api::hardware::*;
+        let doc: serde_json::Value =
+            serde_json::from_str(include_str!("../../../docs/openapi.json")).unwrap();
+        let mut spec = ferry_api::VmSpec::workload("a", 1 << 30, 0, 0);
+        spec.kernel = Some(KernelBoot {
+            kernel: "/k".into(),
+            initrd: Some("/i".into()),
+            append: String::new(),
+        });
+        spec.drives.push(Drive {
+            disk: Some("d".into()),
+            ..Default::default()
+        });
+        spec.nics.push(GuestNic {
+            bridge: "br0".into(),
+            mac: "52:54:00:00:00:01".into(),
+        });
+        spec.cloud_init = Some(CloudInit {
+            user_data: String::new(),
+            meta_data: String::new(),
+            network_config: Some(String::new()),
+        });
+        let schemas = &doc["components"]["schemas"];
+        let check = |schema: &str, value: serde_json::Value| {
+            for k in value.as_object().unwrap().keys() {
+                assert!(
+                    schemas[schema]["properties"].get(k).is_some(),
+                    "docs/openapi.json: {schema} lacks {k}"
+                );
+            }
+        };
+        let v = serde_json::to_value(&spec).unwrap();
+        check("VmSpec", v.clone());
+        check("KernelBoot", v["kernel"].clone());
+        check("Drive", v["drives"][0].clone());
+        check("GuestNic", v["nics"][0].clone());
+        check("CloudInit", v["cloud_init"].clone());
+        let code = serde_json::to_value(ferry_api::ApiError::HostCannotRun {
+            host: "h".into(),
+            vm: "v".into(),
+            missing: vec![],
+        })
+        .unwrap();
+        let codes = schemas["Error"]["properties"]["code"]["enum"]
+            .as_array()
+            .unwrap();
+        assert!(codes.contains(&code["code"]), "{code}");
     }
 
     #[test]

@@ -43,7 +43,7 @@ const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
 pub enum Command {
     ListHosts,
     ListVms,
-    CreateVm(VmCreateRequest),
+    CreateVm(Box<VmCreateRequest>),
     CheckVm {
         name: String,
     },
@@ -257,7 +257,7 @@ impl Control {
         match cmd {
             Command::ListHosts => value(self.list_hosts().await),
             Command::ListVms => value(self.list_vms().await?),
-            Command::CreateVm(req) => value(self.create_vm(req).await?),
+            Command::CreateVm(req) => value(self.create_vm(*req).await?),
             Command::CheckVm { name } => value(self.check_vm(&name).await?),
             Command::ResolveVm { name } => value(self.resolve_vm(&name).await?),
             Command::RemoveVm { name } => value(self.remove_vm(&name).await?),
@@ -451,8 +451,23 @@ impl Control {
             .ok_or_else(|| ApiError::not_found("vm", name))
     }
 
-    async fn create_vm(&self, req: VmCreateRequest) -> Result<VmInfo, ApiError> {
+    async fn create_vm(&self, mut req: VmCreateRequest) -> Result<VmInfo, ApiError> {
         req.spec.validate()?;
+        // a Ferry disk named by a drive: its export for this VM, as attach does
+        for (i, d) in req.spec.drives.iter_mut().enumerate() {
+            if let Some(name) = d.disk.clone() {
+                let (disk, _) = self.locate_disk(&name).await.map_err(|e| match e {
+                    ApiError::NotFound { .. } => ApiError::invalid(
+                        &format!("drives[{i}].disk"),
+                        format!("no Ferry disk named '{name}' (ferry disk list)"),
+                    ),
+                    e => e,
+                })?;
+                d.nbd = Some(format!("{}/{}", disk.uri, req.spec.name));
+                d.disk = None;
+                d.validate(i)?;
+            }
+        }
         let agent = self.host(&req.host)?;
         self.refuse_draining(&req.host)?;
         self.refuse_down(&req.host).await?;

@@ -109,7 +109,7 @@ impl Control {
         Ok(out)
     }
 
-    async fn locate_disk(
+    pub(crate) async fn locate_disk(
         &self,
         name: &str,
     ) -> Result<(DiskInfo, &ferry_api::client::Client), ApiError> {

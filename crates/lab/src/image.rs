@@ -47,7 +47,7 @@ pub struct GuestImage {
     pub kernel_package: String,
 }
 
-fn fnv1a(parts: &[&[u8]]) -> u64 {
+pub(crate) fn fnv1a(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf29ce484222325;
     for p in parts {
         for b in *p {

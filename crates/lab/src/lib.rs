@@ -11,6 +11,7 @@
 
 pub mod console;
 pub mod cpio;
+pub mod debian;
 pub mod image;
 pub mod monitor;
 pub mod net;

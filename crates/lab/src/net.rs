@@ -1,7 +1,8 @@
 //! Makes and removes the lab network with `ip` and `tc` (see [`crate::topology`]).
 //!
 //! Creation is ordered so that a crash part-way leaves only named objects that
-//! [`destroy`] finds by name: namespaces `host*` and `ferry-fab*`, root links
+//! [`destroy`] finds by name: namespaces `host*`, `ferry-fab*`, `ferry-guestnet` and
+//! `ferry-client`, root links
 //! `fm-h*` and the bridge `ferry-mgmt`. `destroy` never fails on something
 //! already gone, so it cleans up a half-made lab as well as a whole one.
 
@@ -104,6 +105,96 @@ pub fn create(spec: &LabSpec) -> Result<(), LabError> {
             shape(&fab, &port, &spec.rate)?;
         }
     }
+    create_guest_network(spec)
+}
+
+/// The guests' network: a bridge [`GUEST_BRIDGE`] on every host, joined by
+/// the guest fabric (a bridge in [`GUEST_FABRIC_NS`]), and a client
+/// namespace [`CLIENT_NS`] on it that talks to guests from outside the
+/// hosts. Unshaped: it carries the guests' own traffic, not migrations.
+fn create_guest_network(spec: &LabSpec) -> Result<(), LabError> {
+    ip(&["netns", "add", GUEST_FABRIC_NS])?;
+    in_ns(GUEST_FABRIC_NS, &["link", "set", "lo", "up"])?;
+    in_ns(GUEST_FABRIC_NS, &["link", "add", "br0", "type", "bridge"])?;
+    in_ns(GUEST_FABRIC_NS, &["link", "set", "br0", "up"])?;
+    for i in 1..=spec.hosts {
+        let h = host_name(i);
+        add_guest_bridge(&h)?;
+        let port = format!("gh{i}");
+        in_ns(
+            &h,
+            &[
+                "link",
+                "add",
+                "guest0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &port,
+                "netns",
+                GUEST_FABRIC_NS,
+            ],
+        )?;
+        in_ns(&h, &["link", "set", "guest0", "master", GUEST_BRIDGE, "up"])?;
+        in_ns(
+            GUEST_FABRIC_NS,
+            &["link", "set", &port, "master", "br0", "up"],
+        )?;
+    }
+    ip(&["netns", "add", CLIENT_NS])?;
+    in_ns(CLIENT_NS, &["link", "set", "lo", "up"])?;
+    in_ns(
+        CLIENT_NS,
+        &[
+            "link",
+            "add",
+            "eth0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "gcl",
+            "netns",
+            GUEST_FABRIC_NS,
+        ],
+    )?;
+    in_ns(
+        GUEST_FABRIC_NS,
+        &["link", "set", "gcl", "master", "br0", "up"],
+    )?;
+    in_ns(
+        CLIENT_NS,
+        &["addr", "add", &format!("{CLIENT_ADDR}/24"), "dev", "eth0"],
+    )?;
+    in_ns(CLIENT_NS, &["link", "set", "eth0", "up"])?;
+    Ok(())
+}
+
+/// Makes host `h`'s guest bridge (as an administrator would have).
+pub fn add_guest_bridge(h: &str) -> Result<(), LabError> {
+    in_ns(h, &["link", "add", GUEST_BRIDGE, "type", "bridge"])?;
+    // forward at once: a moved guest's frames must not wait out STP learning
+    in_ns(
+        h,
+        &[
+            "link",
+            "set",
+            GUEST_BRIDGE,
+            "type",
+            "bridge",
+            "stp_state",
+            "0",
+            "forward_delay",
+            "0",
+        ],
+    )?;
+    in_ns(h, &["link", "set", GUEST_BRIDGE, "up"])?;
+    if let Ok(out) = in_ns(h, &["-o", "link", "show", "guest0"]) {
+        if !out.is_empty() {
+            in_ns(h, &["link", "set", "guest0", "master", GUEST_BRIDGE, "up"])?;
+        }
+    }
     Ok(())
 }
 
@@ -112,7 +203,12 @@ pub fn lab_namespaces() -> Vec<String> {
     let out = ip(&["netns", "list"]).unwrap_or_default();
     out.lines()
         .filter_map(|l| l.split_whitespace().next())
-        .filter(|n| host_index(n).is_some() || n.starts_with("ferry-fab"))
+        .filter(|n| {
+            host_index(n).is_some()
+                || n.starts_with("ferry-fab")
+                || *n == GUEST_FABRIC_NS
+                || *n == CLIENT_NS
+        })
         .map(str::to_string)
         .collect()
 }

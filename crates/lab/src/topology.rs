@@ -164,6 +164,21 @@ pub fn agent_url(i: u32) -> String {
 
 /// The lab's storage node runs in the root namespace on the management
 /// bridge: NBD and its REST API.
+/// Every host's bridge for guests' NICs.
+pub const GUEST_BRIDGE: &str = "br-guest";
+/// The switch joining the hosts' guest bridges.
+pub const GUEST_FABRIC_NS: &str = "ferry-guestnet";
+/// A machine outside the hosts, on the guests' network.
+pub const CLIENT_NS: &str = "ferry-client";
+/// The guests' network, /24: the client is .2, guests from .100.
+pub const GUEST_NET: &str = "198.19.250";
+pub const CLIENT_ADDR: &str = "198.19.250.2";
+
+/// A guest's address on the guests' network (`n` from 0).
+pub fn guest_addr(n: u32) -> String {
+    format!("{GUEST_NET}.{}", 100 + n % 150)
+}
+
 pub const STORAGE_NBD_PORT: u16 = 10809;
 pub const STORAGE_API_PORT: u16 = 7900;
 pub const STORAGE_NODE: &str = "storage1";

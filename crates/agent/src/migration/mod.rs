@@ -398,6 +398,15 @@ impl Agent {
             })
             .map_err(|e| fail("memory", error_chain(&e)))?;
         let session: [u8; 16] = rand::random();
+        // a host-dependent CPU model: the target compares its own expansion
+        let cpu_expansion = if crate::hardware::HOST_DEPENDENT_MODELS.contains(&spec.cpu.as_str()) {
+            self.cpu_catalog()
+                .await
+                .ok()
+                .and_then(|c| c.expansions.get(&spec.cpu).cloned())
+        } else {
+            None
+        };
         let incoming = IncomingRequest {
             source_url: self.cfg.url.clone(),
             migration_id: id.into(),
@@ -408,17 +417,20 @@ impl Agent {
             session: Some(ferry_transport::session_to_hex(&session)),
             postcopy: req.convergence.postcopy,
             sealed: req.encrypt_carriers,
+            cpu_expansion,
         };
         let reply: IncomingReply = target
             .post("/incoming", &incoming, Duration::from_secs(30))
             .await
             .map_err(|e| match e {
-                e @ ApiError::InsufficientMemory { .. } => Failure {
-                    step: "memory",
-                    reason: e.to_string(),
-                    passthrough: Some(e),
-                    after: AfterCommit::No,
-                },
+                e @ (ApiError::InsufficientMemory { .. } | ApiError::HostCannotRun { .. }) => {
+                    Failure {
+                        step: "memory",
+                        reason: e.to_string(),
+                        passthrough: Some(e),
+                        after: AfterCommit::No,
+                    }
+                }
                 e => fail("skeleton", e.to_string()),
             })?;
         let waits_on = if reply.carriers.is_empty() {
@@ -1191,19 +1203,31 @@ impl Agent {
                 running: false,
                 advancing: false,
                 intact: false,
+                vcpu_ms: None,
+                guest_agent: None,
             },
         };
         let went_back = matches!((tick_before, check.tick_last), (Some(b), Some(a)) if a <= b);
         if check.ok() && !went_back {
             ev.step(
                 "final-check",
-                format!(
-                    "{} runs the guest: counter {}→{}, {} integrity errors",
-                    check.host,
-                    check.tick_first.unwrap_or(0),
-                    check.tick_last.unwrap_or(0),
-                    check.errors
-                ),
+                match check.vcpu_ms {
+                    Some(ms) => format!(
+                        "{} runs the guest: vCPUs used {ms} ms during the check{}",
+                        check.host,
+                        match check.guest_agent {
+                            Some(true) => "; guest agent answers, its clock advances",
+                            _ => "",
+                        }
+                    ),
+                    None => format!(
+                        "{} runs the guest: counter {}→{}, {} integrity errors",
+                        check.host,
+                        check.tick_first.unwrap_or(0),
+                        check.tick_last.unwrap_or(0),
+                        check.errors
+                    ),
+                },
             )
             .await;
         } else {

@@ -75,6 +75,10 @@ impl Agent {
             since: Instant::now(),
             agent_cpu_at_start: crate::host::own_cpu(),
         };
+        // the memory step: room for the guest, and everything it needs here
+        req.spec.validate()?;
+        self.preflight(&req.spec, req.cpu_expansion.as_ref())
+            .await?;
         self.reserve(&req.spec, role).await?;
         // the record exists before the skeleton does: a restart finds it
         let waiting = Record {
@@ -429,6 +433,20 @@ impl Agent {
                 q.qmp.cont().await.map_err(|e| {
                     ApiError::internal(format!("starting the guest: {}", error_chain(&e)))
                 })?;
+                // switches learn the guest's MACs on this host's port now
+                // rather than when the guest next sends
+                let has_nics = self
+                    .state
+                    .lock()
+                    .await
+                    .vms
+                    .get(&name)
+                    .is_some_and(|s| !s.spec.nics.is_empty());
+                if has_nics {
+                    if let Err(e) = q.qmp.announce_self(crate::qmp::ANNOUNCE).await {
+                        tracing::warn!(vm = %name, error = %error_chain(&e), "announce-self failed");
+                    }
+                }
                 self.adopt(&name, id, q.clone()).await;
                 tracing::info!(vm = %name, migration = id, "committed by {source}: the guest runs here");
                 let mut st = self.incoming_status(id).await?;

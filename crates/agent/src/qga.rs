@@ -1,0 +1,193 @@
+//! A client for qemu-guest-agent on a VM's virtio-serial channel
+//! (`qga.sock` in the VM's directory), as the final check of a move uses it.
+//!
+//! The channel is a byte stream that may hold a reply to a command an
+//! earlier client sent and never read, so every session starts with
+//! `guest-sync` and a fresh id, and discards lines until that id comes back.
+//! QEMU's chardev takes one client at a time: a session is opened for one
+//! check and dropped after it.
+
+use std::path::Path;
+use std::time::Duration;
+
+use base64::Engine;
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+
+#[derive(Debug, thiserror::Error)]
+pub enum QgaError {
+    #[error("cannot reach the guest agent at {path}: {source}")]
+    Connect {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the guest agent did not answer {command} within {secs} s")]
+    Timeout { command: String, secs: u64 },
+    #[error("the guest agent's channel broke: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the guest agent refused {command}: {desc}")]
+    Refused { command: String, desc: String },
+    #[error("the guest agent's answer to {command} is not understood: {answer}")]
+    Garbled { command: String, answer: String },
+}
+
+pub struct Qga {
+    rd: BufReader<tokio::net::unix::OwnedReadHalf>,
+    wr: tokio::net::unix::OwnedWriteHalf,
+}
+
+/// What `guest-exec` reported.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecOutput {
+    pub exit_code: i64,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+}
+
+impl Qga {
+    /// Connects and synchronizes; fails if the guest agent does not answer
+    /// within `wait`.
+    pub async fn connect(path: &Path, wait: Duration) -> Result<Qga, QgaError> {
+        let s = UnixStream::connect(path)
+            .await
+            .map_err(|source| QgaError::Connect {
+                path: path.display().to_string(),
+                source,
+            })?;
+        let (rd, wr) = s.into_split();
+        let mut q = Qga {
+            rd: BufReader::new(rd),
+            wr,
+        };
+        let id: u32 = rand::random::<u32>() >> 1;
+        let line = json!({"execute": "guest-sync", "arguments": {"id": id}}).to_string();
+        q.wr.write_all(format!("{line}\n").as_bytes()).await?;
+        let sync = async {
+            loop {
+                let v = q.read_line("guest-sync").await?;
+                if v.get("return").and_then(Value::as_u64) == Some(u64::from(id)) {
+                    return Ok::<_, QgaError>(());
+                }
+            }
+        };
+        tokio::time::timeout(wait, sync)
+            .await
+            .map_err(|_| QgaError::Timeout {
+                command: "guest-sync".into(),
+                secs: wait.as_secs(),
+            })??;
+        Ok(q)
+    }
+
+    async fn read_line(&mut self, command: &str) -> Result<Value, QgaError> {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if self.rd.read_line(&mut line).await? == 0 {
+                return Err(QgaError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            // a reply may be preceded by the 0xff a delimited sync sends
+            let t = line.trim_matches(|c: char| c.is_whitespace() || c == '\u{fffd}');
+            if t.is_empty() {
+                continue;
+            }
+            return serde_json::from_str(t).map_err(|_| QgaError::Garbled {
+                command: command.into(),
+                answer: t.chars().take(200).collect(),
+            });
+        }
+    }
+
+    /// Runs one command; its `return` value.
+    pub async fn execute(&mut self, command: &str, args: Value) -> Result<Value, QgaError> {
+        let mut msg = json!({"execute": command});
+        if !args.is_null() {
+            msg["arguments"] = args;
+        }
+        self.wr.write_all(format!("{msg}\n").as_bytes()).await?;
+        let wait = Duration::from_secs(10);
+        let v = tokio::time::timeout(wait, self.read_line(command))
+            .await
+            .map_err(|_| QgaError::Timeout {
+                command: command.into(),
+                secs: wait.as_secs(),
+            })??;
+        if let Some(e) = v.get("error") {
+            return Err(QgaError::Refused {
+                command: command.into(),
+                desc: e
+                    .get("desc")
+                    .and_then(Value::as_str)
+                    .unwrap_or("?")
+                    .to_string(),
+            });
+        }
+        v.get("return").cloned().ok_or_else(|| QgaError::Garbled {
+            command: command.into(),
+            answer: v.to_string(),
+        })
+    }
+
+    pub async fn ping(&mut self) -> Result<(), QgaError> {
+        self.execute("guest-ping", Value::Null).await.map(|_| ())
+    }
+
+    /// The guest's clock, nanoseconds since the epoch.
+    pub async fn time_ns(&mut self) -> Result<u64, QgaError> {
+        let v = self.execute("guest-get-time", Value::Null).await?;
+        v.as_u64().ok_or_else(|| QgaError::Garbled {
+            command: "guest-get-time".into(),
+            answer: v.to_string(),
+        })
+    }
+
+    /// Runs a program in the guest and waits (up to `wait`) for it to end.
+    pub async fn exec(
+        &mut self,
+        path: &str,
+        args: &[&str],
+        wait: Duration,
+    ) -> Result<ExecOutput, QgaError> {
+        let v = self
+            .execute(
+                "guest-exec",
+                json!({"path": path, "arg": args, "capture-output": true}),
+            )
+            .await?;
+        let pid = v
+            .get("pid")
+            .and_then(Value::as_i64)
+            .ok_or_else(|| QgaError::Garbled {
+                command: "guest-exec".into(),
+                answer: v.to_string(),
+            })?;
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let st = self
+                .execute("guest-exec-status", json!({"pid": pid}))
+                .await?;
+            if st.get("exited").and_then(Value::as_bool) == Some(true) {
+                let b64 = |k: &str| {
+                    st.get(k)
+                        .and_then(Value::as_str)
+                        .and_then(|s| base64::engine::general_purpose::STANDARD.decode(s).ok())
+                        .unwrap_or_default()
+                };
+                return Ok(ExecOutput {
+                    exit_code: st.get("exitcode").and_then(Value::as_i64).unwrap_or(-1),
+                    stdout: b64("out-data"),
+                    stderr: b64("err-data"),
+                });
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(QgaError::Timeout {
+                    command: format!("guest-exec {path}"),
+                    secs: wait.as_secs(),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}

@@ -1,0 +1,362 @@
+//! What a user's VM is made of beyond memory and vCPUs: machine, CPU model,
+//! firmware, disks, NICs on bridges, a cloud-init seed, the guest agent.
+//!
+//! Every field has a default that gives the lab's workload guest (direct
+//! kernel boot of the agent's own kernel, no drives, no NICs), so a spec
+//! written before these fields existed means what it meant then.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ApiError;
+
+/// How the guest boots.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Firmware {
+    /// QEMU loads a kernel (and initramfs) itself: the spec's
+    /// [`KernelBoot`], or the host's workload kernel when the spec has none.
+    #[default]
+    Kernel,
+    /// SeaBIOS boots the first drive.
+    Bios,
+    /// OVMF (UEFI) boots the first drive; the host's OVMF files must exist.
+    Uefi,
+}
+
+impl Firmware {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Firmware::Kernel => "kernel",
+            Firmware::Bios => "bios",
+            Firmware::Uefi => "uefi",
+        }
+    }
+}
+
+/// A kernel QEMU boots directly (`firmware = "kernel"`): paths on storage
+/// every host sees, checked on a migration's target.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KernelBoot {
+    pub kernel: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initrd: Option<String>,
+    /// The kernel command line.
+    #[serde(default)]
+    pub append: String,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DriveFormat {
+    #[default]
+    Raw,
+    Qcow2,
+}
+
+impl DriveFormat {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DriveFormat::Raw => "raw",
+            DriveFormat::Qcow2 => "qcow2",
+        }
+    }
+}
+
+/// A disk present from boot. Exactly one of `disk` (a Ferry storage disk,
+/// which the control service turns into `nbd`), `nbd` or `path` (a file or
+/// block device on storage every host mounts). The first drive boots.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Drive {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<String>,
+    /// `nbd://HOST:PORT/EXPORT`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    #[serde(default)]
+    pub format: DriveFormat,
+    #[serde(default)]
+    pub readonly: bool,
+}
+
+/// A virtio-net NIC on a Linux bridge of the host. The agent makes its tap;
+/// the MAC is the spec's, so it moves with the VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GuestNic {
+    pub bridge: String,
+    pub mac: String,
+}
+
+/// A cloud-init NoCloud seed, attached as a CD-ROM labelled `cidata`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CloudInit {
+    pub user_data: String,
+    #[serde(default)]
+    pub meta_data: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_config: Option<String>,
+}
+
+pub fn default_machine() -> String {
+    "q35".into()
+}
+pub fn default_cpu() -> String {
+    "qemu64".into()
+}
+
+/// Checks a MAC: six two-digit hex octets, unicast, not all zero.
+pub fn validate_mac(field: &str, mac: &str) -> Result<(), ApiError> {
+    let octets: Vec<_> = mac.split(':').collect();
+    let parsed: Option<Vec<u8>> = (octets.len() == 6)
+        .then(|| {
+            octets
+                .iter()
+                .map(|o| {
+                    (o.len() == 2)
+                        .then(|| u8::from_str_radix(o, 16).ok())
+                        .flatten()
+                })
+                .collect()
+        })
+        .flatten();
+    let Some(bytes) = parsed else {
+        return Err(ApiError::invalid(
+            field,
+            format!("'{mac}' is not a MAC address (six hex octets, 52:54:00:12:34:56)"),
+        ));
+    };
+    if bytes[0] & 1 == 1 {
+        return Err(ApiError::invalid(
+            field,
+            format!("'{mac}' is a multicast address; a NIC needs a unicast one"),
+        ));
+    }
+    if bytes.iter().all(|b| *b == 0) {
+        return Err(ApiError::invalid(
+            field,
+            "00:00:00:00:00:00 is not a NIC's address",
+        ));
+    }
+    Ok(())
+}
+
+/// Interface names as Linux takes them: 1-15 characters, no '/', ':' or space.
+pub fn validate_ifname(field: &str, name: &str) -> Result<(), ApiError> {
+    let ok = !name.is_empty()
+        && name.len() <= 15
+        && name != "."
+        && name != ".."
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b'/' && b != b':');
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            field,
+            format!("'{name}' is not an interface name (1-15 characters, no '/', ':' or space)"),
+        ))
+    }
+}
+
+/// CPU model names as QEMU lists them (`qemu64`, `Skylake-Server-v4`,
+/// `host`, `max`): no options after a comma.
+pub fn validate_cpu_model(cpu: &str) -> Result<(), ApiError> {
+    let ok = !cpu.is_empty()
+        && cpu.len() <= 64
+        && cpu
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            "cpu",
+            format!("'{cpu}' is not a CPU model name (see `qemu-system-x86_64 -cpu help`)"),
+        ))
+    }
+}
+
+fn validate_path(field: &str, p: &str) -> Result<(), ApiError> {
+    if !p.starts_with('/') || p.contains('\0') || p.split('/').any(|c| c == "..") {
+        return Err(ApiError::invalid(
+            field,
+            format!("'{p}' must be an absolute path without '..'"),
+        ));
+    }
+    // QEMU's option syntax: a comma would split the argument
+    if p.contains(',') {
+        return Err(ApiError::invalid(field, format!("'{p}' contains a comma")));
+    }
+    Ok(())
+}
+
+impl Drive {
+    /// Checks one drive; `i` names it in errors (`drives[0]`).
+    pub fn validate(&self, i: usize) -> Result<(), ApiError> {
+        let field = format!("drives[{i}]");
+        let set = [&self.disk, &self.nbd, &self.path]
+            .iter()
+            .filter(|x| x.is_some())
+            .count();
+        if set != 1 {
+            return Err(ApiError::invalid(
+                &field,
+                "give exactly one of disk (a Ferry disk), nbd (a URI) or path",
+            ));
+        }
+        if let Some(d) = &self.disk {
+            crate::validate_name(&format!("{field}.disk"), d)?;
+        }
+        if let Some(uri) = &self.nbd {
+            crate::DiskPlug {
+                disk: String::new(),
+                uri: uri.clone(),
+            }
+            .parse_uri()
+            .map_err(|e| match e {
+                ApiError::InvalidArgument { reason, .. } => {
+                    ApiError::invalid(&format!("{field}.nbd"), reason)
+                }
+                e => e,
+            })?;
+        }
+        if let Some(p) = &self.path {
+            validate_path(&format!("{field}.path"), p)?;
+        }
+        Ok(())
+    }
+}
+
+/// Checks the hardware fields of a spec (the VM's name is checked by the caller).
+pub fn validate(spec: &crate::VmSpec) -> Result<(), ApiError> {
+    let m = &spec.machine;
+    if m != "q35" && !m.starts_with("pc-q35-") {
+        return Err(ApiError::invalid(
+            "machine",
+            format!("'{m}' is not a q35 machine type (q35 or pc-q35-X.Y)"),
+        ));
+    }
+    validate_cpu_model(&spec.cpu)?;
+    if spec.drives.len() > 8 {
+        return Err(ApiError::invalid("drives", "a VM takes at most 8 drives"));
+    }
+    for (i, d) in spec.drives.iter().enumerate() {
+        d.validate(i)?;
+    }
+    if spec.nics.len() > 4 {
+        return Err(ApiError::invalid("nics", "a VM takes at most 4 NICs"));
+    }
+    for (i, n) in spec.nics.iter().enumerate() {
+        validate_ifname(&format!("nics[{i}].bridge"), &n.bridge)?;
+        validate_mac(&format!("nics[{i}].mac"), &n.mac)?;
+        if spec.nics[..i]
+            .iter()
+            .any(|o| o.mac.eq_ignore_ascii_case(&n.mac))
+        {
+            return Err(ApiError::invalid(
+                &format!("nics[{i}].mac"),
+                format!("{} is used by another NIC of this VM", n.mac),
+            ));
+        }
+    }
+    match (spec.firmware, &spec.kernel) {
+        (Firmware::Kernel, Some(k)) => {
+            validate_path("kernel.kernel", &k.kernel)?;
+            if let Some(i) = &k.initrd {
+                validate_path("kernel.initrd", i)?;
+            }
+        }
+        (Firmware::Kernel, None) => {}
+        (f, Some(_)) => {
+            return Err(ApiError::invalid(
+                "kernel",
+                format!(
+                    "a kernel is booted only with firmware = \"kernel\", not \"{}\"",
+                    f.as_str()
+                ),
+            ))
+        }
+        (f, None) => {
+            if spec.drives.is_empty() {
+                return Err(ApiError::invalid(
+                    "drives",
+                    format!(
+                        "firmware \"{}\" boots the first drive; the spec has none",
+                        f.as_str()
+                    ),
+                ));
+            }
+        }
+    }
+    if !spec.is_workload() && (spec.fill != 0 || spec.dirty_rate != 0 || spec.compressible) {
+        return Err(ApiError::invalid(
+            "fill",
+            "fill, dirty_rate and compressible belong to the lab's workload guest (no kernel, drives or firmware given)",
+        ));
+    }
+    if let Some(c) = &spec.cloud_init {
+        if c.user_data.len() + c.meta_data.len() > 1 << 20 {
+            return Err(ApiError::invalid(
+                "cloud_init",
+                "the seed is larger than 1 MiB",
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn macs() {
+        assert!(validate_mac("m", "52:54:00:12:34:56").is_ok());
+        for bad in [
+            "52:54:00:12:34",
+            "01:00:5e:00:00:01",
+            "00:00:00:00:00:00",
+            "zz:54:00:12:34:56",
+            "525400123456",
+        ] {
+            let e = validate_mac("nics[0].mac", bad).unwrap_err().to_string();
+            assert!(e.contains("nics[0].mac"), "{e}");
+        }
+    }
+
+    #[test]
+    fn interface_names_and_cpu_models() {
+        assert!(validate_ifname("b", "br-guest").is_ok());
+        assert!(validate_ifname("b", "a-name-too-long-x").is_err());
+        assert!(validate_ifname("b", "br/0").is_err());
+        assert!(validate_cpu_model("Skylake-Server-v4").is_ok());
+        assert!(validate_cpu_model("host,+vmx").is_err());
+    }
+
+    #[test]
+    fn a_drive_names_exactly_one_source() {
+        let d = Drive {
+            disk: Some("root".into()),
+            path: Some("/srv/a.img".into()),
+            ..Default::default()
+        };
+        assert!(d.validate(1).unwrap_err().to_string().contains("drives[1]"));
+        let d = Drive {
+            path: Some("/srv/../etc/shadow".into()),
+            ..Default::default()
+        };
+        assert!(d.validate(0).is_err());
+        let d = Drive {
+            nbd: Some("nbd://198.18.0.1:10809/root/vm1".into()),
+            format: DriveFormat::Qcow2,
+            ..Default::default()
+        };
+        assert!(d.validate(0).is_ok());
+    }
+}

@@ -1,0 +1,100 @@
+//! The lab's Debian guest: built from Debian packages by
+//! `guest/debian-image.sh` (mmdebstrap, then `mkfs.ext4 -d`), cached under
+//! the cache key of the script itself, so a change to the script builds a
+//! new image next to the old one.
+//!
+//! A real guest for tests and the demo: systemd, udev, qemu-guest-agent and
+//! a TCP echo service on port 7000. Its root disk is imported into a Ferry
+//! storage disk and served over NBD, so every host sees it; its kernel boots
+//! directly (the image has no partition table or boot loader: building one
+//! would need loop devices and mounts, which the lab keeps out of its path).
+
+use std::path::PathBuf;
+
+use crate::LabError;
+
+const SCRIPT: &str = include_str!("../guest/debian-image.sh");
+
+/// The TCP port the guest's echo service listens on.
+pub const ECHO_PORT: u16 = 7000;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DebianImage {
+    pub dir: PathBuf,
+    /// Raw ext4 file system: the guest's root, `/dev/vda`.
+    pub root: PathBuf,
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+}
+
+impl DebianImage {
+    /// The kernel command line for a guest at `addr/24` on the guests' network.
+    pub fn append(&self, addr: &str) -> String {
+        format!("console=ttyS0 root=/dev/vda rw quiet ferry.ip={addr}/24")
+    }
+}
+
+fn image_in(dir: PathBuf) -> DebianImage {
+    DebianImage {
+        root: dir.join("root.img"),
+        kernel: dir.join("vmlinuz"),
+        initrd: dir.join("initrd.img"),
+        dir,
+    }
+}
+
+fn image_dir() -> PathBuf {
+    let key = crate::image::fnv1a(&[SCRIPT.as_bytes()]);
+    crate::cache_dir()
+        .join("debian")
+        .join(format!("bookworm-{key:016x}"))
+}
+
+/// The cached image, if it was built.
+pub fn cached() -> Option<DebianImage> {
+    let img = image_in(image_dir());
+    (img.root.exists() && img.kernel.exists() && img.initrd.exists()).then_some(img)
+}
+
+/// Returns the cached image, building it first if needed (about a minute;
+/// needs root, mmdebstrap and Debian's archive through apt).
+pub fn ensure(rebuild: bool) -> Result<DebianImage, LabError> {
+    if !rebuild {
+        if let Some(img) = cached() {
+            return Ok(img);
+        }
+    }
+    let dir = image_dir();
+    std::fs::create_dir_all(&dir).map_err(|e| LabError::io(&dir, e))?;
+    let script = dir.join("debian-image.sh");
+    std::fs::write(&script, SCRIPT).map_err(|e| LabError::io(&script, e))?;
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .arg(&dir)
+        .output()
+        .map_err(|source| LabError::Spawn {
+            cmd: format!("bash {}", script.display()),
+            source,
+        })?;
+    let log = dir.join("build.log");
+    let _ = std::fs::write(
+        &log,
+        [out.stdout.as_slice(), out.stderr.as_slice()].concat(),
+    );
+    if !out.status.success() {
+        let tail: String = String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .rev()
+            .take(8)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n");
+        return Err(LabError::Image(format!(
+            "building the Debian guest failed (log: {}):\n{tail}",
+            log.display()
+        )));
+    }
+    cached().ok_or_else(|| LabError::Image(format!("{} made no image", script.display())))
+}
