@@ -4,7 +4,10 @@
 //! policy) into every VM, drains host1 with live migrations (auto: over both
 //! NICs, by the kind each guest's memory calls for; simultaneous migrations
 //! tuned automatically), checks every guest where it landed, shows the
-//! storage flows following their VMs, and prints a report.
+//! storage flows following their VMs, and prints a report. Meanwhile a
+//! Debian guest (its root a storage disk over NBD, a NIC on the guests'
+//! bridge, the guest agent) boots on host2; after the drain it moves to
+//! host3 and is checked there through its guest agent.
 //! Uses the same control API as every front end.
 
 use std::time::Duration;
@@ -55,6 +58,8 @@ pub async fn run(cli: &Cli, a: &DemoArgs) -> anyhow::Result<i32> {
     lab_cmd::up(cli, &up).await?;
     let c = cli.client()?;
     let t = Duration::from_secs(180);
+    // a real Debian guest boots on host2 behind the workload guests' drain
+    let debian = start_debian(&c).await?;
     let boots = GUESTS.iter().map(|(name, memory, fill, dirty)| {
         let c = c.clone();
         async move {
@@ -149,9 +154,11 @@ pub async fn run(cli: &Cli, a: &DemoArgs) -> anyhow::Result<i32> {
             },
         ]);
     }
+    all_ok &= move_debian(&c, &debian, a.json).await?;
     let flows: Vec<FlowInfo> = c.get("/qos/flows", t).await?;
     all_ok &= flows
         .iter()
+        .filter(|f| !f.id.starts_with(DEBIAN_ROOT))
         .all(|f| f.status == FlowStatus::Ok && f.host != "host1");
     if !a.json {
         println!("\nstorage flows after the drain (one per VM per disk, following the VMs):");
@@ -195,4 +202,96 @@ pub async fn run(cli: &Cli, a: &DemoArgs) -> anyhow::Result<i32> {
             1
         },
     )
+}
+
+const DEBIAN_VM: &str = "demo-deb";
+const DEBIAN_ROOT: &str = "demo-deb-root";
+
+/// Imports the lab's Debian guest into a storage disk and boots it on host2.
+async fn start_debian(c: &ferry_api::client::Client) -> anyhow::Result<std::time::Instant> {
+    use ferry_api::hardware::{Drive, GuestNic, KernelBoot};
+    let img = ferry_lab::debian::ensure(false)?;
+    let t = Duration::from_secs(120);
+    let _ = c.delete::<DiskInfo>(&format!("/disks/{DEBIAN_ROOT}"), t).await;
+    crate::storage_cmd::import_disk(c, DEBIAN_ROOT, &img.root, false, None).await?;
+    let mut spec = ferry_api::VmSpec::workload(DEBIAN_VM, 512 << 20, 0, 0);
+    spec.kernel = Some(KernelBoot {
+        kernel: img.kernel.display().to_string(),
+        initrd: Some(img.initrd.display().to_string()),
+        append: img.append(&ferry_lab::topology::guest_addr(0)),
+    });
+    spec.drives.push(Drive {
+        disk: Some(DEBIAN_ROOT.into()),
+        ..Default::default()
+    });
+    spec.nics.push(GuestNic {
+        bridge: ferry_lab::topology::GUEST_BRIDGE.into(),
+        mac: "52:54:00:de:b0:01".into(),
+    });
+    spec.guest_agent = true;
+    let started = std::time::Instant::now();
+    let vm: VmInfo = c
+        .post(
+            "/vms",
+            &VmCreateRequest {
+                host: "host2".into(),
+                spec,
+            },
+            t,
+        )
+        .await?;
+    println!(
+        "booting {} on {} (Debian from Debian packages, root on storage disk {DEBIAN_ROOT} over NBD, {}, guest agent)",
+        vm.name, vm.host, vm.accel
+    );
+    Ok(started)
+}
+
+/// Waits for the Debian guest's agent, moves the guest host2 → host3 and
+/// checks it there. True when all went well.
+async fn move_debian(
+    c: &ferry_api::client::Client,
+    started: &std::time::Instant,
+    json: bool,
+) -> anyhow::Result<bool> {
+    let t = Duration::from_secs(60);
+    let booted = loop {
+        let r: CheckResult = c.get(&format!("/vms/{DEBIAN_VM}/check"), t).await?;
+        if r.ok() {
+            break started.elapsed();
+        }
+        if started.elapsed() > Duration::from_secs(240) {
+            println!("{DEBIAN_VM} did not boot: {}", r.summary());
+            return Ok(false);
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    if !json {
+        println!(
+            "\n{DEBIAN_VM} booted: its guest agent answered {:.1} s after create; moving it host2 → host3:",
+            booted.as_secs_f64()
+        );
+    }
+    let moved = crate::vm_cmd::move_vm(
+        c,
+        DEBIAN_VM,
+        "host3",
+        None,
+        ferry_api::ConvergenceChoice::default(),
+        json,
+    )
+    .await?;
+    match moved {
+        Ok(r) => {
+            if !json {
+                crate::vm_cmd::print_report(&r);
+            }
+            // the report ends with the final check on host3
+            Ok(r.check.ok() && r.check.host == "host3")
+        }
+        Err(e) => {
+            println!("moving {DEBIAN_VM} failed: {e}");
+            Ok(false)
+        }
+    }
 }

@@ -398,23 +398,38 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
 }
 
 pub fn print_check(r: &CheckResult) {
-    println!(
-        "{} on {}: {} — QEMU {}, counter {}→{} ({}), {} integrity errors, {} full sweeps{}",
-        r.vm,
-        r.host,
-        if r.ok() { "OK" } else { "NOT OK" },
-        r.qemu_status,
-        r.tick_first.map(|t| t.to_string()).unwrap_or("-".into()),
-        r.tick_last.map(|t| t.to_string()).unwrap_or("-".into()),
-        if r.advancing { "advancing" } else { "stalled" },
-        r.errors,
-        r.sweeps.unwrap_or(0),
-        if r.problems.is_empty() {
-            String::new()
-        } else {
-            format!("; console: {}", r.problems.join(" | "))
-        }
-    );
+    let console = if r.problems.is_empty() {
+        String::new()
+    } else {
+        format!("; console: {}", r.problems.join(" | "))
+    };
+    let verdict = if r.ok() { "OK" } else { "NOT OK" };
+    match r.vcpu_ms {
+        // a user's guest: its vCPUs, and its guest agent when it has one
+        Some(ms) => println!(
+            "{} on {}: {verdict} — QEMU {}, vCPUs used {ms} ms during the check ({}){}{console}",
+            r.vm,
+            r.host,
+            r.qemu_status,
+            if r.advancing { "advancing" } else { "stalled" },
+            match r.guest_agent {
+                Some(true) => ", guest agent answers and its clock advances",
+                Some(false) => ", guest agent NOT answering",
+                None => "",
+            },
+        ),
+        None => println!(
+            "{} on {}: {verdict} — QEMU {}, counter {}→{} ({}), {} integrity errors, {} full sweeps{console}",
+            r.vm,
+            r.host,
+            r.qemu_status,
+            r.tick_first.map(|t| t.to_string()).unwrap_or("-".into()),
+            r.tick_last.map(|t| t.to_string()).unwrap_or("-".into()),
+            if r.advancing { "advancing" } else { "stalled" },
+            r.errors,
+            r.sweeps.unwrap_or(0),
+        ),
+    }
 }
 
 /// Runs a move through the control API, rendering events as a progress bar
