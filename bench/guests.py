@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The lab's Debian guest (systemd, guest agent, a TCP echo service; root on a
-storage disk over NBD; a NIC on the guests' bridge) against a workload guest of
+"""The lab's Debian guest (systemd, guest agent, a TCP echo service; booted by
+SeaBIOS from a storage disk over NBD, its address from a cloud-init seed; a NIC on the guests' bridge) against a workload guest of
 the same memory, moved back and forth over the same links, alternating the two
 in rounds. Per move: total and transfer time, QEMU downtime, switch-over, bytes;
 for the Debian guest also the longest gap a client outside the hosts saw on its
@@ -64,14 +64,14 @@ def main():
     ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate)
     img = [l.split(": ", 1)[1].split(" (")[0] for l in ferry("lab", "image", "--debian").splitlines()
            if l.startswith("debian guest: ")][0]
-    ferry("disk", "import", "bench-root", f"{img}/root.img")
+    ferry("disk", "import", "bench-root", f"{img}/disk.img")
     spec = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
     spec.write(f'''memory = "512M"
 guest_agent = true
-[kernel]
-kernel = "{img}/vmlinuz"
-initrd = "{img}/initrd.img"
-append = "console=ttyS0 root=/dev/vda rw quiet ferry.ip={GUEST}/24"
+firmware = "bios"
+[cloud_init]
+user_data = "#cloud-config"
+network_config = "version: 2\nethernets:\n  nic0:\n    addresses: [{GUEST}/24]\n"
 [[drives]]
 disk = "bench-root"
 [[nics]]

@@ -394,8 +394,17 @@ mod tests {
             path: Some("/nonexistent/disk.img".into()),
             ..Default::default()
         });
-        let m = missing_here(&s, &Ovmf::default());
+        s.firmware = Firmware::Uefi;
+        let ovmf = Ovmf {
+            code: "/nonexistent/OVMF_CODE.fd".into(),
+            vars: "/nonexistent/OVMF_VARS.fd".into(),
+        };
+        let m = missing_here(&s, &ovmf);
         assert!(m[0].contains("bridge no-such-br0"), "{m:?}");
         assert!(m[1].contains("/nonexistent/disk.img"), "{m:?}");
+        assert!(
+            m[2].contains("UEFI firmware file /nonexistent/OVMF_CODE.fd"),
+            "{m:?}"
+        );
     }
 }

@@ -209,26 +209,18 @@ const DEBIAN_ROOT: &str = "demo-deb-root";
 
 /// Imports the lab's Debian guest into a storage disk and boots it on host2.
 async fn start_debian(c: &ferry_api::client::Client) -> anyhow::Result<std::time::Instant> {
-    use ferry_api::hardware::{Drive, GuestNic, KernelBoot};
     let img = ferry_lab::debian::ensure(false)?;
     let t = Duration::from_secs(120);
-    let _ = c.delete::<DiskInfo>(&format!("/disks/{DEBIAN_ROOT}"), t).await;
-    crate::storage_cmd::import_disk(c, DEBIAN_ROOT, &img.root, false, None).await?;
-    let mut spec = ferry_api::VmSpec::workload(DEBIAN_VM, 512 << 20, 0, 0);
-    spec.kernel = Some(KernelBoot {
-        kernel: img.kernel.display().to_string(),
-        initrd: Some(img.initrd.display().to_string()),
-        append: img.append(&ferry_lab::topology::guest_addr(0)),
-    });
-    spec.drives.push(Drive {
-        disk: Some(DEBIAN_ROOT.into()),
-        ..Default::default()
-    });
-    spec.nics.push(GuestNic {
-        bridge: ferry_lab::topology::GUEST_BRIDGE.into(),
-        mac: "52:54:00:de:b0:01".into(),
-    });
-    spec.guest_agent = true;
+    let _ = c
+        .delete::<DiskInfo>(&format!("/disks/{DEBIAN_ROOT}"), t)
+        .await;
+    crate::storage_cmd::import_disk(c, DEBIAN_ROOT, &img.disk, false, None).await?;
+    let spec = ferry_lab::debian::spec(
+        DEBIAN_VM,
+        DEBIAN_ROOT,
+        &ferry_lab::topology::guest_addr(0),
+        "52:54:00:de:b0:01",
+    );
     let started = std::time::Instant::now();
     let vm: VmInfo = c
         .post(
@@ -241,7 +233,7 @@ async fn start_debian(c: &ferry_api::client::Client) -> anyhow::Result<std::time
         )
         .await?;
     println!(
-        "booting {} on {} (Debian from Debian packages, root on storage disk {DEBIAN_ROOT} over NBD, {}, guest agent)",
+        "booting {} on {} (Debian from Debian packages, SeaBIOS from storage disk {DEBIAN_ROOT} over NBD, cloud-init seed, {}, guest agent)",
         vm.name, vm.host, vm.accel
     );
     Ok(started)

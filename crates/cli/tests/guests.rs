@@ -1,6 +1,6 @@
 //! Users' own VMs in the lab: the Debian guest (built from Debian packages,
-//! its root a Ferry storage disk over NBD, a NIC on the guests' bridge, the
-//! guest agent) moves host1 → host2 → host1 while a client outside the
+//! booted by SeaBIOS from a Ferry storage disk over NBD, its address from a
+//! cloud-init seed, a NIC on the guests' bridge, the guest agent) moves host1 → host2 → host1 while a client outside the
 //! hosts keeps one TCP connection to it; a move to a host that lacks the
 //! bridge, a disk path or the CPU model is refused before anything starts.
 //!
@@ -175,7 +175,7 @@ fn guest_sh(host: &str, vm: &str, script: &str) -> String {
     })
 }
 
-fn debian_image() -> (PathBuf, PathBuf, PathBuf) {
+fn debian_image() -> PathBuf {
     let out = ferry_ok(&["lab", "image", "--debian"]);
     let dir = out
         .lines()
@@ -183,26 +183,20 @@ fn debian_image() -> (PathBuf, PathBuf, PathBuf) {
         .and_then(|l| l.split(" (").next())
         .map(PathBuf::from)
         .expect("lab image printed the Debian guest's directory");
-    (
-        dir.join("root.img"),
-        dir.join("vmlinuz"),
-        dir.join("initrd.img"),
-    )
+    dir.join("disk.img")
 }
 
-fn spec_file(kernel: &Path, initrd: &Path, data: &Path) -> PathBuf {
+/// The spec: SeaBIOS boots the Debian disk; its address comes from the
+/// cloud-init seed; a data disk on the shared path.
+fn spec_file(data: &Path) -> PathBuf {
     let p = std::env::temp_dir().join("ferry-test-deb1.toml");
     std::fs::write(
         &p,
         format!(
-            r#"memory = "512M"
+            r##"memory = "512M"
 cpu = "qemu64"
+firmware = "bios"
 guest_agent = true
-
-[kernel]
-kernel = "{}"
-initrd = "{}"
-append = "console=ttyS0 root=/dev/vda rw quiet ferry.ip={GUEST_ADDR}/24"
 
 [[drives]]
 disk = "deb-root"
@@ -213,9 +207,19 @@ path = "{}"
 [[nics]]
 bridge = "br-guest"
 mac = "52:54:00:fe:00:01"
-"#,
-            kernel.display(),
-            initrd.display(),
+
+[cloud_init]
+meta_data = "instance-id: deb1\n"
+user_data = "#cloud-config\n"
+network_config = """
+version: 2
+ethernets:
+  nic0:
+    match:
+      macaddress: "52:54:00:fe:00:01"
+    addresses: [{GUEST_ADDR}/24]
+"""
+"##,
             data.display()
         ),
     )
@@ -258,10 +262,10 @@ fn a_debian_guest_moves_with_its_tcp_connection_alive() {
     require_lab();
     let _g = serial();
     lab_at(3, 2, "500mbit");
-    let (root, kernel, initrd) = debian_image();
+    let disk = debian_image();
     let _ = ferry(&["vm", "rm", "deb1"]);
     let _ = ferry(&["disk", "rm", "deb-root"]);
-    ferry_ok(&["disk", "import", "deb-root", &root.display().to_string()]);
+    ferry_ok(&["disk", "import", "deb-root", &disk.display().to_string()]);
     std::fs::create_dir_all(SHARED).unwrap();
     let data = Path::new(SHARED).join("deb1-data.img");
     let st = Command::new("qemu-img")
@@ -271,7 +275,7 @@ fn a_debian_guest_moves_with_its_tcp_connection_alive() {
         .status()
         .unwrap();
     assert!(st.success());
-    let spec = spec_file(&kernel, &initrd, &data);
+    let spec = spec_file(&data);
 
     // boot: until the echo service answers from outside the hosts
     let t = Instant::now();

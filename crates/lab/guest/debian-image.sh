@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# Builds the lab's Debian guest from Debian packages: OUT/root.img (a raw
-# ext4 file system, the guest's whole root), OUT/vmlinuz and OUT/initrd.img
-# (Debian's own kernel and initramfs from inside that root).
+# Builds the lab's Debian guest from Debian packages: OUT/disk.img, a raw
+# disk that SeaBIOS boots like any cloud image (an MBR, a FAT boot partition
+# with SYSLINUX, Debian's kernel and initramfs; an ext4 root partition), and
+# OUT/vmlinuz and OUT/initrd.img for a direct kernel boot
+# (root=LABEL=ferry-root).
 #
 # The guest: systemd, udev, qemu-guest-agent, iproute2 and a TCP echo
 # service on port 7000 (systemd socket activation, one `cat` per
-# connection). Its address comes from the kernel command line
-# (`ferry.ip=ADDR/PREFIX`), set by the VM's spec; its root is /dev/vda.
+# connection). Its address: `ferry.ip=ADDR/PREFIX` on the kernel command
+# line, else the first address in the `network-config` of a cloud-init
+# NoCloud seed (a CD-ROM labelled `cidata`, which the VM's spec attaches),
+# read without cloud-init itself.
 #
-# No loop device and no mount: mmdebstrap builds the tree as root in a
-# directory and `mkfs.ext4 -d` writes it into the image file. The image has
-# no partition table and no boot loader, so the spec boots the kernel
-# directly (`firmware = "kernel"`).
+# No loop device and no mount: mmdebstrap builds the tree in a directory,
+# `mkfs.ext4 -d` writes it into a file system image, mtools and
+# `syslinux --install` make the boot partition in a file, and dd places
+# both behind an MBR that sfdisk writes into the disk file.
 #
 # usage: debian-image.sh OUT [SUITE] [MIRROR]
 set -euo pipefail
@@ -31,7 +35,7 @@ mmdebstrap --quiet --variant=minbase \
   --dpkgopt='path-exclude=/usr/share/doc/*' \
   --dpkgopt='path-exclude=/usr/share/locale/*' \
   --customize-hook='echo ferry-guest > "$1/etc/hostname"' \
-  --customize-hook='echo "/dev/vda / ext4 defaults,errors=remount-ro 0 1" > "$1/etc/fstab"' \
+  --customize-hook='echo "LABEL=ferry-root / ext4 defaults,errors=remount-ro 0 1" > "$1/etc/fstab"' \
   --customize-hook='chroot "$1" passwd -d root' \
   "$suite" "$tree" "deb $mirror $suite main"
 
@@ -45,7 +49,16 @@ for arg in $(cat /proc/cmdline); do
     ferry.gw=*) gw=${arg#ferry.gw=} ;;
   esac
 done
-[ -n "$ip" ] || exit 0
+if [ -z "$ip" ]; then
+  # a cloud-init NoCloud seed: the first ADDRESS/PREFIX of its network-config
+  seed=$(blkid -L cidata 2>/dev/null || true)
+  [ -n "$seed" ] || exit 0
+  mkdir -p /run/ferry-seed
+  mount -o ro "$seed" /run/ferry-seed
+  ip=$(grep -oE '[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+/[0-9]+' /run/ferry-seed/network-config 2>/dev/null | head -1 || true)
+  umount /run/ferry-seed
+  [ -n "$ip" ] || exit 0
+fi
 nic=$(ip -o link show | awk -F': ' '$2 != "lo" && $0 ~ /link\/ether/ {print $2; exit}')
 [ -n "$nic" ] || { echo "ferry-net: no Ethernet NIC" >&2; exit 1; }
 ip link set "$nic" up
@@ -92,11 +105,53 @@ for u in apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer e2scrub_reap.
   ln -sf /dev/null "$tree/etc/systemd/system/$u"
 done
 
+for t in syslinux mcopy mkfs.vfat sfdisk; do
+  command -v $t >/dev/null || { echo "debian-image: $t is not installed (syslinux, mtools, dosfstools, fdisk)" >&2; exit 1; }
+done
 cp "$tree"/boot/vmlinuz-* "$out/vmlinuz.tmp"
 cp "$tree"/boot/initrd.img-* "$out/initrd.img.tmp"
-rm -f "$out/root.img.tmp"
-mkfs.ext4 -q -F -L ferry-root -d "$tree" "$out/root.img.tmp" "$size"
+
+# the root file system
+rm -f "$out/root.fs"
+mkfs.ext4 -q -F -L ferry-root -d "$tree" "$out/root.fs" "$size"
+
+# the boot partition: FAT16 with SYSLINUX, the kernel and the initramfs
+rm -f "$out/boot.fs"
+boot_mib=96
+mkfs.vfat -F 16 -n FERRYBOOT -C "$out/boot.fs" $((boot_mib * 1024)) >/dev/null
+cat > "$out/syslinux.cfg" <<'CFG'
+SERIAL 0 115200
+DEFAULT debian
+PROMPT 0
+TIMEOUT 0
+LABEL debian
+  KERNEL vmlinuz
+  INITRD initrd.img
+  APPEND console=ttyS0 root=LABEL=ferry-root rw quiet
+CFG
+export MTOOLS_SKIP_CHECK=1
+mcopy -i "$out/boot.fs" "$out/vmlinuz.tmp" ::vmlinuz
+mcopy -i "$out/boot.fs" "$out/initrd.img.tmp" ::initrd.img
+mcopy -i "$out/boot.fs" "$out/syslinux.cfg" ::syslinux.cfg
+syslinux --install "$out/boot.fs"
+
+# the disk: MBR (SYSLINUX's boot code), partition 1 boot (active), 2 root
+boot_start=2048
+boot_sectors=$((boot_mib * 2048))
+root_start=$((boot_start + boot_sectors))
+root_sectors=$(( $(stat -c %s "$out/root.fs") / 512 ))
+rm -f "$out/disk.img.tmp"
+truncate -s $(( (root_start + root_sectors) * 512 )) "$out/disk.img.tmp"
+sfdisk -q "$out/disk.img.tmp" <<TABLE
+label: dos
+start=$boot_start, size=$boot_sectors, type=e, bootable
+start=$root_start, size=$root_sectors, type=83
+TABLE
+dd if=/usr/lib/syslinux/mbr/mbr.bin of="$out/disk.img.tmp" bs=440 count=1 conv=notrunc status=none
+dd if="$out/boot.fs" of="$out/disk.img.tmp" bs=512 seek=$boot_start conv=notrunc,sparse status=none
+dd if="$out/root.fs" of="$out/disk.img.tmp" bs=1M seek=$((root_start / 2048)) conv=notrunc,sparse status=none
+rm -f "$out/root.fs" "$out/boot.fs" "$out/syslinux.cfg"
 mv "$out/vmlinuz.tmp" "$out/vmlinuz"
 mv "$out/initrd.img.tmp" "$out/initrd.img"
-mv "$out/root.img.tmp" "$out/root.img"
-echo "debian-image: $out/root.img ($(du -h --apparent-size "$out/root.img" | cut -f1), $(du -h "$out/root.img" | cut -f1) used)"
+mv "$out/disk.img.tmp" "$out/disk.img"
+echo "debian-image: $out/disk.img ($(du -h --apparent-size "$out/disk.img" | cut -f1), $(du -h "$out/disk.img" | cut -f1) used)"

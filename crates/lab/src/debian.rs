@@ -4,10 +4,11 @@
 //! new image next to the old one.
 //!
 //! A real guest for tests and the demo: systemd, udev, qemu-guest-agent and
-//! a TCP echo service on port 7000. Its root disk is imported into a Ferry
-//! storage disk and served over NBD, so every host sees it; its kernel boots
-//! directly (the image has no partition table or boot loader: building one
-//! would need loop devices and mounts, which the lab keeps out of its path).
+//! a TCP echo service on port 7000. Its disk (an MBR, a SYSLINUX boot
+//! partition, an ext4 root; made without loop devices or mounts) is imported
+//! into a Ferry storage disk and served over NBD, so every host sees it;
+//! SeaBIOS boots it as it would a cloud image. Its address comes from the
+//! cloud-init seed the spec attaches.
 
 use std::path::PathBuf;
 
@@ -21,22 +22,41 @@ pub const ECHO_PORT: u16 = 7000;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DebianImage {
     pub dir: PathBuf,
-    /// Raw ext4 file system: the guest's root, `/dev/vda`.
-    pub root: PathBuf,
+    /// The raw disk: MBR, boot partition, root partition.
+    pub disk: PathBuf,
     pub kernel: PathBuf,
     pub initrd: PathBuf,
 }
 
-impl DebianImage {
-    /// The kernel command line for a guest at `addr/24` on the guests' network.
-    pub fn append(&self, addr: &str) -> String {
-        format!("console=ttyS0 root=/dev/vda rw quiet ferry.ip={addr}/24")
-    }
+/// A VM of this guest: booted by SeaBIOS from `disk` (a Ferry disk holding
+/// the image), one NIC on the lab's guest bridge, its address `addr/24` in
+/// the cloud-init seed's network-config, the guest agent on.
+pub fn spec(name: &str, disk: &str, addr: &str, mac: &str) -> ferry_api::VmSpec {
+    use ferry_api::hardware::{CloudInit, Drive, Firmware, GuestNic};
+    let mut s = ferry_api::VmSpec::workload(name, 512 << 20, 0, 0);
+    s.firmware = Firmware::Bios;
+    s.drives.push(Drive {
+        disk: Some(disk.into()),
+        ..Default::default()
+    });
+    s.nics.push(GuestNic {
+        bridge: crate::topology::GUEST_BRIDGE.into(),
+        mac: mac.into(),
+    });
+    s.cloud_init = Some(CloudInit {
+        user_data: "#cloud-config\n".into(),
+        meta_data: format!("instance-id: {name}\nlocal-hostname: {name}\n"),
+        network_config: Some(format!(
+            "version: 2\nethernets:\n  nic0:\n    match:\n      macaddress: \"{mac}\"\n    addresses: [{addr}/24]\n"
+        )),
+    });
+    s.guest_agent = true;
+    s
 }
 
 fn image_in(dir: PathBuf) -> DebianImage {
     DebianImage {
-        root: dir.join("root.img"),
+        disk: dir.join("disk.img"),
         kernel: dir.join("vmlinuz"),
         initrd: dir.join("initrd.img"),
         dir,
@@ -53,7 +73,7 @@ fn image_dir() -> PathBuf {
 /// The cached image, if it was built.
 pub fn cached() -> Option<DebianImage> {
     let img = image_in(image_dir());
-    (img.root.exists() && img.kernel.exists() && img.initrd.exists()).then_some(img)
+    (img.disk.exists() && img.kernel.exists() && img.initrd.exists()).then_some(img)
 }
 
 /// Returns the cached image, building it first if needed (about a minute;
