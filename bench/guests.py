@@ -71,7 +71,7 @@ guest_agent = true
 firmware = "bios"
 [cloud_init]
 user_data = "#cloud-config"
-network_config = "version: 2\nethernets:\n  nic0:\n    addresses: [{GUEST}/24]\n"
+network_config = "version: 2\\nethernets:\\n  nic0:\\n    addresses: [{GUEST}/24]\\n"
 [[drives]]
 disk = "bench-root"
 [[nics]]
