@@ -304,6 +304,18 @@ meta_data = "instance-id: deb1\n"
     }
 
     #[test]
+    fn the_packaged_example_is_a_valid_spec() {
+        let s = spec_from_toml(
+            include_str!("../../../packaging/examples/vm-debian.toml"),
+            "web1",
+        )
+        .unwrap();
+        s.validate().unwrap();
+        assert_eq!(s.firmware, Firmware::Uefi);
+        assert!(s.cloud_init.unwrap().user_data.starts_with("#cloud-config"));
+    }
+
+    #[test]
     fn spec_file_errors_name_the_field() {
         let e = spec_from_toml("memory = \"512M\"\ncpus = 2\n", "a")
             .unwrap_err()
