@@ -3,8 +3,10 @@
 //! cloud-init seed, a NIC on the guests' bridge, the guest agent) moves host1 → host2 → host1 while a client outside the
 //! hosts keeps one TCP connection to it; a move to a host that lacks the
 //! bridge, a disk path or the CPU model is refused before anything starts.
+//! The same disk also boots from OVMF (UEFI) and moves, its variable store
+//! with it.
 //!
-//! Needs root, QEMU ≥ 9, iproute2 and mmdebstrap (it builds the Debian guest
+//! Needs root, QEMU ≥ 9, iproute2, ovmf and mmdebstrap (it builds the Debian guest
 //! if it is not cached); `#[ignore]`d, run by `scripts/run test` and CI.
 
 #![allow(clippy::unwrap_used)]
@@ -24,6 +26,7 @@ use common::*;
 
 const GUEST_ADDR: &str = "198.19.250.100";
 const ECHO_PORT: u16 = 7000;
+const UEFI_ADDR: &str = "198.19.250.101";
 const SHARED: &str = "/run/ferry/lab/shared";
 
 /// Connects to `addr` from inside network namespace `ns` (the socket keeps
@@ -186,41 +189,49 @@ fn debian_image() -> PathBuf {
     dir.join("disk.img")
 }
 
-/// The spec: SeaBIOS boots the Debian disk; its address comes from the
-/// cloud-init seed; a data disk on the shared path.
-fn spec_file(data: &Path) -> PathBuf {
-    let p = std::env::temp_dir().join("ferry-test-deb1.toml");
+/// A Debian guest's spec: `firmware` boots the Debian disk `disk`; its
+/// address comes from the cloud-init seed; one NIC on the guests' bridge;
+/// optionally a data disk on the shared path.
+fn spec_file(
+    vm: &str,
+    firmware: &str,
+    disk: &str,
+    mac: &str,
+    addr: &str,
+    data: Option<&Path>,
+) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("ferry-test-{vm}.toml"));
+    let data = data
+        .map(|d| format!("[[drives]]\npath = \"{}\"\n", d.display()))
+        .unwrap_or_default();
     std::fs::write(
         &p,
         format!(
             r##"memory = "512M"
 cpu = "qemu64"
-firmware = "bios"
+firmware = "{firmware}"
 guest_agent = true
 
 [[drives]]
-disk = "deb-root"
+disk = "{disk}"
 
-[[drives]]
-path = "{}"
-
+{data}
 [[nics]]
 bridge = "br-guest"
-mac = "52:54:00:fe:00:01"
+mac = "{mac}"
 
 [cloud_init]
-meta_data = "instance-id: deb1\n"
+meta_data = "instance-id: {vm}\n"
 user_data = "#cloud-config\n"
 network_config = """
 version: 2
 ethernets:
   nic0:
     match:
-      macaddress: "52:54:00:fe:00:01"
-    addresses: [{GUEST_ADDR}/24]
+      macaddress: "{mac}"
+    addresses: [{addr}/24]
 """
-"##,
-            data.display()
+"##
         ),
     )
     .unwrap();
@@ -275,7 +286,14 @@ fn a_debian_guest_moves_with_its_tcp_connection_alive() {
         .status()
         .unwrap();
     assert!(st.success());
-    let spec = spec_file(&data);
+    let spec = spec_file(
+        "deb1",
+        "bios",
+        "deb-root",
+        "52:54:00:fe:00:01",
+        GUEST_ADDR,
+        Some(&data),
+    );
 
     // boot: until the echo service answers from outside the hosts
     let t = Instant::now();
@@ -408,4 +426,74 @@ fn a_debian_guest_moves_with_its_tcp_connection_alive() {
     drop(_vm);
     ferry_ok(&["disk", "rm", "deb-root"]);
     let _ = std::fs::remove_file(&data);
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9, iproute2, mmdebstrap, ovmf; run with --include-ignored"]
+fn a_uefi_debian_guest_boots_from_ovmf_and_moves() {
+    require_lab();
+    let _g = serial();
+    lab_at(3, 2, "500mbit");
+    let disk = debian_image();
+    let _ = ferry(&["vm", "rm", "uefi1"]);
+    let _ = ferry(&["disk", "rm", "uefi-root"]);
+    ferry_ok(&["disk", "import", "uefi-root", &disk.display().to_string()]);
+    let spec = spec_file(
+        "uefi1",
+        "uefi",
+        "uefi-root",
+        "52:54:00:fe:00:02",
+        UEFI_ADDR,
+        None,
+    );
+
+    let t = Instant::now();
+    ferry_ok(&[
+        "vm",
+        "create",
+        "uefi1",
+        "--host",
+        "host1",
+        "--spec",
+        &spec.display().to_string(),
+    ]);
+    let _vm = VmGuard("uefi1");
+    let conn = connect_in(
+        "ferry-client",
+        UEFI_ADDR,
+        ECHO_PORT,
+        Duration::from_secs(240),
+    );
+    eprintln!(
+        "BOOT debian guest from OVMF: echo service answered {:.1} s after create",
+        t.elapsed().as_secs_f64()
+    );
+    let client = EchoClient::start(conn);
+    // the guest itself says it was started by UEFI firmware
+    let efi = "test -d /sys/firmware/efi && cat /sys/firmware/efi/fw_platform_size";
+    assert_eq!(guest_sh("host1", "uefi1", efi).trim(), "64");
+    // the firmware's variable store is the VM's own copy, on each host
+    assert!(vm_dir("host1", "uefi1")
+        .join(ferry_agent::qemu::OVMF_VARS)
+        .is_file());
+
+    let r = move_vm("uefi1", "host2", "multichannel");
+    assert_eq!(r["event"], "completed", "{r}");
+    eprintln!(
+        "MOVE uefi guest host1->host2: total {} ms, downtime {} ms, {} bytes",
+        r["total_ms"], r["downtime_ms"], r["bytes_transferred"]
+    );
+    let c = check("uefi1");
+    assert_eq!(c["host"], "host2");
+    assert_eq!(c["guest_agent"], true, "guest agent on host2: {c}");
+    assert_eq!(guest_sh("host2", "uefi1", efi).trim(), "64");
+    assert!(vm_dir("host2", "uefi1")
+        .join(ferry_agent::qemu::OVMF_VARS)
+        .is_file());
+    let gap = client.finish();
+    eprintln!("TCP uefi guest: longest gap {} ms", gap.as_millis());
+    assert!(gap < Duration::from_secs(2), "longest gap {gap:?}");
+    assert_intact_on("uefi1", "host2");
+    drop(_vm);
+    ferry_ok(&["disk", "rm", "uefi-root"]);
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the lab's Debian guest from Debian packages: OUT/disk.img, a raw
-# disk that SeaBIOS boots like any cloud image (an MBR, a FAT boot partition
-# with SYSLINUX, Debian's kernel and initramfs; an ext4 root partition), and
+# disk that SeaBIOS or OVMF boots like any cloud image (an MBR; a FAT boot
+# partition with SYSLINUX, Debian's kernel and initramfs, and the same as a
+# unified kernel image at \EFI\BOOT\BOOTX64.EFI; an ext4 root partition), and
 # OUT/vmlinuz and OUT/initrd.img for a direct kernel boot
 # (root=LABEL=ferry-root).
 #
@@ -105,8 +106,8 @@ for u in apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer e2scrub_reap.
   ln -sf /dev/null "$tree/etc/systemd/system/$u"
 done
 
-for t in syslinux mcopy mkfs.vfat sfdisk; do
-  command -v $t >/dev/null || { echo "debian-image: $t is not installed (syslinux, mtools, dosfstools, fdisk)" >&2; exit 1; }
+for t in syslinux mcopy mmd mkfs.vfat sfdisk objcopy; do
+  command -v $t >/dev/null || { echo "debian-image: $t is not installed (packages syslinux, mtools, dosfstools, fdisk, binutils)" >&2; exit 1; }
 done
 cp "$tree"/boot/vmlinuz-* "$out/vmlinuz.tmp"
 cp "$tree"/boot/initrd.img-* "$out/initrd.img.tmp"
@@ -117,7 +118,7 @@ mkfs.ext4 -q -F -L ferry-root -d "$tree" "$out/root.fs" "$size"
 
 # the boot partition: FAT16 with SYSLINUX, the kernel and the initramfs
 rm -f "$out/boot.fs"
-boot_mib=96
+boot_mib=128
 mkfs.vfat -F 16 -n FERRYBOOT -C "$out/boot.fs" $((boot_mib * 1024)) >/dev/null
 cat > "$out/syslinux.cfg" <<'CFG'
 SERIAL 0 115200
@@ -133,6 +134,21 @@ export MTOOLS_SKIP_CHECK=1
 mcopy -i "$out/boot.fs" "$out/vmlinuz.tmp" ::vmlinuz
 mcopy -i "$out/boot.fs" "$out/initrd.img.tmp" ::initrd.img
 mcopy -i "$out/boot.fs" "$out/syslinux.cfg" ::syslinux.cfg
+# UEFI: the same kernel, initramfs and command line as one EFI program (a
+# unified kernel image on systemd-boot's stub), where OVMF looks on any
+# disk: \EFI\BOOT\BOOTX64.EFI
+stub=/usr/lib/systemd/boot/efi/linuxx64.efi.stub
+[ -f "$stub" ] || { echo "debian-image: $stub is missing (package systemd-boot-efi)" >&2; exit 1; }
+printf 'console=ttyS0 root=LABEL=ferry-root rw quiet' > "$out/cmdline.txt"
+objcopy \
+  --add-section .osrel="$tree/usr/lib/os-release" --change-section-vma .osrel=0x20000 \
+  --add-section .cmdline="$out/cmdline.txt" --change-section-vma .cmdline=0x30000 \
+  --add-section .linux="$out/vmlinuz.tmp" --change-section-vma .linux=0x2000000 \
+  --add-section .initrd="$out/initrd.img.tmp" --change-section-vma .initrd=0x4000000 \
+  "$stub" "$out/BOOTX64.EFI"
+mmd -i "$out/boot.fs" ::EFI ::EFI/BOOT
+mcopy -i "$out/boot.fs" "$out/BOOTX64.EFI" ::EFI/BOOT/BOOTX64.EFI
+rm -f "$out/BOOTX64.EFI" "$out/cmdline.txt"
 syslinux --install "$out/boot.fs"
 
 # the disk: MBR (SYSLINUX's boot code), partition 1 boot (active), 2 root
