@@ -53,7 +53,8 @@ class Ferry:
             f.write(TOKEN)
         self.p = subprocess.Popen([FERRY, "storage", "serve", "--dir", self.dir,
                                    "--nbd-listen", f"127.0.0.1:{self.nbd}", "--api-listen", f"127.0.0.1:{self.api}",
-                                   "--token-file", tok, "--capacity-iops", str(capacity)],
+                                   "--token-file", tok, "--capacity-iops", str(capacity),
+                                   "--insecure-http"],
                                   stderr=subprocess.DEVNULL)
         wait_port(self.api)
 

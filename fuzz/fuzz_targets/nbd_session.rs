@@ -7,7 +7,7 @@
 use std::sync::{Arc, OnceLock};
 
 use ferry_storage::export::Export;
-use ferry_storage::nbd::server::{serve_connection, Attachment, Catalog};
+use ferry_storage::nbd::server::{serve_connection, Attachment, Catalog, Peer, Refusal};
 use ferry_storage::qos::{Config, Scheduler, Ticket};
 use libfuzzer_sys::fuzz_target;
 use tokio::io::AsyncWriteExt;
@@ -29,14 +29,18 @@ impl Attachment for Att {
 }
 
 impl Catalog for One {
-    fn list(&self) -> Vec<String> {
+    fn list(&self, _peer: &Peer) -> Vec<String> {
         vec!["d".into()]
     }
-    fn describe(&self, name: &str) -> Option<(u64, bool)> {
-        (name == "d").then(|| (self.export.size(), false))
+    fn describe(&self, name: &str, _peer: &Peer) -> Result<(u64, bool), Refusal> {
+        (name == "d")
+            .then(|| (self.export.size(), false))
+            .ok_or_else(|| Refusal::Unknown(format!("no export '{name}'")))
     }
-    fn attach(&self, name: &str, _peer: std::net::SocketAddr) -> Option<Box<dyn Attachment>> {
-        (name == "d").then(|| Box::new(Att(self.export.clone(), self.sched.clone())) as Box<dyn Attachment>)
+    fn attach(&self, name: &str, _peer: &Peer) -> Result<Box<dyn Attachment>, Refusal> {
+        (name == "d")
+            .then(|| Box::new(Att(self.export.clone(), self.sched.clone())) as Box<dyn Attachment>)
+            .ok_or_else(|| Refusal::Unknown(format!("no export '{name}'")))
     }
 }
 

@@ -1,20 +1,24 @@
-//! The agent's HTTP API (all under `/api/v1`, all requiring the cluster
-//! credential). Handlers only translate HTTP to [`Agent`] calls.
+//! The agent's HTTP API (all under `/api/v1`). Over TLS, callers need a
+//! client certificate of the cluster: routes marked *peer* serve the
+//! control service and peer agents (a migration's other end), every other
+//! route the control service only — a user's token is never accepted here.
+//! Under `--insecure-http` every route takes the cluster credential instead.
+//! Handlers only translate HTTP to [`Agent`] calls.
 //!
 //! | method | path | does |
 //! |---|---|---|
-//! | GET | /host | host, memory, NICs, VMs |
+//! | GET | /host | *peer*: host, memory, NICs, VMs |
 //! | GET/POST | /vms | list / create (body: `VmSpec`) |
 //! | GET | /vms/{name}/check | guest check |
 //! | DELETE | /vms/{name} | stop and remove |
 //! | POST | /vms/{name}/migrate | move (body: `MigrateRequest`), NDJSON events |
-//! | POST | /incoming | target: reserve + skeleton (body: `IncomingRequest`) |
-//! | GET/DELETE | /incoming/{id} | target: status / discard |
-//! | POST | /incoming/{id}/ready | target: wait until everything has loaded, paused (before the commit) |
-//! | POST | /incoming/{id}/run | target: RUN, the source has committed: start the guest, adopt it |
-//! | GET | /migrations/{id} | source: its record of a migration (`SourceStatus`), asked by a waiting target |
+//! | POST | /incoming | *peer*: target: reserve + skeleton (body: `IncomingRequest`) |
+//! | GET/DELETE | /incoming/{id} | *peer*: target: status / discard |
+//! | POST | /incoming/{id}/ready | *peer*: target: wait until everything has loaded, paused (before the commit) |
+//! | POST | /incoming/{id}/run | *peer*: target: RUN, the source has committed: start the guest, adopt it |
+//! | GET | /migrations/{id} | *peer*: source: its record of a migration (`SourceStatus`), asked by a waiting target |
 //! | POST | /vms/{name}/resolve | settle a migration of this VM that is in doubt here (`ResolveReport`) |
-//! | POST | /incoming/{id}/rejoin | target, `mptcp`: announce a NIC's address again (body: `RejoinRequest`) |
+//! | POST | /incoming/{id}/rejoin | *peer*: target, `mptcp`: announce a NIC's address again (body: `RejoinRequest`) |
 //! | GET | /paths | NIC pairs to peers, as last probed (`NicPath`) |
 //! | POST | /paths/probe | probe the peers given (body: `[PeerRef]`), return every pair |
 //! | GET | /validate/facts | NICs, CPU power, queues, RDMA as seen here |
@@ -32,7 +36,8 @@ use axum::{
     routing::{get, post},
     Json, Router,
 };
-use ferry_api::server::{ndjson, not_found, require_credential, ApiJson, ErrorResponse};
+use ferry_api::server::{ndjson, not_found, require_peer, ApiJson, ErrorResponse, PeerAuth};
+use ferry_api::tls::Role;
 use ferry_api::validation::{
     HostFacts, PathProbeRequest, PathProbeResult, SendRequest, SendResult, SinkReply, SinkRequest,
     SinkResult,
@@ -203,15 +208,18 @@ async fn send(State(a): State<Arc<Agent>>, ApiJson(req): ApiJson<SendRequest>) -
     Ok(Json(crate::validate::send(req, a.cred.secret()).await?))
 }
 
+/// Who may call: by certificate, or the cluster credential without TLS.
+fn peer_auth(agent: &Agent, roles: &'static [Role]) -> PeerAuth {
+    match agent.pki {
+        Some(_) => PeerAuth::Certificates(roles),
+        None => PeerAuth::Credential(agent.cred.clone()),
+    }
+}
+
 pub fn router(agent: Arc<Agent>) -> Router {
-    let cred = agent.cred.clone();
-    let api = Router::new()
+    // a migration's other end calls these
+    let peer = Router::new()
         .route("/host", get(host))
-        .route("/vms", get(list_vms).post(create_vm))
-        .route("/vms/{name}", axum::routing::delete(remove_vm))
-        .route("/vms/{name}/check", get(check_vm))
-        .route("/vms/{name}/disks", post(plug_disk))
-        .route("/vms/{name}/migrate", post(migrate))
         .route("/incoming", post(incoming))
         .route(
             "/incoming/{id}",
@@ -219,9 +227,20 @@ pub fn router(agent: Arc<Agent>) -> Router {
         )
         .route("/incoming/{id}/ready", post(incoming_ready))
         .route("/incoming/{id}/run", post(incoming_run))
-        .route("/migrations/{id}", get(migration_record))
-        .route("/vms/{name}/resolve", post(resolve_vm))
         .route("/incoming/{id}/rejoin", post(incoming_rejoin))
+        .route("/migrations/{id}", get(migration_record))
+        .layer(middleware::from_fn_with_state(
+            peer_auth(&agent, &[Role::Control, Role::Agent]),
+            require_peer,
+        ))
+        .with_state(agent.clone());
+    let control = Router::new()
+        .route("/vms", get(list_vms).post(create_vm))
+        .route("/vms/{name}", axum::routing::delete(remove_vm))
+        .route("/vms/{name}/check", get(check_vm))
+        .route("/vms/{name}/disks", post(plug_disk))
+        .route("/vms/{name}/migrate", post(migrate))
+        .route("/vms/{name}/resolve", post(resolve_vm))
         .route("/paths", get(paths))
         .route("/paths/probe", post(probe_paths))
         .route("/validate/facts", get(facts))
@@ -230,11 +249,21 @@ pub fn router(agent: Arc<Agent>) -> Router {
         .route("/validate/sink/{port}", get(sink_result))
         .route("/validate/send", post(send))
         .route("/bandwidth", get(bandwidth).put(set_bandwidth))
-        .with_state(agent);
-    Router::new()
-        .nest(ferry_api::API_PREFIX, api)
+        .layer(middleware::from_fn_with_state(
+            peer_auth(&agent, &[Role::Control]),
+            require_peer,
+        ))
+        .with_state(agent.clone());
+    // unknown routes are refused like the rest
+    let fallback = Router::new()
         .fallback(not_found)
-        .layer(middleware::from_fn_with_state(cred, require_credential))
+        .layer(middleware::from_fn_with_state(
+            peer_auth(&agent, &[Role::Control, Role::Agent]),
+            require_peer,
+        ));
+    Router::new()
+        .nest(ferry_api::API_PREFIX, peer.merge(control))
+        .merge(fallback)
 }
 
 /// Serves the agent until the process ends: first settles what its journal
@@ -269,7 +298,14 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
             reaper.settle_committed().await;
         }
     });
-    axum::serve(listener, router(agent)).await
+    let tls = match &agent.pki {
+        Some(p) => Some(
+            p.server_config(true)
+                .map_err(|e| std::io::Error::other(e.to_string()))?,
+        ),
+        None => None,
+    };
+    ferry_api::server::serve(listener, router(agent), tls).await
 }
 
 /// A `Stream` over a tokio mpsc receiver (what tokio-stream's wrapper does).

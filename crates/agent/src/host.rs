@@ -82,7 +82,15 @@ impl HostState {
 
 pub struct Agent {
     pub cfg: AgentConfig,
+    /// The cluster credential: keys the data plane between agents (NIC
+    /// probes, transport carriers) and, under `--insecure-http` only,
+    /// authenticates API calls.
     pub cred: ferry_api::auth::Credential,
+    /// This host's certificate (see [`ferry_api::tls`]); `None` under
+    /// `--insecure-http`.
+    pub pki: Option<ferry_api::tls::Pki>,
+    /// How this agent calls peers.
+    pub client_auth: ferry_api::client::ClientAuth,
     pub state: tokio::sync::Mutex<HostState>,
     pub sinks: crate::validate::Sinks,
     /// Bandwidth classes on this host's NICs.
@@ -103,10 +111,14 @@ impl Agent {
     pub fn new(
         cfg: AgentConfig,
         cred: ferry_api::auth::Credential,
+        pki: Option<ferry_api::tls::Pki>,
         guest: Arc<dyn GuestCheck>,
-    ) -> Arc<Agent> {
-        Arc::new(Agent {
+    ) -> Result<Arc<Agent>, ferry_api::tls::TlsError> {
+        let client_auth = ferry_api::client::ClientAuth::component(pki.as_ref(), &cred)?;
+        Ok(Arc::new(Agent {
             cred,
+            pki,
+            client_auth,
             guest,
             paths: Default::default(),
             cpus: Default::default(),
@@ -120,7 +132,7 @@ impl Agent {
                 cfg.storage_nic.clone(),
             ))),
             cfg,
-        })
+        }))
     }
 
     /// The NIC pairs to `peer` (whose host info is `info`): probed again
@@ -154,7 +166,7 @@ impl Agent {
                 let c = ferry_api::client::Client::new(
                     &format!("agent {}", p.name),
                     &p.url,
-                    self.cred.clone(),
+                    self.client_auth.clone(),
                 );
                 match c.get::<HostInfo>("/host", Duration::from_secs(5)).await {
                     Ok(info) => {
@@ -414,7 +426,7 @@ impl Agent {
             ));
         }
         q.qmp
-            .plug_disk(index, &host, port, &export)
+            .plug_disk(index, &host, port, &export, self.cfg.qemu.tls_dir.is_some())
             .await
             .map_err(|e| ApiError::unavailable(format!("plugging {} into {name}", plug.disk), e))?;
         slot.spec.disks.push(plug);

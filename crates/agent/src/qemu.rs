@@ -68,6 +68,27 @@ pub struct QemuConfig {
     pub initrd: PathBuf,
     /// UEFI firmware for `firmware = "uefi"` guests.
     pub ovmf: crate::hardware::Ovmf,
+    /// The host's certificate directory: every NBD disk is opened over TLS
+    /// with it (QEMU object `tls-creds-x509` [`NBD_TLS`]); `None` under
+    /// `--insecure-http`.
+    pub tls_dir: Option<PathBuf>,
+}
+
+/// The id of QEMU's TLS credentials for NBD.
+pub const NBD_TLS: &str = "ferry-tls";
+
+/// An NBD blockdev `file` node for `host:port`/`export`, over TLS when the
+/// host has a certificate.
+pub fn nbd_node(tls: bool, host: &str, port: u16, export: &str) -> serde_json::Value {
+    let mut n = serde_json::json!({
+        "driver": "nbd",
+        "server": {"type": "inet", "host": host, "port": port.to_string()},
+        "export": export,
+    });
+    if tls {
+        n["tls-creds"] = NBD_TLS.into();
+    }
+    n
 }
 
 /// A running QEMU and its QMP session.
@@ -314,7 +335,7 @@ fn boot_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path) -> Vec<String> {
 }
 
 /// Drives, NICs, the cloud-init seed and the guest agent's channel.
-fn device_args(spec: &VmSpec, dir: &Path) -> Vec<String> {
+fn device_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path) -> Vec<String> {
     let mut a = Vec::new();
     for (i, d) in spec.drives.iter().enumerate() {
         let file = match (&d.nbd, &d.path) {
@@ -326,11 +347,7 @@ fn device_args(spec: &VmSpec, dir: &Path) -> Vec<String> {
                 let Ok((host, port, export)) = plug.parse_uri() else {
                     continue; // refused by VmSpec::validate before any launch
                 };
-                serde_json::json!({
-                    "driver": "nbd",
-                    "server": {"type": "inet", "host": host, "port": port.to_string()},
-                    "export": export,
-                })
+                nbd_node(cfg.tls_dir.is_some(), &host, port, &export)
             }
             (None, Some(p)) => serde_json::json!({"driver": "file", "filename": p}),
             // a Ferry disk the control service did not resolve
@@ -423,6 +440,15 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
     .map(|s| s.to_string())
     .collect();
     a.extend(boot_args(cfg, spec, dir));
+    if let Some(t) = &cfg.tls_dir {
+        a.extend([
+            "-object".to_string(),
+            format!(
+                "tls-creds-x509,id={NBD_TLS},dir={},endpoint=client,verify-peer=on",
+                t.display()
+            ),
+        ]);
+    }
     a.extend(
         [
             "-chardev",
@@ -467,11 +493,7 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
         let blockdev = serde_json::json!({
             "driver": "raw",
             "node-name": format!("disk{i}"),
-            "file": {
-                "driver": "nbd",
-                "server": {"type": "inet", "host": host, "port": port.to_string()},
-                "export": export,
-            },
+            "file": nbd_node(cfg.tls_dir.is_some(), &host, port, &export),
         });
         a.extend([
             "-blockdev".to_string(),
@@ -480,7 +502,7 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
             format!("virtio-blk-pci,drive=disk{i},id=vd{i},bus=rp{i}"),
         ]);
     }
-    a.extend(device_args(spec, dir));
+    a.extend(device_args(cfg, spec, dir));
     // every run-state change goes to qemu.log ("vm_state_notify running 1"):
     // the record of whether, and when, a guest's vCPUs ran on this host
     a.extend(["-trace".to_string(), "enable=vm_state_notify".to_string()]);
@@ -654,6 +676,7 @@ mod tests {
 
     fn cfg() -> QemuConfig {
         QemuConfig {
+            tls_dir: None,
             binary: "qemu".into(),
             accel: "tcg".into(),
             kernel: "/k".into(),

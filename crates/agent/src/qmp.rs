@@ -203,20 +203,8 @@ struct BlockdevAdd {
     driver: &'static str,
     #[serde(rename = "node-name")]
     node_name: String,
-    file: NbdFile,
-}
-#[derive(Serialize)]
-struct NbdFile {
-    driver: &'static str,
-    server: InetServer,
-    export: String,
-}
-#[derive(Serialize)]
-struct InetServer {
-    #[serde(rename = "type")]
-    kind: &'static str,
-    host: String,
-    port: String,
+    /// An NBD node ([`crate::qemu::nbd_node`]).
+    file: serde_json::Value,
 }
 qmp_command!(BlockdevAdd, "blockdev-add", qapi::Empty);
 
@@ -386,21 +374,14 @@ impl Qmp {
         host: &str,
         port: u16,
         export: &str,
+        tls: bool,
     ) -> Result<(), QmpError> {
         let node = format!("disk{index}");
         self.call(
             BlockdevAdd {
                 driver: "raw",
                 node_name: node.clone(),
-                file: NbdFile {
-                    driver: "nbd",
-                    server: InetServer {
-                        kind: "inet",
-                        host: host.to_string(),
-                        port: port.to_string(),
-                    },
-                    export: export.to_string(),
-                },
+                file: crate::qemu::nbd_node(tls, host, port, export),
             },
             Duration::from_secs(20),
         )

@@ -1,4 +1,4 @@
-//! The cluster credential.
+//! Credentials: the cluster credential, and users' API tokens with roles.
 //!
 //! Made once when a lab or cluster is created ([`Credential::generate`]) and
 //! stored in a root-only file. Every request to an agent or to the control
@@ -71,6 +71,88 @@ impl Credential {
         }
         a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
     }
+}
+
+/// What a user's API token may do at the control service; each role can do
+/// everything the one before it can.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum TokenRole {
+    /// Sees everything, changes nothing.
+    ReadOnly,
+    /// Also creates, moves and removes VMs, drains hosts, runs validation,
+    /// manages disks and storage QoS.
+    Operator,
+    /// Also manages tokens, host settings and cluster settings (bandwidth
+    /// classes, carrier encryption).
+    Admin,
+}
+
+impl TokenRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenRole::ReadOnly => "read-only",
+            TokenRole::Operator => "operator",
+            TokenRole::Admin => "admin",
+        }
+    }
+}
+
+impl std::fmt::Display for TokenRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for TokenRole {
+    type Err = crate::ApiError;
+    fn from_str(s: &str) -> Result<Self, crate::ApiError> {
+        match s {
+            "read-only" => Ok(TokenRole::ReadOnly),
+            "operator" => Ok(TokenRole::Operator),
+            "admin" => Ok(TokenRole::Admin),
+            _ => Err(crate::ApiError::invalid(
+                "role",
+                format!("'{s}' is not one of admin, operator, read-only"),
+            )),
+        }
+    }
+}
+
+/// `POST /tokens`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenCreateRequest {
+    pub name: String,
+    pub role: TokenRole,
+}
+
+/// A token as listed: never its secret.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TokenInfo {
+    pub name: String,
+    pub role: TokenRole,
+    pub created_ms: u64,
+    /// When it was revoked; a revoked token is refused and its name stays taken.
+    pub revoked_ms: Option<u64>,
+}
+
+/// The answer to `POST /tokens`: the secret, shown this once.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct TokenCreated {
+    #[serde(flatten)]
+    pub info: TokenInfo,
+    pub token: String,
+}
+
+/// The SHA-256 of a token's secret, hex: what the control service stores.
+/// (Tokens are 256 random bits, so a fast hash suffices.)
+pub fn token_hash(secret: &str) -> String {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(secret.trim().as_bytes());
+    d.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

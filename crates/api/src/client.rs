@@ -1,5 +1,6 @@
-//! The one HTTP client: JSON in, JSON or [`ApiError`] out, the cluster
-//! credential on every request, and NDJSON event streams for long operations.
+//! The one HTTP client: JSON in, JSON or [`ApiError`] out, its credential
+//! (a client certificate, a user's API token) on every request, and NDJSON
+//! event streams for long operations.
 
 use std::time::Duration;
 
@@ -11,25 +12,61 @@ use crate::{auth::Credential, ApiError};
 /// Largest single NDJSON event accepted from a peer.
 const MAX_EVENT_LINE: usize = 1 << 20;
 
+/// How a client proves who it is and knows its peer.
+#[derive(Clone, Debug, Default)]
+pub struct ClientAuth {
+    /// Sent as `Authorization: Bearer`: a user's API token at the control
+    /// service; the cluster credential between components under
+    /// `--insecure-http`.
+    pub bearer: Option<Credential>,
+    /// TLS: the cluster CA, and this component's certificate when it has
+    /// one. `None`: plain HTTP (`--insecure-http`).
+    pub tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+}
+
+impl ClientAuth {
+    /// A component's: its certificate, or the cluster credential without TLS.
+    pub fn component(
+        pki: Option<&crate::tls::Pki>,
+        cred: &Credential,
+    ) -> Result<Self, crate::tls::TlsError> {
+        Ok(match pki {
+            Some(p) => ClientAuth {
+                bearer: None,
+                tls: Some(p.client_config()?),
+            },
+            None => ClientAuth {
+                bearer: Some(cred.clone()),
+                tls: None,
+            },
+        })
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Client {
     base: String,
-    cred: Credential,
+    auth: ClientAuth,
     http: reqwest::Client,
     /// Peer name used in errors ("agent host2", "control service").
     peer: String,
 }
 
 impl Client {
-    pub fn new(peer: &str, base: &str, cred: Credential) -> Self {
-        let http = reqwest::Client::builder()
+    pub fn new(peer: &str, base: &str, auth: ClientAuth) -> Self {
+        let mut b = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(3))
-            .no_proxy()
-            .build()
-            .unwrap_or_default();
+            .no_proxy();
+        if let Some(tls) = &auth.tls {
+            b = b.use_preconfigured_tls((**tls).clone()).https_only(true);
+        }
+        let http = b.build().unwrap_or_else(|e| {
+            tracing::error!("HTTP client: {e}");
+            reqwest::Client::new()
+        });
         Client {
             base: base.trim_end_matches('/').to_string(),
-            cred,
+            auth,
             http,
             peer: peer.into(),
         }
@@ -49,7 +86,7 @@ impl Client {
 
     async fn send<T: DeserializeOwned>(&self, rb: reqwest::RequestBuilder) -> Result<T, ApiError> {
         let resp = rb
-            .header("authorization", self.cred.header_value())
+            .pipe_auth(&self.auth)
             .send()
             .await
             .map_err(|e| self.unreachable(e))?;
@@ -109,7 +146,7 @@ impl Client {
         let resp = self
             .http
             .post(self.url(path))
-            .header("authorization", self.cred.header_value())
+            .pipe_auth(&self.auth)
             .json(body)
             .send()
             .await
@@ -158,5 +195,18 @@ impl Client {
             },
         );
         Ok(Box::pin(lines))
+    }
+}
+
+trait WithAuth {
+    fn pipe_auth(self, auth: &ClientAuth) -> Self;
+}
+
+impl WithAuth for reqwest::RequestBuilder {
+    fn pipe_auth(self, auth: &ClientAuth) -> Self {
+        match &auth.bearer {
+            Some(c) => self.header("authorization", c.header_value()),
+            None => self,
+        }
     }
 }

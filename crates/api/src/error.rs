@@ -20,8 +20,15 @@ pub enum ApiError {
         needed: u64,
         available: u64,
     },
-    #[error("Request refused: missing or wrong cluster credential")]
-    Unauthorized,
+    #[error("Request refused: {reason}")]
+    Unauthorized { reason: String },
+    #[error("Forbidden: {caller} has role {role}; {action} needs role {needed}")]
+    Forbidden {
+        caller: String,
+        role: String,
+        action: String,
+        needed: String,
+    },
     #[error("Conflict: {reason}")]
     Conflict { reason: String },
     #[error("{what} is unavailable: {reason}")]
@@ -77,7 +84,8 @@ impl ApiError {
             ApiError::InvalidArgument { .. } => 400,
             ApiError::InsufficientMemory { .. } => 507,
             ApiError::HostCannotRun { .. } => 412,
-            ApiError::Unauthorized => 401,
+            ApiError::Unauthorized { .. } => 401,
+            ApiError::Forbidden { .. } => 403,
             ApiError::Unavailable { .. } => 503,
             ApiError::MigrationFailed { .. }
             | ApiError::MigrationInDoubt { .. }
@@ -96,6 +104,12 @@ impl ApiError {
     pub fn invalid(field: &str, reason: impl Into<String>) -> Self {
         ApiError::InvalidArgument {
             field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn unauthorized(reason: impl Into<String>) -> Self {
+        ApiError::Unauthorized {
             reason: reason.into(),
         }
     }
@@ -158,7 +172,13 @@ mod tests {
                 needed: 2,
                 available: 1,
             },
-            ApiError::Unauthorized,
+            ApiError::unauthorized("no credential"),
+            ApiError::Forbidden {
+                caller: "token ci".into(),
+                role: "read-only".into(),
+                action: "move vm".into(),
+                needed: "operator".into(),
+            },
             ApiError::Conflict {
                 reason: "busy".into(),
             },
@@ -185,7 +205,7 @@ mod tests {
 
     #[test]
     fn statuses_are_distinct_per_class() {
-        assert_eq!(ApiError::Unauthorized.http_status(), 401);
+        assert_eq!(ApiError::unauthorized("x").http_status(), 401);
         assert_eq!(ApiError::not_found("vm", "x").http_status(), 404);
         assert_eq!(ApiError::invalid("f", "r").http_status(), 400);
     }

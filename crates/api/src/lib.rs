@@ -24,6 +24,7 @@ pub mod hardware;
 pub mod server;
 pub mod size;
 pub mod storage;
+pub mod tls;
 pub mod types;
 pub mod util;
 pub mod validation;

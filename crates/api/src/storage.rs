@@ -286,3 +286,18 @@ mod tests {
         assert!(e.to_string().contains("min_iop"));
     }
 }
+
+/// `PUT /access/{vm}` on a storage node: the hosts whose certificates may
+/// open the VM's exports (`DISK/VM`); empty forgets the VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AccessRequest {
+    pub hosts: Vec<String>,
+}
+
+/// A VM's NBD access on a storage node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AccessInfo {
+    pub vm: String,
+    pub hosts: Vec<String>,
+}

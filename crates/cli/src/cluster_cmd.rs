@@ -18,9 +18,11 @@ pub enum OnOff {
 
 #[derive(Subcommand)]
 pub enum ClusterCmd {
-    /// Start a cluster on this machine: write a new cluster credential, the
-    /// control service's configuration for the hosts given, and a starting
-    /// agent.toml per host (copy each to its host's /etc/ferry/agent.toml).
+    /// Start a cluster on this machine: a cluster CA, certificates for the
+    /// control service and each host, the first admin API token, a new
+    /// cluster credential, the control service's configuration for the
+    /// hosts given, and a starting agent.toml per host (copy each host's
+    /// files to its /etc/ferry).
     Init {
         /// A host as NAME=ADDRESS (its agent's address, port 7800 unless
         /// given); repeatable.
@@ -35,6 +37,35 @@ pub enum ClusterCmd {
         /// Replace a credential already there (every host must then get the new one).
         #[arg(long)]
         force: bool,
+        /// More names or addresses the control service is reached at (its
+        /// certificate names them); repeatable.
+        #[arg(long = "san")]
+        san: Vec<String>,
+    },
+    /// Sign a certificate with the cluster CA for a control service, an
+    /// agent, a storage node or an administrator's tools, and write its
+    /// directory (cert.pem, key.pem, ca-cert.pem, and the names QEMU,
+    /// libnbd and nbdkit look for).
+    IssueCert {
+        /// control, agent, storage or admin.
+        #[arg(long)]
+        role: String,
+        /// The holder's name: the host's name for an agent, the node's for
+        /// a storage node.
+        #[arg(long)]
+        name: String,
+        /// DNS names and IP addresses peers reach it at; repeatable.
+        #[arg(long = "san")]
+        san: Vec<String>,
+        /// The cluster CA's directory (ca-cert.pem, ca-key.pem).
+        #[arg(long, default_value = "/etc/ferry/ca")]
+        ca: std::path::PathBuf,
+        /// Where to write the certificate's directory.
+        #[arg(long)]
+        out: std::path::PathBuf,
+        /// Days it is valid.
+        #[arg(long, default_value_t = 825)]
+        days: u32,
     },
     /// Change cluster settings; what is not given stays.
     Set {
@@ -55,14 +86,33 @@ pub enum ClusterCmd {
 }
 
 pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
-    if let ClusterCmd::Init {
-        hosts,
-        dir,
-        listen,
-        force,
-    } = cmd
-    {
-        return init(hosts, dir, *listen, *force);
+    match cmd {
+        ClusterCmd::Init {
+            hosts,
+            dir,
+            listen,
+            force,
+            san,
+        } => return init(hosts, dir, *listen, *force, san),
+        ClusterCmd::IssueCert {
+            role,
+            name,
+            san,
+            ca,
+            out,
+            days,
+        } => {
+            let req = ferry_api::tls::CertRequest {
+                role: role.parse()?,
+                name: name.clone(),
+                san: san.clone(),
+                days: *days,
+            };
+            ferry_api::tls::Authority::load(ca)?.issue(&req, out)?;
+            println!("wrote {} ({} {name})", out.display(), req.role);
+            return Ok(0);
+        }
+        _ => {}
     }
     let c = cli.client()?;
     let (s, json): (ClusterSettings, bool) = match cmd {
@@ -76,7 +126,7 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
             (c.put("/cluster", &u, T).await?, *json)
         }
         ClusterCmd::Show { json } => (c.get("/cluster", T).await?, *json),
-        ClusterCmd::Init { .. } => unreachable!("handled above"),
+        ClusterCmd::Init { .. } | ClusterCmd::IssueCert { .. } => unreachable!("handled above"),
     };
     if json {
         print_json(&s);
@@ -107,7 +157,7 @@ fn parse_host(h: &str) -> anyhow::Result<(String, String, std::net::SocketAddr)>
             7800,
         ),
     };
-    Ok((name.to_string(), format!("http://{sock}"), sock))
+    Ok((name.to_string(), format!("https://{sock}"), sock))
 }
 
 fn init(
@@ -115,6 +165,7 @@ fn init(
     dir: &std::path::Path,
     listen: std::net::SocketAddr,
     force: bool,
+    san: &[String],
 ) -> anyhow::Result<i32> {
     use anyhow::Context;
     let parsed = hosts
@@ -129,19 +180,65 @@ fn init(
         );
     }
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let ca_dir = dir.join("ca");
+    if force {
+        let _ = std::fs::remove_dir_all(&ca_dir);
+    }
+    let ca = ferry_api::tls::Authority::create(&ca_dir, &crate::config::system_hostname())?;
     ferry_api::auth::Credential::generate()
         .store(&token)
         .with_context(|| format!("writing {}", token.display()))?;
+    let admin = dir.join("admin.token");
+    ferry_api::auth::Credential::from_secret(&ferry_control::tokens::new_secret())
+        .store(&admin)
+        .with_context(|| format!("writing {}", admin.display()))?;
+    let mut control_san = vec![crate::config::system_hostname(), "127.0.0.1".to_string()];
+    if !listen.ip().is_unspecified() {
+        control_san.push(listen.ip().to_string());
+    }
+    control_san.extend(san.iter().cloned());
+    let pki = dir.join("pki").join("control");
+    ca.issue(
+        &ferry_api::tls::CertRequest {
+            role: ferry_api::tls::Role::Control,
+            name: "control".into(),
+            san: control_san,
+            days: 825,
+        },
+        &pki,
+    )?;
+    let admin_pki = dir.join("pki").join("admin");
+    ca.issue(
+        &ferry_api::tls::CertRequest {
+            role: ferry_api::tls::Role::Admin,
+            name: "admin".into(),
+            san: vec![],
+            days: 825,
+        },
+        &admin_pki,
+    )?;
     let control = crate::config::ControlFile {
         listen: Some(listen),
         credential: Some(crate::config::DEFAULT_CREDENTIAL.into()),
+        admin_token: Some(crate::config::DEFAULT_ADMIN_TOKEN.into()),
         hosts: parsed
             .iter()
             .map(|(n, url, _)| (n.clone(), url.clone()))
             .collect(),
         ..Default::default()
     };
-    let mut written = vec![token.display().to_string()];
+    std::fs::copy(
+        ca_dir.join(ferry_api::tls::CA_CERT),
+        dir.join("pki").join(ferry_api::tls::CA_CERT),
+    )
+    .context("copying the CA's certificate")?;
+    let mut written = vec![
+        ca_dir.display().to_string(),
+        token.display().to_string(),
+        admin.display().to_string(),
+        pki.display().to_string(),
+        admin_pki.display().to_string(),
+    ];
     let path = dir.join("control.toml");
     std::fs::write(&path, toml::to_string(&control)?)
         .with_context(|| format!("writing {}", path.display()))?;
@@ -154,6 +251,25 @@ fn init(
             credential: Some(crate::config::DEFAULT_CREDENTIAL.into()),
             ..Default::default()
         };
+        let host_pki = dir.join("hosts").join(name).join("pki").join("agent");
+        ca.issue(
+            &ferry_api::tls::CertRequest {
+                role: ferry_api::tls::Role::Agent,
+                name: name.clone(),
+                san: vec![sock.ip().to_string()],
+                days: 825,
+            },
+            &host_pki,
+        )?;
+        written.push(host_pki.display().to_string());
+        std::fs::copy(
+            ca_dir.join(ferry_api::tls::CA_CERT),
+            dir.join("hosts")
+                .join(name)
+                .join("pki")
+                .join(ferry_api::tls::CA_CERT),
+        )
+        .with_context(|| format!("copying the CA's certificate for {name}"))?;
         let path = dir.join(format!("agent-{name}.toml"));
         let text = format!(
             "# copy to {name}:/etc/ferry/agent.toml; list its migration NICs\n\
@@ -167,9 +283,13 @@ fn init(
         println!("wrote {w}");
     }
     println!(
-        "next: copy cluster.token to /etc/ferry/ on every host (mode 0600) and each agent-NAME.toml \
-         to its host as /etc/ferry/agent.toml; then `systemctl enable --now ferry-agent` on the \
-         hosts and `systemctl enable --now ferry-control` here"
+        "next: copy cluster.token to /etc/ferry/ on every host (mode 0600), each agent-NAME.toml \
+         to its host as /etc/ferry/agent.toml and the contents of hosts/NAME/pki into its \
+         /etc/ferry/pki; keep ca/ (the CA's key) on this machine only; then `systemctl enable \
+         --now ferry-agent` on the hosts and `systemctl enable --now ferry-control` here. \
+         admin.token is the first admin API token (`ferry token create` makes more); a storage \
+         node's certificate: `ferry cluster issue-cert --role storage --name NODE --san ADDR --ca \
+         /etc/ferry/ca --out DIR`."
     );
     Ok(0)
 }

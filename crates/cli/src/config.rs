@@ -14,8 +14,16 @@ use serde::{Deserialize, Serialize};
 
 /// Where the packaged services look for their files.
 pub const ETC: &str = "/etc/ferry";
-/// The cluster credential every service and the CLI read by default.
+/// The cluster credential every service reads by default.
 pub const DEFAULT_CREDENTIAL: &str = "/etc/ferry/cluster.token";
+/// Where the certificates live on a machine (see `ferry_api::tls`): one
+/// directory per service (`agent`, `control`, `storage`, `admin`) and the
+/// cluster CA's certificate `ca-cert.pem` (the CLI's trust root).
+pub const PKI: &str = "/etc/ferry/pki";
+/// An administrator's certificate for NBD clients (`ferry disk import`).
+pub const DEFAULT_ADMIN_TLS_DIR: &str = "/etc/ferry/pki/admin";
+/// The first admin API token, made by `ferry cluster init`; the CLI's default.
+pub const DEFAULT_ADMIN_TOKEN: &str = "/etc/ferry/admin.token";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -71,10 +79,15 @@ pub struct AgentFile {
     /// The agent's API address (default `0.0.0.0:7800`).
     pub listen: Option<SocketAddr>,
     /// The URL peers and the control service reach the agent at (default:
-    /// `http://LISTEN`, with this host's name when LISTEN is 0.0.0.0).
+    /// `https://LISTEN`, with this host's name when LISTEN is 0.0.0.0;
+    /// `http://` under `insecure_http`).
     pub url: Option<String>,
     /// The cluster credential file (default `/etc/ferry/cluster.token`).
     pub credential: Option<PathBuf>,
+    /// This service's certificate directory (default `/etc/ferry/pki/SERVICE`).
+    pub tls_dir: Option<PathBuf>,
+    /// Plain HTTP with the cluster credential instead of TLS (debugging only).
+    pub insecure_http: Option<bool>,
     /// VMs, journal, logs (default `/var/lib/ferry/agent`).
     pub state_dir: Option<PathBuf>,
     /// QEMU binary (default `qemu-system-x86_64`).
@@ -117,6 +130,13 @@ pub struct ControlFile {
     /// The API address (default `127.0.0.1:7700`).
     pub listen: Option<SocketAddr>,
     pub credential: Option<PathBuf>,
+    /// This service's certificate directory (default `/etc/ferry/pki/SERVICE`).
+    pub tls_dir: Option<PathBuf>,
+    /// Plain HTTP with the cluster credential instead of TLS (debugging only).
+    pub insecure_http: Option<bool>,
+    /// The first admin API token, taken up at start unless a token named
+    /// `admin` was ever made (default `/etc/ferry/admin.token`).
+    pub admin_token: Option<PathBuf>,
     /// SQLite state file (default `/var/lib/ferry/control/state.db`).
     pub state: Option<PathBuf>,
     /// Or etcd: `etcd://HOST:PORT`, shared by every control instance.
@@ -142,6 +162,12 @@ pub struct StorageFile {
     /// Address clients reach NBD at, for disk URIs (default: `nbd_listen`).
     pub nbd_address: Option<String>,
     pub credential: Option<PathBuf>,
+    /// This service's certificate directory (default `/etc/ferry/pki/SERVICE`).
+    pub tls_dir: Option<PathBuf>,
+    /// Plain HTTP with the cluster credential instead of TLS (debugging only).
+    pub insecure_http: Option<bool>,
+    /// NBD over TLS: `require` (the default with TLS on) or `off`.
+    pub nbd_tls: Option<String>,
     /// Normalized IOPS the backing store sustains (0: no limit).
     pub capacity_iops: Option<u64>,
     /// Client address → host name (flows are shown per host).

@@ -8,6 +8,50 @@ use clap::Args;
 
 use crate::config;
 
+/// TLS of a service (see `ferry_api::tls`), shared by `ferry agent`,
+/// `ferry control` and `ferry storage serve`.
+#[derive(Args, Clone, Default)]
+pub struct TlsArgs {
+    /// This service's certificate directory, from `ferry cluster
+    /// issue-cert` (default: the file's `tls_dir`, else
+    /// /etc/ferry/pki/agent, …/control or …/storage).
+    #[arg(long)]
+    tls_dir: Option<PathBuf>,
+    /// Serve and call plain HTTP, authenticated by the cluster credential
+    /// instead of certificates. For debugging only: credentials and data
+    /// cross the network in clear.
+    #[arg(long)]
+    insecure_http: bool,
+}
+
+impl TlsArgs {
+    /// The service's certificate, or `None` under `--insecure-http` (flag
+    /// or the file's `insecure_http`).
+    fn load(
+        &self,
+        service: &str,
+        file_dir: Option<&PathBuf>,
+        file_insecure: Option<bool>,
+    ) -> anyhow::Result<Option<ferry_api::tls::Pki>> {
+        if self.insecure_http || file_insecure == Some(true) {
+            tracing::warn!("--insecure-http: plain HTTP, credentials and data in clear");
+            return Ok(None);
+        }
+        let dir = self
+            .tls_dir
+            .clone()
+            .or(file_dir.cloned())
+            .unwrap_or_else(|| PathBuf::from(config::PKI).join(service));
+        let pki = ferry_api::tls::Pki::load(&dir).with_context(|| {
+            format!(
+                "loading this service's certificate from {} (make one with `ferry cluster issue-cert`, or run with --insecure-http)",
+                dir.display()
+            )
+        })?;
+        Ok(Some(pki))
+    }
+}
+
 #[derive(Args)]
 pub struct AgentArgs {
     /// Configuration file (default /etc/ferry/agent.toml, if present); flags override it.
@@ -18,7 +62,7 @@ pub struct AgentArgs {
     name: Option<String>,
     #[arg(long)]
     listen: Option<SocketAddr>,
-    /// URL peers reach this agent at (default: http://LISTEN).
+    /// URL peers reach this agent at (default: https://LISTEN).
     #[arg(long)]
     url: Option<String>,
     #[arg(long)]
@@ -45,6 +89,8 @@ pub struct AgentArgs {
     /// Check the configuration and print it resolved, then exit.
     #[arg(long)]
     check_config: bool,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 #[derive(Args)]
@@ -75,6 +121,7 @@ pub fn qemu_args(a: &QemuArgsArgs) -> anyhow::Result<i32> {
         kernel: img.kernel,
         initrd: img.initrd,
         ovmf: Default::default(),
+        tls_dir: None,
     };
     let mut args = vec![a.qemu.clone()];
     args.extend(ferry_agent::qemu::qemu_args(
@@ -125,11 +172,16 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
         .listen
         .or(f.listen)
         .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 7800)));
+    let scheme = if a.tls.insecure_http || f.insecure_http == Some(true) {
+        "http"
+    } else {
+        "https"
+    };
     let url = a.url.clone().or(f.url.clone()).unwrap_or_else(|| {
         if listen.ip().is_unspecified() {
-            format!("http://{name}:{}", listen.port())
+            format!("{scheme}://{name}:{}", listen.port())
         } else {
-            format!("http://{listen}")
+            format!("{scheme}://{listen}")
         }
     });
     let reserved = ferry_api::size::parse_size(
@@ -226,6 +278,7 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
             kernel,
             initrd,
             ovmf,
+            tls_dir: None,
         },
         nics,
         probe_port: f.probe_port.unwrap_or(ferry_api::DEFAULT_PROBE_PORT),
@@ -246,9 +299,16 @@ pub async fn agent(a: &AgentArgs) -> anyhow::Result<i32> {
     }
     let cred = ferry_api::auth::Credential::load(&token_file)
         .with_context(|| format!("reading the cluster credential {}", token_file.display()))?;
+    let (f, _) = config::load::<config::AgentFile>(
+        a.config.as_deref(),
+        &format!("{}/agent.toml", config::ETC),
+    )?;
+    let pki = a.tls.load("agent", f.tls_dir.as_ref(), f.insecure_http)?;
+    let mut cfg = cfg;
+    cfg.qemu.tls_dir = pki.as_ref().map(|p| p.dir.clone());
     std::fs::create_dir_all(cfg.state_dir.join("vms"))
         .with_context(|| format!("creating {}", cfg.state_dir.display()))?;
-    let agent = ferry_agent::Agent::new(cfg, cred, std::sync::Arc::new(WorkloadConsole));
+    let agent = ferry_agent::Agent::new(cfg, cred, pki, std::sync::Arc::new(WorkloadConsole))?;
     ferry_agent::api::serve(agent).await?;
     Ok(0)
 }
@@ -277,6 +337,13 @@ pub struct ControlArgs {
     /// Storage nodes as NAME=API_URL; repeatable.
     #[arg(long = "storage")]
     storage: Vec<String>,
+    /// The first admin API token (default: the file's `admin_token`, else
+    /// /etc/ferry/admin.token): made into the token `admin` unless one of
+    /// that name was ever made.
+    #[arg(long)]
+    admin_token: Option<PathBuf>,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
@@ -299,7 +366,9 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
             .with_context(|| format!("--storage '{s}' is not NAME=URL"))?;
         storage.push((n.to_string(), u.to_string()));
     }
-    let mut control = ferry_control::Control::with_storage(hosts, storage, cred.clone());
+    let pki = a.tls.load("control", f.tls_dir.as_ref(), f.insecure_http)?;
+    let auth = ferry_api::client::ClientAuth::component(pki.as_ref(), &cred)?;
+    let mut control = ferry_control::Control::with_storage(hosts, storage, auth);
     // SQLite by default
     let state = a
         .state
@@ -315,12 +384,30 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
             .with_store(ferry_control::store::Store::open(&state)?)
             .await?;
     }
+    let admin = a
+        .admin_token
+        .clone()
+        .or(f.admin_token.clone())
+        .unwrap_or_else(|| PathBuf::from(config::DEFAULT_ADMIN_TOKEN));
+    match std::fs::read_to_string(&admin) {
+        Ok(secret) => {
+            if control.bootstrap_admin(&secret).await? {
+                tracing::info!(file = %admin.display(), "made the admin API token from the file");
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => anyhow::bail!("reading the admin token {}: {e}", admin.display()),
+    }
     let control = std::sync::Arc::new(control);
+    let tls = match &pki {
+        Some(p) => Some(p.server_config(false)?),
+        None => None,
+    };
     let listen = a
         .listen
         .or(f.listen)
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7700)));
-    ferry_control::http::serve(listen, control, cred).await?;
+    ferry_control::http::serve(listen, control, tls).await?;
     Ok(0)
 }
 
@@ -353,6 +440,8 @@ pub struct StorageArgs {
     /// Client address → host name, as ADDR=HOST; repeatable.
     #[arg(long = "peer")]
     peers: Vec<String>,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
@@ -406,6 +495,34 @@ pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
         capacity_iops: a.capacity_iops.or(f.capacity_iops).unwrap_or(0),
         peers,
     })?;
-    ferry_storage::serve(node, nbd_listen, api_listen, cred).await?;
+    let pki = a.tls.load("storage", f.tls_dir.as_ref(), f.insecure_http)?;
+    let (auth, tls) = match &pki {
+        Some(p) => (
+            ferry_api::server::PeerAuth::Certificates(&[ferry_api::tls::Role::Control]),
+            Some(p.server_config(true)?),
+        ),
+        None => (ferry_api::server::PeerAuth::Credential(cred), None),
+    };
+    // NBD: TLS required whenever the node has a certificate, unless turned off
+    let nbd_tls = match (f.nbd_tls.as_deref(), &pki) {
+        (None | Some("require"), Some(p)) => {
+            let mut c = (*p.server_config(true)?).clone();
+            c.alpn_protocols.clear();
+            Some(std::sync::Arc::new(c))
+        }
+        (Some("require"), None) => anyhow::bail!(
+            "{}: key `nbd_tls`: \"require\" needs the node's certificate (not --insecure-http)",
+            file.display()
+        ),
+        (None | Some("off"), _) => None,
+        (Some(other), _) => anyhow::bail!(
+            "{}: key `nbd_tls`: '{other}' is not \"require\" or \"off\"",
+            file.display()
+        ),
+    };
+    if nbd_tls.is_none() {
+        tracing::warn!("NBD without TLS: disk contents cross the network in clear");
+    }
+    ferry_storage::serve(node, nbd_listen, api_listen, auth, tls, nbd_tls).await?;
     Ok(0)
 }

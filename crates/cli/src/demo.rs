@@ -214,7 +214,8 @@ async fn start_debian(c: &ferry_api::client::Client) -> anyhow::Result<std::time
     let _ = c
         .delete::<DiskInfo>(&format!("/disks/{DEBIAN_ROOT}"), t)
         .await;
-    crate::storage_cmd::import_disk(c, DEBIAN_ROOT, &img.disk, false, None).await?;
+    let tls = crate::Cli::admin_tls_dir(None);
+    crate::storage_cmd::import_disk(c, DEBIAN_ROOT, &img.disk, false, None, tls.as_deref()).await?;
     let spec = ferry_lab::debian::spec(
         DEBIAN_VM,
         DEBIAN_ROOT,

@@ -21,7 +21,8 @@ pub enum LabCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Cut or restore one host NIC's link.
+    /// Cut or restore one host NIC's link (`mgmt0`: its management link,
+    /// to the control service and the storage node).
     Link {
         host: String,
         nic: String,
@@ -47,6 +48,9 @@ pub enum LabCmd {
     TeamMonitor { host: String },
     /// Start a host's agent again (after it was killed).
     RestartAgent { host: String },
+    /// Start the control service, or the storage node, again (killed with
+    /// SIGKILL first if it runs), on the same configuration and state.
+    Restart { service: LabService },
     /// Build (or show) the cached guest image.
     Image {
         #[arg(long)]
@@ -56,6 +60,12 @@ pub enum LabCmd {
         #[arg(long)]
         debian: bool,
     },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum LabService {
+    Control,
+    Storage,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -103,6 +113,27 @@ pub async fn run(cli: &Cli, cmd: &LabCmd) -> anyhow::Result<i32> {
             Ok(0)
         }
         LabCmd::Status { json } => status(*json),
+        LabCmd::Restart { service } => {
+            let dir = LabDir::default_path();
+            dir.load_spec()?;
+            let cd = dir.control_dir();
+            let name = match service {
+                LabService::Control => "control",
+                LabService::Storage => "storage",
+            };
+            stop_pidfile(&cd.join(format!("{name}.pid")));
+            let conf = cd.join(format!("{name}.toml")).display().to_string();
+            match service {
+                LabService::Control => {
+                    start_root_daemon(&cd, "control", &["control", "--config", &conf])?
+                }
+                LabService::Storage => {
+                    start_root_daemon(&cd, "storage", &["storage", "serve", "--config", &conf])?
+                }
+            }
+            println!("{name} restarted");
+            Ok(0)
+        }
         LabCmd::Link { host, nic, state } => {
             let spec = LabDir::default_path().load_spec()?;
             let up = matches!(state, LinkState::Up);
@@ -256,6 +287,7 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
         .with_context(|| format!("creating {}", dir.0.display()))?;
     let cred = ferry_api::auth::Credential::generate();
     cred.store(&dir.token_path())?;
+    make_pki(&dir, &spec)?;
     dir.store_spec(&spec)?;
     if let Err(e) = net::create(&spec) {
         down();
@@ -288,6 +320,7 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
             .parse()?,
         ),
         credential: Some(dir.token_path()),
+        tls_dir: Some(dir.pki_path().join(topology::STORAGE_NODE)),
         peers: topology::peer_addresses(&spec)
             .into_iter()
             .map(|(ip, host)| (ip.to_string(), host))
@@ -301,8 +334,15 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
         &["storage", "serve", "--config", &storage_conf],
     )?;
     let control = crate::config::ControlFile {
-        listen: Some(cli.control.trim_start_matches("http://").parse()?),
+        listen: Some(
+            cli.control
+                .trim_start_matches("https://")
+                .trim_start_matches("http://")
+                .parse()?,
+        ),
         credential: Some(dir.token_path()),
+        tls_dir: Some(dir.pki_path().join("control")),
+        admin_token: Some(dir.admin_token_path()),
         state: Some(cd.join("state.db")),
         hosts: (1..=spec.hosts)
             .map(|i| (topology::host_name(i), topology::agent_url(i)))
@@ -352,6 +392,11 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
             spec.mtu,
             ferry_api::size::human_bytes(spec.host_memory),
             cli.control
+        );
+        println!(
+            "TLS everywhere: CA {}, admin API token {}",
+            dir.ca_cert_path().display(),
+            dir.admin_token_path().display()
         );
     }
     Ok(0)
@@ -411,6 +456,52 @@ fn stop_pidfile(path: &std::path::Path) {
     let _ = std::fs::remove_file(path);
 }
 
+/// The lab's certificates, as `ferry cluster init` and `issue-cert` make
+/// them for any cluster: a CA, one certificate per service and host, one
+/// for the administrator's tools (`pki/admin`: NBD clients), and the first
+/// admin API token.
+fn make_pki(dir: &LabDir, spec: &LabSpec) -> anyhow::Result<()> {
+    use ferry_api::tls::{Authority, CertRequest, Role};
+    let pki = dir.pki_path();
+    let _ = std::fs::remove_dir_all(&pki);
+    let ca = Authority::create(&pki.join("ca"), "lab")?;
+    let mgmt = topology::CONTROL_MGMT_ADDR.to_string();
+    let mut certs = vec![
+        (
+            Role::Control,
+            "control".to_string(),
+            vec!["127.0.0.1".into(), "localhost".into(), mgmt.clone()],
+        ),
+        (
+            Role::Storage,
+            topology::STORAGE_NODE.to_string(),
+            vec![mgmt.clone(), "127.0.0.1".into()],
+        ),
+        (Role::Admin, "admin".to_string(), vec![]),
+    ];
+    for i in 1..=spec.hosts {
+        certs.push((
+            Role::Agent,
+            topology::host_name(i),
+            vec![topology::mgmt_addr(i)],
+        ));
+    }
+    for (role, name, san) in certs {
+        ca.issue(
+            &CertRequest {
+                role,
+                name: name.clone(),
+                san,
+                days: 30,
+            },
+            &pki.join(&name),
+        )?;
+    }
+    ferry_api::auth::Credential::from_secret(&ferry_control::tokens::new_secret())
+        .store(&dir.admin_token_path())?;
+    Ok(())
+}
+
 /// Starts (or restarts) host `i`'s agent inside its namespace.
 fn start_agent(dir: &LabDir, spec: &LabSpec, i: u32) -> anyhow::Result<()> {
     let img = ferry_lab::image::ensure(false)?;
@@ -427,6 +518,7 @@ fn start_agent(dir: &LabDir, spec: &LabSpec, i: u32) -> anyhow::Result<()> {
         listen: Some(listen.parse()?),
         url: Some(topology::agent_url(i)),
         credential: Some(dir.token_path()),
+        tls_dir: Some(dir.pki_path().join(&h)),
         state_dir: Some(hd.clone()),
         memory: Some(spec.host_memory.to_string()),
         nics: (1..=spec.nics).map(|k| topology::nic_name(i, k)).collect(),

@@ -14,6 +14,7 @@ mod host_cmd;
 mod lab_cmd;
 mod output;
 mod storage_cmd;
+mod token_cmd;
 mod vm_cmd;
 mod vm_spec;
 
@@ -28,17 +29,22 @@ use clap::{Parser, Subcommand};
     about = "Live migration of QEMU VMs between Linux hosts"
 )]
 pub struct Cli {
-    /// Control service URL.
+    /// Control service URL (`http://` only for a control service run with
+    /// --insecure-http).
     #[arg(
         long,
         global = true,
         env = "FERRY_CONTROL",
-        default_value = "http://127.0.0.1:7700"
+        default_value = "https://127.0.0.1:7700"
     )]
     control: String,
-    /// Cluster credential file (default /etc/ferry/cluster.token, else the lab's).
+    /// API token file (default /etc/ferry/admin.token, else the lab's).
     #[arg(long, global = true, env = "FERRY_TOKEN_FILE")]
     token_file: Option<PathBuf>,
+    /// The cluster CA's certificate, to verify the control service's
+    /// (default /etc/ferry/pki/ca-cert.pem, else the lab's).
+    #[arg(long, global = true, env = "FERRY_CA")]
+    ca: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -66,6 +72,9 @@ enum Cmd {
     /// Settings of the whole cluster (encrypted carriers).
     #[command(subcommand)]
     Cluster(cluster_cmd::ClusterCmd),
+    /// API tokens for the control service, each with a role (admin only).
+    #[command(subcommand)]
+    Token(token_cmd::TokenCmd),
     /// The control service's event log: migrations, drains, hosts down and up, storage changes.
     Events {
         #[arg(long, default_value_t = 50)]
@@ -102,31 +111,72 @@ enum StorageCmd {
 }
 
 impl Cli {
-    /// The credential: `--token-file`, else the installed cluster's
-    /// (`/etc/ferry/cluster.token`), else the lab's.
-    fn token_file(&self) -> PathBuf {
-        self.token_file.clone().unwrap_or_else(|| {
-            let installed = PathBuf::from(config::DEFAULT_CREDENTIAL);
+    /// The first of `flag`, the installed cluster's file, the lab's.
+    fn default_file(flag: Option<&PathBuf>, installed: &str, lab: PathBuf) -> PathBuf {
+        flag.cloned().unwrap_or_else(|| {
+            let installed = PathBuf::from(installed);
             if installed.exists() {
                 installed
             } else {
-                ferry_lab::net::LabDir::default_path().token_path()
+                lab
             }
         })
+    }
+
+    /// The API token: `--token-file`, else `/etc/ferry/admin.token`, else the lab's.
+    fn token_file(&self) -> PathBuf {
+        Self::default_file(
+            self.token_file.as_ref(),
+            config::DEFAULT_ADMIN_TOKEN,
+            ferry_lab::net::LabDir::default_path().admin_token_path(),
+        )
+    }
+
+    /// The cluster CA: `--ca`, else `/etc/ferry/pki/ca-cert.pem`, else the lab's.
+    fn ca_file(&self) -> PathBuf {
+        Self::default_file(
+            self.ca.as_ref(),
+            &format!("{}/{}", config::PKI, ferry_api::tls::CA_CERT),
+            ferry_lab::net::LabDir::default_path().ca_cert_path(),
+        )
+    }
+
+    /// An administrator's certificate for NBD: `flag`, else
+    /// `/etc/ferry/admin-pki`, else the lab's, when there.
+    pub fn admin_tls_dir(flag: Option<&PathBuf>) -> Option<PathBuf> {
+        let dir = Self::default_file(
+            flag,
+            config::DEFAULT_ADMIN_TLS_DIR,
+            ferry_lab::net::LabDir::default_path()
+                .pki_path()
+                .join("admin"),
+        );
+        dir.join(ferry_api::tls::CERT).exists().then_some(dir)
     }
 
     fn client(&self) -> anyhow::Result<ferry_api::client::Client> {
         let path = self.token_file();
         let cred = ferry_api::auth::Credential::load(&path).map_err(|e| {
             anyhow::anyhow!(
-                "cannot read the cluster credential {} ({e}); is a lab up (`ferry lab up`)?",
+                "cannot read the API token {} ({e}); is a lab up (`ferry lab up`)?",
                 path.display()
             )
         })?;
+        let tls = if self.control.starts_with("https://") {
+            let ca = self.ca_file();
+            Some(ferry_api::tls::anonymous_client_config(&ca).map_err(|e| {
+                anyhow::anyhow!("cannot read the cluster CA to verify the control service: {e}")
+            })?)
+        } else {
+            None
+        };
         Ok(ferry_api::client::Client::new(
             "control service",
             &self.control,
-            cred,
+            ferry_api::client::ClientAuth {
+                bearer: Some(cred),
+                tls,
+            },
         ))
     }
 }
@@ -176,6 +226,7 @@ fn main() {
             Cmd::Qos(c) => storage_cmd::run_qos(&cli, c).await,
             Cmd::Bandwidth(c) => bandwidth_cmd::run(&cli, c).await,
             Cmd::Cluster(c) => cluster_cmd::run(&cli, c).await,
+            Cmd::Token(c) => token_cmd::run(&cli, c).await,
             Cmd::Events { limit, json } => vm_cmd::events(&cli, *limit, *json).await,
             Cmd::Demo(a) => demo::run(&cli, a).await,
             Cmd::Agent(a) => daemons::agent(a).await,

@@ -42,6 +42,11 @@ pub enum DiskCmd {
         write_through: bool,
         #[arg(long)]
         node: Option<String>,
+        /// An administrator's certificate directory for NBD over TLS
+        /// (`ferry cluster issue-cert --role admin`; default
+        /// /etc/ferry/admin-pki, else the lab's).
+        #[arg(long)]
+        tls_dir: Option<std::path::PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -228,9 +233,12 @@ pub async fn run_disk(cli: &Cli, cmd: &DiskCmd) -> anyhow::Result<i32> {
             file,
             write_through,
             node,
+            tls_dir,
             json,
         } => {
-            let d = import_disk(&c, name, file, *write_through, node.clone()).await?;
+            let tls = crate::Cli::admin_tls_dir(tls_dir.as_ref());
+            let d =
+                import_disk(&c, name, file, *write_through, node.clone(), tls.as_deref()).await?;
             show(*json, &d, || print_disks(std::slice::from_ref(&d)));
         }
         DiskCmd::List { json } => {
@@ -401,14 +409,16 @@ pub async fn list_nodes(cli: &Cli, json: bool) -> anyhow::Result<i32> {
 }
 
 /// `ferry disk import`: a disk of the image's virtual size, then
-/// `qemu-img convert` into its NBD export (zeroes are not sent). A failed
-/// copy removes the disk it made.
+/// `qemu-img convert` into its NBD export (zeroes are not sent), over TLS
+/// with the administrator's certificate in `tls` when given. A failed copy
+/// removes the disk it made.
 pub async fn import_disk(
     c: &ferry_api::client::Client,
     name: &str,
     file: &std::path::Path,
     write_through: bool,
     node: Option<String>,
+    tls: Option<&std::path::Path>,
 ) -> anyhow::Result<DiskInfo> {
     use anyhow::Context;
     let info = tokio::process::Command::new("qemu-img")
@@ -440,13 +450,34 @@ pub async fn import_disk(
         node,
     };
     let d: DiskInfo = c.post("/disks", &req, T).await?;
-    let out = tokio::process::Command::new("qemu-img")
-        .args(["convert", "-n", "-f", &format, "-O", "raw"])
-        .arg(file)
-        .arg(format!("{}/import", d.uri))
-        .output()
-        .await
-        .context("running qemu-img convert")?;
+    let mut cmd = tokio::process::Command::new("qemu-img");
+    cmd.args(["convert", "-n", "-f", &format]);
+    match tls {
+        None => {
+            cmd.args(["-O", "raw"])
+                .arg(file)
+                .arg(format!("{}/import", d.uri));
+        }
+        Some(dir) => {
+            let plug = ferry_api::DiskPlug {
+                disk: d.name.clone(),
+                uri: format!("{}/import", d.uri),
+            };
+            let (host, port, export) = plug.parse_uri()?;
+            cmd.arg("--object")
+                .arg(format!(
+                    "tls-creds-x509,id=ferry-tls,dir={},endpoint=client",
+                    dir.display()
+                ))
+                .arg("--target-image-opts")
+                .arg(file)
+                .arg(format!(
+                    "driver=raw,file.driver=nbd,file.server.type=inet,file.server.host={host},\
+                     file.server.port={port},file.export={export},file.tls-creds=ferry-tls"
+                ));
+        }
+    }
+    let out = cmd.output().await.context("running qemu-img convert")?;
     if !out.status.success() {
         let _ = c.delete::<DiskInfo>(&format!("/disks/{name}"), T).await;
         anyhow::bail!(

@@ -126,7 +126,7 @@ fn cluster_init_writes_a_credential_and_files_the_services_accept() {
     assert_eq!(mode & 0o777, 0o600);
     let control = std::fs::read_to_string(d.join("control.toml")).unwrap();
     assert!(
-        control.contains("a2 = \"http://127.0.0.2:7801\""),
+        control.contains("a2 = \"https://127.0.0.2:7801\""),
         "{control}"
     );
     // an agent file made by init, with its NICs listed, is accepted
@@ -155,4 +155,159 @@ fn cluster_init_writes_a_credential_and_files_the_services_accept() {
         .unwrap();
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("--force"));
+    // the CA's key and the first admin token are the owner's only; each
+    // host has its certificate
+    for f in [
+        "ca/ca-key.pem",
+        "admin.token",
+        "pki/key.pem",
+        "hosts/a1/pki/key.pem",
+    ] {
+        let mode = std::fs::metadata(d.join(f)).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{f}");
+    }
+    assert!(d.join("hosts/a2/pki/agent/cert.pem").exists());
+    assert!(d.join("hosts/a2/pki/ca-cert.pem").exists());
+    assert!(d.join("pki/ca-cert.pem").exists());
+}
+
+/// The control service made by `cluster init` serves TLS with its
+/// certificate; the CLI verifies it against the cluster CA and brings the
+/// admin token; another CA's CLI, plain HTTP and a wrong token get nothing.
+#[test]
+fn the_control_service_speaks_tls_and_takes_the_admin_token_from_init() {
+    let d = scratch("tls");
+    let st = Command::new(FERRY)
+        .args([
+            "cluster",
+            "init",
+            "--host",
+            "a1=127.0.0.1",
+            "--dir",
+            d.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let path = |f: &str| d.join(f).display().to_string();
+    let mut control = Command::new(FERRY)
+        .args(["control", "--config", &path("control.toml")])
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--token-file", &path("cluster.token")])
+        .args([
+            "--tls-dir",
+            &path("pki"),
+            "--admin-token",
+            &path("admin.token"),
+        ])
+        .args(["--state", &path("state.db")])
+        .stderr(std::fs::File::create(d.join("control.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let url = format!("https://127.0.0.1:{port}");
+    let cli = |ca: &str, token: &str, control: &str, args: &[&str]| {
+        Command::new(FERRY)
+            .args(["--control", control, "--ca", ca, "--token-file", token])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let t0 = std::time::Instant::now();
+    let listed = loop {
+        let out = cli(
+            &path("ca/ca-cert.pem"),
+            &path("admin.token"),
+            &url,
+            &["token", "list", "--json"],
+        );
+        if out.status.success() {
+            break String::from_utf8_lossy(&out.stdout).to_string();
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(10),
+            "control over TLS: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert!(
+        listed.contains("\"admin\"") && listed.contains("\"role\": \"admin\""),
+        "{listed}"
+    );
+    // a read-only token made by the admin reads and cannot change
+    let out = cli(
+        &path("ca/ca-cert.pem"),
+        &path("admin.token"),
+        &url,
+        &["token", "create", "ro", "--role", "read-only", "--json"],
+    );
+    assert!(out.status.success());
+    let made: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    std::fs::write(d.join("ro.token"), made["token"].as_str().unwrap()).unwrap();
+    let out = cli(
+        &path("ca/ca-cert.pem"),
+        &path("ro.token"),
+        &url,
+        &["cluster", "set", "--encrypt-carriers", "on"],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("needs role admin"),
+        "{err}"
+    );
+    // a CA that did not sign the control service's certificate
+    let other = scratch("tls-other");
+    let st = Command::new(FERRY)
+        .args([
+            "cluster",
+            "init",
+            "--host",
+            "a1=127.0.0.1",
+            "--dir",
+            other.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(st.status.success());
+    let out = cli(
+        &other.join("ca/ca-cert.pem").display().to_string(),
+        &path("admin.token"),
+        &url,
+        &["token", "list"],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("control service is unavailable"),
+        "{err}"
+    );
+    // plain HTTP to the TLS port, and a wrong token
+    let out = cli(
+        &path("ca/ca-cert.pem"),
+        &path("admin.token"),
+        &format!("http://127.0.0.1:{port}"),
+        &["token", "list"],
+    );
+    assert!(!out.status.success());
+    let out = cli(
+        &path("ca/ca-cert.pem"),
+        &path("cluster.token"),
+        &url,
+        &["token", "list"],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("unknown API token"),
+        "{err}"
+    );
+    let _ = control.kill();
+    let _ = control.wait();
 }

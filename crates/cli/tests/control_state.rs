@@ -37,6 +37,11 @@ impl Control {
                 &format!("127.0.0.1:{port}"),
                 "--token-file",
                 &dir.join("token").display().to_string(),
+                // the first admin token: the same file the CLI reads
+                "--admin-token",
+                &dir.join("token").display().to_string(),
+                // this suite is about the control state; TLS is tested elsewhere
+                "--insecure-http",
                 "--host",
                 "h1=http://127.0.0.1:1",
             ])

@@ -242,14 +242,16 @@ fn a_shared_disk_serves_two_guests_and_follows_a_migration() {
         "the source's connection is closed: {flow}"
     );
     // the control service's metrics saw the migration pass through
-    let token = std::fs::read_to_string("/run/ferry/lab/cluster.token").unwrap();
+    let token = std::fs::read_to_string("/run/ferry/lab/admin.token").unwrap();
     let out = std::process::Command::new("curl")
         .args([
             "-sf",
+            "--cacert",
+            "/run/ferry/lab/pki/ca/ca-cert.pem",
             "-H",
             &format!("Authorization: Bearer {}", token.trim()),
         ])
-        .arg("http://127.0.0.1:7700/metrics")
+        .arg("https://127.0.0.1:7700/metrics")
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);

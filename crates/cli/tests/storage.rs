@@ -107,6 +107,9 @@ impl Node {
                 &self.capacity.to_string(),
                 "--name",
                 &self.name,
+                // this suite tests NBD and QoS against real peers in clear;
+                // NBD over TLS is tested in the lab (tests/security.rs)
+                "--insecure-http",
             ])
             .stdout(Stdio::null())
             .stderr(log)
@@ -806,6 +809,9 @@ fn the_policy_manager_holds_an_aggregated_policy_across_two_nodes() {
             &format!("s2=http://127.0.0.1:{}", s2.api),
             "--state",
             &s1.dir.join("control.db").display().to_string(),
+            "--admin-token",
+            &s1.dir.join("token").display().to_string(),
+            "--insecure-http",
         ])
         .stdout(Stdio::null())
         .stderr(log)

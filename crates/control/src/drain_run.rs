@@ -6,7 +6,7 @@ use std::time::Duration;
 use ferry_api::drain::{
     DrainEvent, DrainReport, DrainRequest, DrainedVm, MigrationLimit, PlannedMove, Unplaceable,
 };
-use ferry_api::{ApiError, MigrateRequest, MigrationEvent};
+use ferry_api::{ApiError, MigrationEvent};
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use std::sync::Arc;
@@ -358,19 +358,9 @@ impl Control {
     ) -> Result<ferry_api::MigrationReport, ApiError> {
         let began = std::time::Instant::now();
         // a drain may move onto hosts only it reserved, so no draining check here
-        let target = self.host(&m.to)?;
         let (source, _) = self.locate(&m.vm).await?;
-        let (option, convergence) = self.migration_policy(&source, option, Default::default())?;
-        let mreq = MigrateRequest {
-            target: m.to.clone(),
-            target_url: target.base().to_string(),
-            option,
-            convergence,
-            encrypt_carriers: self.cluster_settings().await?.encrypt_carriers,
-        };
         let mut events = self
-            .host(&source)?
-            .post_events::<_, MigrationEvent>(&format!("/vms/{}/migrate", m.vm), &mreq)
+            .begin_migration(&m.vm, &source, &m.to, option, Default::default())
             .await?;
         let mut last = std::time::Instant::now() - Duration::from_secs(1);
         let mut copying_since = None;

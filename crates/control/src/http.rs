@@ -1,5 +1,6 @@
-//! REST front of the control service: `/api/v1/...`, every route behind the
-//! cluster credential. Each handler turns its request into one [`Command`].
+//! REST front of the control service: `/api/v1/...`, every route behind a
+//! user's API token (see [`crate::tokens`]); each command needs a role
+//! ([`Command::needs`]). Each handler turns its request into one [`Command`].
 //!
 //! | method | path | command |
 //! |---|---|---|
@@ -31,6 +32,9 @@
 //! | PUT | /bandwidth | SetBandwidth (body: `BandwidthSetRequest`) |
 //! | GET/PUT | /cluster | GetCluster / SetCluster (body: `ClusterSettingsUpdate`): cluster-wide settings |
 //! | GET | /events | Events (query `limit`, default 100): the event log, oldest first |
+//! | GET | /tokens | ListTokens |
+//! | POST | /tokens | CreateToken (body: `TokenCreateRequest`) → `TokenCreated` (the secret, this once) |
+//! | DELETE | /tokens/{name} | RevokeToken |
 //! | GET | /metrics (no prefix) | Metrics: Prometheus text of hosts, NICs, migrations, drains, flows |
 
 use std::sync::Arc;
@@ -42,12 +46,40 @@ use axum::{
     routing::{get, post},
     Json, Router,
 };
-use ferry_api::auth::Credential;
-use ferry_api::server::{ndjson, not_found, require_credential, ApiJson, ErrorResponse};
+use ferry_api::server::{ndjson, not_found, ApiJson, ErrorResponse};
 use ferry_api::{MoveRequest, ValidateRequest, VmCreateRequest};
 
 use crate::storage::StorageCommand;
+use crate::tokens::Caller;
 use crate::{Command, Control, Outcome};
+
+tokio::task_local! {
+    /// The caller of the request being handled, set by [`authenticate`].
+    static CALLER: Caller;
+}
+
+/// Middleware: every request carries a valid, unrevoked API token; the
+/// token's name and role go with the request to [`run`]. Refusals are 401,
+/// in the service's log and the event log.
+async fn authenticate(
+    State(c): State<Arc<Control>>,
+    req: axum::extract::Request,
+    next: middleware::Next,
+) -> Response {
+    let header = req
+        .headers()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok());
+    match c.tokens.authenticate(header) {
+        Ok(caller) => CALLER.scope(caller, next.run(req)).await,
+        Err(e) => {
+            let path = req.uri().path().to_string();
+            tracing::warn!(%path, "refused: {e}");
+            c.log_refusal(&path, &e);
+            ErrorResponse(e).into_response()
+        }
+    }
+}
 use ferry_api::drain::{DrainRequest, HostSettings};
 use ferry_api::storage::{
     DiskAttachRequest, DiskCreateRequest, DiskResizeRequest, DiskSetRequest, Policy, PolicyUpdate,
@@ -55,7 +87,13 @@ use ferry_api::storage::{
 };
 
 async fn run(c: &Arc<Control>, cmd: Command) -> Response {
-    match c.execute(cmd).await {
+    let caller = CALLER.try_with(Caller::clone);
+    let r = match caller {
+        Ok(caller) => c.execute_as(&caller, cmd).await,
+        // every route is behind `authenticate`
+        Err(_) => Err(ferry_api::ApiError::unauthorized("no API token")),
+    };
+    match r {
         Ok(Outcome::Value(v)) => Json(v).into_response(),
         Ok(Outcome::Events(s)) => ndjson(s),
         Ok(Outcome::Text(t)) => (
@@ -236,7 +274,7 @@ fn web_routes() -> Router {
         )
 }
 
-pub fn router(control: Arc<Control>, cred: Credential) -> Router {
+pub fn router(control: Arc<Control>) -> Router {
     let api = Router::new()
         .route("/hosts", get(hosts))
         .route("/vms", get(vms).post(create))
@@ -273,23 +311,40 @@ pub fn router(control: Arc<Control>, cred: Credential) -> Router {
                 },
             ),
         )
+        .route(
+            "/tokens",
+            get(|State(c): S| async move { run(&c, Command::ListTokens).await }).post(
+                |State(c): S, ApiJson(r): ApiJson<ferry_api::auth::TokenCreateRequest>| async move {
+                    run(&c, Command::CreateToken(r)).await
+                },
+            ),
+        )
+        .route(
+            "/tokens/{name}",
+            axum::routing::delete(|State(c): S, Path(name): Path<String>| async move {
+                run(&c, Command::RevokeToken { name }).await
+            }),
+        )
         .merge(storage_routes())
         .with_state(control.clone());
     Router::new()
         .nest(ferry_api::API_PREFIX, api)
         .route(
             "/metrics",
-            get(|State(c): S| async move { run(&c, Command::Metrics).await }).with_state(control),
+            get(|State(c): S| async move { run(&c, Command::Metrics).await })
+                .with_state(control.clone()),
         )
         .fallback(not_found)
-        .layer(middleware::from_fn_with_state(cred, require_credential))
+        .layer(middleware::from_fn_with_state(control, authenticate))
         .merge(web_routes())
 }
 
+/// Serves the API on `listen`, over TLS with `tls` (the control service's
+/// certificate; clients need none), plain HTTP without (`--insecure-http`).
 pub async fn serve(
     listen: std::net::SocketAddr,
     control: Arc<Control>,
-    cred: Credential,
+    tls: Option<Arc<ferry_api::tls::ServerConfig>>,
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await?;
     tracing::info!(%listen, "control service serving");
@@ -308,7 +363,7 @@ pub async fn serve(
             }
         })
     };
-    let r = axum::serve(listener, router(control, cred)).await;
+    let r = ferry_api::server::serve(listener, router(control), tls).await;
     manager.abort();
     r
 }
@@ -321,9 +376,9 @@ mod tests {
 
     async fn call(req: Request<Body>) -> (u16, serde_json::Value) {
         use tower_service::Service;
-        let cred = Credential::from_secret("0123456789abcdef0123456789abcdef");
-        let c = Arc::new(Control::new(vec![], cred.clone()));
-        let mut app = router(c, cred);
+        let c = Arc::new(Control::new(vec![], Default::default()));
+        c.tokens.bootstrap(&c.store, &AUTH[7..]).await.unwrap();
+        let mut app = router(c);
         let resp = app.call(req).await.unwrap();
         let status = resp.status().as_u16();
         let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
@@ -332,7 +387,7 @@ mod tests {
         (status, serde_json::from_slice(&body).unwrap_or_default())
     }
 
-    const AUTH: &str = "Bearer 0123456789abcdef0123456789abcdef";
+    const AUTH: &str = "Bearer ferry_0123456789abcdef0123456789abcdef";
 
     #[tokio::test]
     async fn requests_without_the_credential_are_refused() {
@@ -344,6 +399,122 @@ mod tests {
             .body(Body::empty())
             .unwrap();
         assert_eq!(call(req).await.0, 401);
+    }
+
+    #[tokio::test]
+    async fn tokens_are_checked_by_role_and_every_refusal_and_change_is_logged() {
+        use tower_service::Service;
+        let c = Arc::new(Control::new(vec![], Default::default()));
+        c.tokens.bootstrap(&c.store, &AUTH[7..]).await.unwrap();
+        let mut app = router(c.clone());
+        let mut send = |method: &str, path: &str, token: Option<&str>, body: &str| {
+            let mut b = Request::builder().method(method).uri(path);
+            if let Some(t) = token {
+                b = b.header("authorization", format!("Bearer {t}"));
+            }
+            let req = b.body(Body::from(body.to_string())).unwrap();
+            let fut = app.call(req);
+            async move {
+                let resp = fut.await.unwrap();
+                let status = resp.status().as_u16();
+                let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+                    .await
+                    .unwrap();
+                (
+                    status,
+                    serde_json::from_slice::<serde_json::Value>(&body).unwrap_or_default(),
+                )
+            }
+        };
+        let admin = &AUTH[7..];
+        // the admin makes a read-only token and an operator token
+        let (st, ro) = send(
+            "POST",
+            "/api/v1/tokens",
+            Some(admin),
+            r#"{"name":"viewer","role":"read-only"}"#,
+        )
+        .await;
+        assert_eq!(st, 200, "{ro}");
+        let ro = ro["token"].as_str().unwrap().to_string();
+        let (st, op) = send(
+            "POST",
+            "/api/v1/tokens",
+            Some(admin),
+            r#"{"name":"ops","role":"operator"}"#,
+        )
+        .await;
+        assert_eq!(st, 200);
+        let op = op["token"].as_str().unwrap().to_string();
+        // no, a wrong, a revoked token: 401; read-only on a change: 403 naming the role
+        let change = r#"{"encrypt_carriers":true}"#;
+        let (st, b) = send("PUT", "/api/v1/hosts/h1/settings", None, "{}").await;
+        assert_eq!((st, b["code"].as_str()), (401, Some("unauthorized")), "{b}");
+        let (st, _) = send(
+            "PUT",
+            "/api/v1/hosts/h1/settings",
+            Some("ferry_wrong"),
+            "{}",
+        )
+        .await;
+        assert_eq!(st, 401);
+        let (st, b) = send("POST", "/api/v1/hosts/h1/resume", Some(&ro), "").await;
+        assert_eq!((st, b["code"].as_str()), (403, Some("forbidden")), "{b}");
+        assert!(
+            b["message"]
+                .as_str()
+                .unwrap()
+                .contains("needs role operator"),
+            "{b}"
+        );
+        // read-only reads; operator cannot touch cluster settings or tokens
+        assert_eq!(send("GET", "/api/v1/hosts", Some(&ro), "").await.0, 200);
+        let (st, b) = send("PUT", "/api/v1/cluster", Some(&op), change).await;
+        assert_eq!(st, 403);
+        assert!(
+            b["message"].as_str().unwrap().contains("needs role admin"),
+            "{b}"
+        );
+        assert_eq!(send("GET", "/api/v1/tokens", Some(&op), "").await.0, 403);
+        // the admin changes a setting; then revokes the operator
+        assert_eq!(
+            send("PUT", "/api/v1/cluster", Some(admin), change).await.0,
+            200
+        );
+        assert_eq!(
+            send("DELETE", "/api/v1/tokens/ops", Some(admin), "")
+                .await
+                .0,
+            200
+        );
+        let (st, b) = send("GET", "/api/v1/hosts", Some(&op), "").await;
+        assert_eq!(st, 401);
+        assert!(
+            b["message"].as_str().unwrap().contains("'ops' was revoked"),
+            "{b}"
+        );
+        // listing never shows secrets
+        let (_, list) = send("GET", "/api/v1/tokens", Some(admin), "").await;
+        assert!(!list.to_string().contains(&ro[6..]), "{list}");
+        assert_eq!(list.as_array().unwrap().len(), 3);
+        // the event log: who changed what, and every refusal
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let ev = c.store.events(100).await.unwrap();
+        let has = |kind: &str, f: &dyn Fn(&serde_json::Value) -> bool| {
+            ev.iter().any(|e| e.kind == kind && f(&e.detail))
+        };
+        assert!(has("command", &|d| d["by"] == "admin"
+            && d["action"] == "set cluster settings"));
+        assert!(has("command", &|d| d["by"] == "admin"
+            && d["action"] == "revoke token ops"));
+        assert!(has("refused", &|d| d["by"] == "viewer" && d["status"] == 403));
+        assert_eq!(
+            ev.iter()
+                .filter(|e| e.kind == "refused" && e.detail["status"] == 401)
+                .count(),
+            3,
+            "{ev:?}"
+        );
     }
 
     #[tokio::test]
@@ -513,8 +684,7 @@ mod tests {
     #[tokio::test]
     async fn the_web_page_is_served_without_the_credential_and_its_api_calls_are_not() {
         use tower_service::Service;
-        let cred = Credential::from_secret("0123456789abcdef0123456789abcdef");
-        let mut app = router(Arc::new(Control::new(vec![], cred.clone())), cred);
+        let mut app = router(Arc::new(Control::new(vec![], Default::default())));
         for (path, want) in [
             ("/", "<title>Ferry</title>"),
             ("/ui/app.js", "/api/v1/hosts"),

@@ -8,6 +8,7 @@
 //! stale. Durable cluster state (SQLite/etcd), heartbeats and the event log
 //! grow here.
 
+pub mod access;
 pub mod bandwidth;
 pub mod drain;
 mod drain_run;
@@ -16,14 +17,15 @@ pub mod metrics;
 pub mod policy_manager;
 pub mod storage;
 pub mod store;
+pub mod tokens;
 pub mod validate;
 mod validate_run;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use ferry_api::auth::Credential;
-use ferry_api::client::Client;
+use ferry_api::auth::TokenRole;
+use ferry_api::client::{Client, ClientAuth};
 use ferry_api::drain::{DrainEvent, DrainRequest, HostSettings};
 use ferry_api::validation::{CheckOutcome, ValidationReport};
 use ferry_api::{
@@ -33,6 +35,7 @@ use ferry_api::{
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use std::sync::Arc;
+use tokens::Caller;
 
 const AGENT_TIMEOUT: Duration = Duration::from_secs(5);
 /// A heartbeat (a `/host` call) that takes longer than this is missed.
@@ -85,6 +88,46 @@ pub enum Command {
     /// Settings of the whole cluster (encrypted carriers).
     GetCluster,
     SetCluster(ferry_api::ClusterSettingsUpdate),
+    /// Users' API tokens (see [`tokens`]).
+    ListTokens,
+    CreateToken(ferry_api::auth::TokenCreateRequest),
+    RevokeToken {
+        name: String,
+    },
+}
+
+impl Command {
+    /// The role a token needs to run this command, and what it is called
+    /// in refusals and the event log.
+    pub fn needs(&self) -> (TokenRole, String) {
+        use TokenRole::*;
+        match self {
+            Command::ListHosts => (ReadOnly, "list hosts".into()),
+            Command::ListVms => (ReadOnly, "list VMs".into()),
+            Command::CheckVm { name } => (ReadOnly, format!("check VM {name}")),
+            Command::Metrics => (ReadOnly, "read metrics".into()),
+            Command::Events { .. } => (ReadOnly, "read the event log".into()),
+            Command::ListBandwidth => (ReadOnly, "list bandwidth classes".into()),
+            Command::GetCluster => (ReadOnly, "read cluster settings".into()),
+            Command::CreateVm(r) => (Operator, format!("create VM {}", r.spec.name)),
+            Command::ResolveVm { name } => (Operator, format!("resolve VM {name}")),
+            Command::RemoveVm { name } => (Operator, format!("remove VM {name}")),
+            Command::MoveVm { name, req } => (Operator, format!("move VM {name} to {}", req.to)),
+            Command::Validate(_) => (Operator, "validate hosts".into()),
+            Command::Drain { host, .. } => (Operator, format!("drain host {host}")),
+            Command::Resume { host } => (Operator, format!("resume host {host}")),
+            Command::Storage(c) => match c.mutation() {
+                Some((subject, action)) => (Operator, format!("{action} {subject}")),
+                None => (ReadOnly, "read storage".into()),
+            },
+            Command::SetHost { host, .. } => (Admin, format!("set host {host}")),
+            Command::SetBandwidth(_) => (Admin, "set bandwidth classes".into()),
+            Command::SetCluster(_) => (Admin, "set cluster settings".into()),
+            Command::ListTokens => (Admin, "list tokens".into()),
+            Command::CreateToken(r) => (Admin, format!("create token {}", r.name)),
+            Command::RevokeToken { name } => (Admin, format!("revoke token {name}")),
+        }
+    }
 }
 
 /// What a command produces: one JSON value, or a stream of events (one JSON
@@ -128,24 +171,28 @@ pub struct Control {
     settings: std::sync::Mutex<BTreeMap<String, HostSettings>>,
     /// The cluster's bandwidth classes (see [`bandwidth`]).
     bandwidth: std::sync::Mutex<ferry_api::bandwidth::BandwidthPolicy>,
+    /// Users' API tokens.
+    pub tokens: tokens::Tokens,
+    /// Which host may open which VM's disks (see [`access`]).
+    access: access::Access,
 }
 
 impl Control {
     /// `hosts`: (name, agent URL) for every registered host.
-    pub fn new(hosts: Vec<(String, String)>, cred: Credential) -> Control {
-        Control::with_storage(hosts, Vec::new(), cred)
+    pub fn new(hosts: Vec<(String, String)>, auth: ClientAuth) -> Control {
+        Control::with_storage(hosts, Vec::new(), auth)
     }
 
     /// `storage`: (name, REST URL) of every storage node.
     pub fn with_storage(
         hosts: Vec<(String, String)>,
         storage: Vec<(String, String)>,
-        cred: Credential,
+        auth: ClientAuth,
     ) -> Control {
         let clients = |list: Vec<(String, String)>, kind: &str| {
             list.into_iter()
                 .map(|(n, url)| {
-                    let c = Client::new(&format!("{kind} {n}"), &url, cred.clone());
+                    let c = Client::new(&format!("{kind} {n}"), &url, auth.clone());
                     (n, c)
                 })
                 .collect()
@@ -157,6 +204,8 @@ impl Control {
             recorder: Default::default(),
             heartbeats: Default::default(),
             store: Arc::new(store::Store::in_memory()),
+            tokens: Default::default(),
+            access: Default::default(),
             down: Default::default(),
             last_validation: Default::default(),
             draining: Default::default(),
@@ -179,6 +228,7 @@ impl Control {
         let settings = self.store.settings().await?;
         *lock(&self.draining) = draining;
         *lock(&self.settings) = settings;
+        self.tokens.reload(&self.store).await?;
         self.reload_bandwidth().await
     }
 
@@ -194,6 +244,21 @@ impl Control {
         });
     }
 
+    /// A request refused for its credential, in the event log.
+    pub(crate) fn log_refusal(&self, path: &str, e: &ApiError) {
+        self.log(
+            "refused",
+            path,
+            serde_json::json!({ "status": e.http_status(), "reason": e.to_string() }),
+        );
+    }
+
+    /// Makes the first admin token from the file `control.toml` names (see
+    /// [`tokens`]).
+    pub async fn bootstrap_admin(&self, secret: &str) -> Result<bool, ApiError> {
+        self.tokens.bootstrap(&self.store, secret).await
+    }
+
     /// One heartbeat round: logs hosts going down or coming back, and takes
     /// up state other control instances wrote.
     pub async fn heartbeat(&self) {
@@ -202,6 +267,7 @@ impl Control {
         }
         let hosts = self.list_hosts().await;
         self.align_bandwidth(&hosts).await;
+        self.sync_access(&hosts).await;
         {
             let mut down = lock(&self.down);
             for h in &hosts {
@@ -253,8 +319,57 @@ impl Control {
             .ok_or_else(|| ApiError::not_found("host", name))
     }
 
+    /// Runs `cmd` for `caller`: refused with `Forbidden` naming the role
+    /// needed when the caller's is weaker; every change is written to the
+    /// event log with the token that made it.
+    pub async fn execute_as(
+        self: &Arc<Self>,
+        caller: &Caller,
+        cmd: Command,
+    ) -> Result<Outcome, ApiError> {
+        let (needed, action) = cmd.needs();
+        if caller.role < needed {
+            tracing::warn!(token = %caller.name, role = %caller.role, %action, "refused: role too weak");
+            self.log(
+                "refused",
+                &action,
+                serde_json::json!({ "by": caller.name, "role": caller.role, "action": action,
+                                    "needs": needed, "status": 403 }),
+            );
+            return Err(ApiError::Forbidden {
+                caller: format!("token {}", caller.name),
+                role: caller.role.to_string(),
+                action,
+                needed: needed.to_string(),
+            });
+        }
+        if needed > TokenRole::ReadOnly {
+            self.log(
+                "command",
+                &action,
+                serde_json::json!({ "by": caller.name, "role": caller.role, "action": action }),
+            );
+        }
+        self.execute(cmd).await
+    }
+
+    /// Runs `cmd` as the control service itself (see [`Self::execute_as`]).
     pub async fn execute(self: &Arc<Self>, cmd: Command) -> Result<Outcome, ApiError> {
         match cmd {
+            Command::ListTokens => value(self.tokens.list()),
+            Command::CreateToken(r) => {
+                let t = self
+                    .tokens
+                    .create(&self.store, &r.name, r.role, None)
+                    .await?;
+                self.log("token", &r.name, serde_json::json!({ "created": t.info }));
+                value(t)
+            }
+            Command::RevokeToken { name } => {
+                let t = self.tokens.revoke(&self.store, &name).await?;
+                self.log("token", &name, serde_json::json!({ "revoked": t }));
+                value(t)
+            }
             Command::ListHosts => value(self.list_hosts().await),
             Command::ListVms => value(self.list_vms().await?),
             Command::CreateVm(req) => value(self.create_vm(*req).await?),
@@ -482,6 +597,11 @@ impl Control {
                 name: req.spec.name,
             });
         }
+        // its disks open to its host before QEMU asks for them
+        if !req.spec.disks.is_empty() || req.spec.drives.iter().any(|d| d.nbd.is_some()) {
+            self.grant(&req.spec.name, [req.host.clone()].into())
+                .await?;
+        }
         agent.post("/vms", &req.spec, Duration::from_secs(60)).await
     }
 
@@ -560,7 +680,7 @@ impl Control {
         name: &str,
         req: MoveRequest,
     ) -> Result<(String, BoxStream<'static, MigrationEvent>), ApiError> {
-        let target = self.host(&req.to)?;
+        self.host(&req.to)?;
         self.refuse_draining(&req.to)?;
         self.refuse_down(&req.to).await?;
         let (source, _) = self.locate(name).await?;
@@ -570,17 +690,8 @@ impl Control {
                 format!("vm {name} already runs on {source}"),
             ));
         }
-        let (option, convergence) = self.migration_policy(&source, req.option, req.convergence)?;
-        let mreq = MigrateRequest {
-            target: req.to.clone(),
-            target_url: target.base().to_string(),
-            option,
-            convergence,
-            encrypt_carriers: self.cluster_settings().await?.encrypt_carriers,
-        };
         let events = self
-            .host(&source)?
-            .post_events::<_, MigrationEvent>(&format!("/vms/{name}/migrate"), &mreq)
+            .begin_migration(name, &source, &req.to, req.option, req.convergence)
             .await?;
         let warnings: Vec<MigrationEvent> = match &*self.last_validation.lock().await {
             Some(r) => r
@@ -604,6 +715,78 @@ impl Control {
             })
         });
         Ok((from, futures::stream::iter(warnings).chain(events).boxed()))
+    }
+}
+
+impl Control {
+    /// Starts a move of `vm` from `source` to `to` on the source's agent
+    /// (for `vm move` and drains alike): the option and convergence policy
+    /// resolved, the target granted the VM's disks until the move's events
+    /// end. Returns the source's event stream.
+    pub(crate) async fn begin_migration(
+        &self,
+        vm: &str,
+        source: &str,
+        to: &str,
+        option: Option<ferry_api::MigrationOption>,
+        convergence: ferry_api::ConvergenceChoice,
+    ) -> Result<futures::stream::BoxStream<'static, Result<MigrationEvent, ApiError>>, ApiError>
+    {
+        let target = self.host(to)?;
+        let (option, convergence) = self.migration_policy(source, option, convergence)?;
+        let mreq = MigrateRequest {
+            target: to.to_string(),
+            target_url: target.base().to_string(),
+            option,
+            convergence,
+            encrypt_carriers: self.cluster_settings().await?.encrypt_carriers,
+        };
+        if !self.storage.is_empty() {
+            self.granting_move(vm, source, to).await?;
+        }
+        let events = match self
+            .host(source)?
+            .post_events::<_, MigrationEvent>(&format!("/vms/{vm}/migrate"), &mreq)
+            .await
+        {
+            Ok(e) => e,
+            Err(e) => {
+                self.moved(vm);
+                return Err(e);
+            }
+        };
+        Ok(MoveEnds {
+            inner: events.boxed(),
+            access: self.access_handle(),
+            vm: vm.to_string(),
+        }
+        .boxed())
+    }
+}
+
+/// A move's event stream; when it ends (or is dropped) the move no longer
+/// holds its target's grant.
+struct MoveEnds {
+    inner: futures::stream::BoxStream<'static, Result<MigrationEvent, ApiError>>,
+    access: std::sync::Weak<access::Moving>,
+    vm: String,
+}
+
+impl futures::Stream for MoveEnds {
+    type Item = Result<MigrationEvent, ApiError>;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.inner.as_mut().poll_next(cx)
+    }
+}
+
+impl Drop for MoveEnds {
+    fn drop(&mut self) {
+        if let Some(m) = self.access.upgrade() {
+            lock(&m).remove(&self.vm);
+        }
     }
 }
 

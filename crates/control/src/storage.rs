@@ -179,6 +179,7 @@ impl Control {
             StorageCommand::AttachDisk { name, req } => {
                 let (disk, _) = self.locate_disk(&name).await?;
                 let (host, _) = self.locate(&req.vm).await?;
+                self.grant(&req.vm, [host.clone()].into()).await?;
                 let body = ferry_api::DiskPlug {
                     disk: disk.name.clone(),
                     uri: format!("{}/{}", disk.uri, req.vm),

@@ -298,8 +298,16 @@ pub fn set_rate(spec: &LabSpec, host: &str, nic: &str, rate: &str) -> Result<(),
 }
 
 /// Cuts (`up = false`) or restores a host NIC's link at the switch side, as
-/// pulling a cable would: the host sees its carrier go down.
+/// pulling a cable would: the host sees its carrier go down. `mgmt0`, the
+/// management NIC, cuts the host off from the control service and the
+/// storage node.
 pub fn set_link(spec: &LabSpec, host: &str, nic: &str, up: bool) -> Result<(), LabError> {
+    if nic == "mgmt0" {
+        let i = host_index(host)
+            .filter(|i| *i <= spec.hosts)
+            .ok_or_else(|| LabError::Invalid(format!("no lab host named '{host}'")))?;
+        return ip(&["link", "set", &mgmt_port(i), if up { "up" } else { "down" }]).map(|_| ());
+    }
     let (i, k) = locate(spec, host, nic)?;
     in_ns(
         &fabric_ns(k),
@@ -370,6 +378,18 @@ impl LabDir {
     }
     pub fn spec_path(&self) -> PathBuf {
         self.0.join("lab.json")
+    }
+    /// The first admin API token (the CLI's default in a lab).
+    pub fn admin_token_path(&self) -> PathBuf {
+        self.0.join("admin.token")
+    }
+    /// The lab's certificates: `pki/ca` (the cluster CA), `pki/control`,
+    /// `pki/storage1`, `pki/hostN`, `pki/admin`.
+    pub fn pki_path(&self) -> PathBuf {
+        self.0.join("pki")
+    }
+    pub fn ca_cert_path(&self) -> PathBuf {
+        self.pki_path().join("ca").join("ca-cert.pem")
     }
     pub fn token_path(&self) -> PathBuf {
         self.0.join("cluster.token")

@@ -159,7 +159,7 @@ pub fn nic_addr(i: u32, k: u32) -> String {
 }
 
 pub fn agent_url(i: u32) -> String {
-    format!("http://{}:{AGENT_PORT}", mgmt_addr(i))
+    format!("https://{}:{AGENT_PORT}", mgmt_addr(i))
 }
 
 /// The lab's storage node runs in the root namespace on the management
@@ -184,7 +184,7 @@ pub const STORAGE_API_PORT: u16 = 7900;
 pub const STORAGE_NODE: &str = "storage1";
 
 pub fn storage_url() -> String {
-    format!("http://{CONTROL_MGMT_ADDR}:{STORAGE_API_PORT}")
+    format!("https://{CONTROL_MGMT_ADDR}:{STORAGE_API_PORT}")
 }
 
 /// Every address a host of the lab can connect from, with the host's name.

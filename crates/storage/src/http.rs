@@ -1,6 +1,7 @@
-//! REST API of a storage node, under `/api/v1`, every route behind the
-//! cluster credential. The control service is its usual client; each
-//! handler is one call on [`Node`].
+//! REST API of a storage node, under `/api/v1`. Over TLS only the control
+//! service may call it (a client certificate of the cluster with role
+//! `control`); under `--insecure-http`, whoever has the cluster credential.
+//! Each handler is one call on [`Node`].
 //!
 //! | method | path | body → answer |
 //! |---|---|---|
@@ -16,6 +17,8 @@
 //! | GET/PUT | /qos/settings | `QosSettings` |
 //! | GET | /qos/flows | → `[FlowInfo]` |
 //! | PUT | /qos/allocations | `AllocationRequest` → `FlowInfo` |
+//! | GET | /access | → `[AccessInfo]`: which hosts may open each VM's exports |
+//! | PUT | /access/{vm} | `AccessRequest` → `AccessInfo` |
 
 use std::sync::Arc;
 
@@ -23,8 +26,7 @@ use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
 use axum::{middleware, Json, Router};
-use ferry_api::auth::Credential;
-use ferry_api::server::{not_found, require_credential, ApiJson, ErrorResponse};
+use ferry_api::server::{not_found, require_peer, ApiJson, ErrorResponse, PeerAuth};
 use ferry_api::storage::{
     Allocation, DiskCreateRequest, DiskResizeRequest, DiskSetRequest, Policy, QosSettings,
 };
@@ -50,7 +52,7 @@ fn reply<T: Serialize>(r: Result<T, ApiError>) -> Response {
 
 type S = State<Arc<Node>>;
 
-pub fn router(node: Arc<Node>, cred: Credential) -> Router {
+pub fn router(node: Arc<Node>, auth: PeerAuth) -> Router {
     let api = Router::new()
         .route(
             "/disks",
@@ -108,9 +110,18 @@ pub fn router(node: Arc<Node>, cred: Credential) -> Router {
                 reply(n.set_allocation(&r.flow, r.allocation))
             }),
         )
+        .route("/access", get(|State(n): S| async move { reply(Ok(n.list_access())) }))
+        .route(
+            "/access/{vm}",
+            put(
+                |State(n): S, Path(vm): Path<String>, ApiJson(r): ApiJson<ferry_api::storage::AccessRequest>| async move {
+                    reply(n.set_access(&vm, r.hosts))
+                },
+            ),
+        )
         .with_state(node);
     Router::new()
         .nest(ferry_api::API_PREFIX, api)
         .fallback(not_found)
-        .layer(middleware::from_fn_with_state(cred, require_credential))
+        .layer(middleware::from_fn_with_state(auth, require_peer))
 }

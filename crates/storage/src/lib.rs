@@ -28,7 +28,9 @@ pub async fn serve(
     node: Arc<node::Node>,
     nbd_listen: std::net::SocketAddr,
     api_listen: std::net::SocketAddr,
-    cred: ferry_api::auth::Credential,
+    auth: ferry_api::server::PeerAuth,
+    tls: Option<Arc<ferry_api::tls::ServerConfig>>,
+    nbd_tls: Option<Arc<ferry_api::tls::ServerConfig>>,
 ) -> std::io::Result<()> {
     let nbd = tokio::net::TcpListener::bind(nbd_listen).await?;
     let api = tokio::net::TcpListener::bind(api_listen).await?;
@@ -44,8 +46,9 @@ pub async fn serve(
         })
     };
     let cat: Arc<dyn nbd::server::Catalog> = Arc::new(node::NodeCatalog(node.clone()));
-    let nbd_task = tokio::spawn(nbd::server::serve(nbd, cat));
-    let r = axum::serve(api, http::router(node, cred)).await;
+    let nbd_tls = nbd_tls.map(tokio_rustls::TlsAcceptor::from);
+    let nbd_task = tokio::spawn(nbd::server::serve(nbd, cat, nbd_tls));
+    let r = ferry_api::server::serve(api, http::router(node, auth), tls).await;
     nbd_task.abort();
     sampler.abort();
     r

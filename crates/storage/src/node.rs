@@ -12,21 +12,21 @@
 //! no connection left is shown as `LostCommunication` for
 //! [`LOST_FLOW_KEEP`], then forgotten.
 
-use std::collections::BTreeMap;
-use std::net::{IpAddr, SocketAddr};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ferry_api::storage::{
-    check_name, Allocation, DiskCreateRequest, DiskInfo, FlowInfo, FlowStatus, Policy, PolicyKind,
-    PolicyUpdate, QosSettings, DEFAULT_NORMALIZATION, MAX_DISK_SIZE,
+    check_name, AccessInfo, Allocation, DiskCreateRequest, DiskInfo, FlowInfo, FlowStatus, Policy,
+    PolicyKind, PolicyUpdate, QosSettings, DEFAULT_NORMALIZATION, MAX_DISK_SIZE,
 };
 use ferry_api::ApiError;
 use serde::{Deserialize, Serialize};
 
 use crate::export::Export;
-use crate::nbd::server::{Attachment, Catalog};
+use crate::nbd::server::{Attachment, Catalog, Peer, Refusal};
 use crate::qos::{self, Counters, FlowId, Params, Scheduler, Ticket};
 
 pub const LOST_FLOW_KEEP: Duration = Duration::from_secs(60);
@@ -57,6 +57,9 @@ struct Persisted {
     disks: BTreeMap<String, DiskRecord>,
     policies: BTreeMap<String, Policy>,
     normalization: u64,
+    /// VM → the hosts whose certificates may open its exports.
+    #[serde(default)]
+    access: BTreeMap<String, BTreeSet<String>>,
 }
 
 struct Disk {
@@ -92,6 +95,7 @@ struct State {
     normalization: u64,
     flows: BTreeMap<String, Flow>,
     next_flow: FlowId,
+    access: BTreeMap<String, BTreeSet<String>>,
 }
 
 pub struct Node {
@@ -117,6 +121,7 @@ impl Node {
                 disks: BTreeMap::new(),
                 policies: BTreeMap::new(),
                 normalization: DEFAULT_NORMALIZATION,
+                access: BTreeMap::new(),
             },
             Err(e) => return Err(io_err(state_path.display(), e)),
         };
@@ -147,6 +152,7 @@ impl Node {
                 normalization: persisted.normalization,
                 flows: BTreeMap::new(),
                 next_flow: 1,
+                access: persisted.access,
             }),
         }))
     }
@@ -173,6 +179,7 @@ impl Node {
                 .collect(),
             policies: st.policies.clone(),
             normalization: st.normalization,
+            access: st.access.clone(),
         };
         let path = self.cfg.dir.join("state.json");
         let tmp = self.cfg.dir.join("state.json.tmp");
@@ -527,6 +534,74 @@ impl Node {
         }
     }
 
+    /// Which hosts may open VM `vm`'s exports (the control service sets
+    /// it: where the VM runs, and during a move its target too). An empty
+    /// list forgets the VM.
+    pub fn set_access(&self, vm: &str, hosts: Vec<String>) -> Result<AccessInfo, ApiError> {
+        check_name("vm", vm)?;
+        for h in &hosts {
+            check_name("host", h)?;
+        }
+        let mut st = self.lock();
+        let set: BTreeSet<String> = hosts.into_iter().collect();
+        if set.is_empty() {
+            st.access.remove(vm);
+        } else {
+            st.access.insert(vm.to_string(), set.clone());
+        }
+        self.save(&st)?;
+        Ok(AccessInfo {
+            vm: vm.to_string(),
+            hosts: set.into_iter().collect(),
+        })
+    }
+
+    pub fn list_access(&self) -> Vec<AccessInfo> {
+        self.lock()
+            .access
+            .iter()
+            .map(|(vm, h)| AccessInfo {
+                vm: vm.clone(),
+                hosts: h.iter().cloned().collect(),
+            })
+            .collect()
+    }
+
+    /// May `peer` open export `disk[/initiator]`? Without TLS nobody is
+    /// told apart (the node's `nbd_tls = "off"`). Over TLS: the control
+    /// service and administrators' tools open any; an agent's certificate
+    /// only `DISK/VM` of a VM granted to its host; nothing else.
+    fn may_open(
+        st: &State,
+        peer: &Peer,
+        disk: &str,
+        initiator: Option<&str>,
+    ) -> Result<(), Refusal> {
+        use ferry_api::tls::Role;
+        let Some(id) = &peer.identity else {
+            return Ok(());
+        };
+        match id.role {
+            Role::Admin | Role::Control => Ok(()),
+            Role::Storage => Err(Refusal::Policy(format!("{id} opens no exports"))),
+            Role::Agent => {
+                let Some(vm) = initiator else {
+                    return Err(Refusal::Policy(format!(
+                        "{id} may open only DISK/VM exports of its VMs, not '{disk}'"
+                    )));
+                };
+                if st.access.get(vm).is_some_and(|h| h.contains(&id.name)) {
+                    Ok(())
+                } else {
+                    Err(Refusal::Policy(format!(
+                        "VM {vm} is not placed on {} (export '{disk}/{vm}')",
+                        id.name
+                    )))
+                }
+            }
+        }
+    }
+
     /// Splits an export name into (disk, initiator named by the client).
     fn split_name(name: &str) -> (&str, Option<&str>) {
         match name.split_once('/') {
@@ -570,35 +645,44 @@ impl Drop for NodeAttachment {
 pub struct NodeCatalog(pub Arc<Node>);
 
 impl Catalog for NodeCatalog {
-    fn list(&self) -> Vec<String> {
-        self.0.lock().disks.keys().cloned().collect()
+    fn list(&self, peer: &Peer) -> Vec<String> {
+        let st = self.0.lock();
+        st.disks
+            .keys()
+            .filter(|d| Node::may_open(&st, peer, d, None).is_ok())
+            .cloned()
+            .collect()
     }
 
-    fn describe(&self, name: &str) -> Option<(u64, bool)> {
+    fn describe(&self, name: &str, peer: &Peer) -> Result<(u64, bool), Refusal> {
         let (disk, initiator) = Node::split_name(name);
         if let Some(i) = initiator {
-            check_name("initiator", i).ok()?;
+            check_name("initiator", i).map_err(|e| Refusal::Unknown(e.to_string()))?;
         }
-        self.0
-            .lock()
+        let st = self.0.lock();
+        let d = st
             .disks
             .get(disk)
-            .map(|d| (d.export.size(), false))
+            .ok_or_else(|| Refusal::Unknown(format!("no export named '{name}'")))?;
+        Node::may_open(&st, peer, disk, initiator)?;
+        Ok((d.export.size(), false))
     }
 
-    fn attach(&self, name: &str, peer: SocketAddr) -> Option<Box<dyn Attachment>> {
+    fn attach(&self, name: &str, peer: &Peer) -> Result<Box<dyn Attachment>, Refusal> {
         let node = &self.0;
         let (disk, initiator) = Node::split_name(name);
         if let Some(i) = initiator {
-            check_name("initiator", i).ok()?;
+            check_name("initiator", i).map_err(|e| Refusal::Unknown(e.to_string()))?;
         }
+        let gone = || Refusal::Unknown(format!("export '{name}' went away"));
         let mut st = node.lock();
-        let export = st.disks.get(disk)?.export.clone();
-        let host = node
-            .cfg
-            .peers
-            .get(&peer.ip())
-            .cloned()
+        Node::may_open(&st, peer, disk, initiator)?;
+        let export = st.disks.get(disk).ok_or_else(gone)?.export.clone();
+        let peer_name = peer.identity.as_ref().map(|i| i.name.clone());
+        let peer = peer.addr;
+        // an agent's certificate names its host; else the configured peers
+        let host = peer_name
+            .or_else(|| node.cfg.peers.get(&peer.ip()).cloned())
             .unwrap_or_else(|| peer.ip().to_string());
         let initiator = initiator
             .map(str::to_string)
@@ -619,16 +703,16 @@ impl Catalog for NodeCatalog {
         if f.id == next {
             st.next_flow += 1;
         }
-        let f = st.flows.get_mut(&key)?;
+        let f = st.flows.get_mut(&key).ok_or_else(gone)?;
         f.connections += 1;
         f.host = host; // a VM that moved connects from its new host
         f.last_seen = Instant::now();
         let id = f.id;
-        let f = st.flows.get(&key)?;
+        let f = st.flows.get(&key).ok_or_else(gone)?;
         let (pool, params, _, _) = Node::binding(&st, &key, f);
         node.sched.bind(id, &pool, params);
         drop(st);
-        Some(Box::new(NodeAttachment {
+        Ok(Box::new(NodeAttachment {
             node: node.clone(),
             export,
             flow: id,

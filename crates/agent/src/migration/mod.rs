@@ -304,14 +304,14 @@ impl Agent {
         let target = Client::new(
             &format!("agent {}", req.target),
             &req.target_url,
-            self.cred.clone(),
+            self.client_auth.clone(),
         );
         let tinfo: HostInfo =
             target
                 .get("/host", Duration::from_secs(5))
                 .await
                 .map_err(|e| match e {
-                    ApiError::Unauthorized => fail(
+                    ApiError::Unauthorized { .. } => fail(
                         "permission",
                         format!("{} refused the cluster credential", req.target),
                     ),

@@ -120,7 +120,7 @@ impl Agent {
         let target = Client::new(
             &format!("agent {}", rec.peer),
             &rec.peer_url,
-            self.cred.clone(),
+            self.client_auth.clone(),
         );
         let asked = target
             .get::<IncomingStatus>(

@@ -619,7 +619,7 @@ impl Agent {
 
     /// Asks the source of a waiting skeleton what it recorded, and acts on it.
     pub(super) async fn ask_source(&self, name: &str, id: &str, source_url: &str) -> String {
-        let client = Client::new("source agent", source_url, self.cred.clone());
+        let client = Client::new("source agent", source_url, self.client_auth.clone());
         let said = match client
             .get::<SourceStatus>(&format!("/migrations/{id}"), Duration::from_secs(2))
             .await

@@ -22,6 +22,9 @@
 //!                                   INFO{BLOCK_SIZE u16 3, u32 min, pref, max}
 //!                                   [INFO{NAME}] ACK   (GO: transmission begins)
 //!   STRUCTURED_REPLY(8)           → ACK
+//!   STARTTLS(5)                   → ACK, then TLS (TLS-required mode only;
+//!                                   before it every option but ABORT gets
+//!                                   ERR_TLS_REQD and EXPORT_NAME closes)
 //!   anything else                 → ERR_UNSUP (the server keeps talking)
 //!
 //! Transmission
@@ -67,6 +70,7 @@ pub const REP_INFO: u32 = 3;
 pub const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
 pub const REP_ERR_POLICY: u32 = (1 << 31) + 2;
 pub const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+pub const REP_ERR_TLS_REQD: u32 = (1 << 31) + 5;
 pub const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
 pub const REP_ERR_TOO_BIG: u32 = (1 << 31) + 9;
 

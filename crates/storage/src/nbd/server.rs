@@ -1,5 +1,13 @@
 //! The NBD server: handshake, then transmission, one task per connection.
 //!
+//! With TLS (the storage node's `nbd_tls = "require"`), the server is in
+//! the spec's TLS-required mode: before `NBD_OPT_STARTTLS` it answers every
+//! option but `ABORT` with `NBD_REP_ERR_TLS_REQD` (and closes on
+//! `EXPORT_NAME`, which has no error reply); after it, the TLS handshake
+//! (client certificate of the cluster required) and the usual haggling over
+//! TLS, where the catalog decides per export from the client certificate's
+//! identity ([`Peer`]) and refuses with `NBD_REP_ERR_POLICY` naming why.
+//!
 //! Every request is checked ([`proto::check_request`]) and queued with the
 //! QoS scheduler through the connection's [`Attachment`]. A request the
 //! scheduler dispatches at once and the page cache serves without waiting
@@ -41,14 +49,46 @@ pub trait Attachment: Send + Sync + 'static {
     fn request(&self, bytes: u64) -> Ticket;
 }
 
+/// Who is at the other end of a connection.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    pub addr: SocketAddr,
+    /// The client certificate's identity, once TLS is up; `None` on a
+    /// server without TLS.
+    pub identity: Option<ferry_api::tls::Identity>,
+}
+
+/// Why an export is not served to a peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// No such export (`NBD_REP_ERR_UNKNOWN`).
+    Unknown(String),
+    /// It exists, and this peer may not open it (`NBD_REP_ERR_POLICY`).
+    Policy(String),
+}
+
+impl Refusal {
+    fn reply_type(&self) -> u32 {
+        match self {
+            Refusal::Unknown(_) => proto::REP_ERR_UNKNOWN,
+            Refusal::Policy(_) => proto::REP_ERR_POLICY,
+        }
+    }
+    fn message(&self) -> &str {
+        match self {
+            Refusal::Unknown(m) | Refusal::Policy(m) => m,
+        }
+    }
+}
+
 /// The exports a server offers.
 pub trait Catalog: Send + Sync + 'static {
-    /// Export names for `NBD_OPT_LIST`.
-    fn list(&self) -> Vec<String>;
+    /// Export names `peer` may open, for `NBD_OPT_LIST`.
+    fn list(&self, peer: &Peer) -> Vec<String>;
     /// Size and read-only flag of an export name, without attaching.
-    fn describe(&self, name: &str) -> Option<(u64, bool)>;
+    fn describe(&self, name: &str, peer: &Peer) -> Result<(u64, bool), Refusal>;
     /// Attaches a connection from `peer` to export `name`.
-    fn attach(&self, name: &str, peer: SocketAddr) -> Option<Box<dyn Attachment>>;
+    fn attach(&self, name: &str, peer: &Peer) -> Result<Box<dyn Attachment>, Refusal>;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +99,8 @@ pub enum ConnError {
     Protocol(String),
     #[error("handshake took longer than {0:?}")]
     Timeout(Duration),
+    #[error("TLS: {0}")]
+    Tls(std::io::Error),
 }
 
 fn transmission_flags(read_only: bool) -> u16 {
@@ -74,8 +116,13 @@ fn transmission_flags(read_only: bool) -> u16 {
     f
 }
 
-/// Serves NBD on `listener` until the task is dropped.
-pub async fn serve(listener: TcpListener, catalog: Arc<dyn Catalog>) {
+/// Serves NBD on `listener` until the task is dropped; with `tls`, in the
+/// TLS-required mode.
+pub async fn serve(
+    listener: TcpListener,
+    catalog: Arc<dyn Catalog>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) {
     loop {
         let (sock, peer) = match listener.accept().await {
             Ok(x) => x,
@@ -86,30 +133,92 @@ pub async fn serve(listener: TcpListener, catalog: Arc<dyn Catalog>) {
             }
         };
         let _ = sock.set_nodelay(true);
-        let cat = catalog.clone();
+        let (cat, tls) = (catalog.clone(), tls.clone());
         tokio::spawn(async move {
-            if let Err(e) = serve_connection(sock, peer, cat).await {
+            let r = match tls {
+                Some(acc) => serve_tls_connection(sock, peer, cat, acc).await,
+                None => serve_connection(sock, peer, cat).await,
+            };
+            if let Err(e) = r {
                 tracing::info!("nbd client {peer}: {e}");
             }
         });
     }
 }
 
-/// Serves one client connection: handshake, then transmission.
+/// Serves one client connection without TLS: handshake, then transmission.
 pub async fn serve_connection<S>(
     sock: S,
-    peer: SocketAddr,
+    addr: SocketAddr,
     catalog: Arc<dyn Catalog>,
 ) -> Result<(), ConnError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let peer = Peer {
+        addr,
+        identity: None,
+    };
     let (rd, wr) = tokio::io::split(sock);
     let mut rd = BufReader::with_capacity(256 << 10, rd);
     let mut wr = BufWriter::with_capacity(256 << 10, wr);
-    let neg = tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
-        handshake(&mut rd, &mut wr, peer, &*catalog),
+    let neg = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
+        let no_zeroes = greet(&mut rd, &mut wr).await?;
+        options(&mut rd, &mut wr, &peer, &*catalog, no_zeroes, false).await
+    })
+    .await
+    .map_err(|_| ConnError::Timeout(HANDSHAKE_TIMEOUT))??;
+    let Some((att, structured)) = neg else {
+        return Ok(());
+    };
+    transmission(rd, wr, Arc::from(att), structured).await
+}
+
+/// Serves one client connection in TLS-required mode: greeting and
+/// options in clear until `STARTTLS`, the TLS handshake, then options and
+/// transmission over TLS.
+pub async fn serve_tls_connection<S>(
+    mut sock: S,
+    addr: SocketAddr,
+    catalog: Arc<dyn Catalog>,
+    acceptor: tokio_rustls::TlsAcceptor,
+) -> Result<(), ConnError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let deadline = tokio::time::Instant::now() + HANDSHAKE_TIMEOUT;
+    let timeout = ConnError::Timeout(HANDSHAKE_TIMEOUT);
+    // unbuffered in clear: no byte of the TLS handshake may be read early
+    let no_zeroes = match tokio::time::timeout_at(deadline, async {
+        let (rd, wr) = &mut tokio::io::split(&mut sock);
+        let nz = greet(rd, wr).await?;
+        Ok::<_, ConnError>((nz, until_starttls(rd, wr).await?))
+    })
+    .await
+    {
+        Err(_) => return Err(timeout),
+        Ok(r) => match r? {
+            (nz, true) => nz,
+            (_, false) => return Ok(()),
+        },
+    };
+    let tls = tokio::time::timeout_at(deadline, acceptor.accept(sock))
+        .await
+        .map_err(|_| ConnError::Timeout(HANDSHAKE_TIMEOUT))?
+        .map_err(ConnError::Tls)?;
+    let identity = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .and_then(ferry_api::tls::identity_of);
+    let peer = Peer { addr, identity };
+    let (rd, wr) = tokio::io::split(tls);
+    let mut rd = BufReader::with_capacity(256 << 10, rd);
+    let mut wr = BufWriter::with_capacity(256 << 10, wr);
+    let neg = tokio::time::timeout_at(
+        deadline,
+        options(&mut rd, &mut wr, &peer, &*catalog, no_zeroes, true),
     )
     .await
     .map_err(|_| ConnError::Timeout(HANDSHAKE_TIMEOUT))??;
@@ -117,6 +226,56 @@ where
         return Ok(());
     };
     transmission(rd, wr, Arc::from(att), structured).await
+}
+
+/// Options before TLS in TLS-required mode. `true`: STARTTLS was
+/// acknowledged (TLS begins); `false`: the client left.
+async fn until_starttls<R, W>(rd: &mut R, wr: &mut W) -> Result<bool, ConnError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    loop {
+        let mut h = [0u8; 16];
+        match rd.read_exact(&mut h).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(false),
+            Err(e) => return Err(e.into()),
+        }
+        let (opt, len) = proto::parse_option_header(&h).map_err(ConnError::Protocol)?;
+        let reply = |kind: u32, data: &[u8]| proto::option_reply(opt, kind, data);
+        let data = option_data(rd, len).await?;
+        match opt {
+            proto::OPT_STARTTLS if data.as_deref() == Some(&[]) => {
+                wr.write_all(&reply(proto::REP_ACK, &[])).await?;
+                wr.flush().await?;
+                return Ok(true);
+            }
+            proto::OPT_STARTTLS => {
+                wr.write_all(&reply(proto::REP_ERR_INVALID, b"STARTTLS takes no data"))
+                    .await?;
+            }
+            proto::OPT_ABORT => {
+                wr.write_all(&reply(proto::REP_ACK, &[])).await?;
+                wr.flush().await?;
+                return Ok(false);
+            }
+            // no error reply exists for it: the spec says to close
+            proto::OPT_EXPORT_NAME => {
+                return Err(ConnError::Protocol(
+                    "EXPORT_NAME before STARTTLS on a server that requires TLS".into(),
+                ))
+            }
+            _ => {
+                wr.write_all(&reply(
+                    proto::REP_ERR_TLS_REQD,
+                    b"this server requires TLS: send NBD_OPT_STARTTLS first",
+                ))
+                .await?;
+            }
+        }
+        wr.flush().await?;
+    }
 }
 
 /// Reads an option's data, or skips it when too large (then `None`).
@@ -136,13 +295,9 @@ async fn option_data<R: AsyncRead + Unpin>(
     Ok(Some(d))
 }
 
-/// The fixed-newstyle handshake. `Ok(None)`: the client left (ABORT or close).
-pub async fn handshake<R, W>(
-    rd: &mut R,
-    wr: &mut W,
-    peer: SocketAddr,
-    catalog: &dyn Catalog,
-) -> Result<Option<(Box<dyn Attachment>, bool)>, ConnError>
+/// The fixed-newstyle greeting and the client's flags; returns whether
+/// the client asked for no zeroes.
+async fn greet<R, W>(rd: &mut R, wr: &mut W) -> Result<bool, ConnError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -160,7 +315,23 @@ where
             "client does not speak fixed newstyle".into(),
         ));
     }
-    let no_zeroes = cflags & proto::FLAG_C_NO_ZEROES != 0;
+    Ok(cflags & proto::FLAG_C_NO_ZEROES != 0)
+}
+
+/// The option haggling. `Ok(None)`: the client left (ABORT or close).
+/// `tls`: the connection is already over TLS.
+async fn options<R, W>(
+    rd: &mut R,
+    wr: &mut W,
+    peer: &Peer,
+    catalog: &dyn Catalog,
+    no_zeroes: bool,
+    tls: bool,
+) -> Result<Option<(Box<dyn Attachment>, bool)>, ConnError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
     let mut structured = false;
     loop {
         let mut h = [0u8; 16];
@@ -184,9 +355,9 @@ where
             proto::OPT_EXPORT_NAME => {
                 // no way to report an error here but to close
                 let name = proto::parse_name(&data).map_err(ConnError::Protocol)?;
-                let Some(att) = catalog.attach(&name, peer) else {
-                    return Err(ConnError::Protocol(format!("no export '{name}'")));
-                };
+                let att = catalog.attach(&name, peer).map_err(|r| {
+                    ConnError::Protocol(format!("export '{name}': {}", r.message()))
+                })?;
                 let e = att.export();
                 wr.write_all(&proto::export_name_reply(
                     e.size(),
@@ -207,12 +378,25 @@ where
                     wr.write_all(&reply(proto::REP_ERR_INVALID, b"LIST takes no data"))
                         .await?;
                 } else {
-                    for n in catalog.list() {
+                    for n in catalog.list(peer) {
                         wr.write_all(&reply(proto::REP_SERVER, &proto::server_entry(&n)))
                             .await?;
                     }
                     wr.write_all(&reply(proto::REP_ACK, &[])).await?;
                 }
+            }
+            proto::OPT_STARTTLS => {
+                let msg: &[u8] = if tls {
+                    b"TLS is already on"
+                } else {
+                    b"this server has no TLS"
+                };
+                let kind = if tls {
+                    proto::REP_ERR_INVALID
+                } else {
+                    proto::REP_ERR_UNSUP
+                };
+                wr.write_all(&reply(kind, msg)).await?;
             }
             proto::OPT_STRUCTURED_REPLY => {
                 if !data.is_empty() {
@@ -232,26 +416,21 @@ where
                         .await?;
                 }
                 Ok((name, infos)) => {
-                    let Some((size, ro)) = catalog.describe(&name) else {
-                        let msg = format!("no export named '{name}'");
-                        wr.write_all(&reply(proto::REP_ERR_UNKNOWN, msg.as_bytes()))
-                            .await?;
-                        wr.flush().await?;
-                        continue;
+                    let described = catalog.describe(&name, peer);
+                    let attached = match (&described, opt) {
+                        (Ok(_), proto::OPT_GO) => catalog.attach(&name, peer).map(Some),
+                        (Ok(_), _) => Ok(None),
+                        (Err(r), _) => Err(r.clone()),
                     };
-                    let att = if opt == proto::OPT_GO {
-                        match catalog.attach(&name, peer) {
-                            Some(a) => Some(a),
-                            None => {
-                                let msg = format!("export '{name}' went away");
-                                wr.write_all(&reply(proto::REP_ERR_UNKNOWN, msg.as_bytes()))
-                                    .await?;
-                                wr.flush().await?;
-                                continue;
-                            }
+                    let (size, ro, att) = match (described, attached) {
+                        (Ok((size, ro)), Ok(att)) => (size, ro, att),
+                        (_, Err(r)) | (Err(r), _) => {
+                            tracing::info!(peer = %peer.addr, identity = ?peer.identity, export = %name, "refused: {}", r.message());
+                            wr.write_all(&reply(r.reply_type(), r.message().as_bytes()))
+                                .await?;
+                            wr.flush().await?;
+                            continue;
                         }
-                    } else {
-                        None
                     };
                     let size = att.as_ref().map_or(size, |a| a.export().size());
                     wr.write_all(&reply(

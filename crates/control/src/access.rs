@@ -1,0 +1,196 @@
+//! Which host may open which VM's disks over NBD.
+//!
+//! A storage node serving NBD over TLS opens an export `DISK/VM` to an
+//! agent's certificate only when the VM is granted to that host
+//! (`PUT /access/{vm}` on the node). The control service keeps the grants
+//! true, so one host cannot read another VM's disk:
+//! - at `vm create`: the VM's host, before the agent starts QEMU;
+//! - at a move's start: source and target, before the target's skeleton
+//!   opens its disks; the target stays granted while the move runs;
+//! - every heartbeat: each VM to the hosts that list it (running, or a
+//!   skeleton), plus moves still running; a host that does not answer keeps
+//!   what it had, so a host that is merely slow to answer loses nothing.
+//!   A VM no host lists any more is forgotten.
+//!
+//! Grants are pushed only when they change (and all at once after a start
+//! of the control service); the nodes keep them on disk.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use ferry_api::storage::{AccessInfo, AccessRequest};
+use ferry_api::{ApiError, HostEntry};
+
+use crate::{lock, Control, AGENT_TIMEOUT};
+
+pub type Grants = BTreeMap<String, BTreeSet<String>>;
+/// Moves running now: VM → {source, target}.
+pub type Moving = std::sync::Mutex<Grants>;
+
+#[derive(Default)]
+pub struct Access {
+    /// What every node was last told (as far as this control instance knows).
+    pushed: std::sync::Mutex<Grants>,
+    moving: std::sync::Arc<Moving>,
+}
+
+/// The grants the hosts' answers call for: each VM to every reachable host
+/// that lists it; what an unreachable host had, it keeps.
+pub fn desired(hosts: &[HostEntry], before: &Grants, moving: &Grants) -> Grants {
+    let reachable: BTreeSet<&str> = hosts
+        .iter()
+        .filter(|h| h.reachable)
+        .map(|h| h.name.as_str())
+        .collect();
+    let mut out = Grants::new();
+    for h in hosts.iter().filter(|h| h.reachable) {
+        for vm in h.info.iter().flat_map(|i| &i.vms) {
+            out.entry(vm.name.clone())
+                .or_default()
+                .insert(h.name.clone());
+        }
+    }
+    for (vm, had) in before {
+        for host in had.iter().filter(|h| !reachable.contains(h.as_str())) {
+            out.entry(vm.clone()).or_default().insert(host.clone());
+        }
+    }
+    for (vm, hs) in moving {
+        out.entry(vm.clone())
+            .or_default()
+            .extend(hs.iter().cloned());
+    }
+    out
+}
+
+impl Control {
+    /// Tells every storage node which hosts may open `vm`'s exports; an
+    /// unreachable node fails it (a VM must not start without its disks).
+    pub(crate) async fn grant(&self, vm: &str, hosts: BTreeSet<String>) -> Result<(), ApiError> {
+        let req = AccessRequest {
+            hosts: hosts.iter().cloned().collect(),
+        };
+        for (name, c) in &self.storage {
+            c.put::<_, AccessInfo>(&format!("/access/{vm}"), &req, AGENT_TIMEOUT)
+                .await
+                .map_err(|e| {
+                    ApiError::unavailable(format!("storage node {name} (granting {vm}'s disks)"), e)
+                })?;
+        }
+        let mut pushed = lock(&self.access.pushed);
+        if hosts.is_empty() {
+            pushed.remove(vm);
+        } else {
+            pushed.insert(vm.into(), hosts);
+        }
+        Ok(())
+    }
+
+    /// Before a move: source and target may open the VM's disks until the
+    /// move ends ([`Self::moved`]).
+    pub(crate) async fn granting_move(
+        &self,
+        vm: &str,
+        source: &str,
+        target: &str,
+    ) -> Result<(), ApiError> {
+        let both: BTreeSet<String> = [source.to_string(), target.to_string()].into();
+        lock(&self.access.moving).insert(vm.into(), both.clone());
+        let r = self.grant(vm, both).await;
+        if r.is_err() {
+            lock(&self.access.moving).remove(vm);
+        }
+        r
+    }
+
+    /// A move ended: the next heartbeat grants what the hosts then list.
+    pub(crate) fn moved(&self, vm: &str) {
+        lock(&self.access.moving).remove(vm);
+    }
+
+    /// For a move's event stream to say when it ends.
+    pub(crate) fn access_handle(&self) -> std::sync::Weak<Moving> {
+        std::sync::Arc::downgrade(&self.access.moving)
+    }
+
+    /// One heartbeat's share: pushes the grants that changed.
+    pub(crate) async fn sync_access(&self, hosts: &[HostEntry]) {
+        if self.storage.is_empty() {
+            return;
+        }
+        let before = lock(&self.access.pushed).clone();
+        let want = desired(hosts, &before, &lock(&self.access.moving).clone());
+        let vms: BTreeSet<&String> = before.keys().chain(want.keys()).collect();
+        for vm in vms {
+            let w = want.get(vm).cloned().unwrap_or_default();
+            if before.get(vm) != Some(&w) || (w.is_empty() && before.contains_key(vm)) {
+                if let Err(e) = self.grant(vm, w).await {
+                    tracing::warn!("NBD access of {vm}: {e}");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(name: &str, reachable: bool, vms: &[&str]) -> HostEntry {
+        let info: Option<ferry_api::HostInfo> = reachable.then(|| {
+            serde_json::from_value(serde_json::json!({
+                "name": name, "agent_url": "", "memory_total": 0, "memory_reserved": 0,
+                "memory_free": 0, "nics": [], "probe_port": 0,
+                "vms": vms.iter().map(|v| serde_json::json!({
+                    "name": v, "host": name, "state": "running", "pid": 1,
+                    "spec": {"name": v, "memory": 134217728u64, "fill": 0, "dirty_rate": 0}
+                })).collect::<Vec<_>>(),
+            }))
+            .unwrap()
+        });
+        HostEntry {
+            name: name.into(),
+            agent_url: String::new(),
+            reachable,
+            down: !reachable,
+            last_heartbeat_ms: None,
+            draining: false,
+            settings: None,
+            error: None,
+            info,
+        }
+    }
+
+    fn set(h: &[&str]) -> BTreeSet<String> {
+        h.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn grants_follow_the_hosts_and_an_unreachable_host_keeps_its_own() {
+        let before: Grants = [
+            ("a".to_string(), set(&["h1"])),
+            ("b".to_string(), set(&["h2"])),
+        ]
+        .into();
+        let moving: Grants = [("c".to_string(), set(&["h1", "h3"]))].into();
+        let hosts = [
+            host("h1", true, &["a", "c"]),
+            host("h2", false, &[]),
+            host("h3", true, &[]),
+        ];
+        let d = desired(&hosts, &before, &moving);
+        assert_eq!(d["a"], set(&["h1"]));
+        // h2 does not answer: b stays granted to it
+        assert_eq!(d["b"], set(&["h2"]));
+        // a move running: its target is granted before its skeleton shows
+        assert_eq!(d["c"], set(&["h1", "h3"]));
+        // a VM gone from a host that answers is no longer granted there
+        let hosts = [
+            host("h1", true, &[]),
+            host("h2", true, &["b"]),
+            host("h3", true, &[]),
+        ];
+        let d = desired(&hosts, &before, &Grants::new());
+        assert!(!d.contains_key("a"));
+        assert_eq!(d["b"], set(&["h2"]));
+    }
+}

@@ -1,0 +1,280 @@
+//! Users' API tokens: named, with a role, stored hashed in the control
+//! state (cluster key `tokens`, so SQLite and etcd alike), checked on every
+//! request to the control service.
+//!
+//! A token is `ferry_` followed by 64 hex digits (256 random bits); only
+//! its SHA-256 is kept. Revoking keeps the record (the name stays taken and
+//! the event log can still name it). Every control instance sharing a store
+//! takes up new and revoked tokens at its next heartbeat (≤ 1 s); the one
+//! that made the change at once.
+//!
+//! The first admin token comes from a file (`admin_token` in
+//! `control.toml`, written by `ferry cluster init`): at start, a token named
+//! `admin` is made from it unless a token of that name was ever made.
+
+use std::collections::BTreeMap;
+
+use ferry_api::auth::{token_hash, TokenCreated, TokenInfo, TokenRole};
+use ferry_api::ApiError;
+use serde::{Deserialize, Serialize};
+
+use crate::store::Store;
+
+/// The cluster key the tokens live under.
+const KEY: &str = "tokens";
+/// The name of the token made from the bootstrap file.
+pub const BOOTSTRAP_NAME: &str = "admin";
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+struct Record {
+    #[serde(flatten)]
+    info: TokenInfo,
+    /// SHA-256 of the secret, hex.
+    hash: String,
+}
+
+/// Who made a request: a token's name and role.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    pub name: String,
+    pub role: TokenRole,
+}
+
+impl Caller {
+    /// The control service itself (heartbeats, the policy manager, tests).
+    pub fn system() -> Caller {
+        Caller {
+            name: "control".into(),
+            role: TokenRole::Admin,
+        }
+    }
+}
+
+/// The tokens, as last read from the store.
+#[derive(Default)]
+pub struct Tokens {
+    by_name: std::sync::Mutex<BTreeMap<String, Record>>,
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// A new secret: `ferry_` and 64 hex digits.
+pub fn new_secret() -> String {
+    let b: [u8; 32] = rand::random();
+    format!(
+        "ferry_{}",
+        b.iter().map(|x| format!("{x:02x}")).collect::<String>()
+    )
+}
+
+fn validate_name(name: &str) -> Result<(), ApiError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            "token name",
+            format!("'{name}': use 1-64 letters, digits, '-', '_' or '.'"),
+        ))
+    }
+}
+
+impl Tokens {
+    /// Takes up what the store holds.
+    pub async fn reload(&self, store: &Store) -> Result<(), ApiError> {
+        let list: Vec<Record> = store.cluster(KEY).await?.unwrap_or_default();
+        *ferry_api::util::lock(&self.by_name) =
+            list.into_iter().map(|r| (r.info.name.clone(), r)).collect();
+        Ok(())
+    }
+
+    async fn save(&self, store: &Store) -> Result<(), ApiError> {
+        let list: Vec<Record> = ferry_api::util::lock(&self.by_name)
+            .values()
+            .cloned()
+            .collect();
+        store.put_cluster(KEY, &list).await
+    }
+
+    /// Who `secret` belongs to, or why it is refused.
+    pub fn authenticate(&self, header: Option<&str>) -> Result<Caller, ApiError> {
+        let secret = header
+            .and_then(|h| h.strip_prefix("Bearer "))
+            .ok_or_else(|| ApiError::unauthorized("no API token (Authorization: Bearer)"))?;
+        let hash = token_hash(secret);
+        let tokens = ferry_api::util::lock(&self.by_name);
+        let rec = tokens
+            .values()
+            .find(|r| r.hash == hash)
+            .ok_or_else(|| ApiError::unauthorized("unknown API token"))?;
+        if rec.info.revoked_ms.is_some() {
+            return Err(ApiError::unauthorized(format!(
+                "API token '{}' was revoked",
+                rec.info.name
+            )));
+        }
+        Ok(Caller {
+            name: rec.info.name.clone(),
+            role: rec.info.role,
+        })
+    }
+
+    pub fn list(&self) -> Vec<TokenInfo> {
+        ferry_api::util::lock(&self.by_name)
+            .values()
+            .map(|r| r.info.clone())
+            .collect()
+    }
+
+    /// A new token; its secret is returned this once.
+    pub async fn create(
+        &self,
+        store: &Store,
+        name: &str,
+        role: TokenRole,
+        secret: Option<String>,
+    ) -> Result<TokenCreated, ApiError> {
+        validate_name(name)?;
+        self.reload(store).await?;
+        let secret = secret.unwrap_or_else(new_secret);
+        let info = TokenInfo {
+            name: name.into(),
+            role,
+            created_ms: now_ms(),
+            revoked_ms: None,
+        };
+        {
+            let mut m = ferry_api::util::lock(&self.by_name);
+            if m.contains_key(name) {
+                return Err(ApiError::AlreadyExists {
+                    kind: "token".into(),
+                    name: name.into(),
+                });
+            }
+            m.insert(
+                name.into(),
+                Record {
+                    info: info.clone(),
+                    hash: token_hash(&secret),
+                },
+            );
+        }
+        self.save(store).await?;
+        Ok(TokenCreated {
+            info,
+            token: secret,
+        })
+    }
+
+    pub async fn revoke(&self, store: &Store, name: &str) -> Result<TokenInfo, ApiError> {
+        self.reload(store).await?;
+        let info = {
+            let mut m = ferry_api::util::lock(&self.by_name);
+            let r = m
+                .get_mut(name)
+                .ok_or_else(|| ApiError::not_found("token", name))?;
+            if r.info.revoked_ms.is_none() {
+                r.info.revoked_ms = Some(now_ms());
+            }
+            r.info.clone()
+        };
+        self.save(store).await?;
+        Ok(info)
+    }
+
+    /// Makes the bootstrap admin token from `secret` unless a token named
+    /// [`BOOTSTRAP_NAME`] was ever made. Returns whether it made it.
+    pub async fn bootstrap(&self, store: &Store, secret: &str) -> Result<bool, ApiError> {
+        self.reload(store).await?;
+        if ferry_api::util::lock(&self.by_name).contains_key(BOOTSTRAP_NAME) {
+            return Ok(false);
+        }
+        self.create(
+            store,
+            BOOTSTRAP_NAME,
+            TokenRole::Admin,
+            Some(secret.trim().into()),
+        )
+        .await?;
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bearer(s: &str) -> String {
+        format!("Bearer {s}")
+    }
+
+    #[tokio::test]
+    async fn tokens_authenticate_by_hash_and_revocation_refuses() {
+        let store = Store::in_memory();
+        let t = Tokens::default();
+        let c = t
+            .create(&store, "ci", TokenRole::ReadOnly, None)
+            .await
+            .unwrap();
+        assert!(c.token.starts_with("ferry_") && c.token.len() == 70);
+        // only the hash is stored
+        let raw: serde_json::Value = store.cluster(KEY).await.unwrap().unwrap();
+        assert!(!raw.to_string().contains(&c.token[6..]));
+        assert_eq!(
+            t.authenticate(Some(&bearer(&c.token))).unwrap(),
+            Caller {
+                name: "ci".into(),
+                role: TokenRole::ReadOnly
+            }
+        );
+        for (h, why) in [
+            (None, "no API token"),
+            (Some("Basic abc".to_string()), "no API token"),
+            (Some(bearer("ferry_00")), "unknown API token"),
+        ] {
+            let e = t.authenticate(h.as_deref()).unwrap_err();
+            assert!(e.to_string().contains(why), "{e}");
+            assert_eq!(e.http_status(), 401);
+        }
+        // a second instance sharing the store sees the revocation after reload
+        let other = Tokens::default();
+        other.reload(&store).await.unwrap();
+        assert!(other.authenticate(Some(&bearer(&c.token))).is_ok());
+        t.revoke(&store, "ci").await.unwrap();
+        other.reload(&store).await.unwrap();
+        let e = other.authenticate(Some(&bearer(&c.token))).unwrap_err();
+        assert!(e.to_string().contains("'ci' was revoked"), "{e}");
+        // the name stays taken
+        assert!(matches!(
+            t.create(&store, "ci", TokenRole::Admin, None).await,
+            Err(ApiError::AlreadyExists { .. })
+        ));
+        assert!(t
+            .create(&store, "bad name", TokenRole::Admin, None)
+            .await
+            .is_err());
+    }
+
+    #[tokio::test]
+    async fn bootstrap_happens_once_even_after_revocation() {
+        let store = Store::in_memory();
+        let t = Tokens::default();
+        assert!(t.bootstrap(&store, "ferry_first\n").await.unwrap());
+        assert_eq!(
+            t.authenticate(Some("Bearer ferry_first")).unwrap().role,
+            TokenRole::Admin
+        );
+        t.revoke(&store, BOOTSTRAP_NAME).await.unwrap();
+        assert!(!t.bootstrap(&store, "ferry_first").await.unwrap());
+        assert!(t.authenticate(Some("Bearer ferry_first")).is_err());
+    }
+}
