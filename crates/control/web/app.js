@@ -1,5 +1,5 @@
 // Ferry's web page: everything through the control service's REST API
-// (/api/v1, bearer credential), the same API the CLI uses.
+// (/api/v1, an API token as bearer), the same API the CLI uses.
 "use strict";
 
 const WINDOW_S = 120;
@@ -7,7 +7,7 @@ const WINDOW_S = 120;
 const ferry = (window.ferry = { nicRates: {}, peakRates: {}, moves: {}, polls: 0 });
 
 function token() {
-  const m = location.hash.match(/token=([0-9a-fA-F]+)/);
+  const m = location.hash.match(/token=([0-9A-Za-z_]+)/);
   if (m) localStorage.setItem("ferry-token", m[1]);
   return localStorage.getItem("ferry-token") || "";
 }
@@ -20,7 +20,7 @@ async function api(method, path, body) {
   });
   if (r.status === 401) {
     document.getElementById("login").style.display = "block";
-    throw new Error("the cluster credential is missing or wrong");
+    throw new Error("the API token is missing, unknown or revoked");
   }
   if (!r.ok) {
     const e = await r.json().catch(() => ({ message: r.statusText }));

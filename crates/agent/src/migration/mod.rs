@@ -313,7 +313,15 @@ impl Agent {
                 .map_err(|e| match e {
                     ApiError::Unauthorized { .. } => fail(
                         "permission",
-                        format!("{} refused the cluster credential", req.target),
+                        format!(
+                            "{} refused this host ({})",
+                            req.target,
+                            if self.pki.is_some() {
+                                "its certificate"
+                            } else {
+                                "the cluster credential"
+                            }
+                        ),
                     ),
                     e => fail("establish", e.to_string()),
                 })?;
@@ -337,7 +345,17 @@ impl Agent {
         // 2. permission
         ev.step(
             "permission",
-            format!("{} accepted the cluster credential", req.target),
+            if self.pki.is_some() {
+                format!(
+                    "mutual TLS: {}'s certificate verified, this host's accepted",
+                    req.target
+                )
+            } else {
+                format!(
+                    "{} accepted the cluster credential (insecure HTTP)",
+                    req.target
+                )
+            },
         )
         .await;
         // 3. memory + 4. skeleton (the target reserves before it starts anything)
