@@ -147,9 +147,10 @@ class Lab:
         except RuntimeError:
             return False
 
-    def vm(self, name, host, memory="384M", fill="256M", dirty="16M"):
+    def vm(self, name, host, memory="384M", fill="256M", dirty="16M", seed=1):
         ferry("vm", "rm", name, check=False)
-        ferry("vm", "create", name, "--host", host, "--memory", memory, "--fill", fill, "--dirty-rate", dirty)
+        ferry("vm", "create", name, "--host", host, "--memory", memory, "--fill", fill, "--dirty-rate", dirty,
+              "--seed", str(seed))
 
     def rm(self, *vms):
         for v in vms:
@@ -316,8 +317,9 @@ def storage_restart(lab, trial):
     disk, vms = f"fs{trial}", [f"fs{trial}a", f"fs{trial}b"]
     ferry("disk", "rm", disk, check=False)
     ferry("disk", "create", disk, "--size", "64M")
-    for v, h in zip(vms, ("host1", "host2")):
-        lab.vm(v, h, memory="256M", fill="64M", dirty="1M")
+    # distinct seeds: each guest writes its own block of the shared disk
+    for seed, (v, h) in enumerate(zip(vms, ("host1", "host2")), start=1):
+        lab.vm(v, h, memory="256M", fill="64M", dirty="1M", seed=seed)
         ferry("disk", "attach", disk, v)
     time.sleep(5)
     before = {v: disk_line(v) for v in vms}
@@ -335,8 +337,12 @@ def storage_restart(lab, trial):
     where = lab.settle(vms)
     res = []
     for v in vms:
+        # every error the guest's disk writer saw, before the fault too
         errs = after[v][1] if after[v] else -1
-        progressed = bool(after[v] and before[v] and after[v][0] > before[v][0])
+        if errs:
+            print(f"  {v}: " + "; ".join(disk_errors_seen(v)), flush=True)
+        # and it saw the other guest's block: both wrote through the restart
+        progressed = bool(after[v] and before[v] and after[v][0] > before[v][0] and after[v][2])
         res.append((v, where[v], where[v], where[v], lab.check(v) and progressed, errs if errs >= 0 else 1))
     lab.rm(*vms)
     ferry("disk", "rm", disk, check=False)
@@ -344,7 +350,7 @@ def storage_restart(lab, trial):
 
 
 def disk_line(vm):
-    """(seq, errors) of the newest FERRY-DISK line on the VM's console."""
+    """(seq, errors, peers) of the newest FERRY-DISK line on the VM's console."""
     best = None
     for h in ("host1", "host2", "host3"):
         d = f"{LAB}/{h}/vms"
@@ -358,10 +364,24 @@ def disk_line(vm):
                 if lines:
                     f = dict(w.split("=", 1) for w in lines[-1].split() if "=" in w)
                     try:
-                        best = (int(f.get("seq", 0)), int(f.get("errors", 0)))
+                        best = (int(f.get("seq", 0)), int(f.get("errors", 0)), f.get("peers", ""))
                     except ValueError:
                         pass
     return best
+
+
+def disk_errors_seen(vm):
+    out = []
+    for h in ("host1", "host2", "host3"):
+        d = f"{LAB}/{h}/vms"
+        for n in os.listdir(d) if os.path.isdir(d) else []:
+            if n == vm or n.startswith(vm + "."):
+                try:
+                    out += [l.strip() for l in open(os.path.join(d, n, "console.log"), errors="replace")
+                            if "FERRY-DISK-ERROR" in l or "I/O error" in l][:8]
+                except OSError:
+                    pass
+    return out
 
 
 FAULTS = {

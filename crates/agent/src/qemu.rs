@@ -77,6 +77,11 @@ pub struct QemuConfig {
 /// The id of QEMU's TLS credentials for NBD.
 pub const NBD_TLS: &str = "ferry-tls";
 
+/// How long a guest's disk I/O waits for a lost NBD connection to come
+/// back (a storage node restarting) before it fails: QEMU reconnects on its
+/// own and reruns what was in flight.
+pub const NBD_RECONNECT_S: u32 = 30;
+
 /// An NBD blockdev `file` node for `host:port`/`export`, over TLS when the
 /// host has a certificate.
 pub fn nbd_node(tls: bool, host: &str, port: u16, export: &str) -> serde_json::Value {
@@ -84,6 +89,7 @@ pub fn nbd_node(tls: bool, host: &str, port: u16, export: &str) -> serde_json::V
         "driver": "nbd",
         "server": {"type": "inet", "host": host, "port": port.to_string()},
         "export": export,
+        "reconnect-delay": NBD_RECONNECT_S,
     });
     if tls {
         n["tls-creds"] = NBD_TLS.into();
