@@ -33,9 +33,31 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# fio's nbd engine may not name a certificate directory in its URI (libnbd
+# refuses local files there), so it runs as `nobody` with the administrator's
+# certificate where libnbd looks by default, $HOME/.pki/libnbd
+NBD_HOME = None
+
+
+def nbd_home(work, etc):
+    import pwd, shutil
+    global NBD_HOME
+    NBD_HOME = os.path.join(work, "nbdhome")
+    d = os.path.join(NBD_HOME, ".pki", "libnbd")
+    os.makedirs(d)
+    for f in ("ca-cert.pem", "client-cert.pem", "client-key.pem"):
+        shutil.copy(os.path.join(etc, "pki", "admin", f), os.path.join(d, f))
+    nobody = pwd.getpwnam("nobody")
+    for root, dirs, files in os.walk(NBD_HOME):
+        for x in dirs + files + [""]:
+            os.chown(os.path.join(root, x), nobody.pw_uid, nobody.pw_gid)
+    os.chmod(work, 0o755)
+
+
 def fio(uri, runtime):
     """4K random reads, depth 32, 2 connections: total IOPS and I/Os."""
-    args = ["fio", "--ioengine=nbd", "--rw=randread", "--bs=4k", "--iodepth=32", f"--size={SIZE}",
+    args = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "env", f"HOME={NBD_HOME}",
+            "fio", "--ioengine=nbd", "--rw=randread", "--bs=4k", "--iodepth=32", f"--size={SIZE}",
             "--time_based", f"--runtime={runtime}", "--output-format=json", "--norandommap",
             "--name=j0", f"--uri={uri}", "--name=j1", f"--uri={uri}"]
     out = subprocess.run(args, capture_output=True, text=True)
@@ -68,7 +90,7 @@ class Node:
         cmd = [FERRY, "storage", "serve", "--dir", self.dir, "--nbd-listen", f"127.0.0.1:{self.nbd}",
                "--api-listen", f"127.0.0.1:{self.api}", "--token-file", tok]
         cmd += ["--tls-dir", os.path.join(etc, "pki", "storage")] if tls else ["--insecure-http"]
-        self.p = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+        self.p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.api)
         # the disk, made through the REST API as the control service would
         body = json.dumps({"name": "d", "size": SIZE}).encode()
@@ -86,9 +108,7 @@ class Node:
         if r.status != 200:
             sys.exit(f"creating the disk: {r.status} {r.read()[:300]}")
         subprocess.run(["cp", "--sparse=never", backing, os.path.join(self.dir, "disks", "d.img")], check=True)
-        admin = os.path.join(etc, "pki", "admin")
-        self.uri = (f"nbds://127.0.0.1:{self.nbd}/d?tls-certificates={admin}" if tls
-                    else f"nbd://127.0.0.1:{self.nbd}/d")
+        self.uri = f"nbds://127.0.0.1:{self.nbd}/d" if tls else f"nbd://127.0.0.1:{self.nbd}/d"
 
     def stop(self):
         self.p.send_signal(signal.SIGKILL)
@@ -102,9 +122,9 @@ class Nbdkit:
         self.p = subprocess.Popen(["nbdkit", "-f", "-i", "127.0.0.1", "-p", str(self.port), "-e", "d",
                                    "--tls=require", "--tls-verify-peer",
                                    f"--tls-certificates={os.path.join(etc, 'pki', 'storage')}",
-                                   "file", backing], stderr=subprocess.DEVNULL)
+                                   "file", backing], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.port)
-        self.uri = f"nbds://127.0.0.1:{self.port}/d?tls-certificates={os.path.join(etc, 'pki', 'admin')}"
+        self.uri = f"nbds://127.0.0.1:{self.port}/d"
 
     def stop(self):
         self.p.kill()
@@ -113,10 +133,12 @@ class Nbdkit:
 
 def nbd_round(kind, work, etc, backing, runtime):
     s = Nbdkit(etc, backing) if kind == "nbdkit-tls" else Node(work, etc, kind == "ferry-tls", backing)
-    c0 = cpu_seconds(s.p.pid)
-    iops, ios = fio(s.uri, runtime)
-    cpu = cpu_seconds(s.p.pid) - c0
-    s.stop()
+    try:
+        c0 = cpu_seconds(s.p.pid)
+        iops, ios = fio(s.uri, runtime)
+        cpu = cpu_seconds(s.p.pid) - c0
+    finally:
+        s.stop()
     return iops, cpu / max(ios, 1) * 1e6
 
 
@@ -126,7 +148,7 @@ def control_latency(work, etc, tls):
     cmd = [FERRY, "control", "--listen", f"127.0.0.1:{port}", "--token-file", os.path.join(etc, "cluster.token"),
            "--admin-token", tok, "--state", os.path.join(work, f"state-{tls}.db")]
     cmd += ["--tls-dir", os.path.join(etc, "pki", "control")] if tls else ["--insecure-http"]
-    p = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port)
     time.sleep(0.5)
     token = open(tok).read().strip()
@@ -165,9 +187,11 @@ def main():
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="ferry-bench-tls-")
     etc = certs(work)
+    nbd_home(work, etc)
     backing = os.path.join("/dev/shm", f"ferry-tls-backing-{os.getpid()}.img")
     subprocess.run(["dd", "if=/dev/urandom", f"of={backing}", "bs=1M", f"count={SIZE >> 20}"],
                    check=True, capture_output=True)
+    os.chmod(backing, 0o644)
     kinds = ["ferry-tls", "ferry-clear", "nbdkit-tls"]
     res = {k: [] for k in kinds}
     try:

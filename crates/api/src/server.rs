@@ -1,7 +1,7 @@
 //! Server-side helpers shared by the control service and the agents, so both
 //! serve the API the same way: errors as [`ApiError`] bodies with the one
 //! status mapping, JSON bodies whose rejections name what was wrong, the
-//! cluster-credential check, and NDJSON event streams.
+//! caller checks (certificates, or the cluster credential under `--insecure-http`), TLS serving, and NDJSON event streams.
 
 use axum::{
     body::Body,
@@ -57,25 +57,6 @@ where
             .map(ApiJson)
             .map_err(|e| ApiError::invalid("body", e.to_string()).into())
     }
-}
-
-/// Middleware: refuse any request without the cluster credential.
-pub async fn require_credential(
-    State(cred): State<Credential>,
-    req: Request,
-    next: Next,
-) -> Response {
-    let header = req
-        .headers()
-        .get("authorization")
-        .and_then(|v| v.to_str().ok());
-    if !cred.verify_header(header) {
-        return ErrorResponse(ApiError::unauthorized(
-            "missing or wrong cluster credential",
-        ))
-        .into_response();
-    }
-    next.run(req).await
 }
 
 /// A response streaming one JSON value per line.

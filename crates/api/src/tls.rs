@@ -67,6 +67,8 @@ pub enum TlsError {
     Generate(String),
     #[error("TLS configuration: {0}")]
     Config(String),
+    #[error("{0}")]
+    Name(String),
     #[error("invalid {what} '{value}': {why}")]
     Invalid {
         what: &'static str,
@@ -228,23 +230,6 @@ pub struct CertRequest {
     pub days: u32,
 }
 
-fn validate_name(name: &str) -> Result<(), TlsError> {
-    let ok = !name.is_empty()
-        && name.len() <= 63
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
-    if ok {
-        Ok(())
-    } else {
-        Err(TlsError::Invalid {
-            what: "certificate name",
-            value: name.into(),
-            why: "use 1-63 letters, digits, '-', '_' or '.'",
-        })
-    }
-}
-
 fn rc(e: rcgen::Error) -> TlsError {
     TlsError::Generate(e.to_string())
 }
@@ -310,7 +295,9 @@ impl Authority {
     /// Signs a certificate for `req` and writes the component's directory
     /// `out` (see the module documentation).
     pub fn issue(&self, req: &CertRequest, out: &Path) -> Result<(), TlsError> {
-        validate_name(&req.name)?;
+        // the names hosts and nodes have in the cluster
+        crate::validate_name("certificate name", &req.name)
+            .map_err(|e| TlsError::Name(e.to_string()))?;
         let mut san = vec![req.name.clone()];
         san.extend(req.san.iter().cloned());
         san.dedup();

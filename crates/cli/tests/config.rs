@@ -98,21 +98,20 @@ fn a_good_file_resolves_with_flags_over_keys() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("name: \"h9\""));
 }
 
+/// `ferry cluster init --dir DIR` with `hosts` as `--host` values.
+fn cluster_init(dir: &std::path::Path, hosts: &[&str]) -> std::process::Output {
+    let mut c = Command::new(FERRY);
+    c.args(["cluster", "init", "--dir", dir.to_str().unwrap()]);
+    for h in hosts {
+        c.args(["--host", h]);
+    }
+    c.output().unwrap()
+}
+
 #[test]
 fn cluster_init_writes_a_credential_and_files_the_services_accept() {
     let d = scratch("init");
-    let out = Command::new(FERRY)
-        .args([
-            "cluster",
-            "init",
-            "--host",
-            "a1=127.0.0.1",
-            "--host",
-            "a2=127.0.0.2:7801",
-        ])
-        .args(["--dir", d.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let out = cluster_init(&d, &["a1=127.0.0.1", "a2=127.0.0.2:7801"]);
     assert!(
         out.status.success(),
         "{}",
@@ -142,17 +141,7 @@ fn cluster_init_writes_a_credential_and_files_the_services_accept() {
     assert!(ok, "{err}");
     assert!(out.contains("\"lo\""), "{out}");
     // a second init does not silently replace the credential
-    let again = Command::new(FERRY)
-        .args([
-            "cluster",
-            "init",
-            "--host",
-            "a1=127.0.0.1",
-            "--dir",
-            d.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
+    let again = cluster_init(&d, &["a1=127.0.0.1"]);
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("--force"));
     // the CA's key and the first admin token are the owner's only; each
@@ -160,8 +149,9 @@ fn cluster_init_writes_a_credential_and_files_the_services_accept() {
     for f in [
         "ca/ca-key.pem",
         "admin.token",
-        "pki/key.pem",
-        "hosts/a1/pki/key.pem",
+        "pki/control/key.pem",
+        "pki/admin/key.pem",
+        "hosts/a1/pki/agent/key.pem",
     ] {
         let mode = std::fs::metadata(d.join(f)).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600, "{f}");
@@ -177,17 +167,7 @@ fn cluster_init_writes_a_credential_and_files_the_services_accept() {
 #[test]
 fn the_control_service_speaks_tls_and_takes_the_admin_token_from_init() {
     let d = scratch("tls");
-    let st = Command::new(FERRY)
-        .args([
-            "cluster",
-            "init",
-            "--host",
-            "a1=127.0.0.1",
-            "--dir",
-            d.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
+    let st = cluster_init(&d, &["a1=127.0.0.1"]);
     assert!(
         st.status.success(),
         "{}",
@@ -205,7 +185,7 @@ fn the_control_service_speaks_tls_and_takes_the_admin_token_from_init() {
         .args(["--token-file", &path("cluster.token")])
         .args([
             "--tls-dir",
-            &path("pki"),
+            &path("pki/control"),
             "--admin-token",
             &path("admin.token"),
         ])
@@ -266,17 +246,7 @@ fn the_control_service_speaks_tls_and_takes_the_admin_token_from_init() {
     );
     // a CA that did not sign the control service's certificate
     let other = scratch("tls-other");
-    let st = Command::new(FERRY)
-        .args([
-            "cluster",
-            "init",
-            "--host",
-            "a1=127.0.0.1",
-            "--dir",
-            other.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
+    let st = cluster_init(&other, &["a1=127.0.0.1"]);
     assert!(st.status.success());
     let out = cli(
         &other.join("ca/ca-cert.pem").display().to_string(),

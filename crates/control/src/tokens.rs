@@ -72,22 +72,6 @@ pub fn new_secret() -> String {
     )
 }
 
-fn validate_name(name: &str) -> Result<(), ApiError> {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
-    if ok {
-        Ok(())
-    } else {
-        Err(ApiError::invalid(
-            "token name",
-            format!("'{name}': use 1-64 letters, digits, '-', '_' or '.'"),
-        ))
-    }
-}
-
 impl Tokens {
     /// Takes up what the store holds.
     pub async fn reload(&self, store: &Store) -> Result<(), ApiError> {
@@ -143,7 +127,7 @@ impl Tokens {
         role: TokenRole,
         secret: Option<String>,
     ) -> Result<TokenCreated, ApiError> {
-        validate_name(name)?;
+        ferry_api::validate_name("token name", name)?;
         self.reload(store).await?;
         let secret = secret.unwrap_or_else(new_secret);
         let info = TokenInfo {
