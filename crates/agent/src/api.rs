@@ -9,7 +9,7 @@
 //! |---|---|---|
 //! | GET | /host | *peer*: host, memory, NICs, VMs |
 //! | GET/POST | /vms | list / create (body: `VmSpec`) |
-//! | GET | /vms/{name}/check | guest check |
+//! | GET | /vms/{name}/check | *peer*: guest check (the source's, after the switch-over) |
 //! | DELETE | /vms/{name} | stop and remove |
 //! | POST | /vms/{name}/migrate | move (body: `MigrateRequest`), NDJSON events |
 //! | POST | /incoming | *peer*: target: reserve + skeleton (body: `IncomingRequest`) |
@@ -229,6 +229,8 @@ pub fn router(agent: Arc<Agent>) -> Router {
         .route("/incoming/{id}/run", post(incoming_run))
         .route("/incoming/{id}/rejoin", post(incoming_rejoin))
         .route("/migrations/{id}", get(migration_record))
+        // the source checks the guest on the target after the switch-over
+        .route("/vms/{name}/check", get(check_vm))
         .layer(middleware::from_fn_with_state(
             peer_auth(&agent, &[Role::Control, Role::Agent]),
             require_peer,
@@ -237,7 +239,6 @@ pub fn router(agent: Arc<Agent>) -> Router {
     let control = Router::new()
         .route("/vms", get(list_vms).post(create_vm))
         .route("/vms/{name}", axum::routing::delete(remove_vm))
-        .route("/vms/{name}/check", get(check_vm))
         .route("/vms/{name}/disks", post(plug_disk))
         .route("/vms/{name}/migrate", post(migrate))
         .route("/vms/{name}/resolve", post(resolve_vm))
