@@ -90,6 +90,14 @@ async fn plug_disk(
     Ok(Json(a.plug_disk(&name, plug).await?))
 }
 
+async fn grow_disk(
+    State(a): State<Arc<Agent>>,
+    Path((name, disk)): Path<(String, String)>,
+    ApiJson(r): ApiJson<ferry_api::storage::DiskResizeRequest>,
+) -> R<ferry_api::VmInfo> {
+    Ok(Json(a.grow_disk(&name, &disk, r.size).await?))
+}
+
 async fn remove_vm(State(a): State<Arc<Agent>>, Path(name): Path<String>) -> R<serde_json::Value> {
     a.remove_vm(&name).await?;
     Ok(Json(serde_json::json!({ "removed": name })))
@@ -240,6 +248,10 @@ pub fn router(agent: Arc<Agent>) -> Router {
         .route("/vms", get(list_vms).post(create_vm))
         .route("/vms/{name}", axum::routing::delete(remove_vm))
         .route("/vms/{name}/disks", post(plug_disk))
+        .route(
+            "/vms/{name}/disks/{disk}/size",
+            axum::routing::put(grow_disk),
+        )
         .route("/vms/{name}/migrate", post(migrate))
         .route("/vms/{name}/resolve", post(resolve_vm))
         .route("/paths", get(paths))
@@ -289,6 +301,14 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
             let c = classes.clone();
             let _ =
                 tokio::task::spawn_blocking(move || ferry_api::util::lock(&c).reconcile()).await;
+        }
+    });
+    let watcher = agent.clone();
+    tokio::spawn(async move {
+        // guests waiting for their storage: paused, resumed, stopped
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            watcher.watch_storage().await;
         }
     });
     let reaper = agent.clone();

@@ -53,6 +53,9 @@ pub struct VmSlot {
     pub doubt: Option<String>,
     /// The last guest check after a migration failed: why.
     pub problem: Option<String>,
+    /// The guest's storage stopped answering: now, or last (see
+    /// [`crate::resilience`]).
+    pub storage_pause: Option<ferry_api::StoragePause>,
 }
 
 impl VmSlot {
@@ -65,6 +68,7 @@ impl VmSlot {
             transport: None,
             doubt: None,
             problem: None,
+            storage_pause: None,
         }
     }
 }
@@ -315,7 +319,7 @@ impl Agent {
     }
 
     async fn vm_info(&self, spec: &VmSpec, role: &Role, qemu: Option<&Arc<QemuVm>>) -> VmInfo {
-        self.vm_info_with(spec, role, qemu, None, None).await
+        self.vm_info_with(spec, role, qemu, None, None, None).await
     }
 
     async fn vm_info_with(
@@ -325,6 +329,7 @@ impl Agent {
         qemu: Option<&Arc<QemuVm>>,
         in_doubt: Option<String>,
         problem: Option<String>,
+        storage_pause: Option<ferry_api::StoragePause>,
     ) -> VmInfo {
         let state = match (role, qemu) {
             (Role::Starting, _) => "starting".to_string(),
@@ -345,6 +350,7 @@ impl Agent {
             in_doubt,
             problem,
             accel: self.cfg.qemu.accel.clone(),
+            storage_pause,
         }
     }
 
@@ -360,14 +366,15 @@ impl Agent {
                         s.qemu.clone(),
                         s.doubt.clone(),
                         s.problem.clone(),
+                        s.storage_pause.clone(),
                     )
                 })
                 .collect()
         };
         let mut out = Vec::new();
-        for (spec, role, q, doubt, problem) in slots {
+        for (spec, role, q, doubt, problem, pause) in slots {
             out.push(
-                self.vm_info_with(&spec, &role, q.as_ref(), doubt, problem)
+                self.vm_info_with(&spec, &role, q.as_ref(), doubt, problem, pause)
                     .await,
             );
         }
@@ -426,7 +433,7 @@ impl Agent {
             ));
         }
         q.qmp
-            .plug_disk(index, &host, port, &export, self.cfg.qemu.tls_dir.is_some())
+            .plug_disk(index, qemu::nbd_node(&self.cfg.qemu, &host, port, &export))
             .await
             .map_err(|e| ApiError::unavailable(format!("plugging {} into {name}", plug.disk), e))?;
         slot.spec.disks.push(plug);
@@ -437,6 +444,58 @@ impl Agent {
             tracing::error!(vm = %name, error = %error_chain(&e), "recording the plugged disk");
         }
         tracing::info!(vm = %name, disks = spec.disks.len(), "disk plugged");
+        Ok(self.vm_info(&spec, &Role::Running, Some(&q)).await)
+    }
+
+    /// Disk `disk` of VM `name` grew to `size` on its storage node: the
+    /// guest sees the new size at once (see [`crate::qmp::Qmp::grow_disk`]).
+    pub async fn grow_disk(&self, name: &str, disk: &str, size: u64) -> Result<VmInfo, ApiError> {
+        let st = self.state.lock().await;
+        let slot = st
+            .vms
+            .get(name)
+            .ok_or_else(|| ApiError::not_found("vm", name))?;
+        let q = match (&slot.role, &slot.qemu, slot.migrating) {
+            (Role::Running, Some(q), false) => q.clone(),
+            _ => {
+                return Err(ApiError::Conflict {
+                    reason: format!("vm {name} is not running here, or is migrating"),
+                })
+            }
+        };
+        let (index, plug) = slot
+            .spec
+            .disks
+            .iter()
+            .enumerate()
+            .find(|(_, d)| d.disk == disk)
+            .ok_or_else(|| ApiError::not_found(&format!("disk of vm {name}"), disk))?;
+        let (host, port, export) = plug.parse_uri()?;
+        let spec = slot.spec.clone();
+        drop(st);
+        // a new name for each connection; the one it replaces goes
+        let file_node = format!("disk{index}-f{}", ferry_api::util::now_ms());
+        let old: Vec<String> = q
+            .qmp
+            .block_nodes()
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|n| n.starts_with(&format!("disk{index}-f")))
+            .collect();
+        q.qmp
+            .grow_disk(
+                index,
+                qemu::nbd_node(&self.cfg.qemu, &host, port, &export),
+                &file_node,
+                size,
+            )
+            .await
+            .map_err(|e| ApiError::unavailable(format!("growing disk {disk} of {name}"), e))?;
+        for n in old {
+            let _ = q.qmp.blockdev_del(&n).await;
+        }
+        tracing::info!(vm = %name, disk, size, "disk grown");
         Ok(self.vm_info(&spec, &Role::Running, Some(&q)).await)
     }
 

@@ -35,6 +35,7 @@ pub mod qemu;
 pub mod qga;
 pub mod qmp;
 pub mod recover;
+pub mod resilience;
 pub mod validate;
 
 use std::path::PathBuf;
@@ -64,6 +65,8 @@ pub struct AgentConfig {
     /// The CPU models this host offers guests (None: every model QEMU can
     /// run here), for clusters kept to a common baseline.
     pub cpu_models: Option<Vec<String>>,
+    /// A VM paused for its storage this long is stopped (see [`resilience`]).
+    pub storage_pause_max: std::time::Duration,
 }
 
 pub use host::Agent;

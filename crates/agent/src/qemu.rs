@@ -72,26 +72,34 @@ pub struct QemuConfig {
     /// with it (QEMU object `tls-creds-x509` [`NBD_TLS`]); `None` under
     /// `--insecure-http`.
     pub tls_dir: Option<PathBuf>,
+    /// How long a guest's I/O waits for a lost NBD connection before the
+    /// guest is paused for its storage (QEMU's NBD `reconnect-delay`).
+    pub storage_pause_after: Duration,
 }
 
 /// The id of QEMU's TLS credentials for NBD.
 pub const NBD_TLS: &str = "ferry-tls";
 
-/// How long a guest's disk I/O waits for a lost NBD connection to come
-/// back (a storage node restarting) before it fails: QEMU reconnects on its
-/// own and reruns what was in flight.
-pub const NBD_RECONNECT_S: u32 = 30;
+/// How long a guest's disk I/O waits for a lost NBD connection by default
+/// (QEMU reconnects on its own and reruns what was in flight) before the
+/// guest is paused for its storage (see [`crate::resilience`]).
+pub const STORAGE_PAUSE_AFTER: Duration = Duration::from_secs(5);
+
+/// The error policy of every disk device: a failed request stops the VM
+/// (run state `io-error`) and is kept for a retry on `cont`; the guest
+/// never sees the error (see [`crate::resilience`]).
+pub const DISK_ERROR_POLICY: &str = "werror=stop,rerror=stop";
 
 /// An NBD blockdev `file` node for `host:port`/`export`, over TLS when the
-/// host has a certificate.
-pub fn nbd_node(tls: bool, host: &str, port: u16, export: &str) -> serde_json::Value {
+/// host has a certificate, reconnecting for [`QemuConfig::storage_pause_after`].
+pub fn nbd_node(cfg: &QemuConfig, host: &str, port: u16, export: &str) -> serde_json::Value {
     let mut n = serde_json::json!({
         "driver": "nbd",
         "server": {"type": "inet", "host": host, "port": port.to_string()},
         "export": export,
-        "reconnect-delay": NBD_RECONNECT_S,
+        "reconnect-delay": cfg.storage_pause_after.as_secs().max(1),
     });
-    if tls {
+    if cfg.tls_dir.is_some() {
         n["tls-creds"] = NBD_TLS.into();
     }
     n
@@ -353,7 +361,7 @@ fn device_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path) -> Vec<String> {
                 let Ok((host, port, export)) = plug.parse_uri() else {
                     continue; // refused by VmSpec::validate before any launch
                 };
-                nbd_node(cfg.tls_dir.is_some(), &host, port, &export)
+                nbd_node(cfg, &host, port, &export)
             }
             (None, Some(p)) => serde_json::json!({"driver": "file", "filename": p}),
             // a Ferry disk the control service did not resolve
@@ -375,7 +383,7 @@ fn device_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path) -> Vec<String> {
             "-blockdev".to_string(),
             node.to_string(),
             "-device".to_string(),
-            format!("virtio-blk-pci,drive=drive{i},id=vdrive{i}{boot}"),
+            format!("virtio-blk-pci,drive=drive{i},id=vdrive{i}{boot},{DISK_ERROR_POLICY}"),
         ]);
     }
     for (i, n) in spec.nics.iter().enumerate() {
@@ -499,13 +507,13 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
         let blockdev = serde_json::json!({
             "driver": "raw",
             "node-name": format!("disk{i}"),
-            "file": nbd_node(cfg.tls_dir.is_some(), &host, port, &export),
+            "file": nbd_node(cfg, &host, port, &export),
         });
         a.extend([
             "-blockdev".to_string(),
             blockdev.to_string(),
             "-device".to_string(),
-            format!("virtio-blk-pci,drive=disk{i},id=vd{i},bus=rp{i}"),
+            format!("virtio-blk-pci,drive=disk{i},id=vd{i},bus=rp{i},{DISK_ERROR_POLICY}"),
         ]);
     }
     a.extend(device_args(cfg, spec, dir));
@@ -688,6 +696,7 @@ mod tests {
             kernel: "/k".into(),
             initrd: "/i".into(),
             ovmf: Default::default(),
+            storage_pause_after: STORAGE_PAUSE_AFTER,
         }
     }
 
@@ -743,7 +752,8 @@ mod tests {
             "file=/d/OVMF_VARS.fd",
             r#""driver":"qcow2""#,
             r#""export":"root/deb1""#,
-            "virtio-blk-pci,drive=drive0,id=vdrive0,bootindex=0",
+            "virtio-blk-pci,drive=drive0,id=vdrive0,bootindex=0,werror=stop,rerror=stop",
+            r#""reconnect-delay":5"#,
             r#""filename":"/srv/shared/data.img""#,
             &format!("tap,id=net0,ifname={},script=no", tap_name("deb1", 0)),
             "virtio-net-pci,netdev=net0,mac=52:54:00:aa:00:01",

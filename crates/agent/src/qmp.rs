@@ -214,8 +214,71 @@ struct DeviceAdd {
     id: String,
     drive: String,
     bus: String,
+    werror: &'static str,
+    rerror: &'static str,
 }
 qmp_command!(DeviceAdd, "device_add", qapi::Empty);
+
+/// `blockdev-add` of a whole node given as JSON (an NBD file node).
+#[derive(Serialize)]
+#[serde(transparent)]
+struct NbdAdd(serde_json::Value);
+qmp_command!(NbdAdd, "blockdev-add", qapi::Empty);
+
+#[derive(Serialize)]
+struct BlockdevReopen {
+    options: Vec<serde_json::Value>,
+}
+qmp_command!(BlockdevReopen, "blockdev-reopen", qapi::Empty);
+
+#[derive(Serialize)]
+struct BlockResize {
+    #[serde(rename = "node-name")]
+    node_name: String,
+    size: u64,
+}
+qmp_command!(BlockResize, "block_resize", qapi::Empty);
+
+#[derive(Serialize)]
+struct BlockdevDel {
+    #[serde(rename = "node-name")]
+    node_name: String,
+}
+qmp_command!(BlockdevDel, "blockdev-del", qapi::Empty);
+
+#[derive(Serialize)]
+struct QueryNamedBlockNodes {
+    flat: bool,
+}
+qmp_command!(
+    QueryNamedBlockNodes,
+    "query-named-block-nodes",
+    Vec<BlockInserted>
+);
+
+#[derive(Serialize)]
+struct QueryBlock {}
+qmp_command!(QueryBlock, "query-block", Vec<BlockInfo>);
+
+/// One block device (`query-block`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct BlockInfo {
+    #[serde(default)]
+    pub qdev: Option<String>,
+    /// `ok`, `failed` or `nospace`; present on devices that stop on errors.
+    #[serde(default)]
+    pub io_status: Option<String>,
+    #[serde(default)]
+    pub inserted: Option<BlockInserted>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct BlockInserted {
+    #[serde(default)]
+    pub node_name: Option<String>,
+}
 
 /// Guest-physical memory `[val, val + size)` written to `filename`.
 #[derive(Serialize)]
@@ -366,22 +429,16 @@ impl Qmp {
         self.call(a, DEFAULT_DEADLINE).await.map(drop)
     }
 
-    /// Hot-plugs disk number `index` (a virtio-blk on root port `rp{index}`)
-    /// reading NBD export `export` at `host:port`.
-    pub async fn plug_disk(
-        &self,
-        index: usize,
-        host: &str,
-        port: u16,
-        export: &str,
-        tls: bool,
-    ) -> Result<(), QmpError> {
+    /// Hot-plugs disk number `index` (a virtio-blk on root port `rp{index}`,
+    /// stopping the VM on I/O errors) reading through `file` (an NBD node,
+    /// [`crate::qemu::nbd_node`]).
+    pub async fn plug_disk(&self, index: usize, file: serde_json::Value) -> Result<(), QmpError> {
         let node = format!("disk{index}");
         self.call(
             BlockdevAdd {
                 driver: "raw",
                 node_name: node.clone(),
-                file: crate::qemu::nbd_node(tls, host, port, export),
+                file,
             },
             Duration::from_secs(20),
         )
@@ -392,11 +449,74 @@ impl Qmp {
                 id: format!("vd{index}"),
                 drive: node,
                 bus: format!("rp{index}"),
+                werror: "stop",
+                rerror: "stop",
             },
             DEFAULT_DEADLINE,
         )
         .await
         .map(|_| ())
+    }
+
+    /// Makes disk number `index` (raw node `disk{index}`) see a grown
+    /// export: a new NBD connection (`file`, named `file_node`) replaces the
+    /// old one under the raw node (`blockdev-reopen`; NBD fixes an export's
+    /// size at the handshake), then `block_resize` tells the device, which
+    /// tells the guest.
+    pub async fn grow_disk(
+        &self,
+        index: usize,
+        file: serde_json::Value,
+        file_node: &str,
+        size: u64,
+    ) -> Result<(), QmpError> {
+        let node = format!("disk{index}");
+        let mut file = file;
+        file["node-name"] = file_node.into();
+        self.call(NbdAdd(file), Duration::from_secs(20)).await?;
+        self.call(
+            BlockdevReopen {
+                options: vec![
+                    serde_json::json!({"driver": "raw", "node-name": node, "file": file_node}),
+                ],
+            },
+            Duration::from_secs(20),
+        )
+        .await?;
+        self.call(
+            BlockResize {
+                node_name: node,
+                size,
+            },
+            DEFAULT_DEADLINE,
+        )
+        .await
+        .map(drop)
+    }
+
+    /// Removes a node nothing uses any more (best effort).
+    pub async fn blockdev_del(&self, node: &str) -> Result<(), QmpError> {
+        self.call(
+            BlockdevDel {
+                node_name: node.to_string(),
+            },
+            DEFAULT_DEADLINE,
+        )
+        .await
+        .map(drop)
+    }
+
+    /// The names of every block node.
+    pub async fn block_nodes(&self) -> Result<Vec<String>, QmpError> {
+        let nodes = self
+            .call(QueryNamedBlockNodes { flat: true }, DEFAULT_DEADLINE)
+            .await?;
+        Ok(nodes.into_iter().filter_map(|n| n.node_name).collect())
+    }
+
+    /// Every block device and its I/O status.
+    pub async fn query_block(&self) -> Result<Vec<BlockInfo>, QmpError> {
+        self.call(QueryBlock {}, DEFAULT_DEADLINE).await
     }
 
     /// Writes `size` bytes of guest-physical memory from `addr` to `file`.

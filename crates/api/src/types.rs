@@ -343,6 +343,69 @@ pub struct VmInfo {
     /// How the host runs it: `kvm` or `tcg` (software emulation).
     #[serde(default)]
     pub accel: String,
+    /// The guest's storage stopped answering: the pause now under way, or
+    /// the last one (resumed, or the VM stopped), see [`StoragePause`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage_pause: Option<StoragePause>,
+}
+
+/// A guest paused because its storage stopped answering (VM storage
+/// resiliency): its disk I/O is held, never failed, and it runs on when the
+/// storage answers again, or is stopped when it has not within the host's
+/// window.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoragePause {
+    /// The storage the guest waits for: NBD endpoints (`HOST:PORT`) or
+    /// `local` (a file on the host); the control service adds node names.
+    pub storage: String,
+    /// Unix time, milliseconds, when the guest was paused.
+    pub since_ms: u64,
+    pub state: PauseState,
+    /// When it ended (resumed or stopped), Unix ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PauseState {
+    /// Paused now, waiting for its storage.
+    Paused,
+    /// The storage answered again and the guest runs on.
+    Resumed,
+    /// The storage did not answer within the window: the VM was stopped.
+    Stopped,
+}
+
+impl StoragePause {
+    pub fn active(&self) -> bool {
+        self.state == PauseState::Paused
+    }
+
+    /// `paused: storage (NODE, since 12:00:01 UTC, 42s)` and the like, for
+    /// lists and refusals.
+    pub fn describe(&self, now_ms: u64) -> String {
+        let since = crate::util::clock_utc(self.since_ms);
+        let end = self.until_ms.unwrap_or(now_ms);
+        let took = crate::size::human_duration(std::time::Duration::from_millis(
+            end.saturating_sub(self.since_ms),
+        ));
+        match self.state {
+            PauseState::Paused => {
+                format!("paused: storage ({}, since {since}, {took})", self.storage)
+            }
+            PauseState::Resumed => {
+                format!(
+                    "resumed after a storage pause ({}, at {since}, {took})",
+                    self.storage
+                )
+            }
+            PauseState::Stopped => format!(
+                "stopped: storage ({}) did not answer for {took} (paused at {since})",
+                self.storage
+            ),
+        }
+    }
 }
 
 /// The answer to "is this guest intact and still running?".

@@ -49,6 +49,20 @@ pub fn parse_rate_bits(t: &str) -> Option<u64> {
     (v.is_finite() && v > 0.0).then_some((v * scale) as u64)
 }
 
+/// Unix time now, milliseconds.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// The time of day of Unix time `ms`, `HH:MM:SS UTC`.
+pub fn clock_utc(ms: u64) -> String {
+    let s = ms / 1000 % 86_400;
+    format!("{:02}:{:02}:{:02} UTC", s / 3600, s / 60 % 60, s % 60)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

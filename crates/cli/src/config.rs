@@ -121,6 +121,11 @@ pub struct AgentFile {
     pub ovmf_code: Option<PathBuf>,
     /// UEFI variable store template (default `/usr/share/OVMF/OVMF_VARS_4M.fd`).
     pub ovmf_vars: Option<PathBuf>,
+    /// How long a guest's disk I/O waits for unreachable NBD storage before
+    /// the guest is paused (default `5s`; QEMU reconnects meanwhile).
+    pub storage_pause_after: Option<String>,
+    /// A guest paused for its storage this long is stopped (default `30m`).
+    pub storage_pause_max: Option<String>,
 }
 
 /// `/etc/ferry/control.toml`.

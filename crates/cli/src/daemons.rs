@@ -122,6 +122,7 @@ pub fn qemu_args(a: &QemuArgsArgs) -> anyhow::Result<i32> {
         initrd: img.initrd,
         ovmf: Default::default(),
         tls_dir: None,
+        storage_pause_after: ferry_agent::qemu::STORAGE_PAUSE_AFTER,
     };
     let mut args = vec![a.qemu.clone()];
     args.extend(ferry_agent::qemu::qemu_args(
@@ -233,6 +234,23 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
                 .map_err(|e| key("cpu_models", e.to_string()))?;
         }
     }
+    let duration = |k: &'static str, v: &Option<String>, default: std::time::Duration| match v {
+        Some(s) => ferry_api::size::parse_duration(k, s).map_err(|e| key(k, e.to_string())),
+        None => Ok(default),
+    };
+    let storage_pause_after = duration(
+        "storage_pause_after",
+        &f.storage_pause_after,
+        ferry_agent::qemu::STORAGE_PAUSE_AFTER,
+    )?;
+    if storage_pause_after < std::time::Duration::from_secs(1) {
+        return Err(key("storage_pause_after", "must be at least 1s".into()).into());
+    }
+    let storage_pause_max = duration(
+        "storage_pause_max",
+        &f.storage_pause_max,
+        ferry_agent::resilience::STORAGE_PAUSE_MAX,
+    )?;
     let mut ovmf = ferry_agent::hardware::Ovmf::default();
     if let Some(c) = &f.ovmf_code {
         ovmf.code = c.clone();
@@ -279,11 +297,13 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
             initrd,
             ovmf,
             tls_dir: None,
+            storage_pause_after,
         },
         nics,
         probe_port: f.probe_port.unwrap_or(ferry_api::DEFAULT_PROBE_PORT),
         storage_nic: f.storage_nic.clone(),
         cpu_models: f.cpu_models.clone(),
+        storage_pause_max,
     };
     Ok((
         cfg,

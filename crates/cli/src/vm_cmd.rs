@@ -309,9 +309,14 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
                     "NAME", "HOST", "STATE", "MEMORY", "FILL", "DIRTY/S", "CPU", "ACCEL", "PID",
                 ]);
                 for v in vms {
-                    let state = match (&v.in_doubt, &v.problem) {
-                        (Some(_), _) => format!("{} (in doubt)", v.state),
-                        (None, Some(_)) => format!("{} (check failed)", v.state),
+                    let now = ferry_api::util::now_ms();
+                    let state = match (&v.in_doubt, &v.problem, &v.storage_pause) {
+                        (Some(_), _, _) => format!("{} (in doubt)", v.state),
+                        // paused now, or stopped by the pause's window
+                        (None, _, Some(p)) if p.state != ferry_api::PauseState::Resumed => {
+                            p.describe(now)
+                        }
+                        (None, Some(_), _) => format!("{} (check failed)", v.state),
                         _ => v.state,
                     };
                     t.row(vec![

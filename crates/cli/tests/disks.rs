@@ -266,3 +266,221 @@ fn a_shared_disk_serves_two_guests_and_follows_a_migration() {
     ferry_ok(&["disk", "set", "quorum", "--no-policy"]);
     ferry_ok(&["qos", "policy", "rm", "quorum-cap"]);
 }
+
+/// A `FERRYDSK` block as the workload guest writes it (see
+/// `crates/lab/guest/workload.c`): (seed, seq) when intact.
+fn disk_block(b: &[u8]) -> Option<(u64, u64)> {
+    fn mix(mut x: u64) -> u64 {
+        x = x.wrapping_add(0x9E3779B97F4A7C15);
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D049BB133111EB);
+        x ^ (x >> 31)
+    }
+    let w = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
+    if &b[..8] != b"FERRYDSK" {
+        return None;
+    }
+    let (seed, seq) = (w(1), w(2));
+    (3..512)
+        .all(|i| w(i) == mix(seed ^ (seq << 20) ^ i as u64))
+        .then_some((seed, seq))
+}
+
+/// The journal ring of the guest with `seed` in a disk file read from
+/// outside: the sequence number at each ring position (None: not intact).
+fn journal_ring(file: &std::path::Path, seed: u64) -> Vec<Option<u64>> {
+    const SLOTS: u64 = 64;
+    const RING: u64 = 32;
+    let data = std::fs::read(file).unwrap();
+    let base = (SLOTS + (seed % SLOTS) * RING) * 4096;
+    (0..RING)
+        .map(|k| {
+            let off = (base + k * 4096) as usize;
+            disk_block(&data[off..off + 4096])
+                .filter(|(s, _)| *s == seed)
+                .map(|(_, q)| q)
+        })
+        .collect()
+}
+
+/// The VM list entry of `name`.
+fn vm_entry(name: &str) -> Value {
+    ferry_json(&["vm", "list"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == name)
+        .cloned()
+        .unwrap_or_else(|| panic!("{name} is not listed"))
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
+fn a_storage_outage_pauses_the_guest_and_loses_no_acknowledged_write() {
+    require_lab();
+    let _g = serial();
+    lab(2, 1);
+    let (vm, disk, seed) = ("sp1", "journal", 9u64);
+    remove_vm(vm);
+    let _ = ferry(&["disk", "rm", disk]);
+    ferry_ok(&[
+        "vm", "create", vm, "--host", "host1", "--memory", "256M", "--fill", "64M", "--seed", "9",
+    ]);
+    let _guard = VmGuard(vm);
+    ferry_ok(&["disk", "create", disk, "--size", "16M"]);
+    ferry_ok(&["disk", "attach", disk, vm]);
+    let t0 = Instant::now();
+    let before = loop {
+        match last_disk_line("host1", vm) {
+            Some((seq, 0, _)) if seq >= 5 => break seq,
+            Some((_, e, _)) if e > 0 => {
+                panic!("disk errors before the outage:\n{}", console("host1", vm))
+            }
+            _ => {}
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{vm} never wrote its disk"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+
+    // the storage node stops for 10 s
+    let pid: i32 = std::fs::read_to_string("/run/ferry/lab/control/storage.pid")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // SAFETY: kill(2) of the lab's storage node, a process this lab started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let outage = Instant::now();
+
+    // the guest pauses (after QEMU's 5 s of reconnecting), naming its storage
+    let paused = loop {
+        let v = vm_entry(vm);
+        if v["storage_pause"]["state"] == "paused" {
+            break v;
+        }
+        assert!(
+            outage.elapsed() < Duration::from_secs(9),
+            "{vm} did not pause for its storage: {v}\n{}",
+            agent_log_tail("host1", 20)
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    assert_eq!(paused["state"], "io-error", "{paused}");
+    let storage = paused["storage_pause"]["storage"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(storage.starts_with("storage1 ("), "{storage}");
+    let listed = ferry_ok(&["vm", "list"]);
+    assert!(listed.contains("paused: storage (storage1"), "{listed}");
+    // a move of a guest waiting for its storage is refused, saying so
+    let out = ferry(&["vm", "move", vm, "--to", "host2"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("paused: storage"), "{err}");
+    // paused, the guest acknowledges nothing
+    let during = last_disk_line("host1", vm).unwrap().0;
+    std::thread::sleep(Duration::from_secs(10).saturating_sub(outage.elapsed()));
+    ferry_ok(&["lab", "restart", "storage"]);
+
+    // it runs on by itself once the node answers
+    let back = Instant::now();
+    let resumed = loop {
+        let v = vm_entry(vm);
+        if v["storage_pause"]["state"] == "resumed" {
+            break v;
+        }
+        assert!(
+            back.elapsed() < Duration::from_secs(15),
+            "{vm} did not resume: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    assert_eq!(resumed["state"], "running", "{resumed}");
+    let p = &resumed["storage_pause"];
+    let paused_ms = p["until_ms"].as_u64().unwrap() - p["since_ms"].as_u64().unwrap();
+    assert!(
+        (3_000..20_000).contains(&paused_ms),
+        "paused for {paused_ms} ms: {p}"
+    );
+    let events = ferry_json(&["events", "--limit", "50"]);
+    let kinds: Vec<&str> = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["subject"] == vm)
+        .filter_map(|e| e["kind"].as_str())
+        .collect();
+    assert!(
+        kinds.contains(&"storage_pause") && kinds.contains(&"storage_resume"),
+        "{events}"
+    );
+
+    // the guest's own verifier: it writes on, and every write read back intact
+    let t1 = Instant::now();
+    let last = loop {
+        let (seq, errors, _) = last_disk_line("host1", vm).unwrap();
+        assert_eq!(errors, 0, "{}", console("host1", vm));
+        if seq > before.max(during) + 5 {
+            break seq;
+        }
+        assert!(
+            t1.elapsed() < Duration::from_secs(30),
+            "{vm} stopped writing at {seq}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    // and from outside: the disk file holds each of the last 32 acknowledged
+    // writes (or a later one in its ring position), every block intact
+    let file = std::path::Path::new("/run/ferry/lab/storage1/disks").join(format!("{disk}.img"));
+    let mut tries = 0;
+    loop {
+        let ring = journal_ring(&file, seed);
+        let missing: Vec<u64> = (last.saturating_sub(31)..=last)
+            .filter(|s| !matches!(ring[(s % 32) as usize], Some(q) if q >= *s && q % 32 == s % 32))
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        // a block being rewritten as it was read: read again
+        tries += 1;
+        assert!(
+            tries < 5,
+            "acknowledged writes missing from {}: {missing:?} (ring {ring:?})",
+            file.display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_intact_on(vm, "host1");
+
+    // the disk grows while the guest writes: the guest sees the new size at
+    // once; shrinking is refused
+    let grown = ferry_json(&["disk", "resize", disk, "--size", "32M"]);
+    assert_eq!(grown["size"], 32 << 20, "{grown}");
+    let t2 = Instant::now();
+    loop {
+        let text = console("host1", vm);
+        let size = text
+            .lines()
+            .rev()
+            .find(|l| l.starts_with("FERRY-DISK dev=vda "))
+            .and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix("size=")))
+            .and_then(|v| v.parse::<u64>().ok());
+        if size == Some(32 << 20) {
+            break;
+        }
+        assert!(
+            t2.elapsed() < Duration::from_secs(10),
+            "the guest sees {size:?} bytes"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let out = ferry(&["disk", "resize", disk, "--size", "16M"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("shrinking"));
+    let (_, errors, _) = last_disk_line("host1", vm).unwrap();
+    assert_eq!(errors, 0, "{}", console("host1", vm));
+}

@@ -15,6 +15,7 @@ mod drain_run;
 pub mod http;
 pub mod metrics;
 pub mod policy_manager;
+mod resilience;
 pub mod storage;
 pub mod store;
 pub mod tokens;
@@ -175,6 +176,8 @@ pub struct Control {
     pub tokens: tokens::Tokens,
     /// Which host may open which VM's disks (see [`access`]).
     access: access::Access,
+    /// Guests paused for their storage, as logged (see [`resilience`]).
+    pauses: resilience::Logged,
 }
 
 impl Control {
@@ -206,6 +209,7 @@ impl Control {
             store: Arc::new(store::Store::in_memory()),
             tokens: Default::default(),
             access: Default::default(),
+            pauses: Default::default(),
             down: Default::default(),
             last_validation: Default::default(),
             draining: Default::default(),
@@ -268,6 +272,7 @@ impl Control {
         let hosts = self.list_hosts().await;
         self.align_bandwidth(&hosts).await;
         self.sync_access(&hosts).await;
+        self.log_pauses(&hosts);
         {
             let mut down = lock(&self.down);
             for h in &hosts {
@@ -552,6 +557,7 @@ impl Control {
         for vms in futures::future::join_all(calls).await.into_iter().flatten() {
             out.extend(vms);
         }
+        self.name_pauses(&mut out);
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
     }

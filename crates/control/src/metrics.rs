@@ -176,6 +176,24 @@ pub fn render(hosts: &[HostEntry], flows: &[FlowInfo], rec: &Recorder) -> String
         "Bytes received on a NIC",
         nic(&|n| n.rx_bytes as f64),
     );
+    let now = ferry_api::util::now_ms();
+    o.family(
+        "ferry_vm_storage_paused_seconds",
+        "gauge",
+        "How long a guest has been paused waiting for its storage (0 when it is not paused)",
+        infos
+            .iter()
+            .flat_map(|i| i.vms.iter())
+            .filter(|v| v.state != "incoming")
+            .map(|v| {
+                let secs = match &v.storage_pause {
+                    Some(p) if p.active() => now.saturating_sub(p.since_ms) as f64 / 1e3,
+                    _ => 0.0,
+                };
+                (labels(&[("vm", &v.name), ("host", &v.host)]), secs)
+            })
+            .collect(),
+    );
     o.family(
         "ferry_nic_up",
         "gauge",
@@ -387,6 +405,28 @@ mod tests {
             text.contains("ferry_migration_state{vm=\"vm1\",source=\"host1\",target=\"host2\"} 2"),
             "{text}"
         );
+        // a guest paused for its storage, and one running
+        let host: HostEntry = serde_json::from_value(serde_json::json!({
+            "name": "host1", "agent_url": "", "reachable": true,
+            "info": {"name": "host1", "agent_url": "", "memory_total": 0, "memory_reserved": 0,
+                "memory_free": 0, "nics": [], "vms": [
+                {"name": "p", "host": "host1", "state": "io-error", "pid": 1,
+                 "spec": {"name": "p", "memory": 134217728u64, "fill": 0, "dirty_rate": 0},
+                 "storage_pause": {"storage": "storage1", "state": "paused",
+                    "since_ms": ferry_api::util::now_ms() - 4_000}},
+                {"name": "r", "host": "host1", "state": "running", "pid": 2,
+                 "spec": {"name": "r", "memory": 134217728u64, "fill": 0, "dirty_rate": 0}}]}
+        }))
+        .unwrap();
+        let text = render(&[host], &[], &rec);
+        let paused = |vm: &str| {
+            text.lines()
+                .find(|l| l.starts_with(&format!("ferry_vm_storage_paused_seconds{{vm=\"{vm}\"")))
+                .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .unwrap()
+        };
+        assert!((3.5..60.0).contains(&paused("p")), "{text}");
+        assert_eq!(paused("r"), 0.0, "{text}");
         // every sample line belongs to a family declared before it
         let mut declared = std::collections::BTreeSet::new();
         for l in text.lines() {

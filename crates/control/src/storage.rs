@@ -160,6 +160,31 @@ impl Control {
                         NODE_TIMEOUT,
                     )
                     .await?;
+                // every guest with the disk open sees the new size at once
+                let mut failed = Vec::new();
+                for vm in self.list_vms().await? {
+                    if vm.state == "incoming" || !vm.spec.disks.iter().any(|d| d.disk == name) {
+                        continue;
+                    }
+                    let path = format!("/vms/{}/disks/{name}/size", vm.name);
+                    let body = DiskResizeRequest { size: r.size };
+                    if let Err(e) = self
+                        .host(&vm.host)?
+                        .put::<_, VmInfo>(&path, &body, Duration::from_secs(30))
+                        .await
+                    {
+                        failed.push(format!("{} on {}: {e}", vm.name, vm.host));
+                    }
+                }
+                if !failed.is_empty() {
+                    return Err(ApiError::Conflict {
+                        reason: format!(
+                            "disk {name} grew to {} bytes, but these guests do not see it yet: {}",
+                            r.size,
+                            failed.join("; ")
+                        ),
+                    });
+                }
                 json(r)
             }
             StorageCommand::SetDisk { name, req } => {
@@ -259,6 +284,9 @@ impl Control {
             let r = c
                 .get::<Vec<DiskInfo>>("/disks", Duration::from_secs(2))
                 .await;
+            if let Ok(disks) = &r {
+                self.learn_endpoints(name, disks);
+            }
             ferry_api::storage::StorageNodeEntry {
                 name: name.clone(),
                 url: c.base().to_string(),

@@ -48,12 +48,7 @@ const HOSTS: &str = "/ferry/hosts/";
 const EVENTS: &str = "/ferry/events/";
 const CLUSTER: &str = "/ferry/cluster/";
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+use ferry_api::util::now_ms;
 
 impl Store {
     /// Opens (creating if needed) the SQLite state database at `path`.

@@ -56,12 +56,7 @@ pub struct Tokens {
     by_name: std::sync::Mutex<BTreeMap<String, Record>>,
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
+use ferry_api::util::now_ms;
 
 /// A new secret: `ferry_` and 64 hex digits.
 pub fn new_secret() -> String {

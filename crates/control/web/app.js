@@ -160,8 +160,19 @@ function updateVms(vms, hosts) {
     const btn = el("button", "Move");
     btn.id = "move-" + v.name;
     btn.onclick = () => moveVm(v.name, sel.value);
-    row(tbody, [v.name, v.host, v.state, mib(v.spec.memory), sel, btn]);
+    row(tbody, [v.name, v.host, vmState(v), mib(v.spec.memory), sel, btn]);
   }
+}
+
+// "paused: storage (storage1 (198.18.0.2:10809), since 12:00:01 UTC, 42s)"
+function vmState(v) {
+  const p = v.storage_pause;
+  if (!p || p.state === "resumed") return v.state;
+  const since = new Date(p.since_ms).toISOString().slice(11, 19) + " UTC";
+  const secs = Math.round(((p.until_ms || Date.now()) - p.since_ms) / 1000);
+  return p.state === "paused"
+    ? `paused: storage (${p.storage}, since ${since}, ${secs}s)`
+    : `stopped: storage (${p.storage}) did not answer for ${secs}s`;
 }
 
 async function moveVm(vm, to) {

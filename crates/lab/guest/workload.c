@@ -28,8 +28,13 @@
  * (header "FERRYDSK", seed, sequence, then a pattern of the three), with
  * O_DIRECT|O_DSYNC, reads it back, and reads every other slot, verifying any
  * block another guest wrote. Once a second, per disk:
- *   FERRY-DISK dev=vda seq=<n> errors=<n> peers=<seed>:<seq>,...
+ *   FERRY-DISK dev=vda seq=<n> errors=<n> size=<bytes> peers=<seed>:<seq>,...
  * so a test can see one guest's writes read by another on a shared disk.
+ * Each write also goes to the guest's journal ring: block
+ * SLOTS + slot * RING + seq % RING (on disks of at least JOURNAL_MIN bytes),
+ * so after an outage the last RING acknowledged writes can be read from
+ * outside: a ring holding seq-RING+1..seq, every block intact, where seq is
+ * at least the last one the console reported, lost no acknowledged write.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -97,6 +102,8 @@ static uint64_t now_ms(void) {
 
 #define SLOTS 64
 #define DISKS 4
+#define RING 32
+#define JOURNAL_MIN ((SLOTS + SLOTS * RING) * PAGE)
 
 static void disk_block(uint64_t *b, uint64_t s, uint64_t seq) {
     memcpy(b, "FERRYDSK", 8);
@@ -116,7 +123,7 @@ static void disk_loop(void) {
     uint64_t *buf, *all;
     if (posix_memalign((void **)&buf, PAGE, PAGE) || posix_memalign((void **)&all, PAGE, PAGE * SLOTS))
         _exit(1);
-    int fd[DISKS];
+    int fd[DISKS], journal[DISKS] = {0};
     uint64_t seq[DISKS] = {0}, errors[DISKS] = {0};
     for (int d = 0; d < DISKS; d++) fd[d] = -1;
     uint64_t slot = seed % SLOTS, round = 0;
@@ -127,9 +134,14 @@ static void disk_loop(void) {
             if (fd[d] < 0) {
                 fd[d] = open(dev, O_RDWR | O_DIRECT | O_DSYNC);
                 if (fd[d] < 0) continue;
+                journal[d] = lseek(fd[d], 0, SEEK_END) >= (off_t)JOURNAL_MIN;
             }
             seq[d]++;
             disk_block(buf, seed, seq[d]);
+            if (journal[d] && pwrite(fd[d], buf, PAGE, (SLOTS + slot * RING + seq[d] % RING) * PAGE) != (ssize_t)PAGE) {
+                errors[d]++;
+                continue;
+            }
             if (pwrite(fd[d], buf, PAGE, slot * PAGE) != (ssize_t)PAGE) { errors[d]++; continue; }
             memset(buf, 0, PAGE);
             if (pread(fd[d], buf, PAGE, slot * PAGE) != (ssize_t)PAGE || buf[2] != seq[d] || !disk_block_ok(buf)) {
@@ -156,8 +168,9 @@ static void disk_loop(void) {
                     len += snprintf(peers + len, sizeof peers - len, "%s%llu:%llu", len ? "," : "",
                                     (unsigned long long)b[1], (unsigned long long)b[2]);
             }
-            printf("FERRY-DISK dev=vd%c seq=%llu errors=%llu peers=%s\n", 'a' + d,
-                   (unsigned long long)seq[d], (unsigned long long)errors[d], peers);
+            off_t size = lseek(fd[d], 0, SEEK_END);
+            printf("FERRY-DISK dev=vd%c seq=%llu errors=%llu size=%lld peers=%s\n", 'a' + d,
+                   (unsigned long long)seq[d], (unsigned long long)errors[d], (long long)size, peers);
         }
         usleep(500 * 1000);
     }

@@ -261,6 +261,15 @@ impl Node {
         }
         let st = self.lock();
         let d = Self::disk(&st, name)?;
+        let now = self.disk_info(&st, name, d).size;
+        if size < now {
+            return Err(ApiError::invalid(
+                "size",
+                format!(
+                    "disk {name} is {now} bytes; shrinking it to {size} would cut off what guests wrote (refused)"
+                ),
+            ));
+        }
         d.export.resize(size).map_err(|e| io_err(name, e))?;
         self.save(&st)?;
         Ok(self.disk_info(&st, name, d))

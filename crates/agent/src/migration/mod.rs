@@ -232,6 +232,22 @@ impl Agent {
                     reason: format!("vm {name} is not running here"),
                 });
             };
+            // a guest waiting for its storage moves once it runs again
+            if let Some(p) = slot.storage_pause.as_ref().filter(|p| p.active()) {
+                return Err(ApiError::Conflict {
+                    reason: format!(
+                        "vm {name} is {}; it moves once its storage answers",
+                        p.describe(ferry_api::util::now_ms())
+                    ),
+                });
+            }
+            if matches!(q.qmp.status().await, Ok(s) if s.status == crate::resilience::IO_ERROR) {
+                return Err(ApiError::Conflict {
+                    reason: format!(
+                        "vm {name} is paused: storage (a disk's I/O failed); it moves once its storage answers"
+                    ),
+                });
+            }
             slot.migrating = true;
             (slot.spec.clone(), q.clone())
         };
