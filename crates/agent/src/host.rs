@@ -470,33 +470,72 @@ impl Agent {
             .enumerate()
             .find(|(_, d)| d.disk == disk)
             .ok_or_else(|| ApiError::not_found(&format!("disk of vm {name}"), disk))?;
-        let (host, port, export) = plug.parse_uri()?;
+        plug.parse_uri()?;
         let spec = slot.spec.clone();
         drop(st);
-        // a new name for each connection; the one it replaces goes
-        let file_node = format!("disk{index}-f{}", ferry_api::util::now_ms());
+        let node = format!("disk{index}");
+        self.reconnect_node(&q, &spec, &node)
+            .await
+            .map_err(|e| ApiError::unavailable(format!("growing disk {disk} of {name}"), e))?;
+        q.qmp
+            .block_resize(&node, size)
+            .await
+            .map_err(|e| ApiError::unavailable(format!("growing disk {disk} of {name}"), e))?;
+        tracing::info!(vm = %name, disk, size, "disk grown");
+        Ok(self.vm_info(&spec, &Role::Running, Some(&q)).await)
+    }
+
+    /// Opens a new NBD connection for block node `node` of a VM
+    /// (`disk{i}` or `drive{i}` of `spec`) and swaps it in; the connection
+    /// it replaces goes. `Ok(false)`: the node does not read over NBD.
+    pub async fn reconnect_node(
+        &self,
+        q: &QemuVm,
+        spec: &VmSpec,
+        node: &str,
+    ) -> Result<bool, crate::qmp::QmpError> {
+        let (uri, driver, read_only) = if let Some(i) = node.strip_prefix("disk") {
+            match i.parse::<usize>().ok().and_then(|i| spec.disks.get(i)) {
+                Some(d) => (d.uri.clone(), "raw", false),
+                None => return Ok(false),
+            }
+        } else if let Some(i) = node.strip_prefix("drive") {
+            match i.parse::<usize>().ok().and_then(|i| spec.drives.get(i)) {
+                Some(d) => match &d.nbd {
+                    Some(u) => (u.clone(), d.format.as_str(), d.readonly),
+                    None => return Ok(false),
+                },
+                None => return Ok(false),
+            }
+        } else {
+            return Ok(false);
+        };
+        let plug = ferry_api::DiskPlug {
+            disk: String::new(),
+            uri,
+        };
+        let Ok((host, port, export)) = plug.parse_uri() else {
+            return Ok(false);
+        };
+        // a new name for each connection; the ones it replaces go
+        let prefix = format!("{node}-f");
         let old: Vec<String> = q
             .qmp
             .block_nodes()
             .await
             .unwrap_or_default()
             .into_iter()
-            .filter(|n| n.starts_with(&format!("disk{index}-f")))
+            .filter(|n| n.starts_with(&prefix))
             .collect();
+        let file_node = format!("{prefix}{}", ferry_api::util::now_ms());
+        let file = qemu::nbd_node(&self.cfg.qemu, &host, port, &export);
         q.qmp
-            .grow_disk(
-                index,
-                qemu::nbd_node(&self.cfg.qemu, &host, port, &export),
-                &file_node,
-                size,
-            )
-            .await
-            .map_err(|e| ApiError::unavailable(format!("growing disk {disk} of {name}"), e))?;
+            .swap_file(node, driver, read_only, file, &file_node)
+            .await?;
         for n in old {
             let _ = q.qmp.blockdev_del(&n).await;
         }
-        tracing::info!(vm = %name, disk, size, "disk grown");
-        Ok(self.vm_info(&spec, &Role::Running, Some(&q)).await)
+        Ok(true)
     }
 
     pub async fn remove_vm(&self, name: &str) -> Result<(), ApiError> {

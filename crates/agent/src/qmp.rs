@@ -458,34 +458,44 @@ impl Qmp {
         .map(|_| ())
     }
 
-    /// Makes disk number `index` (raw node `disk{index}`) see a grown
-    /// export: a new NBD connection (`file`, named `file_node`) replaces the
-    /// old one under the raw node (`blockdev-reopen`; NBD fixes an export's
-    /// size at the handshake), then `block_resize` tells the device, which
-    /// tells the guest.
-    pub async fn grow_disk(
+    /// Puts a new connection under format node `node` (`driver`, e.g.
+    /// `raw`): `file`, an NBD node named `file_node`, is added (connecting
+    /// at once) and swapped in with `blockdev-reopen`. Used to see a grown
+    /// export (NBD fixes an export's size at the handshake) and to reconnect
+    /// at once to storage that answers again.
+    pub async fn swap_file(
         &self,
-        index: usize,
+        node: &str,
+        driver: &str,
+        read_only: bool,
         file: serde_json::Value,
         file_node: &str,
-        size: u64,
     ) -> Result<(), QmpError> {
-        let node = format!("disk{index}");
         let mut file = file;
         file["node-name"] = file_node.into();
         self.call(NbdAdd(file), Duration::from_secs(20)).await?;
-        self.call(
-            BlockdevReopen {
-                options: vec![
-                    serde_json::json!({"driver": "raw", "node-name": node, "file": file_node}),
-                ],
-            },
-            Duration::from_secs(20),
-        )
-        .await?;
+        let options = serde_json::json!({
+            "driver": driver, "node-name": node, "file": file_node, "read-only": read_only,
+        });
+        let r = self
+            .call(
+                BlockdevReopen {
+                    options: vec![options],
+                },
+                Duration::from_secs(20),
+            )
+            .await;
+        if r.is_err() {
+            let _ = self.blockdev_del(file_node).await;
+        }
+        r.map(drop)
+    }
+
+    /// Tells format node `node`'s device (and so the guest) its new size.
+    pub async fn block_resize(&self, node: &str, size: u64) -> Result<(), QmpError> {
         self.call(
             BlockResize {
-                node_name: node,
+                node_name: node.to_string(),
                 size,
             },
             DEFAULT_DEADLINE,

@@ -17,7 +17,9 @@
 //!    VM list carries it to `vm list`, the web page, metrics and the event
 //!    log.
 //! 4. It probes those endpoints (a TCP connect, 1 s); when all answer it
-//!    `cont`s the VM: QEMU reconnects and reissues the kept requests.
+//!    opens a fresh NBD connection under each failed node (`blockdev-add`
+//!    and `blockdev-reopen`: QEMU's own reconnection backs off up to 16 s)
+//!    and `cont`s the VM: QEMU reissues the kept requests.
 //! 5. A VM still paused after `storage_pause_max` (default 30 minutes) is
 //!    stopped, and its record says so.
 //!
@@ -127,23 +129,31 @@ pub fn endpoints(spec: &VmSpec) -> Vec<(String, String)> {
     out
 }
 
-/// The storage a VM stopped in `io-error` waits for: the endpoints of its
-/// failed devices (every endpoint when QEMU names none), `, `-joined.
-async fn failed_storage(spec: &VmSpec, q: &QemuVm) -> String {
-    let all = endpoints(spec);
-    let failed: Vec<String> = match q.qmp.query_block().await {
+/// The block nodes whose device stopped the VM on an error.
+async fn failed_nodes(q: &QemuVm) -> Vec<String> {
+    match q.qmp.query_block().await {
         Ok(blocks) => blocks
             .iter()
             .filter(|b| matches!(b.io_status.as_deref(), Some("failed" | "nospace")))
             .filter_map(|b| b.inserted.as_ref()?.node_name.clone())
-            .filter_map(|n| {
-                all.iter()
-                    .find(|(node, _)| *node == n)
-                    .map(|(_, e)| e.clone())
-            })
             .collect(),
         Err(_) => Vec::new(),
-    };
+    }
+}
+
+/// The storage a VM stopped in `io-error` waits for: the endpoints of its
+/// failed devices (every endpoint when QEMU names none), `, `-joined.
+async fn failed_storage(spec: &VmSpec, q: &QemuVm) -> String {
+    let all = endpoints(spec);
+    let failed: Vec<String> = failed_nodes(q)
+        .await
+        .into_iter()
+        .filter_map(|n| {
+            all.iter()
+                .find(|(node, _)| *node == n)
+                .map(|(_, e)| e.clone())
+        })
+        .collect();
     let mut names = if failed.is_empty() {
         all.into_iter().map(|(_, e)| e).collect()
     } else {
@@ -212,6 +222,14 @@ impl Agent {
                     let mut p = pause.clone().expect("an active pause");
                     if !storage_answers(&p.storage).await {
                         continue;
+                    }
+                    // QEMU's own reconnection backs off up to 16 s after an
+                    // outage: a fresh connection under each failed node
+                    // makes the retry on `cont` find the storage at once
+                    for node in failed_nodes(&q).await {
+                        if let Err(e) = self.reconnect_node(&q, &spec, &node).await {
+                            tracing::warn!(vm = %name, node, error = %e, "reconnecting to storage");
+                        }
                     }
                     if let Err(e) = q.qmp.cont().await {
                         tracing::warn!(vm = %name, error = %e, "resuming after a storage pause");

@@ -358,7 +358,8 @@ impl Control {
     ) -> Result<ferry_api::MigrationReport, ApiError> {
         let began = std::time::Instant::now();
         // a drain may move onto hosts only it reserved, so no draining check here
-        let (source, _) = self.locate(&m.vm).await?;
+        let (source, info) = self.locate(&m.vm).await?;
+        crate::refuse_storage_paused(&info)?;
         let mut events = self
             .begin_migration(&m.vm, &source, &m.to, option, Default::default())
             .await?;

@@ -689,7 +689,8 @@ impl Control {
         self.host(&req.to)?;
         self.refuse_draining(&req.to)?;
         self.refuse_down(&req.to).await?;
-        let (source, _) = self.locate(name).await?;
+        let (source, info) = self.locate(name).await?;
+        refuse_storage_paused(&info)?;
         if source == req.to {
             return Err(ApiError::invalid(
                 "to",
@@ -812,3 +813,18 @@ fn failed_path_warning(c: &CheckOutcome) -> String {
 }
 
 use ferry_api::util::lock;
+
+/// A guest paused for its storage does not move: its held I/O can complete
+/// nowhere else. Refused naming the pause.
+pub(crate) fn refuse_storage_paused(vm: &VmInfo) -> Result<(), ApiError> {
+    match &vm.storage_pause {
+        Some(p) if p.active() => Err(ApiError::Conflict {
+            reason: format!(
+                "vm {} is {}; it moves once its storage answers",
+                vm.name,
+                p.describe(ferry_api::util::now_ms())
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
