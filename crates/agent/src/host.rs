@@ -59,6 +59,16 @@ pub struct VmSlot {
 }
 
 impl VmSlot {
+    /// The QEMU of a VM running here and not migrating, for a change to it.
+    fn settled_qemu(&self, name: &str) -> Result<Arc<QemuVm>, ApiError> {
+        match (&self.role, &self.qemu, self.migrating) {
+            (Role::Running, Some(q), false) => Ok(q.clone()),
+            _ => Err(ApiError::Conflict {
+                reason: format!("vm {name} is not running here, or is migrating"),
+            }),
+        }
+    }
+
     pub fn new(spec: VmSpec, role: Role, qemu: Option<Arc<QemuVm>>) -> VmSlot {
         VmSlot {
             spec,
@@ -405,20 +415,13 @@ impl Agent {
         name: &str,
         plug: ferry_api::DiskPlug,
     ) -> Result<VmInfo, ApiError> {
-        let (host, port, export) = plug.parse_uri()?;
+        plug.parse_uri()?;
         let mut st = self.state.lock().await;
         let slot = st
             .vms
             .get_mut(name)
             .ok_or_else(|| ApiError::not_found("vm", name))?;
-        let q = match (&slot.role, &slot.qemu, slot.migrating) {
-            (Role::Running, Some(q), false) => q.clone(),
-            _ => {
-                return Err(ApiError::Conflict {
-                    reason: format!("vm {name} is not running here, or is migrating"),
-                })
-            }
-        };
+        let q = slot.settled_qemu(name)?;
         if slot.spec.disks.iter().any(|d| d.disk == plug.disk) {
             return Err(ApiError::AlreadyExists {
                 kind: format!("disk of vm {name}"),
@@ -432,8 +435,9 @@ impl Agent {
                 format!("vm {name} has {index} disks, the most it takes"),
             ));
         }
+        let node = qemu::BlockNode::disk(index, &plug).expect("a parsed URI");
         q.qmp
-            .plug_disk(index, qemu::nbd_node(&self.cfg.qemu, &host, port, &export))
+            .plug_disk(index, node.blockdev(&self.cfg.qemu))
             .await
             .map_err(|e| ApiError::unavailable(format!("plugging {} into {name}", plug.disk), e))?;
         slot.spec.disks.push(plug);
@@ -448,21 +452,15 @@ impl Agent {
     }
 
     /// Disk `disk` of VM `name` grew to `size` on its storage node: the
-    /// guest sees the new size at once (see [`crate::qmp::Qmp::grow_disk`]).
+    /// guest sees the new size at once: a fresh connection under its node
+    /// ([`Agent::reconnect_node`]), then `block_resize`.
     pub async fn grow_disk(&self, name: &str, disk: &str, size: u64) -> Result<VmInfo, ApiError> {
         let st = self.state.lock().await;
         let slot = st
             .vms
             .get(name)
             .ok_or_else(|| ApiError::not_found("vm", name))?;
-        let q = match (&slot.role, &slot.qemu, slot.migrating) {
-            (Role::Running, Some(q), false) => q.clone(),
-            _ => {
-                return Err(ApiError::Conflict {
-                    reason: format!("vm {name} is not running here, or is migrating"),
-                })
-            }
-        };
+        let q = slot.settled_qemu(name)?;
         let (index, plug) = slot
             .spec
             .disks
@@ -494,29 +492,12 @@ impl Agent {
         spec: &VmSpec,
         node: &str,
     ) -> Result<bool, crate::qmp::QmpError> {
-        let (uri, driver, read_only) = if let Some(i) = node.strip_prefix("disk") {
-            match i.parse::<usize>().ok().and_then(|i| spec.disks.get(i)) {
-                Some(d) => (d.uri.clone(), "raw", false),
-                None => return Ok(false),
-            }
-        } else if let Some(i) = node.strip_prefix("drive") {
-            match i.parse::<usize>().ok().and_then(|i| spec.drives.get(i)) {
-                Some(d) => match &d.nbd {
-                    Some(u) => (u.clone(), d.format.as_str(), d.readonly),
-                    None => return Ok(false),
-                },
-                None => return Ok(false),
-            }
-        } else {
+        let Some(n) = qemu::block_nodes(spec).into_iter().find(|n| n.name == node) else {
             return Ok(false);
         };
-        let plug = ferry_api::DiskPlug {
-            disk: String::new(),
-            uri,
-        };
-        let Ok((host, port, export)) = plug.parse_uri() else {
+        if !matches!(n.backing, qemu::Backing::Nbd { .. }) {
             return Ok(false);
-        };
+        }
         // a new name for each connection; the ones it replaces go
         let prefix = format!("{node}-f");
         let old: Vec<String> = q
@@ -528,9 +509,14 @@ impl Agent {
             .filter(|n| n.starts_with(&prefix))
             .collect();
         let file_node = format!("{prefix}{}", ferry_api::util::now_ms());
-        let file = qemu::nbd_node(&self.cfg.qemu, &host, port, &export);
         q.qmp
-            .swap_file(node, driver, read_only, file, &file_node)
+            .swap_file(
+                node,
+                n.driver,
+                n.read_only,
+                n.file(&self.cfg.qemu),
+                &file_node,
+            )
             .await?;
         for n in old {
             let _ = q.qmp.blockdev_del(&n).await;

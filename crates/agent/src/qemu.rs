@@ -105,6 +105,94 @@ pub fn nbd_node(cfg: &QemuConfig, host: &str, port: u16, export: &str) -> serde_
     n
 }
 
+/// Where one of a VM's block nodes reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backing {
+    Nbd {
+        host: String,
+        port: u16,
+        export: String,
+    },
+    /// A file on this host (shared storage).
+    File(String),
+}
+
+/// One block node Ferry gives a VM: `disk{i}` for each Ferry disk plugged
+/// (raw over NBD), `drive{i}` for each drive of a user's VM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockNode {
+    pub name: String,
+    pub driver: &'static str,
+    pub read_only: bool,
+    pub backing: Backing,
+}
+
+impl BlockNode {
+    /// Disk `i` of the spec's plugged disks; `None` for a URI
+    /// `VmSpec::validate` refuses before any launch.
+    pub fn disk(i: usize, d: &ferry_api::DiskPlug) -> Option<BlockNode> {
+        let (host, port, export) = d.parse_uri().ok()?;
+        Some(BlockNode {
+            name: format!("disk{i}"),
+            driver: "raw",
+            read_only: false,
+            backing: Backing::Nbd { host, port, export },
+        })
+    }
+
+    /// Drive `i` of a user's VM; `None` for a Ferry disk the control
+    /// service did not resolve.
+    pub fn drive(i: usize, d: &ferry_api::hardware::Drive) -> Option<BlockNode> {
+        let backing = match (&d.nbd, &d.path) {
+            (Some(uri), _) => {
+                let (host, port, export) = ferry_api::parse_nbd_uri(uri).ok()?;
+                Backing::Nbd { host, port, export }
+            }
+            (None, Some(p)) => Backing::File(p.clone()),
+            (None, None) => return None,
+        };
+        Some(BlockNode {
+            name: format!("drive{i}"),
+            driver: d.format.as_str(),
+            read_only: d.readonly,
+            backing,
+        })
+    }
+
+    /// Its `file` child: an NBD node ([`nbd_node`]) or a local file.
+    pub fn file(&self, cfg: &QemuConfig) -> serde_json::Value {
+        match &self.backing {
+            Backing::Nbd { host, port, export } => nbd_node(cfg, host, *port, export),
+            Backing::File(p) => serde_json::json!({"driver": "file", "filename": p}),
+        }
+    }
+
+    /// The whole `-blockdev` node.
+    pub fn blockdev(&self, cfg: &QemuConfig) -> serde_json::Value {
+        serde_json::json!({
+            "driver": self.driver,
+            "node-name": self.name,
+            "read-only": self.read_only,
+            "file": self.file(cfg),
+        })
+    }
+}
+
+/// Every block node of a VM, disks then drives.
+pub fn block_nodes(spec: &VmSpec) -> Vec<BlockNode> {
+    let disks = spec
+        .disks
+        .iter()
+        .enumerate()
+        .filter_map(|(i, d)| BlockNode::disk(i, d));
+    let drives = spec
+        .drives
+        .iter()
+        .enumerate()
+        .filter_map(|(i, d)| BlockNode::drive(i, d));
+    disks.chain(drives).collect()
+}
+
 /// A running QEMU and its QMP session.
 pub struct QemuVm {
     pub dir: PathBuf,
@@ -352,27 +440,9 @@ fn boot_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path) -> Vec<String> {
 fn device_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path) -> Vec<String> {
     let mut a = Vec::new();
     for (i, d) in spec.drives.iter().enumerate() {
-        let file = match (&d.nbd, &d.path) {
-            (Some(uri), _) => {
-                let plug = ferry_api::DiskPlug {
-                    disk: String::new(),
-                    uri: uri.clone(),
-                };
-                let Ok((host, port, export)) = plug.parse_uri() else {
-                    continue; // refused by VmSpec::validate before any launch
-                };
-                nbd_node(cfg, &host, port, &export)
-            }
-            (None, Some(p)) => serde_json::json!({"driver": "file", "filename": p}),
-            // a Ferry disk the control service did not resolve
-            (None, None) => continue,
+        let Some(node) = BlockNode::drive(i, d) else {
+            continue;
         };
-        let node = serde_json::json!({
-            "driver": d.format.as_str(),
-            "node-name": format!("drive{i}"),
-            "read-only": d.readonly,
-            "file": file,
-        });
         // firmware boots the first drive (a direct kernel boot has its own)
         let boot = if i == 0 && spec.firmware != ferry_api::hardware::Firmware::Kernel {
             ",bootindex=0"
@@ -381,7 +451,7 @@ fn device_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path) -> Vec<String> {
         };
         a.extend([
             "-blockdev".to_string(),
-            node.to_string(),
+            node.blockdev(cfg).to_string(),
             "-device".to_string(),
             format!("virtio-blk-pci,drive=drive{i},id=vdrive{i}{boot},{DISK_ERROR_POLICY}"),
         ]);
@@ -501,17 +571,12 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
         ]);
     }
     for (i, d) in spec.disks.iter().enumerate() {
-        let Ok((host, port, export)) = d.parse_uri() else {
+        let Some(node) = BlockNode::disk(i, d) else {
             continue; // refused by VmSpec::validate before any launch
         };
-        let blockdev = serde_json::json!({
-            "driver": "raw",
-            "node-name": format!("disk{i}"),
-            "file": nbd_node(cfg, &host, port, &export),
-        });
         a.extend([
             "-blockdev".to_string(),
-            blockdev.to_string(),
+            node.blockdev(cfg).to_string(),
             "-device".to_string(),
             format!("virtio-blk-pci,drive=disk{i},id=vd{i},bus=rp{i},{DISK_ERROR_POLICY}"),
         ]);

@@ -197,17 +197,6 @@ pub const ANNOUNCE: AnnounceSelf = AnnounceSelf {
     step: 100,
 };
 
-/// `blockdev-add` of a raw disk over NBD.
-#[derive(Serialize)]
-struct BlockdevAdd {
-    driver: &'static str,
-    #[serde(rename = "node-name")]
-    node_name: String,
-    /// An NBD node ([`crate::qemu::nbd_node`]).
-    file: serde_json::Value,
-}
-qmp_command!(BlockdevAdd, "blockdev-add", qapi::Empty);
-
 #[derive(Serialize)]
 struct DeviceAdd {
     driver: &'static str,
@@ -219,11 +208,12 @@ struct DeviceAdd {
 }
 qmp_command!(DeviceAdd, "device_add", qapi::Empty);
 
-/// `blockdev-add` of a whole node given as JSON (an NBD file node).
+/// `blockdev-add` of a whole node given as JSON (see
+/// [`crate::qemu::BlockNode`]).
 #[derive(Serialize)]
 #[serde(transparent)]
-struct NbdAdd(serde_json::Value);
-qmp_command!(NbdAdd, "blockdev-add", qapi::Empty);
+struct BlockdevAdd(serde_json::Value);
+qmp_command!(BlockdevAdd, "blockdev-add", qapi::Empty);
 
 #[derive(Serialize)]
 struct BlockdevReopen {
@@ -430,24 +420,20 @@ impl Qmp {
     }
 
     /// Hot-plugs disk number `index` (a virtio-blk on root port `rp{index}`,
-    /// stopping the VM on I/O errors) reading through `file` (an NBD node,
-    /// [`crate::qemu::nbd_node`]).
-    pub async fn plug_disk(&self, index: usize, file: serde_json::Value) -> Result<(), QmpError> {
-        let node = format!("disk{index}");
-        self.call(
-            BlockdevAdd {
-                driver: "raw",
-                node_name: node.clone(),
-                file,
-            },
-            Duration::from_secs(20),
-        )
-        .await?;
+    /// stopping the VM on I/O errors) reading format node `blockdev`
+    /// (`disk{index}`, [`crate::qemu::BlockNode::blockdev`]).
+    pub async fn plug_disk(
+        &self,
+        index: usize,
+        blockdev: serde_json::Value,
+    ) -> Result<(), QmpError> {
+        self.call(BlockdevAdd(blockdev), Duration::from_secs(20))
+            .await?;
         self.call(
             DeviceAdd {
                 driver: "virtio-blk-pci",
                 id: format!("vd{index}"),
-                drive: node,
+                drive: format!("disk{index}"),
                 bus: format!("rp{index}"),
                 werror: "stop",
                 rerror: "stop",
@@ -473,7 +459,8 @@ impl Qmp {
     ) -> Result<(), QmpError> {
         let mut file = file;
         file["node-name"] = file_node.into();
-        self.call(NbdAdd(file), Duration::from_secs(20)).await?;
+        self.call(BlockdevAdd(file), Duration::from_secs(20))
+            .await?;
         let options = serde_json::json!({
             "driver": driver, "node-name": node, "file": file_node, "read-only": read_only,
         });

@@ -33,7 +33,7 @@ use ferry_api::util::now_ms;
 use ferry_api::{PauseState, StoragePause, VmSpec};
 
 use crate::host::Role;
-use crate::qemu::QemuVm;
+use crate::qemu::{Backing, QemuVm};
 use crate::Agent;
 
 /// QEMU's run state for a VM stopped by a disk's error policy.
@@ -101,32 +101,16 @@ pub fn begin(storage: String, last: Option<&StoragePause>, now: u64) -> StorageP
 /// The storage behind each of the VM's block nodes: `(node-name, HOST:PORT
 /// or "local")`.
 pub fn endpoints(spec: &VmSpec) -> Vec<(String, String)> {
-    let nbd = |uri: &str| {
-        ferry_api::DiskPlug {
-            disk: String::new(),
-            uri: uri.to_string(),
-        }
-        .parse_uri()
-        .ok()
-        .map(|(h, p, _)| format!("{h}:{p}"))
-    };
-    let mut out = Vec::new();
-    for (i, d) in spec.disks.iter().enumerate() {
-        if let Some(e) = nbd(&d.uri) {
-            out.push((format!("disk{i}"), e));
-        }
-    }
-    for (i, d) in spec.drives.iter().enumerate() {
-        let e = match (&d.nbd, &d.path) {
-            (Some(uri), _) => nbd(uri),
-            (None, Some(_)) => Some("local".to_string()),
-            (None, None) => None,
-        };
-        if let Some(e) = e {
-            out.push((format!("drive{i}"), e));
-        }
-    }
-    out
+    crate::qemu::block_nodes(spec)
+        .into_iter()
+        .map(|n| {
+            let e = match n.backing {
+                Backing::Nbd { host, port, .. } => format!("{host}:{port}"),
+                Backing::File(_) => "local".to_string(),
+            };
+            (n.name, e)
+        })
+        .collect()
 }
 
 /// The block nodes whose device stopped the VM on an error.

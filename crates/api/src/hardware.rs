@@ -214,12 +214,7 @@ impl Drive {
             crate::validate_name(&format!("{field}.disk"), d)?;
         }
         if let Some(uri) = &self.nbd {
-            crate::DiskPlug {
-                disk: String::new(),
-                uri: uri.clone(),
-            }
-            .parse_uri()
-            .map_err(|e| match e {
+            crate::parse_nbd_uri(uri).map_err(|e| match e {
                 ApiError::InvalidArgument { reason, .. } => {
                     ApiError::invalid(&format!("{field}.nbd"), reason)
                 }

@@ -189,19 +189,23 @@ pub struct DiskPlug {
 impl DiskPlug {
     /// (host, port, export) of the URI.
     pub fn parse_uri(&self) -> Result<(String, u16, String), ApiError> {
-        let bad = |why: &str| ApiError::invalid("uri", format!("'{}' {why}", self.uri));
-        let rest = self
-            .uri
-            .strip_prefix("nbd://")
-            .ok_or_else(|| bad("is not nbd://HOST:PORT/EXPORT"))?;
-        let (addr, export) = rest.split_once('/').ok_or_else(|| bad("has no export"))?;
-        let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad("has no port"))?;
-        let port = port.parse().map_err(|_| bad("has a bad port"))?;
-        if host.is_empty() || export.is_empty() {
-            return Err(bad("is not nbd://HOST:PORT/EXPORT"));
-        }
-        Ok((host.to_string(), port, export.to_string()))
+        parse_nbd_uri(&self.uri)
     }
+}
+
+/// (host, port, export) of an `nbd://HOST:PORT/EXPORT` URI.
+pub fn parse_nbd_uri(uri: &str) -> Result<(String, u16, String), ApiError> {
+    let bad = |why: &str| ApiError::invalid("uri", format!("'{uri}' {why}"));
+    let rest = uri
+        .strip_prefix("nbd://")
+        .ok_or_else(|| bad("is not nbd://HOST:PORT/EXPORT"))?;
+    let (addr, export) = rest.split_once('/').ok_or_else(|| bad("has no export"))?;
+    let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad("has no port"))?;
+    let port = port.parse().map_err(|_| bad("has a bad port"))?;
+    if host.is_empty() || export.is_empty() {
+        return Err(bad("is not nbd://HOST:PORT/EXPORT"));
+    }
+    Ok((host.to_string(), port, export.to_string()))
 }
 
 fn default_verify_rate() -> u64 {

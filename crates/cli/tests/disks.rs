@@ -305,12 +305,9 @@ fn journal_ring(file: &std::path::Path, seed: u64) -> Vec<Option<u64>> {
 
 /// The VM list entry of `name`.
 fn vm_entry(name: &str) -> Value {
-    ferry_json(&["vm", "list"])
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|v| v["name"] == name)
-        .cloned()
+    vm_entries(name)
+        .into_iter()
+        .next()
         .unwrap_or_else(|| panic!("{name} is not listed"))
 }
 
