@@ -53,6 +53,100 @@ pub struct DiskSetRequest {
     pub policy: Option<String>,
 }
 
+/// `ferry disk backup DISK --to PATH`: a crash-consistent copy of the disk
+/// as it was when the request arrived, written by its storage node to
+/// `path` (on the node; absolute, not existing yet) as a sparse raw image,
+/// with a manifest `PATH.json` written last.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackupRequest {
+    pub path: String,
+    /// Only what changed since the disk's last backup (the file holds those
+    /// extents, holes elsewhere; its manifest lists them and the base).
+    #[serde(default)]
+    pub incremental: bool,
+    /// Bytes per second the background copy may read (default: unlimited);
+    /// writes racing the copy are preserved at once whatever the rate.
+    #[serde(default)]
+    pub max_rate: Option<u64>,
+}
+
+/// `ferry disk checkpoint create DISK NAME`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointRequest {
+    pub name: String,
+    #[serde(default)]
+    pub max_rate: Option<u64>,
+}
+
+/// What a point-in-time copy job is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobKind {
+    Backup,
+    IncrementalBackup,
+    Checkpoint,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    Running,
+    Done,
+    Failed,
+}
+
+/// A disk's copy job (the last one of each disk is kept until the next).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobInfo {
+    pub disk: String,
+    pub node: String,
+    pub kind: JobKind,
+    /// The backup's path, or the checkpoint's name.
+    pub target: String,
+    pub state: JobState,
+    /// The instant the copy is of (ms since the epoch).
+    pub instant_ms: u64,
+    pub finished_ms: Option<u64>,
+    /// The disk's size at the instant.
+    pub size: u64,
+    /// Bytes to copy (allocated, or changed since the base) and copied so far.
+    pub bytes_total: u64,
+    pub bytes_done: u64,
+    /// Of those, bytes copied ahead of a guest's write to them.
+    pub bytes_preserved: u64,
+    /// An incremental backup's base: the previous backup's path.
+    pub base: Option<String>,
+    pub error: Option<String>,
+}
+
+/// The manifest next to a backup (`PATH.json`) or checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackupManifest {
+    pub disk: String,
+    pub node: String,
+    pub kind: JobKind,
+    pub instant_ms: u64,
+    pub size: u64,
+    /// Byte extents the file holds; elsewhere it is a hole: zero for a full
+    /// backup, unchanged since `base` for an incremental one.
+    pub extents: Vec<(u64, u64)>,
+    pub base: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointInfo {
+    pub disk: String,
+    pub name: String,
+    pub instant_ms: u64,
+    pub size: u64,
+    /// Bytes the checkpoint holds (allocated extents of the disk).
+    pub bytes: u64,
+    /// False while it is being taken.
+    pub ready: bool,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DiskInfo {
     pub name: String,

@@ -5,8 +5,9 @@ use std::time::Duration;
 use clap::{Subcommand, ValueEnum};
 use ferry_api::size::{human_bytes, parse_size};
 use ferry_api::storage::{
-    DiskAttachRequest, DiskCreateRequest, DiskInfo, DiskResizeRequest, DiskSetRequest, FlowInfo,
-    Policy, PolicyKind, PolicyUpdate, QosSettings,
+    BackupRequest, CheckpointInfo, CheckpointRequest, DiskAttachRequest, DiskCreateRequest,
+    DiskInfo, DiskResizeRequest, DiskSetRequest, FlowInfo, JobInfo, JobKind, JobState, Policy,
+    PolicyKind, PolicyUpdate, QosSettings,
 };
 use ferry_api::VmInfo;
 
@@ -84,6 +85,70 @@ pub enum DiskCmd {
         vm: String,
         #[arg(long)]
         json: bool,
+    },
+    /// Back up a disk while guests write to it: a crash-consistent copy of
+    /// the instant the command arrives, written by the disk's storage node
+    /// to PATH (on that node) as a sparse raw image, with PATH.json.
+    Backup {
+        disk: String,
+        /// Absolute path on the storage node; must not exist yet.
+        #[arg(long = "to")]
+        path: String,
+        /// Only what changed since the disk's last backup.
+        #[arg(long)]
+        incremental: bool,
+        /// Bytes per second the copy may read, e.g. 50M (default: unlimited).
+        #[arg(long)]
+        max_rate: Option<String>,
+        /// Return once the copy has started.
+        #[arg(long)]
+        no_wait: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// The disk's last backup or checkpoint job.
+    Job {
+        disk: String,
+        /// Follow it to its end.
+        #[arg(long)]
+        wait: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Checkpoints: point-in-time copies kept on the disk's storage node.
+    #[command(subcommand)]
+    Checkpoint(CheckpointCmd),
+}
+
+#[derive(Subcommand)]
+pub enum CheckpointCmd {
+    /// Take one while guests write (a full copy of the allocated data).
+    Create {
+        disk: String,
+        name: String,
+        #[arg(long)]
+        max_rate: Option<String>,
+        #[arg(long)]
+        no_wait: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    List {
+        disk: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Make the disk what it was at the checkpoint (refused while a VM has
+    /// the disk attached).
+    Revert {
+        disk: String,
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    Rm {
+        disk: String,
+        name: String,
     },
 }
 
@@ -261,6 +326,30 @@ pub async fn run_disk(cli: &Cli, cmd: &DiskCmd) -> anyhow::Result<i32> {
             let d: DiskInfo = c.put(&format!("/disks/{name}/policy"), &req, T).await?;
             show(*json, &d, || print_disks(std::slice::from_ref(&d)));
         }
+        DiskCmd::Backup {
+            disk,
+            path,
+            incremental,
+            max_rate,
+            no_wait,
+            json,
+        } => {
+            let req = BackupRequest {
+                path: path.clone(),
+                incremental: *incremental,
+                max_rate: max_rate
+                    .as_deref()
+                    .map(|r| parse_size("--max-rate", r))
+                    .transpose()?,
+            };
+            let j: JobInfo = c.post(&format!("/disks/{disk}/backups"), &req, T).await?;
+            return follow_job(&c, j, *no_wait, *json).await;
+        }
+        DiskCmd::Job { disk, wait, json } => {
+            let j: JobInfo = c.get(&format!("/disks/{disk}/job"), T).await?;
+            return follow_job(&c, j, !*wait, *json).await;
+        }
+        DiskCmd::Checkpoint(cmd) => return run_checkpoint(&c, cmd).await,
         DiskCmd::Rm { name } => {
             let d: DiskInfo = c.delete(&format!("/disks/{name}"), T).await?;
             println!("disk {} removed from {}", d.name, d.node);
@@ -487,4 +576,142 @@ pub async fn import_disk(
         );
     }
     Ok(d)
+}
+
+async fn run_checkpoint(c: &ferry_api::client::Client, cmd: &CheckpointCmd) -> anyhow::Result<i32> {
+    match cmd {
+        CheckpointCmd::Create {
+            disk,
+            name,
+            max_rate,
+            no_wait,
+            json,
+        } => {
+            let req = CheckpointRequest {
+                name: name.clone(),
+                max_rate: max_rate
+                    .as_deref()
+                    .map(|r| parse_size("--max-rate", r))
+                    .transpose()?,
+            };
+            let j: JobInfo = c
+                .post(&format!("/disks/{disk}/checkpoints"), &req, T)
+                .await?;
+            return follow_job(c, j, *no_wait, *json).await;
+        }
+        CheckpointCmd::List { disk, json } => {
+            let cps: Vec<CheckpointInfo> = c.get(&format!("/disks/{disk}/checkpoints"), T).await?;
+            show(*json, &cps, || {
+                let mut t = Table::new(&["NAME", "TAKEN", "SIZE", "DATA", "READY"]);
+                for cp in &cps {
+                    t.row(vec![
+                        cp.name.clone(),
+                        ferry_api::util::clock_utc(cp.instant_ms),
+                        human_bytes(cp.size),
+                        human_bytes(cp.bytes),
+                        if cp.ready { "yes" } else { "taking" }.into(),
+                    ]);
+                }
+                t.print();
+            });
+        }
+        CheckpointCmd::Revert { disk, name, json } => {
+            let d: DiskInfo = c
+                .post(
+                    &format!("/disks/{disk}/checkpoints/{name}/revert"),
+                    &serde_json::json!({}),
+                    Duration::from_secs(600),
+                )
+                .await?;
+            show(*json, &d, || {
+                println!(
+                    "disk {disk} reverted to checkpoint {name} ({})",
+                    human_bytes(d.size)
+                )
+            });
+        }
+        CheckpointCmd::Rm { disk, name } => {
+            let _: CheckpointInfo = c
+                .delete(&format!("/disks/{disk}/checkpoints/{name}"), T)
+                .await?;
+            println!("checkpoint {name} of disk {disk} removed");
+        }
+    }
+    Ok(0)
+}
+
+/// Follows a copy job to its end with a progress bar (or not, with
+/// `no_wait`); exit status 1 when it failed.
+async fn follow_job(
+    c: &ferry_api::client::Client,
+    mut j: JobInfo,
+    no_wait: bool,
+    json: bool,
+) -> anyhow::Result<i32> {
+    use indicatif::{ProgressBar, ProgressStyle};
+    let what = match j.kind {
+        JobKind::Backup => "backup",
+        JobKind::IncrementalBackup => "incremental backup",
+        JobKind::Checkpoint => "checkpoint",
+    };
+    if !no_wait {
+        let bar = if json {
+            ProgressBar::hidden()
+        } else {
+            let b = ProgressBar::new(j.bytes_total.max(1));
+            b.set_style(
+                ProgressStyle::with_template("{prefix} [{bar:30}] {bytes}/{total_bytes} {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar())
+                    .progress_chars("=> "),
+            );
+            b.set_prefix(format!("{} {what}", j.disk));
+            b
+        };
+        while j.state == JobState::Running {
+            bar.set_position(j.bytes_done);
+            bar.set_message(format!(
+                "{} preserved ahead of writes",
+                human_bytes(j.bytes_preserved)
+            ));
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            j = c.get(&format!("/disks/{}/job", j.disk), T).await?;
+        }
+        bar.finish_and_clear();
+    }
+    if json {
+        print_json(&j);
+    } else {
+        match j.state {
+            JobState::Running => println!(
+                "{what} of {} to {} started (instant {}): {} to copy; follow it with `ferry disk job {} --wait`",
+                j.disk,
+                j.target,
+                ferry_api::util::clock_utc(j.instant_ms),
+                human_bytes(j.bytes_total),
+                j.disk
+            ),
+            JobState::Done => println!(
+                "{what} of {} to {} done: the disk as of {}, {} copied ({} ahead of guests' writes){}",
+                j.disk,
+                j.target,
+                ferry_api::util::clock_utc(j.instant_ms),
+                human_bytes(j.bytes_done),
+                human_bytes(j.bytes_preserved),
+                j.base
+                    .as_ref()
+                    .map(|b| format!(", changes since {b}"))
+                    .unwrap_or_default()
+            ),
+            JobState::Failed => {
+                eprintln!(
+                    "{what} of {} to {} failed: {}",
+                    j.disk,
+                    j.target,
+                    j.error.as_deref().unwrap_or("(no reason given)")
+                );
+                return Ok(1);
+            }
+        }
+    }
+    Ok(0)
 }

@@ -480,4 +480,58 @@ fn a_storage_outage_pauses_the_guest_and_loses_no_acknowledged_write() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("shrinking"));
     let (_, errors, _) = last_disk_line("host1", vm).unwrap();
     assert_eq!(errors, 0, "{}", console("host1", vm));
+
+    // a backup while the guest writes holds one instant of its journal: 32
+    // consecutive writes, the last between what it reported before and after
+    let dir = std::env::temp_dir().join(format!("ferry-backups-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let full = dir.join("journal-full.img");
+    let seen_before = last_disk_line("host1", vm).unwrap().0;
+    let j = ferry_json(&["disk", "backup", disk, "--to", full.to_str().unwrap()]);
+    let seen_after = last_disk_line("host1", vm).unwrap().0;
+    assert_eq!(j["state"], "done", "{j}");
+    let ring = journal_ring(&full, seed);
+    // (positions not written yet read as None: the ring fills in 32 writes)
+    let mut seqs: Vec<u64> = ring.iter().flatten().copied().collect();
+    seqs.sort_unstable();
+    let n = *seqs.last().unwrap();
+    let want: Vec<u64> = (n.saturating_sub(31).max(1)..=n).collect();
+    assert_eq!(seqs, want, "not one instant: {ring:?}");
+    assert!(
+        (seen_before..=seen_after + 2).contains(&n),
+        "backup's instant {n} outside {seen_before}..={seen_after}"
+    );
+    // an incremental one copies what the guest wrote since: its journal
+    std::thread::sleep(Duration::from_secs(2));
+    let inc = dir.join("journal-inc.img");
+    let i = ferry_json(&[
+        "disk",
+        "backup",
+        disk,
+        "--to",
+        inc.to_str().unwrap(),
+        "--incremental",
+    ]);
+    assert_eq!(i["state"], "done", "{i}");
+    assert_eq!(i["base"], full.to_str().unwrap(), "{i}");
+    // (its slot block and its journal ring: at most four 64 KiB granules)
+    let ib = i["bytes_total"].as_u64().unwrap();
+    assert!(
+        ib > 0 && ib <= 4 << 16,
+        "incremental copied {ib} bytes: {i}"
+    );
+    // a checkpoint; reverting it under the guest is refused, naming it
+    let cp = ferry_json(&["disk", "checkpoint", "create", disk, "cp1"]);
+    assert_eq!(cp["state"], "done", "{cp}");
+    let listed = ferry_json(&["disk", "checkpoint", "list", disk]);
+    assert_eq!(listed[0]["name"], "cp1", "{listed}");
+    let out = ferry(&["disk", "checkpoint", "revert", disk, "cp1"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("attached to {vm} on host1")), "{err}");
+    ferry_ok(&["disk", "checkpoint", "rm", disk, "cp1"]);
+    let (_, errors, _) = last_disk_line("host1", vm).unwrap();
+    assert_eq!(errors, 0, "{}", console("host1", vm));
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -909,3 +909,253 @@ fn the_policy_manager_holds_an_aggregated_policy_across_two_nodes() {
     let _ = control.kill();
     let _ = control.wait();
 }
+
+// ---- backups and checkpoints -------------------------------------------------
+
+/// Block `b` of a ring of `RING_BLOCKS` 4 KiB blocks: the number of the
+/// write that last wrote it (0: never written).
+const RING_BLOCKS: u64 = 256;
+
+fn ring_values(file: &std::path::Path) -> Vec<u64> {
+    let data = std::fs::read(file).unwrap();
+    (0..RING_BLOCKS as usize)
+        .map(|b| {
+            let blk = &data[b * 4096..(b + 1) * 4096];
+            let v = u64::from_le_bytes(blk[..8].try_into().unwrap());
+            assert!(
+                blk.chunks(8).all(|w| w == v.to_le_bytes()),
+                "block {b} of {} is torn",
+                file.display()
+            );
+            v
+        })
+        .collect()
+}
+
+/// Whether `ring` is the ring exactly as it stood after write `n` (writes
+/// numbered from 1, write `k` to block `k % RING_BLOCKS`, one at a time).
+fn ring_after(n: u64) -> Vec<u64> {
+    (0..RING_BLOCKS)
+        .map(|b| {
+            if n < b || (b == 0 && n < RING_BLOCKS) {
+                0
+            } else {
+                n - (n - b) % RING_BLOCKS
+            }
+        })
+        .collect()
+}
+
+fn write_block(r: &mut Raw, cookie: u64, offset: u64, value: u64) {
+    let payload: Vec<u8> = value.to_le_bytes().repeat(512);
+    r.request(0, 1, cookie, offset, 4096, &payload);
+    assert_eq!(r.simple(), (0, cookie), "write at {offset}");
+}
+
+fn wait_job(node: &Node, disk: &str) -> Value {
+    let t0 = Instant::now();
+    loop {
+        let j = node.ok("GET", &format!("/disks/{disk}/job"), None);
+        if j["state"] != "running" {
+            return j;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "job stuck: {j}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn backups_and_checkpoints_hold_the_disk_at_their_instant_under_a_busy_writer() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let node = Node::start("backup", 0);
+    node.disk("b", 4 << 20, false);
+    let img = node.dir.join("node/disks/b.img");
+
+    // one writer, one write at a time: write k puts k in block k % 256
+    let stop = Arc::new(AtomicBool::new(false));
+    let (issued, acked) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let writer = {
+        let (stop, issued, acked) = (stop.clone(), issued.clone(), acked.clone());
+        let (mut r, size) = Raw::go(&node, "b");
+        assert_eq!(size, 4 << 20);
+        std::thread::spawn(move || {
+            let mut k = 0;
+            while !stop.load(Ordering::Relaxed) {
+                k += 1;
+                issued.store(k, Ordering::SeqCst);
+                write_block(&mut r, k, (k % RING_BLOCKS) * 4096, k);
+                acked.store(k, Ordering::SeqCst);
+            }
+            r
+        })
+    };
+    while acked.load(Ordering::SeqCst) < 2 * RING_BLOCKS {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+
+    // a full backup, slowed so that the writer races it all along
+    let full = node.dir.join("full.img");
+    let before = acked.load(Ordering::SeqCst);
+    let j = node.ok(
+        "POST",
+        "/disks/b/backups",
+        Some(json!({"path": full.display().to_string(), "max_rate": 256 << 10})),
+    );
+    let started = issued.load(Ordering::SeqCst);
+    assert_eq!(j["state"], "running", "{j}");
+    assert_eq!(j["kind"], "backup");
+    assert_eq!(j["bytes_total"], 1 << 20, "only allocated data: {j}");
+    let j = wait_job(&node, "b");
+    assert_eq!(j["state"], "done", "{j}");
+    let during = acked.load(Ordering::SeqCst);
+    assert!(
+        during > started + 1000,
+        "the writer did not race the copy ({started} → {during})"
+    );
+    assert!(
+        j["bytes_preserved"].as_u64().unwrap() > 0,
+        "no write reached a granule before the copier: {j}"
+    );
+    // the backup is the ring as it stood after one single write n*, taken
+    // between the request and its answer
+    let got = ring_values(&full);
+    let n = *got.iter().max().unwrap();
+    assert!(
+        (before..=started).contains(&n),
+        "backup's instant {n} not within {before}..={started}"
+    );
+    assert_eq!(got, ring_after(n), "the backup is not one instant");
+    let m: Value =
+        serde_json::from_slice(&std::fs::read(node.dir.join("full.img.json")).unwrap()).unwrap();
+    assert_eq!(m["kind"], "backup");
+    assert_eq!(m["extents"], json!([[0, 1 << 20]]), "{m}");
+    use std::os::unix::fs::MetadataExt;
+    let allocated = std::fs::metadata(&full).unwrap().blocks() * 512;
+    assert!(allocated <= 1 << 20, "holes copied: {allocated} bytes");
+
+    stop.store(true, Ordering::Relaxed);
+    let mut r = writer.join().unwrap();
+    let incremental = |name: &str| -> (Value, Value) {
+        let p = node.dir.join(name);
+        node.ok(
+            "POST",
+            "/disks/b/backups",
+            Some(json!({"path": p.display().to_string(), "incremental": true})),
+        );
+        let j = wait_job(&node, "b");
+        assert_eq!(j["state"], "done", "{j}");
+        assert_eq!(j["kind"], "incremental_backup");
+        let m = std::fs::read(node.dir.join(format!("{name}.json"))).unwrap();
+        (j, serde_json::from_slice(&m).unwrap())
+    };
+    // what the writer wrote after the full backup's instant: the ring
+    let (j, m1) = incremental("inc1.img");
+    assert_eq!(j["base"], full.display().to_string());
+    assert_eq!(m1["extents"], json!([[0, 1 << 20]]), "{m1}");
+    // three writes since: the next one copies their granules only
+    for (i, off) in [0u64, 2 << 20, (3 << 20) + 4096].into_iter().enumerate() {
+        write_block(&mut r, 1_000_000 + i as u64, off, 7_000 + i as u64);
+    }
+    let (j, m2) = incremental("inc2.img");
+    assert_eq!(j["bytes_total"], 3 * 65536, "{j}");
+    assert_eq!(j["base"], node.dir.join("inc1.img").display().to_string());
+    assert_eq!(
+        m2["extents"],
+        json!([[0, 65536], [2 << 20, 65536], [3 << 20, 65536]]),
+        "{m2}"
+    );
+    // the full backup with both increments laid over it is the disk now
+    let mut restored = std::fs::read(&full).unwrap();
+    for (name, m) in [("inc1.img", &m1), ("inc2.img", &m2)] {
+        let data = std::fs::read(node.dir.join(name)).unwrap();
+        for e in m["extents"].as_array().unwrap() {
+            let (o, l) = (
+                e[0].as_u64().unwrap() as usize,
+                e[1].as_u64().unwrap() as usize,
+            );
+            restored[o..o + l].copy_from_slice(&data[o..o + l]);
+        }
+    }
+    assert!(
+        restored == std::fs::read(&img).unwrap(),
+        "full + increments ≠ disk"
+    );
+
+    // a checkpoint; the disk changes; revert is refused while it is open
+    let j = node.ok("POST", "/disks/b/checkpoints", Some(json!({"name": "c1"})));
+    assert_eq!(j["kind"], "checkpoint");
+    assert_eq!(wait_job(&node, "b")["state"], "done");
+    let at_checkpoint = std::fs::read(&img).unwrap();
+    write_block(&mut r, 2_000_000, 4096, 99);
+    let (s, e) = node.call("POST", "/disks/b/checkpoints/c1/revert", None);
+    assert_eq!(s, 409, "{e}");
+    assert!(e["message"].as_str().unwrap().contains("is open by"), "{e}");
+    drop(r);
+    let t0 = Instant::now();
+    let reverted = loop {
+        let (s, v) = node.call("POST", "/disks/b/checkpoints/c1/revert", None);
+        if s == 200 {
+            break v;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "{s} {v}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(reverted["size"], 4 << 20);
+    assert!(
+        std::fs::read(&img).unwrap() == at_checkpoint,
+        "revert did not restore"
+    );
+    let cps = node.ok("GET", "/disks/b/checkpoints", None);
+    assert_eq!(cps[0]["name"], "c1");
+    assert_eq!(cps[0]["ready"], true);
+    node.ok("DELETE", "/disks/b/checkpoints/c1", None);
+    assert_eq!(node.ok("GET", "/disks/b/checkpoints", None), json!([]));
+
+    // bad requests name what was wrong
+    let bad = |body: Value, path: &str, status: u16, says: &str| {
+        let (s, e) = node.call("POST", path, Some(body));
+        assert_eq!(s, status, "{e}");
+        let msg = e["message"].as_str().unwrap_or_default().to_string();
+        assert!(msg.contains(says), "{msg}");
+    };
+    bad(
+        json!({"path": "rel.img"}),
+        "/disks/b/backups",
+        400,
+        "absolute",
+    );
+    let existing = full.display().to_string();
+    bad(
+        json!({"path": existing}),
+        "/disks/b/backups",
+        400,
+        "exists already",
+    );
+    let nodir = "/nonexistent-dir/x.img";
+    bad(json!({"path": nodir}), "/disks/b/backups", 400, "directory");
+    node.disk("fresh", 1 << 20, false);
+    let p = node.dir.join("fresh.img").display().to_string();
+    bad(
+        json!({"path": p, "incremental": true}),
+        "/disks/fresh/backups",
+        409,
+        "take a full backup first",
+    );
+    assert!(
+        !node.dir.join("fresh.img").exists(),
+        "a refused backup left a file"
+    );
+    bad(
+        json!({"name": "Bad Name"}),
+        "/disks/b/checkpoints",
+        400,
+        "checkpoint",
+    );
+    bad(
+        json!({"path": "/tmp/x", "bogus": 1}),
+        "/disks/b/backups",
+        400,
+        "bogus",
+    );
+}

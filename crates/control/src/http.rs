@@ -21,6 +21,11 @@
 //! | PUT | /disks/{d}/policy | Storage(SetDisk) (body: `DiskSetRequest`) |
 //! | DELETE | /disks/{d} | Storage(RemoveDisk) |
 //! | POST | /disks/{d}/attach | Storage(AttachDisk) (body: `DiskAttachRequest`) |
+//! | POST | /disks/{d}/backups | Storage(Backup) (body: `BackupRequest`) → `JobInfo` (admin) |
+//! | GET | /disks/{d}/job | Storage(Job) → `JobInfo`: the disk's last backup or checkpoint job |
+//! | GET/POST | /disks/{d}/checkpoints | Storage(ListCheckpoints / CreateCheckpoint) (body: `CheckpointRequest`) |
+//! | DELETE | /disks/{d}/checkpoints/{cp} | Storage(RemoveCheckpoint) |
+//! | POST | /disks/{d}/checkpoints/{cp}/revert | Storage(RevertCheckpoint) → `DiskInfo` |
 //! | GET | /qos/policies | Storage(ListPolicies) |
 //! | POST | /qos/policies | Storage(NewPolicy) (body: `Policy`) |
 //! | PUT | /qos/policies/{p} | Storage(UpdatePolicy) (body: `PolicyUpdate`) |
@@ -82,8 +87,8 @@ async fn authenticate(
 }
 use ferry_api::drain::{DrainRequest, HostSettings};
 use ferry_api::storage::{
-    DiskAttachRequest, DiskCreateRequest, DiskResizeRequest, DiskSetRequest, Policy, PolicyUpdate,
-    QosSettings,
+    BackupRequest, CheckpointRequest, DiskAttachRequest, DiskCreateRequest, DiskResizeRequest,
+    DiskSetRequest, Policy, PolicyUpdate, QosSettings,
 };
 
 async fn run(c: &Arc<Control>, cmd: Command) -> Response {
@@ -205,6 +210,43 @@ fn storage_routes() -> Router<Arc<Control>> {
                     storage(&c, StorageCommand::AttachDisk { name, req }).await
                 },
             ),
+        )
+        .route(
+            "/disks/{d}/backups",
+            post(
+                |State(c): S, Path(name): Path<String>, ApiJson(req): ApiJson<BackupRequest>| async move {
+                    storage(&c, StorageCommand::Backup { name, req }).await
+                },
+            ),
+        )
+        .route(
+            "/disks/{d}/job",
+            get(|State(c): S, Path(name): Path<String>| async move {
+                storage(&c, StorageCommand::Job { name }).await
+            }),
+        )
+        .route(
+            "/disks/{d}/checkpoints",
+            get(|State(c): S, Path(name): Path<String>| async move {
+                storage(&c, StorageCommand::ListCheckpoints { name }).await
+            })
+            .post(
+                |State(c): S, Path(name): Path<String>, ApiJson(req): ApiJson<CheckpointRequest>| async move {
+                    storage(&c, StorageCommand::CreateCheckpoint { name, req }).await
+                },
+            ),
+        )
+        .route(
+            "/disks/{d}/checkpoints/{cp}",
+            delete(|State(c): S, Path((name, checkpoint)): Path<(String, String)>| async move {
+                storage(&c, StorageCommand::RemoveCheckpoint { name, checkpoint }).await
+            }),
+        )
+        .route(
+            "/disks/{d}/checkpoints/{cp}/revert",
+            post(|State(c): S, Path((name, checkpoint)): Path<(String, String)>| async move {
+                storage(&c, StorageCommand::RevertCheckpoint { name, checkpoint }).await
+            }),
         )
         .route(
             "/qos/policies",

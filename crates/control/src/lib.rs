@@ -117,6 +117,10 @@ impl Command {
             Command::Validate(_) => (Operator, "validate hosts".into()),
             Command::Drain { host, .. } => (Operator, format!("drain host {host}")),
             Command::Resume { host } => (Operator, format!("resume host {host}")),
+            Command::Storage(crate::storage::StorageCommand::Backup { name, .. }) => {
+                // the storage node writes a file where it is told
+                (Admin, format!("back up disk {name} to a path on its node"))
+            }
             Command::Storage(c) => match c.mutation() {
                 Some((subject, action)) => (Operator, format!("{action} {subject}")),
                 None => (ReadOnly, "read storage".into()),

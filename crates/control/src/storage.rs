@@ -5,8 +5,9 @@
 use std::time::Duration;
 
 use ferry_api::storage::{
-    DiskAttachRequest, DiskCreateRequest, DiskInfo, DiskResizeRequest, DiskSetRequest, FlowInfo,
-    Policy, PolicyUpdate, QosSettings,
+    BackupRequest, CheckpointInfo, CheckpointRequest, DiskAttachRequest, DiskCreateRequest,
+    DiskInfo, DiskResizeRequest, DiskSetRequest, FlowInfo, JobInfo, Policy, PolicyUpdate,
+    QosSettings,
 };
 use ferry_api::{ApiError, VmInfo};
 
@@ -34,6 +35,31 @@ pub enum StorageCommand {
         name: String,
         req: DiskAttachRequest,
     },
+    /// Starts a backup on the disk's node (a path there; admin only).
+    Backup {
+        name: String,
+        req: BackupRequest,
+    },
+    /// The disk's last copy job (a backup or checkpoint being taken).
+    Job {
+        name: String,
+    },
+    ListCheckpoints {
+        name: String,
+    },
+    CreateCheckpoint {
+        name: String,
+        req: CheckpointRequest,
+    },
+    RemoveCheckpoint {
+        name: String,
+        checkpoint: String,
+    },
+    /// Refused while a VM has the disk attached, naming them.
+    RevertCheckpoint {
+        name: String,
+        checkpoint: String,
+    },
     ListPolicies,
     NewPolicy(Policy),
     UpdatePolicy {
@@ -59,11 +85,21 @@ impl StorageCommand {
             SetDisk { name, .. } => (name.clone(), "set disk policy"),
             RemoveDisk { name } => (name.clone(), "remove disk"),
             AttachDisk { name, .. } => (name.clone(), "attach disk"),
+            Backup { name, .. } => (name.clone(), "back up disk"),
+            CreateCheckpoint { name, .. } => (name.clone(), "checkpoint disk"),
+            RemoveCheckpoint { name, .. } => (name.clone(), "remove a checkpoint of disk"),
+            RevertCheckpoint { name, .. } => (name.clone(), "revert disk"),
             NewPolicy(p) => (p.name.clone(), "new policy"),
             UpdatePolicy { name, .. } => (name.clone(), "update policy"),
             RemovePolicy { name } => (name.clone(), "remove policy"),
             SetSettings(_) => ("qos".into(), "set normalization"),
-            ListDisks | ListPolicies | ListFlows | ListNodes | GetSettings => return None,
+            ListDisks
+            | Job { .. }
+            | ListCheckpoints { .. }
+            | ListPolicies
+            | ListFlows
+            | ListNodes
+            | GetSettings => return None,
         })
     }
 }
@@ -218,6 +254,73 @@ impl Control {
                     )
                     .await?;
                 json(vm)
+            }
+            StorageCommand::Backup { name, req } => {
+                let (_, c) = self.locate_disk(&name).await?;
+                json(
+                    c.post::<_, JobInfo>(&format!("/disks/{name}/backups"), &req, NODE_TIMEOUT)
+                        .await?,
+                )
+            }
+            StorageCommand::Job { name } => {
+                let (_, c) = self.locate_disk(&name).await?;
+                json(
+                    c.get::<JobInfo>(&format!("/disks/{name}/job"), NODE_TIMEOUT)
+                        .await?,
+                )
+            }
+            StorageCommand::ListCheckpoints { name } => {
+                let (_, c) = self.locate_disk(&name).await?;
+                json(
+                    c.get::<Vec<CheckpointInfo>>(
+                        &format!("/disks/{name}/checkpoints"),
+                        NODE_TIMEOUT,
+                    )
+                    .await?,
+                )
+            }
+            StorageCommand::CreateCheckpoint { name, req } => {
+                let (_, c) = self.locate_disk(&name).await?;
+                json(
+                    c.post::<_, JobInfo>(&format!("/disks/{name}/checkpoints"), &req, NODE_TIMEOUT)
+                        .await?,
+                )
+            }
+            StorageCommand::RemoveCheckpoint { name, checkpoint } => {
+                let (_, c) = self.locate_disk(&name).await?;
+                json(
+                    c.delete::<CheckpointInfo>(
+                        &format!("/disks/{name}/checkpoints/{checkpoint}"),
+                        NODE_TIMEOUT,
+                    )
+                    .await?,
+                )
+            }
+            StorageCommand::RevertCheckpoint { name, checkpoint } => {
+                let (_, c) = self.locate_disk(&name).await?;
+                let users: Vec<String> = self
+                    .list_vms()
+                    .await?
+                    .into_iter()
+                    .filter(|vm| vm.spec.disks.iter().any(|d| d.disk == name))
+                    .map(|vm| format!("{} on {}", vm.name, vm.host))
+                    .collect();
+                if !users.is_empty() {
+                    return Err(ApiError::Conflict {
+                        reason: format!(
+                            "disk {name} is attached to {}: reverting it under a running guest would corrupt it (remove those VMs or their disk first)",
+                            users.join(", ")
+                        ),
+                    });
+                }
+                json(
+                    c.post::<_, DiskInfo>(
+                        &format!("/disks/{name}/checkpoints/{checkpoint}/revert"),
+                        &serde_json::json!({}),
+                        Duration::from_secs(600),
+                    )
+                    .await?,
+                )
             }
             StorageCommand::ListPolicies => {
                 let (_, c) = self.first_node()?;

@@ -15,6 +15,8 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::tracking::Tracking;
+
 #[derive(Debug)]
 pub struct Export {
     pub name: String,
@@ -25,6 +27,8 @@ pub struct Export {
     /// The file lives in memory (tmpfs): no I/O on it ever waits for a
     /// device, but tmpfs refuses `RWF_NOWAIT`, so it is read and written plainly.
     memory_backed: bool,
+    /// Dirty maps and point-in-time copies: every change passes it first.
+    pub tracking: Tracking,
 }
 
 impl Export {
@@ -60,6 +64,7 @@ impl Export {
             write_through,
             file,
             size: AtomicU64::new(size),
+            tracking: Tracking::default(),
         })
     }
 
@@ -89,6 +94,9 @@ impl Export {
     }
 
     pub fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
+        let _tracked = self
+            .tracking
+            .before_write(&self.file, offset, data.len() as u64, true);
         if !fua || self.write_through {
             return self.file.write_all_at(data, offset);
         }
@@ -144,6 +152,12 @@ impl Export {
         if self.write_through {
             return Ok(false);
         }
+        let Some(_tracked) =
+            self.tracking
+                .before_write(&self.file, offset, data.len() as u64, false)
+        else {
+            return Ok(false);
+        };
         if self.memory_backed && offset + data.len() as u64 <= self.size() {
             self.file.write_all_at(data, offset)?;
             return Ok(true);
@@ -184,6 +198,60 @@ impl Export {
         }
     }
 
+    /// The open file (for copies that read it directly).
+    pub(crate) fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Byte extents of the file that hold data (`SEEK_DATA`/`SEEK_HOLE`);
+    /// where the file system cannot tell, the whole file.
+    pub fn data_extents(&self) -> io::Result<Vec<(u64, u64)>> {
+        let size = self.size();
+        let fd = self.file.as_raw_fd();
+        let mut out = Vec::new();
+        let mut at = 0u64;
+        while at < size {
+            // SAFETY: lseek only takes integers; the fd is owned by `self.file`.
+            let data = unsafe { libc::lseek(fd, at as libc::off_t, libc::SEEK_DATA) };
+            if data < 0 {
+                let e = io::Error::last_os_error();
+                return match e.raw_os_error() {
+                    Some(libc::ENXIO) => Ok(out), // nothing but a hole to the end
+                    Some(libc::EINVAL | libc::EOPNOTSUPP) => Ok(vec![(0, size)]),
+                    _ => Err(e),
+                };
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+            if hole < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let (s, e) = (data as u64, (hole as u64).min(size));
+            if s >= e {
+                break;
+            }
+            out.push((s, e - s));
+            at = e;
+        }
+        Ok(out)
+    }
+
+    /// Replaces every byte with those of `src` (a copy holding `extents`,
+    /// holes elsewhere) and takes its size. The caller keeps changes off.
+    pub(crate) fn replace_with(
+        &self,
+        src: &File,
+        size: u64,
+        extents: &[(u64, u64)],
+    ) -> io::Result<()> {
+        self.file.set_len(0)?;
+        self.file.set_len(size)?;
+        crate::backup::copy_extents(src, &self.file, extents)?;
+        self.file.sync_all()?;
+        self.size.store(size, Ordering::Release);
+        Ok(())
+    }
+
     pub fn flush(&self) -> io::Result<()> {
         self.file.sync_data()
     }
@@ -210,6 +278,7 @@ impl Export {
         if len == 0 {
             return Ok(());
         }
+        let _tracked = self.tracking.before_write(&self.file, offset, len, true);
         match self.fallocate(
             libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
             offset,
@@ -231,6 +300,7 @@ impl Export {
         if len == 0 {
             return Ok(());
         }
+        let _tracked = self.tracking.before_write(&self.file, offset, len, true);
         let keep = libc::FALLOC_FL_KEEP_SIZE;
         let tries = if no_hole {
             vec![libc::FALLOC_FL_ZERO_RANGE | keep]

@@ -10,6 +10,12 @@
 //! | PUT | /disks/{d}/size | `DiskResizeRequest` → `DiskInfo` |
 //! | PUT | /disks/{d}/policy | `DiskSetRequest` → `DiskInfo` |
 //! | DELETE | /disks/{d} | → `DiskInfo` (refused while connected) |
+//! | POST | /disks/{d}/backups | `BackupRequest` → `JobInfo` (started) |
+//! | GET | /disks/{d}/job | → `JobInfo`: the disk's last copy job |
+//! | GET | /disks/{d}/checkpoints | → `[CheckpointInfo]` |
+//! | POST | /disks/{d}/checkpoints | `CheckpointRequest` → `JobInfo` (started) |
+//! | DELETE | /disks/{d}/checkpoints/{c} | → `CheckpointInfo` |
+//! | POST | /disks/{d}/checkpoints/{c}/revert | → `DiskInfo` (refused while open) |
 //! | GET | /qos/policies | → `[Policy]` |
 //! | POST | /qos/policies | `Policy` → `Policy` (new) |
 //! | PUT | /qos/policies/{p} | `Policy` → `Policy` (put as given) |
@@ -24,11 +30,12 @@ use std::sync::Arc;
 
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, put};
+use axum::routing::{delete, get, post, put};
 use axum::{middleware, Json, Router};
 use ferry_api::server::{not_found, require_peer, ApiJson, ErrorResponse, PeerAuth};
 use ferry_api::storage::{
-    Allocation, DiskCreateRequest, DiskResizeRequest, DiskSetRequest, Policy, QosSettings,
+    Allocation, BackupRequest, CheckpointRequest, DiskCreateRequest, DiskResizeRequest,
+    DiskSetRequest, Policy, QosSettings,
 };
 use ferry_api::ApiError;
 use serde::{Deserialize, Serialize};
@@ -62,7 +69,7 @@ pub fn router(node: Arc<Node>, auth: PeerAuth) -> Router {
         )
         .route(
             "/disks/{d}",
-            axum::routing::delete(|State(n): S, Path(d): Path<String>| async move { reply(n.remove_disk(&d)) }),
+            delete(|State(n): S, Path(d): Path<String>| async move { reply(n.remove_disk(&d)) }),
         )
         .route(
             "/disks/{d}/size",
@@ -79,6 +86,39 @@ pub fn router(node: Arc<Node>, auth: PeerAuth) -> Router {
                     reply(n.set_disk_policy(&d, r.policy))
                 },
             ),
+        )
+        .route(
+            "/disks/{d}/backups",
+            post(
+                |State(n): S, Path(d): Path<String>, ApiJson(r): ApiJson<BackupRequest>| async move {
+                    reply(n.backup(&d, &r))
+                },
+            ),
+        )
+        .route(
+            "/disks/{d}/job",
+            get(|State(n): S, Path(d): Path<String>| async move { reply(n.job(&d)) }),
+        )
+        .route(
+            "/disks/{d}/checkpoints",
+            get(|State(n): S, Path(d): Path<String>| async move { reply(n.list_checkpoints(&d)) }).post(
+                |State(n): S, Path(d): Path<String>, ApiJson(r): ApiJson<CheckpointRequest>| async move {
+                    reply(n.create_checkpoint(&d, &r))
+                },
+            ),
+        )
+        .route(
+            "/disks/{d}/checkpoints/{c}",
+            delete(|State(n): S, Path((d, c)): Path<(String, String)>| async move {
+                reply(n.remove_checkpoint(&d, &c))
+            }),
+        )
+        .route(
+            "/disks/{d}/checkpoints/{c}/revert",
+            post(|State(n): S, Path((d, c)): Path<(String, String)>| async move {
+                let r = tokio::task::spawn_blocking(move || n.revert_checkpoint(&d, &c)).await;
+                reply(r.unwrap_or_else(|e| Err(ApiError::internal(e))))
+            }),
         )
         .route(
             "/qos/policies",

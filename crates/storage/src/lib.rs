@@ -12,13 +12,17 @@
 //! - [`qos`]: the mClock tag scheduler and its async front.
 //! - [`export`]: one raw file, with the durability the spec asks of FUA/flush.
 //! - [`node`]: disks, policies, flows and their status; state on disk.
+//! - [`tracking`]: dirty maps and point-in-time copies of disks in use;
+//!   [`backup`]: backups and checkpoints made of them.
 //! - [`http`]: the node's REST API under `/api/v1`.
 
+pub mod backup;
 pub mod export;
 pub mod http;
 pub mod nbd;
 pub mod node;
 pub mod qos;
+pub mod tracking;
 
 use std::sync::Arc;
 

@@ -102,6 +102,7 @@ pub struct Node {
     pub cfg: NodeConfig,
     sched: Arc<Scheduler>,
     state: Mutex<State>,
+    pub(crate) jobs: crate::backup::Jobs,
 }
 
 fn io_err(what: impl std::fmt::Display, e: std::io::Error) -> ApiError {
@@ -154,6 +155,7 @@ impl Node {
                 next_flow: 1,
                 access: persisted.access,
             }),
+            jobs: crate::backup::Jobs::default(),
         }))
     }
 
@@ -217,6 +219,24 @@ impl Node {
         st.disks
             .get(name)
             .ok_or_else(|| ApiError::not_found("disk", name))
+    }
+
+    /// Calls `f` on disk `name`'s export.
+    pub(crate) fn with_disk<T>(
+        &self,
+        name: &str,
+        f: impl FnOnce(&Arc<Export>) -> T,
+    ) -> Result<T, ApiError> {
+        let st = self.lock();
+        Ok(f(&Self::disk(&st, name)?.export))
+    }
+
+    /// Saves the state (a disk's size changed) and describes disk `name`.
+    pub(crate) fn persist_and_describe(&self, name: &str) -> Result<DiskInfo, ApiError> {
+        let st = self.lock();
+        self.save(&st)?;
+        let d = Self::disk(&st, name)?;
+        Ok(self.disk_info(&st, name, d))
     }
 
     pub fn create_disk(&self, req: &DiskCreateRequest) -> Result<DiskInfo, ApiError> {
@@ -284,6 +304,7 @@ impl Node {
                 reason: format!("disk {name} has {} open connections", info.connections),
             });
         }
+        self.jobs.busy(name)?;
         let path = d.export.path.clone();
         st.disks.remove(name);
         let gone: Vec<FlowId> = st
@@ -299,6 +320,11 @@ impl Node {
             self.sched.remove(f);
         }
         std::fs::remove_file(&path).map_err(|e| io_err(path.display(), e))?;
+        // its checkpoints go with it (backups elsewhere stay)
+        let cps = self.cfg.dir.join("checkpoints").join(name);
+        if cps.exists() {
+            std::fs::remove_dir_all(&cps).map_err(|e| io_err(cps.display(), e))?;
+        }
         Ok(info)
     }
 
