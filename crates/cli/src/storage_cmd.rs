@@ -97,14 +97,8 @@ pub enum DiskCmd {
         /// Only what changed since the disk's last backup.
         #[arg(long)]
         incremental: bool,
-        /// Bytes per second the copy may read, e.g. 50M (default: unlimited).
-        #[arg(long)]
-        max_rate: Option<String>,
-        /// Return once the copy has started.
-        #[arg(long)]
-        no_wait: bool,
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        copy: CopyOpts,
     },
     /// The disk's last backup or checkpoint job.
     Job {
@@ -120,18 +114,38 @@ pub enum DiskCmd {
     Checkpoint(CheckpointCmd),
 }
 
+/// How a backup or checkpoint copies, and how the command waits for it.
+#[derive(clap::Args)]
+pub struct CopyOpts {
+    /// Bytes per second the copy may read, e.g. 50M (default: unlimited;
+    /// writes racing the copy are copied ahead of them at once regardless).
+    #[arg(long)]
+    max_rate: Option<String>,
+    /// Return once the copy has started.
+    #[arg(long)]
+    no_wait: bool,
+    #[arg(long)]
+    json: bool,
+}
+
+impl CopyOpts {
+    fn max_rate(&self) -> anyhow::Result<Option<u64>> {
+        Ok(self
+            .max_rate
+            .as_deref()
+            .map(|r| parse_size("--max-rate", r))
+            .transpose()?)
+    }
+}
+
 #[derive(Subcommand)]
 pub enum CheckpointCmd {
     /// Take one while guests write (a full copy of the allocated data).
     Create {
         disk: String,
         name: String,
-        #[arg(long)]
-        max_rate: Option<String>,
-        #[arg(long)]
-        no_wait: bool,
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        copy: CopyOpts,
     },
     List {
         disk: String,
@@ -330,20 +344,15 @@ pub async fn run_disk(cli: &Cli, cmd: &DiskCmd) -> anyhow::Result<i32> {
             disk,
             path,
             incremental,
-            max_rate,
-            no_wait,
-            json,
+            copy,
         } => {
             let req = BackupRequest {
                 path: path.clone(),
                 incremental: *incremental,
-                max_rate: max_rate
-                    .as_deref()
-                    .map(|r| parse_size("--max-rate", r))
-                    .transpose()?,
+                max_rate: copy.max_rate()?,
             };
             let j: JobInfo = c.post(&format!("/disks/{disk}/backups"), &req, T).await?;
-            return follow_job(&c, j, *no_wait, *json).await;
+            return follow_job(&c, j, copy.no_wait, copy.json).await;
         }
         DiskCmd::Job { disk, wait, json } => {
             let j: JobInfo = c.get(&format!("/disks/{disk}/job"), T).await?;
@@ -580,24 +589,15 @@ pub async fn import_disk(
 
 async fn run_checkpoint(c: &ferry_api::client::Client, cmd: &CheckpointCmd) -> anyhow::Result<i32> {
     match cmd {
-        CheckpointCmd::Create {
-            disk,
-            name,
-            max_rate,
-            no_wait,
-            json,
-        } => {
+        CheckpointCmd::Create { disk, name, copy } => {
             let req = CheckpointRequest {
                 name: name.clone(),
-                max_rate: max_rate
-                    .as_deref()
-                    .map(|r| parse_size("--max-rate", r))
-                    .transpose()?,
+                max_rate: copy.max_rate()?,
             };
             let j: JobInfo = c
                 .post(&format!("/disks/{disk}/checkpoints"), &req, T)
                 .await?;
-            return follow_job(c, j, *no_wait, *json).await;
+            return follow_job(c, j, copy.no_wait, copy.json).await;
         }
         CheckpointCmd::List { disk, json } => {
             let cps: Vec<CheckpointInfo> = c.get(&format!("/disks/{disk}/checkpoints"), T).await?;

@@ -402,14 +402,7 @@ impl Node {
                 continue;
             };
             match read_manifest(&p) {
-                Ok(m) => out.push(CheckpointInfo {
-                    disk: disk.to_string(),
-                    name: name.to_string(),
-                    instant_ms: m.instant_ms,
-                    size: m.size,
-                    bytes: m.extents.iter().map(|e| e.1).sum(),
-                    ready: true,
-                }),
+                Ok(m) => out.push(ready_checkpoint(name, &m)),
                 Err(_) => {
                     if let Some(j) = running.as_ref().filter(|j| j.target == name) {
                         out.push(CheckpointInfo {
@@ -450,14 +443,7 @@ impl Node {
         let gone = |e: std::io::Error| ApiError::internal(format!("{}: {e}", p.display()));
         std::fs::remove_file(manifest_path(&p)).map_err(gone)?;
         std::fs::remove_file(&p).map_err(gone)?;
-        Ok(CheckpointInfo {
-            disk: disk.to_string(),
-            name: name.to_string(),
-            instant_ms: m.instant_ms,
-            size: m.size,
-            bytes: m.extents.iter().map(|e| e.1).sum(),
-            ready: true,
-        })
+        Ok(ready_checkpoint(name, &m))
     }
 
     /// Replaces the disk's contents (and size) with the checkpoint's.
@@ -491,6 +477,18 @@ impl Node {
         export.tracking.all_changed(m.size);
         tracing::info!(disk, checkpoint = name, "disk reverted");
         self.persist_and_describe(disk)
+    }
+}
+
+/// A checkpoint whose manifest is written.
+fn ready_checkpoint(name: &str, m: &BackupManifest) -> CheckpointInfo {
+    CheckpointInfo {
+        disk: m.disk.clone(),
+        name: name.to_string(),
+        instant_ms: m.instant_ms,
+        size: m.size,
+        bytes: m.extents.iter().map(|e| e.1).sum(),
+        ready: true,
     }
 }
 
