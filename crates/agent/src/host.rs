@@ -49,6 +49,9 @@ pub struct VmSlot {
     pub migrating: bool,
     /// A skeleton's transport session (multichannel), closed with it.
     pub transport: Option<ferry_transport::Carriers>,
+    /// A skeleton's session for its local drives' copies (shared-nothing):
+    /// closed at RUN, or with the skeleton.
+    pub disk_transport: Option<ferry_transport::Session>,
     /// A migration of this VM is in doubt here (see [`crate::commit`]).
     pub doubt: Option<String>,
     /// The last guest check after a migration failed: why.
@@ -76,6 +79,7 @@ impl VmSlot {
             qemu,
             migrating: false,
             transport: None,
+            disk_transport: None,
             doubt: None,
             problem: None,
             storage_pause: None,
@@ -290,6 +294,13 @@ impl Agent {
         spec.validate()?;
         self.preflight(&spec, None).await?;
         self.reserve(&spec, Role::Starting).await?;
+        let made = match crate::local_disk::ensure(&self.cfg.qemu, &spec).await {
+            Ok(m) => m,
+            Err(e) => {
+                self.release(&spec.name).await;
+                return Err(e);
+            }
+        };
         let dir = self.vm_dir(&spec.name, "");
         match qemu::launch(&self.cfg.qemu, &spec, &dir, false).await {
             Ok(vm) => {
@@ -303,6 +314,7 @@ impl Agent {
                 if let Err(e) = ready {
                     vm.kill().await;
                     self.release(&spec.name).await;
+                    crate::local_disk::remove(&made);
                     return Err(ApiError::internal(format!(
                         "vm {} did not start its workload: {e}",
                         spec.name
@@ -319,6 +331,7 @@ impl Agent {
             }
             Err(e) => {
                 self.release(&spec.name).await;
+                crate::local_disk::remove(&made);
                 Err(ApiError::internal(format!(
                     "starting QEMU for {}: {}",
                     spec.name,
@@ -537,9 +550,24 @@ impl Agent {
                 Some(_) => {}
             }
         }
+        let spec = self
+            .state
+            .lock()
+            .await
+            .vms
+            .get(name)
+            .map(|s| s.spec.clone());
         if let Some(q) = self.release(name).await {
             q.stop().await;
             self.remove_vm_dir(&q.dir, &format!("{name}.removed"));
+        }
+        // its local drives go with it (they exist nowhere else)
+        if let Some(spec) = spec {
+            let files: Vec<_> = crate::local_disk::files(&self.cfg.qemu, &spec)
+                .into_iter()
+                .map(|(_, f, _)| f)
+                .collect();
+            crate::local_disk::remove(&files);
         }
         tracing::info!(vm = name, "vm removed");
         Ok(())

@@ -29,6 +29,7 @@ pub mod failpoint;
 pub mod guest;
 pub mod hardware;
 pub mod host;
+pub mod local_disk;
 pub mod migration;
 pub mod probe;
 pub mod qemu;

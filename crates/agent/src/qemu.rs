@@ -75,6 +75,16 @@ pub struct QemuConfig {
     /// How long a guest's I/O waits for a lost NBD connection before the
     /// guest is paused for its storage (QEMU's NBD `reconnect-delay`).
     pub storage_pause_after: Duration,
+    /// Where local drives live: `local_disks/VM/NAME` (the agent's
+    /// `STATE_DIR/disks`).
+    pub local_disks: PathBuf,
+}
+
+impl QemuConfig {
+    /// The file of local drive `name` of VM `vm`.
+    pub fn local_disk(&self, vm: &str, name: &str) -> PathBuf {
+        self.local_disks.join(vm).join(name)
+    }
 }
 
 /// The id of QEMU's TLS credentials for NBD.
@@ -115,6 +125,8 @@ pub enum Backing {
     },
     /// A file on this host (shared storage).
     File(String),
+    /// A local drive: a file of this host's own (`QemuConfig::local_disk`).
+    Local { vm: String, name: String },
 }
 
 /// One block node Ferry gives a VM: `disk{i}` for each Ferry disk plugged
@@ -142,14 +154,18 @@ impl BlockNode {
 
     /// Drive `i` of a user's VM; `None` for a Ferry disk the control
     /// service did not resolve.
-    pub fn drive(i: usize, d: &ferry_api::hardware::Drive) -> Option<BlockNode> {
-        let backing = match (&d.nbd, &d.path) {
-            (Some(uri), _) => {
+    pub fn drive(i: usize, d: &ferry_api::hardware::Drive, vm: &str) -> Option<BlockNode> {
+        let backing = match (&d.nbd, &d.path, &d.local) {
+            (Some(uri), _, _) => {
                 let (host, port, export) = ferry_api::parse_nbd_uri(uri).ok()?;
                 Backing::Nbd { host, port, export }
             }
-            (None, Some(p)) => Backing::File(p.clone()),
-            (None, None) => return None,
+            (None, Some(p), _) => Backing::File(p.clone()),
+            (None, None, Some(name)) => Backing::Local {
+                vm: vm.to_string(),
+                name: name.clone(),
+            },
+            (None, None, None) => return None,
         };
         Some(BlockNode {
             name: format!("drive{i}"),
@@ -164,6 +180,10 @@ impl BlockNode {
         match &self.backing {
             Backing::Nbd { host, port, export } => nbd_node(cfg, host, *port, export),
             Backing::File(p) => serde_json::json!({"driver": "file", "filename": p}),
+            Backing::Local { vm, name } => serde_json::json!({
+                "driver": "file",
+                "filename": cfg.local_disk(vm, name).display().to_string(),
+            }),
         }
     }
 
@@ -189,7 +209,7 @@ pub fn block_nodes(spec: &VmSpec) -> Vec<BlockNode> {
         .drives
         .iter()
         .enumerate()
-        .filter_map(|(i, d)| BlockNode::drive(i, d));
+        .filter_map(|(i, d)| BlockNode::drive(i, d, &spec.name));
     disks.chain(drives).collect()
 }
 
@@ -440,7 +460,7 @@ fn boot_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path) -> Vec<String> {
 fn device_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path) -> Vec<String> {
     let mut a = Vec::new();
     for (i, d) in spec.drives.iter().enumerate() {
-        let Some(node) = BlockNode::drive(i, d) else {
+        let Some(node) = BlockNode::drive(i, d, &spec.name) else {
             continue;
         };
         // firmware boots the first drive (a direct kernel boot has its own)
@@ -762,6 +782,7 @@ mod tests {
             initrd: "/i".into(),
             ovmf: Default::default(),
             storage_pause_after: STORAGE_PAUSE_AFTER,
+            local_disks: "/state/disks".into(),
         }
     }
 

@@ -270,6 +270,73 @@ pub struct BlockInserted {
     pub node_name: Option<String>,
 }
 
+/// `blockdev-mirror`: copies node `device` (its guest-visible contents,
+/// and every write made meanwhile) into node `target`; the job stays until
+/// dismissed, so its outcome can be read ([`Qmp::block_jobs`]).
+#[derive(Serialize)]
+#[serde(rename_all = "kebab-case")]
+struct BlockdevMirror {
+    job_id: String,
+    device: String,
+    target: String,
+    sync: &'static str,
+    auto_dismiss: bool,
+}
+qmp_command!(BlockdevMirror, "blockdev-mirror", qapi::Empty);
+
+#[derive(Serialize)]
+struct QueryBlockJobs {}
+qmp_command!(QueryBlockJobs, "query-block-jobs", Vec<BlockJobInfo>);
+
+/// One block job (`query-block-jobs`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct BlockJobInfo {
+    /// The job's id.
+    pub device: String,
+    pub len: u64,
+    pub offset: u64,
+    pub ready: bool,
+    /// `running`, `ready`, `concluded`, …
+    pub status: String,
+    /// Why a concluded job failed.
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+#[derive(Serialize)]
+struct BlockJobCancel {
+    device: String,
+    force: bool,
+}
+qmp_command!(BlockJobCancel, "block-job-cancel", qapi::Empty);
+
+#[derive(Serialize)]
+struct JobDismiss {
+    id: String,
+}
+qmp_command!(JobDismiss, "job-dismiss", qapi::Empty);
+
+#[derive(Serialize)]
+struct NbdServerStart {
+    addr: serde_json::Value,
+}
+qmp_command!(NbdServerStart, "nbd-server-start", qapi::Empty);
+
+#[derive(Serialize)]
+#[serde(transparent)]
+struct BlockExportAdd(serde_json::Value);
+qmp_command!(BlockExportAdd, "block-export-add", qapi::Empty);
+
+#[derive(Serialize)]
+struct NbdServerStop {}
+qmp_command!(NbdServerStop, "nbd-server-stop", qapi::Empty);
+
+#[derive(Serialize)]
+struct MigrateContinue {
+    state: &'static str,
+}
+qmp_command!(MigrateContinue, "migrate-continue", qapi::Empty);
+
 /// Guest-physical memory `[val, val + size)` written to `filename`.
 #[derive(Serialize)]
 struct PmemSave {
@@ -514,6 +581,93 @@ impl Qmp {
     /// Every block device and its I/O status.
     pub async fn query_block(&self) -> Result<Vec<BlockInfo>, QmpError> {
         self.call(QueryBlock {}, DEFAULT_DEADLINE).await
+    }
+
+    /// Adds a block node given whole as JSON.
+    pub async fn blockdev_add(&self, node: serde_json::Value) -> Result<(), QmpError> {
+        self.call(BlockdevAdd(node), DEFAULT_DEADLINE)
+            .await
+            .map(drop)
+    }
+
+    /// Starts mirroring node `device` into node `target` as job `job`
+    /// (sync full; the job waits to be dismissed once it ends).
+    pub async fn mirror(&self, job: &str, device: &str, target: &str) -> Result<(), QmpError> {
+        self.call(
+            BlockdevMirror {
+                job_id: job.into(),
+                device: device.into(),
+                target: target.into(),
+                sync: "full",
+                auto_dismiss: false,
+            },
+            DEFAULT_DEADLINE,
+        )
+        .await
+        .map(drop)
+    }
+
+    pub async fn block_jobs(&self) -> Result<Vec<BlockJobInfo>, QmpError> {
+        self.call(QueryBlockJobs {}, DEFAULT_DEADLINE).await
+    }
+
+    /// Cancels job `job`: a ready mirror then ends in step with its target
+    /// (`force` false), any other is abandoned.
+    pub async fn cancel_job(&self, job: &str, force: bool) -> Result<(), QmpError> {
+        self.call(
+            BlockJobCancel {
+                device: job.into(),
+                force,
+            },
+            DEFAULT_DEADLINE,
+        )
+        .await
+        .map(drop)
+    }
+
+    pub async fn dismiss_job(&self, job: &str) -> Result<(), QmpError> {
+        self.call(JobDismiss { id: job.into() }, DEFAULT_DEADLINE)
+            .await
+            .map(drop)
+    }
+
+    /// Starts QEMU's NBD server on unix socket `path`.
+    pub async fn nbd_server_start(&self, path: &Path) -> Result<(), QmpError> {
+        let addr =
+            serde_json::json!({"type": "unix", "data": {"path": path.display().to_string()}});
+        self.call(NbdServerStart { addr }, DEFAULT_DEADLINE)
+            .await
+            .map(drop)
+    }
+
+    /// Exports node `node` writable as NBD export `name`.
+    pub async fn export_node(&self, node: &str, name: &str) -> Result<(), QmpError> {
+        let e = serde_json::json!({
+            "type": "nbd", "id": name, "node-name": node, "name": name, "writable": true,
+        });
+        self.call(BlockExportAdd(e), DEFAULT_DEADLINE)
+            .await
+            .map(drop)
+    }
+
+    /// Stops QEMU's NBD server and every export (closing their clients).
+    pub async fn nbd_server_stop(&self) -> Result<(), QmpError> {
+        self.call(NbdServerStop {}, DEFAULT_DEADLINE)
+            .await
+            .map(drop)
+    }
+
+    /// Lets a migration paused before its switch-over (capability
+    /// `pause-before-switchover`) go on.
+    pub async fn migrate_continue(&self) -> Result<(), QmpError> {
+        self.call(
+            MigrateContinue {
+                state: "pre-switchover",
+            },
+            DEFAULT_DEADLINE,
+        )
+        .await
+        .map(drop)
     }
 
     /// Writes `size` bytes of guest-physical memory from `addr` to `file`.

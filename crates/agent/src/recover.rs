@@ -9,7 +9,7 @@
 //! | `NAME` | no open record | yes | adopted, runs on |
 //! | `NAME` | source `copying` | yes | migration cancelled, guest resumed, record `aborted` |
 //! | `NAME` | source `committed` | yes | adopted paused and in doubt; the settler asks the target |
-//! | `NAME.in-ID` | target `waiting` | any | QEMU killed (it never ran), record `discarded` |
+//! | `NAME.in-ID` | target `waiting` | any | QEMU killed (it never ran), its partial local drives removed, record `discarded` |
 //! | `NAME.in-ID` | target `running` (or pruned) | yes | adopted; `cont` if it was paused (RUN was received) |
 //! | `NAME.in-ID` | target `discarded` | any | QEMU killed, directory removed |
 //! | any | any | no | directory removed (its QEMU log kept) |
@@ -101,7 +101,13 @@ impl Agent {
                     tracing::warn!(vm = %rec.vm, migration = %rec.migration_id, "restart: a committed migration is settled with {}", rec.peer);
                 }
                 Side::Target(TargetPhase::Waiting) => {
-                    // no directory was left (the skeleton had not started)
+                    // no directory was left (the skeleton had not started),
+                    // perhaps some partial copies of local drives
+                    crate::local_disk::remove_partial(&crate::local_disk::partial_marker(
+                        &self.cfg.qemu,
+                        &rec.vm,
+                        &rec.migration_id,
+                    ));
                     self.record(&rec.migration_id, Side::Target(TargetPhase::Discarded));
                 }
                 _ => {}
@@ -154,6 +160,12 @@ impl Agent {
             IncomingFate::Discard { record } => {
                 // the process first, the record after: `discarded` means it can never run
                 qemu::kill_recorded(dir).await;
+                // shared-nothing: the partial copies of its local drives go too
+                crate::local_disk::remove_partial(&crate::local_disk::partial_marker(
+                    &self.cfg.qemu,
+                    vm,
+                    id,
+                ));
                 self.remove_vm_dir(dir, &format!("{vm}.{id}.target"));
                 if record {
                     self.record(id, Side::Target(TargetPhase::Discarded));

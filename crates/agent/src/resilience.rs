@@ -106,7 +106,7 @@ pub fn endpoints(spec: &VmSpec) -> Vec<(String, String)> {
         .map(|n| {
             let e = match n.backing {
                 Backing::Nbd { host, port, .. } => format!("{host}:{port}"),
-                Backing::File(_) => "local".to_string(),
+                Backing::File(_) | Backing::Local { .. } => "local".to_string(),
             };
             (n.name, e)
         })

@@ -64,8 +64,10 @@ impl DriveFormat {
 }
 
 /// A disk present from boot. Exactly one of `disk` (a Ferry storage disk,
-/// which the control service turns into `nbd`), `nbd` or `path` (a file or
-/// block device on storage every host mounts). The first drive boots.
+/// which the control service turns into `nbd`), `nbd`, `path` (a file or
+/// block device on storage every host mounts) or `local` (a file of the
+/// host's own, `STATE_DIR/disks/VM/NAME`, which moves with the VM: see
+/// shared-nothing migration). The first drive boots.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Drive {
@@ -76,6 +78,14 @@ pub struct Drive {
     pub nbd: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
+    /// A disk file of the host's own: its name in the agent's
+    /// `STATE_DIR/disks/VM/`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local: Option<String>,
+    /// With `local`: the size the file is created with when it does not
+    /// exist yet (bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
     #[serde(default)]
     pub format: DriveFormat,
     #[serde(default)]
@@ -182,6 +192,26 @@ pub fn validate_cpu_model(cpu: &str) -> Result<(), ApiError> {
     }
 }
 
+/// The largest local drive Ferry creates.
+pub const MAX_LOCAL_DISK: u64 = 16 << 40;
+
+/// A local drive's file name: 1-64 of `[A-Za-z0-9._-]`, not starting with a dot.
+pub fn validate_local_name(field: &str, n: &str) -> Result<(), ApiError> {
+    let ok = !n.is_empty()
+        && n.len() <= 64
+        && !n.starts_with('.')
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            field,
+            format!("'{n}' must be a file name of 1-64 characters of A-Z, a-z, 0-9, '.', '_' and '-', not starting with '.'"),
+        ))
+    }
+}
+
 fn validate_path(field: &str, p: &str) -> Result<(), ApiError> {
     if !p.starts_with('/') || p.contains('\0') || p.split('/').any(|c| c == "..") {
         return Err(ApiError::invalid(
@@ -200,15 +230,33 @@ impl Drive {
     /// Checks one drive; `i` names it in errors (`drives[0]`).
     pub fn validate(&self, i: usize) -> Result<(), ApiError> {
         let field = format!("drives[{i}]");
-        let set = [&self.disk, &self.nbd, &self.path]
+        let set = [&self.disk, &self.nbd, &self.path, &self.local]
             .iter()
             .filter(|x| x.is_some())
             .count();
         if set != 1 {
             return Err(ApiError::invalid(
                 &field,
-                "give exactly one of disk (a Ferry disk), nbd (a URI) or path",
+                "give exactly one of disk (a Ferry disk), nbd (a URI), path or local (a file of the host's own)",
             ));
+        }
+        if let Some(n) = &self.local {
+            validate_local_name(&format!("{field}.local"), n)?;
+        }
+        match (self.size, &self.local) {
+            (Some(_), None) => {
+                return Err(ApiError::invalid(
+                    &format!("{field}.size"),
+                    "only a local drive is created with a size",
+                ))
+            }
+            (Some(s), Some(_)) if s == 0 || s % 512 != 0 || s > MAX_LOCAL_DISK => {
+                return Err(ApiError::invalid(
+                    &format!("{field}.size"),
+                    format!("{s} bytes: give a multiple of 512 bytes up to 16T"),
+                ))
+            }
+            _ => {}
         }
         if let Some(d) = &self.disk {
             crate::validate_name(&format!("{field}.disk"), d)?;
@@ -353,5 +401,34 @@ mod tests {
             ..Default::default()
         };
         assert!(d.validate(0).is_ok());
+        let d = Drive {
+            local: Some("data.qcow2".into()),
+            size: Some(1 << 30),
+            format: DriveFormat::Qcow2,
+            ..Default::default()
+        };
+        assert!(d.validate(0).is_ok());
+        for (local, size) in [
+            ("../x", Some(1 << 30)),
+            (".hidden", None),
+            ("a", Some(1000)),
+        ] {
+            let d = Drive {
+                local: Some(local.into()),
+                size,
+                ..Default::default()
+            };
+            assert!(d.validate(2).unwrap_err().to_string().contains("drives[2]"));
+        }
+        let d = Drive {
+            path: Some("/srv/a.img".into()),
+            size: Some(1 << 30),
+            ..Default::default()
+        };
+        assert!(d
+            .validate(0)
+            .unwrap_err()
+            .to_string()
+            .contains("drives[0].size"));
     }
 }

@@ -250,12 +250,20 @@ impl VmSpec {
         }
     }
 
-    /// The lab's workload guest: booted from the host's workload kernel,
-    /// checked by its console's counter.
+    /// The lab's workload guest: booted from the agent's own kernel, with
+    /// no drive but local ones (it writes every virtio disk it finds).
     pub fn is_workload(&self) -> bool {
         self.firmware == crate::hardware::Firmware::Kernel
             && self.kernel.is_none()
-            && self.drives.is_empty()
+            && self.drives.iter().all(|d| d.local.is_some())
+    }
+
+    /// The drives that are files of the host's own (they move with the VM).
+    pub fn local_drives(&self) -> impl Iterator<Item = (usize, &crate::hardware::Drive)> {
+        self.drives
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.local.is_some())
     }
 
     /// Checks a spec before anything starts; errors name the offending field.
@@ -775,8 +783,50 @@ pub struct IncomingRequest {
     /// target refuses unless its own is the same.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_expansion: Option<std::collections::BTreeMap<String, serde_json::Value>>,
+    /// The VM's local drives, which the source mirrors into the target
+    /// (shared-nothing migration): the target creates each file empty,
+    /// `size` bytes, and exports it to the source over the session.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub local_disks: Vec<LocalDiskCopy>,
+    /// With `local_disks`: the transport session (32 hex digits) that
+    /// carries the disks' NBD connections, apart from the memory's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_session: Option<String>,
 }
 
+/// One local drive a migration copies (see [`IncomingRequest::local_disks`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LocalDiskCopy {
+    /// Its index in the spec's drives (its node is `drive{index}`).
+    pub drive: usize,
+    /// Its virtual size in bytes.
+    pub size: u64,
+}
+
+/// A shared-nothing migration's disk copy, as the source sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct DiskCopyProgress {
+    /// Bytes the mirror jobs have copied, and their total (which grows
+    /// with what the guest rewrites meanwhile).
+    pub done: u64,
+    pub total: u64,
+    /// Every disk is in step with its copy (writes now go to both).
+    pub ready: bool,
+}
+
+/// One local drive a migration moved.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskCopyReport {
+    pub drive: usize,
+    pub name: String,
+    pub size: u64,
+    /// Bytes the mirror moved (its `len` at the end: the whole disk plus
+    /// what the guest rewrote during the copy; holes go as zero requests).
+    pub bytes: u64,
+    /// From the mirror's start until every disk was in step.
+    pub ready_ms: u64,
+}
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IncomingReply {
     pub migration_id: String,
@@ -787,6 +837,10 @@ pub struct IncomingReply {
     /// Multichannel: the target's carrier listeners, one per NIC.
     #[serde(default)]
     pub carriers: Vec<CarrierEndpoint>,
+    /// Shared-nothing: the carrier listeners of the disks' session (its
+    /// streams end at the skeleton's NBD server).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disk_carriers: Vec<CarrierEndpoint>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -894,6 +948,12 @@ pub struct MigrationProgress {
     /// QEMU's vCPU throttle (auto-converge), percent.
     #[serde(default)]
     pub throttle_pct: u64,
+    /// Shared-nothing: the local disks' copy (memory is counted apart).
+    /// In phase `disks`, before the memory moves, `transferred`, `remaining`
+    /// and `total` count the disks' bytes, and `nic_tx_bytes` the disks'
+    /// carriers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disks: Option<DiskCopyProgress>,
 }
 
 /// CPU time a migration cost, per host: the QEMU process (its migration
@@ -972,6 +1032,14 @@ pub struct MigrationReport {
     #[serde(default)]
     pub cpu: CpuReport,
     pub rounds: u64,
+    /// Shared-nothing: each local drive copied before the memory moved
+    /// (`bytes_transferred` counts memory only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub disks: Vec<DiskCopyReport>,
+    /// Shared-nothing: the disks' bytes per NIC (their own carriers;
+    /// `nic_tx_bytes` counts memory only).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub disk_nic_tx_bytes: BTreeMap<String, u64>,
     /// The guest's counter on the source just after the switch-over.
     pub tick_before: Option<u64>,
     /// The target's check: running, counter advancing past `tick_before`, intact.

@@ -123,6 +123,7 @@ pub fn qemu_args(a: &QemuArgsArgs) -> anyhow::Result<i32> {
         ovmf: Default::default(),
         tls_dir: None,
         storage_pause_after: ferry_agent::qemu::STORAGE_PAUSE_AFTER,
+        local_disks: a.dir.join("disks"),
     };
     let mut args = vec![a.qemu.clone()];
     args.extend(ferry_agent::qemu::qemu_args(
@@ -279,15 +280,16 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
             )
         })?;
     }
+    let state_dir = a
+        .state_dir
+        .clone()
+        .or(f.state_dir.clone())
+        .unwrap_or_else(|| PathBuf::from("/var/lib/ferry/agent"));
     let cfg = ferry_agent::AgentConfig {
         name,
         listen,
         url,
-        state_dir: a
-            .state_dir
-            .clone()
-            .or(f.state_dir.clone())
-            .unwrap_or_else(|| PathBuf::from("/var/lib/ferry/agent")),
+        state_dir: state_dir.clone(),
         memory,
         nic_rate,
         qemu: ferry_agent::qemu::QemuConfig {
@@ -298,6 +300,7 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
             ovmf,
             tls_dir: None,
             storage_pause_after,
+            local_disks: state_dir.join("disks"),
         },
         nics,
         probe_port: f.probe_port.unwrap_or(ferry_api::DEFAULT_PROBE_PORT),

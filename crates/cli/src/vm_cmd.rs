@@ -257,6 +257,7 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
                 if let Some(d) = dirty_rate {
                     spec.dirty_rate = parse_size("--dirty-rate", d)?;
                 }
+                spec.seed = *seed;
                 hardware.apply(&mut spec)?;
                 spec.validate()?;
                 spec
@@ -510,6 +511,16 @@ pub async fn move_vm(
                     (_, Some(ms)) => format!("switch-over in ~{:.1}s", ms as f64 / 1000.0),
                     _ => "switch-over in -".to_string(),
                 };
+                if p.phase == "disks" {
+                    bar.set_message(format!(
+                        "disks {} copied {} of {} [{}]",
+                        mbit(p.throughput),
+                        human_bytes(p.transferred),
+                        human_bytes(p.total),
+                        per_nic.join(", ")
+                    ));
+                    continue;
+                }
                 bar.set_message(format!(
                     "{} {} sent {}, dirty {}/s, round {}, throttle {}%, {eta} [{}]",
                     p.phase,
@@ -557,6 +568,31 @@ pub fn print_report(r: &MigrationReport) {
         .map(|(n, b)| format!("{n} {}", human_bytes(*b)))
         .collect();
     println!("  bytes per NIC: {}", per_nic.join(", "));
+    if !r.disks.is_empty() {
+        let d: Vec<String> = r
+            .disks
+            .iter()
+            .map(|d| {
+                format!(
+                    "{} ({}, {} moved)",
+                    d.name,
+                    human_bytes(d.size),
+                    human_bytes(d.bytes)
+                )
+            })
+            .collect();
+        let per_nic: Vec<String> = r
+            .disk_nic_tx_bytes
+            .iter()
+            .map(|(n, b)| format!("{n} {}", human_bytes(*b)))
+            .collect();
+        println!(
+            "  local drives: {}, in step after {:.1} s; bytes per NIC: {}",
+            d.join(", "),
+            r.disks[0].ready_ms as f64 / 1000.0,
+            per_nic.join(", ")
+        );
+    }
     match (r.cpu.target_s, r.cpu.per_gib_s) {
         (Some(t), Some(g)) => println!(
             "  CPU: {:.2} s source + {t:.2} s target = {g:.2} s per GiB moved (QEMU and agent)",

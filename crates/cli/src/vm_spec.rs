@@ -37,8 +37,9 @@ pub struct HardwareArgs {
     #[arg(long)]
     pub append: Option<String>,
     /// A drive, repeatable, first boots: `disk=NAME` (a Ferry disk),
-    /// `path=/shared/x.qcow2` or `nbd=nbd://HOST:PORT/EXPORT`, then
-    /// `,format=raw|qcow2` and `,readonly` as needed.
+    /// `path=/shared/x.qcow2`, `nbd=nbd://HOST:PORT/EXPORT` or
+    /// `local=NAME[,size=10G]` (a file of the host's own, which moves with
+    /// the VM), then `,format=raw|qcow2` and `,readonly` as needed.
     #[arg(long = "drive")]
     pub drives: Vec<String>,
     /// A NIC, repeatable: `bridge=BR,mac=52:54:00:…`.
@@ -132,6 +133,8 @@ pub fn parse_drive(s: &str) -> Result<Drive, ApiError> {
             "disk" => d.disk = Some(v),
             "path" => d.path = Some(v),
             "nbd" => d.nbd = Some(v),
+            "local" => d.local = Some(v),
+            "size" => d.size = Some(ferry_api::size::parse_size("--drive", &v)?),
             "format" => {
                 d.format = match v.as_str() {
                     "raw" => DriveFormat::Raw,
@@ -148,7 +151,7 @@ pub fn parse_drive(s: &str) -> Result<Drive, ApiError> {
             _ => {
                 return Err(ApiError::invalid(
                     "--drive",
-                    format!("unknown key '{k}' (disk, path, nbd, format, readonly)"),
+                    format!("unknown key '{k}' (disk, path, nbd, local, size, format, readonly)"),
                 ))
             }
         }
@@ -347,10 +350,13 @@ meta_data = "instance-id: deb1\n"
             .unwrap_err()
             .to_string()
             .contains("vmdk"));
-        assert!(parse_drive("disk=a,size=1G")
+        let l = parse_drive("local=data.qcow2,size=1G,format=qcow2").unwrap();
+        assert_eq!(l.local.as_deref(), Some("data.qcow2"));
+        assert_eq!(l.size, Some(1 << 30));
+        assert!(parse_drive("local=a,size=lots")
             .unwrap_err()
             .to_string()
-            .contains("size"));
+            .contains("--drive"));
         let n = parse_nic("bridge=br0,mac=52:54:00:00:00:01").unwrap();
         assert_eq!(n.bridge, "br0");
         assert!(parse_nic("bridge=br0")

@@ -17,33 +17,6 @@ use common::*;
 /// Links slow enough that a move's pre-copy lasts seconds.
 const RATE: &str = "200mbit";
 
-/// SIGKILLs a host's agent (its pid file from `ferry lab up`) and waits until
-/// it is gone.
-fn kill_agent(host: &str) {
-    let pid: i32 = std::fs::read_to_string(format!("{LAB}/{host}/agent.pid"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    // SAFETY: kill(2) with a pid and a signal has no memory effects.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
-    for _ in 0..200 {
-        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        if state.is_empty()
-            || state
-                .rsplit(')')
-                .next()
-                .unwrap_or("")
-                .trim_start()
-                .starts_with('Z')
-        {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("agent of {host} (pid {pid}) survived SIGKILL");
-}
-
 /// The workload's last counter, read from the guest's console file (no
 /// agent needed).
 fn console_tick(host: &str, vm: &str) -> u64 {

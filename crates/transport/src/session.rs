@@ -403,10 +403,18 @@ impl Session {
         self.inner.compressor.set_mode(mode);
     }
 
+    /// Ends every task of the session and shuts its local connections, so
+    /// that a QEMU waiting on one (an NBD request, a migration stream) sees
+    /// it end at once rather than waiting on a path that is gone.
     pub fn close(&self) {
         let _ = self.inner.closed.send(true);
         for c in lock(&self.inner.carriers).values() {
             c.kill.notify_waiters();
+        }
+        for st in lock(&self.inner.streams_in).values() {
+            if let Some(u) = &st.local {
+                let _ = socket2::SockRef::from(&**u).shutdown(std::net::Shutdown::Both);
+            }
         }
     }
 

@@ -9,6 +9,8 @@
 //!                                                    journal: waiting
 //!  4 skeleton                                        QEMU -S -incoming defer source
 //!                ◀─────────────────── uri ────────── migrate-incoming …
+//!  4b disks      blockdev-mirror ═ NBD over carriers ═▶ export of each     source
+//!                local drive (shared-nothing, see `disks`), until ready
 //!  5 connection  QMP migrate uri ══ QEMU stream ══▶                         source
 //!  6 copy        query-migrate every 100 ms; the copy loop decides          source
 //!  7 iterate     (dirty-sync-count > 1)                                     source
@@ -38,6 +40,7 @@ use tokio::sync::mpsc;
 
 mod auto;
 mod copy_loop;
+pub mod disks;
 mod settle;
 mod target;
 
@@ -164,6 +167,7 @@ fn progress_event(
         carriers_up,
         phase: phase.into(),
         throttle_pct: info.cpu_throttle_percentage.unwrap_or(0),
+        disks: None,
     })
 }
 
@@ -394,6 +398,20 @@ impl Agent {
             }
             _ => ferry_transport::CompressMode::Off,
         };
+        // shared-nothing: the VM's local drives are mirrored before its memory
+        let copies = disks::local_copies(&self.cfg.qemu, spec)
+            .await
+            .map_err(|e| fail("establish", e))?;
+        let mut conv = req.convergence;
+        let mut disk_note = String::new();
+        if !copies.is_empty() && conv.postcopy {
+            // the mirrors end with the guest paused before the switch-over
+            conv.postcopy = false;
+            if conv.at_expiry == Some(ferry_api::AtExpiry::Postcopy) {
+                conv.at_expiry = Some(ferry_api::AtExpiry::Pause);
+            }
+            disk_note = "; post-copy off: local drives are copied before the switch-over".into();
+        }
         let mut auto_note = String::new();
         let option = match req.option {
             MigrationOption::Auto if shared > 1 => {
@@ -432,6 +450,7 @@ impl Agent {
             })
             .map_err(|e| fail("memory", error_chain(&e)))?;
         let session: [u8; 16] = rand::random();
+        let disk_session: [u8; 16] = rand::random();
         // a host-dependent CPU model: the target compares its own expansion
         let cpu_expansion = if crate::hardware::HOST_DEPENDENT_MODELS.contains(&spec.cpu.as_str()) {
             self.cpu_catalog()
@@ -449,9 +468,12 @@ impl Agent {
             reachable_nics,
             option,
             session: Some(ferry_transport::session_to_hex(&session)),
-            postcopy: req.convergence.postcopy,
+            postcopy: conv.postcopy,
             sealed: req.encrypt_carriers,
             cpu_expansion,
+            local_disks: disks::requests(&copies),
+            disk_session: (!copies.is_empty())
+                .then(|| ferry_transport::session_to_hex(&disk_session)),
         };
         let reply: IncomingReply = target
             .post("/incoming", &incoming, Duration::from_secs(30))
@@ -479,125 +501,197 @@ impl Agent {
         };
         ev.step(
             "skeleton",
-            format!("QEMU on {} waits on {waits_on}{auto_note}", req.target),
+            format!(
+                "QEMU on {} waits on {waits_on}{auto_note}{disk_note}",
+                req.target
+            ),
         )
         .await;
-
-        let plan = match option {
-            MigrationOption::Mptcp | MigrationOption::MptcpRelay => {
-                let sock = vm.dir.join(format!("out-{id}.sock"));
-                let mine = self.nics();
-                // the target's listener takes every address; the connection
-                // starts on the first pair probed to work
-                let first = reply.carriers.iter().find_map(|c| {
+        // 4b. shared-nothing: every local drive in step with its copy there
+        let mut mirror = if copies.is_empty() {
+            None
+        } else {
+            let carriers = reply
+                .disk_carriers
+                .iter()
+                .filter_map(|c| {
                     let p = paths.iter().find(|p| p.peer_nic == c.nic)?;
-                    Some((p.address.parse().ok()?, c.address.parse().ok()?))
-                });
-                let Some((local, remote)) = first else {
-                    self.roll_back(id, vm, &target, None).await;
-                    return Err(fail("connection", "no NIC pair to carry the migration"));
-                };
-                let nic_addrs: Vec<(String, std::net::IpAddr)> = mine
-                    .iter()
-                    .filter_map(|n| Some((n.name.clone(), n.address.parse().ok()?)))
-                    .collect();
-                let started = ferry_transport::mptcp::prepare_host(&nic_addrs)
-                    .map_err(|e| e.to_string())
-                    .and_then(|_| {
-                        if option == MigrationOption::Mptcp {
-                            // QEMU gets the socket itself (see `transfer`)
-                            ferry_transport::Spliced::source_handoff(
-                                session,
-                                self.cred.secret(),
-                                local,
-                                remote,
-                                nic_addrs,
-                            )
-                        } else {
-                            ferry_transport::Spliced::source(
-                                session,
-                                self.cred.secret(),
-                                sock.clone(),
-                                local,
-                                remote,
-                                nic_addrs,
-                            )
-                        }
-                        .map_err(|e| error_chain(&e))
-                    });
-                match started {
-                    Ok(s) => Plan::Multichannel {
-                        session: ferry_transport::Carriers::Mptcp(s),
-                        sock,
-                        option: option.name(),
-                    },
-                    Err(e) => {
-                        self.roll_back(id, vm, &target, None).await;
-                        return Err(fail("connection", e));
-                    }
-                }
+                    Some((
+                        p.nic.clone(),
+                        p.address.parse().ok()?,
+                        c.address.parse().ok()?,
+                    ))
+                })
+                .collect::<Vec<_>>();
+            if carriers.is_empty() {
+                self.roll_back(id, vm, &target, None).await;
+                return Err(fail("disks", "no NIC pair to carry the disks' copy"));
             }
-            MigrationOption::Multichannel | MigrationOption::Compression => {
-                let sock = vm.dir.join(format!("out-{id}.sock"));
-                // compression is the one-NIC option: the target's first carrier
-                let offered = if option == MigrationOption::Compression {
-                    &reply.carriers[..reply.carriers.len().min(1)]
-                } else {
-                    &reply.carriers[..]
-                };
-                let carriers = offered
-                    .iter()
-                    .filter_map(|c| {
-                        let p = paths.iter().find(|p| p.peer_nic == c.nic)?;
-                        Some((
-                            p.nic.clone(),
-                            p.address.parse().ok()?,
-                            c.address.parse().ok()?,
-                        ))
-                    })
-                    .collect::<Vec<_>>();
-                if carriers.is_empty() {
-                    self.roll_back(id, vm, &target, None).await;
-                    return Err(fail("connection", "no NIC pair to carry the migration"));
-                }
-                let keys = ferry_transport::Keys {
-                    secret: self.cred.secret(),
-                    sealed: req.encrypt_carriers,
-                };
-                match ferry_transport::Session::source(session, &keys, sock.clone(), carriers).await
-                {
-                    Ok(s) => {
-                        s.set_compression(compress);
-                        Plan::Multichannel {
-                            session: ferry_transport::Carriers::Ferry(s),
-                            sock,
-                            option: option.name(),
-                        }
-                    }
-                    Err(e) => {
-                        self.roll_back(id, vm, &target, None).await;
-                        return Err(fail("connection", error_chain(&e)));
-                    }
-                }
-            }
-            _ => Plan::Tcp {
-                uri: reply.uri.clone(),
-                nic: reply.nic.clone(),
-            },
-        };
-        let result = self
-            .transfer(
-                id,
-                &req.target,
-                spec,
-                vm,
-                &target,
-                ev,
-                &plan,
-                req.convergence,
-                started,
+            let keys = ferry_transport::Keys {
+                secret: self.cred.secret(),
+                sealed: req.encrypt_carriers,
+            };
+            let started_mirror = disks::DiskMirror::start(
+                &vm.qmp,
+                disk_session,
+                &keys,
+                disks::mirror_sock(&vm.dir, id),
+                carriers,
+                copies,
             )
             .await;
+            let mut m = match started_mirror {
+                Ok(m) => m,
+                Err(e) => {
+                    self.roll_back(id, vm, &target, None).await;
+                    return Err(fail("disks", e));
+                }
+            };
+            if let Err(f) = self.copy_disks(id, &mut m, vm, &target, ev, started).await {
+                m.abort(&vm.qmp).await;
+                self.roll_back(id, vm, &target, None).await;
+                return Err(f);
+            }
+            Some(m)
+        };
+
+        // a failure here rolls back below, the disks' copy with it
+        let plan: Result<Plan, Failure> = async {
+            Ok(match option {
+                MigrationOption::Mptcp | MigrationOption::MptcpRelay => {
+                    let sock = vm.dir.join(format!("out-{id}.sock"));
+                    let mine = self.nics();
+                    // the target's listener takes every address; the connection
+                    // starts on the first pair probed to work
+                    let first = reply.carriers.iter().find_map(|c| {
+                        let p = paths.iter().find(|p| p.peer_nic == c.nic)?;
+                        Some((p.address.parse().ok()?, c.address.parse().ok()?))
+                    });
+                    let Some((local, remote)) = first else {
+                        return Err(fail("connection", "no NIC pair to carry the migration"));
+                    };
+                    let nic_addrs: Vec<(String, std::net::IpAddr)> = mine
+                        .iter()
+                        .filter_map(|n| Some((n.name.clone(), n.address.parse().ok()?)))
+                        .collect();
+                    let started = ferry_transport::mptcp::prepare_host(&nic_addrs)
+                        .map_err(|e| e.to_string())
+                        .and_then(|_| {
+                            if option == MigrationOption::Mptcp {
+                                // QEMU gets the socket itself (see `transfer`)
+                                ferry_transport::Spliced::source_handoff(
+                                    session,
+                                    self.cred.secret(),
+                                    local,
+                                    remote,
+                                    nic_addrs,
+                                )
+                            } else {
+                                ferry_transport::Spliced::source(
+                                    session,
+                                    self.cred.secret(),
+                                    sock.clone(),
+                                    local,
+                                    remote,
+                                    nic_addrs,
+                                )
+                            }
+                            .map_err(|e| error_chain(&e))
+                        });
+                    match started {
+                        Ok(s) => Plan::Multichannel {
+                            session: ferry_transport::Carriers::Mptcp(s),
+                            sock,
+                            option: option.name(),
+                        },
+                        Err(e) => {
+                            return Err(fail("connection", e));
+                        }
+                    }
+                }
+                MigrationOption::Multichannel | MigrationOption::Compression => {
+                    let sock = vm.dir.join(format!("out-{id}.sock"));
+                    // compression is the one-NIC option: the target's first carrier
+                    let offered = if option == MigrationOption::Compression {
+                        &reply.carriers[..reply.carriers.len().min(1)]
+                    } else {
+                        &reply.carriers[..]
+                    };
+                    let carriers = offered
+                        .iter()
+                        .filter_map(|c| {
+                            let p = paths.iter().find(|p| p.peer_nic == c.nic)?;
+                            Some((
+                                p.nic.clone(),
+                                p.address.parse().ok()?,
+                                c.address.parse().ok()?,
+                            ))
+                        })
+                        .collect::<Vec<_>>();
+                    if carriers.is_empty() {
+                        return Err(fail("connection", "no NIC pair to carry the migration"));
+                    }
+                    let keys = ferry_transport::Keys {
+                        secret: self.cred.secret(),
+                        sealed: req.encrypt_carriers,
+                    };
+                    match ferry_transport::Session::source(session, &keys, sock.clone(), carriers)
+                        .await
+                    {
+                        Ok(s) => {
+                            s.set_compression(compress);
+                            Plan::Multichannel {
+                                session: ferry_transport::Carriers::Ferry(s),
+                                sock,
+                                option: option.name(),
+                            }
+                        }
+                        Err(e) => {
+                            return Err(fail("connection", error_chain(&e)));
+                        }
+                    }
+                }
+                _ => Plan::Tcp {
+                    uri: reply.uri.clone(),
+                    nic: reply.nic.clone(),
+                },
+            })
+        }
+        .await;
+        let result = match plan {
+            Ok(plan) => {
+                let r = self
+                    .transfer(
+                        id,
+                        &req.target,
+                        spec,
+                        vm,
+                        &target,
+                        ev,
+                        &plan,
+                        conv,
+                        started,
+                        mirror.as_mut(),
+                    )
+                    .await;
+                (r, Some(plan))
+            }
+            Err(f) => (Err(f), None),
+        };
+        let (result, plan) = result;
+        if let Some(m) = mirror.as_mut() {
+            match &result {
+                Err(f) if f.after == AfterCommit::No => m.abort(&vm.qmp).await,
+                _ => m.close(),
+            }
+        }
+        let Some(plan) = plan else {
+            let Err(f) = result else {
+                unreachable!("no plan, no transfer")
+            };
+            self.roll_back(id, vm, &target, None).await;
+            return Err(f);
+        };
         let session = match &plan {
             Plan::Multichannel { session, .. } => Some(session),
             Plan::Tcp { .. } => None,
@@ -663,6 +757,7 @@ impl Agent {
         plan: &Plan,
         conv: Convergence,
         started: Instant,
+        mut mirror: Option<&mut disks::DiskMirror>,
     ) -> Result<MigrationReport, Failure> {
         // 5. connection
         let qmp = &vm.qmp;
@@ -680,6 +775,8 @@ impl Agent {
             ("multifd", multifd),
             ("auto-converge", conv.throttle),
             ("postcopy-ram", conv.postcopy),
+            // shared-nothing: QEMU waits, guest paused, while the mirrors end
+            ("pause-before-switchover", mirror.is_some()),
         ])
         .await
         .map_err(q("connection"))?;
@@ -816,6 +913,20 @@ impl Agent {
                     fail("copy", why)
                 }
             };
+            if status == "pre-switchover" {
+                // the guest is paused: each local drive ends in step with its
+                // copy, then QEMU sends the device state
+                if let Some(m) = mirror.as_deref_mut() {
+                    let t0 = Instant::now();
+                    m.complete(qmp).await.map_err(|e| fail("blackout", e))?;
+                    tracing::info!(
+                        ms = t0.elapsed().as_millis() as u64,
+                        "disk copies completed in step"
+                    );
+                }
+                qmp.migrate_continue().await.map_err(q("blackout"))?;
+                continue;
+            }
             match status.as_str() {
                 "completed" => break info,
                 "failed" => {
@@ -1102,6 +1213,14 @@ impl Agent {
                     None => (None, None),
                 }
             };
+            // the mirrors keep the copies in step meanwhile; one that fails
+            // ends the move (the guest keeps its own disks)
+            let disks = match mirror.as_deref_mut() {
+                Some(m) if status != "pre-switchover" && status != "device" => {
+                    Some(m.progress(qmp).await.map_err(|e| fail("copy", e))?)
+                }
+                _ => None,
+            };
             ev.send(MigrationEvent::Progress(MigrationProgress {
                 elapsed_ms: started.elapsed().as_millis() as u64,
                 status,
@@ -1124,6 +1243,7 @@ impl Agent {
                     "precopy".into()
                 },
                 throttle_pct: throttle,
+                disks,
             }))
             .await;
         };
@@ -1365,9 +1485,113 @@ impl Agent {
             max_throttle_pct: max_throttle,
             cpu: CpuReport::new(cpu_source, on_target.cpu_ms, ram.transferred),
             encrypted: matches!(plan, Plan::Multichannel { session, .. } if session.sealed()),
+            disks: mirror.as_deref().map(|m| m.reports()).unwrap_or_default(),
+            disk_nic_tx_bytes: mirror.as_deref().map(|m| m.nic_bytes()).unwrap_or_default(),
             tick_before,
             check,
         })
+    }
+
+    /// 4b. Shared-nothing: waits until every local drive is in step with
+    /// its copy on the target (the mirrors `ready`), with progress events
+    /// (phase `disks`: `transferred`/`total` count the disks' bytes). Fails
+    /// on a mirror's error, a copy that stops moving, or a lost target.
+    async fn copy_disks(
+        &self,
+        id: &str,
+        m: &mut disks::DiskMirror,
+        vm: &QemuVm,
+        target: &Client,
+        ev: &Events,
+        started: Instant,
+    ) -> Result<(), Failure> {
+        ev.step(
+            "disks",
+            format!(
+                "mirroring {} into the target's copies over {} carriers (blockdev-mirror over NBD)",
+                m.describe(),
+                m.session.stats().carriers.len()
+            ),
+        )
+        .await;
+        let t0 = Instant::now();
+        let mut moved = (t0, 0u64);
+        let mut sample = (t0, 0u64);
+        let mut last_target_poll = t0;
+        let mut target_failures = 0u32;
+        loop {
+            tokio::time::sleep(POLL).await;
+            if let Some(why) = m.session.failure() {
+                return Err(fail("disks", format!("transport: {why}")));
+            }
+            let p = m.progress(&vm.qmp).await.map_err(|e| fail("disks", e))?;
+            let now = Instant::now();
+            let st = m.session.stats();
+            if p.done != moved.1 {
+                moved = (now, p.done);
+            } else if !p.ready && now - moved.0 > disks::MIRROR_STALL {
+                return Err(fail(
+                    "disks",
+                    format!(
+                        "the disks' copy moved no byte for {} s ({} of {} carriers up)",
+                        disks::MIRROR_STALL.as_secs(),
+                        st.healthy,
+                        st.carriers.len()
+                    ),
+                ));
+            }
+            if now - last_target_poll >= Duration::from_secs(1) {
+                last_target_poll = now;
+                match target
+                    .get::<IncomingStatus>(&format!("/incoming/{id}"), Duration::from_secs(2))
+                    .await
+                {
+                    Ok(s) if !s.qemu_alive => return Err(fail("disks", "the target QEMU exited")),
+                    Ok(_) => target_failures = 0,
+                    Err(e) => {
+                        target_failures += 1;
+                        if target_failures >= TARGET_POLL_FAILURES {
+                            return Err(fail("disks", format!("lost the target agent: {e}")));
+                        }
+                    }
+                }
+            }
+            let dt = (now - sample.0).as_secs_f64().max(1e-3);
+            let throughput = p.done.saturating_sub(sample.1) as f64 / dt;
+            sample = (now, p.done);
+            ev.send(MigrationEvent::Progress(MigrationProgress {
+                elapsed_ms: started.elapsed().as_millis() as u64,
+                status: if p.ready { "ready" } else { "mirroring" }.into(),
+                transferred: p.done,
+                remaining: p.total.saturating_sub(p.done),
+                total: p.total,
+                throughput,
+                dirty_rate: 0,
+                rounds: 0,
+                expected_downtime_ms: None,
+                eta_ms: convergence::drain_time(p.total.saturating_sub(p.done), throughput)
+                    .map(|d| d.as_millis() as u64),
+                converging: None,
+                nic_tx_bytes: carrier_bytes(&st),
+                carriers_up: Some(st.healthy),
+                phase: "disks".into(),
+                throttle_pct: 0,
+                disks: Some(p.clone()),
+            }))
+            .await;
+            if p.ready {
+                ev.step(
+                    "disks",
+                    format!(
+                        "every local drive in step with its copy after {:.1} s ({} moved); the guest's writes now go to both",
+                        t0.elapsed().as_secs_f64(),
+                        ferry_api::size::human_bytes(p.done)
+                    ),
+                )
+                .await;
+                return Ok(());
+            }
+        }
     }
 
     /// Before the commit: records Aborted, cancels QEMU's migration, tells
@@ -1394,7 +1618,13 @@ impl Agent {
         }
         for _ in 0..40 {
             match qmp.query_migrate().await.ok().and_then(|i| i.status) {
-                Some(s) if s == "active" || s == "cancelling" || s == "device" || s == "setup" => {
+                Some(s)
+                    if s == "active"
+                        || s == "cancelling"
+                        || s == "device"
+                        || s == "setup"
+                        || s == "pre-switchover" =>
+                {
                     tokio::time::sleep(Duration::from_millis(250)).await
                 }
                 _ => break,

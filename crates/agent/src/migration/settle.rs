@@ -104,9 +104,15 @@ impl Agent {
     /// The target runs the guest: stop the source QEMU (its log kept), free
     /// its memory, record Done.
     pub(super) async fn finish_source(&self, vm: &str, id: &str) {
+        let spec = self.state.lock().await.vms.get(vm).map(|s| s.spec.clone());
         if let Some(q) = self.release(vm).await {
             q.stop().await;
             self.remove_vm_dir(&q.dir, &format!("{vm}.{id}.source"));
+        }
+        // shared-nothing: the target has its own copies of the local
+        // drives, and the guest runs on them
+        if let Some(spec) = spec {
+            crate::local_disk::remove(&super::disks::files_of(&self.cfg.qemu, &spec));
         }
         if let Err(e) = self.set_source_phase(id, SourcePhase::Done) {
             tracing::error!(error = %e, "recording a finished migration");

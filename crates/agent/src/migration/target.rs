@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_api::client::Client;
+use ferry_api::hardware::DriveFormat;
 use ferry_api::{
     ApiError, CarrierEndpoint, IncomingReply, IncomingRequest, IncomingStatus, MigrationOption,
     SourceStatus,
@@ -79,6 +80,9 @@ impl Agent {
         req.spec.validate()?;
         self.preflight(&req.spec, req.cpu_expansion.as_ref())
             .await?;
+        // shared-nothing: each local drive is made here empty, and must not
+        // be there already (a file of this host's own is never overwritten)
+        let copies = self.incoming_disks(&req)?;
         self.reserve(&req.spec, role).await?;
         // the record exists before the skeleton does: a restart finds it
         let waiting = Record {
@@ -94,6 +98,29 @@ impl Agent {
             return Err(ApiError::internal(error_chain(&e)));
         }
         let started = async {
+            let made: Vec<std::path::PathBuf> = copies.iter().map(|c| c.1.clone()).collect();
+            if !made.is_empty() {
+                // listed before they exist: whatever happens next, they go
+                // with the skeleton
+                let marker = crate::local_disk::partial_marker(
+                    &self.cfg.qemu,
+                    &req.spec.name,
+                    &req.migration_id,
+                );
+                crate::local_disk::record_partial(&marker, &made).map_err(|e| {
+                    ApiError::internal(format!("recording {}: {e}", marker.display()))
+                })?;
+                for (i, path, format, size) in &copies {
+                    crate::local_disk::create(path, *format, *size)
+                        .await
+                        .map_err(|e| match e {
+                            ApiError::Internal { reason } => {
+                                ApiError::internal(format!("drives[{i}]: {reason}"))
+                            }
+                            e => e,
+                        })?;
+                }
+            }
             let vm = qemu::launch(&self.cfg.qemu, &req.spec, &dir, true)
                 .await
                 .map_err(|e| {
@@ -105,6 +132,11 @@ impl Agent {
                 slot.qemu = Some(vm.clone());
             }
             let qerr = |e: crate::qmp::QmpError| ApiError::internal(error_chain(&e));
+            let disk_carriers = if copies.is_empty() {
+                Vec::new()
+            } else {
+                self.export_disks(&req, &vm, &dir, &usable, &copies).await?
+            };
             let Some(session_id) = multichannel else {
                 if req.postcopy {
                     vm.qmp
@@ -123,7 +155,11 @@ impl Agent {
                     .into_iter()
                     .find_map(|a| a.port)
                     .ok_or_else(|| ApiError::internal("QEMU did not report its listening port"))?;
-                return Ok::<_, ApiError>((datapath.source_uri(&nic.address, &port), Vec::new()));
+                return Ok::<_, ApiError>((
+                    datapath.source_uri(&nic.address, &port),
+                    Vec::new(),
+                    disk_carriers,
+                ));
             };
             // multichannel: QEMU listens on a local socket, carriers end
             // here; or (mptcp) QEMU is handed the authenticated socket
@@ -217,11 +253,11 @@ impl Agent {
                     })
                 })
                 .collect();
-            Ok(("ferry-transport".to_string(), carriers))
+            Ok(("ferry-transport".to_string(), carriers, disk_carriers))
         }
         .await;
         match started {
-            Ok((uri, carriers)) => {
+            Ok((uri, carriers, disk_carriers)) => {
                 tracing::info!(vm = %req.spec.name, source = %req.source, %uri, "skeleton waiting");
                 Ok(IncomingReply {
                     migration_id: req.migration_id,
@@ -229,6 +265,7 @@ impl Agent {
                     fabric: nic.fabric,
                     nic: nic.name,
                     carriers,
+                    disk_carriers,
                 })
             }
             Err(e) => {
@@ -237,6 +274,146 @@ impl Agent {
                 Err(e)
             }
         }
+    }
+
+    /// The local drives an incoming shared-nothing migration copies here:
+    /// (drive index, file, format, size). Every local drive of the spec
+    /// must be among them, and none may exist here yet.
+    fn incoming_disks(
+        &self,
+        req: &IncomingRequest,
+    ) -> Result<Vec<(usize, std::path::PathBuf, DriveFormat, u64)>, ApiError> {
+        let mut out = Vec::new();
+        let mut present = Vec::new();
+        for (i, d) in req.spec.local_drives() {
+            let Some(c) = req.local_disks.iter().find(|c| c.drive == i) else {
+                return Err(ApiError::invalid(
+                    "local_disks",
+                    format!("drives[{i}] is a local drive and the request does not copy it"),
+                ));
+            };
+            let path = self
+                .cfg
+                .qemu
+                .local_disk(&req.spec.name, d.local.as_deref().unwrap_or_default());
+            if path.exists() {
+                present.push(format!(
+                    "drives[{i}]: {} exists on {} (a local drive is copied only onto a host without it)",
+                    path.display(),
+                    self.cfg.name
+                ));
+            }
+            out.push((i, path, d.format, c.size));
+        }
+        if let Some(c) = req
+            .local_disks
+            .iter()
+            .find(|c| out.iter().all(|o| o.0 != c.drive))
+        {
+            return Err(ApiError::invalid(
+                "local_disks",
+                format!("drives[{}] is not a local drive of the spec", c.drive),
+            ));
+        }
+        if !present.is_empty() {
+            return Err(ApiError::HostCannotRun {
+                host: self.cfg.name.clone(),
+                vm: req.spec.name.clone(),
+                missing: present,
+            });
+        }
+        if !out.is_empty() && req.disk_session.is_none() {
+            return Err(ApiError::invalid(
+                "disk_session",
+                "copying local drives needs a 32-hex-digit disk session id",
+            ));
+        }
+        Ok(out)
+    }
+
+    /// Shared-nothing, on the skeleton: QEMU's NBD server on a socket in
+    /// `dir` exports each empty local drive writable (export `drive{i}`),
+    /// and a transport session whose carriers listen on every usable NIC
+    /// carries the source's NBD connections to it.
+    async fn export_disks(
+        &self,
+        req: &IncomingRequest,
+        vm: &QemuVm,
+        dir: &std::path::Path,
+        usable: &[ferry_api::NicInfo],
+        copies: &[(usize, std::path::PathBuf, DriveFormat, u64)],
+    ) -> Result<Vec<CarrierEndpoint>, ApiError> {
+        let qerr = |e: crate::qmp::QmpError| ApiError::internal(error_chain(&e));
+        let session = req
+            .disk_session
+            .as_deref()
+            .and_then(ferry_transport::session_from_hex)
+            .ok_or_else(|| ApiError::invalid("disk_session", "give 32 hex digits"))?;
+        let sock = dir.join(super::disks::NBD_SOCK);
+        vm.qmp.nbd_server_start(&sock).await.map_err(qerr)?;
+        for (i, ..) in copies {
+            let node = format!("drive{i}");
+            vm.qmp.export_node(&node, &node).await.map_err(qerr)?;
+        }
+        let listen: Vec<(String, std::net::IpAddr)> = usable
+            .iter()
+            .filter_map(|n| Some((n.name.clone(), n.address.parse().ok()?)))
+            .collect();
+        let keys = ferry_transport::Keys {
+            secret: self.cred.secret(),
+            sealed: req.sealed,
+        };
+        let (s, bound) = ferry_transport::Session::target(session, &keys, listen, sock)
+            .await
+            .map_err(|e| ApiError::internal(error_chain(&e)))?;
+        if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
+            slot.disk_transport = Some(s);
+        }
+        Ok(bound
+            .into_iter()
+            .filter_map(|(name, addr)| {
+                let fabric = usable.iter().find(|n| n.name == name)?.fabric;
+                Some(CarrierEndpoint {
+                    fabric,
+                    nic: name,
+                    address: addr.to_string(),
+                })
+            })
+            .collect())
+    }
+
+    /// At RUN: the skeleton's disk exports end (the source's mirrors have
+    /// completed), and its copies become the VM's own drives.
+    async fn end_disk_exports(&self, name: &str, q: &QemuVm) -> Result<(), ApiError> {
+        let (session, marker) = {
+            let mut st = self.state.lock().await;
+            let Some(slot) = st.vms.get_mut(name) else {
+                return Ok(());
+            };
+            let marker = match &slot.role {
+                Role::Incoming { migration_id, .. } => Some(crate::local_disk::partial_marker(
+                    &self.cfg.qemu,
+                    name,
+                    migration_id,
+                )),
+                _ => None,
+            };
+            (slot.disk_transport.take(), marker)
+        };
+        let Some(session) = session else {
+            return Ok(());
+        };
+        let stopped = q.qmp.nbd_server_stop().await;
+        session.close();
+        if let Some(marker) = marker {
+            crate::local_disk::keep_partial(&marker);
+        }
+        stopped.map_err(|e| {
+            ApiError::internal(format!(
+                "stopping the disk exports before the guest runs: {}",
+                error_chain(&e)
+            ))
+        })
     }
 
     /// Moves this host's record of incoming migration `id` to `phase`
@@ -274,6 +451,9 @@ impl Agent {
         if let Some(t) = slot.transport {
             t.close();
         }
+        if let Some(t) = slot.disk_transport {
+            t.close();
+        }
         if let Some(q) = &slot.qemu {
             q.kill().await;
         }
@@ -281,6 +461,12 @@ impl Agent {
             migration_id, dir, ..
         } = &slot.role
         {
+            // the partial copies of its local drives, once no QEMU has them
+            crate::local_disk::remove_partial(&crate::local_disk::partial_marker(
+                &self.cfg.qemu,
+                name,
+                migration_id,
+            ));
             self.remove_vm_dir(dir, &format!("{name}.{migration_id}.target"));
             if let Err(e) = self.set_target_phase(migration_id, TargetPhase::Discarded) {
                 tracing::error!(error = %e, "recording a discarded skeleton");
@@ -428,6 +614,9 @@ impl Agent {
                         return self.incoming_status(id).await;
                     }
                 };
+                // shared-nothing: the source's mirrors ended before its
+                // switch-over; nobody writes these disks but the guest now
+                self.end_disk_exports(&name, &q).await?;
                 let source = self.set_target_phase(id, TargetPhase::Running)?.peer;
                 let cpu_ms = self.incoming_cpu(id, &q).await;
                 q.qmp.cont().await.map_err(|e| {

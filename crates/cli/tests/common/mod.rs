@@ -144,6 +144,24 @@ pub fn move_with(
     at_bytes: u64,
     during: impl FnOnce(),
 ) -> Value {
+    move_when(
+        name,
+        to,
+        option,
+        |ev| ev["transferred"].as_u64().unwrap_or(0) >= at_bytes,
+        during,
+    )
+}
+
+/// Moves a VM with `--option OPTION --json`, calling `during` once at the first progress
+/// event `when` accepts. Returns the final event.
+pub fn move_when(
+    name: &str,
+    to: &str,
+    option: &str,
+    when: impl Fn(&Value) -> bool,
+    during: impl FnOnce(),
+) -> Value {
     let mut child = Command::new(FERRY)
         .args(["vm", "move", name, "--to", to, "--option", option, "--json"])
         .stdout(Stdio::piped())
@@ -156,12 +174,9 @@ pub fn move_with(
         let line = line.expect("read event");
         let ev: Value =
             serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad event line {line}: {e}"));
-        if ev["event"] == "progress" && ev["transferred"].as_u64().unwrap_or(0) >= at_bytes {
+        if ev["event"] == "progress" && when(&ev) {
             if let Some(f) = during.take() {
-                eprintln!(
-                    "injecting failure at {} bytes transferred",
-                    ev["transferred"]
-                );
+                eprintln!("injecting failure at {line}");
                 f();
             }
         }
@@ -173,7 +188,7 @@ pub fn move_with(
     child.wait().expect("ferry vm move exits");
     assert!(
         during.is_none(),
-        "the migration ended before {at_bytes} bytes were transferred"
+        "the migration of {name} ended before the moment to inject its failure"
     );
     last
 }
@@ -331,4 +346,31 @@ pub fn agent_log_tail(host: &str, n: usize) -> String {
     let text = std::fs::read_to_string(format!("{LAB}/{host}/agent.log")).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// SIGKILLs a host's agent (its pid file from `ferry lab up`) and waits until
+/// it is gone.
+pub fn kill_agent(host: &str) {
+    let pid: i32 = std::fs::read_to_string(format!("{LAB}/{host}/agent.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // SAFETY: kill(2) with a pid and a signal has no memory effects.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    for _ in 0..200 {
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        if state.is_empty()
+            || state
+                .rsplit(')')
+                .next()
+                .unwrap_or("")
+                .trim_start()
+                .starts_with('Z')
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("agent of {host} (pid {pid}) survived SIGKILL");
 }
