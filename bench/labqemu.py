@@ -81,15 +81,15 @@ class Qmp:
         json.loads(self.f.readline())  # greeting
         self.cmd("qmp_capabilities")
 
-    def cmd(self, name, **args):
-        self.f.write(json.dumps({"execute": name, "arguments": args}) + "\n")
+    def cmd(self, command, **args):
+        self.f.write(json.dumps({"execute": command, "arguments": args}) + "\n")
         self.f.flush()
         while True:
             msg = json.loads(self.f.readline())
             if "return" in msg:
                 return msg["return"]
             if "error" in msg:
-                raise RuntimeError(f"{name}: {msg['error']}")
+                raise RuntimeError(f"{command}: {msg['error']}")
 
 
 def qemu(ns, d, img, mem, fill, dirty, incoming):

@@ -7,7 +7,7 @@
 //! | directory | journal | QEMU alive | done at start |
 //! |-----------|---------|------------|---------------|
 //! | `NAME` | no open record | yes | adopted, runs on |
-//! | `NAME` | source `copying` | yes | migration cancelled, guest resumed, record `aborted` |
+//! | `NAME` | source `copying` | yes | migration and local drives' mirrors cancelled, guest resumed, record `aborted` |
 //! | `NAME` | source `committed` | yes | adopted paused and in doubt; the settler asks the target |
 //! | `NAME.in-ID` | target `waiting` | any | QEMU killed (it never ran), its partial local drives removed, record `discarded` |
 //! | `NAME.in-ID` | target `running` (or pruned) | yes | adopted; `cont` if it was paused (RUN was received) |
@@ -141,6 +141,8 @@ impl Agent {
                 if let Err(e) = q.qmp.migrate_cancel().await {
                     tracing::warn!(vm, error = %e, "cancelling an outgoing migration at restart");
                 }
+                // shared-nothing: the copies of its local drives are abandoned too
+                crate::migration::disks::remove_leftovers(&q.qmp).await;
                 crate::migration::resume_guest(&q).await;
                 tracing::warn!(vm, migration = %r.migration_id, "restart: outgoing migration cancelled before its commit; the guest runs here");
             }

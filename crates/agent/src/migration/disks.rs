@@ -19,7 +19,8 @@
 //! its partial copies with its skeleton.
 //!
 //! The disks' NBD connections ride a transport session of their own, apart
-//! from the memory's, so a NIC lost mid-mirror fails over the same way.
+//! from the memory's, so a NIC lost mid-mirror fails over the same way; its
+//! frames are always sealed ([`SEALED`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -30,6 +31,11 @@ use ferry_api::{DiskCopyProgress, DiskCopyReport, LocalDiskCopy, VmSpec};
 use crate::host::error_chain;
 use crate::qemu::QemuConfig;
 use crate::qmp::{BlockJobInfo, Qmp};
+
+/// The disks' session seals every frame (AES-256-GCM), whatever the
+/// cluster's `encrypt_carriers` says of memory: a disk's bytes never cross a
+/// network in clear.
+pub const SEALED: bool = true;
 
 /// The skeleton's NBD server socket, in its directory.
 pub const NBD_SOCK: &str = "nbd.sock";
@@ -296,6 +302,46 @@ impl DiskMirror {
             .map(|c| format!("{} ({})", c.name, ferry_api::size::human_bytes(c.size)))
             .collect();
         names.join(", ")
+    }
+}
+
+/// What a source agent that died mid-copy left in its QEMU: the mirror
+/// jobs (failed once the agent's session died with it) and their target
+/// nodes. Removed at restart, with the guest on its own drives.
+pub async fn remove_leftovers(qmp: &Qmp) {
+    let Ok(jobs) = qmp.block_jobs().await else {
+        return;
+    };
+    let ids: Vec<String> = jobs
+        .into_iter()
+        .map(|j| j.device)
+        .filter(|d| d.starts_with("mirror-drive"))
+        .collect();
+    for id in &ids {
+        let _ = qmp.cancel_job(id, true).await;
+    }
+    let t0 = Instant::now();
+    while t0.elapsed() < SETTLE_WITHIN {
+        let Ok(jobs) = qmp.block_jobs().await else {
+            break;
+        };
+        if !jobs
+            .iter()
+            .any(|j| ids.contains(&j.device) && j.status != "concluded")
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for id in &ids {
+        let _ = qmp.dismiss_job(id).await;
+    }
+    for n in qmp.block_nodes().await.unwrap_or_default() {
+        if n.starts_with("mirror-drive") {
+            if let Err(e) = qmp.blockdev_del(&n).await {
+                tracing::warn!(node = %n, error = %error_chain(&e), "removing a mirror's target node left by an earlier agent");
+            }
+        }
     }
 }
 

@@ -527,9 +527,11 @@ impl Agent {
                 self.roll_back(id, vm, &target, None).await;
                 return Err(fail("disks", "no NIC pair to carry the disks' copy"));
             }
+            // disk bytes never cross a network in clear: sealed whatever
+            // the cluster's encrypt_carriers says of memory
             let keys = ferry_transport::Keys {
                 secret: self.cred.secret(),
-                sealed: req.encrypt_carriers,
+                sealed: disks::SEALED,
             };
             let started_mirror = disks::DiskMirror::start(
                 &vm.qmp,

@@ -361,7 +361,7 @@ impl Agent {
             .collect();
         let keys = ferry_transport::Keys {
             secret: self.cred.secret(),
-            sealed: req.sealed,
+            sealed: super::disks::SEALED,
         };
         let (s, bound) = ferry_transport::Session::target(session, &keys, listen, sock)
             .await
