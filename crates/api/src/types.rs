@@ -992,7 +992,12 @@ pub struct MigrationReport {
     pub data_path: String,
     /// The performance option used (`tcp`, `multichannel`).
     pub option: String,
+    /// From the request to the end of the final check.
     pub total_ms: u64,
+    /// From the request until the guest ran on the target (RUN answered):
+    /// the move without the source's cleanup and the final check after it.
+    #[serde(default)]
+    pub running_ms: u64,
     /// Time inside QEMU's migration (setup to completion): ends when QEMU has
     /// handed its last byte to the data path.
     pub qemu_total_ms: u64,

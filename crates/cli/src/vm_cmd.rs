@@ -549,11 +549,12 @@ pub async fn move_vm(
 
 pub fn print_report(r: &MigrationReport) {
     println!(
-        "moved {} {} → {} in {:.2} s (transfer {:.2} s), downtime {} ms (+{} ms switch-over), {} at {} over {}; {} rounds",
+        "moved {} {} → {} in {:.2} s (running there after {:.2} s, transfer {:.2} s), downtime {} ms (+{} ms switch-over), {} at {} over {}; {} rounds",
         r.vm,
         r.from,
         r.to,
         r.total_ms as f64 / 1000.0,
+        r.running_ms as f64 / 1000.0,
         r.transfer_ms as f64 / 1000.0,
         r.downtime_ms,
         r.switchover_ms,

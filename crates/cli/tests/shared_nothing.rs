@@ -2,7 +2,8 @@
 //! `common`): a workload guest whose 1 GiB qcow2 drive is a file of its
 //! host's own, writing to it all along. Its move to host2 with the target
 //! agent killed mid-mirror leaves guest and disk intact on host1 and, once
-//! that agent is back, nothing on host2; its move with one of two NICs cut
+//! that agent is back, nothing on host2; so does its move with the source
+//! agent killed mid-mirror, once that one is back; its move with one of two NICs cut
 //! mid-mirror completes, and the copy on host2 holds every byte written
 //! before the move and every write the guest acknowledged.
 
@@ -304,7 +305,40 @@ fn a_vm_on_local_disks_moves_through_a_lost_target_and_a_cut_nic() {
     }
     assert!(file.exists(), "the source's drive must stay");
 
-    // 2. one of two NICs cut mid-mirror: the copy goes on over the other,
+    // 2. the source agent killed mid-mirror: once it is back, the guest runs
+    // on host1 on its own drive (the mirror it left is removed: the next
+    // move adds one of the same name), and host2 learns the move was
+    // aborted and drops its skeleton and partial copy
+    let _ = move_when(
+        VM,
+        "host2",
+        "multichannel",
+        |ev| disks_copied(ev, 32 << 20),
+        || kill_agent("host1"),
+    );
+    restart_agent_with("host1", "");
+    let t2 = Instant::now();
+    loop {
+        let c = check(VM);
+        if c["host"] == "host1"
+            && c["intact"] == true
+            && c["advancing"] == true
+            && qemu_pids("host2").is_empty()
+            && !disk_on("host2").exists()
+        {
+            break;
+        }
+        assert!(
+            t2.elapsed() < Duration::from_secs(60),
+            "{VM} did not settle on host1: {c}; QEMUs on host2 {:?}; copy on host2: {}",
+            qemu_pids("host2"),
+            disk_on("host2").exists()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_regions(&file);
+
+    // 3. one of two NICs cut mid-mirror: the copy goes on over the other,
     // the move completes, the drive lives on host2 alone
     let cut = nic("host1", 2);
     let last = move_when(

@@ -44,6 +44,11 @@ pub const NBD_SOCK: &str = "nbd.sock";
 /// lost its path (every carrier down, or the target gone).
 pub const MIRROR_STALL: Duration = Duration::from_secs(20);
 
+/// A copy whose remaining bytes have not reached a new low for this long
+/// does not converge: the guest rewrites its drives faster than the links
+/// copy them.
+pub const MIRROR_NOT_CONVERGING: Duration = Duration::from_secs(60);
+
 /// How long completing (or abandoning) the mirrors may take.
 const SETTLE_WITHIN: Duration = Duration::from_secs(30);
 

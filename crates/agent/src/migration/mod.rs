@@ -1460,6 +1460,7 @@ impl Agent {
             data_path: data_path.into(),
             option: option.into(),
             total_ms: started.elapsed().as_millis() as u64,
+            running_ms: (t_running - started).as_millis() as u64,
             qemu_total_ms,
             transfer_ms,
             switchover_ms: (t_running - t_completed).as_millis() as u64,
@@ -1518,6 +1519,8 @@ impl Agent {
         .await;
         let t0 = Instant::now();
         let mut moved = (t0, 0u64);
+        // the least left to copy so far, and when it was seen
+        let mut least = (t0, u64::MAX);
         let mut sample = (t0, 0u64);
         let mut last_target_poll = t0;
         let mut target_failures = 0u32;
@@ -1539,6 +1542,22 @@ impl Agent {
                         disks::MIRROR_STALL.as_secs(),
                         st.healthy,
                         st.carriers.len()
+                    ),
+                ));
+            }
+            // bytes moving but what is left not shrinking: the guest
+            // rewrites its drives faster than the links copy them
+            let left = p.total.saturating_sub(p.done);
+            if left < least.1 {
+                least = (now, left);
+            } else if !p.ready && now - least.0 > disks::MIRROR_NOT_CONVERGING {
+                return Err(fail(
+                    "disks",
+                    format!(
+                        "the disks' copy does not converge: {} left, no less than {} s ago (the guest rewrites its drives faster than {} carriers copy them)",
+                        ferry_api::size::human_bytes(left),
+                        disks::MIRROR_NOT_CONVERGING.as_secs(),
+                        st.healthy
                     ),
                 ));
             }
