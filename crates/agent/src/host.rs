@@ -153,6 +153,31 @@ impl Agent {
         }))
     }
 
+    /// The NIC pairs a move to `info` uses: as [`Agent::paths_to`], but
+    /// pairs past their age whose links have not changed are used at once
+    /// and probed again behind the move (probing an unreachable pair waits
+    /// out its tries, about a second a move).
+    pub async fn paths_for_move(&self, info: &HostInfo) -> Vec<ferry_api::NicPath> {
+        let mine = self.nics();
+        match self.paths.get(&info.name) {
+            Some(p) if !p.fresh(&mine, &info.nics) && p.same_links(&mine, &info.nics) => {
+                let (cache, me, secret) = (
+                    self.paths.clone(),
+                    self.cfg.name.clone(),
+                    self.cred.secret().to_vec(),
+                );
+                let (peer, peer_nics, port) =
+                    (info.name.clone(), info.nics.clone(), info.probe_port);
+                tokio::spawn(async move {
+                    crate::probe::refresh(&cache, (&me, &secret), &mine, &peer, &peer_nics, port)
+                        .await;
+                });
+                p.pairs
+            }
+            _ => self.paths_to(info).await,
+        }
+    }
+
     /// The NIC pairs to `peer` (whose host info is `info`): probed again
     /// when older than [`crate::probe::PROBE_TTL`] or when a link on
     /// either side changed.

@@ -21,8 +21,10 @@
 //! probe is sent up to [`TRIES`] times, [`TRY_TIMEOUT`] apart. A pair (local
 //! NIC, peer NIC) is reachable when a probe from the local NIC arrived on
 //! the peer NIC and its answer's MAC proves the peer holds the cluster
-//! credential. Results are cached per peer and probed again after
-//! [`PROBE_TTL`] or as soon as a link changes on either side.
+//! credential. Results are cached per peer and probed again as soon as a
+//! link changes on either side; past [`PROBE_TTL`] with no link changed, a
+//! move uses them as they are while they are probed again behind it (a
+//! probe that finds a pair unreachable waits out its [`TRIES`]).
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -285,11 +287,14 @@ pub struct PeerPaths {
 }
 
 impl PeerPaths {
+    /// Taken with these local and peer NICs, their links as they are now?
+    pub fn same_links(&self, local: &[NicInfo], peer: &[NicInfo]) -> bool {
+        self.local_links == links(local) && peer_links(&self.peer_nics) == peer_links(peer)
+    }
+
     /// Still good for these local and peer NICs?
     pub fn fresh(&self, local: &[NicInfo], peer: &[NicInfo]) -> bool {
-        self.at.elapsed() < PROBE_TTL
-            && self.local_links == links(local)
-            && peer_links(&self.peer_nics) == peer_links(peer)
+        self.at.elapsed() < PROBE_TTL && self.same_links(local, peer)
     }
 }
 

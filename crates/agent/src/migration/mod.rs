@@ -388,7 +388,7 @@ impl Agent {
         )
         .await;
         // which NIC here reaches which NIC there, probed (cached while no link changes)
-        let paths = crate::probe::usable(&self.paths_to(&tinfo).await, &self.nics());
+        let paths = crate::probe::usable(&self.paths_for_move(&tinfo).await, &self.nics());
         let reachable_nics: Vec<String> = paths.iter().map(|p| p.peer_nic.clone()).collect();
         let shared = reachable_nics.len();
         // compression is tried (only when it wins) for auto and compression
