@@ -267,40 +267,9 @@ fn a_shared_disk_serves_two_guests_and_follows_a_migration() {
     ferry_ok(&["qos", "policy", "rm", "quorum-cap"]);
 }
 
-/// A `FERRYDSK` block as the workload guest writes it (see
-/// `crates/lab/guest/workload.c`): (seed, seq) when intact.
-fn disk_block(b: &[u8]) -> Option<(u64, u64)> {
-    fn mix(mut x: u64) -> u64 {
-        x = x.wrapping_add(0x9E3779B97F4A7C15);
-        x = (x ^ (x >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94D049BB133111EB);
-        x ^ (x >> 31)
-    }
-    let w = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
-    if &b[..8] != b"FERRYDSK" {
-        return None;
-    }
-    let (seed, seq) = (w(1), w(2));
-    (3..512)
-        .all(|i| w(i) == mix(seed ^ (seq << 20) ^ i as u64))
-        .then_some((seed, seq))
-}
-
-/// The journal ring of the guest with `seed` in a disk file read from
-/// outside: the sequence number at each ring position (None: not intact).
-fn journal_ring(file: &std::path::Path, seed: u64) -> Vec<Option<u64>> {
-    const SLOTS: u64 = 64;
-    const RING: u64 = 32;
-    let data = std::fs::read(file).unwrap();
-    let base = (SLOTS + (seed % SLOTS) * RING) * 4096;
-    (0..RING)
-        .map(|k| {
-            let off = (base + k * 4096) as usize;
-            disk_block(&data[off..off + 4096])
-                .filter(|(s, _)| *s == seed)
-                .map(|(_, q)| q)
-        })
-        .collect()
+/// The journal ring of the guest with `seed` in a raw disk file.
+fn ring_in(file: &std::path::Path, seed: u64) -> Vec<Option<u64>> {
+    journal_ring(&std::fs::read(file).unwrap(), seed)
 }
 
 /// The VM list entry of `name`.
@@ -435,10 +404,8 @@ fn a_storage_outage_pauses_the_guest_and_loses_no_acknowledged_write() {
     let file = std::path::Path::new("/run/ferry/lab/storage1/disks").join(format!("{disk}.img"));
     let mut tries = 0;
     loop {
-        let ring = journal_ring(&file, seed);
-        let missing: Vec<u64> = (last.saturating_sub(31).max(1)..=last)
-            .filter(|s| !matches!(ring[(s % 32) as usize], Some(q) if q >= *s && q % 32 == s % 32))
-            .collect();
+        let ring = ring_in(&file, seed);
+        let missing = ring_missing(&ring, last);
         if missing.is_empty() {
             break;
         }
@@ -491,7 +458,7 @@ fn a_storage_outage_pauses_the_guest_and_loses_no_acknowledged_write() {
     let j = ferry_json(&["disk", "backup", disk, "--to", full.to_str().unwrap()]);
     let seen_after = last_disk_line("host1", vm).unwrap().0;
     assert_eq!(j["state"], "done", "{j}");
-    let ring = journal_ring(&full, seed);
+    let ring = ring_in(&full, seed);
     // (positions not written yet read as None: the ring fills in 32 writes)
     let mut seqs: Vec<u64> = ring.iter().flatten().copied().collect();
     seqs.sort_unstable();

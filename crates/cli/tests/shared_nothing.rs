@@ -86,25 +86,6 @@ fn assert_regions(file: &Path) {
     }
 }
 
-/// A `FERRYDSK` block as the workload guest writes it (see
-/// `crates/lab/guest/workload.c`): (seed, seq) when intact.
-fn disk_block(b: &[u8]) -> Option<(u64, u64)> {
-    fn mix(mut x: u64) -> u64 {
-        x = x.wrapping_add(0x9E3779B97F4A7C15);
-        x = (x ^ (x >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94D049BB133111EB);
-        x ^ (x >> 31)
-    }
-    let w = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
-    if &b[..8] != b"FERRYDSK" {
-        return None;
-    }
-    let (seed, seq) = (w(1), w(2));
-    (3..512)
-        .all(|i| w(i) == mix(seed ^ (seq << 20) ^ i as u64))
-        .then_some((seed, seq))
-}
-
 /// The guest's last reported write sequence and error count on `host`
 /// (waiting for its first report there).
 fn last_disk_seq(host: &str) -> (u64, u64) {
@@ -154,8 +135,6 @@ fn disk_report(host: &str) -> Option<(u64, u64)> {
 /// raw while the guest runs on): each of the last 32 writes up to `seq` is
 /// there, intact (or a later write in its ring position).
 fn assert_journal(host: &str, seq: u64) {
-    const SLOTS: u64 = 64;
-    const RING: u64 = 32;
     let raw = std::env::temp_dir().join(format!("ferry-{VM}-journal.raw"));
     for tries in 0.. {
         let _ = std::fs::remove_file(&raw);
@@ -170,21 +149,8 @@ fn assert_journal(host: &str, seq: u64) {
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let data = std::fs::read(&raw).unwrap();
-        let base = (SLOTS + (SEED % SLOTS) * RING) * 4096;
-        let ring: Vec<Option<u64>> = (0..RING)
-            .map(|k| {
-                let off = (base + k * 4096) as usize;
-                disk_block(&data[off..off + 4096])
-                    .filter(|(s, _)| *s == SEED)
-                    .map(|(_, q)| q)
-            })
-            .collect();
-        let missing: Vec<u64> = (seq.saturating_sub(RING - 1).max(1)..=seq)
-            .filter(|s| {
-                !matches!(ring[(s % RING) as usize], Some(q) if q >= *s && q % RING == s % RING)
-            })
-            .collect();
+        let ring = journal_ring(&std::fs::read(&raw).unwrap(), SEED);
+        let missing = ring_missing(&ring, seq);
         let _ = std::fs::remove_file(&raw);
         if missing.is_empty() {
             return;

@@ -180,6 +180,25 @@ fn data_path_of(session: &ferry_transport::Carriers) -> &'static str {
     }
 }
 
+/// The carriers a source dials: for each of the target's listeners that a
+/// probed pair reaches, (local NIC, its address, the listener's address).
+fn carrier_pairs(
+    offered: &[ferry_api::CarrierEndpoint],
+    paths: &[ferry_api::NicPath],
+) -> Vec<(String, std::net::IpAddr, std::net::SocketAddr)> {
+    offered
+        .iter()
+        .filter_map(|c| {
+            let p = paths.iter().find(|p| p.peer_nic == c.nic)?;
+            Some((
+                p.nic.clone(),
+                p.address.parse().ok()?,
+                c.address.parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
 /// Multifd channels per multichannel migration (streams over the carriers).
 pub const MULTIFD_CHANNELS: u64 = 4;
 
@@ -511,18 +530,7 @@ impl Agent {
         let mut mirror = if copies.is_empty() {
             None
         } else {
-            let carriers = reply
-                .disk_carriers
-                .iter()
-                .filter_map(|c| {
-                    let p = paths.iter().find(|p| p.peer_nic == c.nic)?;
-                    Some((
-                        p.nic.clone(),
-                        p.address.parse().ok()?,
-                        c.address.parse().ok()?,
-                    ))
-                })
-                .collect::<Vec<_>>();
+            let carriers = carrier_pairs(&reply.disk_carriers, &paths);
             if carriers.is_empty() {
                 self.roll_back(id, vm, &target, None).await;
                 return Err(fail("disks", "no NIC pair to carry the disks' copy"));
@@ -619,17 +627,7 @@ impl Agent {
                     } else {
                         &reply.carriers[..]
                     };
-                    let carriers = offered
-                        .iter()
-                        .filter_map(|c| {
-                            let p = paths.iter().find(|p| p.peer_nic == c.nic)?;
-                            Some((
-                                p.nic.clone(),
-                                p.address.parse().ok()?,
-                                c.address.parse().ok()?,
-                            ))
-                        })
-                        .collect::<Vec<_>>();
+                    let carriers = carrier_pairs(offered, &paths);
                     if carriers.is_empty() {
                         return Err(fail("connection", "no NIC pair to carry the migration"));
                     }

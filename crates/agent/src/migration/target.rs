@@ -242,18 +242,11 @@ impl Agent {
             if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
                 slot.transport = Some(session);
             }
-            let carriers = bound
-                .into_iter()
-                .filter_map(|(name, addr)| {
-                    let fabric = usable.iter().find(|n| n.name == name)?.fabric;
-                    Some(CarrierEndpoint {
-                        fabric,
-                        nic: name,
-                        address: addr.to_string(),
-                    })
-                })
-                .collect();
-            Ok(("ferry-transport".to_string(), carriers, disk_carriers))
+            Ok((
+                "ferry-transport".to_string(),
+                endpoints(bound, &usable),
+                disk_carriers,
+            ))
         }
         .await;
         match started {
@@ -369,17 +362,7 @@ impl Agent {
         if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
             slot.disk_transport = Some(s);
         }
-        Ok(bound
-            .into_iter()
-            .filter_map(|(name, addr)| {
-                let fabric = usable.iter().find(|n| n.name == name)?.fabric;
-                Some(CarrierEndpoint {
-                    fabric,
-                    nic: name,
-                    address: addr.to_string(),
-                })
-            })
-            .collect())
+        Ok(endpoints(bound, usable))
     }
 
     /// At RUN: the skeleton's disk exports end (the source's mirrors have
@@ -853,6 +836,24 @@ type Waiting = (String, String, Option<Arc<QemuVm>>, String, Instant);
 
 /// A waiting skeleton asks its source after this long.
 pub const ASK_AFTER: Duration = Duration::from_secs(10);
+
+/// What the source is told of listeners bound on usable NICs.
+fn endpoints(
+    bound: Vec<(String, std::net::SocketAddr)>,
+    usable: &[ferry_api::NicInfo],
+) -> Vec<CarrierEndpoint> {
+    bound
+        .into_iter()
+        .filter_map(|(name, addr)| {
+            let fabric = usable.iter().find(|n| n.name == name)?.fabric;
+            Some(CarrierEndpoint {
+                fabric,
+                nic: name,
+                address: addr.to_string(),
+            })
+        })
+        .collect()
+}
 
 fn phase_name(p: Option<TargetPhase>) -> String {
     p.map_or_else(|| "unknown".into(), wire_name)

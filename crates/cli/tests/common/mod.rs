@@ -374,3 +374,51 @@ pub fn kill_agent(host: &str) {
     }
     panic!("agent of {host} (pid {pid}) survived SIGKILL");
 }
+
+/// A `FERRYDSK` block as the workload guest writes it (see
+/// `crates/lab/guest/workload.c`): (seed, seq) when intact.
+pub fn disk_block(b: &[u8]) -> Option<(u64, u64)> {
+    fn mix(mut x: u64) -> u64 {
+        x = x.wrapping_add(0x9E3779B97F4A7C15);
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D049BB133111EB);
+        x ^ (x >> 31)
+    }
+    let w = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
+    if &b[..8] != b"FERRYDSK" {
+        return None;
+    }
+    let (seed, seq) = (w(1), w(2));
+    (3..512)
+        .all(|i| w(i) == mix(seed ^ (seq << 20) ^ i as u64))
+        .then_some((seed, seq))
+}
+
+/// Positions in the workload guest's journal ring (see workload.c).
+pub const JOURNAL_RING: u64 = 32;
+
+/// The journal ring of the guest with `seed` in a raw disk image's bytes:
+/// the sequence number at each ring position (None: not intact).
+pub fn journal_ring(data: &[u8], seed: u64) -> Vec<Option<u64>> {
+    const SLOTS: u64 = 64;
+    let base = (SLOTS + (seed % SLOTS) * JOURNAL_RING) * 4096;
+    (0..JOURNAL_RING)
+        .map(|k| {
+            let off = (base + k * 4096) as usize;
+            disk_block(&data[off..off + 4096])
+                .filter(|(s, _)| *s == seed)
+                .map(|(_, q)| q)
+        })
+        .collect()
+}
+
+/// Which of the guest's last 32 acknowledged writes up to `last` are not in
+/// `ring` (each must be there, or a later write in its ring position).
+pub fn ring_missing(ring: &[Option<u64>], last: u64) -> Vec<u64> {
+    (last.saturating_sub(JOURNAL_RING - 1).max(1)..=last)
+        .filter(|s| {
+            !matches!(ring[(s % JOURNAL_RING) as usize],
+                Some(q) if q >= *s && q % JOURNAL_RING == s % JOURNAL_RING)
+        })
+        .collect()
+}
