@@ -588,11 +588,7 @@ impl Agent {
         }
         // its local drives go with it (they exist nowhere else)
         if let Some(spec) = spec {
-            let files: Vec<_> = crate::local_disk::files(&self.cfg.qemu, &spec)
-                .into_iter()
-                .map(|(_, f, _)| f)
-                .collect();
-            crate::local_disk::remove(&files);
+            crate::local_disk::remove(&crate::local_disk::paths(&self.cfg.qemu, &spec));
         }
         tracing::info!(vm = name, "vm removed");
         Ok(())

@@ -18,6 +18,11 @@ pub fn files(cfg: &QemuConfig, spec: &VmSpec) -> Vec<(usize, PathBuf, DriveForma
         .collect()
 }
 
+/// The files of every local drive of `spec`.
+pub fn paths(cfg: &QemuConfig, spec: &VmSpec) -> Vec<PathBuf> {
+    files(cfg, spec).into_iter().map(|(_, f, _)| f).collect()
+}
+
 /// Creates an empty image of `size` bytes at `path` (its directory too).
 pub async fn create(path: &Path, format: DriveFormat, size: u64) -> Result<(), ApiError> {
     if let Some(dir) = path.parent() {
@@ -126,6 +131,12 @@ pub fn remove_partial(marker: &Path) {
     if let Some(dir) = marker.parent() {
         let _ = std::fs::remove_dir(dir);
     }
+}
+
+/// Skeleton `id` of VM `vm` never ran: removes the partial copies its
+/// migration recorded (see [`partial_marker`]).
+pub fn discard_partial(cfg: &QemuConfig, vm: &str, id: &str) {
+    remove_partial(&partial_marker(cfg, vm, id));
 }
 
 /// The virtual size of the image at `path` (`qemu-img info`, read shared

@@ -103,11 +103,7 @@ impl Agent {
                 Side::Target(TargetPhase::Waiting) => {
                     // no directory was left (the skeleton had not started),
                     // perhaps some partial copies of local drives
-                    crate::local_disk::remove_partial(&crate::local_disk::partial_marker(
-                        &self.cfg.qemu,
-                        &rec.vm,
-                        &rec.migration_id,
-                    ));
+                    crate::local_disk::discard_partial(&self.cfg.qemu, &rec.vm, &rec.migration_id);
                     self.record(&rec.migration_id, Side::Target(TargetPhase::Discarded));
                 }
                 _ => {}
@@ -163,11 +159,7 @@ impl Agent {
                 // the process first, the record after: `discarded` means it can never run
                 qemu::kill_recorded(dir).await;
                 // shared-nothing: the partial copies of its local drives go too
-                crate::local_disk::remove_partial(&crate::local_disk::partial_marker(
-                    &self.cfg.qemu,
-                    vm,
-                    id,
-                ));
+                crate::local_disk::discard_partial(&self.cfg.qemu, vm, id);
                 self.remove_vm_dir(dir, &format!("{vm}.{id}.target"));
                 if record {
                     self.record(id, Side::Target(TargetPhase::Discarded));

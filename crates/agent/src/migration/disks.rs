@@ -199,7 +199,7 @@ impl DiskMirror {
                 .await
                 .map_err(|e| format!("completing the copy of {}: {}", c.node(), error_chain(&e)))?;
         }
-        let jobs = self.wait_concluded(qmp).await?;
+        let jobs = wait_concluded(qmp, &self.jobs).await?;
         for c in &self.copies {
             let j = find(&jobs, &c.job())?;
             if let Some(e) = &j.error {
@@ -222,48 +222,17 @@ impl DiskMirror {
         Ok(())
     }
 
-    async fn wait_concluded(&self, qmp: &Qmp) -> Result<Vec<BlockJobInfo>, String> {
-        let t0 = Instant::now();
-        loop {
-            let jobs = qmp.block_jobs().await.map_err(|e| error_chain(&e))?;
-            let pending = self.jobs.iter().any(|id| {
-                jobs.iter()
-                    .any(|j| &j.device == id && j.status != "concluded")
-            });
-            if !pending {
-                return Ok(jobs);
-            }
-            if t0.elapsed() > SETTLE_WITHIN {
-                return Err(format!(
-                    "the disk copies did not end within {} s",
-                    SETTLE_WITHIN.as_secs()
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
     /// Abandons every copy: the session closes first (so an NBD request
     /// waiting on a dead path fails at once), then the jobs are cancelled
     /// and their nodes removed. The guest keeps its own disks throughout.
     pub async fn abort(&mut self, qmp: &Qmp) {
         self.session.close();
-        for id in &self.jobs {
-            if let Err(e) = qmp.cancel_job(id, true).await {
-                tracing::debug!(job = %id, error = %error_chain(&e), "cancelling a disk copy");
-            }
-        }
-        if let Err(e) = self.wait_concluded(qmp).await {
-            tracing::warn!(error = %e, "abandoning the disk copies");
-        }
-        for id in std::mem::take(&mut self.jobs) {
-            let _ = qmp.dismiss_job(&id).await;
-        }
-        for n in std::mem::take(&mut self.nodes) {
-            if let Err(e) = qmp.blockdev_del(&n).await {
-                tracing::warn!(node = %n, error = %error_chain(&e), "removing a mirror's target node");
-            }
-        }
+        abandon(
+            qmp,
+            &std::mem::take(&mut self.jobs),
+            &std::mem::take(&mut self.nodes),
+        )
+        .await;
         let _ = std::fs::remove_file(&self.sock);
     }
 
@@ -281,10 +250,6 @@ impl DiskMirror {
             .iter()
             .map(|c| (c.nic.clone(), c.tx_bytes))
             .collect()
-    }
-
-    pub fn ready_ms(&self) -> Option<u64> {
-        self.ready_ms
     }
 
     pub fn reports(&self) -> Vec<DiskCopyReport> {
@@ -317,36 +282,57 @@ pub async fn remove_leftovers(qmp: &Qmp) {
     let Ok(jobs) = qmp.block_jobs().await else {
         return;
     };
-    let ids: Vec<String> = jobs
+    let ours = |n: &String| n.starts_with("mirror-drive");
+    let jobs: Vec<String> = jobs.into_iter().map(|j| j.device).filter(ours).collect();
+    let nodes: Vec<String> = qmp
+        .block_nodes()
+        .await
+        .unwrap_or_default()
         .into_iter()
-        .map(|j| j.device)
-        .filter(|d| d.starts_with("mirror-drive"))
+        .filter(ours)
         .collect();
-    for id in &ids {
-        let _ = qmp.cancel_job(id, true).await;
-    }
-    let t0 = Instant::now();
-    while t0.elapsed() < SETTLE_WITHIN {
-        let Ok(jobs) = qmp.block_jobs().await else {
-            break;
-        };
-        if !jobs
-            .iter()
-            .any(|j| ids.contains(&j.device) && j.status != "concluded")
-        {
-            break;
+    abandon(qmp, &jobs, &nodes).await;
+}
+
+/// Cancels `jobs` (forced), waits for them to conclude, dismisses them,
+/// then removes `nodes`: best effort, each failure logged.
+async fn abandon(qmp: &Qmp, jobs: &[String], nodes: &[String]) {
+    for id in jobs {
+        if let Err(e) = qmp.cancel_job(id, true).await {
+            tracing::debug!(job = %id, error = %error_chain(&e), "cancelling a disk copy");
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    for id in &ids {
+    if let Err(e) = wait_concluded(qmp, jobs).await {
+        tracing::warn!(error = %e, "abandoning the disk copies");
+    }
+    for id in jobs {
         let _ = qmp.dismiss_job(id).await;
     }
-    for n in qmp.block_nodes().await.unwrap_or_default() {
-        if n.starts_with("mirror-drive") {
-            if let Err(e) = qmp.blockdev_del(&n).await {
-                tracing::warn!(node = %n, error = %error_chain(&e), "removing a mirror's target node left by an earlier agent");
-            }
+    for n in nodes {
+        if let Err(e) = qmp.blockdev_del(n).await {
+            tracing::warn!(node = %n, error = %error_chain(&e), "removing a mirror's target node");
         }
+    }
+}
+
+/// Waits until every job of `ids` has concluded; returns every job then.
+async fn wait_concluded(qmp: &Qmp, ids: &[String]) -> Result<Vec<BlockJobInfo>, String> {
+    let t0 = Instant::now();
+    loop {
+        let jobs = qmp.block_jobs().await.map_err(|e| error_chain(&e))?;
+        let pending = jobs
+            .iter()
+            .any(|j| ids.contains(&j.device) && j.status != "concluded");
+        if !pending {
+            return Ok(jobs);
+        }
+        if t0.elapsed() > SETTLE_WITHIN {
+            return Err(format!(
+                "the disk copies did not end within {} s",
+                SETTLE_WITHIN.as_secs()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -354,15 +340,6 @@ fn find<'a>(jobs: &'a [BlockJobInfo], id: &str) -> Result<&'a BlockJobInfo, Stri
     jobs.iter()
         .find(|j| j.device == id)
         .ok_or_else(|| format!("the disk copy job {id} is gone"))
-}
-
-/// The local drives' files of `spec` on this host (removed once the VM runs
-/// on the target).
-pub fn files_of(cfg: &QemuConfig, spec: &VmSpec) -> Vec<PathBuf> {
-    crate::local_disk::files(cfg, spec)
-        .into_iter()
-        .map(|(_, f, _)| f)
-        .collect()
 }
 
 /// The socket the source QEMU's NBD clients connect to.

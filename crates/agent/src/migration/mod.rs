@@ -199,6 +199,33 @@ fn carrier_pairs(
         .collect()
 }
 
+/// One look at the target while the source copies (`step`): its QEMU gone
+/// fails at once, its agent silent [`TARGET_POLL_FAILURES`] times in a row.
+async fn poll_target(
+    target: &Client,
+    id: &str,
+    failures: &mut u32,
+    step: &'static str,
+) -> Result<(), Failure> {
+    match target
+        .get::<IncomingStatus>(&format!("/incoming/{id}"), Duration::from_secs(2))
+        .await
+    {
+        Ok(s) if !s.qemu_alive => Err(fail(step, "the target QEMU exited")),
+        Ok(_) => {
+            *failures = 0;
+            Ok(())
+        }
+        Err(e) => {
+            *failures += 1;
+            if *failures >= TARGET_POLL_FAILURES {
+                return Err(fail(step, format!("lost the target agent: {e}")));
+            }
+            Ok(())
+        }
+    }
+}
+
 /// Multifd channels per multichannel migration (streams over the carriers).
 pub const MULTIFD_CHANNELS: u64 = 4;
 
@@ -1107,20 +1134,7 @@ impl Agent {
             }
             if now - last_target_poll >= Duration::from_secs(1) {
                 last_target_poll = now;
-                let path = format!("/incoming/{id}");
-                match target
-                    .get::<IncomingStatus>(&path, Duration::from_secs(2))
-                    .await
-                {
-                    Ok(s) if !s.qemu_alive => return Err(fail("copy", "the target QEMU exited")),
-                    Ok(_) => target_failures = 0,
-                    Err(e) => {
-                        target_failures += 1;
-                        if target_failures >= TARGET_POLL_FAILURES {
-                            return Err(fail("copy", format!("lost the target agent: {e}")));
-                        }
-                    }
-                }
+                poll_target(target, id, &mut target_failures, "copy").await?;
             }
             if !copy_seen && status == "active" {
                 copy_seen = true;
@@ -1561,19 +1575,7 @@ impl Agent {
             }
             if now - last_target_poll >= Duration::from_secs(1) {
                 last_target_poll = now;
-                match target
-                    .get::<IncomingStatus>(&format!("/incoming/{id}"), Duration::from_secs(2))
-                    .await
-                {
-                    Ok(s) if !s.qemu_alive => return Err(fail("disks", "the target QEMU exited")),
-                    Ok(_) => target_failures = 0,
-                    Err(e) => {
-                        target_failures += 1;
-                        if target_failures >= TARGET_POLL_FAILURES {
-                            return Err(fail("disks", format!("lost the target agent: {e}")));
-                        }
-                    }
-                }
+                poll_target(target, id, &mut target_failures, "disks").await?;
             }
             let dt = (now - sample.0).as_secs_f64().max(1e-3);
             let throughput = p.done.saturating_sub(sample.1) as f64 / dt;
@@ -1582,14 +1584,13 @@ impl Agent {
                 elapsed_ms: started.elapsed().as_millis() as u64,
                 status: if p.ready { "ready" } else { "mirroring" }.into(),
                 transferred: p.done,
-                remaining: p.total.saturating_sub(p.done),
+                remaining: left,
                 total: p.total,
                 throughput,
                 dirty_rate: 0,
                 rounds: 0,
                 expected_downtime_ms: None,
-                eta_ms: convergence::drain_time(p.total.saturating_sub(p.done), throughput)
-                    .map(|d| d.as_millis() as u64),
+                eta_ms: convergence::drain_time(left, throughput).map(|d| d.as_millis() as u64),
                 converging: None,
                 nic_tx_bytes: carrier_bytes(&st),
                 carriers_up: Some(st.healthy),

@@ -112,7 +112,7 @@ impl Agent {
         // shared-nothing: the target has its own copies of the local
         // drives, and the guest runs on them
         if let Some(spec) = spec {
-            crate::local_disk::remove(&super::disks::files_of(&self.cfg.qemu, &spec));
+            crate::local_disk::remove(&crate::local_disk::paths(&self.cfg.qemu, &spec));
         }
         if let Err(e) = self.set_source_phase(id, SourcePhase::Done) {
             tracing::error!(error = %e, "recording a finished migration");

@@ -445,11 +445,7 @@ impl Agent {
         } = &slot.role
         {
             // the partial copies of its local drives, once no QEMU has them
-            crate::local_disk::remove_partial(&crate::local_disk::partial_marker(
-                &self.cfg.qemu,
-                name,
-                migration_id,
-            ));
+            crate::local_disk::discard_partial(&self.cfg.qemu, name, migration_id);
             self.remove_vm_dir(dir, &format!("{name}.{migration_id}.target"));
             if let Err(e) = self.set_target_phase(migration_id, TargetPhase::Discarded) {
                 tracing::error!(error = %e, "recording a discarded skeleton");
