@@ -158,6 +158,184 @@ pub struct DiskInfo {
     pub uri: String,
     /// Open NBD connections.
     pub connections: u32,
+    /// What this copy of the disk is on its node (`primary` is the disk).
+    #[serde(default)]
+    pub role: DiskRole,
+}
+
+/// What a node's copy of a disk is. Only a `primary` is served to guests;
+/// the others are written by another node ([`PushInfo`]) or kept aside.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum DiskRole {
+    /// The disk itself.
+    #[default]
+    Primary,
+    /// Being copied here by node `from` for `ferry disk move`.
+    Incoming { from: String },
+    /// An asynchronous replica of the disk on node `of`.
+    Replica { of: String },
+    /// The disk moved to (or failed over to) node `to`: this copy is no
+    /// longer served and waits to be removed.
+    Retired { to: String },
+}
+
+impl DiskRole {
+    pub fn is_primary(&self) -> bool {
+        matches!(self, DiskRole::Primary)
+    }
+}
+
+/// `POST /disks/{d}/incoming` on a storage node: an empty copy of a disk of
+/// node `from` that `from` will write (a move's target or a replica).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IncomingDiskRequest {
+    pub from: String,
+    pub size: u64,
+    #[serde(default)]
+    pub write_through: bool,
+    /// The disk's policy, applied when this copy becomes the disk.
+    #[serde(default)]
+    pub policy: Option<String>,
+    /// A replica (kept) rather than a move's target.
+    #[serde(default)]
+    pub replica: bool,
+}
+
+/// `POST /disks/{d}/activate`: this copy becomes the disk.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ActivateRequest {
+    /// The copy is a replica taking over from a primary that is gone
+    /// (refused for a replica otherwise, and for a move's copy with it).
+    #[serde(default)]
+    pub failover: bool,
+}
+
+/// What a push to another node is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PushKind {
+    /// `ferry disk move`: copy until in step, then a final copy with writes held.
+    Move,
+    /// `ferry disk replicate`: the changes, every `every_ms`.
+    Replica,
+}
+
+/// `POST /disks/{d}/push` on the disk's node: copy it to node `to`, whose
+/// export `uri` (an `incoming` copy made for it) is written over NBD.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PushRequest {
+    pub to: String,
+    pub uri: String,
+    pub kind: PushKind,
+    /// Replica: the period of its rounds (ms).
+    #[serde(default)]
+    pub every_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PushState {
+    /// The first full copy, or a round of changes, under way.
+    Copying,
+    /// A move whose remaining changes are small: ready to finish.
+    InStep,
+    /// A replica between rounds.
+    Idle,
+    /// A move finished: the target holds the disk as of its final copy.
+    Done,
+    Failed,
+    Cancelled,
+}
+
+/// A push as its source node sees it (`GET /disks/{d}/push`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PushInfo {
+    pub disk: String,
+    pub node: String,
+    pub to: String,
+    pub kind: PushKind,
+    pub state: PushState,
+    /// Rounds completed (the first is the full copy).
+    pub rounds: u64,
+    /// Bytes sent in all rounds.
+    pub bytes_sent: u64,
+    /// Bytes the current (or last) round carries, and has carried.
+    pub round_total: u64,
+    pub round_done: u64,
+    /// Bytes changed since the last round started and not yet sent.
+    pub dirty_bytes: u64,
+    /// Bytes per second over the last round.
+    pub rate: f64,
+    /// The target holds every write acknowledged before this instant (ms
+    /// since the epoch): the start of the last complete round.
+    pub synced_ms: Option<u64>,
+    /// Now − `synced_ms` (ms), when there is one.
+    pub lag_ms: Option<u64>,
+    pub every_ms: Option<u64>,
+    /// The final copy's length (writes held), for a finished move.
+    pub final_ms: Option<u64>,
+    pub error: Option<String>,
+}
+
+/// `ferry disk move DISK --to NODE`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskMoveRequest {
+    pub to: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DiskMovePhase {
+    /// Copying while guests write (rounds of changes).
+    Copy,
+    /// Guests held, the last changes copied, connections switched.
+    Switch,
+    Done,
+    /// Failed before its commit: the disk stays on the old node.
+    Failed,
+}
+
+/// A disk move as the control service runs it (`GET /disks/{d}/move`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DiskMoveInfo {
+    pub disk: String,
+    pub from: String,
+    pub to: String,
+    pub phase: DiskMovePhase,
+    pub started_ms: u64,
+    pub finished_ms: Option<u64>,
+    pub size: u64,
+    /// The source node's push (bytes, rounds, rate).
+    pub push: Option<PushInfo>,
+    /// VMs with the disk open ("VM on HOST"), switched at the end.
+    pub vms: Vec<String>,
+    /// How long the guests were held for the final copy and switch (ms).
+    pub guest_pause_ms: Option<u64>,
+    pub error: Option<String>,
+}
+
+/// `ferry disk replicate DISK --to NODE --every 30s`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaRequest {
+    pub to: String,
+    pub every_ms: u64,
+}
+
+/// `POST /vms/{vm}/disks/{d}/switch` on an agent: the disk is now served
+/// at `uri` (a new connection swapped in, the VM's spec updated); a VM the
+/// agent held for it runs again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskSwitchRequest {
+    /// `None`: keep the connection (a move that failed), only release.
+    #[serde(default)]
+    pub uri: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -499,25 +499,6 @@ pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
         .api_listen
         .or(f.api_listen)
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7900)));
-    let node = ferry_storage::node::Node::open(ferry_storage::node::NodeConfig {
-        name: a
-            .name
-            .clone()
-            .or(f.name.clone())
-            .unwrap_or_else(|| "storage1".into()),
-        dir: a
-            .dir
-            .clone()
-            .or(f.dir.clone())
-            .unwrap_or_else(|| PathBuf::from("/var/lib/ferry/storage")),
-        nbd_address: a
-            .nbd_address
-            .clone()
-            .or(f.nbd_address.clone())
-            .unwrap_or_else(|| nbd_listen.to_string()),
-        capacity_iops: a.capacity_iops.or(f.capacity_iops).unwrap_or(0),
-        peers,
-    })?;
     let pki = a.tls.load("storage", f.tls_dir.as_ref(), f.insecure_http)?;
     let (auth, tls) = match &pki {
         Some(p) => (
@@ -543,6 +524,30 @@ pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
             file.display()
         ),
     };
+    let node = ferry_storage::node::Node::open(ferry_storage::node::NodeConfig {
+        name: a
+            .name
+            .clone()
+            .or(f.name.clone())
+            .unwrap_or_else(|| "storage1".into()),
+        dir: a
+            .dir
+            .clone()
+            .or(f.dir.clone())
+            .unwrap_or_else(|| PathBuf::from("/var/lib/ferry/storage")),
+        nbd_address: a
+            .nbd_address
+            .clone()
+            .or(f.nbd_address.clone())
+            .unwrap_or_else(|| nbd_listen.to_string()),
+        capacity_iops: a.capacity_iops.or(f.capacity_iops).unwrap_or(0),
+        peers,
+        // other nodes' exports are opened as this node's exports are served
+        client_tls: match (&nbd_tls, &pki) {
+            (Some(_), Some(p)) => Some(p.client_config()?),
+            _ => None,
+        },
+    })?;
     if nbd_tls.is_none() {
         tracing::warn!("NBD without TLS: disk contents cross the network in clear");
     }

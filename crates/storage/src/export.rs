@@ -13,7 +13,7 @@ use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::tracking::Tracking;
 
@@ -29,6 +29,9 @@ pub struct Export {
     memory_backed: bool,
     /// Dirty maps and point-in-time copies: every change passes it first.
     pub tracking: Tracking,
+    /// The disk lives on another node now: every change is refused, and
+    /// connections end at their next request.
+    retired: AtomicBool,
 }
 
 impl Export {
@@ -65,7 +68,37 @@ impl Export {
             file,
             size: AtomicU64::new(size),
             tracking: Tracking::default(),
+            retired: AtomicBool::new(false),
         })
+    }
+
+    /// No change lands from now on. Called holding [`Tracking::freeze`],
+    /// so no change is half done: each one either landed before, or sees
+    /// this once it passes the gate ([`Export::admit`]).
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+    }
+
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+
+    /// Readies a change of `[offset, offset + len)` ([`Tracking::before_write`]);
+    /// refused once the export is retired.
+    fn admit(
+        &self,
+        offset: u64,
+        len: u64,
+        may_block: bool,
+    ) -> io::Result<Option<crate::tracking::WriteGuard<'_>>> {
+        let g = self.tracking.before_write(&self.file, offset, len, may_block);
+        if self.is_retired() {
+            return Err(io::Error::other(format!(
+                "disk {} is no longer served by this node (it moved)",
+                self.name
+            )));
+        }
+        Ok(g)
     }
 
     pub fn size(&self) -> u64 {
@@ -94,9 +127,7 @@ impl Export {
     }
 
     pub fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
-        let _tracked = self
-            .tracking
-            .before_write(&self.file, offset, data.len() as u64, true);
+        let _tracked = self.admit(offset, data.len() as u64, true)?;
         if !fua || self.write_through {
             return self.file.write_all_at(data, offset);
         }
@@ -152,10 +183,7 @@ impl Export {
         if self.write_through {
             return Ok(false);
         }
-        let Some(_tracked) =
-            self.tracking
-                .before_write(&self.file, offset, data.len() as u64, false)
-        else {
+        let Some(_tracked) = self.admit(offset, data.len() as u64, false)? else {
             return Ok(false);
         };
         if self.memory_backed && offset + data.len() as u64 <= self.size() {
@@ -278,7 +306,7 @@ impl Export {
         if len == 0 {
             return Ok(());
         }
-        let _tracked = self.tracking.before_write(&self.file, offset, len, true);
+        let _tracked = self.admit(offset, len, true)?;
         match self.fallocate(
             libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
             offset,
@@ -300,7 +328,7 @@ impl Export {
         if len == 0 {
             return Ok(());
         }
-        let _tracked = self.tracking.before_write(&self.file, offset, len, true);
+        let _tracked = self.admit(offset, len, true)?;
         let keep = libc::FALLOC_FL_KEEP_SIZE;
         let tries = if no_hole {
             vec![libc::FALLOC_FL_ZERO_RANGE | keep]

@@ -16,6 +16,12 @@
 //! | POST | /disks/{d}/checkpoints | `CheckpointRequest` → `JobInfo` (started) |
 //! | DELETE | /disks/{d}/checkpoints/{c} | → `CheckpointInfo` |
 //! | POST | /disks/{d}/checkpoints/{c}/revert | → `DiskInfo` (refused while open) |
+//! | POST | /disks/{d}/incoming | `IncomingDiskRequest` → `DiskInfo`: an empty copy another node writes |
+//! | POST | /disks/{d}/activate | `ActivateRequest` → `DiskInfo`: this copy becomes the disk |
+//! | POST | /disks/{d}/retire | `RetireRequest` → `DiskInfo`: the disk lives elsewhere now |
+//! | GET/POST/DELETE | /disks/{d}/push | `PushRequest` → `PushInfo`: copy the disk to another node |
+//! | POST | /disks/{d}/push/finish | → `PushInfo`: a move's final round and commit |
+//! | GET | /pushes | → `[PushInfo]` |
 //! | GET | /qos/policies | → `[Policy]` |
 //! | POST | /qos/policies | `Policy` → `Policy` (new) |
 //! | PUT | /qos/policies/{p} | `Policy` → `Policy` (put as given) |
@@ -34,13 +40,21 @@ use axum::routing::{delete, get, post, put};
 use axum::{middleware, Json, Router};
 use ferry_api::server::{not_found, require_peer, ApiJson, ErrorResponse, PeerAuth};
 use ferry_api::storage::{
-    Allocation, BackupRequest, CheckpointRequest, DiskCreateRequest, DiskResizeRequest,
-    DiskSetRequest, Policy, QosSettings,
+    ActivateRequest, Allocation, BackupRequest, CheckpointRequest, DiskCreateRequest,
+    DiskResizeRequest, DiskSetRequest, IncomingDiskRequest, Policy, PushRequest, QosSettings,
 };
 use ferry_api::ApiError;
 use serde::{Deserialize, Serialize};
 
 use crate::node::Node;
+
+/// Body of `POST /disks/{d}/retire`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetireRequest {
+    /// The node the disk lives on now.
+    pub to: String,
+}
 
 /// Body of `PUT /qos/allocations`: `allocation: null` clears it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -120,6 +134,45 @@ pub fn router(node: Arc<Node>, auth: PeerAuth) -> Router {
                 reply(r.unwrap_or_else(|e| Err(ApiError::internal(e))))
             }),
         )
+        .route(
+            "/disks/{d}/incoming",
+            post(
+                |State(n): S, Path(d): Path<String>, ApiJson(r): ApiJson<IncomingDiskRequest>| async move {
+                    reply(n.create_incoming(&d, &r))
+                },
+            ),
+        )
+        .route(
+            "/disks/{d}/activate",
+            post(
+                |State(n): S, Path(d): Path<String>, ApiJson(r): ApiJson<ActivateRequest>| async move {
+                    reply(n.activate(&d, r.failover))
+                },
+            ),
+        )
+        .route(
+            "/disks/{d}/retire",
+            post(
+                |State(n): S, Path(d): Path<String>, ApiJson(r): ApiJson<RetireRequest>| async move {
+                    reply(n.retire(&d, &r.to))
+                },
+            ),
+        )
+        .route(
+            "/disks/{d}/push",
+            get(|State(n): S, Path(d): Path<String>| async move { reply(n.push_info(&d)) })
+                .post(
+                    |State(n): S, Path(d): Path<String>, ApiJson(r): ApiJson<PushRequest>| async move {
+                        reply(n.start_push(&d, &r))
+                    },
+                )
+                .delete(|State(n): S, Path(d): Path<String>| async move { reply(n.cancel_push(&d)) }),
+        )
+        .route(
+            "/disks/{d}/push/finish",
+            post(|State(n): S, Path(d): Path<String>| async move { reply(n.finish_push(&d).await) }),
+        )
+        .route("/pushes", get(|State(n): S| async move { reply(Ok(n.list_pushes())) }))
         .route(
             "/qos/policies",
             get(|State(n): S| async move { reply(Ok(n.list_policies())) })

@@ -14,6 +14,8 @@
 //! - [`node`]: disks, policies, flows and their status; state on disk.
 //! - [`tracking`]: dirty maps and point-in-time copies of disks in use;
 //!   [`backup`]: backups and checkpoints made of them.
+//! - [`remote`]: copies of a disk on another node that this node writes
+//!   (`ferry disk move`, replicas).
 //! - [`http`]: the node's REST API under `/api/v1`.
 
 pub mod backup;
@@ -22,6 +24,7 @@ pub mod http;
 pub mod nbd;
 pub mod node;
 pub mod qos;
+pub mod remote;
 pub mod tracking;
 
 use std::sync::Arc;
@@ -39,6 +42,7 @@ pub async fn serve(
     let nbd = tokio::net::TcpListener::bind(nbd_listen).await?;
     let api = tokio::net::TcpListener::bind(api_listen).await?;
     tracing::info!(%nbd_listen, %api_listen, "storage node {} serving", node.cfg.name);
+    node.resume_replicas();
     let sampler = {
         let node = node.clone();
         tokio::spawn(async move {

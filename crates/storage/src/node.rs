@@ -19,8 +19,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ferry_api::storage::{
-    check_name, AccessInfo, Allocation, DiskCreateRequest, DiskInfo, FlowInfo, FlowStatus, Policy,
-    PolicyKind, PolicyUpdate, QosSettings, DEFAULT_NORMALIZATION, MAX_DISK_SIZE,
+    check_name, AccessInfo, Allocation, DiskCreateRequest, DiskInfo, DiskRole, FlowInfo,
+    FlowStatus, IncomingDiskRequest, Policy, PolicyKind, PolicyUpdate, QosSettings,
+    DEFAULT_NORMALIZATION, MAX_DISK_SIZE,
 };
 use ferry_api::ApiError;
 use serde::{Deserialize, Serialize};
@@ -43,6 +44,9 @@ pub struct NodeConfig {
     pub capacity_iops: u64,
     /// Client addresses → host names, for the flows' `host` column.
     pub peers: BTreeMap<IpAddr, String>,
+    /// How this node opens other nodes' exports (moves and replicas):
+    /// its own certificate, `None` when the node runs without TLS.
+    pub client_tls: Option<Arc<ferry_api::tls::ClientConfig>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -50,6 +54,11 @@ struct DiskRecord {
     size: u64,
     write_through: bool,
     policy: Option<String>,
+    #[serde(default)]
+    role: DiskRole,
+    /// The disk's replica, restarted with the node.
+    #[serde(default)]
+    replica: Option<crate::remote::ReplicaRecord>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -64,7 +73,11 @@ struct Persisted {
 
 struct Disk {
     export: Arc<Export>,
+    /// The disk's policy; a copy that is not the primary runs unlimited
+    /// (its one writer is another node) and takes it when it becomes the disk.
     policy: Option<String>,
+    role: DiskRole,
+    replica: Option<crate::remote::ReplicaRecord>,
 }
 
 struct Flow {
@@ -103,6 +116,16 @@ pub struct Node {
     sched: Arc<Scheduler>,
     state: Mutex<State>,
     pub(crate) jobs: crate::backup::Jobs,
+    pub(crate) pushes: crate::remote::Pushes,
+}
+
+fn role_name(r: &DiskRole) -> String {
+    match r {
+        DiskRole::Primary => "the disk itself".into(),
+        DiskRole::Incoming { from } => format!("a move's copy from {from}"),
+        DiskRole::Replica { of } => format!("a replica of {of}'s disk"),
+        DiskRole::Retired { to } => format!("retired (the disk lives on {to})"),
+    }
 }
 
 fn io_err(what: impl std::fmt::Display, e: std::io::Error) -> ApiError {
@@ -136,6 +159,8 @@ impl Node {
                 Disk {
                     export: Arc::new(export),
                     policy: r.policy,
+                    role: r.role,
+                    replica: r.replica,
                 },
             );
         }
@@ -156,6 +181,7 @@ impl Node {
                 access: persisted.access,
             }),
             jobs: crate::backup::Jobs::default(),
+            pushes: crate::remote::Pushes::default(),
         }))
     }
 
@@ -175,6 +201,8 @@ impl Node {
                             size: d.export.size(),
                             write_through: d.export.write_through,
                             policy: d.policy.clone(),
+                            role: d.role.clone(),
+                            replica: d.replica.clone(),
                         },
                     )
                 })
@@ -204,6 +232,7 @@ impl Node {
                 .filter(|f| f.disk == name)
                 .map(|f| f.connections)
                 .sum(),
+            role: d.role.clone(),
         }
     }
 
@@ -265,11 +294,141 @@ impl Node {
             Disk {
                 export: Arc::new(e),
                 policy: None,
+                role: DiskRole::Primary,
+                replica: None,
             },
         );
         self.save(&st)?;
         let d = Self::disk(&st, &req.name)?;
         Ok(self.disk_info(&st, &req.name, d))
+    }
+
+    /// An empty copy of node `req.from`'s disk `name`, for it to write
+    /// (a move's target, or a replica). A leftover copy from the same node
+    /// (a move that failed while this node was away) is replaced; the
+    /// node's own disk of that name never is.
+    pub fn create_incoming(&self, name: &str, req: &IncomingDiskRequest) -> Result<DiskInfo, ApiError> {
+        check_name("name", name)?;
+        check_name("from", &req.from)?;
+        if req.from == self.cfg.name {
+            return Err(ApiError::invalid("from", format!("{} is this node", req.from)));
+        }
+        let leftover = {
+            let st = self.lock();
+            match st.disks.get(name).map(|d| &d.role) {
+                None => false,
+                Some(DiskRole::Incoming { from } | DiskRole::Replica { of: from })
+                    if *from == req.from =>
+                {
+                    true
+                }
+                Some(r) => {
+                    return Err(ApiError::AlreadyExists {
+                        kind: format!("disk (as {})", role_name(r)),
+                        name: name.to_string(),
+                    })
+                }
+            }
+        };
+        if leftover {
+            tracing::info!(disk = name, from = %req.from, "replacing a leftover copy");
+            self.remove_disk(name)?;
+        }
+        let info = self.create_disk(&DiskCreateRequest {
+            name: name.to_string(),
+            size: req.size,
+            write_through: req.write_through,
+            node: None,
+        })?;
+        let mut st = self.lock();
+        let d = st.disks.get_mut(name).ok_or_else(|| ApiError::not_found("disk", name))?;
+        d.policy = req.policy.clone();
+        d.role = if req.replica {
+            DiskRole::Replica { of: req.from.clone() }
+        } else {
+            DiskRole::Incoming { from: req.from.clone() }
+        };
+        self.save(&st)?;
+        let d = Self::disk(&st, name)?;
+        tracing::info!(disk = name, role = ?d.role, size = info.size, "copy of another node's disk created");
+        Ok(self.disk_info(&st, name, d))
+    }
+
+    /// This node's copy becomes the disk (served to guests, under its
+    /// policy). A replica only with `failover` (its primary is gone); a
+    /// move's copy only without.
+    pub fn activate(&self, name: &str, failover: bool) -> Result<DiskInfo, ApiError> {
+        let mut st = self.lock();
+        let d = st.disks.get_mut(name).ok_or_else(|| ApiError::not_found("disk", name))?;
+        match (&d.role, failover) {
+            (DiskRole::Incoming { .. }, false) | (DiskRole::Replica { .. }, true) => {}
+            (DiskRole::Primary, _) => {
+                // asked again (a control service that restarted): done
+                let d = Self::disk(&st, name)?;
+                return Ok(self.disk_info(&st, name, d));
+            }
+            (r, _) => {
+                return Err(ApiError::Conflict {
+                    reason: format!(
+                        "disk {name} here is {}: {}",
+                        role_name(r),
+                        if failover {
+                            "only a replica fails over"
+                        } else {
+                            "only a move's copy becomes the disk this way (a replica takes over with failover)"
+                        }
+                    ),
+                })
+            }
+        }
+        tracing::info!(disk = name, was = ?d.role, "this copy is now the disk");
+        d.role = DiskRole::Primary;
+        self.save(&st)?;
+        self.rebind(&st);
+        let d = Self::disk(&st, name)?;
+        Ok(self.disk_info(&st, name, d))
+    }
+
+    /// The disk now lives on node `to`: this copy is no longer served (its
+    /// connections are closed, new ones refused) and waits to be removed.
+    pub fn retire(&self, name: &str, to: &str) -> Result<DiskInfo, ApiError> {
+        let mut st = self.lock();
+        let d = st.disks.get_mut(name).ok_or_else(|| ApiError::not_found("disk", name))?;
+        d.role = DiskRole::Retired { to: to.to_string() };
+        d.replica = None;
+        d.export.retire();
+        self.save(&st)?;
+        self.rebind(&st);
+        tracing::info!(disk = name, to, "copy retired: the disk lives on {to}");
+        let d = Self::disk(&st, name)?;
+        Ok(self.disk_info(&st, name, d))
+    }
+
+    /// The role of this node's copy of `name`.
+    pub(crate) fn role(&self, name: &str) -> Result<DiskRole, ApiError> {
+        let st = self.lock();
+        Ok(Self::disk(&st, name)?.role.clone())
+    }
+
+    /// Records (or clears) the disk's replica, kept across restarts.
+    pub(crate) fn set_replica(
+        &self,
+        name: &str,
+        r: Option<crate::remote::ReplicaRecord>,
+    ) -> Result<(), ApiError> {
+        let mut st = self.lock();
+        let d = st.disks.get_mut(name).ok_or_else(|| ApiError::not_found("disk", name))?;
+        d.replica = r;
+        self.save(&st)
+    }
+
+    /// Replicas recorded on this node's disks (restarted by [`crate::serve`]).
+    pub(crate) fn replicas(&self) -> Vec<(String, crate::remote::ReplicaRecord)> {
+        let st = self.lock();
+        st.disks
+            .iter()
+            .filter_map(|(n, d)| Some((n.clone(), d.replica.clone()?)))
+            .collect()
     }
 
     pub fn resize_disk(&self, name: &str, size: u64) -> Result<DiskInfo, ApiError> {
@@ -451,7 +610,12 @@ impl Node {
             };
             return (format!("alloc:{key}"), p, None, false);
         }
-        let Some(pname) = st.disks.get(&f.disk).and_then(|d| d.policy.clone()) else {
+        let Some(pname) = st
+            .disks
+            .get(&f.disk)
+            .filter(|d| d.role.is_primary())
+            .and_then(|d| d.policy.clone())
+        else {
             return (own, Params::default(), None, false);
         };
         let Some(pol) = st.policies.get(&pname) else {
@@ -613,12 +777,40 @@ impl Node {
         initiator: Option<&str>,
     ) -> Result<(), Refusal> {
         use ferry_api::tls::Role;
+        let role = st.disks.get(disk).map(|d| d.role.clone()).unwrap_or_default();
+        let writer = match &role {
+            DiskRole::Primary => None,
+            DiskRole::Incoming { from } | DiskRole::Replica { of: from } => Some(from.as_str()),
+            DiskRole::Retired { to } => {
+                return Err(Refusal::Unknown(format!(
+                    "disk '{disk}' is no longer served here: it lives on {to}"
+                )))
+            }
+        };
+        // a copy another node writes: that node only (by name over TLS),
+        // and never as a guest's export
+        if let Some(from) = writer {
+            if initiator.is_some() {
+                return Err(Refusal::Policy(format!(
+                    "disk '{disk}' here is a copy that {from} writes, not served to guests"
+                )));
+            }
+            return match &peer.identity {
+                None => Ok(()),
+                Some(id) if id.role == Role::Storage && id.name == from => Ok(()),
+                Some(id) => Err(Refusal::Policy(format!(
+                    "disk '{disk}' here is a copy only {from} writes, not {id}"
+                ))),
+            };
+        }
         let Some(id) = &peer.identity else {
             return Ok(());
         };
         match id.role {
             Role::Admin | Role::Control => Ok(()),
-            Role::Storage => Err(Refusal::Policy(format!("{id} opens no exports"))),
+            Role::Storage => Err(Refusal::Policy(format!(
+                "{id} opens only copies it writes"
+            ))),
             Role::Agent => {
                 let Some(vm) = initiator else {
                     return Err(Refusal::Policy(format!(

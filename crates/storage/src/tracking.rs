@@ -428,6 +428,33 @@ impl Tracking {
         }
     }
 
+    /// Starts dirty map `name`, empty (replacing one of that name): every
+    /// change from now on marks it.
+    pub fn start_map(&self, name: &str) {
+        // under the gate: no change is half done without marking it
+        let _frozen = self.gate.write().unwrap_or_else(|e| e.into_inner());
+        let mut inner = self.inner();
+        inner.dirty.insert(name.to_string(), Bitmap::default());
+        self.active.store(true, Ordering::Release);
+    }
+
+    /// Takes what dirty map `name` marks, leaving it empty: a change after
+    /// this marks it again. A change marks the map before it lands, so a
+    /// range read after this holds every change the taken map marked.
+    pub fn take_map(&self, name: &str) -> Option<Bitmap> {
+        let mut inner = self.inner();
+        inner.dirty.get_mut(name).map(std::mem::take)
+    }
+
+    /// Ends dirty map `name`.
+    pub fn end_map(&self, name: &str) {
+        let mut inner = self.inner();
+        inner.dirty.remove(name);
+        if inner.copies.is_empty() && inner.dirty.is_empty() {
+            self.active.store(false, Ordering::Release);
+        }
+    }
+
     /// Marks the whole disk changed in every dirty map (its contents were replaced).
     pub fn all_changed(&self, size: u64) {
         for m in self.inner().dirty.values_mut() {

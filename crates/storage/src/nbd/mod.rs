@@ -1,4 +1,6 @@
-//! NBD: the wire format ([`proto`]) and the server ([`server`]).
+//! NBD: the wire format ([`proto`]), the server ([`server`]), and the
+//! client a node writes another node's export with ([`client`]).
 
+pub mod client;
 pub mod proto;
 pub mod server;
