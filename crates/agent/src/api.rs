@@ -98,6 +98,21 @@ async fn grow_disk(
     Ok(Json(a.grow_disk(&name, &disk, r.size).await?))
 }
 
+async fn hold_disk(
+    State(a): State<Arc<Agent>>,
+    Path((name, disk)): Path<(String, String)>,
+) -> R<ferry_api::VmInfo> {
+    Ok(Json(a.hold_for_disk(&name, &disk).await?))
+}
+
+async fn switch_disk(
+    State(a): State<Arc<Agent>>,
+    Path((name, disk)): Path<(String, String)>,
+    ApiJson(r): ApiJson<ferry_api::storage::DiskSwitchRequest>,
+) -> R<ferry_api::VmInfo> {
+    Ok(Json(a.switch_disk(&name, &disk, r.uri).await?))
+}
+
 async fn remove_vm(State(a): State<Arc<Agent>>, Path(name): Path<String>) -> R<serde_json::Value> {
     a.remove_vm(&name).await?;
     Ok(Json(serde_json::json!({ "removed": name })))
@@ -252,6 +267,8 @@ pub fn router(agent: Arc<Agent>) -> Router {
             "/vms/{name}/disks/{disk}/size",
             axum::routing::put(grow_disk),
         )
+        .route("/vms/{name}/disks/{disk}/hold", post(hold_disk))
+        .route("/vms/{name}/disks/{disk}/switch", post(switch_disk))
         .route("/vms/{name}/migrate", post(migrate))
         .route("/vms/{name}/resolve", post(resolve_vm))
         .route("/paths", get(paths))

@@ -59,7 +59,26 @@ pub struct VmSlot {
     /// The guest's storage stopped answering: now, or last (see
     /// [`crate::resilience`]).
     pub storage_pause: Option<ferry_api::StoragePause>,
+    /// Held (paused) for a move of one of its disks between storage nodes.
+    pub held: Option<Held>,
 }
+
+/// A guest paused while its disk changes storage node
+/// ([`Agent::hold_for_disk`]).
+#[derive(Debug, Clone)]
+pub struct Held {
+    pub disk: String,
+    /// It was running: it runs again when released.
+    pub resume: bool,
+    /// Tells this hold from a later one (for its deadline).
+    pub id: u64,
+}
+
+/// A hold not released by then is released by the agent itself: the
+/// guest runs again where its disk was (a move that was not committed
+/// leaves the disk there; one that was refuses it, and the guest waits
+/// for its storage, as after an outage).
+pub const HOLD_MAX: Duration = Duration::from_secs(60);
 
 impl VmSlot {
     /// The QEMU of a VM running here and not migrating, for a change to it.
@@ -83,6 +102,7 @@ impl VmSlot {
             doubt: None,
             problem: None,
             storage_pause: None,
+            held: None,
         }
     }
 }
@@ -518,6 +538,131 @@ impl Agent {
             .await
             .map_err(|e| ApiError::unavailable(format!("growing disk {disk} of {name}"), e))?;
         tracing::info!(vm = %name, disk, size, "disk grown");
+        Ok(self.vm_info(&spec, &Role::Running, Some(&q)).await)
+    }
+
+    /// Pauses VM `name` while its disk `disk` changes storage node: QEMU
+    /// completes every request in flight first, so the old node holds
+    /// all the guest wrote. Asked again, answers the same hold.
+    pub async fn hold_for_disk(self: &Arc<Self>, name: &str, disk: &str) -> Result<VmInfo, ApiError> {
+        let mut st = self.state.lock().await;
+        let slot = st
+            .vms
+            .get_mut(name)
+            .ok_or_else(|| ApiError::not_found("vm", name))?;
+        let q = slot.settled_qemu(name)?;
+        if !slot.spec.disks.iter().any(|d| d.disk == disk) {
+            return Err(ApiError::not_found(&format!("disk of vm {name}"), disk));
+        }
+        if let Some(h) = &slot.held {
+            if h.disk != disk {
+                return Err(ApiError::Conflict {
+                    reason: format!("vm {name} is held for a move of disk {}", h.disk),
+                });
+            }
+        } else {
+            let status = q
+                .qmp
+                .status()
+                .await
+                .map_err(|e| ApiError::unavailable(format!("vm {name}"), e))?;
+            let resume = status.status == "running";
+            if resume {
+                q.qmp
+                    .stop()
+                    .await
+                    .map_err(|e| ApiError::unavailable(format!("pausing vm {name}"), e))?;
+            }
+            let id = ferry_api::util::now_ms();
+            slot.held = Some(Held {
+                disk: disk.to_string(),
+                resume,
+                id,
+            });
+            tracing::info!(vm = name, disk, resume, "held for a move of its disk");
+            let (agent, vm) = (self.clone(), name.to_string());
+            tokio::spawn(async move {
+                tokio::time::sleep(HOLD_MAX).await;
+                let still = {
+                    let st = agent.state.lock().await;
+                    st.vms.get(&vm).and_then(|s| s.held.as_ref()).is_some_and(|h| h.id == id)
+                };
+                if still {
+                    tracing::warn!(vm, "hold for a disk move not released within {HOLD_MAX:?}: releasing it");
+                    let _ = agent.release_disk(&vm, None).await;
+                }
+            });
+        }
+        let spec = slot.spec.clone();
+        drop(st);
+        Ok(self.vm_info(&spec, &Role::Running, Some(&q)).await)
+    }
+
+    /// Disk `disk` of VM `name` is served at `uri` now (`None`: where it
+    /// was): a new connection is swapped in and kept in the VM's spec, and
+    /// a guest held for the move runs again.
+    pub async fn switch_disk(
+        &self,
+        name: &str,
+        disk: &str,
+        uri: Option<String>,
+    ) -> Result<VmInfo, ApiError> {
+        if let Some(uri) = uri {
+            ferry_api::types::parse_nbd_uri(&uri)?;
+            let mut st = self.state.lock().await;
+            let slot = st
+                .vms
+                .get_mut(name)
+                .ok_or_else(|| ApiError::not_found("vm", name))?;
+            let q = slot.settled_qemu(name)?;
+            let index = slot
+                .spec
+                .disks
+                .iter()
+                .position(|d| d.disk == disk)
+                .ok_or_else(|| ApiError::not_found(&format!("disk of vm {name}"), disk))?;
+            if slot.spec.disks[index].uri != uri {
+                let mut spec = slot.spec.clone();
+                spec.disks[index].uri = uri.clone();
+                self.reconnect_node(&q, &spec, &format!("disk{index}"))
+                    .await
+                    .map_err(|e| {
+                        ApiError::unavailable(format!("switching disk {disk} of {name} to {uri}"), e)
+                    })?;
+                slot.spec = spec.clone();
+                drop(st);
+                if let Err(e) = q.record(&spec).await {
+                    tracing::error!(vm = %name, error = %error_chain(&e), "recording the switched disk");
+                }
+                tracing::info!(vm = name, disk, uri, "disk switched to its new node");
+            }
+        }
+        self.release_disk(name, Some(disk)).await
+    }
+
+    /// Ends a hold (of disk `disk`, or any): the guest runs again if it ran before.
+    async fn release_disk(&self, name: &str, disk: Option<&str>) -> Result<VmInfo, ApiError> {
+        let mut st = self.state.lock().await;
+        let slot = st
+            .vms
+            .get_mut(name)
+            .ok_or_else(|| ApiError::not_found("vm", name))?;
+        let q = slot.settled_qemu(name)?;
+        let held = match (&slot.held, disk) {
+            (Some(h), Some(d)) if h.disk != d => None,
+            _ => slot.held.take(),
+        };
+        if let Some(h) = held {
+            if h.resume {
+                q.qmp
+                    .cont()
+                    .await
+                    .map_err(|e| ApiError::unavailable(format!("resuming vm {name}"), e))?;
+            }
+            tracing::info!(vm = name, disk = %h.disk, "released after a move of its disk");
+        }
+        let spec = slot.spec.clone();
+        drop(st);
         Ok(self.vm_info(&spec, &Role::Running, Some(&q)).await)
     }
 

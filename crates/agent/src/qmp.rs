@@ -165,6 +165,10 @@ struct Cont {}
 qmp_command!(Cont, "cont", qapi::Empty);
 
 #[derive(Serialize)]
+struct Stop {}
+qmp_command!(Stop, "stop", qapi::Empty);
+
+#[derive(Serialize)]
 struct QueryCpusFast {}
 /// One vCPU as `query-cpus-fast` reports it.
 #[derive(Debug, Clone, Deserialize)]
@@ -476,6 +480,11 @@ impl Qmp {
 
     pub async fn cont(&self) -> Result<(), QmpError> {
         self.call(Cont {}, DEFAULT_DEADLINE).await.map(drop)
+    }
+
+    /// Pauses the guest; QEMU first completes every request in flight.
+    pub async fn stop(&self) -> Result<(), QmpError> {
+        self.call(Stop {}, DEFAULT_DEADLINE).await.map(drop)
     }
 
     pub async fn vcpus(&self) -> Result<Vec<VcpuInfo>, QmpError> {

@@ -52,6 +52,7 @@ pub async fn run(cli: &Cli, a: &DemoArgs) -> anyhow::Result<i32> {
         rate: "1gbit".into(),
         mtu: 1500,
         host_memory: "6G".into(),
+        storage_nodes: 1,
         replace: true,
         json: false,
     };

@@ -96,6 +96,9 @@ pub struct UpArgs {
     /// Memory each host offers to VMs.
     #[arg(long, default_value = "6G")]
     pub host_memory: String,
+    /// Storage nodes (storage1, storage2, …) on the management bridge.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4))]
+    pub storage_nodes: u32,
     /// Remove a lab that is already up first.
     #[arg(long)]
     pub replace: bool,
@@ -255,8 +258,12 @@ fn require_root() -> anyhow::Result<()> {
 /// Stops the control service and removes the lab network and state.
 pub fn down() -> Vec<String> {
     let dir = LabDir::default_path();
-    for daemon in ["control.pid", "storage.pid"] {
-        stop_pidfile(&dir.control_dir().join(daemon));
+    stop_pidfile(&dir.control_dir().join("control.pid"));
+    for i in 1..=4 {
+        stop_pidfile(
+            &dir.control_dir()
+                .join(format!("{}.pid", topology::storage_pid_name(i))),
+        );
     }
     let removed = net::destroy();
     let _ = std::fs::remove_dir_all(&dir.0);
@@ -298,41 +305,31 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
     }
     let cd = dir.control_dir();
     std::fs::create_dir_all(&cd)?;
-    // the storage node, on the management bridge; every address a host
+    // the storage nodes, on the management bridge; every address a host
     // connects from is named, so flows show per host
-    let storage = crate::config::StorageFile {
-        name: Some(topology::STORAGE_NODE.into()),
-        dir: Some(dir.0.join(topology::STORAGE_NODE)),
-        nbd_listen: Some(
-            format!(
-                "{}:{}",
-                topology::CONTROL_MGMT_ADDR,
-                topology::STORAGE_NBD_PORT
-            )
-            .parse()?,
-        ),
-        api_listen: Some(
-            format!(
-                "{}:{}",
-                topology::CONTROL_MGMT_ADDR,
-                topology::STORAGE_API_PORT
-            )
-            .parse()?,
-        ),
-        credential: Some(dir.token_path()),
-        tls_dir: Some(dir.pki_path().join(topology::STORAGE_NODE)),
-        peers: topology::peer_addresses(&spec)
-            .into_iter()
-            .map(|(ip, host)| (ip.to_string(), host))
-            .collect(),
-        ..Default::default()
-    };
-    let storage_conf = write_config(&cd, "storage.toml", &storage)?;
-    start_root_daemon(
-        &cd,
-        "storage",
-        &["storage", "serve", "--config", &storage_conf],
-    )?;
+    let mut storage_nodes = Vec::new();
+    for i in 1..=a.storage_nodes {
+        let name = topology::storage_node(i);
+        let (nbd, api) = topology::storage_ports(i);
+        let at = |port: u16| format!("{}:{port}", topology::CONTROL_MGMT_ADDR).parse();
+        let storage = crate::config::StorageFile {
+            name: Some(name.clone()),
+            dir: Some(dir.0.join(&name)),
+            nbd_listen: Some(at(nbd)?),
+            api_listen: Some(at(api)?),
+            credential: Some(dir.token_path()),
+            tls_dir: Some(dir.pki_path().join(&name)),
+            peers: topology::peer_addresses(&spec)
+                .into_iter()
+                .map(|(ip, host)| (ip.to_string(), host))
+                .collect(),
+            ..Default::default()
+        };
+        let pid = topology::storage_pid_name(i);
+        let conf = write_config(&cd, &format!("{pid}.toml"), &storage)?;
+        start_root_daemon(&cd, &pid, &["storage", "serve", "--config", &conf])?;
+        storage_nodes.push((name, topology::storage_node_url(i)));
+    }
     let control = crate::config::ControlFile {
         listen: Some(
             cli.control
@@ -347,7 +344,7 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
         hosts: (1..=spec.hosts)
             .map(|i| (topology::host_name(i), topology::agent_url(i)))
             .collect(),
-        storage: [(topology::STORAGE_NODE.to_string(), topology::storage_url())].into(),
+        storage: storage_nodes.into_iter().collect(),
         ..Default::default()
     };
     let control_conf = write_config(&cd, "control.toml", &control)?;
@@ -472,13 +469,16 @@ fn make_pki(dir: &LabDir, spec: &LabSpec) -> anyhow::Result<()> {
             "control".to_string(),
             vec!["127.0.0.1".into(), "localhost".into(), mgmt.clone()],
         ),
-        (
-            Role::Storage,
-            topology::STORAGE_NODE.to_string(),
-            vec![mgmt.clone(), "127.0.0.1".into()],
-        ),
         (Role::Admin, "admin".to_string(), vec![]),
     ];
+    // every node the lab may start gets its certificate
+    for i in 1..=4 {
+        certs.push((
+            Role::Storage,
+            topology::storage_node(i),
+            vec![mgmt.clone(), "127.0.0.1".into()],
+        ));
+    }
     for i in 1..=spec.hosts {
         certs.push((
             Role::Agent,

@@ -6,8 +6,9 @@ use clap::{Subcommand, ValueEnum};
 use ferry_api::size::{human_bytes, parse_size};
 use ferry_api::storage::{
     BackupRequest, CheckpointInfo, CheckpointRequest, DiskAttachRequest, DiskCreateRequest,
-    DiskInfo, DiskResizeRequest, DiskSetRequest, FlowInfo, JobInfo, JobKind, JobState, Policy,
-    PolicyKind, PolicyUpdate, QosSettings,
+    DiskInfo, DiskMoveInfo, DiskMovePhase, DiskMoveRequest, DiskResizeRequest, DiskSetRequest,
+    FlowInfo, JobInfo, JobKind, JobState, Policy, PolicyKind, PolicyUpdate, PushInfo, QosSettings,
+    ReplicaRequest,
 };
 use ferry_api::VmInfo;
 
@@ -112,6 +113,53 @@ pub enum DiskCmd {
     /// Checkpoints: point-in-time copies kept on the disk's storage node.
     #[command(subcommand)]
     Checkpoint(CheckpointCmd),
+    /// Move a disk to another storage node while guests use it: copied in
+    /// rounds of changes, then the guests pause briefly while the last
+    /// changes are copied and their connections switch. A failure before
+    /// the switch leaves the disk where it was.
+    Move {
+        disk: String,
+        /// The storage node to move it to.
+        #[arg(long)]
+        to: String,
+        /// The progress as NDJSON lines, then the result.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Keep an asynchronous replica of a disk on another storage node:
+    /// what changed is copied every period.
+    Replicate {
+        disk: String,
+        #[arg(long)]
+        to: String,
+        /// The period, e.g. 30s.
+        #[arg(long, default_value = "30s")]
+        every: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Replicas: their lag, stopping one, failing over to one.
+    #[command(subcommand)]
+    Replica(ReplicaCmd),
+}
+
+#[derive(Subcommand)]
+pub enum ReplicaCmd {
+    /// Every replica (or one disk's): where, how far behind, how fast.
+    Status {
+        disk: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stop replicating a disk; the replica's copy is removed.
+    Stop { disk: String },
+    /// The disk's primary node is gone: its replica becomes the disk, and
+    /// every VM with it open switches to it.
+    Failover {
+        disk: String,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// How a backup or checkpoint copies, and how the command waits for it.
@@ -359,6 +407,31 @@ pub async fn run_disk(cli: &Cli, cmd: &DiskCmd) -> anyhow::Result<i32> {
             return follow_job(&c, j, !*wait, *json).await;
         }
         DiskCmd::Checkpoint(cmd) => return run_checkpoint(&c, cmd).await,
+        DiskCmd::Move { disk, to, json } => return move_disk(&c, disk, to, *json).await,
+        DiskCmd::Replicate {
+            disk,
+            to,
+            every,
+            json,
+        } => {
+            let every = ferry_api::size::parse_duration("--every", every)?;
+            let req = ReplicaRequest {
+                to: to.clone(),
+                every_ms: every.as_millis() as u64,
+            };
+            let p: PushInfo = c.post(&format!("/disks/{disk}/replica"), &req, T).await?;
+            show(*json, &p, || {
+                println!(
+                    "disk {} replicated from {} to {} every {}: the first full copy is under way (`ferry disk replica status {}`)",
+                    p.disk,
+                    p.node,
+                    p.to,
+                    ferry_api::size::human_duration(every),
+                    p.disk
+                )
+            });
+        }
+        DiskCmd::Replica(cmd) => return run_replica(&c, cmd).await,
         DiskCmd::Rm { name } => {
             let d: DiskInfo = c.delete(&format!("/disks/{name}"), T).await?;
             println!("disk {} removed from {}", d.name, d.node);
@@ -635,6 +708,141 @@ async fn run_checkpoint(c: &ferry_api::client::Client, cmd: &CheckpointCmd) -> a
                 .delete(&format!("/disks/{disk}/checkpoints/{name}"), T)
                 .await?;
             println!("checkpoint {name} of disk {disk} removed");
+        }
+    }
+    Ok(0)
+}
+
+/// `ferry disk move`: follows the move's stream with a progress bar (or
+/// NDJSON lines); exit status 1 when it failed.
+async fn move_disk(
+    c: &ferry_api::client::Client,
+    disk: &str,
+    to: &str,
+    json: bool,
+) -> anyhow::Result<i32> {
+    use futures::StreamExt;
+    use indicatif::{ProgressBar, ProgressStyle};
+    let mut events = c
+        .post_events::<_, DiskMoveInfo>(
+            &format!("/disks/{disk}/move"),
+            &DiskMoveRequest { to: to.to_string() },
+        )
+        .await?;
+    let bar = if json {
+        ProgressBar::hidden()
+    } else {
+        let b = ProgressBar::new(1);
+        b.set_style(
+            ProgressStyle::with_template("{prefix} [{bar:30}] {bytes}/{total_bytes} {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        );
+        b.set_prefix(format!("{disk} → {to}"));
+        b
+    };
+    let mut last = None;
+    while let Some(m) = events.next().await {
+        let m = m?;
+        if json {
+            println!("{}", serde_json::to_string(&m).unwrap_or_default());
+        }
+        if let Some(p) = &m.push {
+            bar.set_length(p.round_total.max(1));
+            bar.set_position(p.round_done);
+            bar.set_message(format!(
+                "{:?}, round {}, {} sent, {} changed since, {}",
+                m.phase,
+                p.rounds + 1,
+                human_bytes(p.bytes_sent),
+                human_bytes(p.dirty_bytes),
+                crate::output::mbit(p.rate)
+            ));
+        }
+        last = Some(m);
+    }
+    bar.finish_and_clear();
+    let Some(m) = last else {
+        anyhow::bail!("the move's stream ended without a result");
+    };
+    if json {
+        return Ok(if m.phase == DiskMovePhase::Done { 0 } else { 1 });
+    }
+    let sent = m.push.as_ref().map(|p| p.bytes_sent).unwrap_or(0);
+    let secs = m.finished_ms.unwrap_or(m.started_ms).saturating_sub(m.started_ms) as f64 / 1000.0;
+    match m.phase {
+        DiskMovePhase::Done => {
+            println!(
+                "disk {} moved {} → {} in {secs:.1} s: {} sent in {} rounds; {} paused {} ms for the final copy and switch",
+                m.disk,
+                m.from,
+                m.to,
+                human_bytes(sent),
+                m.push.as_ref().map(|p| p.rounds).unwrap_or(0),
+                if m.vms.is_empty() { "no guest".to_string() } else { m.vms.join(", ") },
+                m.guest_pause_ms.unwrap_or(0)
+            );
+            Ok(0)
+        }
+        _ => {
+            eprintln!(
+                "disk {} move {} → {} failed: {}",
+                m.disk,
+                m.from,
+                m.to,
+                m.error.as_deref().unwrap_or("(no reason given)")
+            );
+            Ok(1)
+        }
+    }
+}
+
+async fn run_replica(c: &ferry_api::client::Client, cmd: &ReplicaCmd) -> anyhow::Result<i32> {
+    match cmd {
+        ReplicaCmd::Status { disk, json } => {
+            let path = match disk {
+                Some(d) => format!("/replicas?disk={d}"),
+                None => "/replicas".to_string(),
+            };
+            let list: Vec<PushInfo> = c.get(&path, T).await?;
+            show(*json, &list, || {
+                let mut t = Table::new(&["DISK", "FROM", "TO", "EVERY", "STATE", "LAG", "SYNCED", "SENT", "ERROR"]);
+                for p in &list {
+                    t.row(vec![
+                        p.disk.clone(),
+                        p.node.clone(),
+                        p.to.clone(),
+                        p.every_ms
+                            .map(|m| ferry_api::size::human_duration(Duration::from_millis(m)))
+                            .unwrap_or_default(),
+                        format!("{:?}", p.state).to_lowercase(),
+                        p.lag_ms
+                            .map(|m| format!("{:.1}s", m as f64 / 1000.0))
+                            .unwrap_or_else(|| "-".into()),
+                        p.synced_ms
+                            .map(ferry_api::util::clock_utc)
+                            .unwrap_or_else(|| "never".into()),
+                        human_bytes(p.bytes_sent),
+                        p.error.clone().unwrap_or_default(),
+                    ]);
+                }
+                t.print();
+            });
+        }
+        ReplicaCmd::Stop { disk } => {
+            let p: PushInfo = c.delete(&format!("/disks/{disk}/replica"), T).await?;
+            println!("replica of {} on {} stopped and removed", p.disk, p.to);
+        }
+        ReplicaCmd::Failover { disk, json } => {
+            let d: DiskInfo = c
+                .post(&format!("/disks/{disk}/replica/failover"), &serde_json::json!({}), T)
+                .await?;
+            show(*json, &d, || {
+                println!(
+                    "disk {} is now served by {} (its replica); every VM with it open switched to {}",
+                    d.name, d.node, d.uri
+                )
+            });
         }
     }
     Ok(0)

@@ -88,7 +88,7 @@ async fn authenticate(
 use ferry_api::drain::{DrainRequest, HostSettings};
 use ferry_api::storage::{
     BackupRequest, CheckpointRequest, DiskAttachRequest, DiskCreateRequest, DiskResizeRequest,
-    DiskSetRequest, Policy, PolicyUpdate, QosSettings,
+    DiskMoveRequest, DiskSetRequest, Policy, PolicyUpdate, QosSettings, ReplicaRequest,
 };
 
 async fn run(c: &Arc<Control>, cmd: Command) -> Response {
@@ -159,6 +159,11 @@ async fn move_vm(
     ApiJson(req): ApiJson<MoveRequest>,
 ) -> Response {
     run(&c, Command::MoveVm { name, req }).await
+}
+
+#[derive(serde::Deserialize)]
+struct ReplicaQuery {
+    disk: Option<String>,
 }
 
 #[derive(serde::Deserialize)]
@@ -246,6 +251,40 @@ fn storage_routes() -> Router<Arc<Control>> {
             "/disks/{d}/checkpoints/{cp}/revert",
             post(|State(c): S, Path((name, checkpoint)): Path<(String, String)>| async move {
                 storage(&c, StorageCommand::RevertCheckpoint { name, checkpoint }).await
+            }),
+        )
+        .route(
+            "/disks/{d}/move",
+            get(|State(c): S, Path(name): Path<String>| async move {
+                storage(&c, StorageCommand::MoveStatus { name }).await
+            })
+            .post(
+                |State(c): S, Path(name): Path<String>, ApiJson(req): ApiJson<DiskMoveRequest>| async move {
+                    storage(&c, StorageCommand::MoveDisk { name, req }).await
+                },
+            ),
+        )
+        .route(
+            "/disks/{d}/replica",
+            post(
+                |State(c): S, Path(name): Path<String>, ApiJson(req): ApiJson<ReplicaRequest>| async move {
+                    storage(&c, StorageCommand::Replicate { name, req }).await
+                },
+            )
+            .delete(|State(c): S, Path(name): Path<String>| async move {
+                storage(&c, StorageCommand::StopReplica { name }).await
+            }),
+        )
+        .route(
+            "/disks/{d}/replica/failover",
+            post(|State(c): S, Path(name): Path<String>| async move {
+                storage(&c, StorageCommand::FailoverReplica { name }).await
+            }),
+        )
+        .route(
+            "/replicas",
+            get(|State(c): S, axum::extract::Query(q): axum::extract::Query<ReplicaQuery>| async move {
+                storage(&c, StorageCommand::ListReplicas { name: q.disk }).await
             }),
         )
         .route(

@@ -10,6 +10,7 @@
 
 pub mod access;
 pub mod bandwidth;
+mod disk_move;
 pub mod drain;
 mod drain_run;
 pub mod http;
@@ -182,6 +183,8 @@ pub struct Control {
     access: access::Access,
     /// Guests paused for their storage, as logged (see [`resilience`]).
     pauses: resilience::Logged,
+    /// Disks moved between storage nodes (see [`disk_move`]).
+    disk_moves: disk_move::DiskMoves,
 }
 
 impl Control {
@@ -214,6 +217,7 @@ impl Control {
             tokens: Default::default(),
             access: Default::default(),
             pauses: Default::default(),
+            disk_moves: Default::default(),
             down: Default::default(),
             last_validation: Default::default(),
             draining: Default::default(),
@@ -471,6 +475,9 @@ impl Control {
                 self.log("settings", &host, r.clone());
                 value(r)
             }
+            Command::Storage(crate::storage::StorageCommand::MoveDisk { name, req }) => Ok(
+                Outcome::Events(self.start_disk_move(&name, &req.to).await?),
+            ),
             Command::Storage(c) => {
                 let what = c.mutation();
                 let r = self.storage_command(c).await?;

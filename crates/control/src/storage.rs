@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use ferry_api::storage::{
     BackupRequest, CheckpointInfo, CheckpointRequest, DiskAttachRequest, DiskCreateRequest,
-    DiskInfo, DiskResizeRequest, DiskSetRequest, FlowInfo, JobInfo, Policy, PolicyUpdate,
-    QosSettings,
+    DiskInfo, DiskMoveRequest, DiskResizeRequest, DiskSetRequest, FlowInfo, JobInfo, Policy,
+    PolicyUpdate, QosSettings, ReplicaRequest,
 };
 use ferry_api::{ApiError, VmInfo};
 
@@ -60,6 +60,31 @@ pub enum StorageCommand {
         name: String,
         checkpoint: String,
     },
+    /// Moves the disk to another storage node while guests use it (a
+    /// stream of its progress; see [`crate::disk_move`]).
+    MoveDisk {
+        name: String,
+        req: DiskMoveRequest,
+    },
+    /// The disk's last move.
+    MoveStatus {
+        name: String,
+    },
+    Replicate {
+        name: String,
+        req: ReplicaRequest,
+    },
+    /// Every replica, or one disk's.
+    ListReplicas {
+        name: Option<String>,
+    },
+    StopReplica {
+        name: String,
+    },
+    /// The replica becomes the disk (its primary's node is gone).
+    FailoverReplica {
+        name: String,
+    },
     ListPolicies,
     NewPolicy(Policy),
     UpdatePolicy {
@@ -89,6 +114,10 @@ impl StorageCommand {
             CreateCheckpoint { name, .. } => (name.clone(), "checkpoint disk"),
             RemoveCheckpoint { name, .. } => (name.clone(), "remove a checkpoint of disk"),
             RevertCheckpoint { name, .. } => (name.clone(), "revert disk"),
+            MoveDisk { name, .. } => (name.clone(), "move disk"),
+            Replicate { name, .. } => (name.clone(), "replicate disk"),
+            StopReplica { name } => (name.clone(), "stop the replica of disk"),
+            FailoverReplica { name } => (name.clone(), "fail over disk"),
             NewPolicy(p) => (p.name.clone(), "new policy"),
             UpdatePolicy { name, .. } => (name.clone(), "update policy"),
             RemovePolicy { name } => (name.clone(), "remove policy"),
@@ -96,6 +125,8 @@ impl StorageCommand {
             ListDisks
             | Job { .. }
             | ListCheckpoints { .. }
+            | MoveStatus { .. }
+            | ListReplicas { .. }
             | ListPolicies
             | ListFlows
             | ListNodes
@@ -139,9 +170,30 @@ impl Control {
         Ok(out)
     }
 
+    /// The cluster's disks: each node's primaries (the copies it keeps for
+    /// moves and replicas are not disks of their own).
     async fn list_disks(&self) -> Result<Vec<DiskInfo>, ApiError> {
         let mut out: Vec<DiskInfo> = self.gather("/disks").await?;
+        out.retain(|d| d.role.is_primary());
         out.sort_by(|a, b| a.name.cmp(&b.name));
+        // two primaries of one name: an old primary back after a failover
+        let mut i = 1;
+        while i < out.len() {
+            if out[i].name == out[i - 1].name {
+                let (a, b) = (out[i - 1].node.clone(), out[i].node.clone());
+                match self.settle_twin(&out[i].name, &a, &b).await {
+                    Some(keep) if keep == a => {
+                        out.remove(i);
+                    }
+                    Some(_) => {
+                        out.remove(i - 1);
+                    }
+                    None => i += 1,
+                }
+            } else {
+                i += 1;
+            }
+        }
         Ok(out)
     }
 
@@ -322,6 +374,14 @@ impl Control {
                     .await?,
                 )
             }
+            StorageCommand::MoveDisk { name, .. } => Err(ApiError::internal(format!(
+                "a move of disk {name} is a stream (run through execute)"
+            ))),
+            StorageCommand::MoveStatus { name } => json(self.disk_move(&name)?),
+            StorageCommand::Replicate { name, req } => json(self.replicate_disk(&name, &req).await?),
+            StorageCommand::ListReplicas { name } => json(self.replicas(name.as_deref()).await?),
+            StorageCommand::StopReplica { name } => json(self.stop_replica(&name).await?),
+            StorageCommand::FailoverReplica { name } => json(self.failover_replica(&name).await?),
             StorageCommand::ListPolicies => {
                 let (_, c) = self.first_node()?;
                 json(c.get::<Vec<Policy>>("/qos/policies", NODE_TIMEOUT).await?)

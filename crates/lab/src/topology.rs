@@ -184,7 +184,31 @@ pub const STORAGE_API_PORT: u16 = 7900;
 pub const STORAGE_NODE: &str = "storage1";
 
 pub fn storage_url() -> String {
-    format!("https://{CONTROL_MGMT_ADDR}:{STORAGE_API_PORT}")
+    storage_node_url(1)
+}
+
+/// Storage node `i` (from 1): `storage<i>`, on the management bridge, at
+/// ports [`STORAGE_NBD_PORT`] and [`STORAGE_API_PORT`] plus `i - 1`.
+pub fn storage_node(i: u32) -> String {
+    format!("storage{i}")
+}
+
+pub fn storage_ports(i: u32) -> (u16, u16) {
+    let k = (i.max(1) - 1) as u16;
+    (STORAGE_NBD_PORT + k, STORAGE_API_PORT + k)
+}
+
+pub fn storage_node_url(i: u32) -> String {
+    format!("https://{CONTROL_MGMT_ADDR}:{}", storage_ports(i).1)
+}
+
+/// Its pid file's name under the control directory (`storage.pid` for the first).
+pub fn storage_pid_name(i: u32) -> String {
+    if i <= 1 {
+        "storage".into()
+    } else {
+        storage_node(i)
+    }
 }
 
 /// Every address a host of the lab can connect from, with the host's name.

@@ -29,8 +29,9 @@ pub struct Export {
     memory_backed: bool,
     /// Dirty maps and point-in-time copies: every change passes it first.
     pub tracking: Tracking,
-    /// The disk lives on another node now: every change is refused, and
-    /// connections end at their next request.
+    /// The disk lives on another node now: every change is refused (EIO).
+    /// Reads and flushes are still answered, so a client can swap its
+    /// connection (QEMU flushes the old one first); new ones are refused.
     retired: AtomicBool,
 }
 

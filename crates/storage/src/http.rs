@@ -154,7 +154,7 @@ pub fn router(node: Arc<Node>, auth: PeerAuth) -> Router {
             "/disks/{d}/retire",
             post(
                 |State(n): S, Path(d): Path<String>, ApiJson(r): ApiJson<RetireRequest>| async move {
-                    reply(n.retire(&d, &r.to))
+                    reply(n.retire_to(&d, &r.to))
                 },
             ),
         )

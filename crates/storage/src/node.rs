@@ -389,8 +389,9 @@ impl Node {
         Ok(self.disk_info(&st, name, d))
     }
 
-    /// The disk now lives on node `to`: this copy is no longer served (its
-    /// connections are closed, new ones refused) and waits to be removed.
+    /// The disk now lives on node `to`: this copy takes no change any more
+    /// (its connections may still read and flush, to swap over; new ones
+    /// are refused) and waits to be removed.
     pub fn retire(&self, name: &str, to: &str) -> Result<DiskInfo, ApiError> {
         let mut st = self.lock();
         let d = st.disks.get_mut(name).ok_or_else(|| ApiError::not_found("disk", name))?;

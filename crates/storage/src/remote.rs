@@ -254,6 +254,15 @@ impl Node {
         Ok(i)
     }
 
+    /// The disk lives on node `to` now (`POST /disks/{d}/retire`): a push
+    /// of it stops, and the copy here is retired.
+    pub fn retire_to(&self, disk: &str, to: &str) -> Result<ferry_api::storage::DiskInfo, ApiError> {
+        if let Some(p) = lock(&self.pushes.map).get(disk) {
+            p.order.send_replace(Order::Cancel);
+        }
+        self.retire(disk, to)
+    }
+
     /// Restarts the replicas recorded with this node's disks.
     pub fn resume_replicas(self: &Arc<Self>) {
         for (disk, r) in self.replicas() {

@@ -298,6 +298,14 @@ impl Agent {
                     ),
                 });
             }
+            if let Some(h) = &slot.held {
+                return Err(ApiError::Conflict {
+                    reason: format!(
+                        "vm {name} is held while its disk {} changes storage node; it moves once that is done",
+                        h.disk
+                    ),
+                });
+            }
             slot.migrating = true;
             (slot.spec.clone(), q.clone())
         };

@@ -532,12 +532,6 @@ where
             }
             let req = proto::parse_request(&h).map_err(|e| ConnError::Protocol(e.to_string()))?;
             let export = att.export().clone();
-            if export.is_retired() {
-                // the disk lives on another node now: the client reconnects
-                // and is told where (or its owner switches it first)
-                tracing::info!(export = %export.name, "closing a connection to a retired disk");
-                return Ok(());
-            }
             let cmd = match proto::check_request(&req, export.size(), false) {
                 Ok(c) => c,
                 Err(RequestError::Fatal(m)) => return Err(ConnError::Protocol(m)),
