@@ -74,6 +74,29 @@ pub struct Held {
     pub id: u64,
 }
 
+/// How a VM uses a Ferry disk.
+enum Use {
+    /// `spec.disks[i]` (plugged: node `disk{i}`).
+    Plugged(usize),
+    /// `spec.drives[i]` over NBD, export `DISK/VM` (node `drive{i}`).
+    Drive(usize),
+}
+
+fn uses_disk(spec: &VmSpec, disk: &str) -> Option<Use> {
+    if let Some(i) = spec.disks.iter().position(|d| d.disk == disk) {
+        return Some(Use::Plugged(i));
+    }
+    spec.drives
+        .iter()
+        .position(|d| {
+            d.nbd
+                .as_deref()
+                .and_then(|u| ferry_api::types::parse_nbd_uri(u).ok())
+                .is_some_and(|(_, _, export)| export.split('/').next() == Some(disk))
+        })
+        .map(Use::Drive)
+}
+
 /// A hold not released by then is released by the agent itself: the
 /// guest runs again where its disk was (a move that was not committed
 /// leaves the disk there; one that was refuses it, and the guest waits
@@ -551,7 +574,7 @@ impl Agent {
             .get_mut(name)
             .ok_or_else(|| ApiError::not_found("vm", name))?;
         let q = slot.settled_qemu(name)?;
-        if !slot.spec.disks.iter().any(|d| d.disk == disk) {
+        if uses_disk(&slot.spec, disk).is_none() {
             return Err(ApiError::not_found(&format!("disk of vm {name}"), disk));
         }
         if let Some(h) = &slot.held {
@@ -615,20 +638,35 @@ impl Agent {
                 .get_mut(name)
                 .ok_or_else(|| ApiError::not_found("vm", name))?;
             let q = slot.settled_qemu(name)?;
-            let index = slot
-                .spec
-                .disks
-                .iter()
-                .position(|d| d.disk == disk)
-                .ok_or_else(|| ApiError::not_found(&format!("disk of vm {name}"), disk))?;
-            if slot.spec.disks[index].uri != uri {
-                let mut spec = slot.spec.clone();
-                spec.disks[index].uri = uri.clone();
-                self.reconnect_node(&q, &spec, &format!("disk{index}"))
-                    .await
-                    .map_err(|e| {
-                        ApiError::unavailable(format!("switching disk {disk} of {name} to {uri}"), e)
-                    })?;
+            let mut spec = slot.spec.clone();
+            let node = match uses_disk(&spec, disk) {
+                Some(Use::Plugged(i)) if spec.disks[i].uri != uri => {
+                    spec.disks[i].uri = uri.clone();
+                    Some(format!("disk{i}"))
+                }
+                Some(Use::Drive(i)) if spec.drives[i].nbd.as_deref() != Some(&uri) => {
+                    spec.drives[i].nbd = Some(uri.clone());
+                    Some(format!("drive{i}"))
+                }
+                Some(_) => None,
+                None => return Err(ApiError::not_found(&format!("disk of vm {name}"), disk)),
+            };
+            if let Some(node) = node {
+                if let Err(e) = self.reconnect_node(&q, &spec, &node).await {
+                    // QEMU flushes the connection it replaces first: one
+                    // that lost a write to a node that is gone cannot be
+                    // flushed, so only a new QEMU opens the disk there
+                    let lost = matches!(q.qmp.status().await, Ok(s) if s.status == crate::resilience::IO_ERROR);
+                    if !lost || !spec.drives.iter().all(|d| d.local.is_none()) {
+                        return Err(ApiError::unavailable(
+                            format!("switching disk {disk} of {name} to {uri}"),
+                            e,
+                        ));
+                    }
+                    drop(st);
+                    tracing::warn!(vm = name, disk, "the old connection lost writes to a node that is gone ({e}): restarting the guest on {uri}");
+                    return self.restart_with(name, spec).await;
+                }
                 slot.spec = spec.clone();
                 drop(st);
                 if let Err(e) = q.record(&spec).await {
@@ -638,6 +676,17 @@ impl Agent {
             }
         }
         self.release_disk(name, Some(disk)).await
+    }
+
+    /// Starts VM `name` again from `spec`: its QEMU stops, a new one boots
+    /// (the guest's memory is lost; what it wrote to its disks is not).
+    async fn restart_with(&self, name: &str, spec: VmSpec) -> Result<VmInfo, ApiError> {
+        let Some(q) = self.release(name).await else {
+            return Err(ApiError::not_found("vm", name));
+        };
+        q.stop().await;
+        self.remove_vm_dir(&q.dir, &format!("{name}.restarted"));
+        self.create_vm(spec).await
     }
 
     /// Ends a hold (of disk `disk`, or any): the guest runs again if it ran before.

@@ -40,9 +40,13 @@ const STALL: Duration = Duration::from_secs(30);
 /// After the commit, how long each remaining step is retried.
 const AFTER_COMMIT: Duration = Duration::from_secs(60);
 
-/// The moves this control service ran, by disk (the last of each).
+/// The moves this control service ran, by disk (the last of each), and
+/// each replica as last seen (shown while its primary's node is down).
 #[derive(Default)]
-pub struct DiskMoves(std::sync::Mutex<BTreeMap<String, DiskMoveInfo>>);
+pub struct DiskMoves(
+    std::sync::Mutex<BTreeMap<String, DiskMoveInfo>>,
+    std::sync::Mutex<BTreeMap<String, PushInfo>>,
+);
 
 /// A VM that has the disk open: (VM, host).
 type User = (String, String);
@@ -165,7 +169,7 @@ impl Control {
             .list_vms()
             .await?
             .into_iter()
-            .filter(|v| v.state != "incoming" && v.spec.disks.iter().any(|d| d.disk == disk))
+            .filter(|v| v.state != "incoming" && uses(v, disk))
             .map(|v| (v.name, v.host))
             .collect())
     }
@@ -420,14 +424,31 @@ impl Control {
     /// Every replica (`ferry disk replica status`), or disk `name`'s.
     pub(crate) async fn replicas(&self, name: Option<&str>) -> Result<Vec<PushInfo>, ApiError> {
         let mut out = Vec::new();
-        for r in self.ask_every_node::<PushInfo>("/pushes", NODE_TIMEOUT).await {
-            // a node that is down shows its replicas as gone: `failover`
-            out.extend(r.unwrap_or_default().into_iter().filter(|p| {
-                p.kind == PushKind::Replica
-                    && p.state != PushState::Cancelled
-                    && name.is_none_or(|n| p.disk == n)
-            }));
+        let answers = self.ask_every_node::<PushInfo>("/pushes", NODE_TIMEOUT).await;
+        let mut seen = lock(&self.disk_moves.1);
+        for (node, r) in self.storage.keys().zip(answers) {
+            match r {
+                Ok(list) => {
+                    seen.retain(|_, p| p.node != *node);
+                    for p in list.into_iter().filter(|p| {
+                        p.kind == PushKind::Replica && p.state != PushState::Cancelled
+                    }) {
+                        seen.insert(p.disk.clone(), p.clone());
+                        out.push(p);
+                    }
+                }
+                // a node that is down: its replicas as last seen, their lag growing
+                Err(e) => out.extend(seen.values().filter(|p| p.node == *node).map(|p| {
+                    let mut p = p.clone();
+                    p.state = PushState::Failed;
+                    p.lag_ms = p.synced_ms.map(|s| now_ms().saturating_sub(s));
+                    p.error = Some(format!("the disk's node does not answer ({e}); the replica holds what was synced"));
+                    p
+                })),
+            }
         }
+        drop(seen);
+        out.retain(|p| name.is_none_or(|n| p.disk == n));
         out.sort_by(|a, b| a.disk.cmp(&b.disk));
         Ok(out)
     }
@@ -496,6 +517,7 @@ impl Control {
             )
             .await?;
         tracing::warn!(disk = %name, from = %of, to = %node, "replica failed over");
+        lock(&self.disk_moves.1).remove(name);
         let mut failed = Vec::new();
         for (vm, host) in self.users_of(name).await? {
             let req = DiskSwitchRequest {
@@ -550,6 +572,18 @@ impl Control {
         }
         None
     }
+}
+
+/// Whether VM `v` has Ferry disk `disk` open: plugged, or a drive on its
+/// export `DISK/VM`.
+fn uses(v: &VmInfo, disk: &str) -> bool {
+    v.spec.disks.iter().any(|d| d.disk == disk)
+        || v.spec.drives.iter().any(|d| {
+            d.nbd
+                .as_deref()
+                .and_then(|u| ferry_api::types::parse_nbd_uri(u).ok())
+                .is_some_and(|(_, _, e)| e.split('/').next() == Some(disk))
+        })
 }
 
 fn unreachable_info(disk: &DiskInfo, to: &str) -> DiskMoveInfo {
