@@ -567,7 +567,11 @@ impl Agent {
     /// Pauses VM `name` while its disk `disk` changes storage node: QEMU
     /// completes every request in flight first, so the old node holds
     /// all the guest wrote. Asked again, answers the same hold.
-    pub async fn hold_for_disk(self: &Arc<Self>, name: &str, disk: &str) -> Result<VmInfo, ApiError> {
+    pub async fn hold_for_disk(
+        self: &Arc<Self>,
+        name: &str,
+        disk: &str,
+    ) -> Result<VmInfo, ApiError> {
         let mut st = self.state.lock().await;
         let slot = st
             .vms
@@ -608,10 +612,16 @@ impl Agent {
                 tokio::time::sleep(HOLD_MAX).await;
                 let still = {
                     let st = agent.state.lock().await;
-                    st.vms.get(&vm).and_then(|s| s.held.as_ref()).is_some_and(|h| h.id == id)
+                    st.vms
+                        .get(&vm)
+                        .and_then(|s| s.held.as_ref())
+                        .is_some_and(|h| h.id == id)
                 };
                 if still {
-                    tracing::warn!(vm, "hold for a disk move not released within {HOLD_MAX:?}: releasing it");
+                    tracing::warn!(
+                        vm,
+                        "hold for a disk move not released within {HOLD_MAX:?}: releasing it"
+                    );
                     let _ = agent.release_disk(&vm, None).await;
                 }
             });

@@ -769,7 +769,11 @@ async fn move_disk(
         return Ok(if m.phase == DiskMovePhase::Done { 0 } else { 1 });
     }
     let sent = m.push.as_ref().map(|p| p.bytes_sent).unwrap_or(0);
-    let secs = m.finished_ms.unwrap_or(m.started_ms).saturating_sub(m.started_ms) as f64 / 1000.0;
+    let secs = m
+        .finished_ms
+        .unwrap_or(m.started_ms)
+        .saturating_sub(m.started_ms) as f64
+        / 1000.0;
     match m.phase {
         DiskMovePhase::Done => {
             println!(
@@ -806,7 +810,9 @@ async fn run_replica(c: &ferry_api::client::Client, cmd: &ReplicaCmd) -> anyhow:
             };
             let list: Vec<PushInfo> = c.get(&path, T).await?;
             show(*json, &list, || {
-                let mut t = Table::new(&["DISK", "FROM", "TO", "EVERY", "STATE", "LAG", "SYNCED", "SENT", "ERROR"]);
+                let mut t = Table::new(&[
+                    "DISK", "FROM", "TO", "EVERY", "STATE", "LAG", "SYNCED", "SENT", "ERROR",
+                ]);
                 for p in &list {
                     t.row(vec![
                         p.disk.clone(),
@@ -835,7 +841,11 @@ async fn run_replica(c: &ferry_api::client::Client, cmd: &ReplicaCmd) -> anyhow:
         }
         ReplicaCmd::Failover { disk, json } => {
             let d: DiskInfo = c
-                .post(&format!("/disks/{disk}/replica/failover"), &serde_json::json!({}), T)
+                .post(
+                    &format!("/disks/{disk}/replica/failover"),
+                    &serde_json::json!({}),
+                    T,
+                )
                 .await?;
             show(*json, &d, || {
                 println!(

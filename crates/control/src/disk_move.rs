@@ -112,7 +112,9 @@ impl Control {
         tokio::spawn(async move {
             let name = disk.name.clone();
             let r = me.run_disk_move(&disk, &to).await;
-            let mut info = me.disk_move(&name).unwrap_or_else(|_| unreachable_info(&disk, &to));
+            let mut info = me
+                .disk_move(&name)
+                .unwrap_or_else(|_| unreachable_info(&disk, &to));
             info.finished_ms = Some(now_ms());
             match r {
                 Ok(()) => info.phase = DiskMovePhase::Done,
@@ -219,7 +221,11 @@ impl Control {
             };
             let r: Result<VmInfo, _> = retry(|| async {
                 self.host(host)?
-                    .post(&format!("/vms/{vm}/disks/{name}/switch"), &req, AGENT_TIMEOUT)
+                    .post(
+                        &format!("/vms/{vm}/disks/{name}/switch"),
+                        &req,
+                        AGENT_TIMEOUT,
+                    )
                     .await
             })
             .await;
@@ -227,15 +233,17 @@ impl Control {
                 left.push(format!("switching {vm} on {host}: {e}"));
             }
         }
-        let held_ms = self.disk_move(name).ok().and_then(|m| m.guest_pause_ms).unwrap_or(0);
+        let held_ms = self
+            .disk_move(name)
+            .ok()
+            .and_then(|m| m.guest_pause_ms)
+            .unwrap_or(0);
         self.update_move(name, |m| {
             m.guest_pause_ms = Some(held_ms + pause.elapsed().as_millis() as u64)
         });
         // the retired copy goes once its last connection has
-        let removed: Result<DiskInfo, _> = retry(|| async {
-            src.delete(&format!("/disks/{name}"), NODE_TIMEOUT).await
-        })
-        .await;
+        let removed: Result<DiskInfo, _> =
+            retry(|| async { src.delete(&format!("/disks/{name}"), NODE_TIMEOUT).await }).await;
         if let Err(e) = removed {
             left.push(format!(
                 "removing the retired copy on {} (remove it with its node's API): {e}",
@@ -346,7 +354,11 @@ impl Control {
             let req = DiskSwitchRequest { uri: None };
             let r: Result<VmInfo, ApiError> = async {
                 self.host(host)?
-                    .post(&format!("/vms/{vm}/disks/{name}/switch"), &req, AGENT_TIMEOUT)
+                    .post(
+                        &format!("/vms/{vm}/disks/{name}/switch"),
+                        &req,
+                        AGENT_TIMEOUT,
+                    )
                     .await
             }
             .await;
@@ -424,15 +436,18 @@ impl Control {
     /// Every replica (`ferry disk replica status`), or disk `name`'s.
     pub(crate) async fn replicas(&self, name: Option<&str>) -> Result<Vec<PushInfo>, ApiError> {
         let mut out = Vec::new();
-        let answers = self.ask_every_node::<PushInfo>("/pushes", NODE_TIMEOUT).await;
+        let answers = self
+            .ask_every_node::<PushInfo>("/pushes", NODE_TIMEOUT)
+            .await;
         let mut seen = lock(&self.disk_moves.1);
         for (node, r) in self.storage.keys().zip(answers) {
             match r {
                 Ok(list) => {
                     seen.retain(|_, p| p.node != *node);
-                    for p in list.into_iter().filter(|p| {
-                        p.kind == PushKind::Replica && p.state != PushState::Cancelled
-                    }) {
+                    for p in list
+                        .into_iter()
+                        .filter(|p| p.kind == PushKind::Replica && p.state != PushState::Cancelled)
+                    {
                         seen.insert(p.disk.clone(), p.clone());
                         out.push(p);
                     }
@@ -442,7 +457,9 @@ impl Control {
                     let mut p = p.clone();
                     p.state = PushState::Failed;
                     p.lag_ms = p.synced_ms.map(|s| now_ms().saturating_sub(s));
-                    p.error = Some(format!("the disk's node does not answer ({e}); the replica holds what was synced"));
+                    p.error = Some(format!(
+                        "the disk's node does not answer ({e}); the replica holds what was synced"
+                    ));
                     p
                 })),
             }
@@ -466,8 +483,7 @@ impl Control {
         }
         if let Some(dst) = self.storage.get(&p.to) {
             let r: Result<DiskInfo, _> =
-                retry(|| async { dst.delete(&format!("/disks/{name}"), NODE_TIMEOUT).await })
-                    .await;
+                retry(|| async { dst.delete(&format!("/disks/{name}"), NODE_TIMEOUT).await }).await;
             if let Err(e) = r {
                 tracing::warn!(disk = %name, node = %p.to, "replica copy not removed: {e}");
             }
@@ -480,11 +496,10 @@ impl Control {
     /// replica becomes the disk and every VM with it open switches to it.
     pub(crate) async fn failover_replica(&self, name: &str) -> Result<DiskInfo, ApiError> {
         let mut found = None;
-        for (node, r) in self
-            .storage
-            .keys()
-            .zip(self.ask_every_node::<DiskInfo>("/disks", NODE_TIMEOUT).await)
-        {
+        for (node, r) in self.storage.keys().zip(
+            self.ask_every_node::<DiskInfo>("/disks", NODE_TIMEOUT)
+                .await,
+        ) {
             if let Some(d) = r.unwrap_or_default().into_iter().find(|d| d.name == name) {
                 if let ferry_api::storage::DiskRole::Replica { of } = &d.role {
                     found = Some((node.clone(), of.clone()));
@@ -525,7 +540,11 @@ impl Control {
             };
             let r: Result<VmInfo, ApiError> = async {
                 self.host(&host)?
-                    .post(&format!("/vms/{vm}/disks/{name}/switch"), &req, AGENT_TIMEOUT)
+                    .post(
+                        &format!("/vms/{vm}/disks/{name}/switch"),
+                        &req,
+                        AGENT_TIMEOUT,
+                    )
                     .await
             }
             .await;
@@ -564,7 +583,12 @@ impl Control {
                     .post::<_, DiskInfo>(&format!("/disks/{name}/retire"), &body, NODE_TIMEOUT)
                     .await
                 {
-                    Ok(_) => tracing::warn!(disk = name, old, new, "the old primary came back after a failover: retired"),
+                    Ok(_) => tracing::warn!(
+                        disk = name,
+                        old,
+                        new,
+                        "the old primary came back after a failover: retired"
+                    ),
                     Err(e) => tracing::warn!(disk = name, old, "retiring the old primary: {e}"),
                 }
                 return Some(new.to_string());

@@ -87,8 +87,8 @@ async fn authenticate(
 }
 use ferry_api::drain::{DrainRequest, HostSettings};
 use ferry_api::storage::{
-    BackupRequest, CheckpointRequest, DiskAttachRequest, DiskCreateRequest, DiskResizeRequest,
-    DiskMoveRequest, DiskSetRequest, Policy, PolicyUpdate, QosSettings, ReplicaRequest,
+    BackupRequest, CheckpointRequest, DiskAttachRequest, DiskCreateRequest, DiskMoveRequest,
+    DiskResizeRequest, DiskSetRequest, Policy, PolicyUpdate, QosSettings, ReplicaRequest,
 };
 
 async fn run(c: &Arc<Control>, cmd: Command) -> Response {

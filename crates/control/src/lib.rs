@@ -475,9 +475,9 @@ impl Control {
                 self.log("settings", &host, r.clone());
                 value(r)
             }
-            Command::Storage(crate::storage::StorageCommand::MoveDisk { name, req }) => Ok(
-                Outcome::Events(self.start_disk_move(&name, &req.to).await?),
-            ),
+            Command::Storage(crate::storage::StorageCommand::MoveDisk { name, req }) => {
+                Ok(Outcome::Events(self.start_disk_move(&name, &req.to).await?))
+            }
             Command::Storage(c) => {
                 let what = c.mutation();
                 let r = self.storage_command(c).await?;

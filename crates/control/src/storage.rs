@@ -378,7 +378,9 @@ impl Control {
                 "a move of disk {name} is a stream (run through execute)"
             ))),
             StorageCommand::MoveStatus { name } => json(self.disk_move(&name)?),
-            StorageCommand::Replicate { name, req } => json(self.replicate_disk(&name, &req).await?),
+            StorageCommand::Replicate { name, req } => {
+                json(self.replicate_disk(&name, &req).await?)
+            }
             StorageCommand::ListReplicas { name } => json(self.replicas(name.as_deref()).await?),
             StorageCommand::StopReplica { name } => json(self.stop_replica(&name).await?),
             StorageCommand::FailoverReplica { name } => json(self.failover_replica(&name).await?),

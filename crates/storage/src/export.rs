@@ -92,7 +92,9 @@ impl Export {
         len: u64,
         may_block: bool,
     ) -> io::Result<Option<crate::tracking::WriteGuard<'_>>> {
-        let g = self.tracking.before_write(&self.file, offset, len, may_block);
+        let g = self
+            .tracking
+            .before_write(&self.file, offset, len, may_block);
         if self.is_retired() {
             return Err(io::Error::other(format!(
                 "disk {} is no longer served by this node (it moved)",

@@ -307,11 +307,18 @@ impl Node {
     /// (a move's target, or a replica). A leftover copy from the same node
     /// (a move that failed while this node was away) is replaced; the
     /// node's own disk of that name never is.
-    pub fn create_incoming(&self, name: &str, req: &IncomingDiskRequest) -> Result<DiskInfo, ApiError> {
+    pub fn create_incoming(
+        &self,
+        name: &str,
+        req: &IncomingDiskRequest,
+    ) -> Result<DiskInfo, ApiError> {
         check_name("name", name)?;
         check_name("from", &req.from)?;
         if req.from == self.cfg.name {
-            return Err(ApiError::invalid("from", format!("{} is this node", req.from)));
+            return Err(ApiError::invalid(
+                "from",
+                format!("{} is this node", req.from),
+            ));
         }
         let leftover = {
             let st = self.lock();
@@ -341,12 +348,19 @@ impl Node {
             node: None,
         })?;
         let mut st = self.lock();
-        let d = st.disks.get_mut(name).ok_or_else(|| ApiError::not_found("disk", name))?;
+        let d = st
+            .disks
+            .get_mut(name)
+            .ok_or_else(|| ApiError::not_found("disk", name))?;
         d.policy = req.policy.clone();
         d.role = if req.replica {
-            DiskRole::Replica { of: req.from.clone() }
+            DiskRole::Replica {
+                of: req.from.clone(),
+            }
         } else {
-            DiskRole::Incoming { from: req.from.clone() }
+            DiskRole::Incoming {
+                from: req.from.clone(),
+            }
         };
         self.save(&st)?;
         let d = Self::disk(&st, name)?;
@@ -359,7 +373,10 @@ impl Node {
     /// move's copy only without.
     pub fn activate(&self, name: &str, failover: bool) -> Result<DiskInfo, ApiError> {
         let mut st = self.lock();
-        let d = st.disks.get_mut(name).ok_or_else(|| ApiError::not_found("disk", name))?;
+        let d = st
+            .disks
+            .get_mut(name)
+            .ok_or_else(|| ApiError::not_found("disk", name))?;
         match (&d.role, failover) {
             (DiskRole::Incoming { .. }, false) | (DiskRole::Replica { .. }, true) => {}
             (DiskRole::Primary, _) => {
@@ -394,7 +411,10 @@ impl Node {
     /// are refused) and waits to be removed.
     pub fn retire(&self, name: &str, to: &str) -> Result<DiskInfo, ApiError> {
         let mut st = self.lock();
-        let d = st.disks.get_mut(name).ok_or_else(|| ApiError::not_found("disk", name))?;
+        let d = st
+            .disks
+            .get_mut(name)
+            .ok_or_else(|| ApiError::not_found("disk", name))?;
         d.role = DiskRole::Retired { to: to.to_string() };
         d.replica = None;
         d.export.retire();
@@ -418,7 +438,10 @@ impl Node {
         r: Option<crate::remote::ReplicaRecord>,
     ) -> Result<(), ApiError> {
         let mut st = self.lock();
-        let d = st.disks.get_mut(name).ok_or_else(|| ApiError::not_found("disk", name))?;
+        let d = st
+            .disks
+            .get_mut(name)
+            .ok_or_else(|| ApiError::not_found("disk", name))?;
         d.replica = r;
         self.save(&st)
     }
@@ -778,7 +801,11 @@ impl Node {
         initiator: Option<&str>,
     ) -> Result<(), Refusal> {
         use ferry_api::tls::Role;
-        let role = st.disks.get(disk).map(|d| d.role.clone()).unwrap_or_default();
+        let role = st
+            .disks
+            .get(disk)
+            .map(|d| d.role.clone())
+            .unwrap_or_default();
         let writer = match &role {
             DiskRole::Primary => None,
             DiskRole::Incoming { from } | DiskRole::Replica { of: from } => Some(from.as_str()),
@@ -809,9 +836,7 @@ impl Node {
         };
         match id.role {
             Role::Admin | Role::Control => Ok(()),
-            Role::Storage => Err(Refusal::Policy(format!(
-                "{id} opens only copies it writes"
-            ))),
+            Role::Storage => Err(Refusal::Policy(format!("{id} opens only copies it writes"))),
             Role::Agent => {
                 let Some(vm) = initiator else {
                     return Err(Refusal::Policy(format!(

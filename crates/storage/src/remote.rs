@@ -60,11 +60,14 @@ enum Order {
     Cancel,
 }
 
+/// Where a move's final round answers.
+type FinalReply = oneshot::Sender<Result<PushInfo, String>>;
+
 struct Push {
     info: Mutex<PushInfo>,
     order: watch::Sender<Order>,
-    /// A move waiting in step: the sender of its final round's answer.
-    finish: Mutex<Option<oneshot::Sender<oneshot::Sender<Result<PushInfo, String>>>>>,
+    /// A move waiting in step: asks for its final round.
+    finish: Mutex<Option<oneshot::Sender<FinalReply>>>,
 }
 
 impl Push {
@@ -90,12 +93,19 @@ fn map_name(to: &str) -> String {
 }
 
 fn ended(s: PushState) -> bool {
-    matches!(s, PushState::Done | PushState::Cancelled | PushState::Failed)
+    matches!(
+        s,
+        PushState::Done | PushState::Cancelled | PushState::Failed
+    )
 }
 
 impl Node {
     /// Starts pushing disk `disk` to node `req.to` (`POST /disks/{d}/push`).
-    pub fn start_push(self: &Arc<Self>, disk: &str, req: &PushRequest) -> Result<PushInfo, ApiError> {
+    pub fn start_push(
+        self: &Arc<Self>,
+        disk: &str,
+        req: &PushRequest,
+    ) -> Result<PushInfo, ApiError> {
         ferry_api::storage::check_name("to", &req.to)?;
         ferry_api::types::parse_nbd_uri(&req.uri)?;
         if req.to == self.cfg.name {
@@ -106,18 +116,21 @@ impl Node {
             (PushKind::Replica, _) => {
                 return Err(ApiError::invalid(
                     "every_ms",
-                    format!("a replica needs a period of at least {} ms", MIN_EVERY.as_millis()),
+                    format!(
+                        "a replica needs a period of at least {} ms",
+                        MIN_EVERY.as_millis()
+                    ),
                 ))
             }
             (PushKind::Move, _) => None,
         };
         match self.role(disk)? {
             DiskRole::Primary => {}
-            r => {
-                return Err(ApiError::Conflict {
-                    reason: format!("disk {disk} here is not the disk itself ({r:?}): it is not pushed from here"),
-                })
-            }
+            r => return Err(ApiError::Conflict {
+                reason: format!(
+                    "disk {disk} here is not the disk itself ({r:?}): it is not pushed from here"
+                ),
+            }),
         }
         let export = self.with_disk(disk, |e| e.clone())?;
         let mut pushes = lock(&self.pushes.map);
@@ -256,7 +269,11 @@ impl Node {
 
     /// The disk lives on node `to` now (`POST /disks/{d}/retire`): a push
     /// of it stops, and the copy here is retired.
-    pub fn retire_to(&self, disk: &str, to: &str) -> Result<ferry_api::storage::DiskInfo, ApiError> {
+    pub fn retire_to(
+        &self,
+        disk: &str,
+        to: &str,
+    ) -> Result<ferry_api::storage::DiskInfo, ApiError> {
         if let Some(p) = lock(&self.pushes.map).get(disk) {
             p.order.send_replace(Order::Cancel);
         }
@@ -334,7 +351,10 @@ async fn send_map(
         .map_err(|e| e.to_string())?
         .map_err(|e| format!("reading {}: {e}", export.name))?;
         let writes: Vec<(u64, &[u8])> = bufs.iter().map(|(o, d)| (*o, d.as_slice())).collect();
-        client.write_batch(&writes).await.map_err(|e| e.to_string())?;
+        client
+            .write_batch(&writes)
+            .await
+            .map_err(|e| e.to_string())?;
         let n: u64 = bufs.iter().map(|(_, d)| d.len() as u64).sum();
         sent += n;
         push.update(|i| {
@@ -368,7 +388,13 @@ async fn round(
     } else {
         export.tracking.take_map(name).unwrap_or_default()
     };
-    push.update(|i| i.state = if i.state == PushState::InStep { PushState::InStep } else { PushState::Copying });
+    push.update(|i| {
+        i.state = if i.state == PushState::InStep {
+            PushState::InStep
+        } else {
+            PushState::Copying
+        }
+    });
     match send_map(client, export, &map, push).await {
         Ok(n) => {
             let dt = started.elapsed().as_secs_f64();
@@ -533,7 +559,9 @@ async fn final_round(
     let r = match r {
         Ok(_) => {
             let to = push.info().to;
-            node.retire(disk, &to).map(|_| ()).map_err(|e| e.to_string())
+            node.retire(disk, &to)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
         }
         Err(e) => Err(e),
     };

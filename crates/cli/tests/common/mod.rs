@@ -102,6 +102,12 @@ pub fn lab(hosts: u32, nics: u32) {
 
 /// Brings up this binary's lab once, links at `rate`.
 pub fn lab_at(hosts: u32, nics: u32, rate: &str) {
+    lab_with(hosts, nics, rate, 1);
+}
+
+/// Brings up this binary's lab once, links at `rate`, with `storage_nodes`
+/// storage nodes (storage1, storage2, …).
+pub fn lab_with(hosts: u32, nics: u32, rate: &str, storage_nodes: u32) {
     static UP: OnceLock<()> = OnceLock::new();
     UP.get_or_init(|| {
         ferry_ok(&[
@@ -116,6 +122,8 @@ pub fn lab_at(hosts: u32, nics: u32, rate: &str) {
             rate,
             "--host-memory",
             "6G",
+            "--storage-nodes",
+            &storage_nodes.to_string(),
         ]);
     });
 }
@@ -421,4 +429,79 @@ pub fn ring_missing(ring: &[Option<u64>], last: u64) -> Vec<u64> {
                 Some(q) if q >= *s && q % JOURNAL_RING == s % JOURNAL_RING)
         })
         .collect()
+}
+
+/// The newest console of VM `name` on `host`.
+pub fn console(host: &str, name: &str) -> String {
+    let dir = std::path::Path::new("/run/ferry/lab")
+        .join(host)
+        .join("vms");
+    let mut best: Option<(std::time::SystemTime, std::path::PathBuf)> = None;
+    for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+        let n = e.file_name().to_string_lossy().to_string();
+        if n != name && !n.starts_with(&format!("{name}.")) && !n.starts_with(&format!("{name}-")) {
+            continue;
+        }
+        let p = e.path().join("console.log");
+        if let Ok(m) = std::fs::metadata(&p).and_then(|m| m.modified()) {
+            if best.as_ref().is_none_or(|(t, _)| m > *t) {
+                best = Some((m, p));
+            }
+        }
+    }
+    best.map(|(_, p)| std::fs::read_to_string(p).unwrap_or_default())
+        .unwrap_or_default()
+}
+
+/// (own seq, errors, peers as (seed, seq)).
+pub type DiskLine = (u64, u64, Vec<(u64, u64)>);
+
+/// The last `FERRY-DISK dev=vda` line of a guest.
+pub fn last_disk_line(host: &str, name: &str) -> Option<DiskLine> {
+    let text = console(host, name);
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("FERRY-DISK dev=vda "))?;
+    let field = |k: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{k}=")))
+            .unwrap_or("")
+            .to_string()
+    };
+    let peers = field("peers")
+        .split(',')
+        .filter_map(|p| p.split_once(':'))
+        .filter_map(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+        .collect();
+    Some((
+        field("seq").parse().ok()?,
+        field("errors").parse().ok()?,
+        peers,
+    ))
+}
+
+/// Waits until guest `name` on `host` has read a block written by the guest
+/// with `peer_seed` at a sequence above `after`; returns that sequence.
+pub fn wait_for_peer(host: &str, name: &str, peer_seed: u64, after: u64) -> u64 {
+    let t0 = Instant::now();
+    loop {
+        if let Some((_, errors, peers)) = last_disk_line(host, name) {
+            assert_eq!(
+                errors,
+                0,
+                "{name} saw disk errors:\n{}",
+                console(host, name)
+            );
+            if let Some((_, seq)) = peers.iter().find(|(s, q)| *s == peer_seed && *q > after) {
+                return *seq;
+            }
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{name} on {host} never read seed {peer_seed}'s writes past {after}:\n{}",
+            console(host, name)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
 }

@@ -132,7 +132,8 @@ impl Client {
             match kind {
                 proto::REP_ACK => break,
                 proto::REP_INFO => {
-                    if data.len() >= 12 && u16::from_be_bytes([data[0], data[1]]) == proto::INFO_EXPORT
+                    if data.len() >= 12
+                        && u16::from_be_bytes([data[0], data[1]]) == proto::INFO_EXPORT
                     {
                         let size = u64::from_be_bytes(data[2..10].try_into().expect("8 bytes"));
                         let flags = u16::from_be_bytes([data[10], data[11]]);
@@ -140,11 +141,7 @@ impl Client {
                     }
                 }
                 k if k & (1 << 31) != 0 => return Err(refusal(&export, k, &data)),
-                k => {
-                    return Err(ClientError::Protocol(format!(
-                        "unexpected reply {k} to GO"
-                    )))
-                }
+                k => return Err(ClientError::Protocol(format!("unexpected reply {k} to GO"))),
             }
         }
         let (size, flags) = info.ok_or_else(|| {
@@ -222,7 +219,10 @@ impl Client {
                     self.size
                 )));
             }
-            cookies.push(self.send(proto::CMD_WRITE, *off, data.len() as u32, data).await?);
+            cookies.push(
+                self.send(proto::CMD_WRITE, *off, data.len() as u32, data)
+                    .await?,
+            );
         }
         self.wr.flush().await?;
         for _ in &cookies {
@@ -279,7 +279,9 @@ async fn read_option_reply(io: &mut Box<dyn Io>, opt: u32) -> Result<(u32, Vec<u
         )));
     }
     if len > proto::MAX_OPTION_SKIP {
-        return Err(ClientError::Protocol(format!("an option reply of {len} bytes")));
+        return Err(ClientError::Protocol(format!(
+            "an option reply of {len} bytes"
+        )));
     }
     let mut data = vec![0u8; len as usize];
     io.read_exact(&mut data).await?;
@@ -290,8 +292,8 @@ async fn read_option_reply(io: &mut Box<dyn Io>, opt: u32) -> Result<(u32, Vec<u
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::nbd::server::{Attachment, Catalog, Peer, Refusal};
     use crate::export::Export;
+    use crate::nbd::server::{Attachment, Catalog, Peer, Refusal};
     use crate::qos::{Scheduler, Ticket};
 
     struct One {
@@ -340,7 +342,9 @@ mod tests {
         let addr = l.local_addr().unwrap();
         tokio::spawn(crate::nbd::server::serve(l, cat, None));
 
-        let mut c = Client::connect(&format!("nbd://{addr}/d"), None).await.unwrap();
+        let mut c = Client::connect(&format!("nbd://{addr}/d"), None)
+            .await
+            .unwrap();
         assert_eq!(c.size, 8 << 20);
         let a = vec![0xabu8; MAX_WRITE];
         let b = vec![0x5au8; 4096];
@@ -352,7 +356,11 @@ mod tests {
         export.read_at(&mut got, (1 << 20) - 4096).unwrap();
         assert!(got.iter().all(|x| *x == 0xab));
         // past the end: refused before it is sent, naming the sizes
-        let e = c.write_batch(&[(8 << 20, &b)]).await.unwrap_err().to_string();
+        let e = c
+            .write_batch(&[(8 << 20, &b)])
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("does not fit"), "{e}");
         c.disconnect().await.unwrap();
 
@@ -362,7 +370,11 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("nope") && e.contains("refused"), "{e}");
-        let e = Client::connect("nbd://127.0.0.1/d", None).await.err().unwrap().to_string();
+        let e = Client::connect("nbd://127.0.0.1/d", None)
+            .await
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("port"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
