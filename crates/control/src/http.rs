@@ -26,6 +26,10 @@
 //! | GET/POST | /disks/{d}/checkpoints | Storage(ListCheckpoints / CreateCheckpoint) (body: `CheckpointRequest`) |
 //! | DELETE | /disks/{d}/checkpoints/{cp} | Storage(RemoveCheckpoint) |
 //! | POST | /disks/{d}/checkpoints/{cp}/revert | Storage(RevertCheckpoint) → `DiskInfo` |
+//! | GET/POST | /disks/{d}/move | Storage(MoveStatus / MoveDisk) (body: `DiskMoveRequest`), NDJSON `DiskMoveInfo`s |
+//! | POST/DELETE | /disks/{d}/replica | Storage(Replicate / StopReplica) (body: `ReplicaRequest`) → `PushInfo` |
+//! | POST | /disks/{d}/replica/failover | Storage(FailoverReplica) → `DiskInfo` |
+//! | GET | /replicas | Storage(ListReplicas) (query `disk`) → `[PushInfo]` |
 //! | GET | /qos/policies | Storage(ListPolicies) |
 //! | POST | /qos/policies | Storage(NewPolicy) (body: `Policy`) |
 //! | PUT | /qos/policies/{p} | Storage(UpdatePolicy) (body: `PolicyUpdate`) |
