@@ -285,7 +285,7 @@ impl Control {
             .map_err(|e| format!("{}: {e}", disk.node))?;
         let (mut last_sent, mut last_change) = (0, Instant::now());
         loop {
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
             let p: PushInfo = src
                 .get(&format!("/disks/{name}/push"), NODE_TIMEOUT)
                 .await
@@ -626,7 +626,7 @@ fn unreachable_info(disk: &DiskInfo, to: &str) -> DiskMoveInfo {
     }
 }
 
-/// Tries `f` until it succeeds or [`AFTER_COMMIT`] passes (1 s apart).
+/// Tries `f` until it succeeds or [`AFTER_COMMIT`] passes (0.2 s apart).
 async fn retry<T, F, Fut>(f: F) -> Result<T, ApiError>
 where
     F: FnMut() -> Fut,
@@ -647,7 +647,7 @@ where
             Err(e) if Instant::now() > deadline => return Err(e),
             Err(e) => {
                 tracing::info!("retrying: {e}");
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
     }

@@ -250,6 +250,22 @@ impl Control {
                     .await?;
                 // every guest with the disk open sees the new size at once
                 let mut failed = Vec::new();
+                // and its replica grows with it (the next round sends the rest)
+                for p in self.replicas(Some(&name)).await.unwrap_or_default() {
+                    let Some(n) = self.storage.get(&p.to) else {
+                        continue;
+                    };
+                    if let Err(e) = n
+                        .put::<_, DiskInfo>(
+                            &format!("/disks/{name}/size"),
+                            &DiskResizeRequest { size: r.size },
+                            NODE_TIMEOUT,
+                        )
+                        .await
+                    {
+                        failed.push(format!("its replica on {}: {e}", p.to));
+                    }
+                }
                 for vm in self.list_vms().await? {
                     if vm.state == "incoming" || !vm.spec.disks.iter().any(|d| d.disk == name) {
                         continue;

@@ -488,6 +488,7 @@ impl Node {
             });
         }
         self.jobs.busy(name)?;
+        self.refuse_pushed(name)?;
         let path = d.export.path.clone();
         st.disks.remove(name);
         let gone: Vec<FlowId> = st

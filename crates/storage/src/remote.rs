@@ -126,11 +126,13 @@ impl Node {
         };
         match self.role(disk)? {
             DiskRole::Primary => {}
-            r => return Err(ApiError::Conflict {
-                reason: format!(
+            r => {
+                return Err(ApiError::Conflict {
+                    reason: format!(
                     "disk {disk} here is not the disk itself ({r:?}): it is not pushed from here"
                 ),
-            }),
+                })
+            }
         }
         let export = self.with_disk(disk, |e| e.clone())?;
         let mut pushes = lock(&self.pushes.map);
@@ -213,6 +215,26 @@ impl Node {
             .get(disk)
             .map(|p| p.info())
             .ok_or_else(|| ApiError::not_found("push of disk", disk))
+    }
+
+    /// Refuses while a push of `disk` runs (a disk with a replica or a
+    /// move under way is not removed under it).
+    pub(crate) fn refuse_pushed(&self, disk: &str) -> Result<(), ApiError> {
+        match lock(&self.pushes.map).get(disk).map(|p| p.info()) {
+            Some(i)
+                if !ended(i.state)
+                    || i.kind == PushKind::Replica && i.state == PushState::Failed =>
+            {
+                Err(ApiError::Conflict {
+                    reason: format!(
+                        "disk {disk} is being copied to {} ({}): stop that first",
+                        i.to,
+                        kind_name(i.kind)
+                    ),
+                })
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Every push of this node (`GET /pushes`).
@@ -324,7 +346,15 @@ async fn send_map(
     map: &Bitmap,
     push: &Push,
 ) -> Result<u64, String> {
-    let size = export.size().min(client.size);
+    if export.size() > client.size {
+        return Err(format!(
+            "disk {} grew to {} bytes, past the copy's {} (its next round starts afresh)",
+            export.name,
+            export.size(),
+            client.size
+        ));
+    }
+    let size = export.size();
     let mut pieces = Vec::new();
     for (mut off, len) in map.extents(size) {
         let end = off + len;
@@ -340,6 +370,8 @@ async fn send_map(
         i.round_done = 0;
     });
     let mut sent = 0;
+    // two batches in flight: the next is read and sent while the last's replies come
+    let mut unacked: Vec<u64> = Vec::new();
     for batch in pieces.chunks(BATCH) {
         let (e, b) = (export.clone(), batch.to_vec());
         let bufs = tokio::task::spawn_blocking(move || {
@@ -352,10 +384,24 @@ async fn send_map(
         .map_err(|e| format!("reading {}: {e}", export.name))?;
         let writes: Vec<(u64, &[u8])> = bufs.iter().map(|(o, d)| (*o, d.as_slice())).collect();
         client
-            .write_batch(&writes)
+            .send_writes(&writes)
             .await
             .map_err(|e| e.to_string())?;
-        let n: u64 = bufs.iter().map(|(_, d)| d.len() as u64).sum();
+        unacked.push(bufs.iter().map(|(_, d)| d.len() as u64).sum());
+        client
+            .wait_writes(writes.len())
+            .await
+            .map_err(|e| e.to_string())?;
+        for n in unacked.drain(..unacked.len() - 1) {
+            sent += n;
+            push.update(|i| {
+                i.round_done += n;
+                i.bytes_sent += n;
+            });
+        }
+    }
+    client.wait_writes(0).await.map_err(|e| e.to_string())?;
+    for n in unacked {
         sent += n;
         push.update(|i| {
             i.round_done += n;

@@ -14,8 +14,9 @@
 //!   S: u32 0x67446698 u32 error u64 cookie
 //! ```
 //!
-//! Writes go in batches: every request of a batch is sent, then every reply
-//! read and matched by cookie; a batch fails on the first error reply.
+//! Writes are sent without waiting ([`Client::send_writes`]) and their
+//! replies, in any order, matched by cookie ([`Client::wait_writes`]): a
+//! writer keeps two batches in flight so the link never waits for a reply.
 
 use std::sync::Arc;
 
@@ -67,6 +68,8 @@ pub struct Client {
     pub size: u64,
     pub flags: u16,
     cookie: u64,
+    /// Writes sent and not yet answered.
+    pending: std::collections::HashSet<u64>,
 }
 
 /// Largest write sent in one request.
@@ -162,6 +165,7 @@ impl Client {
             size,
             flags,
             cookie: 0,
+            pending: Default::default(),
         })
     }
 
@@ -184,7 +188,8 @@ impl Client {
         Ok(self.cookie)
     }
 
-    async fn reply(&mut self, cookies: &[u64], what: &str) -> Result<(), ClientError> {
+    /// Reads one simple reply; returns its cookie.
+    async fn reply(&mut self, what: &str) -> Result<u64, ClientError> {
         let mut h = [0u8; 16];
         self.rd.read_exact(&mut h).await?;
         let magic = u32::from_be_bytes(h[0..4].try_into().expect("4 bytes"));
@@ -193,24 +198,18 @@ impl Client {
         if magic != proto::SIMPLE_REPLY_MAGIC {
             return Err(ClientError::Protocol(format!("reply magic {magic:#x}")));
         }
-        if !cookies.contains(&cookie) {
-            return Err(ClientError::Protocol(format!(
-                "a reply to cookie {cookie}, never sent"
-            )));
-        }
         if code != 0 {
             return Err(ClientError::Request {
                 what: what.to_string(),
                 code,
             });
         }
-        Ok(())
+        Ok(cookie)
     }
 
-    /// Writes every `(offset, bytes)` (each at most [`MAX_WRITE`]), all in
-    /// flight at once, and waits for every reply.
-    pub async fn write_batch(&mut self, writes: &[(u64, &[u8])]) -> Result<(), ClientError> {
-        let mut cookies = Vec::with_capacity(writes.len());
+    /// Sends every `(offset, bytes)` (each at most [`MAX_WRITE`]) without
+    /// waiting for their replies ([`Client::wait_writes`]).
+    pub async fn send_writes(&mut self, writes: &[(u64, &[u8])]) -> Result<(), ClientError> {
         for (off, data) in writes {
             if data.len() > MAX_WRITE || off + data.len() as u64 > self.size {
                 return Err(ClientError::Protocol(format!(
@@ -219,23 +218,46 @@ impl Client {
                     self.size
                 )));
             }
-            cookies.push(
-                self.send(proto::CMD_WRITE, *off, data.len() as u32, data)
-                    .await?,
-            );
+            let c = self
+                .send(proto::CMD_WRITE, *off, data.len() as u32, data)
+                .await?;
+            self.pending.insert(c);
         }
         self.wr.flush().await?;
-        for _ in &cookies {
-            self.reply(&cookies, "a write").await?;
+        Ok(())
+    }
+
+    /// Waits until at most `left` writes are unanswered; a write refused fails it.
+    pub async fn wait_writes(&mut self, left: usize) -> Result<(), ClientError> {
+        while self.pending.len() > left {
+            let c = self.reply("a write").await?;
+            if !self.pending.remove(&c) {
+                return Err(ClientError::Protocol(format!(
+                    "a reply to cookie {c}, never sent or answered already"
+                )));
+            }
         }
         Ok(())
     }
 
+    /// Writes every `(offset, bytes)`, all in flight at once, and waits
+    /// for every reply.
+    pub async fn write_batch(&mut self, writes: &[(u64, &[u8])]) -> Result<(), ClientError> {
+        self.send_writes(writes).await?;
+        self.wait_writes(0).await
+    }
+
     /// Everything written so far is durable on the server.
     pub async fn flush(&mut self) -> Result<(), ClientError> {
+        self.wait_writes(0).await?;
         let c = self.send(proto::CMD_FLUSH, 0, 0, &[]).await?;
         self.wr.flush().await?;
-        self.reply(&[c], "a flush").await
+        match self.reply("a flush").await? {
+            got if got == c => Ok(()),
+            got => Err(ClientError::Protocol(format!(
+                "a reply to cookie {got} where the flush was {c}"
+            ))),
+        }
     }
 
     /// Ends the session (the server answers nothing to it).
