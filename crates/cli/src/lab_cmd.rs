@@ -48,9 +48,14 @@ pub enum LabCmd {
     TeamMonitor { host: String },
     /// Start a host's agent again (after it was killed).
     RestartAgent { host: String },
-    /// Start the control service, or the storage node, again (killed with
+    /// Start the control service, or a storage node, again (killed with
     /// SIGKILL first if it runs), on the same configuration and state.
-    Restart { service: LabService },
+    Restart {
+        service: LabService,
+        /// Which storage node (storage1 by default).
+        #[arg(long, default_value_t = 1)]
+        node: u32,
+    },
     /// Build (or show) the cached guest image.
     Image {
         #[arg(long)]
@@ -116,22 +121,26 @@ pub async fn run(cli: &Cli, cmd: &LabCmd) -> anyhow::Result<i32> {
             Ok(0)
         }
         LabCmd::Status { json } => status(*json),
-        LabCmd::Restart { service } => {
+        LabCmd::Restart { service, node } => {
             let dir = LabDir::default_path();
             dir.load_spec()?;
             let cd = dir.control_dir();
             let name = match service {
-                LabService::Control => "control",
-                LabService::Storage => "storage",
+                LabService::Control => "control".to_string(),
+                LabService::Storage => topology::storage_pid_name(*node),
             };
+            let conf = cd.join(format!("{name}.toml"));
+            if !conf.exists() {
+                anyhow::bail!("the lab has no {name} ({} missing)", conf.display());
+            }
             stop_pidfile(&cd.join(format!("{name}.pid")));
-            let conf = cd.join(format!("{name}.toml")).display().to_string();
+            let conf = conf.display().to_string();
             match service {
                 LabService::Control => {
-                    start_root_daemon(&cd, "control", &["control", "--config", &conf])?
+                    start_root_daemon(&cd, &name, &["control", "--config", &conf])?
                 }
                 LabService::Storage => {
-                    start_root_daemon(&cd, "storage", &["storage", "serve", "--config", &conf])?
+                    start_root_daemon(&cd, &name, &["storage", "serve", "--config", &conf])?
                 }
             }
             println!("{name} restarted");

@@ -339,3 +339,116 @@ fn a_replica_fails_over_holding_every_write_older_than_its_lag() {
     // storage1 back: the lab's node again, for the tests after this one
     ferry_ok(&["lab", "restart", "storage"]);
 }
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
+fn a_move_whose_target_node_dies_leaves_the_disk_where_it_was() {
+    require_lab();
+    let _g = serial();
+    lab_with(2, 1, "1gbit", 2);
+    let (vm, disk, seed) = ("mf1", "stays", 24u64);
+    let _ = ferry(&["disk", "rm", disk]);
+    remove_vm(vm);
+    ferry_ok(&[
+        "vm", "create", vm, "--host", "host1", "--memory", "256M", "--fill", "64M", "--seed", "24",
+    ]);
+    let _v = VmGuard(vm);
+    ferry_ok(&["disk", "create", disk, "--size", "1G", "--node", "storage1"]);
+    // a disk full of data: its copy takes a few seconds
+    let status = std::process::Command::new("dd")
+        .args([
+            "if=/dev/urandom",
+            &format!("of={}", disk_file("storage1", disk).display()),
+            "bs=4M",
+            "count=256",
+            "conv=notrunc",
+            "status=none",
+        ])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    ferry_ok(&["disk", "attach", disk, vm]);
+    let before = seq_past("host1", vm, 2);
+
+    // the move starts; once it has sent something, storage2 dies
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["disk", "move", disk, "--to", "storage2", "--json"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+    let mut last = Value::Null;
+    for l in lines.by_ref() {
+        last = serde_json::from_str(&l.unwrap()).unwrap();
+        if last["push"]["bytes_sent"].as_u64().unwrap_or(0) > 0 {
+            break;
+        }
+    }
+    assert_eq!(last["phase"], "copy", "the copy was under way: {last}");
+    let pid: i32 = std::fs::read_to_string(format!("{LAB}/control/storage2.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // SAFETY: kill(2) of the lab's storage2, a process this lab started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    for l in lines {
+        last = serde_json::from_str(&l.unwrap()).unwrap();
+    }
+    assert!(
+        !child.wait().unwrap().success(),
+        "the move reports its failure"
+    );
+    assert_eq!(last["phase"], "failed", "{last}");
+    assert!(
+        last["error"].as_str().unwrap().contains("storage2"),
+        "{last}"
+    );
+
+    // the disk is served by storage1 as before: listed there (storage2 left
+    // out while it does not answer), the guest writing it without a pause
+    let listed = ferry_json(&["disk", "list"]);
+    let d = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == disk)
+        .unwrap()
+        .clone();
+    assert_eq!(d["node"], "storage1", "{listed}");
+    assert_eq!(d["role"]["kind"], "primary", "{d}");
+    let last_seq = seq_past("host1", vm, before + 4);
+    let v = &vm_entries(vm)[0];
+    assert_eq!(v["state"], "running", "{v}");
+    assert!(
+        v["spec"]["disks"][0]["uri"]
+            .as_str()
+            .unwrap()
+            .contains(":10809/"),
+        "{v}"
+    );
+    let data = std::fs::read(disk_file("storage1", disk)).unwrap();
+    let missing = ring_missing(&journal_ring(&data, seed), last_seq);
+    assert!(missing.is_empty(), "writes {missing:?} not on storage1");
+
+    // storage2 back: its partial copy is replaced by the next move, which succeeds
+    ferry_ok(&["lab", "restart", "storage", "--node", "2"]);
+    let t0 = Instant::now();
+    let out = loop {
+        let out = ferry(&["disk", "move", disk, "--to", "storage2", "--json"]);
+        if out.status.success() || t0.elapsed() > Duration::from_secs(20) {
+            break out;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let done: Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(
+        done["phase"],
+        "done",
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    seq_past("host1", vm, last_seq);
+    assert_intact_on(vm, "host1");
+}

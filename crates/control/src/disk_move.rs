@@ -176,6 +176,24 @@ impl Control {
             .collect())
     }
 
+    /// Tells VM `vm`'s agent that disk `disk` is served at `uri` now
+    /// (`None`: where it was); a guest held for the move runs again.
+    async fn switch(
+        &self,
+        vm: &str,
+        host: &str,
+        disk: &str,
+        uri: Option<String>,
+    ) -> Result<VmInfo, ApiError> {
+        self.host(host)?
+            .post(
+                &format!("/vms/{vm}/disks/{disk}/switch"),
+                &DiskSwitchRequest { uri },
+                AGENT_TIMEOUT,
+            )
+            .await
+    }
+
     async fn run_disk_move(&self, disk: &DiskInfo, to: &str) -> Result<(), String> {
         let name = &disk.name;
         let (src, dst) = (self.node(&disk.node)?, self.node(to)?);
@@ -216,19 +234,8 @@ impl Control {
         }
         let pause = Instant::now();
         for (vm, host) in &held {
-            let req = DiskSwitchRequest {
-                uri: Some(format!("{}/{vm}", copy.uri)),
-            };
-            let r: Result<VmInfo, _> = retry(|| async {
-                self.host(host)?
-                    .post(
-                        &format!("/vms/{vm}/disks/{name}/switch"),
-                        &req,
-                        AGENT_TIMEOUT,
-                    )
-                    .await
-            })
-            .await;
+            let uri = Some(format!("{}/{vm}", copy.uri));
+            let r = retry(|| self.switch(vm, host, name, uri.clone())).await;
             if let Err(e) = r {
                 left.push(format!("switching {vm} on {host}: {e}"));
             }
@@ -351,18 +358,7 @@ impl Control {
     async fn undo_move(&self, disk: &DiskInfo, to: &str, held: &[User]) {
         let name = &disk.name;
         for (vm, host) in held {
-            let req = DiskSwitchRequest { uri: None };
-            let r: Result<VmInfo, ApiError> = async {
-                self.host(host)?
-                    .post(
-                        &format!("/vms/{vm}/disks/{name}/switch"),
-                        &req,
-                        AGENT_TIMEOUT,
-                    )
-                    .await
-            }
-            .await;
-            if let Err(e) = r {
+            if let Err(e) = self.switch(vm, host, name, None).await {
                 // its agent releases it by itself (HOLD_MAX)
                 tracing::warn!(vm, host, "releasing after a failed disk move: {e}");
             }
@@ -535,19 +531,9 @@ impl Control {
         lock(&self.disk_moves.1).remove(name);
         let mut failed = Vec::new();
         for (vm, host) in self.users_of(name).await? {
-            let req = DiskSwitchRequest {
-                uri: Some(format!("{}/{vm}", d.uri)),
-            };
-            let r: Result<VmInfo, ApiError> = async {
-                self.host(&host)?
-                    .post(
-                        &format!("/vms/{vm}/disks/{name}/switch"),
-                        &req,
-                        AGENT_TIMEOUT,
-                    )
-                    .await
-            }
-            .await;
+            let r = self
+                .switch(&vm, &host, name, Some(format!("{}/{vm}", d.uri)))
+                .await;
             if let Err(e) = r {
                 failed.push(format!("{vm} on {host}: {e}"));
             }

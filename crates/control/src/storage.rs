@@ -171,9 +171,36 @@ impl Control {
     }
 
     /// The cluster's disks: each node's primaries (the copies it keeps for
-    /// moves and replicas are not disks of their own).
+    /// moves and replicas are not disks of their own). A node that does
+    /// not answer is left out (`storage nodes` shows it), unless none answers.
     async fn list_disks(&self) -> Result<Vec<DiskInfo>, ApiError> {
-        let mut out: Vec<DiskInfo> = self.gather("/disks").await?;
+        Ok(self.answering_disks().await?.0)
+    }
+
+    /// [`Self::list_disks`], and the nodes that did not answer.
+    async fn answering_disks(&self) -> Result<(Vec<DiskInfo>, Vec<String>), ApiError> {
+        let answers = self
+            .ask_every_node::<DiskInfo>("/disks", NODE_TIMEOUT)
+            .await;
+        let (mut out, mut down, mut last) = (Vec::new(), Vec::new(), None);
+        for (node, r) in self.storage.keys().zip(answers) {
+            match r {
+                Ok(l) => out.extend(l),
+                Err(e) => {
+                    tracing::warn!(
+                        node,
+                        "disks of a storage node that does not answer left out: {e}"
+                    );
+                    down.push(node.clone());
+                    last = Some(e);
+                }
+            }
+        }
+        if down.len() == self.storage.len() {
+            if let Some(e) = last {
+                return Err(e);
+            }
+        }
         out.retain(|d| d.role.is_primary());
         out.sort_by(|a, b| a.name.cmp(&b.name));
         // two primaries of one name: an old primary back after a failover
@@ -194,19 +221,27 @@ impl Control {
                 i += 1;
             }
         }
-        Ok(out)
+        Ok((out, down))
     }
 
     pub(crate) async fn locate_disk(
         &self,
         name: &str,
     ) -> Result<(DiskInfo, &ferry_api::client::Client), ApiError> {
-        let d = self
-            .list_disks()
-            .await?
-            .into_iter()
-            .find(|d| d.name == name)
-            .ok_or_else(|| ApiError::not_found("disk", name))?;
+        let (disks, down) = self.answering_disks().await?;
+        let d = match disks.into_iter().find(|d| d.name == name) {
+            Some(d) => d,
+            None if !down.is_empty() => {
+                return Err(ApiError::unavailable(
+                    format!("disk {name}"),
+                    format!(
+                        "not on any storage node that answers, and {} does not answer",
+                        down.join(", ")
+                    ),
+                ))
+            }
+            None => return Err(ApiError::not_found("disk", name)),
+        };
         let c = self
             .storage
             .get(&d.node)
