@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferry_api::types::DiskUse;
 use ferry_api::{ApiError, CheckResult, HostInfo, NicInfo, VmInfo, VmSpec};
 
 use crate::guest::{read_tail, GuestCheck, Reading};
@@ -72,29 +73,6 @@ pub struct Held {
     pub resume: bool,
     /// Tells this hold from a later one (for its deadline).
     pub id: u64,
-}
-
-/// How a VM uses a Ferry disk.
-enum Use {
-    /// `spec.disks[i]` (plugged: node `disk{i}`).
-    Plugged(usize),
-    /// `spec.drives[i]` over NBD, export `DISK/VM` (node `drive{i}`).
-    Drive(usize),
-}
-
-fn uses_disk(spec: &VmSpec, disk: &str) -> Option<Use> {
-    if let Some(i) = spec.disks.iter().position(|d| d.disk == disk) {
-        return Some(Use::Plugged(i));
-    }
-    spec.drives
-        .iter()
-        .position(|d| {
-            d.nbd
-                .as_deref()
-                .and_then(|u| ferry_api::types::parse_nbd_uri(u).ok())
-                .is_some_and(|(_, _, export)| export.split('/').next() == Some(disk))
-        })
-        .map(Use::Drive)
 }
 
 /// A hold not released by then is released by the agent itself: the
@@ -578,7 +556,7 @@ impl Agent {
             .get_mut(name)
             .ok_or_else(|| ApiError::not_found("vm", name))?;
         let q = slot.settled_qemu(name)?;
-        if uses_disk(&slot.spec, disk).is_none() {
+        if slot.spec.disk_use(disk).is_none() {
             return Err(ApiError::not_found(&format!("disk of vm {name}"), disk));
         }
         if let Some(h) = &slot.held {
@@ -649,12 +627,12 @@ impl Agent {
                 .ok_or_else(|| ApiError::not_found("vm", name))?;
             let q = slot.settled_qemu(name)?;
             let mut spec = slot.spec.clone();
-            let node = match uses_disk(&spec, disk) {
-                Some(Use::Plugged(i)) if spec.disks[i].uri != uri => {
+            let node = match spec.disk_use(disk) {
+                Some(DiskUse::Plugged(i)) if spec.disks[i].uri != uri => {
                     spec.disks[i].uri = uri.clone();
                     Some(format!("disk{i}"))
                 }
-                Some(Use::Drive(i)) if spec.drives[i].nbd.as_deref() != Some(&uri) => {
+                Some(DiskUse::Drive(i)) if spec.drives[i].nbd.as_deref() != Some(&uri) => {
                     spec.drives[i].nbd = Some(uri.clone());
                     Some(format!("drive{i}"))
                 }

@@ -225,7 +225,33 @@ pub const GUEST_OVERHEAD: u64 = 128 << 20;
 /// Largest guest the lab accepts.
 pub const MAX_VM_MEMORY: u64 = 64 << 30;
 
+/// How a VM uses a Ferry disk ([`VmSpec::disk_use`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiskUse {
+    /// `disks[i]`, plugged (block node `disk{i}`).
+    Plugged(usize),
+    /// `drives[i]` over NBD, export `DISK/VM` (block node `drive{i}`).
+    Drive(usize),
+}
+
 impl VmSpec {
+    /// Where this VM has Ferry disk `disk` open: plugged, or a drive on
+    /// its export `DISK/VM`.
+    pub fn disk_use(&self, disk: &str) -> Option<DiskUse> {
+        if let Some(i) = self.disks.iter().position(|d| d.disk == disk) {
+            return Some(DiskUse::Plugged(i));
+        }
+        self.drives
+            .iter()
+            .position(|d| {
+                d.nbd
+                    .as_deref()
+                    .and_then(|u| parse_nbd_uri(u).ok())
+                    .is_some_and(|(_, _, export)| export.split('/').next() == Some(disk))
+            })
+            .map(DiskUse::Drive)
+    }
+
     /// A lab workload guest (the host's kernel and workload, memory filled
     /// with a checkable pattern), with defaults for everything else.
     pub fn workload(name: &str, memory: u64, fill: u64, dirty_rate: u64) -> VmSpec {

@@ -61,6 +61,23 @@ pub fn mbit(bytes_per_sec: f64) -> String {
     format!("{:.0} Mbit/s", bytes_per_sec * 8.0 / 1e6)
 }
 
+/// The CLI's byte progress bar (`PREFIX [=====>    ] 1.2 GiB/2.0 GiB MSG`);
+/// hidden under `--json`.
+pub fn byte_bar(prefix: String, len: u64, hidden: bool) -> indicatif::ProgressBar {
+    use indicatif::{ProgressBar, ProgressStyle};
+    if hidden {
+        return ProgressBar::hidden();
+    }
+    let b = ProgressBar::new(len.max(1));
+    b.set_style(
+        ProgressStyle::with_template("{prefix} [{bar:30}] {bytes}/{total_bytes} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    b.set_prefix(prefix);
+    b
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

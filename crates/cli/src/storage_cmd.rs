@@ -722,25 +722,13 @@ async fn move_disk(
     json: bool,
 ) -> anyhow::Result<i32> {
     use futures::StreamExt;
-    use indicatif::{ProgressBar, ProgressStyle};
     let mut events = c
         .post_events::<_, DiskMoveInfo>(
             &format!("/disks/{disk}/move"),
             &DiskMoveRequest { to: to.to_string() },
         )
         .await?;
-    let bar = if json {
-        ProgressBar::hidden()
-    } else {
-        let b = ProgressBar::new(1);
-        b.set_style(
-            ProgressStyle::with_template("{prefix} [{bar:30}] {bytes}/{total_bytes} {msg}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar())
-                .progress_chars("=> "),
-        );
-        b.set_prefix(format!("{disk} → {to}"));
-        b
-    };
+    let bar = crate::output::byte_bar(format!("{disk} → {to}"), 1, json);
     let mut last = None;
     while let Some(m) = events.next().await {
         let m = m?;
@@ -866,25 +854,13 @@ async fn follow_job(
     no_wait: bool,
     json: bool,
 ) -> anyhow::Result<i32> {
-    use indicatif::{ProgressBar, ProgressStyle};
     let what = match j.kind {
         JobKind::Backup => "backup",
         JobKind::IncrementalBackup => "incremental backup",
         JobKind::Checkpoint => "checkpoint",
     };
     if !no_wait {
-        let bar = if json {
-            ProgressBar::hidden()
-        } else {
-            let b = ProgressBar::new(j.bytes_total.max(1));
-            b.set_style(
-                ProgressStyle::with_template("{prefix} [{bar:30}] {bytes}/{total_bytes} {msg}")
-                    .unwrap_or_else(|_| ProgressStyle::default_bar())
-                    .progress_chars("=> "),
-            );
-            b.set_prefix(format!("{} {what}", j.disk));
-            b
-        };
+        let bar = crate::output::byte_bar(format!("{} {what}", j.disk), j.bytes_total, json);
         while j.state == JobState::Running {
             bar.set_position(j.bytes_done);
             bar.set_message(format!(

@@ -10,7 +10,6 @@ use ferry_api::{
     MigrationReport, MoveRequest, VmCreateRequest, VmInfo, VmSpec,
 };
 use futures::StreamExt;
-use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::output::{mbit, print_json, Table};
 use crate::Cli;
@@ -458,18 +457,7 @@ pub async fn move_vm(
             },
         )
         .await?;
-    let bar = if json {
-        ProgressBar::hidden()
-    } else {
-        let b = ProgressBar::new(1);
-        b.set_style(
-            ProgressStyle::with_template("{prefix} [{bar:30}] {bytes}/{total_bytes} {msg}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar())
-                .progress_chars("=> "),
-        );
-        b.set_prefix(format!("{name} → {to}"));
-        b
-    };
+    let bar = crate::output::byte_bar(format!("{name} → {to}"), 1, json);
     let mut outcome = Err(ApiError::internal(
         "the event stream ended without a result",
     ));

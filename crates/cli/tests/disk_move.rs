@@ -23,24 +23,6 @@ fn disk_file(node: &str, disk: &str) -> std::path::PathBuf {
         .join(format!("{disk}.img"))
 }
 
-/// A guest's own `seq`, once its disk line shows it past `after` with no error.
-fn seq_past(host: &str, vm: &str, after: u64) -> u64 {
-    let t0 = Instant::now();
-    loop {
-        match last_disk_line(host, vm) {
-            Some((seq, 0, _)) if seq > after => return seq,
-            Some((_, e, _)) if e > 0 => panic!("{vm} saw disk errors:\n{}", console(host, vm)),
-            _ => {}
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "{vm} on {host} wrote nothing past {after}:\n{}",
-            console(host, vm)
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
 /// 1 MiB regions of a recognisable pattern, at every 2 MiB of `len` bytes.
 fn pattern(len: usize) -> Vec<(usize, Vec<u8>)> {
     (0..len / (2 << 20))
@@ -134,14 +116,7 @@ fn a_shared_disk_moves_between_storage_nodes_under_two_writing_guests() {
         push["bytes_sent"].as_u64().unwrap() >= regions.len() as u64 * (1 << 20),
         "the written regions were copied: {last}"
     );
-    let listed = ferry_json(&["disk", "list"]);
-    let d = listed
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["name"] == disk)
-        .unwrap()
-        .clone();
+    let (d, listed) = disk_entry(disk);
     assert_eq!(d["node"], "storage2", "{listed}");
     assert_eq!(d["policy"], "move-cap", "the policy came along: {d}");
     assert!(
@@ -263,13 +238,7 @@ fn a_replica_fails_over_holding_every_write_older_than_its_lag() {
     assert!(lag < 5_000, "lag {lag} ms with a 2 s period: {status}");
 
     // the primary's node dies
-    let pid: i32 = std::fs::read_to_string(format!("{LAB}/control/storage.pid"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    // SAFETY: kill(2) of the lab's storage1, a process this lab started.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    kill_lab_service("storage");
     std::thread::sleep(Duration::from_millis(500));
     let down = ferry_json(&["disk", "replica", "status", disk]);
     assert_eq!(down[0]["state"], "failed", "{down}");
@@ -385,13 +354,7 @@ fn a_move_whose_target_node_dies_leaves_the_disk_where_it_was() {
         }
     }
     assert_eq!(last["phase"], "copy", "the copy was under way: {last}");
-    let pid: i32 = std::fs::read_to_string(format!("{LAB}/control/storage2.pid"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    // SAFETY: kill(2) of the lab's storage2, a process this lab started.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    kill_lab_service("storage2");
     for l in lines {
         last = serde_json::from_str(&l.unwrap()).unwrap();
     }
@@ -407,14 +370,7 @@ fn a_move_whose_target_node_dies_leaves_the_disk_where_it_was() {
 
     // the disk is served by storage1 as before: listed there (storage2 left
     // out while it does not answer), the guest writing it without a pause
-    let listed = ferry_json(&["disk", "list"]);
-    let d = listed
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["name"] == disk)
-        .unwrap()
-        .clone();
+    let (d, listed) = disk_entry(disk);
     assert_eq!(d["node"], "storage1", "{listed}");
     assert_eq!(d["role"]["kind"], "primary", "{d}");
     let last_seq = seq_past("host1", vm, before + 4);

@@ -220,30 +220,10 @@ fn a_storage_outage_pauses_the_guest_and_loses_no_acknowledged_write() {
     let _guard = VmGuard(vm);
     ferry_ok(&["disk", "create", disk, "--size", "16M"]);
     ferry_ok(&["disk", "attach", disk, vm]);
-    let t0 = Instant::now();
-    let before = loop {
-        match last_disk_line("host1", vm) {
-            Some((seq, 0, _)) if seq >= 5 => break seq,
-            Some((_, e, _)) if e > 0 => {
-                panic!("disk errors before the outage:\n{}", console("host1", vm))
-            }
-            _ => {}
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "{vm} never wrote its disk"
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    };
+    let before = seq_past("host1", vm, 4);
 
     // the storage node stops for 10 s
-    let pid: i32 = std::fs::read_to_string("/run/ferry/lab/control/storage.pid")
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    // SAFETY: kill(2) of the lab's storage node, a process this lab started.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    kill_lab_service("storage");
     let outage = Instant::now();
 
     // the guest pauses (after QEMU's 5 s of reconnecting), naming its storage

@@ -171,7 +171,7 @@ impl Control {
             .list_vms()
             .await?
             .into_iter()
-            .filter(|v| v.state != "incoming" && uses(v, disk))
+            .filter(|v| v.state != "incoming" && v.spec.disk_use(disk).is_some())
             .map(|v| (v.name, v.host))
             .collect())
     }
@@ -197,18 +197,7 @@ impl Control {
     async fn run_disk_move(&self, disk: &DiskInfo, to: &str) -> Result<(), String> {
         let name = &disk.name;
         let (src, dst) = (self.node(&disk.node)?, self.node(to)?);
-        let copy: DiskInfo = dst
-            .post(
-                &format!("/disks/{name}/incoming"),
-                &IncomingDiskRequest {
-                    from: disk.node.clone(),
-                    size: disk.size,
-                    write_through: disk.write_through,
-                    policy: disk.policy.clone(),
-                    replica: false,
-                },
-                NODE_TIMEOUT,
-            )
+        let copy = make_copy(dst, disk, false)
             .await
             .map_err(|e| format!("{to}: {e}"))?;
         let mut held: Vec<User> = Vec::new();
@@ -396,19 +385,7 @@ impl Control {
             .storage
             .get(&req.to)
             .ok_or_else(|| ApiError::not_found("storage node", &req.to))?;
-        let copy: DiskInfo = dst
-            .post(
-                &format!("/disks/{name}/incoming"),
-                &IncomingDiskRequest {
-                    from: disk.node.clone(),
-                    size: disk.size,
-                    write_through: disk.write_through,
-                    policy: disk.policy.clone(),
-                    replica: true,
-                },
-                NODE_TIMEOUT,
-            )
-            .await?;
+        let copy = make_copy(dst, &disk, true).await?;
         let r = src
             .post(
                 &format!("/disks/{name}/push"),
@@ -584,16 +561,25 @@ impl Control {
     }
 }
 
-/// Whether VM `v` has Ferry disk `disk` open: plugged, or a drive on its
-/// export `DISK/VM`.
-fn uses(v: &VmInfo, disk: &str) -> bool {
-    v.spec.disks.iter().any(|d| d.disk == disk)
-        || v.spec.drives.iter().any(|d| {
-            d.nbd
-                .as_deref()
-                .and_then(|u| ferry_api::types::parse_nbd_uri(u).ok())
-                .is_some_and(|(_, _, e)| e.split('/').next() == Some(disk))
-        })
+/// An empty copy of `disk` on node `dst` that the disk's node writes: a
+/// move's target, or a replica.
+async fn make_copy(
+    dst: &ferry_api::client::Client,
+    disk: &DiskInfo,
+    replica: bool,
+) -> Result<DiskInfo, ApiError> {
+    dst.post(
+        &format!("/disks/{}/incoming", disk.name),
+        &IncomingDiskRequest {
+            from: disk.node.clone(),
+            size: disk.size,
+            write_through: disk.write_through,
+            policy: disk.policy.clone(),
+            replica,
+        },
+        NODE_TIMEOUT,
+    )
+    .await
 }
 
 fn unreachable_info(disk: &DiskInfo, to: &str) -> DiskMoveInfo {

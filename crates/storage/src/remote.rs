@@ -99,6 +99,12 @@ fn ended(s: PushState) -> bool {
     )
 }
 
+/// Whether a push still copies: running, or a replica between failed
+/// rounds (it tries again).
+fn copying(i: &PushInfo) -> bool {
+    !ended(i.state) || (i.kind == PushKind::Replica && i.state == PushState::Failed)
+}
+
 impl Node {
     /// Starts pushing disk `disk` to node `req.to` (`POST /disks/{d}/push`).
     pub fn start_push(
@@ -138,7 +144,7 @@ impl Node {
         let mut pushes = lock(&self.pushes.map);
         if let Some(p) = pushes.get(disk) {
             let i = p.info();
-            if !ended(i.state) || (i.kind == PushKind::Replica && i.state == PushState::Failed) {
+            if copying(&i) {
                 return Err(ApiError::Conflict {
                     reason: format!(
                         "disk {disk} is already being copied to {} ({}): one copy at a time{}",
@@ -221,18 +227,13 @@ impl Node {
     /// move under way is not removed under it).
     pub(crate) fn refuse_pushed(&self, disk: &str) -> Result<(), ApiError> {
         match lock(&self.pushes.map).get(disk).map(|p| p.info()) {
-            Some(i)
-                if !ended(i.state)
-                    || i.kind == PushKind::Replica && i.state == PushState::Failed =>
-            {
-                Err(ApiError::Conflict {
-                    reason: format!(
-                        "disk {disk} is being copied to {} ({}): stop that first",
-                        i.to,
-                        kind_name(i.kind)
-                    ),
-                })
-            }
+            Some(i) if copying(&i) => Err(ApiError::Conflict {
+                reason: format!(
+                    "disk {disk} is being copied to {} ({}): stop that first",
+                    i.to,
+                    kind_name(i.kind)
+                ),
+            }),
             _ => Ok(()),
         }
     }
@@ -370,8 +371,15 @@ async fn send_map(
         i.round_done = 0;
     });
     let mut sent = 0;
-    // two batches in flight: the next is read and sent while the last's replies come
-    let mut unacked: Vec<u64> = Vec::new();
+    let account = |n: u64| {
+        push.update(|i| {
+            i.round_done += n;
+            i.bytes_sent += n;
+        })
+    };
+    // two batches in flight: the next is read and sent while the last's
+    // replies come; a batch counts once no more than the next is unanswered
+    let mut unanswered: Option<u64> = None;
     for batch in pieces.chunks(BATCH) {
         let (e, b) = (export.clone(), batch.to_vec());
         let bufs = tokio::task::spawn_blocking(move || {
@@ -387,26 +395,19 @@ async fn send_map(
             .send_writes(&writes)
             .await
             .map_err(|e| e.to_string())?;
-        unacked.push(bufs.iter().map(|(_, d)| d.len() as u64).sum());
         client
             .wait_writes(writes.len())
             .await
             .map_err(|e| e.to_string())?;
-        for n in unacked.drain(..unacked.len() - 1) {
+        if let Some(n) = unanswered.replace(bufs.iter().map(|(_, d)| d.len() as u64).sum()) {
             sent += n;
-            push.update(|i| {
-                i.round_done += n;
-                i.bytes_sent += n;
-            });
+            account(n);
         }
     }
     client.wait_writes(0).await.map_err(|e| e.to_string())?;
-    for n in unacked {
+    if let Some(n) = unanswered {
         sent += n;
-        push.update(|i| {
-            i.round_done += n;
-            i.bytes_sent += n;
-        });
+        account(n);
     }
     client.flush().await.map_err(|e| e.to_string())?;
     Ok(sent)
@@ -435,10 +436,8 @@ async fn round(
         export.tracking.take_map(name).unwrap_or_default()
     };
     push.update(|i| {
-        i.state = if i.state == PushState::InStep {
-            PushState::InStep
-        } else {
-            PushState::Copying
+        if i.state != PushState::InStep {
+            i.state = PushState::Copying;
         }
     });
     match send_map(client, export, &map, push).await {

@@ -505,3 +505,51 @@ pub fn wait_for_peer(host: &str, name: &str, peer_seed: u64, after: u64) -> u64 
         std::thread::sleep(Duration::from_millis(250));
     }
 }
+
+/// SIGKILLs the lab service whose pid is in `/run/ferry/lab/control/NAME.pid`
+/// (`storage`, `storage2`, `control`).
+pub fn kill_lab_service(name: &str) {
+    let path = format!("/run/ferry/lab/control/{name}.pid");
+    let pid: i32 = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
+        .trim()
+        .parse()
+        .unwrap();
+    // SAFETY: kill(2) of a lab service, a process the lab started.
+    assert_eq!(
+        unsafe { libc::kill(pid, libc::SIGKILL) },
+        0,
+        "{name} (pid {pid})"
+    );
+}
+
+/// Disk `disk` as `ferry disk list` shows it, and the whole list (for messages).
+pub fn disk_entry(disk: &str) -> (Value, Value) {
+    let listed = ferry_json(&["disk", "list"]);
+    let d = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == disk)
+        .unwrap_or_else(|| panic!("disk {disk} is not listed: {listed}"))
+        .clone();
+    (d, listed)
+}
+
+/// A guest's own `seq`, once its disk line shows it past `after` with no error.
+pub fn seq_past(host: &str, vm: &str, after: u64) -> u64 {
+    let t0 = Instant::now();
+    loop {
+        match last_disk_line(host, vm) {
+            Some((seq, 0, _)) if seq > after => return seq,
+            Some((_, e, _)) if e > 0 => panic!("{vm} saw disk errors:\n{}", console(host, vm)),
+            _ => {}
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{vm} on {host} wrote nothing past {after}:\n{}",
+            console(host, vm)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
