@@ -889,6 +889,27 @@ pub struct CarrierReport {
     pub last_failure: Option<String>,
 }
 
+/// One codec's part of a migration over Ferry's transport.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CodecReport {
+    /// `none` (sent as it was), `lz4`, `zstd:LEVEL`.
+    pub codec: String,
+    /// Frames sent packed by it.
+    pub frames: u64,
+    /// Their bytes before packing, and as sent.
+    pub raw_bytes: u64,
+    pub sent_bytes: u64,
+    /// Raw bytes ÷ all raw bytes of the migration.
+    pub share: f64,
+    /// Raw ÷ sent.
+    pub ratio: f64,
+    /// Source CPU-seconds spent compressing with it (tries that did not
+    /// shrink included).
+    pub cpu_s: f64,
+    /// Frames compressed with it that did not shrink enough and went as they were.
+    pub misses: u64,
+}
+
 /// Source → target agent, `mptcp` kind: announce the address of your NIC
 /// `nic` again, so the source's NIC that reaches it re-joins every connection.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -1052,6 +1073,10 @@ pub struct MigrationReport {
     pub compression_ratio: f64,
     #[serde(default)]
     pub frames_compressed: u64,
+    /// Ferry's transport: how frames were packed, per codec (`none`, `lz4`,
+    /// `zstd:LEVEL`), with their share of the bytes, ratio and CPU.
+    #[serde(default)]
+    pub codecs: Vec<CodecReport>,
     /// The last phase reached: `precopy`, `postcopy` or `pause-and-copy`.
     pub phase: String,
     /// The highest vCPU throttle QEMU applied, percent.

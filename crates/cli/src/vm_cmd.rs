@@ -590,9 +590,24 @@ pub fn print_report(r: &MigrationReport) {
         _ => println!("  CPU: {:.2} s source (QEMU and agent)", r.cpu.source_s),
     }
     if r.compression_ratio > 1.0 {
+        let codecs: Vec<String> = r
+            .codecs
+            .iter()
+            .map(|c| {
+                format!(
+                    "{} {:.0}% of bytes at {:.2}×, {:.2} CPU-s",
+                    c.codec,
+                    c.share * 100.0,
+                    c.ratio,
+                    c.cpu_s
+                )
+            })
+            .collect();
         println!(
-            "  compression: {:.2}× over {} frames",
-            r.compression_ratio, r.frames_compressed
+            "  compression: {:.2}× over {} frames ({})",
+            r.compression_ratio,
+            r.frames_compressed,
+            codecs.join("; ")
         );
     }
     if r.phase != "precopy" || r.max_throttle_pct > 0 {

@@ -27,7 +27,10 @@
 //!  10  u8   status: 0 ok, 1 bad version, 2 bad credential, 3 unknown session, 4 too many carriers
 //!           (or streams),
 //!           5 sealing differs (the Hello's SEALED flag is not the session's)
-//!  11  [5]  reserved, 0
+//!  11  u8   features the target accepts (status 0 only; bits unknown to
+//!           the source are ignored): bit 0 ZSTD (DATA frames may be zstd
+//!           frames); other bits 0
+//!  12  [4]  reserved, 0
 //!  16  [16] the Hello's nonce
 //!  32  [32] HMAC-SHA256(cluster credential, "ferry-transport welcome" ‖ bytes 0..32)
 //! ```
@@ -49,22 +52,29 @@
 //!   0  u8   kind: 1 DATA, 2 ACK, 3 OPEN, 4 FIN, 5 PING (0 is reserved as invalid)
 //!   1  u8   flags: bit 0 LZ4 (DATA only: the payload is an LZ4 block);
 //!           bit 1 SEALED (every frame of a sealed connection, none of another);
-//!           other bits 0
+//!           bit 2 ZSTD (DATA only: the payload is one zstd frame; only to a
+//!           target whose Welcome set feature ZSTD); LZ4 and ZSTD never
+//!           both; other bits 0
 //!   2  u16  stream (< MAX_STREAMS)
 //!   4  u32  len: payload bytes; ≤ MAX_PAYLOAD for DATA, 0 for every other kind
 //!           (sealed: TAG_LEN more, the tag ending the payload)
 //!   8  u64  id: DATA/OPEN/FIN: frame id (per direction, from 1, for diagnostics);
 //!           ACK: how many DATA/OPEN/FIN frames this carrier connection has received;
 //!           PING: sender's counter
-//!  16  u64  offset: DATA: the payload's offset in its stream; FIN: the stream's length
+//!  16  u64  offset: DATA: the payload's offset in its stream; FIN: the stream's length;
+//!           ACK and PING: the sender's spare CPU (below), 0 if not reported
 //!  24  u32  CRC-32C of bytes 0..24 and the payload
-//!  28  u32  raw_len: with LZ4, the payload's length once decompressed
-//!           (1..=MAX_PAYLOAD; the receiver refuses a block that does not
+//!  28  u32  raw_len: with LZ4 or ZSTD, the payload's length once decompressed
+//!           (1..=MAX_PAYLOAD; the receiver refuses a payload that does not
 //!           decompress to exactly this); without, 0
 //! ```
 //! Compression is the sender's choice per frame (see `compress.rs`); `offset`
 //! and stream lengths always count uncompressed bytes. The CRC covers the
-//! payload as sent.
+//! payload as sent. An ACK's or PING's spare CPU tells the sender what the
+//! receiver could spend on decompressing: bits 0..16 are 1 + the share of
+//! all its CPUs idle over the last quarter second, in thousandths (1..=1001),
+//! bits 16..32 its number of CPUs; higher bits 0. A receiver that does not
+//! understand it ignores it.
 //!
 //! ## Sealed connections (cluster setting: encrypt carriers)
 //! Every frame's payload (compressed first, if it is) is encrypted with
@@ -114,6 +124,10 @@ pub const DEAD_AFTER: Duration = Duration::from_millis(500);
 pub const FLAG_LZ4: u8 = 1;
 /// Frame flag: the payload is sealed (ciphertext ‖ tag).
 pub const FLAG_SEALED: u8 = 2;
+/// Frame flag: the DATA payload is one zstd frame of `raw_len` bytes.
+pub const FLAG_ZSTD: u8 = 4;
+/// Welcome feature: the target decompresses zstd frames.
+pub const FEATURE_ZSTD: u8 = 1;
 /// Hello roles: a carrier of frames; one spliced stream.
 pub const ROLE_CARRIER: u8 = 1;
 pub const ROLE_SPLICED: u8 = 2;
@@ -287,26 +301,34 @@ impl Hello {
     }
 }
 
-/// The target's answer. `status != 0` answers carry no MAC.
-pub fn encode_welcome(status: u8, nonce: &[u8; 16], secret: &[u8]) -> [u8; WELCOME_LEN] {
+/// The target's answer: `features` ([`FEATURE_ZSTD`]) only with status 0,
+/// whose answer alone carries a MAC.
+pub fn encode_welcome(
+    status: u8,
+    features: u8,
+    nonce: &[u8; 16],
+    secret: &[u8],
+) -> [u8; WELCOME_LEN] {
     let mut b = [0u8; WELCOME_LEN];
     b[0..8].copy_from_slice(MAGIC);
     b[8..10].copy_from_slice(&VERSION.to_le_bytes());
     b[10] = status;
     b[16..32].copy_from_slice(nonce);
     if status == STATUS_OK {
+        b[11] = features;
         let m = mac(secret, b"ferry-transport welcome", &b[0..32]);
         b[32..64].copy_from_slice(&m);
     }
     b
 }
 
-/// Checks the target's answer to our Hello with `nonce`.
+/// Checks the target's answer to our Hello with `nonce`; returns the
+/// features it accepts.
 pub fn decode_welcome(
     b: &[u8; WELCOME_LEN],
     nonce: &[u8; 16],
     secret: &[u8],
-) -> Result<(), ProtocolError> {
+) -> Result<u8, ProtocolError> {
     if &b[0..8] != MAGIC {
         return Err(ProtocolError::BadMagic);
     }
@@ -325,7 +347,60 @@ pub fn decode_welcome(
     {
         return Err(ProtocolError::BadCredential);
     }
-    Ok(())
+    Ok(b[11])
+}
+
+/// How a DATA payload is packed on the wire (the level a sender compressed
+/// at is its own business: the receiver needs only the format).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Packing {
+    #[default]
+    Plain,
+    Lz4,
+    Zstd,
+}
+
+impl Packing {
+    fn flag(self) -> u8 {
+        match self {
+            Packing::Plain => 0,
+            Packing::Lz4 => FLAG_LZ4,
+            Packing::Zstd => FLAG_ZSTD,
+        }
+    }
+}
+
+/// A sender's spare CPU as an ACK or PING carries it in `offset`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SpareCpu {
+    /// Share of all CPUs idle, 0..=1.
+    pub idle: f64,
+    pub cpus: u16,
+}
+
+impl SpareCpu {
+    pub fn encode(&self) -> u64 {
+        let permille = (self.idle.clamp(0.0, 1.0) * 1000.0).round() as u64;
+        (permille + 1) | (u64::from(self.cpus) << 16)
+    }
+
+    /// `None` for 0 (not reported) or anything out of range.
+    pub fn decode(v: u64) -> Option<SpareCpu> {
+        let permille = v & 0xffff;
+        let cpus = (v >> 16) & 0xffff;
+        if permille == 0 || permille > 1001 || cpus == 0 || v >> 32 != 0 {
+            return None;
+        }
+        Some(SpareCpu {
+            idle: (permille - 1) as f64 / 1000.0,
+            cpus: cpus as u16,
+        })
+    }
+
+    /// Idle CPUs (cores' worth).
+    pub fn cores(&self) -> f64 {
+        self.idle * f64::from(self.cpus)
+    }
 }
 
 /// A decoded frame header.
@@ -337,7 +412,9 @@ pub struct Header {
     pub id: u64,
     pub offset: u64,
     pub crc: u32,
-    /// LZ4-compressed DATA: the length once decompressed; else 0.
+    /// How a DATA payload is packed.
+    pub packing: Packing,
+    /// Compressed DATA: the length once decompressed; else 0.
     pub raw_len: u32,
     /// The payload is sealed (ciphertext ‖ tag).
     pub sealed: bool,
@@ -352,6 +429,7 @@ impl Header {
             id,
             offset,
             crc: 0,
+            packing: Packing::Plain,
             raw_len: 0,
             sealed: false,
         }
@@ -378,8 +456,8 @@ pub fn encode_header(h: &Header, payload: &[u8], out: &mut BytesMut) {
 pub fn header_bytes(h: &Header, len: usize) -> [u8; HEADER_LEN] {
     let mut head = [0u8; HEADER_LEN];
     head[0] = h.kind as u8;
-    if h.raw_len > 0 {
-        head[1] = FLAG_LZ4;
+    if h.packing != Packing::Plain {
+        head[1] = h.packing.flag();
         head[28..32].copy_from_slice(&h.raw_len.to_le_bytes());
     }
     if h.sealed {
@@ -405,7 +483,15 @@ pub fn decode_header(b: &[u8; HEADER_LEN]) -> Result<Header, ProtocolError> {
     let mut r = &b[..];
     let kind = Kind::from_u8(r.get_u8())?;
     let flags = r.get_u8();
-    if flags & !(FLAG_LZ4 | FLAG_SEALED) != 0 || (flags & FLAG_LZ4 != 0 && kind != Kind::Data) {
+    let packing = match flags & (FLAG_LZ4 | FLAG_ZSTD) {
+        0 => Packing::Plain,
+        FLAG_LZ4 => Packing::Lz4,
+        FLAG_ZSTD => Packing::Zstd,
+        _ => return Err(ProtocolError::BadFlags(flags)),
+    };
+    if flags & !(FLAG_LZ4 | FLAG_ZSTD | FLAG_SEALED) != 0
+        || (packing != Packing::Plain && kind != Kind::Data)
+    {
         return Err(ProtocolError::BadFlags(flags));
     }
     let sealed = flags & FLAG_SEALED != 0;
@@ -415,10 +501,10 @@ pub fn decode_header(b: &[u8; HEADER_LEN]) -> Result<Header, ProtocolError> {
     let offset = r.get_u64_le();
     let crc = r.get_u32_le();
     let raw_len = r.get_u32_le();
-    if flags & FLAG_LZ4 == 0 && raw_len != 0 {
+    if packing == Packing::Plain && raw_len != 0 {
         return Err(ProtocolError::Reserved("header"));
     }
-    if flags & FLAG_LZ4 != 0 && (raw_len == 0 || raw_len as usize > MAX_PAYLOAD) {
+    if packing != Packing::Plain && (raw_len == 0 || raw_len as usize > MAX_PAYLOAD) {
         return Err(ProtocolError::BadRawLength(raw_len));
     }
     if stream >= MAX_STREAMS {
@@ -441,19 +527,23 @@ pub fn decode_header(b: &[u8; HEADER_LEN]) -> Result<Header, ProtocolError> {
         id,
         offset,
         crc,
+        packing,
         raw_len,
         sealed,
     })
 }
 
 /// The payload as the stream carries it: decompressed if the frame was
-/// compressed, checked to be exactly `raw_len` bytes.
+/// compressed, checked to be exactly `raw_len` bytes (never more is
+/// allocated or written, whatever a hostile payload claims).
 pub fn unpack_payload(h: &Header, payload: Bytes) -> Result<Bytes, ProtocolError> {
-    if h.raw_len == 0 {
-        return Ok(payload);
-    }
-    let raw = lz4_flex::block::decompress(&payload, h.raw_len as usize)
-        .map_err(|e| ProtocolError::BadCompression(e.to_string()))?;
+    let raw = match h.packing {
+        Packing::Plain => return Ok(payload),
+        Packing::Lz4 => lz4_flex::block::decompress(&payload, h.raw_len as usize)
+            .map_err(|e| ProtocolError::BadCompression(e.to_string()))?,
+        Packing::Zstd => zstd_decompress(&payload, h.raw_len as usize)
+            .map_err(|e| ProtocolError::BadCompression(format!("zstd: {e}")))?,
+    };
     if raw.len() != h.raw_len as usize {
         return Err(ProtocolError::BadCompression(format!(
             "{} bytes, not {}",
@@ -462,6 +552,24 @@ pub fn unpack_payload(h: &Header, payload: Bytes) -> Result<Bytes, ProtocolError
         )));
     }
     Ok(Bytes::from(raw))
+}
+
+/// One zstd frame into at most `cap` bytes, with a context kept per thread.
+fn zstd_decompress(payload: &[u8], cap: usize) -> std::io::Result<Vec<u8>> {
+    thread_local! {
+        static CTX: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    CTX.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.is_none() {
+            *c = Some(zstd::bulk::Decompressor::new()?);
+        }
+        match c.as_mut() {
+            Some(d) => d.decompress(payload, cap),
+            None => Err(std::io::Error::other("no zstd context")),
+        }
+    })
 }
 
 /// Checks a frame's CRC against its header bytes and payload.
@@ -577,8 +685,14 @@ mod tests {
     #[test]
     fn welcome_proves_the_target_holds_the_credential() {
         let nonce = [5; 16];
-        let w = encode_welcome(STATUS_OK, &nonce, SECRET);
-        decode_welcome(&w, &nonce, SECRET).unwrap();
+        let w = encode_welcome(STATUS_OK, FEATURE_ZSTD, &nonce, SECRET);
+        assert_eq!(decode_welcome(&w, &nonce, SECRET), Ok(FEATURE_ZSTD));
+        let mut forged = w;
+        forged[11] = 0; // features are under the MAC
+        assert_eq!(
+            decode_welcome(&forged, &nonce, SECRET),
+            Err(ProtocolError::BadCredential)
+        );
         assert_eq!(
             decode_welcome(&w, &[6; 16], SECRET),
             Err(ProtocolError::BadCredential)
@@ -587,7 +701,8 @@ mod tests {
             decode_welcome(&w, &nonce, b"x"),
             Err(ProtocolError::BadCredential)
         );
-        let refused = encode_welcome(STATUS_BAD_CREDENTIAL, &nonce, SECRET);
+        let refused = encode_welcome(STATUS_BAD_CREDENTIAL, FEATURE_ZSTD, &nonce, SECRET);
+        assert_eq!(refused[11], 0, "features only with status 0");
         assert_eq!(
             decode_welcome(&refused, &nonce, SECRET),
             Err(ProtocolError::Refused("wrong cluster credential"))
@@ -632,6 +747,7 @@ mod tests {
         let packed = lz4_flex::block::compress(&raw);
         assert!(packed.len() < raw.len() / 10);
         let mut h = Header::new(Kind::Data, 1, 5, 8192);
+        h.packing = Packing::Lz4;
         h.raw_len = raw.len() as u32;
         let mut out = BytesMut::new();
         encode_frame(&h, &packed, &mut out);
@@ -664,6 +780,7 @@ mod tests {
         );
         // garbage that claims to be LZ4
         let mut h3 = Header::new(Kind::Data, 1, 6, 0);
+        h3.packing = Packing::Lz4;
         h3.raw_len = 4096;
         let mut out = BytesMut::new();
         encode_frame(&h3, &[0xff; 64], &mut out);
@@ -671,6 +788,86 @@ mod tests {
             decode_frame(&out),
             Err(ProtocolError::BadCompression(_))
         ));
+    }
+
+    #[test]
+    fn zstd_frames_round_trip_and_hostile_ones_fail_cleanly() {
+        let raw: Vec<u8> = (0..200_000u32).map(|i| (i % 11) as u8).collect();
+        let packed = zstd::bulk::compress(&raw, 1).unwrap();
+        let frame = |packing, raw_len: u32, payload: &[u8]| {
+            let mut h = Header::new(Kind::Data, 2, 7, 0);
+            h.packing = packing;
+            h.raw_len = raw_len;
+            let mut out = BytesMut::new();
+            encode_frame(&h, payload, &mut out);
+            out
+        };
+        let out = frame(Packing::Zstd, raw.len() as u32, &packed);
+        let (d, p, _) = decode_frame(&out).unwrap().unwrap();
+        assert_eq!(d.packing, Packing::Zstd);
+        assert_eq!(&p[..], &raw[..]);
+        // a frame that holds more than it claims is cut at the claim, refused
+        let short = frame(Packing::Zstd, raw.len() as u32 - 1, &packed);
+        assert!(matches!(
+            decode_frame(&short),
+            Err(ProtocolError::BadCompression(_))
+        ));
+        // one that holds less, garbage, and an LZ4 block labelled zstd
+        let long = frame(Packing::Zstd, raw.len() as u32 + 1, &packed);
+        assert!(matches!(
+            decode_frame(&long),
+            Err(ProtocolError::BadCompression(_))
+        ));
+        let junk = frame(
+            Packing::Zstd,
+            4096,
+            &[0x28, 0xb5, 0x2f, 0xfd, 0xff, 0xff, 0, 1],
+        );
+        assert!(matches!(
+            decode_frame(&junk),
+            Err(ProtocolError::BadCompression(_))
+        ));
+        let lz4 = frame(
+            Packing::Zstd,
+            raw.len() as u32,
+            &lz4_flex::block::compress(&raw),
+        );
+        assert!(matches!(
+            decode_frame(&lz4),
+            Err(ProtocolError::BadCompression(_))
+        ));
+        // a zstd frame claiming a content size past the cap: the header refuses it
+        let mut head = [0u8; HEADER_LEN];
+        head[0] = Kind::Data as u8;
+        head[1] = FLAG_ZSTD | FLAG_LZ4;
+        head[4..8].copy_from_slice(&16u32.to_le_bytes());
+        head[28..32].copy_from_slice(&4096u32.to_le_bytes());
+        assert_eq!(
+            decode_header(&head),
+            Err(ProtocolError::BadFlags(FLAG_ZSTD | FLAG_LZ4))
+        );
+        head[1] = FLAG_ZSTD;
+        head[0] = Kind::Ack as u8;
+        head[4..8].copy_from_slice(&[0; 4]);
+        assert_eq!(
+            decode_header(&head),
+            Err(ProtocolError::BadFlags(FLAG_ZSTD))
+        );
+    }
+
+    #[test]
+    fn spare_cpu_round_trips_and_nonsense_is_unreported() {
+        let s = SpareCpu {
+            idle: 0.731,
+            cpus: 2,
+        };
+        let d = SpareCpu::decode(s.encode()).unwrap();
+        assert_eq!(d.cpus, 2);
+        assert!((d.idle - 0.731).abs() < 1e-9 && (d.cores() - 1.462).abs() < 1e-9);
+        assert_eq!(SpareCpu::decode(0), None, "old peers send 0");
+        assert_eq!(SpareCpu::decode(1002 | (2 << 16)), None);
+        assert_eq!(SpareCpu::decode(500), None, "no CPU count");
+        assert_eq!(SpareCpu::decode(500 | (2 << 16) | (1 << 40)), None);
     }
 
     #[test]

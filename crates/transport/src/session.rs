@@ -164,7 +164,7 @@ pub struct CarrierStats {
     pub last_failure: Option<String>,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SessionStats {
     pub carriers: Vec<CarrierStats>,
     pub healthy: usize,
@@ -186,7 +186,8 @@ struct OutFrame {
     id: u64,
     offset: u64,
     payload: Bytes,
-    /// LZ4-compressed payload: its raw length; else 0.
+    packing: Packing,
+    /// Compressed payload: its raw length; else 0.
     raw_len: u32,
     permits: u32,
 }
@@ -284,10 +285,10 @@ pub struct Keys<'a> {
 /// A sealed connection's keys: what this side sends, what it receives.
 type Seal = (Sealer, Opener);
 
-/// An ACK or PING, sealed on a sealed connection.
-fn control_frame(sealer: &mut Option<Sealer>, kind: Kind, id: u64, buf: &mut BytesMut) {
+/// An ACK or PING carrying this side's spare CPU, sealed on a sealed connection.
+fn control_frame(sealer: &mut Option<Sealer>, kind: Kind, id: u64, spare: u64, buf: &mut BytesMut) {
     buf.clear();
-    let h = Header::new(kind, 0, id, 0);
+    let h = Header::new(kind, 0, id, spare);
     match sealer {
         Some(s) => s.frame(&h, &[], buf),
         None => encode_frame(&h, &[], buf),
@@ -548,13 +549,14 @@ impl Session {
                 source: std::io::ErrorKind::TimedOut.into(),
             })?
             .map_err(io(&what))?;
-        decode_welcome(&welcome, &nonce, &self.inner.secret).map_err(|source| {
+        let features = decode_welcome(&welcome, &nonce, &self.inner.secret).map_err(|source| {
             TransportError::Handshake {
                 index,
                 nic: nic.into(),
                 source,
             }
         })?;
+        self.inner.compressor.set_peer_features(features);
         let seal = self.inner.sealed.then(|| {
             let secret = &self.inner.secret;
             (
@@ -575,8 +577,9 @@ impl Session {
                 source: std::io::ErrorKind::TimedOut.into(),
             })?
             .map_err(io(format!("hello on {nic}")))?;
-        let answer =
-            |status: u8, nonce: [u8; 16]| encode_welcome(status, &nonce, &self.inner.secret);
+        let answer = |status: u8, nonce: [u8; 16]| {
+            encode_welcome(status, FEATURE_ZSTD, &nonce, &self.inner.secret)
+        };
         let hello = match Hello::decode(&b, &self.inner.secret) {
             Ok(h) if h.session != self.inner.session => {
                 let _ = tcp
@@ -735,7 +738,13 @@ impl Session {
                 .unwrap_or(0);
             if received != acked_sent {
                 buf.clear();
-                control_frame(&mut sealer, Kind::Ack, received, &mut buf);
+                control_frame(
+                    &mut sealer,
+                    Kind::Ack,
+                    received,
+                    self.inner.compressor.spare(),
+                    &mut buf,
+                );
                 if let Err(e) = w.write_all(&buf).await {
                     return format!("write: {e}");
                 }
@@ -756,6 +765,7 @@ impl Session {
             match frame {
                 Some(f) => {
                     let mut h = Header::new(f.kind, f.stream, f.id, f.offset);
+                    h.packing = f.packing;
                     h.raw_len = f.raw_len;
                     buf.clear();
                     // unsealed, the payload is written from where it is;
@@ -798,7 +808,13 @@ impl Session {
                     if last_tx.elapsed() >= HEARTBEAT {
                         ping += 1;
                         buf.clear();
-                        control_frame(&mut sealer, Kind::Ping, ping, &mut buf);
+                        control_frame(
+                            &mut sealer,
+                            Kind::Ping,
+                            ping,
+                            self.inner.compressor.spare(),
+                            &mut buf,
+                        );
                         if let Err(e) = w.write_all(&buf).await {
                             return format!("write: {e}");
                         }
@@ -896,8 +912,11 @@ impl Session {
                 return "superseded".into();
             }
             match h.kind {
-                Kind::Ping => {}
-                Kind::Ack => self.acked(index, generation, h.id),
+                Kind::Ping => self.inner.compressor.set_peer_spare(h.offset),
+                Kind::Ack => {
+                    self.inner.compressor.set_peer_spare(h.offset);
+                    self.acked(index, generation, h.id)
+                }
                 Kind::Data | Kind::Open | Kind::Fin => {
                     let received = match lock(&self.inner.carriers).get_mut(&index) {
                         Some(c) => {
@@ -968,6 +987,7 @@ impl Session {
         stream: u16,
         offset: u64,
         payload: Bytes,
+        packing: Packing,
         raw_len: u32,
     ) -> bool {
         let permits = (payload.len().div_ceil(1024)).max(1) as u32;
@@ -982,6 +1002,7 @@ impl Session {
             id,
             offset,
             payload,
+            packing,
             raw_len,
             permits,
         });
@@ -1005,7 +1026,10 @@ impl Session {
         };
         let me = self.clone();
         tokio::spawn(async move {
-            if me.send_reliable(Kind::Open, id, 0, Bytes::new(), 0).await {
+            if me
+                .send_reliable(Kind::Open, id, 0, Bytes::new(), Packing::Plain, 0)
+                .await
+            {
                 me.run_stream(id, u).await;
             }
         });
@@ -1046,23 +1070,22 @@ impl Session {
         };
         let reader = async {
             let mut offset = 0u64;
-            let mut skip = 0u32;
             loop {
                 let mut buf = BytesMut::with_capacity(MAX_PAYLOAD);
                 match read_shared(&u, &mut buf).await {
                     Ok(0) | Err(_) => {
-                        self.send_reliable(Kind::Fin, id, offset, Bytes::new(), 0)
+                        self.send_reliable(Kind::Fin, id, offset, Bytes::new(), Packing::Plain, 0)
                             .await;
                         break;
                     }
                     Ok(n) => {
                         // the link is the bottleneck when frames wait for a carrier
                         let link_bound = lock(&self.inner.queue).len() >= LINK_BOUND_QUEUE;
-                        let (b, raw_len) =
-                            self.inner
-                                .compressor
-                                .pack(buf.freeze(), link_bound, &mut skip);
-                        if !self.send_reliable(Kind::Data, id, offset, b, raw_len).await {
+                        let p = self.inner.compressor.pack(buf.freeze(), link_bound);
+                        if !self
+                            .send_reliable(Kind::Data, id, offset, p.payload, p.packing, p.raw_len)
+                            .await
+                        {
                             break;
                         }
                         offset += n as u64;

@@ -423,7 +423,7 @@ impl Spliced {
         tcp.read_exact(&mut b)
             .map_err(|e| format!("reading the Hello: {e}"))?;
         let refuse = |mut tcp: &TcpStream, status: u8, nonce: &[u8; 16], e: ProtocolError| {
-            let _ = tcp.write_all(&encode_welcome(status, nonce, &self.inner.secret));
+            let _ = tcp.write_all(&encode_welcome(status, 0, nonce, &self.inner.secret));
             e.to_string()
         };
         let hello = match Hello::decode(&b, &self.inner.secret) {
@@ -457,8 +457,13 @@ impl Spliced {
                 ProtocolError::Refused("a handed-off session carries one stream"),
             ));
         }
-        tcp.write_all(&encode_welcome(STATUS_OK, &hello.nonce, &self.inner.secret))
-            .map_err(|e| e.to_string())?;
+        tcp.write_all(&encode_welcome(
+            STATUS_OK,
+            0,
+            &hello.nonce,
+            &self.inner.secret,
+        ))
+        .map_err(|e| e.to_string())?;
         tcp.set_read_timeout(None).map_err(|e| e.to_string())?;
         let _ = tcp.set_nodelay(true);
         match deliver {
