@@ -1,68 +1,183 @@
 #!/usr/bin/env python3
-"""`--option compression` vs `--option tcp`, on compressible and on random guest memory,
-on a slow link and on an unshaped one.
+"""Ferry's `--option compression` against QEMU's own compression: QEMU `multifd` with
+`multifd-compression zstd`, and plain QEMU `tcp`, both driven by hand over QMP — same lab,
+same guest (the agent's own QEMU command line), same link.
 
-Each cell: a fresh guest on host1 (--memory, --fill; `--compressible` fills memory with a
-pattern LZ4 shrinks ~7x, else every word differs), moved to host2 with each option in turn
-(tcp first, then compression, then back is not needed: a new guest per move). Links: a
-3-host × 2-NIC lab at each --rates value ("10gbit" is in effect unshaped: the two cores are
-the limit). Reported: transfer time (QEMU's first byte to the target running), compression
-÷ tcp, the compression ratio the transport reports, and CPU-seconds per GiB (the move
-report's `cpu`: both QEMUs and both agents).
+Per link rate (a 2-host × 2-NIC lab shaped to it; "10gbit" is in effect unshaped: the two
+cores are the limit), per guest memory (`compressible`: the workload's pattern, ~10-50×
+depending on the codec; `random`: every word differs), --rounds rounds; in each round every
+contender moves a fresh guest host1 → host2, the contenders' order rotating from round to
+round. Reported per contender: the median transfer time (QMP `migrate` → target guest
+running; for Ferry the move report's `transfer_ms`, the same span), bytes that left host1's
+NIC, and CPU-seconds per GiB of guest memory moved (every QEMU and agent on both hosts,
+sampled from /proc over the move; for Ferry the report's own `cpu`), and each contender's
+time ÷ QEMU zstd's. Every guest is checked intact on the target (its workload's own
+verification: 0 integrity errors).
 
-    sudo python3 bench/compression.py [--memory 1280M] [--fill 1G] [--rates 200mbit,10gbit]
+    sudo python3 bench/compression.py [--memory 768M] [--fill 512M] [--rates 200mbit,1gbit,10gbit]
+        [--rounds 3] [--qemu-channels 2] [--zstd-level 1]
 """
-import argparse, json, os, subprocess, sys
+import argparse, json, os, re, statistics, subprocess, sys, time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
+from labqemu import FERRY, Qmp, agent_pids, cpu_seconds, ferry, lab_addr, lab_nic, qemu, run_target, size, wait_ready
 
-
-def ferry(*args, check=True):
-    out = subprocess.run([FERRY, *args], capture_output=True, text=True)
-    if check and out.returncode != 0:
-        sys.exit(f"ferry {' '.join(args)} failed: {out.stderr}")
-    return out.stdout
+HOSTS = ("host1", "host2")
 
 
-def move(name, option, compressible, a):
-    ferry("vm", "rm", name, check=False)
-    extra = ["--compressible"] if compressible else []
-    ferry("vm", "create", name, "--host", "host1", "--memory", a.memory, "--fill", a.fill,
-          "--dirty-rate", "1M", *extra)
-    out = ferry("vm", "move", name, "--to", "host2", "--option", option, "--json", check=False)
+def qemu_pids():
+    pids = []
+    for h in HOSTS:
+        for p in subprocess.run(["ip", "netns", "pids", h], capture_output=True, text=True).stdout.split():
+            try:
+                if open(f"/proc/{p}/comm").read().startswith("qemu-system"):
+                    pids.append(int(p))
+            except OSError:
+                pass
+    return pids
+
+
+class Cpu:
+    """CPU time of every QEMU and agent on both hosts since it was made, by sampling."""
+
+    def __init__(self):
+        self.base, self.last = {}, {}
+        for p in qemu_pids() + agent_pids(HOSTS):
+            self.base[p] = self.last[p] = cpu_seconds(p) or 0.0
+
+    def sample(self):
+        for p in set(qemu_pids() + agent_pids(HOSTS)) | set(self.last):
+            c = cpu_seconds(p)
+            if c is not None:
+                self.base.setdefault(p, 0.0)
+                self.last[p] = c
+
+    def total(self):
+        self.sample()
+        return sum(self.last[p] - self.base[p] for p in self.last)
+
+
+def nic_tx(host="host1", nic="nic1"):
+    out = subprocess.run(["ip", "-n", host, "-s", "-j", "link", "show", lab_nic(host, nic)],
+                         capture_output=True, text=True)
+    return json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"]
+
+
+def console_errors(path):
+    """The workload's last reported integrity error count, and whether it still ticks."""
+    ticks = re.findall(r"FERRY tick=(\d+) .* errors=(\d+)", open(path, errors="replace").read())
+    return (int(ticks[-1][1]), len(ticks)) if ticks else (None, 0)
+
+
+def ferry_move(kind, a):
+    subprocess.run([FERRY, "vm", "rm", "cb"], capture_output=True)
+    extra = ["--compressible"] if kind == "compressible" else []
+    ferry("vm", "create", "cb", "--host", "host1", "--memory", a.memory, "--fill", a.fill,
+          "--dirty-rate", a.dirty_rate, *extra)
+    time.sleep(2)
+    tx0 = nic_tx()
+    out = subprocess.run([FERRY, "vm", "move", "cb", "--to", "host2", "--option", "compression", "--json"],
+                         capture_output=True, text=True).stdout
+    wire = nic_tx() - tx0
     r = json.loads(out.strip().splitlines()[-1])
-    ferry("vm", "rm", name, check=False)
-    if r.get("event") != "completed":
-        sys.exit(f"{option} move failed: {r}")
-    if not r["check"]["intact"]:
-        sys.exit(f"guest not intact after {option}: {r['check']}")
-    return r
+    subprocess.run([FERRY, "vm", "rm", "cb"], capture_output=True)
+    if r.get("event") != "completed" or not r["check"]["intact"]:
+        sys.exit(f"ferry move failed or guest not intact: {r}")
+    codecs = ", ".join(f"{c['codec']} {c['share'] * 100:.0f}%" for c in r.get("codecs", []) if c["share"] >= 0.01)
+    return {"secs": r["transfer_ms"] / 1000, "wire": wire, "cpu": r["cpu"]["source_s"] + r["cpu"]["target_s"],
+            "codecs": codecs}
+
+
+def qemu_move(kind, contender, a):
+    """A QEMU started by hand on host1 migrated to a new one on host2: `tcp` or multifd + zstd."""
+    src_d, dst_d = "/run/ferry/bench/cb-src", "/run/ferry/bench/cb-dst"
+    subprocess.run(["rm", "-rf", src_d, dst_d])
+    comp = kind == "compressible"
+    mem, fill, dirty = size(a.memory), size(a.fill), size(a.dirty_rate)
+    sp, sq = qemu("host1", src_d, None, mem, fill, dirty, False, comp)
+    wait_ready(f"{src_d}/console.log")
+    time.sleep(2)
+    dp, dq = qemu("host2", dst_d, None, mem, fill, dirty, True, comp)
+    zstd = contender == "qemu zstd"
+    for q in (sq, dq):
+        q.cmd("migrate-set-capabilities", capabilities=[{"capability": "multifd", "state": zstd}])
+        if zstd:
+            q.cmd("migrate-set-parameters", **{"multifd-channels": a.qemu_channels,
+                                                "multifd-compression": "zstd",
+                                                "multifd-zstd-level": a.zstd_level})
+    sq.cmd("migrate-set-parameters", **{"max-bandwidth": 100 << 30, "downtime-limit": 300})
+    addr = {"transport": "socket", "type": "inet", "host": lab_addr("host2", 1), "port": "0"}
+    dq.cmd("migrate-incoming", channels=[{"channel-type": "main", "addr": dict(addr)}])
+    port = dq.cmd("query-migrate")["socket-address"][0]["port"]
+    cpu, tx0 = Cpu(), nic_tx()
+    t0 = time.time()
+    sq.cmd("migrate", channels=[{"channel-type": "main", "addr": dict(addr, port=str(port))}])
+    while True:
+        info = sq.cmd("query-migrate")
+        cpu.sample()
+        if info.get("status") in ("completed", "failed", "cancelled"):
+            break
+        time.sleep(0.02)
+    if info["status"] != "completed":
+        sys.exit(f"{contender}: QEMU migration {info['status']}: {info.get('error-desc')}")
+    run_target(dq)
+    secs = time.time() - t0
+    used, wire = cpu.total(), nic_tx() - tx0
+    time.sleep(1.5)
+    errors, ticks = console_errors(f"{dst_d}/console.log")
+    for p, q in ((sp, sq), (dp, dq)):
+        try:
+            q.cmd("quit")
+        except (OSError, RuntimeError, ValueError):
+            pass
+        p.wait()
+    if errors != 0:
+        sys.exit(f"{contender}: guest not intact on the target (errors={errors})")
+    return {"secs": secs, "wire": wire, "cpu": used, "codecs": ""}
+
+
+CONTENDERS = ("qemu tcp", "qemu zstd", "ferry compression")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--memory", default="1280M")
-    ap.add_argument("--fill", default="1G")
-    ap.add_argument("--rates", default="200mbit,10gbit")
+    ap.add_argument("--memory", default="768M")
+    ap.add_argument("--fill", default="512M")
+    ap.add_argument("--dirty-rate", default="1M")
+    ap.add_argument("--rates", default="200mbit,1gbit,10gbit")
+    ap.add_argument("--kinds", default="compressible,random")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--qemu-channels", type=int, default=2)
+    ap.add_argument("--zstd-level", type=int, default=1)
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
     a = ap.parse_args()
+    contenders = a.contenders.split(",")
+    gib = size(a.memory) / (1 << 30)
     rows = []
     for rate in a.rates.split(","):
-        ferry("lab", "up", "--replace", "--hosts", "3", "--nics", "2", "--rate", rate)
-        for compressible in (True, False):
-            t = move("cb-tcp", "tcp", compressible, a)
-            c = move("cb-lz4", "compression", compressible, a)
-            row = (rate, "compressible" if compressible else "random", t["transfer_ms"] / 1000,
-                   c["transfer_ms"] / 1000, c["compression_ratio"], c["frames_compressed"],
-                   t["cpu"]["per_gib_s"], c["cpu"]["per_gib_s"])
-            print(f"{row[0]} {row[1]}: tcp {row[2]:.1f} s, compression {row[3]:.1f} s "
-                  f"({row[3] / row[2]:.2f}), ratio {row[4]:.2f}", file=sys.stderr)
-            rows.append(row)
+        ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", rate)
+        for kind in a.kinds.split(","):
+            runs = {c: [] for c in contenders}
+            for rnd in range(a.rounds):
+                order = contenders[rnd % len(contenders):] + contenders[:rnd % len(contenders)]
+                for c in order:
+                    r = ferry_move(kind, a) if c == "ferry compression" else qemu_move(kind, c, a)
+                    runs[c].append(r)
+                    print(f"{rate} {kind} round {rnd + 1} {c}: {r['secs']:.2f} s, {r['wire'] / 2**20:.1f} MiB "
+                          f"on the wire, {r['cpu']:.2f} CPU-s {r['codecs']}", file=sys.stderr, flush=True)
+            med = {c: statistics.median(x["secs"] for x in runs[c]) for c in contenders}
+            base = med.get("qemu zstd")
+            for c in contenders:
+                rows.append((rate, kind, c, med[c], [x["secs"] for x in runs[c]],
+                             statistics.median(x["wire"] for x in runs[c]) / 2**20,
+                             statistics.median(x["cpu"] for x in runs[c]) / gib,
+                             med[c] / base if base else None, runs[c][-1]["codecs"]))
     ferry("lab", "down")
-    print("| link | memory | tcp s | compression s | compression ÷ tcp | bytes ratio | frames compressed | CPU s/GiB tcp | CPU s/GiB compression |")
+    print(f"| link | memory | contender | median s | every run s | MiB on the wire | CPU s/GiB | ÷ QEMU zstd | codecs (last run) |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for rate, mem, ts, cs, ratio, frames, tcpu, ccpu in rows:
-        print(f"| {rate} | {mem} | {ts:.1f} | {cs:.1f} | {cs / ts:.2f} | {ratio:.2f} | {frames} | {tcpu:.2f} | {ccpu:.2f} |")
+    for rate, kind, c, m, every, wire, cpu, ratio, codecs in rows:
+        shown = f"{ratio:.2f}" if ratio is not None else "—"
+        print(f"| {rate} | {kind} | {c} | {m:.2f} | {', '.join(f'{x:.2f}' for x in every)} | {wire:.1f} | "
+              f"{cpu:.2f} | {shown} | {codecs or '—'} |")
 
 
 if __name__ == "__main__":

@@ -92,15 +92,19 @@ class Qmp:
                 raise RuntimeError(f"{command}: {msg['error']}")
 
 
-def qemu(ns, d, img, mem, fill, dirty, incoming):
+def qemu(ns, d, img, mem, fill, dirty, incoming, compressible=False):
     """Starts QEMU in namespace `ns` (`ip netns exec` execs it: the pid is QEMU's)."""
     os.makedirs(d, exist_ok=True)
     # the agent's own argument builder: the baseline runs the very QEMU a Ferry move runs
-    spec = {"name": "bench", "memory": mem, "fill": fill, "dirty_rate": dirty, "verify_rate": 32 << 20, "seed": 1}
+    spec = {"name": "bench", "memory": mem, "fill": fill, "dirty_rate": dirty, "verify_rate": 32 << 20, "seed": 1,
+            "compressible": compressible}
     built = ferry("qemu-args", "--spec", json.dumps(spec), "--dir", d, *(["--incoming"] if incoming else []))
     args = ["ip", "netns", "exec", ns, *json.loads(built)]
     p = subprocess.Popen(args, stderr=open(f"{d}/qemu.log", "w"))
-    return p, Qmp(f"{d}/qmp.sock")
+    q = Qmp(f"{d}/qmp.sock")
+    if not incoming:
+        q.cmd("cont")  # the agent's command line starts every guest paused (-S)
+    return p, q
 
 
 def run_target(q):

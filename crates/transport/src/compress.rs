@@ -326,7 +326,16 @@ struct Window {
     packed: u64,
     frames: u32,
     bound_frames: u32,
+    /// Frames sent as they were without a try: compressing could not pay.
+    untried: u32,
     cpu_ns: u64,
+    /// DATA bytes carriers took, and how many of those frames left others
+    /// waiting for a carrier (the link was the limit).
+    sent: u64,
+    sent_frames: u32,
+    sent_waiting: u32,
+    /// Receiving side: CPU spent decompressing.
+    unpack_ns: u64,
 }
 
 impl Window {
@@ -338,7 +347,12 @@ impl Window {
             packed: 0,
             frames: 0,
             bound_frames: 0,
+            untried: 0,
             cpu_ns: 0,
+            sent: 0,
+            sent_frames: 0,
+            sent_waiting: 0,
+            unpack_ns: 0,
         }
     }
 }
@@ -354,6 +368,8 @@ struct State {
     idle: f64,
     /// CPUs' worth spent compressing over the last window.
     own_cores: f64,
+    /// CPUs' worth spent decompressing over the last window.
+    unpack_cores: f64,
     last_bound: Option<Instant>,
     /// What the last frame was sent with.
     current: Codec,
@@ -389,6 +405,7 @@ impl Default for Compressor {
                 raw_rate: 0.0,
                 idle: 1.0,
                 own_cores: 0.0,
+                unpack_cores: 0.0,
                 last_bound: None,
                 current: Codec::None,
                 frames: 0,
@@ -400,7 +417,7 @@ impl Default for Compressor {
 }
 
 /// CPU time this thread has used, in nanoseconds.
-fn thread_cpu_ns() -> u64 {
+pub(crate) fn thread_cpu_ns() -> u64 {
     let mut t = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -449,15 +466,30 @@ impl Compressor {
         }
     }
 
-    /// This host's spare CPU, for the ACKs and PINGs this side sends.
+    /// This host's spare CPU, for the ACKs and PINGs this side sends: what
+    /// is idle, plus what decompressing takes now (it is the sender's to spend).
     pub fn spare(&self) -> u64 {
         let mut st = lock(&self.state);
         self.roll(&mut st);
         SpareCpu {
-            idle: st.idle,
+            idle: (st.idle + st.unpack_cores / f64::from(self.cpus)).min(1.0),
             cpus: self.cpus,
         }
         .encode()
+    }
+
+    /// A carrier took a DATA frame of `bytes` as sent; `waiting`: others
+    /// still wait for a carrier.
+    pub fn note_sent(&self, bytes: usize, waiting: bool) {
+        let mut st = lock(&self.state);
+        st.window.sent += bytes as u64;
+        st.window.sent_frames += 1;
+        st.window.sent_waiting += u32::from(waiting);
+    }
+
+    /// The receiving side spent `ns` of CPU decompressing a frame.
+    pub fn note_unpacked(&self, ns: u64) {
+        lock(&self.state).window.unpack_ns += ns;
     }
 
     /// Closes the window if it is over: the link's rate (if frames waited
@@ -475,14 +507,33 @@ impl Compressor {
             }
         }
         st.own_cores = w.cpu_ns as f64 / 1e9 / secs;
+        st.unpack_cores = w.unpack_ns as f64 / 1e9 / secs;
         st.raw_rate = w.raw as f64 / secs;
-        if w.frames > 0 && w.bound_frames * 2 >= w.frames {
-            let rate = w.packed as f64 / secs;
+        // what carriers took while frames waited for them: the links' rate
+        if w.sent_frames > 0 && w.sent_waiting * 2 >= w.sent_frames {
+            let rate = w.sent as f64 / secs;
             st.wire_rate = if st.wire_rate == 0.0 {
                 rate
             } else {
                 0.5 * (st.wire_rate + rate)
             };
+        }
+        if w.frames > 0 && self.mode() != Mode::Off {
+            tracing::debug!(
+                idle = st.idle,
+                own_cores = st.own_cores,
+                wire_rate = st.wire_rate,
+                raw_rate = st.raw_rate,
+                frames = w.frames,
+                bound = w.bound_frames,
+                untried = w.untried,
+                sent = w.sent,
+                sent_waiting = w.sent_waiting,
+                raw = w.raw,
+                packed = w.packed,
+                current = %st.current.name(),
+                "compression window"
+            );
         }
     }
 
@@ -491,9 +542,15 @@ impl Compressor {
         let cpus = f64::from(self.cpus);
         Conditions {
             wire_rate: st.wire_rate,
-            source_cores: ((st.idle - MIN_IDLE) * cpus + st.own_cores).max(0.0),
-            target_cores: SpareCpu::decode(self.peer.load(Ordering::Relaxed))
-                .map(|s| (s.idle - MIN_IDLE).max(0.0) * f64::from(s.cpus)),
+            // the reserve decides whether to start; once compressing, what it
+            // takes is its own to keep (the host was idle enough to start)
+            source_cores: if st.current == Codec::None {
+                (st.idle - MIN_IDLE) * cpus
+            } else {
+                st.idle * cpus + st.own_cores
+            }
+            .max(0.0),
+            target_cores: SpareCpu::decode(self.peer.load(Ordering::Relaxed)).map(|s| s.cores()),
             zstd: self.zstd.load(Ordering::Relaxed),
         }
     }
@@ -590,6 +647,7 @@ impl Compressor {
         w.packed += sent_len as u64;
         w.frames += 1;
         w.bound_frames += u32::from(link_bound);
+        w.untried += u32::from(codec == Codec::None);
         w.cpu_ns += cpu_ns;
         if self.mode() != Mode::Off {
             let u = st.uses.entry(used).or_default();
@@ -653,8 +711,22 @@ impl Compressor {
 mod tests {
     use super::*;
 
+    /// The lab guest's `compressible` pattern: per 4 KiB page, one 8-byte
+    /// word in 64 varies, the rest repeat one byte of the page's base.
     fn compressible() -> Bytes {
-        Bytes::from((0..65536u32).map(|i| (i % 13) as u8).collect::<Vec<_>>())
+        let mut out = Vec::with_capacity(65536);
+        for page in 0..16u64 {
+            let base = (page + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            for w in 0..512u64 {
+                let v = if w % 64 != 0 {
+                    (base & 0xff) * 0x0101_0101_0101_0101
+                } else {
+                    base.wrapping_add(w.wrapping_mul(0xD6E8_FEB8_6659_FD93))
+                };
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        Bytes::from(out)
     }
 
     fn random() -> Bytes {

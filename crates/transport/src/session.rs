@@ -757,13 +757,18 @@ impl Session {
                     .get(&index)
                     .is_some_and(|c| c.inflight < CARRIER_INFLIGHT);
                 if room {
-                    lock(&self.inner.queue).pop_front()
+                    let mut q = lock(&self.inner.queue);
+                    q.pop_front().map(|f| (f, !q.is_empty()))
                 } else {
                     None
                 }
             };
             match frame {
-                Some(f) => {
+                Some((f, waiting)) => {
+                    if f.kind == Kind::Data {
+                        // the link's rate, as the compressor weighs it
+                        self.inner.compressor.note_sent(f.payload.len(), waiting);
+                    }
                     let mut h = Header::new(f.kind, f.stream, f.id, f.offset);
                     h.packing = f.packing;
                     h.raw_len = f.raw_len;
@@ -904,9 +909,18 @@ impl Session {
                 (None, false) => payload.freeze(),
             };
             // decompressed (and its size checked) before it is counted for the ACK
-            let payload = match unpack_payload(&h, payload) {
-                Ok(p) => p,
-                Err(e) => return format!("protocol: {e}"),
+            let payload = if h.packing == Packing::Plain {
+                payload
+            } else {
+                let t0 = crate::compress::thread_cpu_ns();
+                let p = unpack_payload(&h, payload);
+                self.inner
+                    .compressor
+                    .note_unpacked(crate::compress::thread_cpu_ns().saturating_sub(t0));
+                match p {
+                    Ok(p) => p,
+                    Err(e) => return format!("protocol: {e}"),
+                }
             };
             if !self.current(index, generation) {
                 return "superseded".into();
@@ -990,7 +1004,14 @@ impl Session {
         packing: Packing,
         raw_len: u32,
     ) -> bool {
-        let permits = (payload.len().div_ceil(1024)).max(1) as u32;
+        // raw bytes, not bytes as sent: the budget bounds what QEMU counts
+        // as sent and the target does not have yet, compressed or not
+        let bytes = if raw_len > 0 {
+            raw_len as usize
+        } else {
+            payload.len()
+        };
+        let permits = bytes.div_ceil(1024).max(1) as u32;
         match self.inner.replay.acquire_many(permits).await {
             Ok(p) => p.forget(),
             Err(_) => return false,
