@@ -15,11 +15,12 @@
 //!   how much faster decompression runs;
 //!
 //! so a slow link with idle CPUs gets the best ratio, a fast one the
-//! cheapest codec or none, and a busy host none. Codecs within 3% of the
+//! cheapest codec or none, and a busy host none. Codecs within 1% of the
 //! best count as equal and the one with the least CPU per byte wins. Every
-//! [`PROBE_EVERY`]th frame is compressed with another candidate in turn, so
-//! the ratios and speeds follow the data as it changes (a candidate never
-//! measured is tried first). A frame that does not shrink below
+//! [`PROBE_EVERY`]th frame is compressed with every candidate (the first
+//! frames too, until each is measured), the smallest result sent: the
+//! estimates come from the same bytes, so they compare fairly, and follow
+//! the data as it changes. A frame that does not shrink below
 //! [`SEND_BELOW`] of its size goes as it is. zstd only to a target whose
 //! Welcome says it decompresses it.
 //!
@@ -117,16 +118,16 @@ pub(crate) fn cpu_times() -> Option<(u64, u64)> {
 }
 
 /// One frame in this many, while compression is on, is compressed with
-/// another candidate than the chosen one (in turn), so every candidate's
-/// ratio and speed stay measured on the data as it is now.
+/// every candidate, so their ratios and speeds stay measured on the data
+/// as it is now, on the same bytes.
 pub const PROBE_EVERY: u64 = 16;
 /// A compressed payload is sent only if it is at most this share of the raw one.
-pub const SEND_BELOW: f64 = 0.97;
+pub const SEND_BELOW: f64 = 0.99;
 /// The link still counts as the bottleneck this long after frames last waited for a carrier.
 pub const LINK_BOUND_FOR: Duration = Duration::from_secs(1);
 /// Codecs whose expected rates are within this share of the best are as
 /// good: the one costing least CPU per byte is taken.
-pub const TIE: f64 = 0.97;
+pub const TIE: f64 = 0.99;
 /// The window over which the link's rate, the raw rate and the CPU are measured.
 const WINDOW: Duration = Duration::from_millis(250);
 /// Weight of a new sample in a codec's running estimate.
@@ -374,7 +375,6 @@ struct State {
     /// What the last frame was sent with.
     current: Codec,
     frames: u64,
-    probe: usize,
     uses: BTreeMap<Codec, CodecUse>,
 }
 
@@ -409,7 +409,6 @@ impl Default for Compressor {
                 last_bound: None,
                 current: Codec::None,
                 frames: 0,
-                probe: 0,
                 uses: BTreeMap::new(),
             }),
         }
@@ -555,15 +554,16 @@ impl Compressor {
         }
     }
 
-    /// The codec for the next frame: none unless compressing can pay (the
-    /// link is, or was just, the bottleneck, or compressing now keeps the
-    /// raw rate above what the link carries, and CPU is spare); then a
-    /// candidate not measured yet, every [`PROBE_EVERY`]th frame the next
-    /// other one, else the chooser's pick.
-    fn pick(&self, st: &mut State, link_bound: bool) -> Codec {
+    /// The codecs to try on the next frame: none unless compressing can pay
+    /// (the link is, or was just, the bottleneck, or compressing now keeps
+    /// the raw rate above what the link carries, and CPU is spare); every
+    /// candidate on a probe (every [`PROBE_EVERY`]th frame, or while one is
+    /// not measured yet: all of them on the same bytes, so they compare
+    /// fairly); else the chooser's pick.
+    fn pick(&self, st: &mut State, link_bound: bool) -> Vec<Codec> {
         let mode = self.mode();
         if mode == Mode::Off {
-            return Codec::None;
+            return Vec::new();
         }
         let now = Instant::now();
         if link_bound {
@@ -586,91 +586,99 @@ impl Compressor {
                 && st.wire_rate > 0.0
                 && st.raw_rate >= 0.9 * st.wire_rate;
             if !(recently || paying) || cond.source_cores <= 0.0 {
-                return Codec::None;
+                return Vec::new();
             }
         }
         st.frames += 1;
-        let allowed: Vec<usize> = (0..st.estimates.len())
-            .filter(|i| cond.zstd || !matches!(st.estimates[*i].0, Codec::Zstd(_)))
+        let allowed: Vec<Codec> = st
+            .estimates
+            .iter()
+            .map(|(c, _)| *c)
+            .filter(|c| cond.zstd || !matches!(c, Codec::Zstd(_)))
             .collect();
-        if let Some(i) = allowed.iter().find(|i| st.estimates[**i].1.samples == 0) {
-            return st.estimates[*i].0;
+        let unmeasured = st
+            .estimates
+            .iter()
+            .any(|(c, e)| allowed.contains(c) && e.samples == 0);
+        if unmeasured || st.frames.is_multiple_of(PROBE_EVERY) {
+            return allowed;
         }
-        let (chosen, _) = choose(&cond, &st.estimates);
-        if st.frames.is_multiple_of(PROBE_EVERY) {
-            let others: Vec<usize> = allowed
-                .into_iter()
-                .filter(|i| st.estimates[*i].0 != chosen)
-                .collect();
-            if !others.is_empty() {
-                st.probe = (st.probe + 1) % others.len();
-                return st.estimates[others[st.probe]].0;
-            }
+        match choose(&cond, &st.estimates).0 {
+            Codec::None => Vec::new(),
+            c => vec![c],
         }
-        chosen
     }
 
     /// The payload to send for `raw`: compressed with the codec picked for
     /// it, if that shrinks it below [`SEND_BELOW`], else as it is.
     /// `link_bound`: frames are waiting for a carrier now.
     pub fn pack(&self, raw: Bytes, link_bound: bool) -> Packed {
-        let codec = {
+        let tries = {
             let mut st = lock(&self.state);
             self.roll(&mut st);
             self.pick(&mut st, link_bound)
         };
-        let (mut cpu_ns, mut packed) = (0, None);
-        if codec != Codec::None {
-            let t0 = thread_cpu_ns();
-            packed = codec.compress(&raw);
-            cpu_ns = thread_cpu_ns().saturating_sub(t0).max(1_000);
-        }
         let raw_len = raw.len();
-        let size = packed.as_ref().map_or(raw_len, |p| p.len());
-        let sent = packed
-            .filter(|p| (p.len() as f64) <= raw_len as f64 * SEND_BELOW)
-            .map(|p| (Bytes::from(p), codec));
+        // (codec, its output if smaller, CPU ns)
+        let results: Vec<(Codec, Option<Vec<u8>>, u64)> = tries
+            .iter()
+            .map(|c| {
+                let t0 = thread_cpu_ns();
+                let out = c.compress(&raw);
+                (*c, out, thread_cpu_ns().saturating_sub(t0).max(1_000))
+            })
+            .collect();
         let mut st = lock(&self.state);
-        if codec != Codec::None {
-            if let Some((_, e)) = st.estimates.iter_mut().find(|(c, _)| *c == codec) {
-                e.add(
-                    raw_len as f64 / size.max(1) as f64,
-                    raw_len as f64 * 1e9 / cpu_ns as f64,
-                );
+        if results.len() > 1 {
+            for (codec, out, ns) in &results {
+                let size = out.as_ref().map_or(raw_len, Vec::len).max(1);
+                if let Some((_, e)) = st.estimates.iter_mut().find(|(c, _)| c == codec) {
+                    e.add(
+                        raw_len as f64 / size as f64,
+                        raw_len as f64 * 1e9 / *ns as f64,
+                    );
+                }
             }
         }
-        let used = sent.as_ref().map_or(Codec::None, |s| s.1);
-        st.current = codec;
-        let sent_len = sent.as_ref().map_or(raw_len, |s| s.0.len());
+        st.current = tries.first().copied().unwrap_or(Codec::None);
+        let cpu_ns: u64 = results.iter().map(|r| r.2).sum();
+        if self.mode() != Mode::Off {
+            for (codec, _, ns) in &results {
+                st.uses.entry(*codec).or_default().cpu_s += *ns as f64 / 1e9;
+            }
+        }
+        // the smallest output, if it is small enough
+        let best = results
+            .into_iter()
+            .filter_map(|(c, out, _)| out.map(|o| (c, o)))
+            .min_by_key(|(_, o)| o.len())
+            .filter(|(_, o)| (o.len() as f64) <= raw_len as f64 * SEND_BELOW);
+        if best.is_none() && !tries.is_empty() {
+            if let Some(first) = tries.first() {
+                st.uses.entry(*first).or_default().misses += 1;
+            }
+        }
+        let (used, payload, packing, raw_len32) = match best {
+            Some((c, out)) => (c, Bytes::from(out), c.packing(), raw_len as u32),
+            None => (Codec::None, raw, Packing::Plain, 0),
+        };
         let w = &mut st.window;
         w.raw += raw_len as u64;
-        w.packed += sent_len as u64;
+        w.packed += payload.len() as u64;
         w.frames += 1;
         w.bound_frames += u32::from(link_bound);
-        w.untried += u32::from(codec == Codec::None);
+        w.untried += u32::from(tries.is_empty());
         w.cpu_ns += cpu_ns;
         if self.mode() != Mode::Off {
             let u = st.uses.entry(used).or_default();
             u.frames += 1;
             u.raw_bytes += raw_len as u64;
-            u.sent_bytes += sent_len as u64;
-            if codec != Codec::None {
-                let tried = st.uses.entry(codec).or_default();
-                tried.cpu_s += cpu_ns as f64 / 1e9;
-                tried.misses += u64::from(used == Codec::None);
-            }
+            u.sent_bytes += payload.len() as u64;
         }
-        match sent {
-            Some((payload, c)) => Packed {
-                payload,
-                packing: c.packing(),
-                raw_len: raw_len as u32,
-            },
-            None => Packed {
-                payload: raw,
-                packing: Packing::Plain,
-                raw_len: 0,
-            },
+        Packed {
+            payload,
+            packing,
+            raw_len: raw_len32,
         }
     }
 

@@ -62,6 +62,10 @@ pub const TARGET_POLL_FAILURES: u32 = 2;
 /// iteration switches over whatever remains.
 const PAUSE_DOWNTIME_MS: u64 = 2_000_000;
 const POLL: Duration = Duration::from_millis(100);
+/// How often QEMU is asked once the end is near.
+const END_POLL: Duration = Duration::from_millis(10);
+/// Bytes left, after the first pass, from which the end is near.
+const END_NEAR_BYTES: u64 = 64 << 20;
 
 struct Failure {
     step: &'static str,
@@ -929,12 +933,30 @@ impl Agent {
             passthrough: None,
             after: AfterCommit::InDoubt,
         };
+        let mut near_end = false;
         let info = loop {
-            tokio::time::sleep(POLL).await;
-            let info = match qmp.query_migrate().await {
-                Ok(i) => i,
-                Err(e) if committed => return Err(lost(error_chain(&e))),
-                Err(e) => return Err(fail("copy", error_chain(&e))),
+            // near the end (the last pass, or QEMU paused) QEMU is asked every
+            // END_POLL, so the commit follows its completion within that
+            let asked = Instant::now();
+            let info = loop {
+                tokio::time::sleep(if near_end { END_POLL } else { POLL }).await;
+                let info = match qmp.query_migrate().await {
+                    Ok(i) => i,
+                    Err(e) if committed => return Err(lost(error_chain(&e))),
+                    Err(e) => return Err(fail("copy", error_chain(&e))),
+                };
+                let st = info.status.as_deref().unwrap_or_default();
+                if !near_end || asked.elapsed() >= POLL || !matches!(st, "active" | "device") {
+                    break info;
+                }
+            };
+            near_end = match info.status.as_deref() {
+                Some("device") => true,
+                Some("active") => info
+                    .ram
+                    .as_ref()
+                    .is_some_and(|r| r.remaining <= END_NEAR_BYTES && r.dirty_sync_count > 1),
+                _ => false,
             };
             let status = info.status.clone().unwrap_or_default();
             let ram = info.ram.clone().unwrap_or_default();
