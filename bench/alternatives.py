@@ -39,49 +39,11 @@ from the restore until the cut NIC carries ≥ 50% of its link rate again.
 """
 import argparse, json, os, subprocess, sys, time
 
-from labqemu import FERRY, agent_pids, cpu_seconds, ferry, lab_addr, lab_nic, qemu, rate, run_target, size, wait_ready
+from labqemu import FERRY, Cpu, ferry, nic_tx, lab_addr, lab_nic, qemu, rate, run_target, size, wait_ready
 
 HOSTS = ("host1", "host2")
 def nic1_addr(host):
     return lab_addr(host, 1)
-
-
-def qemu_pids():
-    pids = []
-    for h in HOSTS:
-        out = subprocess.run(["ip", "netns", "pids", h], capture_output=True, text=True).stdout.split()
-        for p in out:
-            try:
-                if open(f"/proc/{p}/comm").read().startswith("qemu-system"):
-                    pids.append(int(p))
-            except OSError:
-                pass
-    return pids
-
-
-class Cpu:
-    """CPU time of every QEMU and agent on both hosts since start(), by sampling."""
-
-    def __init__(self):
-        self.base, self.last = {}, {}
-        for p in qemu_pids() + agent_pids(HOSTS):
-            self.base[p] = self.last[p] = cpu_seconds(p) or 0.0
-
-    def sample(self):
-        for p in set(qemu_pids() + agent_pids(HOSTS)) | set(self.last):
-            c = cpu_seconds(p)
-            if c is not None:
-                self.base.setdefault(p, 0.0)
-                self.last[p] = c
-
-    def total(self):
-        self.sample()
-        return sum(self.last[p] - self.base[p] for p in self.last)
-
-
-def nic_tx(host, nic):
-    out = subprocess.run(["ip", "-n", host, "-s", "-j", "link", "show", lab_nic(host, nic)], capture_output=True, text=True)
-    return json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"]
 
 
 class Recovery:

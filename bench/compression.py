@@ -19,47 +19,7 @@ verification: 0 integrity errors).
 """
 import argparse, json, os, re, statistics, subprocess, sys, time
 
-from labqemu import FERRY, Qmp, agent_pids, cpu_seconds, ferry, lab_addr, lab_nic, qemu, run_target, size, wait_ready
-
-HOSTS = ("host1", "host2")
-
-
-def qemu_pids():
-    pids = []
-    for h in HOSTS:
-        for p in subprocess.run(["ip", "netns", "pids", h], capture_output=True, text=True).stdout.split():
-            try:
-                if open(f"/proc/{p}/comm").read().startswith("qemu-system"):
-                    pids.append(int(p))
-            except OSError:
-                pass
-    return pids
-
-
-class Cpu:
-    """CPU time of every QEMU and agent on both hosts since it was made, by sampling."""
-
-    def __init__(self):
-        self.base, self.last = {}, {}
-        for p in qemu_pids() + agent_pids(HOSTS):
-            self.base[p] = self.last[p] = cpu_seconds(p) or 0.0
-
-    def sample(self):
-        for p in set(qemu_pids() + agent_pids(HOSTS)) | set(self.last):
-            c = cpu_seconds(p)
-            if c is not None:
-                self.base.setdefault(p, 0.0)
-                self.last[p] = c
-
-    def total(self):
-        self.sample()
-        return sum(self.last[p] - self.base[p] for p in self.last)
-
-
-def nic_tx(host="host1", nic="nic1"):
-    out = subprocess.run(["ip", "-n", host, "-s", "-j", "link", "show", lab_nic(host, nic)],
-                         capture_output=True, text=True)
-    return json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"]
+from labqemu import FERRY, Cpu, ferry, lab_addr, nic_tx, qemu, run_target, size, wait_migration, wait_ready
 
 
 def console_errors(path):
@@ -74,10 +34,10 @@ def ferry_move(kind, a):
     ferry("vm", "create", "cb", "--host", "host1", "--memory", a.memory, "--fill", a.fill,
           "--dirty-rate", a.dirty_rate, *extra)
     time.sleep(2)
-    tx0 = nic_tx()
+    tx0 = nic_tx("host1", "nic1")
     out = subprocess.run([FERRY, "vm", "move", "cb", "--to", "host2", "--option", "compression", "--json"],
                          capture_output=True, text=True).stdout
-    wire = nic_tx() - tx0
+    wire = nic_tx("host1", "nic1") - tx0
     r = json.loads(out.strip().splitlines()[-1])
     subprocess.run([FERRY, "vm", "rm", "cb"], capture_output=True)
     if r.get("event") != "completed" or not r["check"]["intact"]:
@@ -108,20 +68,15 @@ def qemu_move(kind, contender, a):
     addr = {"transport": "socket", "type": "inet", "host": lab_addr("host2", 1), "port": "0"}
     dq.cmd("migrate-incoming", channels=[{"channel-type": "main", "addr": dict(addr)}])
     port = dq.cmd("query-migrate")["socket-address"][0]["port"]
-    cpu, tx0 = Cpu(), nic_tx()
+    cpu, tx0 = Cpu(), nic_tx("host1", "nic1")
     t0 = time.time()
     sq.cmd("migrate", channels=[{"channel-type": "main", "addr": dict(addr, port=str(port))}])
-    while True:
-        info = sq.cmd("query-migrate")
-        cpu.sample()
-        if info.get("status") in ("completed", "failed", "cancelled"):
-            break
-        time.sleep(0.02)
+    info = wait_migration(sq, 0.02, cpu.sample)
     if info["status"] != "completed":
         sys.exit(f"{contender}: QEMU migration {info['status']}: {info.get('error-desc')}")
     run_target(dq)
     secs = time.time() - t0
-    used, wire = cpu.total(), nic_tx() - tx0
+    used, wire = cpu.total(), nic_tx("host1", "nic1") - tx0
     time.sleep(1.5)
     errors, ticks = console_errors(f"{dst_d}/console.log")
     for p, q in ((sp, sq), (dp, dq)):

@@ -37,6 +37,13 @@ def lab_nic(host, nic):
     return nic
 
 
+def nic_tx(host, nic):
+    """Bytes a lab host's NIC (`nicK` or its own name) has transmitted."""
+    out = subprocess.run(["ip", "-n", host, "-s", "-j", "link", "show", lab_nic(host, nic)],
+                         capture_output=True, text=True)
+    return json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"]
+
+
 def lab_addr(host, k):
     """The address of a lab host's NIC on fabric `k`."""
     for l in _links():
@@ -65,6 +72,53 @@ def cpu_seconds(pid):
 
 def agent_pids(hosts):
     return [int(open(f"/run/ferry/lab/{h}/agent.pid").read().strip()) for h in hosts]
+
+
+def qemu_pids(hosts=("host1", "host2")):
+    """Every QEMU running in the lab namespaces of `hosts`."""
+    pids = []
+    for h in hosts:
+        for p in subprocess.run(["ip", "netns", "pids", h], capture_output=True, text=True).stdout.split():
+            try:
+                if open(f"/proc/{p}/comm").read().startswith("qemu-system"):
+                    pids.append(int(p))
+            except OSError:
+                pass
+    return pids
+
+
+class Cpu:
+    """CPU time of every QEMU and agent on `hosts` since it was made, by sampling
+    (a process that ends keeps what was last sampled of it)."""
+
+    def __init__(self, hosts=("host1", "host2")):
+        self.hosts = hosts
+        self.base, self.last = {}, {}
+        for p in qemu_pids(hosts) + agent_pids(hosts):
+            self.base[p] = self.last[p] = cpu_seconds(p) or 0.0
+
+    def sample(self):
+        for p in set(qemu_pids(self.hosts) + agent_pids(self.hosts)) | set(self.last):
+            c = cpu_seconds(p)
+            if c is not None:
+                self.base.setdefault(p, 0.0)
+                self.last[p] = c
+
+    def total(self):
+        self.sample()
+        return sum(self.last[p] - self.base[p] for p in self.last)
+
+
+def wait_migration(q, poll=0.1, each=None):
+    """Polls QMP `query-migrate` on the source until it ends; calls `each()`
+    after every poll; returns the last answer."""
+    while True:
+        info = q.cmd("query-migrate")
+        if each:
+            each()
+        if info.get("status") in ("completed", "failed", "cancelled"):
+            return info
+        time.sleep(poll)
 
 
 class Qmp:

@@ -11,7 +11,7 @@ QEMU time / (bytes / link rate). Needs root and a built ferry binary.
 """
 import argparse, json, subprocess, sys, time
 
-from labqemu import ferry, lab_addr, qemu, run_target, size, wait_ready
+from labqemu import ferry, lab_addr, qemu, run_target, size, wait_migration, wait_ready
 
 
 def direct_run(img, src_ns, dst_ns, dst_addr, mem, fill, dirty, src):
@@ -24,11 +24,7 @@ def direct_run(img, src_ns, dst_ns, dst_addr, mem, fill, dirty, src):
     sp, sq = src
     sq.cmd("migrate-set-parameters", **{"max-bandwidth": 100 << 30, "downtime-limit": 300})
     sq.cmd("migrate", uri=f"tcp:{dst_addr}:{port}")
-    while True:
-        info = sq.cmd("query-migrate")
-        if info.get("status") in ("completed", "failed", "cancelled"):
-            break
-        time.sleep(0.1)
+    info = wait_migration(sq)
     if info["status"] != "completed":
         sys.exit(f"direct migration failed: {info}")
     run_target(dq)

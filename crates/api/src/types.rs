@@ -890,7 +890,7 @@ pub struct CarrierReport {
 }
 
 /// One codec's part of a migration over Ferry's transport.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CodecReport {
     /// `none` (sent as it was), `lz4`, `zstd:LEVEL`.
     pub codec: String,

@@ -304,26 +304,8 @@ pub fn choose(c: &Conditions, est: &[(Codec, Estimate)]) -> (Codec, f64) {
         .map_or((Codec::None, 0.0), |o| (o.0, o.1))
 }
 
-/// One codec's share of a session's frames.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct CodecUse {
-    /// `none`, `lz4`, `zstd:LEVEL`.
-    pub codec: String,
-    /// Frames sent packed by it (for `none`: sent as they were).
-    pub frames: u64,
-    /// Their bytes before and as sent.
-    pub raw_bytes: u64,
-    pub sent_bytes: u64,
-    /// Raw bytes ÷ all raw bytes of the session.
-    pub share: f64,
-    /// Raw ÷ sent.
-    pub ratio: f64,
-    /// CPU-seconds compressing with it, frames that did not shrink included.
-    pub cpu_s: f64,
-    /// Frames compressed with it that did not shrink enough and went as they were.
-    #[serde(default)]
-    pub misses: u64,
-}
+/// One codec's share of a session's frames (the move report's `codecs`).
+pub use ferry_api::types::CodecReport as CodecUse;
 
 /// The measurements of the current and last window.
 struct Window {

@@ -1519,20 +1519,7 @@ impl Agent {
             frames_resent,
             compression_ratio: compression.ratio(),
             frames_compressed: compression.frames_compressed,
-            codecs: compression
-                .codecs
-                .iter()
-                .map(|u| ferry_api::types::CodecReport {
-                    codec: u.codec.clone(),
-                    frames: u.frames,
-                    raw_bytes: u.raw_bytes,
-                    sent_bytes: u.sent_bytes,
-                    share: u.share,
-                    ratio: u.ratio,
-                    cpu_s: u.cpu_s,
-                    misses: u.misses,
-                })
-                .collect(),
+            codecs: compression.codecs.clone(),
             rounds: ram.dirty_sync_count,
             phase: if copy.in_postcopy() {
                 "postcopy".into()
