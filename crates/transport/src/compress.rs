@@ -95,8 +95,7 @@ pub fn sample_ratio(sample: &[u8]) -> Option<f64> {
             .iter()
             .filter_map(|c| c.compress(&bytes).map(|p| p.len()))
             .min()
-            .unwrap_or(bytes.len())
-            .min(bytes.len());
+            .unwrap_or(bytes.len());
     }
     Some(packed as f64 / raw as f64)
 }
@@ -105,7 +104,11 @@ pub fn sample_ratio(sample: &[u8]) -> Option<f64> {
 pub fn idle_share(over: Duration) -> Option<f64> {
     let a = cpu_times()?;
     std::thread::sleep(over);
-    let b = cpu_times()?;
+    idle_between(a, cpu_times()?)
+}
+
+/// Idle share of all CPUs between two [`cpu_times`] samples.
+fn idle_between(a: (u64, u64), b: (u64, u64)) -> Option<f64> {
     let total = b.1.saturating_sub(a.1);
     (total > 0).then(|| b.0.saturating_sub(a.0) as f64 / total as f64)
 }
@@ -187,29 +190,41 @@ impl Codec {
 
     /// `raw` compressed, or `None` when that is not smaller.
     pub fn compress(&self, raw: &[u8]) -> Option<Vec<u8>> {
+        self.compress_timed(raw).0
+    }
+
+    /// [`Codec::compress`], and the CPU time (ns, this thread's) the
+    /// compression itself took — not the zstd context made on first use.
+    fn compress_timed(&self, raw: &[u8]) -> (Option<Vec<u8>>, u64) {
         thread_local! {
             static ZSTD: RefCell<Vec<(i8, zstd::bulk::Compressor<'static>)>> =
                 const { RefCell::new(Vec::new()) };
         }
+        let spent = |t0: u64| thread_cpu_ns().saturating_sub(t0).max(1_000);
         match self {
-            Codec::None => None,
+            Codec::None => (None, 0),
             Codec::Lz4 => {
+                let t0 = thread_cpu_ns();
                 let p = lz4_flex::block::compress(raw);
-                (p.len() < raw.len()).then_some(p)
+                ((p.len() < raw.len()).then_some(p), spent(t0))
             }
             Codec::Zstd(level) => ZSTD.with(|z| {
                 let mut z = z.borrow_mut();
                 let at = match z.iter().position(|(l, _)| l == level) {
                     Some(i) => i,
-                    None => {
-                        z.push((*level, zstd::bulk::Compressor::new(i32::from(*level)).ok()?));
-                        z.len() - 1
-                    }
+                    None => match zstd::bulk::Compressor::new(i32::from(*level)) {
+                        Ok(c) => {
+                            z.push((*level, c));
+                            z.len() - 1
+                        }
+                        Err(_) => return (None, 0),
+                    },
                 };
                 // no bigger than the raw bytes: what would not shrink fails early
                 let mut out = Vec::with_capacity(raw.len().saturating_sub(1));
-                z[at].1.compress_to_buffer(raw, &mut out).ok()?;
-                Some(out)
+                let t0 = thread_cpu_ns();
+                let done = z[at].1.compress_to_buffer(raw, &mut out).is_ok();
+                (done.then_some(out), spent(t0))
             }),
         }
     }
@@ -313,11 +328,7 @@ struct Window {
     /// `(idle, total)` CPU ticks at its start.
     ticks: Option<(u64, u64)>,
     raw: u64,
-    packed: u64,
     frames: u32,
-    bound_frames: u32,
-    /// Frames sent as they were without a try: compressing could not pay.
-    untried: u32,
     cpu_ns: u64,
     /// DATA bytes carriers took, and how many of those frames left others
     /// waiting for a carrier (the link was the limit).
@@ -334,10 +345,7 @@ impl Window {
             start: Instant::now(),
             ticks: cpu_times(),
             raw: 0,
-            packed: 0,
             frames: 0,
-            bound_frames: 0,
-            untried: 0,
             cpu_ns: 0,
             sent: 0,
             sent_frames: 0,
@@ -361,7 +369,7 @@ struct State {
     /// CPUs' worth spent decompressing over the last window.
     unpack_cores: f64,
     last_bound: Option<Instant>,
-    /// What the last frame was sent with.
+    /// What the chooser picked for the last frame (none: not compressing).
     current: Codec,
     frames: u64,
     uses: BTreeMap<Codec, CodecUse>,
@@ -426,6 +434,25 @@ pub struct Packed {
     pub raw_len: u32,
 }
 
+impl Packed {
+    /// `payload` sent as it is.
+    pub fn plain(payload: Bytes) -> Packed {
+        Packed {
+            payload,
+            packing: Packing::Plain,
+            raw_len: 0,
+        }
+    }
+
+    /// Its length once unpacked.
+    pub fn raw_bytes(&self) -> usize {
+        match self.packing {
+            Packing::Plain => self.payload.len(),
+            _ => self.raw_len as usize,
+        }
+    }
+}
+
 impl Compressor {
     pub fn set_mode(&self, m: Mode) {
         self.mode.store(m as u8, Ordering::Relaxed);
@@ -488,11 +515,12 @@ impl Compressor {
             return;
         }
         let w = std::mem::replace(&mut st.window, Window::new());
-        if let (Some(a), Some(b)) = (w.ticks, st.window.ticks) {
-            let total = b.1.saturating_sub(a.1);
-            if total > 0 {
-                st.idle = b.0.saturating_sub(a.0) as f64 / total as f64;
-            }
+        if let Some(idle) = w
+            .ticks
+            .zip(st.window.ticks)
+            .and_then(|(a, b)| idle_between(a, b))
+        {
+            st.idle = idle;
         }
         st.own_cores = w.cpu_ns as f64 / 1e9 / secs;
         st.unpack_cores = w.unpack_ns as f64 / 1e9 / secs;
@@ -513,12 +541,9 @@ impl Compressor {
                 wire_rate = st.wire_rate,
                 raw_rate = st.raw_rate,
                 frames = w.frames,
-                bound = w.bound_frames,
-                untried = w.untried,
                 sent = w.sent,
                 sent_waiting = w.sent_waiting,
                 raw = w.raw,
-                packed = w.packed,
                 current = %st.current.name(),
                 "compression window"
             );
@@ -612,9 +637,8 @@ impl Compressor {
         let results: Vec<(Codec, Option<Vec<u8>>, u64)> = tries
             .iter()
             .map(|c| {
-                let t0 = thread_cpu_ns();
-                let out = c.compress(&raw);
-                (*c, out, thread_cpu_ns().saturating_sub(t0).max(1_000))
+                let (out, ns) = c.compress_timed(&raw);
+                (*c, out, ns)
             })
             .collect();
         let mut st = lock(&self.state);
@@ -642,33 +666,31 @@ impl Compressor {
             .filter_map(|(c, out, _)| out.map(|o| (c, o)))
             .min_by_key(|(_, o)| o.len())
             .filter(|(_, o)| (o.len() as f64) <= raw_len as f64 * SEND_BELOW);
-        if best.is_none() && !tries.is_empty() {
-            if let Some(first) = tries.first() {
-                st.uses.entry(*first).or_default().misses += 1;
-            }
+        if let (None, Some(first)) = (&best, tries.first()) {
+            st.uses.entry(*first).or_default().misses += 1;
         }
-        let (used, payload, packing, raw_len32) = match best {
-            Some((c, out)) => (c, Bytes::from(out), c.packing(), raw_len as u32),
-            None => (Codec::None, raw, Packing::Plain, 0),
+        let (used, packed) = match best {
+            Some((c, out)) => (
+                c,
+                Packed {
+                    payload: Bytes::from(out),
+                    packing: c.packing(),
+                    raw_len: raw_len as u32,
+                },
+            ),
+            None => (Codec::None, Packed::plain(raw)),
         };
         let w = &mut st.window;
         w.raw += raw_len as u64;
-        w.packed += payload.len() as u64;
         w.frames += 1;
-        w.bound_frames += u32::from(link_bound);
-        w.untried += u32::from(tries.is_empty());
         w.cpu_ns += cpu_ns;
         if self.mode() != Mode::Off {
             let u = st.uses.entry(used).or_default();
             u.frames += 1;
             u.raw_bytes += raw_len as u64;
-            u.sent_bytes += payload.len() as u64;
+            u.sent_bytes += packed.payload.len() as u64;
         }
-        Packed {
-            payload,
-            packing,
-            raw_len: raw_len32,
-        }
+        packed
     }
 
     /// What the chooser weighs now and what each candidate did recently.

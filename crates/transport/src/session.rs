@@ -29,6 +29,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpSocket, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{mpsc, Notify, Semaphore};
 
+use crate::compress::Packed;
 use crate::protocol::*;
 use crate::seal::{Direction, Opener, Sealer};
 
@@ -185,10 +186,8 @@ struct OutFrame {
     stream: u16,
     id: u64,
     offset: u64,
-    payload: Bytes,
-    packing: Packing,
-    /// Compressed payload: its raw length; else 0.
-    raw_len: u32,
+    /// The payload as sent (compressed or not).
+    data: Packed,
     permits: u32,
 }
 
@@ -767,25 +766,27 @@ impl Session {
                 Some((f, waiting)) => {
                     if f.kind == Kind::Data {
                         // the link's rate, as the compressor weighs it
-                        self.inner.compressor.note_sent(f.payload.len(), waiting);
+                        self.inner
+                            .compressor
+                            .note_sent(f.data.payload.len(), waiting);
                     }
                     let mut h = Header::new(f.kind, f.stream, f.id, f.offset);
-                    h.packing = f.packing;
-                    h.raw_len = f.raw_len;
+                    h.packing = f.data.packing;
+                    h.raw_len = f.data.raw_len;
                     buf.clear();
                     // unsealed, the payload is written from where it is;
                     // sealed, it is encrypted into `buf` after the header
                     let payload = match sealer.as_mut() {
                         Some(s) => {
-                            s.frame(&h, &f.payload, &mut buf);
+                            s.frame(&h, &f.data.payload, &mut buf);
                             Bytes::new()
                         }
                         None => {
-                            encode_header(&h, &f.payload, &mut buf);
-                            f.payload.clone()
+                            encode_header(&h, &f.data.payload, &mut buf);
+                            f.data.payload.clone()
                         }
                     };
-                    let len = f.payload.len();
+                    let len = f.data.payload.len();
                     {
                         let mut cs = lock(&self.inner.carriers);
                         match cs.get_mut(&index) {
@@ -969,7 +970,7 @@ impl Session {
                     break;
                 };
                 c.acked_count += 1;
-                c.inflight = c.inflight.saturating_sub(f.payload.len().max(1));
+                c.inflight = c.inflight.saturating_sub(f.data.payload.len().max(1));
                 released += f.permits as usize;
             }
         }
@@ -995,23 +996,10 @@ pub(crate) fn error_text(e: &TransportError) -> String {
 
 impl Session {
     /// Queues a reliable frame, waiting for replay budget first.
-    async fn send_reliable(
-        &self,
-        kind: Kind,
-        stream: u16,
-        offset: u64,
-        payload: Bytes,
-        packing: Packing,
-        raw_len: u32,
-    ) -> bool {
+    async fn send_reliable(&self, kind: Kind, stream: u16, offset: u64, data: Packed) -> bool {
         // raw bytes, not bytes as sent: the budget bounds what QEMU counts
         // as sent and the target does not have yet, compressed or not
-        let bytes = if raw_len > 0 {
-            raw_len as usize
-        } else {
-            payload.len()
-        };
-        let permits = bytes.div_ceil(1024).max(1) as u32;
+        let permits = data.raw_bytes().div_ceil(1024).max(1) as u32;
         match self.inner.replay.acquire_many(permits).await {
             Ok(p) => p.forget(),
             Err(_) => return false,
@@ -1022,9 +1010,7 @@ impl Session {
             stream,
             id,
             offset,
-            payload,
-            packing,
-            raw_len,
+            data,
             permits,
         });
         self.inner.queued.notify_waiters();
@@ -1048,7 +1034,7 @@ impl Session {
         let me = self.clone();
         tokio::spawn(async move {
             if me
-                .send_reliable(Kind::Open, id, 0, Bytes::new(), Packing::Plain, 0)
+                .send_reliable(Kind::Open, id, 0, Packed::plain(Bytes::new()))
                 .await
             {
                 me.run_stream(id, u).await;
@@ -1095,7 +1081,7 @@ impl Session {
                 let mut buf = BytesMut::with_capacity(MAX_PAYLOAD);
                 match read_shared(&u, &mut buf).await {
                     Ok(0) | Err(_) => {
-                        self.send_reliable(Kind::Fin, id, offset, Bytes::new(), Packing::Plain, 0)
+                        self.send_reliable(Kind::Fin, id, offset, Packed::plain(Bytes::new()))
                             .await;
                         break;
                     }
@@ -1103,10 +1089,7 @@ impl Session {
                         // the link is the bottleneck when frames wait for a carrier
                         let link_bound = lock(&self.inner.queue).len() >= LINK_BOUND_QUEUE;
                         let p = self.inner.compressor.pack(buf.freeze(), link_bound);
-                        if !self
-                            .send_reliable(Kind::Data, id, offset, p.payload, p.packing, p.raw_len)
-                            .await
-                        {
+                        if !self.send_reliable(Kind::Data, id, offset, p).await {
                             break;
                         }
                         offset += n as u64;
