@@ -35,7 +35,16 @@ cut until the aggregate rate is back to ≥ 90% of the remaining link, and — t
 restored --restore-after seconds after the cut, while the move goes on — the time
 from the restore until the cut NIC carries ≥ 50% of its link rate again.
 
-    sudo python3 bench/alternatives.py [--rate 500mbit] [--memory 1280M] [--fill 1G]
+With --trials N (default 10) every cut case of the paths that survive a cut
+(Ferry's two kinds, QEMU over MPTCP) runs N times, and a second table gives
+p50 / p95 / max of the time back to 90% (cut held) and of the re-join (cut
+restored), and for `ferry mptcp` the time from the cut to the agent's removal
+of the dead subflow (its `path` event). Where the time goes without Ferry is
+shown by sampling the kernel's own view of the dead subflow of QEMU over MPTCP
+(`ss -ti` on the source: its RTO, backoff and unacknowledged segments) until
+the kernel closes it or the move ends.
+
+    sudo python3 bench/alternatives.py [--rate 500mbit] [--memory 1280M] [--fill 1G] [--trials 10]
 """
 import argparse, json, os, subprocess, sys, time
 
@@ -85,6 +94,36 @@ class Recovery:
                 and time.time() - self.cut_at >= after)
 
 
+class DeadSubflow:
+    """The kernel's own view of the source's subflows on the cut NIC, sampled
+    with `ss -ti` every 50 ms from the cut: when it last had data
+    outstanding, its RTO and backoff, and when it was gone."""
+
+    def __init__(self, host, addr):
+        self.host, self.addr, self.log, self.gone = host, addr, [], None
+
+    def sample(self, since):
+        out = subprocess.run(["ip", "netns", "exec", self.host, "ss", "-tniH", "src", self.addr],
+                             capture_output=True, text=True).stdout
+        t = time.time() - since
+        flows = [l for l in out.splitlines() if "tcp-ulp-mptcp" in l or "rto:" in l]
+        if not flows:
+            if self.gone is None and self.log:
+                self.gone = t
+            return
+        w = out.replace("\n", " ").split()
+        get = lambda k: next((x.split(":", 1)[1] for x in w if x.startswith(k + ":")), "-")
+        self.log.append((t, get("rto"), get("backoff"), get("unacked")))
+
+    def summary(self):
+        if not self.log:
+            return "no subflow on the cut NIC seen"
+        pick = [self.log[0]] + [e for i, e in enumerate(self.log[1:], 1) if e[1:] != self.log[i - 1][1:]]
+        steps = ", ".join(f"{t * 1000:.0f} ms rto {r} backoff {b} unacked {u}" for t, r, b, u in pick[:8])
+        end = f"closed by the kernel {self.gone * 1000:.0f} ms after the cut" if self.gone else "still open"
+        return f"{steps}; {end}"
+
+
 def cut(host, down, nic="nic2"):
     ferry("lab", "link", host, nic, "down" if down else "up")
 
@@ -115,8 +154,16 @@ def ferry_move(vm, to, cut_bytes, link, option="multichannel", restore_after=Non
     # running): both QEMUs and both agents; sampling here would also count the cleanup
     rep = last.get("cpu", {})
     used = rep["source_s"] + rep["target_s"] if rep.get("target_s") is not None else cpu.total()
+    removed = None
+    if rec.cut_at is not None:
+        gone = [c for c in last.get("path_changes", []) if c["action"] == "removed"
+                and c["nic"] == lab_nic(frm, "nic2") and c["at_unix_ms"] / 1000 >= rec.cut_at - 0.05]
+        if gone:
+            removed = gone[0]["at_unix_ms"] / 1000 - rec.cut_at
+            print(f"  {option}: {gone[0]['nic']} removed {removed * 1000:.0f} ms after the cut: "
+                  f"{gone[0]['reason']}", file=sys.stderr)
     return {"done": done, "secs": secs, "bytes": last.get("bytes_transferred", 0), "cpu": used,
-            "path": last.get("data_path"), "back": rec.back, "rejoined": rec.rejoined, "restored": rec.restored_at is not None,
+            "removed": removed, "path": last.get("data_path"), "back": rec.back, "rejoined": rec.rejoined, "restored": rec.restored_at is not None,
             "how": "completed, intact" if done else last.get("error", last)}
 
 
@@ -145,10 +192,13 @@ def direct_move(img, src, frm, to, kind, a, cut_bytes, link, restore_after=None)
     t0 = time.time()
     sq.cmd("migrate", channels=[{"channel-type": "main", "addr": dict(addr, port=str(port))}])
     moved_at, last_moved, info, how = time.time(), 0, {}, None
+    dead = DeadSubflow(frm, lab_addr(frm, 2)) if kind == "mptcp" else None
     while True:
         info = sq.cmd("query-migrate")
         now = time.time()
         cpu.sample()
+        if dead and rec.cut_at is not None and rec.restored_at is None and now - rec.cut_at < 5:
+            dead.sample(rec.cut_at)
         ram = info.get("ram", {})
         if ram:
             if ram["transferred"] > last_moved:
@@ -174,7 +224,9 @@ def direct_move(img, src, frm, to, kind, a, cut_bytes, link, restore_after=None)
         sp.wait()
         if cut_bytes and rec.restored_at is None:
             cut(frm, False, cut_nic)
-        return (dp, dq), {"done": True, "secs": secs, "bytes": info["ram"]["transferred"], "cpu": used,
+        if dead and cut_bytes:
+            print(f"  kernel, dead subflow: {dead.summary()}", file=sys.stderr)
+        return (dp, dq), {"done": True, "removed": dead.gone if dead else None, "secs": secs, "bytes": info["ram"]["transferred"], "cpu": used,
                           "back": rec.back, "rejoined": rec.rejoined, "restored": rec.restored_at is not None,
                           "how": "completed"}
     # failed or stalled: cancel (bounded), then start over from a fresh source guest
@@ -196,7 +248,7 @@ def direct_move(img, src, frm, to, kind, a, cut_bytes, link, restore_after=None)
         p.wait()
     if cut_bytes and rec.restored_at is None:
         cut(frm, False, cut_nic)
-    return None, {"done": False, "secs": time.time() - t0, "bytes": 0, "cpu": cpu.total(), "back": rec.back,
+    return None, {"done": False, "removed": None, "secs": time.time() - t0, "bytes": 0, "cpu": cpu.total(), "back": rec.back,
                   "rejoined": rec.rejoined, "restored": rec.restored_at is not None, "how": how}
 
 
@@ -216,6 +268,8 @@ def main():
     ap.add_argument("--fill", default="1G")
     ap.add_argument("--dirty-rate", default="8M")
     ap.add_argument("--stall", type=float, default=20.0)
+    ap.add_argument("--trials", type=int, default=10,
+                    help="runs of each cut case of the paths that survive a cut")
     ap.add_argument("--restore-after", type=float, default=3.0,
                     help="restore the cut NIC this many seconds after the cut, mid-move")
     a = ap.parse_args()
@@ -229,8 +283,9 @@ def main():
           "--dirty-rate", a.dirty_rate)
     ra = a.restore_after
     at = "host1"
+    cases = [("no", None)] + [("held", None)] * a.trials + [("restored", ra)] * a.trials
     for option, label in (("multichannel", "ferry multichannel"), ("mptcp", "ferry mptcp")):
-        for how, restore in (("no", None), ("held", None), ("restored", ra)):
+        for how, restore in cases:
             to = "host2" if at == "host1" else "host1"
             rows.append((label, 2, how, ferry_move("alt", to, cut_bytes if how != "no" else 0, link, option, restore)))
             print(label, how, rows[-1][3], file=sys.stderr)
@@ -244,7 +299,7 @@ def main():
         out = ferry("lab", "team", team)
         a.team = dict(l.split(": migrate to ") for l in out.strip().splitlines() if ": migrate to " in l)
         src, at = fresh_source(img, a, "host1"), "host1"
-        runs = [("no", None), ("held", None)] + ([("restored", ra)] if kind == "mptcp" else [])
+        runs = cases if kind == "mptcp" else [("no", None), ("held", None)]
         for how, restore in runs:
             if src is None:
                 src, at = fresh_source(img, a, "host1"), "host1"
@@ -276,6 +331,33 @@ def main():
         cut_col = {"no": "no", "held": f"{nic}, held", "restored": f"{nic}, back after {ra:.0f} s"}[how]
         print(f"| {label} | {cut_col} | {r['how']} | {r['secs']:.2f} | {r['bytes'] / 2**20:.0f} | "
               f"{mbit:.0f} | {mbit * 1e6 / (2 * link):.3f} | {r['cpu'] / gib if gib else float('nan'):.2f} | {back} | {rejoin} |")
+    print()
+    print(f"Recovery over {a.trials} trials (s; p50 / p95 / max; \"never\" counts as the move's end)")
+    print()
+    print("| path | cut held: back to ≥ 90% of one link | cut restored: ≥ 50% of its link again | "
+          "dead subflow removed after the cut | throughput ÷ links, no cut |")
+    print("|---|---|---|---|---|")
+    for label in ("ferry multichannel", "ferry mptcp", "qemu multifd / mptcp"):
+        mine = [(how, r) for l, _, how, r in rows if l == label]
+        if not mine:
+            continue
+        held = [r["back"] if r["back"] is not None else r["secs"] for how, r in mine if how == "held"]
+        rest = [r["rejoined"] for how, r in mine if how == "restored" and r["rejoined"] is not None]
+        never = sum(1 for how, r in mine if how == "restored" and r["restored"] and r["rejoined"] is None)
+        gone = [r["removed"] for how, r in mine if how != "no" and r.get("removed") is not None]
+        free = [r["bytes"] * 8 / r["secs"] / (2 * link) for how, r in mine if how == "no" and r["done"]]
+        rj = stats3(rest) + (f" ({never} never)" if never else "")
+        print(f"| {label} | {stats3(held)} | {rj} | {stats3(gone)} | "
+              f"{', '.join(f'{x:.3f}' for x in free) or '—'} |")
+
+
+def stats3(xs):
+    """p50 / p95 / max of xs, or a dash."""
+    if not xs:
+        return "—"
+    xs = sorted(xs)
+    pick = lambda q: xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return f"{pick(0.5):.2f} / {pick(0.95):.2f} / {xs[-1]:.2f}"
 
 
 if __name__ == "__main__":

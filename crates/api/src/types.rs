@@ -889,6 +889,24 @@ pub struct CarrierReport {
     pub last_failure: Option<String>,
 }
 
+/// A path of a migration dropped or taken again: a subflow of the handed-off
+/// MPTCP socket (`mptcp` kind) or a carrier (Ferry's framed kind), per NIC.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PathChange {
+    /// Wall-clock time of the change, ms since the Unix epoch.
+    pub at_unix_ms: u64,
+    /// The source host's NIC (the fabric it reaches).
+    pub nic: String,
+    /// `removed` or `re-added`.
+    pub action: String,
+    /// Why, in words: `link down (carrier lost)`, `no ACK for 240 ms with
+    /// 31 segments outstanding (rtt 2 ms, rto 204 ms)`, `link up again`, …
+    pub reason: String,
+    /// Which host saw it: `source` or `target`.
+    #[serde(default)]
+    pub side: String,
+}
+
 /// One codec's part of a migration over Ferry's transport.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CodecReport {
@@ -1067,6 +1085,10 @@ pub struct MigrationReport {
     pub carriers: Vec<CarrierReport>,
     /// Multichannel: frames sent again after their carrier died.
     pub frames_resent: u64,
+    /// Paths dropped and taken again during the move, in order (carriers, or
+    /// subflows of the `mptcp` kind), as the `path` events reported them.
+    #[serde(default)]
+    pub path_changes: Vec<PathChange>,
     /// Ferry's transport: uncompressed bytes ÷ bytes sent (1.0 when nothing
     /// was compressed), and how many DATA frames went compressed.
     #[serde(default = "one")]
@@ -1117,6 +1139,9 @@ pub enum MigrationEvent {
         message: String,
     },
     Progress(MigrationProgress),
+    /// A path (a carrier, or a subflow of the handed-off MPTCP socket) was
+    /// dropped or taken again.
+    Path(PathChange),
     Completed(Box<MigrationReport>),
     Failed {
         error: ApiError,

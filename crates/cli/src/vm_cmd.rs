@@ -485,6 +485,15 @@ pub async fn move_vm(
                 }
             }
             MigrationEvent::Warning { .. } => {}
+            MigrationEvent::Path(c) if !json => {
+                let line = format!("  path         {} {}: {}", c.nic, c.action, c.reason);
+                if bar.is_hidden() {
+                    println!("{line}");
+                } else {
+                    bar.println(line);
+                }
+            }
+            MigrationEvent::Path(_) => {}
             MigrationEvent::Progress(p) => {
                 bar.set_length(p.total.max(1));
                 bar.set_position(p.total.saturating_sub(p.remaining));

@@ -175,7 +175,8 @@ fn losing_every_nic_leaves_the_guest_on_the_source() {
 
 /// `--option mptcp` (QEMU handed the MPTCP socket): a NIC whose link is
 /// down when the move starts joins once it returns (the in-kernel path
-/// manager alone would never retry it), sealed clusters refuse the clear
+/// manager alone would never retry it), a NIC cut mid-move has its subflow
+/// removed within 0.5 s and the move completes, sealed clusters refuse the clear
 /// kind, and losing every NIC leaves the guest on the source; then
 /// `mptcp-relay` moves it back.
 #[test]
@@ -210,9 +211,38 @@ fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
     assert!(r["cpu"]["per_gib_s"].as_f64().unwrap() > 0.0, "{r}");
     assert_intact_on("mp1", "host2");
 
+    // one NIC of the source cut mid-move and kept down: the agent removes its
+    // subflow at once (the kernel alone would wait out its retransmission
+    // timers), the move completes over the other, and the report says when
+    let cut_at = std::cell::Cell::new(0u64);
+    let r = move_with("mp1", "host1", "mptcp", 150 << 20, || {
+        ferry_ok(&["lab", "link", "host2", "nic2", "down"]);
+        cut_at.set(unix_ms());
+    });
+    ferry_ok(&["lab", "link", "host2", "nic2", "up"]);
+    assert_eq!(r["event"], "completed", "{r}");
+    let nic2 = nic("host2", 2);
+    let removed = r["path_changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["nic"] == nic2.as_str() && c["action"] == "removed")
+        .unwrap_or_else(|| panic!("no removal of {nic2}'s subflow reported: {r}"));
+    let after = removed["at_unix_ms"].as_u64().unwrap() as i64 - cut_at.get() as i64;
+    assert!(
+        after <= 500,
+        "{nic2}'s subflow removed {after} ms after the cut: {removed}"
+    );
+    assert!(
+        removed["reason"].as_str().unwrap().contains("link down"),
+        "{removed}"
+    );
+    assert!(r["downtime_ms"].as_u64().unwrap() < 1000, "{r}");
+    assert_intact_on("mp1", "host1");
+
     // a cluster that encrypts carriers refuses the clear kind, naming why
     ferry_ok(&["cluster", "set", "--encrypt-carriers", "on"]);
-    let r = move_vm("mp1", "host1", "mptcp");
+    let r = move_vm("mp1", "host2", "mptcp");
     ferry_ok(&["cluster", "set", "--encrypt-carriers", "off"]);
     assert_eq!(r["event"], "failed", "{r}");
     assert!(r.to_string().contains("encrypt"), "{r}");
@@ -225,15 +255,15 @@ fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
     ferry_ok(&["lab", "link", "host3", "nic1", "up"]);
     ferry_ok(&["lab", "link", "host3", "nic2", "up"]);
     assert_eq!(r["event"], "failed", "{r}");
-    assert_eq!(r["error"]["running_on"], "host2", "{r}");
-    assert_intact_on("mp1", "host2");
+    assert_eq!(r["error"]["running_on"], "host1", "{r}");
+    assert_intact_on("mp1", "host1");
     assert!(qemu_pids("host3").is_empty(), "skeleton left on host3");
 
     // the relayed form: QEMU multifd, each channel its own MPTCP connection
-    let r = move_vm("mp1", "host1", "mptcp-relay");
+    let r = move_vm("mp1", "host2", "mptcp-relay");
     assert_eq!(r["event"], "completed", "{r}");
     assert_eq!(r["data_path"], "ferry-mptcp-relay", "{r}");
-    assert_intact_on("mp1", "host1");
+    assert_intact_on("mp1", "host2");
 }
 
 /// `--option compression` on a link shaped so it is the bottleneck: a guest

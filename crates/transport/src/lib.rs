@@ -48,6 +48,14 @@ impl Carriers {
             Carriers::Mptcp(s) => s.stats(),
         }
     }
+    /// Paths (carriers, or MPTCP subflows per NIC) dropped and taken again
+    /// so far, oldest first.
+    pub fn path_changes(&self) -> Vec<ferry_api::types::PathChange> {
+        match self {
+            Carriers::Ferry(s) => s.path_changes(),
+            Carriers::Mptcp(s) => s.path_changes(),
+        }
+    }
     pub fn failure(&self) -> Option<String> {
         match self {
             Carriers::Ferry(s) => s.failure(),

@@ -250,6 +250,8 @@ struct Inner {
     closed: tokio::sync::watch::Sender<bool>,
     failure: Mutex<Option<String>>,
     compressor: crate::compress::Compressor,
+    /// Carriers dropped and connected again, in order.
+    changes: Mutex<Vec<ferry_api::types::PathChange>>,
 }
 
 /// One end of a transport session. Dropping it (or [`Session::close`]) ends
@@ -317,6 +319,7 @@ impl Session {
                 closed,
                 failure: Mutex::new(None),
                 compressor: Default::default(),
+                changes: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -648,6 +651,9 @@ impl Session {
             c.acked_count = 0;
             c.stats.up = true;
             c.stats.connects += 1;
+            if c.stats.connects > 1 {
+                self.path_change(&c.stats.nic, "re-added", "carrier connected again".into());
+            }
             c.stats.last_error = None;
             c.kill = Arc::new(Notify::new());
             (c.generation, c.kill.clone())
@@ -678,6 +684,26 @@ impl Session {
         self.inner.queued.notify_waiters();
     }
 
+    fn path_change(&self, nic: &str, action: &str, reason: String) {
+        lock(&self.inner.changes).push(ferry_api::types::PathChange {
+            at_unix_ms: crate::mptcp::paths::now_unix_ms(),
+            nic: nic.to_string(),
+            action: action.into(),
+            reason,
+            side: if self.inner.connect_to.is_some() {
+                "target"
+            } else {
+                "source"
+            }
+            .into(),
+        });
+    }
+
+    /// Carriers dropped and connected again so far, oldest first.
+    pub fn path_changes(&self) -> Vec<ferry_api::types::PathChange> {
+        lock(&self.inner.changes).clone()
+    }
+
     /// Marks a carrier dead and puts its unacknowledged frames back at the
     /// front of the queue, oldest first.
     fn drop_carrier(&self, index: u8, generation: Option<u64>, why: String) {
@@ -690,6 +716,10 @@ impl Session {
         c.stats.up = false;
         c.stats.failures += 1;
         c.stats.last_failure = Some(why.clone());
+        // a session ending closes its carriers: not a path lost
+        if !*self.inner.closed.borrow() && why != "closed" {
+            self.path_change(&c.stats.nic, "removed", why.clone());
+        }
         c.kill.notify_waiters();
         let frames: Vec<OutFrame> = c.unacked.drain(..).collect();
         c.inflight = 0;

@@ -934,6 +934,7 @@ impl Agent {
             after: AfterCommit::InDoubt,
         };
         let mut near_end = false;
+        let mut paths_seen = 0;
         let info = loop {
             // near the end (the last pass, or QEMU paused) QEMU is asked every
             // END_POLL, so the commit follows its completion within that
@@ -962,6 +963,13 @@ impl Agent {
             let ram = info.ram.clone().unwrap_or_default();
             if status.starts_with("postcopy") {
                 copy.entered_postcopy();
+            }
+            // paths dropped or taken again since the last look, as they happened
+            if let Plan::Multichannel { session, .. } = plan {
+                for c in session.path_changes().into_iter().skip(paths_seen) {
+                    paths_seen += 1;
+                    ev.send(MigrationEvent::Path(c)).await;
+                }
             }
             let broke = |why: String| {
                 if committed {
@@ -1517,6 +1525,10 @@ impl Agent {
             nic_tx_bytes,
             carriers,
             frames_resent,
+            path_changes: match plan {
+                Plan::Multichannel { session, .. } => session.path_changes(),
+                Plan::Tcp { .. } => Vec::new(),
+            },
             compression_ratio: compression.ratio(),
             frames_compressed: compression.frames_compressed,
             codecs: compression.codecs.clone(),

@@ -44,6 +44,7 @@
 //!   waits on an ACK ([`Subflow::stalled`]) or none is left.
 
 mod path_manager;
+pub mod paths;
 mod pump;
 mod sockopt;
 
@@ -92,6 +93,9 @@ const TCP_INFO_UNACKED: usize = 24;
 const TCP_INFO_LAST_ACK_RECV: usize = 56;
 const TCP_INFO_LAST_DATA_SENT: usize = 44;
 const TCP_INFO_LAST_DATA_RECV: usize = 52;
+const TCP_INFO_RTT: usize = 68;
+const TCP_INFO_RTO: usize = 8;
+const TCP_INFO_BACKOFF: usize = 4;
 /// Subflows read per connection.
 const MAX_SUBFLOWS: usize = 16;
 /// Bytes moved per splice call.
@@ -192,6 +196,9 @@ struct Inner {
     /// Per subflow, bytes acknowledged at the last reading; per NIC, the sum of what its subflows carried.
     seen: Mutex<(HashMap<SubflowKey, u64>, NicTotals)>,
     watch: Mutex<BTreeMap<String, NicWatch>>,
+    /// The path watcher's state per NIC, and the changes it made.
+    paths: Mutex<paths::PathStates>,
+    changes: Mutex<Vec<paths::PathChange>>,
 }
 
 /// One end of a migration carried over kernel MPTCP. Dropping every clone
@@ -215,6 +222,8 @@ impl Spliced {
                 listener: Mutex::new(None),
                 seen: Mutex::new((HashMap::new(), BTreeMap::new())),
                 watch: Mutex::new(BTreeMap::new()),
+                paths: Mutex::new(BTreeMap::new()),
+                changes: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -263,6 +272,7 @@ impl Spliced {
         });
         // the unix listener's accept wakes on close: see `close`
         s.watch_stalls(Some(listen));
+        s.watch_paths(true);
         Ok(s)
     }
 
@@ -285,6 +295,7 @@ impl Spliced {
         let net = s.dial(0, local, remote)?;
         s.keep_handed_off(0, net);
         s.watch_stalls(None);
+        s.watch_paths(true);
         Ok(s)
     }
 
@@ -380,6 +391,7 @@ impl Spliced {
         })?;
         let sock = Arc::new(sock);
         *lock(&s.inner.listener) = Some(sock.clone());
+        s.watch_paths(false);
         // this host's own NICs: one whose link came back while a subflow
         // on it still waits is announced again from here
         let me = s.clone();
@@ -1057,6 +1069,9 @@ mod tests {
             last_ack_ms,
             last_sent_ms: 0,
             last_recv_ms: 0,
+            rtt_us: 0,
+            rto_us: 0,
+            backoff: 0,
         };
         assert!(sf(10, 1500).stalled());
         // idle: nothing outstanding, however long ago the last ACK came

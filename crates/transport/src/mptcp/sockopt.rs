@@ -43,6 +43,11 @@ pub struct Subflow {
     /// ms since data was last sent and received on it.
     pub last_sent_ms: u32,
     pub last_recv_ms: u32,
+    /// Smoothed round-trip time and retransmission timeout, µs, and how
+    /// often that timeout has backed off (doubled) in a row.
+    pub rtt_us: u32,
+    pub rto_us: u32,
+    pub backoff: u8,
 }
 
 impl Subflow {
@@ -127,6 +132,9 @@ pub fn subflows(fd: RawFd) -> std::io::Result<Vec<Subflow>> {
             last_ack_ms: u32_at(TCP_INFO_LAST_ACK_RECV),
             last_sent_ms: u32_at(TCP_INFO_LAST_DATA_SENT),
             last_recv_ms: u32_at(TCP_INFO_LAST_DATA_RECV),
+            rtt_us: u32_at(TCP_INFO_RTT),
+            rto_us: u32_at(TCP_INFO_RTO),
+            backoff: info.map(|b| b[TCP_INFO_BACKOFF]).unwrap_or(0),
         });
     }
     Ok(out)
