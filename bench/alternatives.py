@@ -44,9 +44,10 @@ shown by sampling the kernel's own view of the dead subflow of QEMU over MPTCP
 (`ss -ti` on the source: its RTO, backoff and unacknowledged segments) until
 the kernel closes it or the move ends.
 
-    sudo python3 bench/alternatives.py [--rate 500mbit] [--memory 1280M] [--fill 1G] [--trials 10]
+    sudo python3 bench/alternatives.py [--rate 500mbit] [--mtu 1500] [--memory 1280M] [--fill 1G]
+                                       [--trials 10] [--only LABEL]
 """
-import argparse, json, os, subprocess, sys, time
+import argparse, json, os, subprocess, sys, threading, time
 
 from labqemu import FERRY, Cpu, ferry, nic_tx, lab_addr, lab_nic, qemu, rate, run_target, size, wait_ready
 
@@ -64,6 +65,18 @@ class Recovery:
         self.link, self.host, self.nic, self.cut_nic = link, host, nic, cut_nic
         self.samples, self.cut_at, self.back = [], None, None
         self.restored_at, self.rejoined, self.cut_samples = None, None, []
+        # counters read every 20 ms from a thread of its own, whatever the
+        # caller's loop does (progress events come every 100 ms)
+        self.lock, self.running = threading.Lock(), True
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while self.running:
+            self.add()
+            time.sleep(0.02)
+
+    def stop(self):
+        self.running = False
 
     def _reached(self, samples, nic, since, share):
         """Adds a sample of `nic`'s transmit counter; the start of the first
@@ -79,6 +92,10 @@ class Recovery:
         return None
 
     def add(self):
+        with self.lock:
+            self._add()
+
+    def _add(self):
         if self.cut_at is not None and self.back is None:
             t0 = self._reached(self.samples, self.nic, self.cut_at, 0.9)
             if t0 is not None:
@@ -146,6 +163,7 @@ def ferry_move(vm, to, cut_bytes, link, option="multichannel", restore_after=Non
                 cut(frm, False)
                 rec.restored_at = time.time()
     p.wait()
+    rec.stop()
     if cut_bytes and rec.restored_at is None:
         cut(frm, False)
     done = last["event"] == "completed" and last["check"]["intact"]
@@ -216,6 +234,7 @@ def direct_move(img, src, frm, to, kind, a, cut_bytes, link, restore_after=None)
             how = f"stalled {a.stall:.0f} s with no byte moved"
             break
         time.sleep(0.1)
+    rec.stop()
     if how is None and info["status"] == "completed":
         run_target(dq)
         secs = time.time() - t0
@@ -264,10 +283,13 @@ def fresh_source(img, a, at):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rate", default="500mbit")
+    ap.add_argument("--mtu", default="1500", help="every NIC's MTU")
     ap.add_argument("--memory", default="1280M")
     ap.add_argument("--fill", default="1G")
     ap.add_argument("--dirty-rate", default="8M")
     ap.add_argument("--stall", type=float, default=20.0)
+    ap.add_argument("--only", default="",
+                    help="run only the paths whose label contains this (e.g. 'mptcp')")
     ap.add_argument("--trials", type=int, default=10,
                     help="runs of each cut case of the paths that survive a cut")
     ap.add_argument("--restore-after", type=float, default=3.0,
@@ -275,7 +297,7 @@ def main():
     a = ap.parse_args()
     link = rate(a.rate)
     cut_bytes = int(size(a.fill) * 0.4)
-    ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate)
+    ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate, "--mtu", a.mtu)
     img = ferry("lab", "image").split("guest image: ")[1].split(" ")[0]
     rows = []
     # Ferry: there and back, the way back with a cut
@@ -285,6 +307,8 @@ def main():
     at = "host1"
     cases = [("no", None)] + [("held", None)] * a.trials + [("restored", ra)] * a.trials
     for option, label in (("multichannel", "ferry multichannel"), ("mptcp", "ferry mptcp")):
+        if a.only not in label:
+            continue
         for how, restore in cases:
             to = "host2" if at == "host1" else "host1"
             rows.append((label, 2, how, ferry_move("alt", to, cut_bytes if how != "no" else 0, link, option, restore)))
@@ -295,6 +319,8 @@ def main():
     for kind, label, nics in (("tcp", "qemu tcp (one NIC)", 1), ("ecmp", "qemu multifd / ecmp team", 2),
                               ("ab", "qemu multifd / active-backup team", 2),
                               ("mptcp", "qemu multifd / mptcp", 2)):
+        if a.only not in label:
+            continue
         team = {"tcp": "none", "ecmp": "ecmp", "ab": "active-backup", "mptcp": "mptcp"}[kind]
         out = ferry("lab", "team", team)
         a.team = dict(l.split(": migrate to ") for l in out.strip().splitlines() if ": migrate to " in l)

@@ -757,7 +757,17 @@ impl Spliced {
                 continue;
             }
             let since = *w.lacking_since.get_or_insert(now);
-            if now - since >= REJOIN_AFTER && w.last_rejoin.is_none_or(|t| now - t >= REJOIN_EVERY)
+            // the path watcher saw this link come back: no need to wait
+            let at_once = missing
+                && std::mem::take(
+                    &mut lock(&self.inner.paths)
+                        .entry(nic.clone())
+                        .or_default()
+                        .rejoin_now,
+                );
+            if at_once
+                || (now - since >= REJOIN_AFTER
+                    && w.last_rejoin.is_none_or(|t| now - t >= REJOIN_EVERY))
             {
                 w.last_rejoin = Some(now);
                 w.rejoins += 1;

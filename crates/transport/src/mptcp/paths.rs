@@ -55,7 +55,9 @@ pub fn silent_limit(sf: &Subflow) -> Duration {
 /// acknowledged more recently than `sf`'s own limit, or has nothing out.
 pub fn silent_among(sf: &Subflow, others: &[&Subflow]) -> bool {
     let limit = silent_limit(sf).as_millis() as u32;
-    sf.unacked > 0
+    // no round trip measured yet: a join still in its handshake, not a path that died
+    sf.rtt_us > 0
+        && sf.unacked > 0
         && sf.last_ack_ms >= limit
         && others
             .iter()
@@ -278,6 +280,9 @@ pub(super) struct PathState {
     pub withdrawn: bool,
     /// The last reading found a subflow on it.
     pub carried: bool,
+    /// Its link came back: have it joined at once (the source asks the
+    /// target to announce its address; a source cannot take joins).
+    pub rejoin_now: bool,
 }
 
 /// Whether a NIC's link is up: running (carrier) and holding its address.
@@ -397,6 +402,9 @@ impl Spliced {
                     }
                     continue;
                 }
+                if running && was == Some(false) {
+                    st.rejoin_now = true;
+                }
                 if running && st.withdrawn {
                     match add_endpoint(nic, *addr) {
                         Ok(()) => st.withdrawn = false,
@@ -423,8 +431,9 @@ impl Spliced {
                         let others: Vec<&Subflow> = sfs.iter().filter(|o| *o != sf).collect();
                         if silent_among(sf, &others) {
                             let _ = destroy_subflow(sf.local, sf.remote);
-                            st.removed = true;
-                            changes.push((nic.clone(), "removed", silence_reason(sf)));
+                            if !std::mem::replace(&mut st.removed, true) {
+                                changes.push((nic.clone(), "removed", silence_reason(sf)));
+                            }
                         }
                     }
                 }
@@ -592,6 +601,11 @@ mod tests {
         assert!(!silent_among(&dead, &[&blocked]));
         // alone: nothing to compare with; the session's stall check covers it
         assert!(!silent_among(&dead, &[]));
+        // a join still in its handshake has no round trip yet: not a dead path
+        assert!(!silent_among(
+            &sf("198.18.2.11:40002", 1, 2_000_000, 0),
+            &[&live]
+        ));
         // a slow path is given three of its round trips
         let slow = sf("198.18.2.11:40000", 30, 250, 100_000);
         assert_eq!(silent_limit(&slow), Duration::from_millis(204));
