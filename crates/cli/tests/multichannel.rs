@@ -217,7 +217,7 @@ fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
     let cut_at = std::cell::Cell::new(0u64);
     let r = move_with("mp1", "host1", "mptcp", 150 << 20, || {
         ferry_ok(&["lab", "link", "host2", "nic2", "down"]);
-        cut_at.set(unix_ms());
+        cut_at.set(ferry_api::util::now_ms());
     });
     ferry_ok(&["lab", "link", "host2", "nic2", "up"]);
     assert_eq!(r["event"], "completed", "{r}");

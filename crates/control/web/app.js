@@ -183,6 +183,7 @@ async function moveVm(vm, to) {
     await stream(`/api/v1/vms/${vm}/move`, { to }, (ev) => {
       m.events.push(ev);
       if (ev.event === "step") status.textContent = `${vm} → ${to}: ${ev.step} — ${ev.detail}`;
+      if (ev.event === "path") status.textContent = `${vm} → ${to}: ${ev.nic} ${ev.action} — ${ev.reason}`;
       if (ev.event === "progress") {
         const pct = ev.total ? ((100 * ev.transferred) / ev.total).toFixed(0) : "?";
         status.textContent = `${vm} → ${to}: ${ev.phase} ${mib(ev.transferred)} moved (${pct}%), ${((ev.throughput * 8) / 1e6).toFixed(0)} Mbit/s`;

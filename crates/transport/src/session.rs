@@ -686,7 +686,7 @@ impl Session {
 
     fn path_change(&self, nic: &str, action: &str, reason: String) {
         lock(&self.inner.changes).push(ferry_api::types::PathChange {
-            at_unix_ms: crate::mptcp::paths::now_unix_ms(),
+            at_unix_ms: ferry_api::util::now_ms(),
             nic: nic.to_string(),
             action: action.into(),
             reason,

@@ -553,11 +553,3 @@ pub fn seq_past(host: &str, vm: &str, after: u64) -> u64 {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
-
-/// Now, ms since the Unix epoch (the agents' event times are on the same clock).
-pub fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}

@@ -1071,18 +1071,8 @@ mod tests {
 
     #[test]
     fn a_subflow_waiting_on_an_ack_with_data_out_is_stalled() {
-        let sf = |unacked, last_ack_ms| Subflow {
-            local: "198.18.2.11:40000".parse().unwrap(),
-            remote: "198.18.2.12:7500".parse().unwrap(),
-            bytes_acked: 1,
-            unacked,
-            last_ack_ms,
-            last_sent_ms: 0,
-            last_recv_ms: 0,
-            rtt_us: 0,
-            rto_us: 0,
-            backoff: 0,
-        };
+        let sf =
+            |unacked, last_ack_ms| Subflow::sample("198.18.2.11:40000", unacked, last_ack_ms, 0);
         assert!(sf(10, 1500).stalled());
         // idle: nothing outstanding, however long ago the last ACK came
         assert!(!sf(0, 60_000).stalled());

@@ -65,8 +65,15 @@ pub fn announce(nic: &str, addr: IpAddr) -> Result<(), String> {
     add_endpoint(nic, addr)
 }
 
+/// Whether a NIC's link is up: administratively up with a carrier (the
+/// kernel's `IFF_UP` and `carrier`; `operstate` says `unknown` for some
+/// drivers and for loopback).
 pub(super) fn link_up(nic: &str) -> bool {
-    std::fs::read_to_string(format!("/sys/class/net/{nic}/operstate"))
-        .map(|s| s.trim() == "up")
-        .unwrap_or(false)
+    let read = |what: &str| std::fs::read_to_string(format!("/sys/class/net/{nic}/{what}"));
+    let up = read("flags")
+        .ok()
+        .and_then(|f| u32::from_str_radix(f.trim().trim_start_matches("0x"), 16).ok())
+        .is_some_and(|f| f & super::paths::IFF_UP != 0);
+    // reading `carrier` fails while the NIC is administratively down
+    up && read("carrier").is_ok_and(|c| c.trim() == "1")
 }

@@ -29,7 +29,7 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 pub use ferry_api::types::PathChange;
 
@@ -76,13 +76,6 @@ pub fn silence_reason(sf: &Subflow) -> String {
     )
 }
 
-pub(crate) fn now_unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 /// One change netlink announced.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NetEvent {
@@ -108,7 +101,7 @@ const IFINFOMSG: usize = 16;
 const IFADDRMSG: usize = 8;
 const IFA_ADDRESS: u16 = 1;
 const IFA_LOCAL: u16 = 2;
-const IFF_UP: u32 = 0x1;
+pub(super) const IFF_UP: u32 = 0x1;
 const IFF_LOWER_UP: u32 = 0x10000;
 
 fn align4(n: usize) -> usize {
@@ -285,7 +278,7 @@ pub(super) struct PathState {
     pub rejoin_now: bool,
 }
 
-/// Whether a NIC's link is up: running (carrier) and holding its address.
+/// Whether a NIC's link is up ([`link_up`]) and it holds its address.
 pub(super) fn nic_running(nic: &str, addr: IpAddr) -> bool {
     link_up(nic) && has_address(nic, addr)
 }
@@ -442,7 +435,7 @@ impl Spliced {
         if changes.is_empty() {
             return;
         }
-        let at = now_unix_ms();
+        let at = ferry_api::util::now_ms();
         let mut log = lock(&self.inner.changes);
         for (nic, action, reason) in changes {
             tracing::info!(%nic, action, %reason, side, "MPTCP path");
@@ -575,18 +568,7 @@ mod tests {
     }
 
     fn sf(local: &str, unacked: u32, last_ack_ms: u32, rtt_us: u32) -> Subflow {
-        Subflow {
-            local: local.parse().unwrap(),
-            remote: "198.18.2.12:7500".parse().unwrap(),
-            bytes_acked: 1,
-            unacked,
-            last_ack_ms,
-            last_sent_ms: 0,
-            last_recv_ms: 0,
-            rtt_us,
-            rto_us: 204_000,
-            backoff: 0,
-        }
+        Subflow::sample(local, unacked, last_ack_ms, rtt_us)
     }
 
     #[test]

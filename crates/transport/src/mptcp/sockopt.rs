@@ -65,6 +65,26 @@ impl Subflow {
     }
 }
 
+#[cfg(test)]
+impl Subflow {
+    /// A subflow from `local` to the target's 198.18.2.12:7500 with these
+    /// readings, for tests.
+    pub(super) fn sample(local: &str, unacked: u32, last_ack_ms: u32, rtt_us: u32) -> Subflow {
+        Subflow {
+            local: local.parse().expect("a socket address"),
+            remote: SocketAddr::from(([198, 18, 2, 12], 7500)),
+            bytes_acked: 1,
+            unacked,
+            last_ack_ms,
+            last_sent_ms: 0,
+            last_recv_ms: 0,
+            rtt_us,
+            rto_us: 204_000,
+            backoff: 0,
+        }
+    }
+}
+
 pub(super) fn sockaddr_v4(b: &[u8]) -> Option<SocketAddr> {
     let family = u16::from_ne_bytes([b[0], b[1]]);
     if family != libc::AF_INET as u16 {
