@@ -85,6 +85,8 @@ pub enum TeamArg {
 pub enum LinkState {
     Up,
     Down,
+    /// The switch stops forwarding the port; both ends keep their carrier.
+    Silent,
 }
 
 #[derive(Args, Clone)]
@@ -148,9 +150,13 @@ pub async fn run(cli: &Cli, cmd: &LabCmd) -> anyhow::Result<i32> {
         }
         LabCmd::Link { host, nic, state } => {
             let spec = LabDir::default_path().load_spec()?;
-            let up = matches!(state, LinkState::Up);
-            net::set_link(&spec, host, nic, up)?;
-            println!("{host} {nic}: link {}", if up { "up" } else { "down" });
+            let said = match state {
+                LinkState::Up => net::set_link(&spec, host, nic, true).map(|_| "up"),
+                LinkState::Down => net::set_link(&spec, host, nic, false).map(|_| "down"),
+                LinkState::Silent => net::set_link_silent(&spec, host, nic)
+                    .map(|_| "cut beyond the NIC (carrier kept)"),
+            }?;
+            println!("{host} {nic}: link {said}");
             Ok(0)
         }
         LabCmd::Mtu { host, nic, mtu } => {

@@ -178,7 +178,8 @@ fn losing_every_nic_leaves_the_guest_on_the_source() {
 /// manager alone would never retry it), a NIC cut mid-move has its subflow
 /// removed within 0.5 s and the move completes, sealed clusters refuse the clear
 /// kind, and losing every NIC leaves the guest on the source; then
-/// `mptcp-relay` moves it back.
+/// `mptcp-relay` moves it; last, a cut beyond the NICs (carriers kept) is
+/// found by the source's silence rule within 1 s and the move completes.
 #[test]
 #[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
@@ -264,6 +265,30 @@ fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
     assert_eq!(r["event"], "completed", "{r}");
     assert_eq!(r["data_path"], "ferry-mptcp-relay", "{r}");
     assert_intact_on("mp1", "host2");
+
+    // a cut neither host sees (the target's switch port stops forwarding,
+    // every carrier stays up): the source finds the subflow silent while the
+    // other is acknowledged, drops it, and the move completes over the other
+    let cut_at = std::cell::Cell::new(0u64);
+    let r = move_with("mp1", "host1", "mptcp", 150 << 20, || {
+        ferry_ok(&["lab", "link", "host1", "nic2", "silent"]);
+        cut_at.set(ferry_api::util::now_ms());
+    });
+    ferry_ok(&["lab", "link", "host1", "nic2", "up"]);
+    assert_eq!(r["event"], "completed", "{r}");
+    let nic2 = nic("host2", 2);
+    let removed = r["path_changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["nic"] == nic2.as_str() && c["action"] == "removed")
+        .unwrap_or_else(|| panic!("no removal of {nic2}'s silent subflow: {r}"));
+    let after = removed["at_unix_ms"].as_u64().unwrap() as i64 - cut_at.get() as i64;
+    assert!(
+        removed["reason"].as_str().unwrap().contains("no ACK") && after <= 1000,
+        "{nic2}'s subflow removed {after} ms after the cut: {removed}"
+    );
+    assert_intact_on("mp1", "host1");
 }
 
 /// `--option compression` on a link shaped so it is the bottleneck: a guest

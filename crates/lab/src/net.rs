@@ -309,14 +309,32 @@ pub fn set_link(spec: &LabSpec, host: &str, nic: &str, up: bool) -> Result<(), L
         return ip(&["link", "set", &mgmt_port(i), if up { "up" } else { "down" }]).map(|_| ());
     }
     let (i, k) = locate(spec, host, nic)?;
+    let port = switch_port(i, k);
+    if up {
+        // back in its bridge too, after a silent cut
+        return in_ns(
+            &fabric_ns(k),
+            &["link", "set", &port, "master", "br0", "up"],
+        )
+        .map(|_| ());
+    }
+    in_ns(&fabric_ns(k), &["link", "set", &port, "down"]).map(|_| ())
+}
+
+/// Cuts a host NIC's path where neither host can see it: the switch stops
+/// forwarding its port (taken out of the fabric's bridge) while both ends
+/// keep their carrier, as a failed switch or a cut further on would.
+/// [`set_link`] up restores it.
+pub fn set_link_silent(spec: &LabSpec, host: &str, nic: &str) -> Result<(), LabError> {
+    if nic == "mgmt0" {
+        return Err(LabError::Invalid(
+            "a silent cut is for migration NICs; cut mgmt0 with 'down'".into(),
+        ));
+    }
+    let (i, k) = locate(spec, host, nic)?;
     in_ns(
         &fabric_ns(k),
-        &[
-            "link",
-            "set",
-            &switch_port(i, k),
-            if up { "up" } else { "down" },
-        ],
+        &["link", "set", &switch_port(i, k), "nomaster"],
     )
     .map(|_| ())
 }

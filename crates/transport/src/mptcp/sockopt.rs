@@ -68,7 +68,7 @@ impl Subflow {
 #[cfg(test)]
 impl Subflow {
     /// A subflow from `local` to the target's 198.18.2.12:7500 with these
-    /// readings, for tests.
+    /// readings (its last data sent when its last ACK came), for tests.
     pub(super) fn sample(local: &str, unacked: u32, last_ack_ms: u32, rtt_us: u32) -> Subflow {
         Subflow {
             local: local.parse().expect("a socket address"),
@@ -76,7 +76,7 @@ impl Subflow {
             bytes_acked: 1,
             unacked,
             last_ack_ms,
-            last_sent_ms: 0,
+            last_sent_ms: last_ack_ms,
             last_recv_ms: 0,
             rtt_us,
             rto_us: 204_000,
