@@ -254,6 +254,14 @@ pub fn destroy_subflow(local: SocketAddr, remote: SocketAddr) -> Result<(), Stri
     ferry_api::util::run_command("ss", &["-K", "-t", "-H", "src", &src, "dst", &dst]).map(|_| ())
 }
 
+fn drop_subflow(nic: &str, sf: &Subflow) {
+    if let Err(e) = destroy_subflow(sf.local, sf.remote) {
+        // the kernel's own retransmission timer will move its data, later
+        tracing::warn!(%nic, local = %sf.local, remote = %sf.remote, error = %e,
+            "destroying a dead subflow failed");
+    }
+}
+
 /// Deletes the path-manager endpoint of `addr`, if there is one: the kernel
 /// closes the subflows from it and tells peers (RM_ADDR).
 pub fn withdraw(addr: IpAddr) -> Result<(), String> {
@@ -386,7 +394,7 @@ impl Spliced {
                     let mut had = false;
                     for sf in flows.iter().flat_map(|(_, sfs)| sfs.iter().filter(mine)) {
                         had = true;
-                        let _ = destroy_subflow(sf.local, sf.remote);
+                        drop_subflow(nic, sf);
                     }
                     if let Err(e) = withdraw(*addr) {
                         tracing::warn!(%nic, error = %e, "withdrawing the MPTCP endpoint failed");
@@ -426,7 +434,7 @@ impl Spliced {
                     for sf in sfs.iter().filter(mine) {
                         let others: Vec<&Subflow> = sfs.iter().filter(|o| *o != sf).collect();
                         if silent_among(sf, &others) {
-                            let _ = destroy_subflow(sf.local, sf.remote);
+                            drop_subflow(nic, sf);
                             if !std::mem::replace(&mut st.removed, true) {
                                 changes.push((nic.clone(), "removed", silence_reason(sf)));
                             }
