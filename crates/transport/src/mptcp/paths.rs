@@ -53,15 +53,18 @@ pub fn silent_limit(sf: &Subflow) -> Duration {
 /// Whether `sf` is silent while `others` (the same connection's other
 /// subflows) show the connection itself is alive: one of them was
 /// acknowledged more recently than `sf`'s own limit, or has nothing out.
-/// Silent: data outstanding, and neither an ACK received nor new data sent
-/// for the limit — a subflow that was idle and has just been given data
-/// has not waited a round trip yet, however old its last ACK.
+/// Silent: data outstanding, no ACK for the limit, and either nothing sent
+/// for the limit either or the retransmission timer already fired unanswered
+/// (its retransmissions count as sends) — a subflow that was idle and has
+/// just been given data has not waited a round trip yet, however old its
+/// last ACK.
 pub fn silent_among(sf: &Subflow, others: &[&Subflow]) -> bool {
     let limit = silent_limit(sf).as_millis() as u32;
     // no round trip measured yet: a join still in its handshake, not a path that died
     sf.rtt_us > 0
         && sf.unacked > 0
-        && sf.last_ack_ms.min(sf.last_sent_ms) >= limit
+        && sf.last_ack_ms >= limit
+        && (sf.last_sent_ms >= limit || sf.backoff > 0)
         && others
             .iter()
             .any(|o| o.local.ip() != sf.local.ip() && (o.last_ack_ms < limit || o.unacked == 0))
@@ -600,6 +603,12 @@ mod tests {
             ..sf("198.18.2.11:40000", 10, 5_000, 2_000)
         };
         assert!(!silent_among(&woken, &[&live]));
+        // retransmitting into a dead path: its timer fired, no ACK came
+        let retrying = Subflow {
+            backoff: 1,
+            ..woken.clone()
+        };
+        assert!(silent_among(&retrying, &[&live]));
         // a join still in its handshake has no round trip yet: not a dead path
         assert!(!silent_among(
             &sf("198.18.2.11:40002", 1, 2_000_000, 0),
