@@ -173,6 +173,29 @@ fn losing_every_nic_leaves_the_guest_on_the_source() {
     assert_intact_on("mc3", "host3");
 }
 
+/// Moves `vm` to `to` with `mptcp`, running `ferry lab link HOST NIC HOW`
+/// (`cut`) once 150 MiB have moved and putting the link back after. The move
+/// must complete; returns its report, the first `removed` path change of the
+/// source's NIC `nic`, and how many ms after the cut that change came.
+fn mptcp_move_with_cut(vm: &str, to: &str, cut: [&str; 3], nic: &str) -> (Value, Value, i64) {
+    let cut_at = std::cell::Cell::new(0u64);
+    let r = move_with(vm, to, "mptcp", 150 << 20, || {
+        ferry_ok(&["lab", "link", cut[0], cut[1], cut[2]]);
+        cut_at.set(ferry_api::util::now_ms());
+    });
+    ferry_ok(&["lab", "link", cut[0], cut[1], "up"]);
+    assert_eq!(r["event"], "completed", "{r}");
+    let removed = r["path_changes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["nic"] == nic && c["action"] == "removed")
+        .cloned()
+        .unwrap_or_else(|| panic!("no removal of {nic}'s subflow reported: {r}"));
+    let after = removed["at_unix_ms"].as_u64().unwrap() as i64 - cut_at.get() as i64;
+    (r, removed, after)
+}
+
 /// `--option mptcp` (QEMU handed the MPTCP socket): a NIC whose link is
 /// down when the move starts joins once it returns (the in-kernel path
 /// manager alone would never retry it), a NIC cut mid-move has its subflow
@@ -215,21 +238,8 @@ fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
     // one NIC of the source cut mid-move and kept down: the agent removes its
     // subflow at once (the kernel alone would wait out its retransmission
     // timers), the move completes over the other, and the report says when
-    let cut_at = std::cell::Cell::new(0u64);
-    let r = move_with("mp1", "host1", "mptcp", 150 << 20, || {
-        ferry_ok(&["lab", "link", "host2", "nic2", "down"]);
-        cut_at.set(ferry_api::util::now_ms());
-    });
-    ferry_ok(&["lab", "link", "host2", "nic2", "up"]);
-    assert_eq!(r["event"], "completed", "{r}");
     let nic2 = nic("host2", 2);
-    let removed = r["path_changes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["nic"] == nic2.as_str() && c["action"] == "removed")
-        .unwrap_or_else(|| panic!("no removal of {nic2}'s subflow reported: {r}"));
-    let after = removed["at_unix_ms"].as_u64().unwrap() as i64 - cut_at.get() as i64;
+    let (r, removed, after) = mptcp_move_with_cut("mp1", "host1", ["host2", "nic2", "down"], &nic2);
     assert!(
         after <= 500,
         "{nic2}'s subflow removed {after} ms after the cut: {removed}"
@@ -269,21 +279,8 @@ fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
     // a cut neither host sees (the target's switch port stops forwarding,
     // every carrier stays up): the source finds the subflow silent while the
     // other is acknowledged, drops it, and the move completes over the other
-    let cut_at = std::cell::Cell::new(0u64);
-    let r = move_with("mp1", "host1", "mptcp", 150 << 20, || {
-        ferry_ok(&["lab", "link", "host1", "nic2", "silent"]);
-        cut_at.set(ferry_api::util::now_ms());
-    });
-    ferry_ok(&["lab", "link", "host1", "nic2", "up"]);
-    assert_eq!(r["event"], "completed", "{r}");
-    let nic2 = nic("host2", 2);
-    let removed = r["path_changes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["nic"] == nic2.as_str() && c["action"] == "removed")
-        .unwrap_or_else(|| panic!("no removal of {nic2}'s silent subflow: {r}"));
-    let after = removed["at_unix_ms"].as_u64().unwrap() as i64 - cut_at.get() as i64;
+    let (_, removed, after) =
+        mptcp_move_with_cut("mp1", "host1", ["host1", "nic2", "silent"], &nic2);
     assert!(
         removed["reason"].as_str().unwrap().contains("no ACK") && after <= 1000,
         "{nic2}'s subflow removed {after} ms after the cut: {removed}"
