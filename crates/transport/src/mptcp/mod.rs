@@ -618,13 +618,18 @@ impl Spliced {
     /// One reading of the subflows of every open stream and of every NIC's
     /// link, for [`Spliced::stats`] and [`Spliced::due_rejoins`] alike.
     fn read(&self) -> Reading {
-        let flows = lock(&self.inner.streams)
+        let flows = self.open_flows();
+        let links = self.inner.nics.iter().map(|(n, _)| link_up(n)).collect();
+        Reading { flows, links }
+    }
+
+    /// The subflows of every open stream, by stream index.
+    fn open_flows(&self) -> Vec<(u16, Vec<Subflow>)> {
+        lock(&self.inner.streams)
             .iter()
             .filter(|s| s.open.load(Ordering::Relaxed))
             .filter_map(|s| Some((s.index, subflows(s.net.as_raw_fd()).ok()?)))
-            .collect();
-        let links = self.inner.nics.iter().map(|(n, _)| link_up(n)).collect();
-        Reading { flows, links }
+            .collect()
     }
 
     /// [`Spliced::stats`] and [`Spliced::due_rejoins`] from one reading:

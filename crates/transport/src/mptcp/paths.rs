@@ -359,11 +359,7 @@ impl Spliced {
     }
 
     fn look(&self, source: bool, side: &str) {
-        let flows: Vec<(u16, Vec<Subflow>)> = lock(&self.inner.streams)
-            .iter()
-            .filter(|s| s.open.load(Ordering::Relaxed))
-            .filter_map(|s| Some((s.index, subflows(s.net.as_raw_fd()).ok()?)))
-            .collect();
+        let flows = self.open_flows();
         let mut changes = Vec::new();
         {
             let mut paths = lock(&self.inner.paths);
