@@ -10,7 +10,9 @@
 //! - every heartbeat: each VM to the hosts that list it (running, or a
 //!   skeleton), plus moves still running; a host that does not answer keeps
 //!   what it had, so a host that is merely slow to answer loses nothing.
-//!   A VM no host lists any more is forgotten.
+//!   A VM no host lists any more is forgotten. A grant made after the
+//!   heartbeat asked the hosts stands until a later heartbeat: the answers
+//!   cannot list a VM whose QEMU was not started when they were given.
 //!
 //! Grants are pushed only when they change (and all at once after a start
 //! of the control service); the nodes keep them on disk.
@@ -30,6 +32,8 @@ pub type Moving = std::sync::Mutex<Grants>;
 pub struct Access {
     /// What every node was last told (as far as this control instance knows).
     pushed: std::sync::Mutex<Grants>,
+    /// When each VM's grant was last pushed by [`Control::grant`].
+    granted_at: std::sync::Mutex<BTreeMap<String, std::time::Instant>>,
     moving: std::sync::Arc<Moving>,
 }
 
@@ -62,6 +66,24 @@ pub fn desired(hosts: &[HostEntry], before: &Grants, moving: &Grants) -> Grants 
     out
 }
 
+/// Grants no heartbeat may take away: moves running, and grants pushed
+/// (`recent`, already limited to those made since the hosts were asked).
+fn standing(
+    moving: &Grants,
+    before: &Grants,
+    recent: &BTreeMap<String, std::time::Instant>,
+) -> Grants {
+    let mut out = moving.clone();
+    for vm in recent.keys() {
+        if let Some(hs) = before.get(vm) {
+            out.entry(vm.clone())
+                .or_default()
+                .extend(hs.iter().cloned());
+        }
+    }
+    out
+}
+
 impl Control {
     /// Tells every storage node which hosts may open `vm`'s exports; an
     /// unreachable node fails it (a VM must not start without its disks).
@@ -82,6 +104,7 @@ impl Control {
         } else {
             pushed.insert(vm.into(), hosts);
         }
+        lock(&self.access.granted_at).insert(vm.into(), std::time::Instant::now());
         Ok(())
     }
 
@@ -112,13 +135,19 @@ impl Control {
         std::sync::Arc::downgrade(&self.access.moving)
     }
 
-    /// One heartbeat's share: pushes the grants that changed.
-    pub(crate) async fn sync_access(&self, hosts: &[HostEntry]) {
+    /// One heartbeat's share: pushes the grants that changed. `asked` is
+    /// when the hosts were asked for `hosts`; grants made since then stand.
+    pub(crate) async fn sync_access(&self, hosts: &[HostEntry], asked: std::time::Instant) {
         if self.storage.is_empty() {
             return;
         }
         let before = lock(&self.access.pushed).clone();
-        let want = desired(hosts, &before, &lock(&self.access.moving).clone());
+        let keep = {
+            let mut at = lock(&self.access.granted_at);
+            at.retain(|_, t| *t >= asked);
+            standing(&lock(&self.access.moving), &before, &at)
+        };
+        let want = desired(hosts, &before, &keep);
         let vms: BTreeSet<&String> = before.keys().chain(want.keys()).collect();
         for vm in vms {
             let w = want.get(vm).cloned().unwrap_or_default();
@@ -192,5 +221,24 @@ mod tests {
         let d = desired(&hosts, &before, &Grants::new());
         assert!(!d.contains_key("a"));
         assert_eq!(d["b"], set(&["h2"]));
+    }
+
+    #[test]
+    fn a_grant_newer_than_the_hosts_answers_stands() {
+        // `vm create` granted d to h1 while the heartbeat's answers (which
+        // cannot list d yet) were on their way
+        let before: Grants = [
+            ("a".to_string(), set(&["h1"])),
+            ("d".to_string(), set(&["h1"])),
+        ]
+        .into();
+        let hosts = [host("h1", true, &["a"])];
+        let recent = [("d".to_string(), std::time::Instant::now())].into();
+        let keep = standing(&Grants::new(), &before, &recent);
+        let d = desired(&hosts, &before, &keep);
+        assert_eq!(d["d"], set(&["h1"]));
+        // the next heartbeat (asked after the grant) does not list d: revoked
+        let keep = standing(&Grants::new(), &before, &BTreeMap::new());
+        assert!(!desired(&hosts, &before, &keep).contains_key("d"));
     }
 }

@@ -277,9 +277,10 @@ impl Control {
         if let Err(e) = self.reload().await {
             tracing::warn!("control state: {e}");
         }
+        let asked = std::time::Instant::now();
         let hosts = self.list_hosts().await;
         self.align_bandwidth(&hosts).await;
-        self.sync_access(&hosts).await;
+        self.sync_access(&hosts, asked).await;
         self.log_pauses(&hosts);
         {
             let mut down = lock(&self.down);
