@@ -21,6 +21,7 @@ pub mod client;
 pub mod drain;
 pub mod error;
 pub mod hardware;
+pub mod rolling;
 pub mod server;
 pub mod size;
 pub mod storage;

@@ -3,6 +3,8 @@
 use std::time::Duration;
 
 use clap::{Subcommand, ValueEnum};
+use ferry_api::drain::MigrationLimit;
+use ferry_api::rolling::RollingRequest;
 use ferry_api::{ClusterSettings, ClusterSettingsUpdate};
 
 use crate::output::print_json;
@@ -83,6 +85,39 @@ pub enum ClusterCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Maintenance of every host in turn: drain a host, keep it in
+    /// maintenance (it takes no VMs) until `ferry host resume HOST` or the
+    /// hook says it is healthy, then the next. The control service runs it:
+    /// interrupting this command (or restarting the control service) loses
+    /// nothing; run it again to follow the run. Exit status 0 when every
+    /// host is done.
+    DrainRolling {
+        /// Hosts in the order to drain them, comma separated (default: all).
+        #[arg(long, value_delimiter = ',')]
+        hosts: Vec<String>,
+        /// Hosts draining or in maintenance at once (hosts down or drained
+        /// by hand count too).
+        #[arg(long, default_value_t = 1)]
+        max_hosts_down: u32,
+        /// Simultaneous migrations of each drain: auto or 1..16.
+        #[arg(long)]
+        max_parallel: Option<String>,
+        #[arg(long, value_enum)]
+        option: Option<crate::vm_cmd::OptionArg>,
+        /// A command the control service runs (sh -c, FERRY_HOST set) while
+        /// a host is in maintenance; exit status 0 resumes the host.
+        #[arg(long)]
+        hook: Option<String>,
+        /// Show the run (the last one if none runs) and exit.
+        #[arg(long, conflicts_with = "stop")]
+        status: bool,
+        /// Stop the run: no further host starts draining.
+        #[arg(long)]
+        stop: bool,
+        /// Print the run's status as JSON when it ends.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
@@ -112,6 +147,28 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
             println!("wrote {} ({} {name})", out.display(), req.role);
             return Ok(0);
         }
+        ClusterCmd::DrainRolling {
+            hosts,
+            max_hosts_down,
+            max_parallel,
+            option,
+            hook,
+            status,
+            stop,
+            json,
+        } => {
+            let req = RollingRequest {
+                hosts: hosts.clone(),
+                max_hosts_down: *max_hosts_down,
+                max_parallel: max_parallel
+                    .as_deref()
+                    .map(|m| MigrationLimit::parse("--max-parallel", m))
+                    .transpose()?,
+                option: option.map(Into::into),
+                hook: hook.clone(),
+            };
+            return crate::rolling::run(&cli.client()?, req, *status, *stop, *json).await;
+        }
         _ => {}
     }
     let c = cli.client()?;
@@ -126,7 +183,11 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
             (c.put("/cluster", &u, T).await?, *json)
         }
         ClusterCmd::Show { json } => (c.get("/cluster", T).await?, *json),
-        ClusterCmd::Init { .. } | ClusterCmd::IssueCert { .. } => unreachable!("handled above"),
+        ClusterCmd::Init { .. }
+        | ClusterCmd::IssueCert { .. }
+        | ClusterCmd::DrainRolling { .. } => {
+            unreachable!("handled above")
+        }
     };
     if json {
         print_json(&s);

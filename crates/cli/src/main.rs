@@ -13,6 +13,7 @@ mod demo;
 mod host_cmd;
 mod lab_cmd;
 mod output;
+mod rolling;
 mod storage_cmd;
 mod token_cmd;
 mod vm_cmd;

@@ -153,3 +153,159 @@ fn drain_moves_mixed_vms_names_the_unplaceable_and_retries_a_killed_move() {
     ferry_ok(&["host", "resume", "host1"]);
     let _late = VmGuard::create("late", "host1", "256M", "64M");
 }
+
+/// `ferry cluster drain-rolling --status --json`, or None while the control
+/// service does not answer (it is being restarted).
+fn rolling_status() -> Option<Value> {
+    let out = ferry(&["cluster", "drain-rolling", "--status", "--json"]);
+    out.status
+        .success()
+        .then(|| serde_json::from_slice(&out.stdout).ok())
+        .flatten()
+}
+
+fn phase_of<'a>(st: &'a Value, host: &str) -> &'a Value {
+    st["hosts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|h| h["host"] == host)
+        .unwrap()
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
+fn a_rolling_drain_of_three_hosts_survives_a_control_restart() {
+    require_lab();
+    let _g = serial();
+    lab(3, 2);
+    for h in ["host1", "host2", "host3"] {
+        ferry_ok(&["host", "resume", h]);
+    }
+    let _ = ferry(&["cluster", "drain-rolling", "--stop"]);
+    let guests = [
+        ("r1", "host1"),
+        ("r2", "host1"),
+        ("r3", "host2"),
+        ("r4", "host2"),
+        ("r5", "host3"),
+    ];
+    let _vms: Vec<VmGuard> = guests
+        .iter()
+        .map(|(n, h)| VmGuard::create(n, h, "192M", "96M"))
+        .collect();
+
+    // the CLI follows the run; the test plays the administrator
+    let child = Command::new(FERRY)
+        .args([
+            "cluster",
+            "drain-rolling",
+            "--max-parallel",
+            "2",
+            "--option",
+            "tcp",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    let mut restarted = false;
+    let mut resumed = std::collections::BTreeSet::new();
+    let last = loop {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(600),
+            "the rolling drain did not end in 10 min: {:?}",
+            rolling_status()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(250));
+        let Some(st) = rolling_status() else {
+            continue;
+        };
+        if st.is_null() {
+            continue;
+        }
+        let down: Vec<&Value> = st["hosts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|h| h["phase"] == "draining" || h["phase"] == "maintenance")
+            .collect();
+        assert!(down.len() <= 1, "more than one host down at once: {st}");
+        for h in ["host1", "host2", "host3"] {
+            let p = phase_of(&st, h);
+            if p["phase"] == "maintenance" && !resumed.contains(h) {
+                // empty, and taking no VMs, before it is handed back
+                let info = host_info(h);
+                assert_eq!(info["draining"], true, "{info}");
+                let vms = info["info"]["vms"].as_array().unwrap();
+                assert!(vms.is_empty(), "{h} in maintenance still has {vms:?}");
+                ferry_ok(&["host", "resume", h]);
+                resumed.insert(h);
+            }
+        }
+        // the control service dies while host2's drain has moves running
+        let p2 = phase_of(&st, "host2");
+        if !restarted
+            && p2["phase"] == "draining"
+            && p2["progress"]["running"]
+                .as_array()
+                .is_some_and(|r| !r.is_empty())
+        {
+            ferry_ok(&["lab", "restart", "control"]);
+            restarted = true;
+        }
+        if st["state"] != "running" {
+            break st;
+        }
+    };
+    let out = child.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{said}");
+    assert!(restarted, "host2's drain was never seen running: {last}");
+    assert_eq!(last["state"], "done", "{last}");
+    assert_eq!(out.status.code(), Some(0), "{said}");
+    assert!(
+        said.contains("does not answer"),
+        "the CLI did not notice the restart: {said}"
+    );
+    assert_eq!(last["most_down"], 1, "{last}");
+    // host2's drain was started again by the new control service
+    assert!(
+        phase_of(&last, "host2")["drains"].as_u64().unwrap() >= 2,
+        "{last}"
+    );
+    // one host at a time: [draining, done] intervals do not overlap
+    let mut spans: Vec<(u64, u64)> = last["hosts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| {
+            assert_eq!(h["phase"], "done", "{h}");
+            (
+                h["draining_ms"].as_u64().unwrap(),
+                h["done_ms"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    spans.sort();
+    for w in spans.windows(2) {
+        assert!(w[0].1 <= w[1].0, "overlapping maintenance: {last}");
+    }
+    // every guest moved at least once and runs intact where it ended
+    let moved: Vec<&str> = last["hosts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|h| h["moved"].as_array().unwrap())
+        .map(|m| m["vm"].as_str().unwrap())
+        .collect();
+    for (vm, _) in guests {
+        assert!(moved.contains(&vm), "{vm} never moved: {last}");
+        let c = check(vm);
+        assert_eq!(c["running"], true, "{c}");
+        assert_eq!(c["advancing"], true, "{c}");
+        assert_eq!(c["intact"], true, "{c}");
+        assert_eq!(c["errors"], 0, "{c}");
+    }
+}

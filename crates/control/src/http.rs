@@ -39,6 +39,7 @@
 //! | GET/PUT | /qos/settings | Storage(GetSettings / SetSettings) (body: `QosSettings`) |
 //! | GET | /bandwidth | ListBandwidth: the policy, and per host and NIC each class's rate, ceiling and current rate |
 //! | PUT | /bandwidth | SetBandwidth (body: `BandwidthSetRequest`) |
+//! | GET/POST/DELETE | /cluster/rolling | RollingStatus / StartRolling (body: `RollingRequest`) / StopRolling → `RollingStatus` |
 //! | GET/PUT | /cluster | GetCluster / SetCluster (body: `ClusterSettingsUpdate`): cluster-wide settings |
 //! | GET | /events | Events (query `limit`, default 100): the event log, oldest first |
 //! | GET | /tokens | ListTokens |
@@ -370,6 +371,16 @@ pub fn router(control: Arc<Control>) -> Router {
         .route("/validate", post(validate))
         .route("/hosts/{host}/drain", post(drain))
         .route("/hosts/{host}/resume", post(resume))
+        .route(
+            "/cluster/rolling",
+            get(|State(c): S| async move { run(&c, Command::RollingStatus).await })
+                .post(
+                    |State(c): S, ApiJson(r): ApiJson<ferry_api::rolling::RollingRequest>| async move {
+                        run(&c, Command::StartRolling(r)).await
+                    },
+                )
+                .delete(|State(c): S| async move { run(&c, Command::StopRolling).await }),
+        )
         .route("/hosts/{host}/settings", axum::routing::put(set_host))
         .route(
             "/bandwidth",
@@ -433,6 +444,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await?;
     tracing::info!(%listen, "control service serving");
+    control.resume_rolling().await;
     // once a second: heartbeats of the agents, and the cluster-wide storage
     // policy manager
     let manager = {

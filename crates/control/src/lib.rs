@@ -17,6 +17,7 @@ pub mod http;
 pub mod metrics;
 pub mod policy_manager;
 mod resilience;
+pub mod rolling;
 pub mod storage;
 pub mod store;
 pub mod tokens;
@@ -72,6 +73,10 @@ pub enum Command {
     Resume {
         host: String,
     },
+    /// A rolling drain of the cluster (see [`rolling`]).
+    StartRolling(ferry_api::rolling::RollingRequest),
+    RollingStatus,
+    StopRolling,
     SetHost {
         host: String,
         settings: HostSettings,
@@ -118,6 +123,9 @@ impl Command {
             Command::Validate(_) => (Operator, "validate hosts".into()),
             Command::Drain { host, .. } => (Operator, format!("drain host {host}")),
             Command::Resume { host } => (Operator, format!("resume host {host}")),
+            Command::StartRolling(_) => (Operator, "start a rolling drain".into()),
+            Command::RollingStatus => (ReadOnly, "read the rolling drain".into()),
+            Command::StopRolling => (Operator, "stop the rolling drain".into()),
             Command::Storage(crate::storage::StorageCommand::Backup { name, .. }) => {
                 // the storage node writes a file where it is told
                 (Admin, format!("back up disk {name} to a path on its node"))
@@ -185,6 +193,8 @@ pub struct Control {
     pauses: resilience::Logged,
     /// Disks moved between storage nodes (see [`disk_move`]).
     disk_moves: disk_move::DiskMoves,
+    /// The cluster's rolling drain (see [`rolling`]).
+    rolling: rolling::Rolling,
 }
 
 impl Control {
@@ -218,6 +228,7 @@ impl Control {
             access: Default::default(),
             pauses: Default::default(),
             disk_moves: Default::default(),
+            rolling: Default::default(),
             down: Default::default(),
             last_validation: Default::default(),
             draining: Default::default(),
@@ -316,6 +327,16 @@ impl Control {
                 self.log("storage_up", &n.name, serde_json::json!({}));
             }
         }
+    }
+
+    /// The host takes VMs again (ends its maintenance in a rolling drain).
+    pub(crate) async fn resume_host(&self, host: &str) -> Result<serde_json::Value, ApiError> {
+        self.host(host)?;
+        let was = lock(&self.draining).remove(host);
+        self.store.set_draining(host, false).await?;
+        let r = serde_json::json!({ "host": host, "was_draining": was });
+        self.log("resume", host, r.clone());
+        Ok(r)
     }
 
     fn refuse_draining(&self, host: &str) -> Result<(), ApiError> {
@@ -441,14 +462,10 @@ impl Control {
                 let text = metrics::render(&hosts, &flows, &lock(&self.recorder));
                 Ok(Outcome::Text(text))
             }
-            Command::Resume { host } => {
-                self.host(&host)?;
-                let was = lock(&self.draining).remove(&host);
-                self.store.set_draining(&host, false).await?;
-                let r = serde_json::json!({ "host": host, "was_draining": was });
-                self.log("resume", &host, r.clone());
-                value(r)
-            }
+            Command::Resume { host } => value(self.resume_host(&host).await?),
+            Command::StartRolling(req) => value(self.start_rolling(req).await?),
+            Command::RollingStatus => value(self.rolling_status().await?),
+            Command::StopRolling => value(self.stop_rolling().await?),
             Command::ListBandwidth => value(self.list_bandwidth().await?),
             Command::SetBandwidth(req) => value(self.set_bandwidth(req).await?),
             Command::GetCluster => value(self.cluster_settings().await?),
