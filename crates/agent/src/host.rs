@@ -420,6 +420,7 @@ impl Agent {
             problem,
             accel: self.cfg.qemu.accel.clone(),
             storage_pause,
+            migrating: false,
         }
     }
 
@@ -436,16 +437,18 @@ impl Agent {
                         s.doubt.clone(),
                         s.problem.clone(),
                         s.storage_pause.clone(),
+                        s.migrating,
                     )
                 })
                 .collect()
         };
         let mut out = Vec::new();
-        for (spec, role, q, doubt, problem, pause) in slots {
-            out.push(
-                self.vm_info_with(&spec, &role, q.as_ref(), doubt, problem, pause)
-                    .await,
-            );
+        for (spec, role, q, doubt, problem, pause, migrating) in slots {
+            let mut info = self
+                .vm_info_with(&spec, &role, q.as_ref(), doubt, problem, pause)
+                .await;
+            info.migrating = migrating;
+            out.push(info);
         }
         out
     }

@@ -385,6 +385,9 @@ pub struct VmInfo {
     /// the last one (resumed, or the VM stopped), see [`StoragePause`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub storage_pause: Option<StoragePause>,
+    /// A live migration of it runs from this host now.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub migrating: bool,
 }
 
 /// A guest paused because its storage stopped answering (VM storage

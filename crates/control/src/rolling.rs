@@ -46,7 +46,7 @@ pub struct HostView {
     pub memory_free: u64,
     /// Its VMs (name, memory), skeletons of incoming moves left out.
     pub vms: Vec<(String, u64)>,
-    /// A move into it is in flight.
+    /// A move into it or out of it is in flight.
     pub incoming: bool,
 }
 
@@ -67,7 +67,8 @@ impl HostView {
                         .collect()
                 })
                 .unwrap_or_default(),
-            incoming: info.is_some_and(|i| i.vms.iter().any(|v| v.state == "incoming")),
+            incoming: info
+                .is_some_and(|i| i.vms.iter().any(|v| v.state == "incoming" || v.migrating)),
         }
     }
 }
@@ -124,7 +125,7 @@ pub fn next(st: &RollingStatus, view: &[HostView]) -> Next {
     let down = down_now(st, view, Some(&cand.host));
     if down.len() as u32 >= st.request.max_hosts_down {
         return Next::Wait(format!(
-            "{} down ({}); at most {} at once",
+            "{} {} down; at most {} at once",
             down.join(", "),
             if down.len() == 1 { "is" } else { "are" },
             st.request.max_hosts_down
