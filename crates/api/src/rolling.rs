@@ -220,6 +220,13 @@ pub struct RollingStatus {
     /// themselves) seen at once while it ran.
     #[serde(default)]
     pub most_down: u32,
+    /// The control instance carrying the run out, and when it last wrote
+    /// (Unix ms): with several instances on one state, another takes the
+    /// run over once its owner has been silent for a while.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    #[serde(default)]
+    pub owner_ms: u64,
 }
 
 impl RollingStatus {

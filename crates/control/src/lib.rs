@@ -284,7 +284,7 @@ impl Control {
 
     /// One heartbeat round: logs hosts going down or coming back, and takes
     /// up state other control instances wrote.
-    pub async fn heartbeat(&self) {
+    pub async fn heartbeat(self: &Arc<Self>) {
         if let Err(e) = self.reload().await {
             tracing::warn!("control state: {e}");
         }
@@ -292,6 +292,7 @@ impl Control {
         let hosts = self.list_hosts().await;
         self.align_bandwidth(&hosts).await;
         self.sync_access(&hosts, asked).await;
+        self.resume_rolling().await;
         self.log_pauses(&hosts);
         {
             let mut down = lock(&self.down);

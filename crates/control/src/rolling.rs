@@ -7,6 +7,11 @@
 //!   first), so no VM is asked to move twice at once;
 //! - a host in `maintenance` waits to be resumed, as before.
 //!
+//! With several control instances on one state (etcd), one carries the run
+//! out (`owner`, refreshed at every write, at least once a second); another
+//! takes it over when the owner has written nothing for [`ORPHANED`]. A
+//! single instance (SQLite) takes its own run up again at once.
+//!
 //! Which host next, and where its VMs go: the next pending host whose VMs
 //! fit on the hosts that are up and take VMs, preferring hosts already done
 //! (a VM placed on a host still pending would move twice) — so memory on
@@ -34,6 +39,8 @@ pub const KEY: &str = "rolling";
 const TICK: Duration = Duration::from_secs(1);
 const HOOK_EVERY: Duration = Duration::from_secs(3);
 const HOOK_TIMEOUT: Duration = Duration::from_secs(60);
+/// A run whose owner wrote nothing for this long is taken over.
+pub const ORPHANED: Duration = Duration::from_secs(15);
 
 /// A host as the planner sees it.
 #[derive(Debug, Clone, Default)]
@@ -183,12 +190,32 @@ pub fn next(st: &RollingStatus, view: &[HostView]) -> Next {
 
 /// The run as this control instance knows it, and the hosts whose drain
 /// runs in this process.
-#[derive(Default)]
 pub struct Rolling {
+    /// This instance's name as an owner.
+    me: String,
     status: tokio::sync::Mutex<Option<RollingStatus>>,
     active: std::sync::Mutex<BTreeSet<String>>,
     runner: std::sync::atomic::AtomicBool,
     last_hook: std::sync::Mutex<std::collections::BTreeMap<String, std::time::Instant>>,
+}
+
+impl Default for Rolling {
+    fn default() -> Self {
+        Rolling {
+            me: format!(
+                "{}:{}:{}",
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .unwrap_or_default()
+                    .trim(),
+                std::process::id(),
+                now_ms()
+            ),
+            status: Default::default(),
+            active: Default::default(),
+            runner: Default::default(),
+            last_hook: Default::default(),
+        }
+    }
 }
 
 impl Control {
@@ -224,6 +251,8 @@ impl Control {
             ended_ms: None,
             message: None,
             most_down: 0,
+            owner: Some(self.rolling.me.clone()),
+            owner_ms: now_ms(),
         };
         self.store.put_cluster(KEY, &st).await?;
         self.log(
@@ -237,13 +266,20 @@ impl Control {
         Ok(st)
     }
 
-    /// `GET /cluster/rolling`: the run (the last one if none runs).
+    /// `GET /cluster/rolling`: the run (the last one if none runs). Read
+    /// from the durable state unless this instance carries it out.
     pub(crate) async fn rolling_status(&self) -> Result<Option<RollingStatus>, ApiError> {
         let mut cur = self.rolling.status.lock().await;
-        if cur.is_none() {
+        if cur.is_none() || !self.runs_rolling() {
             *cur = self.store.cluster(KEY).await?;
         }
         Ok(cur.clone())
+    }
+
+    fn runs_rolling(&self) -> bool {
+        self.rolling
+            .runner
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// `DELETE /cluster/rolling`: no host starts draining any more; a drain
@@ -261,12 +297,25 @@ impl Control {
         st.ok_or_else(|| ApiError::not_found("rolling drain", "cluster"))
     }
 
-    /// At the service's start: carries on a run the state says is running.
+    /// At the service's start and every heartbeat: carries on a run the
+    /// state says is running when it is this instance's, or no instance
+    /// has written it for [`ORPHANED`], or no other instance can exist.
     pub async fn resume_rolling(self: &Arc<Self>) {
+        if self.runs_rolling() {
+            return;
+        }
         match self.rolling_status().await {
             Ok(Some(st)) if st.state == RollingState::Running => {
-                tracing::info!("carrying on the rolling drain started at {}", st.started_ms);
-                self.clone().spawn_rolling();
+                let mine = st.owner.as_deref() == Some(self.rolling.me.as_str());
+                let silent = now_ms().saturating_sub(st.owner_ms) > ORPHANED.as_millis() as u64;
+                if mine || silent || !self.store.shared() {
+                    tracing::info!(
+                        "carrying on the rolling drain started at {} (owner was {:?})",
+                        st.started_ms,
+                        st.owner
+                    );
+                    self.clone().spawn_rolling();
+                }
             }
             Ok(_) => {}
             Err(e) => tracing::warn!("rolling drain state: {e}"),
@@ -299,6 +348,8 @@ impl Control {
             return Ok(None);
         };
         f(st);
+        st.owner = Some(self.rolling.me.clone());
+        st.owner_ms = now_ms();
         self.store.put_cluster(KEY, &*st).await?;
         Ok(Some(st.clone()))
     }
@@ -641,6 +692,8 @@ mod tests {
             ended_ms: None,
             message: None,
             most_down: 0,
+            owner: None,
+            owner_ms: 0,
         }
     }
 

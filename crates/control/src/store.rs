@@ -102,6 +102,11 @@ impl Store {
         Ok(Store(Backend::Sqlite(Mutex::new(conn))))
     }
 
+    /// Whether other control instances may share this state (etcd).
+    pub fn shared(&self) -> bool {
+        matches!(self.0, Backend::Etcd(_))
+    }
+
     fn sql(m: &Mutex<Connection>) -> std::sync::MutexGuard<'_, Connection> {
         ferry_api::util::lock(m)
     }
