@@ -144,6 +144,8 @@ pub struct Agent {
     pub paths: Arc<crate::probe::PathCache>,
     /// The CPU models QEMU can run here, asked once (see [`crate::hardware`]).
     cpus: tokio::sync::OnceCell<Result<Arc<crate::hardware::CpuCatalog>, String>>,
+    /// Switch-overs seen per target, for the next move's downtime budget.
+    pub switchovers: crate::downtime::Learned,
 }
 
 impl Agent {
@@ -161,6 +163,7 @@ impl Agent {
             guest,
             paths: Default::default(),
             cpus: Default::default(),
+            switchovers: Default::default(),
             journal: crate::commit::Journal::new(&cfg.state_dir),
             live: Default::default(),
             state: Default::default(),

@@ -25,6 +25,7 @@ pub mod classes;
 pub mod commit;
 pub mod convergence;
 pub mod datapath;
+pub mod downtime;
 pub mod failpoint;
 pub mod guest;
 pub mod hardware;

@@ -106,6 +106,7 @@ pub struct DrainedVm {
     pub attempts: u32,
     pub total_ms: u64,
     pub transfer_ms: u64,
+    /// The downtime the guest saw (see `MigrationReport::guest_downtime_ms`).
     pub downtime_ms: u64,
     pub bytes: u64,
 }

@@ -572,9 +572,16 @@ pub struct Convergence {
     /// `None`: post-copy if allowed, else cancel.
     #[serde(default)]
     pub at_expiry: Option<AtExpiry>,
-    /// The downtime target QEMU plans its switch-over for.
+    /// The most downtime the guest may see (QEMU's blackout and the
+    /// switch-over until the target runs it), ms.
     #[serde(default = "default_max_downtime")]
     pub max_downtime_ms: u64,
+    /// Aim below `max_downtime_ms`: the smallest downtime the guest's
+    /// dirtying and the path allow, within a bounded number of extra rounds
+    /// (`--max-downtime auto`, the default). `false`: switch over as soon
+    /// as what remains fits `max_downtime_ms`.
+    #[serde(default = "yes")]
+    pub downtime_auto: bool,
 }
 
 fn yes() -> bool {
@@ -598,6 +605,7 @@ impl Default for Convergence {
             timeout_per_gib_s: default_timeout_per_gib(),
             at_expiry: None,
             max_downtime_ms: default_max_downtime(),
+            downtime_auto: true,
         }
     }
 }
@@ -664,6 +672,8 @@ pub struct ConvergenceChoice {
     pub at_expiry: Option<AtExpiry>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_downtime_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub downtime_auto: Option<bool>,
 }
 
 impl ConvergenceChoice {
@@ -675,6 +685,7 @@ impl ConvergenceChoice {
             timeout_per_gib_s: self.timeout_per_gib_s.or(base.timeout_per_gib_s),
             at_expiry: self.at_expiry.or(base.at_expiry),
             max_downtime_ms: self.max_downtime_ms.or(base.max_downtime_ms),
+            downtime_auto: self.downtime_auto.or(base.downtime_auto),
         }
     }
 
@@ -687,6 +698,7 @@ impl ConvergenceChoice {
             timeout_per_gib_s: self.timeout_per_gib_s.unwrap_or(d.timeout_per_gib_s),
             at_expiry: self.at_expiry,
             max_downtime_ms: self.max_downtime_ms.unwrap_or(d.max_downtime_ms),
+            downtime_auto: self.downtime_auto.unwrap_or(d.downtime_auto),
         };
         c.check()?;
         Ok(c)
@@ -1076,7 +1088,20 @@ pub struct MigrationReport {
     /// the source's clock; QEMU is polled every 100 ms, so up to that is missed).
     pub switchover_ms: u64,
     pub setup_ms: u64,
+    /// QEMU's own downtime figure: from the source's pause to its last byte.
     pub downtime_ms: u64,
+    /// The downtime the guest saw: from the source's pause until the target
+    /// runs it (QEMU's downtime, the target's last load, the commit and RUN).
+    #[serde(default)]
+    pub guest_downtime_ms: u64,
+    /// What the move promised (`max_downtime`), and QEMU's limit at the
+    /// switch-over, with why.
+    #[serde(default)]
+    pub max_downtime_ms: u64,
+    #[serde(default)]
+    pub downtime_limit_ms: u64,
+    #[serde(default)]
+    pub downtime_reason: String,
     pub bytes_transferred: u64,
     /// Average bytes per second over `transfer_ms`.
     pub throughput: f64,

@@ -108,16 +108,19 @@ pub struct ConvergenceArgs {
     /// cancel (default: postcopy when allowed, else cancel).
     #[arg(long, value_enum)]
     at_expiry: Option<ExpiryArg>,
-    /// Downtime target for the switch-over, e.g. 300ms or 1s.
+    /// The most downtime the guest may see, e.g. 100ms or 1s: Ferry keeps
+    /// copying until the switch-over fits it. auto (default): at most 300
+    /// ms, aiming for the smallest the guest's dirtying allows.
     #[arg(long)]
     max_downtime: Option<String>,
 }
 
 impl ConvergenceArgs {
     pub(crate) fn choice(&self) -> Result<ConvergenceChoice, ApiError> {
-        let max_downtime_ms = match &self.max_downtime {
-            None => None,
-            Some(s) => Some(parse_ms("--max-downtime", s)?),
+        let (max_downtime_ms, downtime_auto) = match self.max_downtime.as_deref() {
+            None => (None, None),
+            Some("auto") => (None, Some(true)),
+            Some(s) => (Some(parse_ms("--max-downtime", s)?), Some(false)),
         };
         Ok(ConvergenceChoice {
             throttle: self.throttle.map(|a| a == Allow::Allow),
@@ -129,6 +132,7 @@ impl ConvergenceArgs {
                 ExpiryArg::Cancel => AtExpiry::Cancel,
             }),
             max_downtime_ms,
+            downtime_auto,
         })
     }
 }
@@ -546,15 +550,17 @@ pub async fn move_vm(
 
 pub fn print_report(r: &MigrationReport) {
     println!(
-        "moved {} {} → {} in {:.2} s (running there after {:.2} s, transfer {:.2} s), downtime {} ms (+{} ms switch-over), {} at {} over {}; {} rounds",
+        "moved {} {} → {} in {:.2} s (running there after {:.2} s, transfer {:.2} s), downtime {} ms seen by the guest (QEMU {} ms, then {} ms to run it; at most {} ms asked), {} at {} over {}; {} rounds",
         r.vm,
         r.from,
         r.to,
         r.total_ms as f64 / 1000.0,
         r.running_ms as f64 / 1000.0,
         r.transfer_ms as f64 / 1000.0,
+        r.guest_downtime_ms,
         r.downtime_ms,
-        r.switchover_ms,
+        r.guest_downtime_ms.saturating_sub(r.downtime_ms),
+        r.max_downtime_ms,
         human_bytes(r.bytes_transferred),
         mbit(r.throughput),
         r.data_path,
@@ -565,6 +571,9 @@ pub fn print_report(r: &MigrationReport) {
         .iter()
         .map(|(n, b)| format!("{n} {}", human_bytes(*b)))
         .collect();
+    if !r.downtime_reason.is_empty() {
+        println!("  downtime: {}", r.downtime_reason);
+    }
     println!("  bytes per NIC: {}", per_nic.join(", "));
     if !r.disks.is_empty() {
         let d: Vec<String> = r

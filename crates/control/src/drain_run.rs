@@ -255,7 +255,7 @@ impl Control {
                         attempts: attempt,
                         total_ms: r.total_ms,
                         transfer_ms: r.transfer_ms,
-                        downtime_ms: r.downtime_ms,
+                        downtime_ms: r.guest_downtime_ms.max(r.downtime_ms),
                         bytes: r.bytes_transferred,
                     };
                     let _ = tx.send(DrainEvent::Moved(d.clone())).await;

@@ -61,7 +61,7 @@ impl Recorder {
                 g.state = 1;
                 g.transferred = r.bytes_transferred;
                 g.remaining = 0;
-                g.downtime_ms = Some(r.downtime_ms);
+                g.downtime_ms = Some(r.guest_downtime_ms.max(r.downtime_ms));
             }
             MigrationEvent::Failed { .. } => g.state = 2,
             _ => {}
@@ -241,7 +241,7 @@ pub fn render(hosts: &[HostEntry], flows: &[FlowInfo], rec: &Recorder) -> String
     o.family(
         "ferry_migration_downtime_seconds",
         "gauge",
-        "Downtime of a completed migration",
+        "Downtime the guest saw in a completed migration (QEMU's blackout and the switch-over until the target ran it)",
         mig(&|g| g.downtime_ms.map(|d| d as f64 / 1000.0)),
     );
     let drain = |f: &dyn Fn(&DrainGauge) -> f64| {

@@ -189,7 +189,7 @@ async function moveVm(vm, to) {
         status.textContent = `${vm} → ${to}: ${ev.phase} ${mib(ev.transferred)} moved (${pct}%), ${((ev.throughput * 8) / 1e6).toFixed(0)} Mbit/s`;
       }
       if (ev.event === "completed")
-        status.textContent = `${vm} moved to ${to} in ${(ev.total_ms / 1000).toFixed(1)} s, downtime ${ev.downtime_ms} ms`;
+        status.textContent = `${vm} moved to ${to} in ${(ev.total_ms / 1000).toFixed(1)} s, downtime ${ev.guest_downtime_ms || ev.downtime_ms} ms`;
       if (ev.event === "failed") status.textContent = `${vm} did not move: ${ev.error.message}`;
     });
   } catch (e) {

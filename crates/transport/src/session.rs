@@ -36,7 +36,7 @@ use crate::seal::{Direction, Opener, Sealer};
 /// Bytes queued or unacknowledged per session, in KiB permits. Small on
 /// purpose: what QEMU counts as sent should be close to what has arrived, so
 /// its switch-over planning (and its downtime figure) stay true.
-pub const REPLAY_LIMIT: usize = 16 << 10;
+pub const REPLAY_LIMIT: usize = 4 << 10;
 /// Unacknowledged bytes one carrier may have in flight.
 pub const CARRIER_INFLIGHT: usize = 4 << 20;
 /// Bytes one stream may have waiting for its local reader before the session fails.
@@ -111,13 +111,29 @@ async fn read_shared(u: &UnixStream, buf: &mut BytesMut) -> std::io::Result<usiz
 /// Sets `SO_RCVLOWAT` on a TCP or MPTCP socket: it reads as ready only once `bytes`
 /// are queued (or the peer closed, or the receive window filled).
 pub(crate) fn set_rcvlowat(fd: std::os::fd::RawFd, bytes: usize) -> bool {
-    let v = bytes.min(i32::MAX as usize) as libc::c_int;
+    set_int(fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, bytes)
+}
+
+/// Unsent bytes a carrier's socket may hold beyond what is in flight
+/// (`TCP_NOTSENT_LOWAT`). Autotuning grows a send buffer to megabytes; at
+/// the end of a migration every byte queued there is blackout the guest
+/// sees after QEMU has called its copy done, so the queue stays with the
+/// agent (which writes as soon as the socket takes more) and the kernel
+/// keeps only what keeps the link busy.
+pub const NOTSENT_LOWAT: usize = 128 << 10;
+
+pub(crate) fn set_notsent_lowat(fd: std::os::fd::RawFd, bytes: usize) -> bool {
+    set_int(fd, libc::IPPROTO_TCP, libc::TCP_NOTSENT_LOWAT, bytes)
+}
+
+fn set_int(fd: std::os::fd::RawFd, level: libc::c_int, opt: libc::c_int, v: usize) -> bool {
+    let v = v.min(i32::MAX as usize) as libc::c_int;
     // SAFETY: `fd` is an open socket owned by the caller; `v` lives for the call.
     unsafe {
         libc::setsockopt(
             fd,
-            libc::SOL_SOCKET,
-            libc::SO_RCVLOWAT,
+            level,
+            opt,
             &v as *const libc::c_int as *const libc::c_void,
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         ) == 0
@@ -531,6 +547,7 @@ impl Session {
             })?
             .map_err(io(&what))?;
         let _ = tcp.set_nodelay(true);
+        set_notsent_lowat(std::os::fd::AsRawFd::as_raw_fd(&tcp), NOTSENT_LOWAT);
         let nonce: [u8; 16] = rand::random();
         let hello = Hello {
             role: ROLE_CARRIER,
@@ -571,6 +588,7 @@ impl Session {
 
     async fn accept_carrier(&self, mut tcp: TcpStream, nic: &str) -> Result<(), TransportError> {
         let _ = tcp.set_nodelay(true);
+        set_notsent_lowat(std::os::fd::AsRawFd::as_raw_fd(&tcp), NOTSENT_LOWAT);
         let mut b = [0u8; HELLO_LEN];
         tokio::time::timeout(Duration::from_secs(2), tcp.read_exact(&mut b))
             .await

@@ -64,7 +64,9 @@ const PAUSE_DOWNTIME_MS: u64 = 2_000_000;
 const POLL: Duration = Duration::from_millis(100);
 /// How often QEMU is asked once the end is near.
 const END_POLL: Duration = Duration::from_millis(10);
-/// Bytes left, after the first pass, from which the end is near.
+/// Bytes left from which the end is near (an idle guest switches over as
+/// its first pass ends: polled at `POLL`, up to 100 ms of its blackout
+/// would pass before the commit even began).
 const END_NEAR_BYTES: u64 = 64 << 20;
 
 struct Failure {
@@ -819,10 +821,17 @@ impl Agent {
         ])
         .await
         .map_err(q("connection"))?;
+        // the downtime the guest sees is QEMU's and then the switch-over:
+        // QEMU gets what the switch-over leaves (see crate::downtime)
+        let mut dplan = crate::downtime::DowntimePlan::new(
+            conv.max_downtime_ms,
+            conv.downtime_auto && !conv.postcopy && mirror.is_none(),
+            self.switchovers.expect(target_name) + END_POLL.as_millis() as u64,
+        );
         qmp.set_parameters(MigrationParameters {
             // Ferry paces migrations itself; QEMU's 128 MiB/s default would cap fast links
             max_bandwidth: Some(100 << 30),
-            downtime_limit: Some(conv.max_downtime_ms),
+            downtime_limit: Some(dplan.limit_ms),
             multifd_channels: multifd.then_some(MULTIFD_CHANNELS),
             cpu_throttle_initial: conv.throttle.then_some(20),
             cpu_throttle_increment: conv.throttle.then_some(10),
@@ -956,7 +965,7 @@ impl Agent {
                 Some("active") => info
                     .ram
                     .as_ref()
-                    .is_some_and(|r| r.remaining <= END_NEAR_BYTES && r.dirty_sync_count > 1),
+                    .is_some_and(|r| r.remaining <= END_NEAR_BYTES),
                 _ => false,
             };
             let status = info.status.clone().unwrap_or_default();
@@ -1024,6 +1033,17 @@ impl Agent {
             );
             let path_rate = decided.path_rate;
             let rates = decided.rates();
+            if status == "active" && !copy.pausing() {
+                if let Some(l) = dplan.on_round(ram.dirty_sync_count) {
+                    qmp.set_parameters(MigrationParameters {
+                        downtime_limit: Some(l),
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(q("copy"))?;
+                    tracing::info!(vm = %spec.name, round = ram.dirty_sync_count, limit_ms = l, "downtime limit raised");
+                }
+            }
             match decided.action {
                 copy_loop::Action::Continue => {}
                 copy_loop::Action::StartPostcopy => {
@@ -1299,7 +1319,6 @@ impl Agent {
             }))
             .await;
         };
-        let downtime_ms = info.downtime.unwrap_or(0);
         let ram = info.ram.clone().unwrap_or_default();
         // the carriers as they were when QEMU finished (the target closes its
         // end once the guest runs there)
@@ -1310,7 +1329,10 @@ impl Agent {
         if !blackout_seen {
             ev.step(
                 "blackout",
-                format!("source paused for {downtime_ms} ms of downtime"),
+                format!(
+                    "source paused for {} ms of downtime",
+                    info.downtime.unwrap_or(0)
+                ),
             )
             .await;
         }
@@ -1322,6 +1344,8 @@ impl Agent {
         let tick_before = self
             .console_tick(vm)
             .map_err(|e| fail("final-check", format!("reading the source console: {e}")))?;
+        let t_tick = Instant::now();
+        let mut switch_parts: Vec<(&str, u64)> = Vec::new();
         let on_target = if committed {
             None
         } else {
@@ -1333,8 +1357,12 @@ impl Agent {
                 )
                 .await
                 .map_err(|e| fail("commit", format!("the target is not ready: {e}")))?;
+            let t_ready = Instant::now();
             self.set_source_phase(id, SourcePhase::Committed)
                 .map_err(|e| fail("commit", e.to_string()))?;
+            switch_parts.push(("tick", (t_tick - t_completed).as_millis() as u64));
+            switch_parts.push(("ready", (t_ready - t_tick).as_millis() as u64));
+            switch_parts.push(("record", t_ready.elapsed().as_millis() as u64));
             ev.step(
                 "commit",
                 format!(
@@ -1347,6 +1375,7 @@ impl Agent {
             Some(ready)
         };
         // RUN: the target starts the guest (in post-copy it was sent already)
+        let t_run = Instant::now();
         let ran = match run_answer {
             Some(st) => st,
             None => match self.send_run(target, id).await {
@@ -1374,6 +1403,41 @@ impl Agent {
             }
         }
         let t_running = Instant::now();
+        switch_parts.push(("run", (t_running - t_run).as_millis() as u64));
+        tracing::info!(vm = %spec.name, parts = ?switch_parts, "switch-over");
+        // the guest's blackout: from the source's pause (QEMU's completion
+        // less its downtime, QEMU's clock started at `migrate`) until RUN
+        // was answered; never less than QEMU's figure plus the switch-over
+        let downtime_ms = info.downtime.unwrap_or(0);
+        let switchover_ms = (t_running - t_completed).as_millis() as u64;
+        let guest_downtime_ms = if committed {
+            // post-copy: the target ran at the commit; QEMU's figure is its pause
+            downtime_ms
+        } else {
+            let since_migrate = (t_running - t_migrate).as_millis() as u64;
+            let stopped_at = info.total_time.unwrap_or(0).saturating_sub(downtime_ms);
+            since_migrate
+                .saturating_sub(stopped_at)
+                .max(downtime_ms + switchover_ms)
+        };
+        if !committed {
+            self.switchovers
+                .record(target_name, guest_downtime_ms.saturating_sub(downtime_ms));
+        }
+        if guest_downtime_ms > conv.max_downtime_ms && !copy.pausing() && !committed {
+            ev.send(MigrationEvent::Warning {
+                message: format!(
+                    "the guest saw {guest_downtime_ms} ms of downtime, over the {} ms asked: QEMU {downtime_ms} ms \
+                     (limit {} ms), then {} ms until {target_name} ran it ({} ms expected); the next move to \
+                     {target_name} plans for that",
+                    conv.max_downtime_ms,
+                    dplan.limit_ms,
+                    guest_downtime_ms.saturating_sub(downtime_ms),
+                    dplan.switchover_ms
+                ),
+            })
+            .await;
+        }
         // this agent (all of it) and the source QEMU, from `migrate` to here
         let cpu_source = crate::host::own_cpu().saturating_sub(cpu_at_start.0)
             + crate::host::process_cpu(vm.pid)
@@ -1513,9 +1577,19 @@ impl Agent {
             running_ms: (t_running - started).as_millis() as u64,
             qemu_total_ms,
             transfer_ms,
-            switchover_ms: (t_running - t_completed).as_millis() as u64,
+            switchover_ms,
             setup_ms: info.setup_time.unwrap_or(0),
             downtime_ms,
+            guest_downtime_ms,
+            max_downtime_ms: conv.max_downtime_ms,
+            downtime_limit_ms: dplan.limit_ms,
+            downtime_reason: if committed {
+                "post-copy: the guest ran on the target at the commit".into()
+            } else if copy.pausing() {
+                "pause-and-copy: pre-copy did not converge in time".into()
+            } else {
+                dplan.reason()
+            },
             bytes_transferred: ram.transferred,
             throughput: per_sec(ram.transferred),
             nic_rates: nic_tx_bytes

@@ -20,6 +20,11 @@ use crate::commit::{
 use crate::datapath::{DataPath, QemuTcp};
 use crate::host::{error_chain, Agent, Role};
 use crate::qemu::{self, QemuVm};
+
+/// How often READY asks the paused skeleton whether it has loaded everything:
+/// the guest is in blackout, and every millisecond between its load and the
+/// answer is downtime.
+const READY_POLL: Duration = Duration::from_millis(2);
 use crate::qmp::MigrationParameters;
 
 impl Agent {
@@ -530,6 +535,8 @@ impl Agent {
             q.kill().await;
         }
         let deadline = Instant::now() + Duration::from_secs(30);
+        let t0 = Instant::now();
+        let mut seen: Vec<(u64, String)> = Vec::new();
         loop {
             if !q.alive().await {
                 return Err(ApiError::internal(
@@ -538,6 +545,10 @@ impl Agent {
             }
             let mig = q.qmp.query_migrate().await.ok().and_then(|i| i.status);
             let run = q.qmp.status().await.ok();
+            let what = format!("{mig:?}/{:?}", run.as_ref().map(|s| s.status.clone()));
+            if seen.last().map(|l| &l.1) != Some(&what) {
+                seen.push((t0.elapsed().as_millis() as u64, what));
+            }
             match (mig.as_deref(), run) {
                 (Some("failed"), _) => {
                     return Err(ApiError::internal(
@@ -551,6 +562,7 @@ impl Agent {
                     ));
                 }
                 (Some("completed"), Some(s)) => {
+                    tracing::info!(?seen, "ready");
                     let cpu_ms = self.incoming_cpu(id, &q).await;
                     return Ok(IncomingStatus {
                         migration_id: id.into(),
@@ -567,7 +579,7 @@ impl Agent {
                     s.map(|s| s.status).unwrap_or_else(|| "unreachable".into())
                 )))
                 }
-                _ => tokio::time::sleep(Duration::from_millis(10)).await,
+                _ => tokio::time::sleep(READY_POLL).await,
             }
         }
     }
