@@ -307,6 +307,7 @@ impl Classes {
             policy: self.policy.clone(),
             nics,
             error: self.error.clone(),
+            cpu_busy: None,
         }
     }
 }

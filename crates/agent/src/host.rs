@@ -146,6 +146,44 @@ pub struct Agent {
     cpus: tokio::sync::OnceCell<Result<Arc<crate::hardware::CpuCatalog>, String>>,
     /// Switch-overs seen per target, for the next move's downtime budget.
     pub switchovers: crate::downtime::Learned,
+    /// The host's CPU time, busy and in all, at the last look.
+    pub cpu: CpuMeter,
+}
+
+/// How busy the host's CPUs were between two looks (`/proc/stat`).
+#[derive(Default)]
+pub struct CpuMeter(std::sync::Mutex<Option<(u64, u64)>>);
+
+impl CpuMeter {
+    /// Busy share since the previous call (`None` on the first).
+    pub fn busy(&self) -> Option<f64> {
+        let now = std::fs::read_to_string("/proc/stat")
+            .ok()
+            .and_then(|s| cpu_ticks(&s))?;
+        let before = ferry_api::util::lock(&self.0).replace(now)?;
+        let (busy, all) = (
+            now.0.saturating_sub(before.0),
+            now.1.saturating_sub(before.1),
+        );
+        (all > 0).then(|| busy as f64 / all as f64)
+    }
+}
+
+/// (busy, total) jiffies of the `cpu` line of `/proc/stat`: idle and iowait
+/// are not busy.
+pub fn cpu_ticks(stat: &str) -> Option<(u64, u64)> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    if v.len() < 5 {
+        return None;
+    }
+    let all: u64 = v.iter().sum();
+    Some((all - v[3] - v[4], all))
 }
 
 impl Agent {
@@ -164,6 +202,7 @@ impl Agent {
             paths: Default::default(),
             cpus: Default::default(),
             switchovers: Default::default(),
+            cpu: Default::default(),
             journal: crate::commit::Journal::new(&cfg.state_dir),
             live: Default::default(),
             state: Default::default(),
@@ -849,9 +888,12 @@ impl Agent {
     pub async fn bandwidth(&self) -> Result<ferry_api::bandwidth::HostBandwidth, ApiError> {
         let classes = self.classes.clone();
         let host = self.cfg.name.clone();
-        tokio::task::spawn_blocking(move || ferry_api::util::lock(&classes).status(&host))
-            .await
-            .map_err(ApiError::internal)
+        let mut b =
+            tokio::task::spawn_blocking(move || ferry_api::util::lock(&classes).status(&host))
+                .await
+                .map_err(ApiError::internal)?;
+        b.cpu_busy = self.cpu.busy();
+        Ok(b)
     }
 }
 
@@ -1349,5 +1391,18 @@ mod cpu_tests {
         assert_eq!(cpu_of_stat(&line), Some(Duration::from_secs(4)));
         assert_eq!(cpu_of_stat("garbage"), None);
         assert!(process_cpu(std::process::id()).is_some());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_ticks_count_idle_and_iowait_as_not_busy() {
+        let stat = "cpu  100 5 50 800 40 3 2 0 0 0\ncpu0 50 2 25 400 20 1 1 0 0 0\nintr 1\n";
+        assert_eq!(cpu_ticks(stat), Some((160, 1000)));
+        assert_eq!(cpu_ticks("cpu0 1 2 3 4 5\n"), None);
+        assert_eq!(cpu_ticks("cpu  1 2\n"), None);
     }
 }

@@ -372,6 +372,10 @@ pub struct HostBandwidth {
     /// The last error applying the policy, if any.
     #[serde(default)]
     pub error: Option<String>,
+    /// Share of the host's CPU time busy since the previous look (0..1):
+    /// where a drain is CPU-bound rather than link-bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_busy: Option<f64>,
 }
 
 /// `ferry bandwidth list`.

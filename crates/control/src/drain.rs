@@ -145,6 +145,8 @@ pub struct AutoLimit {
     last_steady: Option<(Instant, u64)>,
     /// How long a move takes from its start to QEMU copying (smoothed).
     setup: Option<Duration>,
+    /// The drained host's CPU busy share, as last seen.
+    cpu: Option<f64>,
 }
 
 impl AutoLimit {
@@ -159,6 +161,8 @@ impl AutoLimit {
     /// The links are full at this share of their capacity (TCP over a
     /// shaped link gets ~0.95 of it): no step up can pay.
     pub const FULL: f64 = 0.85;
+    /// CPUs this busy with the links not full: the CPU is the limit.
+    pub const CPU_BUSY: f64 = 0.90;
 
     /// With the capacity of the drained host's links for this option (bytes/s):
     /// a level that fills it is held without trying the next.
@@ -199,6 +203,28 @@ impl AutoLimit {
             capacity: None,
             last_steady: None,
             setup: None,
+            cpu: None,
+        }
+    }
+
+    /// The drained host's CPUs were this busy (0..1) over the last look.
+    pub fn observe_cpu(&mut self, busy: f64) {
+        self.cpu = Some(busy);
+    }
+
+    /// When the links are not full and the CPUs are: says so.
+    fn cpu_bound(&self, rate: f64) -> String {
+        match (self.cpu, self.capacity) {
+            (Some(b), Some(c)) if b >= Self::CPU_BUSY && rate < c * Self::FULL => format!(
+                "; CPU-bound: the host's CPUs are {:.0}% busy with the links at {:.0}% of {:.0} Mbit/s",
+                b * 100.0,
+                rate / c * 100.0,
+                c * 8.0 / 1e6
+            ),
+            (Some(b), None) if b >= Self::CPU_BUSY => {
+                format!("; CPU-bound: the host's CPUs are {:.0}% busy", b * 100.0)
+            }
+            _ => String::new(),
         }
     }
 
@@ -252,6 +278,11 @@ impl AutoLimit {
     }
 
     fn measured(&mut self, lvl: u32, rate: f64) -> String {
+        let why = self.judged(lvl, rate);
+        why + &self.cpu_bound(rate)
+    }
+
+    fn judged(&mut self, lvl: u32, rate: f64) -> String {
         let mbit = |r: f64| r * 8.0 / 1e6;
         let prev = self.history.last().copied();
         self.history.push((lvl, rate));
@@ -404,6 +435,41 @@ mod tests {
         assert_eq!((a.want, a.history.len()), (1, 1), "{:?}", a.history);
         // unknown capacity: probed as before
         assert_eq!(AutoLimit::with_capacity(Some(0.0)).capacity, None);
+    }
+
+    #[test]
+    fn auto_says_when_the_cpu_not_the_link_is_the_limit() {
+        let t0 = Instant::now();
+        let mut a = AutoLimit::with_capacity(Some(250e6));
+        a.observe_cpu(0.97);
+        let (mut sent, mut n, mut reasons) = (0f64, 0u32, Vec::new());
+        for i in 0..200u64 {
+            // 120 MB/s whatever the level: half the links, CPUs full
+            sent += if n == 0 { 0.0 } else { 120e6 * 0.25 };
+            let (allowed, change) = a.tick(
+                t0 + Duration::from_millis(250 * i),
+                sent as u64,
+                &run(n as usize, true, 0),
+            );
+            n = allowed;
+            reasons.extend(change.map(|c| c.1));
+            if a.settled {
+                break;
+            }
+        }
+        assert!(a.settled);
+        assert!(
+            reasons
+                .iter()
+                .all(|r| r.contains("CPU-bound") && r.contains("97% busy")),
+            "{reasons:?}"
+        );
+        // CPUs idle, or the links full: nothing said of the CPU
+        let mut b = AutoLimit::with_capacity(Some(250e6));
+        b.observe_cpu(0.40);
+        assert_eq!(b.cpu_bound(120e6), "");
+        b.observe_cpu(0.99);
+        assert_eq!(b.cpu_bound(240e6), "");
     }
 
     #[test]

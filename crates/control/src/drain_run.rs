@@ -169,6 +169,23 @@ impl Control {
                 }
             })
         };
+        // the drained host's CPU, once a second: a drain the CPU limits says so
+        let cpu: Arc<std::sync::Mutex<Option<f64>>> = Default::default();
+        let cpu_watch = {
+            let (me, host, cpu) = (self.clone(), host.clone(), cpu.clone());
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    let Ok(c) = me.host(&host) else { break };
+                    if let Ok(b) = c
+                        .get::<ferry_api::bandwidth::HostBandwidth>("/bandwidth", AGENT_TIMEOUT)
+                        .await
+                    {
+                        *lock(&cpu) = b.cpu_busy;
+                    }
+                }
+            })
+        };
         let mut queue: std::collections::VecDeque<(PlannedMove, u32, Vec<String>)> =
             moves.into_iter().map(|m| (m, 1, Vec::new())).collect();
         let mut running = tokio::task::JoinSet::new();
@@ -183,6 +200,9 @@ impl Control {
             let allowed = match setting {
                 MigrationLimit::Fixed(n) => n,
                 MigrationLimit::Auto => {
+                    if let Some(b) = *lock(&cpu) {
+                        auto.observe_cpu(b);
+                    }
                     let (sent, runs) = {
                         let s = lock(&samples);
                         for (vm, x) in s.iter() {
@@ -317,6 +337,7 @@ impl Control {
             limits,
         };
         classes.abort();
+        cpu_watch.abort();
         let _ = tx.send(DrainEvent::Done(report)).await;
     }
 
