@@ -5,10 +5,12 @@
 //! The guest's blackout is more than QEMU's `downtime`: after QEMU's last
 //! byte, the target must finish loading (bytes still queued on the path
 //! land there), the source records the commit and the target runs the guest
-//! and announces its MACs — the switch-over. So QEMU is given the
-//! downtime target minus the switch-over this host last saw towards the
-//! same target (the worst of the last few, [`Learned`]), and keeps
-//! iterating until what remains fits that.
+//! and announces its MACs — the switch-over; and QEMU itself overshoots
+//! its limit when its bandwidth estimate is high or the last round dirtied
+//! more. So QEMU is given the downtime target minus what the guest saw
+//! beyond QEMU's limit in this host's recent moves to the same target (the
+//! worst of the last few, [`Learned`]), and keeps iterating until what
+//! remains fits that.
 //!
 //! `auto` (the default) aims lower than the target: QEMU's limit starts at
 //! [`AUTO_FLOOR_MS`] and doubles at each new pre-copy round after the
@@ -34,7 +36,8 @@ pub struct DowntimePlan {
     /// The most downtime the guest may see, ms (the move's `max_downtime`).
     pub target_ms: u64,
     pub auto: bool,
-    /// The switch-over expected after QEMU's last byte, ms.
+    /// The downtime expected beyond QEMU's limit (switch-over and QEMU's
+    /// overshoot), ms.
     pub switchover_ms: u64,
     /// QEMU's downtime limit now, ms.
     pub limit_ms: u64,
@@ -84,7 +87,7 @@ impl DowntimePlan {
     /// Why the switch-over came when it did, for the report.
     pub fn reason(&self) -> String {
         let base = format!(
-            "QEMU limit {} ms = target {} ms less {} ms expected switch-over",
+            "QEMU limit {} ms = target {} ms less {} ms expected beyond it (switch-over, QEMU's overshoot)",
             self.budget(),
             self.target_ms,
             self.switchover_ms
@@ -111,12 +114,13 @@ impl DowntimePlan {
     }
 }
 
-/// Switch-overs this host saw, per target: what the next move there expects.
+/// Downtime beyond QEMU's limit this host's moves saw, per target: what
+/// the next move there expects.
 #[derive(Debug, Default)]
 pub struct Learned(std::sync::Mutex<BTreeMap<String, VecDeque<u64>>>);
 
 impl Learned {
-    /// The worst of the last few switch-overs to `target`.
+    /// The worst of the last few to `target`.
     pub fn expect(&self, target: &str) -> u64 {
         ferry_api::util::lock(&self.0)
             .get(target)

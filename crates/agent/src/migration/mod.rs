@@ -1420,16 +1420,19 @@ impl Agent {
                 .saturating_sub(stopped_at)
                 .max(downtime_ms + switchover_ms)
         };
-        if !committed {
+        if !committed && !copy.pausing() {
+            // what the guest saw beyond QEMU's limit: the switch-over, and
+            // QEMU's own overshoot (its bandwidth estimate, the last round's
+            // dirtying), both of which the next move there must leave room for
             self.switchovers
-                .record(target_name, guest_downtime_ms.saturating_sub(downtime_ms));
+                .record(target_name, guest_downtime_ms.saturating_sub(dplan.limit_ms));
         }
         if guest_downtime_ms > conv.max_downtime_ms && !copy.pausing() && !committed {
             ev.send(MigrationEvent::Warning {
                 message: format!(
                     "the guest saw {guest_downtime_ms} ms of downtime, over the {} ms asked: QEMU {downtime_ms} ms \
-                     (limit {} ms), then {} ms until {target_name} ran it ({} ms expected); the next move to \
-                     {target_name} plans for that",
+                     (limit {} ms), then {} ms until {target_name} ran it ({} ms expected beyond the limit); the \
+                     next move to {target_name} plans for that",
                     conv.max_downtime_ms,
                     dplan.limit_ms,
                     guest_downtime_ms.saturating_sub(downtime_ms),
