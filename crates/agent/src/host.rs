@@ -1156,6 +1156,10 @@ fn ipv4_addrs() -> Vec<(String, std::net::Ipv4Addr, u8)> {
 /// CPU time spent by its vCPU threads during the check. A guest with the
 /// guest agent must also answer `guest-ping`, and its clock
 /// (`guest-get-time`) must move forward.
+/// How often the check looks at the guest again: a move's report (and a
+/// drain's end) waits for it.
+const CHECK_POLL: Duration = Duration::from_millis(50);
+
 pub async fn check(
     guest: &dyn GuestCheck,
     host: &str,
@@ -1201,7 +1205,7 @@ pub async fn check(
         if done || tokio::time::Instant::now() >= deadline {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(CHECK_POLL).await;
         state = read();
     }
     if let Some(why) = unreadable {

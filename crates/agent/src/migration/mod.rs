@@ -1447,22 +1447,20 @@ impl Agent {
                 .unwrap_or_default()
                 .saturating_sub(cpu_at_start.1);
 
-        // 10. cleanup on the source: its QEMU stops, the record says Done
-        self.finish_source(&spec.name, id).await;
+        // 10. cleanup on the source (its QEMU stops, the record says Done)
+        // and 11. the guest check on the running target (a report, never a
+        // rollback), side by side: neither needs the other
+        let check_path = format!("/vms/{}/check", spec.name);
+        let (_, checked) = tokio::join!(
+            self.finish_source(&spec.name, id),
+            target.get::<CheckResult>(&check_path, Duration::from_secs(30))
+        );
         ev.step(
             "cleanup",
             format!("source QEMU on {} stopped and removed", self.cfg.name),
         )
         .await;
-
-        // 11. the guest check on the running target: a report, never a rollback
-        let check: CheckResult = match target
-            .get(
-                &format!("/vms/{}/check", spec.name),
-                Duration::from_secs(30),
-            )
-            .await
-        {
+        let check: CheckResult = match checked {
             Ok(c) => c,
             Err(e) => CheckResult {
                 vm: spec.name.clone(),
