@@ -7,10 +7,9 @@
 //! land there), the source records the commit and the target runs the guest
 //! and announces its MACs — the switch-over; and QEMU itself overshoots
 //! its limit when its bandwidth estimate is high or the last round dirtied
-//! more. So QEMU is given the downtime target minus what the guest saw
-//! beyond QEMU's limit in this host's recent moves to the same target (the
-//! worst of the last few, [`Learned`]), and keeps iterating until what
-//! remains fits that.
+//! more. So QEMU is given the downtime target less the switch-over, divided
+//! by QEMU's overshoot, both the worst of this host's last few moves to the
+//! same target ([`Learned`]), and keeps iterating until what remains fits.
 //!
 //! `auto` (the default) aims lower than the target: QEMU's limit starts at
 //! [`AUTO_FLOOR_MS`] and doubles at each new pre-copy round after the
@@ -36,9 +35,11 @@ pub struct DowntimePlan {
     /// The most downtime the guest may see, ms (the move's `max_downtime`).
     pub target_ms: u64,
     pub auto: bool,
-    /// The downtime expected beyond QEMU's limit (switch-over and QEMU's
-    /// overshoot), ms.
+    /// The switch-over expected after QEMU's last byte, ms (with a margin
+    /// for the source noticing QEMU's end).
     pub switchover_ms: u64,
+    /// How far QEMU's downtime may exceed its limit (≥ 1).
+    pub overshoot: f64,
     /// QEMU's downtime limit now, ms.
     pub limit_ms: u64,
     /// Rounds after which the limit was raised.
@@ -46,11 +47,12 @@ pub struct DowntimePlan {
 }
 
 impl DowntimePlan {
-    pub fn new(target_ms: u64, auto: bool, switchover_ms: u64) -> DowntimePlan {
+    pub fn new(target_ms: u64, auto: bool, switchover_ms: u64, overshoot: f64) -> DowntimePlan {
         let mut p = DowntimePlan {
             target_ms,
             auto,
             switchover_ms,
+            overshoot: overshoot.max(1.0),
             limit_ms: 0,
             raised: Vec::new(),
         };
@@ -62,11 +64,11 @@ impl DowntimePlan {
         p
     }
 
-    /// What QEMU may spend: the target less the expected switch-over.
+    /// What QEMU may be told: the target less the expected switch-over,
+    /// shrunk by QEMU's expected overshoot.
     pub fn budget(&self) -> u64 {
-        self.target_ms
-            .saturating_sub(self.switchover_ms)
-            .max(MIN_LIMIT_MS)
+        let left = self.target_ms.saturating_sub(self.switchover_ms) as f64;
+        ((left / self.overshoot) as u64).max(MIN_LIMIT_MS)
     }
 
     /// QEMU started round `sync` (its dirty-sync count) without switching
@@ -87,10 +89,11 @@ impl DowntimePlan {
     /// Why the switch-over came when it did, for the report.
     pub fn reason(&self) -> String {
         let base = format!(
-            "QEMU limit {} ms = target {} ms less {} ms expected beyond it (switch-over, QEMU's overshoot)",
+            "QEMU limit {} ms = (target {} ms − {} ms expected switch-over) ÷ {:.2} (QEMU's recent overshoot of its limit)",
             self.budget(),
             self.target_ms,
-            self.switchover_ms
+            self.switchover_ms,
+            self.overshoot
         );
         if !self.auto {
             return base;
@@ -114,24 +117,41 @@ impl DowntimePlan {
     }
 }
 
-/// Downtime beyond QEMU's limit this host's moves saw, per target: what
-/// the next move there expects.
+/// What this host's recent moves to each target saw: the switch-over
+/// (guest downtime less QEMU's) and QEMU's overshoot of its limit.
 #[derive(Debug, Default)]
-pub struct Learned(std::sync::Mutex<BTreeMap<String, VecDeque<u64>>>);
+pub struct Learned(std::sync::Mutex<BTreeMap<String, VecDeque<(u64, f64)>>>);
+
+/// QEMU's downtime ÷ its limit is taken as at most this.
+const MAX_OVERSHOOT: f64 = 2.0;
+/// Limits from which QEMU's downtime ÷ limit counts as its overshoot, ms.
+const OVERSHOOT_FROM_MS: u64 = 20;
 
 impl Learned {
-    /// The worst of the last few to `target`.
-    pub fn expect(&self, target: &str) -> u64 {
-        ferry_api::util::lock(&self.0)
-            .get(target)
-            .and_then(|v| v.iter().max().copied())
-            .unwrap_or(FIRST_SWITCHOVER_MS)
+    /// The worst switch-over (ms) and overshoot (≥ 1) of the last few to
+    /// `target`.
+    pub fn expect(&self, target: &str) -> (u64, f64) {
+        let m = ferry_api::util::lock(&self.0);
+        let Some(v) = m.get(target).filter(|v| !v.is_empty()) else {
+            return (FIRST_SWITCHOVER_MS, 1.0);
+        };
+        let sw = v.iter().map(|x| x.0).max().unwrap_or(FIRST_SWITCHOVER_MS);
+        let over = v.iter().map(|x| x.1).fold(1.0, f64::max).min(MAX_OVERSHOOT);
+        (sw, over)
     }
 
-    pub fn record(&self, target: &str, ms: u64) {
+    /// One move: its switch-over, and QEMU's downtime against its limit.
+    pub fn record(&self, target: &str, switchover_ms: u64, qemu_ms: u64, limit_ms: u64) {
+        // under a few ms of limit QEMU's fixed costs (device state) are
+        // most of its downtime: no measure of its overshoot
+        let over = if limit_ms >= OVERSHOOT_FROM_MS {
+            qemu_ms as f64 / limit_ms as f64
+        } else {
+            1.0
+        };
         let mut m = ferry_api::util::lock(&self.0);
         let v = m.entry(target.to_string()).or_default();
-        v.push_back(ms);
+        v.push_back((switchover_ms, over));
         while v.len() > REMEMBERED {
             v.pop_front();
         }
@@ -144,17 +164,19 @@ mod tests {
 
     #[test]
     fn a_fixed_target_leaves_room_for_the_switch_over() {
-        let p = DowntimePlan::new(100, false, 30);
+        let p = DowntimePlan::new(100, false, 30, 1.0);
         assert_eq!(p.limit_ms, 70);
+        // QEMU overshot its limit by 25% lately: it is told less
+        assert_eq!(DowntimePlan::new(100, false, 30, 1.25).limit_ms, 56);
         // a switch-over longer than the target: QEMU still gets its floor
-        assert_eq!(DowntimePlan::new(20, false, 50).limit_ms, MIN_LIMIT_MS);
+        assert_eq!(DowntimePlan::new(20, false, 50, 1.0).limit_ms, MIN_LIMIT_MS);
         let mut p = p;
         assert_eq!(p.on_round(5), None, "a fixed limit never moves");
     }
 
     #[test]
     fn auto_starts_at_the_floor_and_doubles_per_round_up_to_the_budget() {
-        let mut p = DowntimePlan::new(300, true, 40);
+        let mut p = DowntimePlan::new(300, true, 40, 1.0);
         assert_eq!(p.limit_ms, AUTO_FLOOR_MS);
         // the first pass and the first re-send round stay at the floor
         assert_eq!(p.on_round(1), None);
@@ -170,21 +192,33 @@ mod tests {
         assert_eq!(seen, vec![10, 20, 40, 80, 160, 260]);
         assert!(p.reason().contains("raised 6 time(s)"), "{}", p.reason());
         // an idle guest: never raised
-        let p = DowntimePlan::new(300, true, 40);
+        let p = DowntimePlan::new(300, true, 40, 1.0);
         assert!(p.reason().contains("at the floor"), "{}", p.reason());
     }
 
     #[test]
-    fn the_worst_recent_switch_over_is_expected() {
+    fn the_worst_recent_switch_over_and_overshoot_are_expected() {
         let l = Learned::default();
-        assert_eq!(l.expect("h2"), FIRST_SWITCHOVER_MS);
-        for ms in [30, 80, 20, 10, 15, 12] {
-            l.record("h2", ms);
+        assert_eq!(l.expect("h2"), (FIRST_SWITCHOVER_MS, 1.0));
+        // (switch-over, QEMU downtime, limit)
+        for (sw, q, lim) in [(30, 74, 57), (80, 1, 5), (20, 3, 60), (10, 1, 5), (15, 40, 40), (12, 2, 5)] {
+            l.record("h2", sw, q, lim);
         }
-        // 30 fell out; 80 is still among the last five
-        assert_eq!(l.expect("h2"), 80);
-        l.record("h2", 5);
-        assert_eq!(l.expect("h2"), 20);
-        assert_eq!(l.expect("h3"), FIRST_SWITCHOVER_MS);
+        // the first fell out: 80 ms is the worst switch-over left, and an
+        // idle guest far under its limit does not count as an overshoot
+        let (sw, over) = l.expect("h2");
+        assert_eq!(sw, 80);
+        assert!((over - 1.0).abs() < 1e-9, "{over}");
+        l.record("h2", 5, 90, 60);
+        let (sw, over) = l.expect("h2");
+        assert_eq!(sw, 20);
+        assert!((over - 1.5).abs() < 1e-9, "{over}");
+        // a wild one is capped
+        l.record("h2", 5, 500, 40);
+        // at a tiny limit QEMU's fixed costs are no overshoot
+        l.record("h3", 5, 9, 5);
+        assert_eq!(l.expect("h2").1, MAX_OVERSHOOT);
+        assert_eq!(l.expect("h3"), (5, 1.0));
+        assert_eq!(l.expect("h4"), (FIRST_SWITCHOVER_MS, 1.0));
     }
 }

@@ -46,8 +46,11 @@ pub const ORPHANED: Duration = Duration::from_secs(15);
 #[derive(Debug, Clone, Default)]
 pub struct HostView {
     pub name: String,
-    /// No heartbeat, or it does not answer.
+    /// No heartbeat for a while: down, and counted so.
     pub down: bool,
+    /// Answered this look (one slow answer is not a host down, but no VM
+    /// is placed on it meanwhile).
+    pub reachable: bool,
     /// Marked draining (by this run or by hand).
     pub draining: bool,
     pub memory_free: u64,
@@ -62,7 +65,8 @@ impl HostView {
         let info = h.info.as_ref();
         HostView {
             name: h.name.clone(),
-            down: h.down || !h.reachable,
+            down: h.down,
+            reachable: h.reachable,
             draining: h.draining,
             memory_free: info.map(|i| i.memory_free).unwrap_or(0),
             vms: info
@@ -126,7 +130,7 @@ pub fn next(st: &RollingStatus, view: &[HostView]) -> Next {
     let Some(me) = view.iter().find(|v| v.name == cand.host) else {
         return Next::Wait(format!("{} does not answer", cand.host));
     };
-    if me.down {
+    if me.down || !me.reachable {
         return Next::Wait(format!("{} does not answer", cand.host));
     }
     let down = down_now(st, view, Some(&cand.host));
@@ -140,7 +144,11 @@ pub fn next(st: &RollingStatus, view: &[HostView]) -> Next {
     }
     let phase = |n: &str| st.hosts.iter().find(|h| h.host == n).map(|h| h.phase);
     let takes = |v: &&HostView| {
-        v.name != cand.host && !v.down && !v.draining && !phase(&v.name).is_some_and(Phase::down)
+        v.name != cand.host
+            && !v.down
+            && v.reachable
+            && !v.draining
+            && !phase(&v.name).is_some_and(Phase::down)
     };
     let fits = |hosts: &[&HostView]| {
         let mut t: Vec<(String, u64)> = hosts
@@ -401,7 +409,7 @@ impl Control {
             }
             let to = view
                 .iter()
-                .filter(|v| v.name != h.host && !v.down && !v.draining)
+                .filter(|v| v.name != h.host && !v.down && v.reachable && !v.draining)
                 .map(|v| v.name.clone())
                 .collect();
             self.clone().spawn_host_drain(h.host.clone(), to);
@@ -668,6 +676,7 @@ mod tests {
     fn view(name: &str, free: u64, vms: &[(&str, u64)]) -> HostView {
         HostView {
             name: name.into(),
+            reachable: true,
             memory_free: free,
             vms: vms.iter().map(|(n, m)| (n.to_string(), *m)).collect(),
             ..Default::default()

@@ -823,10 +823,12 @@ impl Agent {
         .map_err(q("connection"))?;
         // the downtime the guest sees is QEMU's and then the switch-over:
         // QEMU gets what the switch-over leaves (see crate::downtime)
+        let (switchover, overshoot) = self.switchovers.expect(target_name);
         let mut dplan = crate::downtime::DowntimePlan::new(
             conv.max_downtime_ms,
             conv.downtime_auto && !conv.postcopy && mirror.is_none(),
-            self.switchovers.expect(target_name) + END_POLL.as_millis() as u64,
+            switchover + END_POLL.as_millis() as u64,
+            overshoot,
         );
         qmp.set_parameters(MigrationParameters {
             // Ferry paces migrations itself; QEMU's 128 MiB/s default would cap fast links
@@ -1421,18 +1423,22 @@ impl Agent {
                 .max(downtime_ms + switchover_ms)
         };
         if !committed && !copy.pausing() {
-            // what the guest saw beyond QEMU's limit: the switch-over, and
-            // QEMU's own overshoot (its bandwidth estimate, the last round's
-            // dirtying), both of which the next move there must leave room for
-            self.switchovers
-                .record(target_name, guest_downtime_ms.saturating_sub(dplan.limit_ms));
+            // the switch-over, and QEMU's own overshoot of its limit (its
+            // bandwidth estimate, the last round's dirtying): the next move
+            // there leaves room for both
+            self.switchovers.record(
+                target_name,
+                guest_downtime_ms.saturating_sub(downtime_ms),
+                downtime_ms,
+                dplan.limit_ms,
+            );
         }
         if guest_downtime_ms > conv.max_downtime_ms && !copy.pausing() && !committed {
             ev.send(MigrationEvent::Warning {
                 message: format!(
                     "the guest saw {guest_downtime_ms} ms of downtime, over the {} ms asked: QEMU {downtime_ms} ms \
-                     (limit {} ms), then {} ms until {target_name} ran it ({} ms expected beyond the limit); the \
-                     next move to {target_name} plans for that",
+                     (limit {} ms), then {} ms until {target_name} ran it ({} ms expected); the next move to \
+                     {target_name} plans for that",
                     conv.max_downtime_ms,
                     dplan.limit_ms,
                     guest_downtime_ms.saturating_sub(downtime_ms),
