@@ -204,7 +204,14 @@ mod tests {
         let l = Learned::default();
         assert_eq!(l.expect("h2"), (FIRST_SWITCHOVER_MS, 1.0));
         // (switch-over, QEMU downtime, limit)
-        for (sw, q, lim) in [(30, 74, 57), (80, 1, 5), (20, 3, 60), (10, 1, 5), (15, 40, 40), (12, 2, 5)] {
+        for (sw, q, lim) in [
+            (30, 74, 57),
+            (80, 1, 5),
+            (20, 3, 60),
+            (10, 1, 5),
+            (15, 40, 40),
+            (12, 2, 5),
+        ] {
             l.record("h2", sw, q, lim);
         }
         // the first fell out: 80 ms is the worst switch-over left, and an
