@@ -141,6 +141,9 @@ impl DiskMirror {
     }
 
     async fn start_jobs(&mut self, qmp: &Qmp) -> Result<(), String> {
+        // an earlier move's copy whose node QEMU would not let go of then
+        // (still in use as that move was abandoned) goes now
+        remove_leftovers(qmp).await;
         for c in self.copies.clone() {
             let target = format!("mirror-{}", c.node());
             qmp.blockdev_add(serde_json::json!({
@@ -309,11 +312,22 @@ async fn abandon(qmp: &Qmp, jobs: &[String], nodes: &[String]) {
         let _ = qmp.dismiss_job(id).await;
     }
     for n in nodes {
-        if let Err(e) = qmp.blockdev_del(n).await {
-            tracing::warn!(node = %n, error = %error_chain(&e), "removing a mirror's target node");
+        // a node QEMU still holds (its NBD client winding down after the
+        // job ended) is let go of a moment later
+        let mut tries = 0;
+        while let Err(e) = qmp.blockdev_del(n).await {
+            tries += 1;
+            if tries >= DEL_TRIES {
+                tracing::warn!(node = %n, error = %error_chain(&e), "removing a mirror's target node");
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 }
+
+/// Attempts, 100 ms apart, to remove a mirror's target node.
+const DEL_TRIES: u32 = 20;
 
 /// Waits until every job of `ids` has concluded; returns every job then.
 async fn wait_concluded(qmp: &Qmp, ids: &[String]) -> Result<Vec<BlockJobInfo>, String> {
