@@ -1148,6 +1148,10 @@ fn ipv4_addrs() -> Vec<(String, std::net::Ipv4Addr, u8)> {
     out
 }
 
+/// How often the check looks at the guest again: a move's report (and a
+/// drain's end) waits for it.
+const CHECK_POLL: Duration = Duration::from_millis(50);
+
 /// Checks a guest: QEMU's run state, the guest advancing, and no integrity
 /// error or panic on its console (as `guest` reads it).
 ///
@@ -1156,10 +1160,6 @@ fn ipv4_addrs() -> Vec<(String, std::net::Ipv4Addr, u8)> {
 /// CPU time spent by its vCPU threads during the check. A guest with the
 /// guest agent must also answer `guest-ping`, and its clock
 /// (`guest-get-time`) must move forward.
-/// How often the check looks at the guest again: a move's report (and a
-/// drain's end) waits for it.
-const CHECK_POLL: Duration = Duration::from_millis(50);
-
 pub async fn check(
     guest: &dyn GuestCheck,
     host: &str,

@@ -143,21 +143,25 @@ impl Control {
                 })
                 .await;
         }
-        // per-class rates of the drained host, while classes are set
-        let classes = {
+        // the drained host's `/bandwidth`, once a second: its CPU busy share
+        // (a drain the CPU limits says so) and, every 2 s while classes are
+        // set, each class's rate per NIC
+        let cpu: Arc<std::sync::Mutex<Option<f64>>> = Default::default();
+        let watch = {
             let me = self.clone();
-            let (host, tx) = (host.clone(), tx.clone());
+            let (host, tx, cpu) = (host.clone(), tx.clone(), cpu.clone());
             tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(Duration::from_secs(2)).await;
-                    if me.bandwidth_policy().classes.is_empty() {
-                        continue;
-                    }
+                for tick in 1u64.. {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
                     let Ok(c) = me.host(&host) else { break };
-                    if let Ok(b) = c
+                    let Ok(b) = c
                         .get::<ferry_api::bandwidth::HostBandwidth>("/bandwidth", AGENT_TIMEOUT)
                         .await
-                    {
+                    else {
+                        continue;
+                    };
+                    *lock(&cpu) = b.cpu_busy;
+                    if tick % 2 == 0 && !me.bandwidth_policy().classes.is_empty() {
                         let ev = DrainEvent::Classes {
                             host: host.clone(),
                             nics: b.nics,
@@ -165,23 +169,6 @@ impl Control {
                         if tx.send(ev).await.is_err() {
                             break;
                         }
-                    }
-                }
-            })
-        };
-        // the drained host's CPU, once a second: a drain the CPU limits says so
-        let cpu: Arc<std::sync::Mutex<Option<f64>>> = Default::default();
-        let cpu_watch = {
-            let (me, host, cpu) = (self.clone(), host.clone(), cpu.clone());
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    let Ok(c) = me.host(&host) else { break };
-                    if let Ok(b) = c
-                        .get::<ferry_api::bandwidth::HostBandwidth>("/bandwidth", AGENT_TIMEOUT)
-                        .await
-                    {
-                        *lock(&cpu) = b.cpu_busy;
                     }
                 }
             })
@@ -336,8 +323,7 @@ impl Control {
             total_ms: started.elapsed().as_millis() as u64,
             limits,
         };
-        classes.abort();
-        cpu_watch.abort();
+        watch.abort();
         let _ = tx.send(DrainEvent::Done(report)).await;
     }
 

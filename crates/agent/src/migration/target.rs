@@ -20,12 +20,12 @@ use crate::commit::{
 use crate::datapath::{DataPath, QemuTcp};
 use crate::host::{error_chain, Agent, Role};
 use crate::qemu::{self, QemuVm};
+use crate::qmp::MigrationParameters;
 
 /// How often READY asks the paused skeleton whether it has loaded everything:
 /// the guest is in blackout, and every millisecond between its load and the
 /// answer is downtime.
 const READY_POLL: Duration = Duration::from_millis(2);
-use crate::qmp::MigrationParameters;
 
 impl Agent {
     /// Step 3-4 on the target: reserve memory, start a skeleton VM waiting on
@@ -536,7 +536,6 @@ impl Agent {
         }
         let deadline = Instant::now() + Duration::from_secs(30);
         let t0 = Instant::now();
-        let mut seen: Vec<(u64, String)> = Vec::new();
         loop {
             if !q.alive().await {
                 return Err(ApiError::internal(
@@ -545,10 +544,6 @@ impl Agent {
             }
             let mig = q.qmp.query_migrate().await.ok().and_then(|i| i.status);
             let run = q.qmp.status().await.ok();
-            let what = format!("{mig:?}/{:?}", run.as_ref().map(|s| s.status.clone()));
-            if seen.last().map(|l| &l.1) != Some(&what) {
-                seen.push((t0.elapsed().as_millis() as u64, what));
-            }
             match (mig.as_deref(), run) {
                 (Some("failed"), _) => {
                     return Err(ApiError::internal(
@@ -562,7 +557,10 @@ impl Agent {
                     ));
                 }
                 (Some("completed"), Some(s)) => {
-                    tracing::info!(?seen, "ready");
+                    tracing::info!(
+                        waited_ms = t0.elapsed().as_millis() as u64,
+                        "READY: the skeleton has loaded everything"
+                    );
                     let cpu_ms = self.incoming_cpu(id, &q).await;
                     return Ok(IncomingStatus {
                         migration_id: id.into(),
