@@ -52,9 +52,10 @@ def main():
     print("|---|---|---|---|---|---|")
     for limit, secs, ideal, b, used in rows:
         print(f"| {limit} | {secs:.1f} | {b / 2**20:.0f} | {ideal:.1f} | {secs / ideal:.2f} | {used} |")
-    best = min(r[1] for r in rows if r[0] != "auto")
+    fixed = [r[1] for r in rows if r[0] != "auto"]
     auto = [r[1] for r in rows if r[0] == "auto"]
-    if auto:
+    if auto and fixed:
+        best = min(fixed)
         print(f"\nauto ÷ best fixed: {auto[0] / best:.2f}")
 
 

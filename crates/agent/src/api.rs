@@ -320,6 +320,15 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
                 tokio::task::spawn_blocking(move || ferry_api::util::lock(&c).reconcile()).await;
         }
     });
+    let gauge = agent.clone();
+    tokio::spawn(async move { gauge.idle.run().await });
+    // the CPU models QEMU offers, asked before a first migration needs them
+    let catalog = agent.clone();
+    tokio::spawn(async move {
+        if let Err(e) = catalog.cpu_catalog().await {
+            tracing::warn!(error = %e, "cannot ask QEMU for its CPU models");
+        }
+    });
     let watcher = agent.clone();
     tokio::spawn(async move {
         // guests waiting for their storage: paused, resumed, stopped

@@ -148,6 +148,8 @@ pub struct Agent {
     pub switchovers: crate::downtime::Learned,
     /// The host's CPU time, busy and in all, at the last look.
     pub cpu: CpuMeter,
+    /// The host's idle CPU share over the last second.
+    pub idle: IdleGauge,
 }
 
 /// How busy the host's CPUs were between two looks (`/proc/stat`).
@@ -166,6 +168,48 @@ impl CpuMeter {
             now.1.saturating_sub(before.1),
         );
         (all > 0).then(|| busy as f64 / all as f64)
+    }
+}
+
+/// The host's idle CPU share over the last second, kept by a sampler (see
+/// [`IdleGauge::run`]) so a move's `auto` reads it at once instead of
+/// watching the CPUs for a while first.
+#[derive(Default)]
+pub struct IdleGauge(std::sync::Mutex<std::collections::VecDeque<(u64, u64)>>);
+
+impl IdleGauge {
+    /// Samples kept: the window is `(KEEP - 1) × EVERY`.
+    const KEEP: usize = 5;
+    const EVERY: Duration = Duration::from_millis(250);
+
+    /// Takes one sample of `/proc/stat`'s `cpu` line.
+    pub fn sample(&self, stat: &str) {
+        if let Some(t) = cpu_ticks(stat) {
+            let mut q = ferry_api::util::lock(&self.0);
+            q.push_back(t);
+            while q.len() > Self::KEEP {
+                q.pop_front();
+            }
+        }
+    }
+
+    /// Idle share between the oldest and newest sample kept; `None` before
+    /// two samples (or if no time passed).
+    pub fn idle(&self) -> Option<f64> {
+        let q = ferry_api::util::lock(&self.0);
+        let (a, b) = (q.front()?, q.back()?);
+        let all = b.1.saturating_sub(a.1);
+        (all > 0).then(|| 1.0 - b.0.saturating_sub(a.0) as f64 / all as f64)
+    }
+
+    /// Samples every [`Self::EVERY`] until the process ends.
+    pub async fn run(&self) {
+        loop {
+            if let Ok(s) = tokio::fs::read_to_string("/proc/stat").await {
+                self.sample(&s);
+            }
+            tokio::time::sleep(Self::EVERY).await;
+        }
     }
 }
 
@@ -203,6 +247,7 @@ impl Agent {
             cpus: Default::default(),
             switchovers: Default::default(),
             cpu: Default::default(),
+            idle: Default::default(),
             journal: crate::commit::Journal::new(&cfg.state_dir),
             live: Default::default(),
             state: Default::default(),
@@ -219,7 +264,7 @@ impl Agent {
     /// The NIC pairs a move to `info` uses: as [`Agent::paths_to`], but
     /// pairs past their age whose links have not changed are used at once
     /// and probed again behind the move (probing an unreachable pair waits
-    /// out its tries, about a second a move).
+    /// out its tries, about a second).
     pub async fn paths_for_move(&self, info: &HostInfo) -> Vec<ferry_api::NicPath> {
         let mine = self.nics();
         match self.paths.get(&info.name) {
@@ -1408,5 +1453,23 @@ mod tests {
         assert_eq!(cpu_ticks(stat), Some((160, 1000)));
         assert_eq!(cpu_ticks("cpu0 1 2 3 4 5\n"), None);
         assert_eq!(cpu_ticks("cpu  1 2\n"), None);
+    }
+
+    #[test]
+    fn the_idle_gauge_keeps_the_last_second() {
+        let g = IdleGauge::default();
+        let stat = |user: u64, idle: u64| format!("cpu  {user} 0 0 {idle} 0 0 0 0\n");
+        assert_eq!(g.idle(), None, "no sample yet");
+        g.sample(&stat(0, 0));
+        assert_eq!(g.idle(), None, "one sample is no interval");
+        // busy for a while, then idle: only the last KEEP samples count
+        g.sample(&stat(100, 0));
+        assert_eq!(g.idle(), Some(0.0));
+        for i in 1..=IdleGauge::KEEP as u64 {
+            g.sample(&stat(100 + i * 25, i * 75));
+        }
+        assert_eq!(g.idle(), Some(0.75));
+        g.sample("garbage");
+        assert_eq!(g.idle(), Some(0.75), "an unreadable sample is skipped");
     }
 }

@@ -24,7 +24,9 @@
 //! credential. Results are cached per peer and probed again as soon as a
 //! link changes on either side; past [`PROBE_TTL`] with no link changed, a
 //! move uses them as they are while they are probed again behind it (a
-//! probe that finds a pair unreachable waits out its [`TRIES`]).
+//! probe that finds a pair unreachable waits out its [`TRIES`]). A move that
+//! must probe waits only until the answers [`cover`] both hosts; pairs that
+//! never answer (across separate fabrics) are probed on behind it.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -308,9 +310,20 @@ pub fn peer_links(nics: &[NicInfo]) -> Vec<(String, String, bool)> {
         .collect()
 }
 
+/// One probe's outcome: (local NIC, peer NIC probed, the peer NIC it
+/// arrived on and the round trip, or why not).
+type Outcome = (NicInfo, NicInfo, Result<(String, Duration), String>);
+
 /// Probes every (local NIC, peer NIC address) at once. A pair (local NIC,
 /// peer NIC) is reachable when a probe from the local NIC arrived on the
 /// peer NIC, whichever of the peer's addresses it was sent to.
+///
+/// `covered` is called once, as soon as the answers so far [`cover`] both
+/// hosts (every NIC up on either side is in a reachable pair), with the
+/// pairs known then (the others `still being probed`): a move need not wait
+/// out the tries of pairs that never answer — on two separate fabrics half
+/// the pairs are such — to learn which pairs it uses. The full result is
+/// returned when every probe is done.
 pub async fn probe_all(
     me: &str,
     secret: &[u8],
@@ -318,8 +331,10 @@ pub async fn probe_all(
     peer: &str,
     peer_nics: &[NicInfo],
     port: u16,
+    mut covered: Option<Box<dyn FnOnce(PeerPaths) + Send>>,
 ) -> PeerPaths {
-    let mut jobs = Vec::new();
+    use futures::StreamExt;
+    let mut jobs = futures::stream::FuturesUnordered::new();
     for l in local {
         for p in peer_nics {
             let (Ok(la), Ok(pa)) = (l.address.parse::<Ipv4Addr>(), p.address.parse::<Ipv4Addr>())
@@ -345,7 +360,37 @@ pub async fn probe_all(
             });
         }
     }
-    let results = futures::future::join_all(jobs).await;
+    let paths = |results: &[Outcome], missing: &str| PeerPaths {
+        at: Instant::now(),
+        local_links: links(local),
+        peer_nics: peer_nics.to_vec(),
+        port,
+        pairs: assemble(local, peer, peer_nics, results, missing),
+    };
+    let mut results: Vec<Outcome> = Vec::new();
+    while let Some(r) = jobs.next().await {
+        results.push(r);
+        if !jobs.is_empty() && covered.is_some() {
+            let so_far = paths(&results, "still being probed");
+            if cover(&so_far.pairs, local, peer_nics) {
+                if let Some(f) = covered.take() {
+                    f(so_far);
+                }
+            }
+        }
+    }
+    paths(&results, "not probed")
+}
+
+/// The pairs as the outcomes so far show them; a pair with no outcome yet
+/// is unreachable with the error `missing`.
+fn assemble(
+    local: &[NicInfo],
+    peer: &str,
+    peer_nics: &[NicInfo],
+    results: &[Outcome],
+    missing: &str,
+) -> Vec<NicPath> {
     let mut pairs = Vec::new();
     for l in local {
         for p in peer_nics {
@@ -366,7 +411,7 @@ pub async fn probe_all(
                     p.address
                 )),
                 (None, Some(Err(e))) => Some(e.clone()),
-                (None, None) => Some("not probed".into()),
+                (None, None) => Some(missing.into()),
             };
             pairs.push(NicPath {
                 nic: l.name.clone(),
@@ -381,36 +426,64 @@ pub async fn probe_all(
             });
         }
     }
-    PeerPaths {
-        at: Instant::now(),
-        local_links: links(local),
-        peer_nics: peer_nics.to_vec(),
-        port,
-        pairs,
-    }
+    pairs
+}
+
+/// Do these pairs cover both hosts: every NIC up here reaches a NIC of
+/// the peer, and every NIC up there is reached from one here?
+pub fn cover(pairs: &[NicPath], local: &[NicInfo], peer_nics: &[NicInfo]) -> bool {
+    let reached = |f: &dyn Fn(&NicPath) -> bool| pairs.iter().any(|p| p.reachable && f(p));
+    local
+        .iter()
+        .filter(|n| n.up)
+        .all(|n| reached(&|p| p.nic == n.name))
+        && peer_nics
+            .iter()
+            .filter(|n| n.up)
+            .all(|n| reached(&|p| p.peer_nic == n.name))
 }
 
 /// Probes every pair to `peer` (see [`probe_all`]) and caches the result
-/// in `cache`; returns the pairs.
+/// in `cache`; returns the pairs as soon as they cover both hosts (the
+/// rest are probed on behind the caller, and cached when done), or when
+/// every probe is done.
 pub async fn refresh(
-    cache: &PathCache,
+    cache: &std::sync::Arc<PathCache>,
     (me, secret): (&str, &[u8]),
     local: &[NicInfo],
     peer: &str,
     peer_nics: &[NicInfo],
     port: u16,
 ) -> Vec<NicPath> {
-    let p = probe_all(me, secret, local, peer, peer_nics, port).await;
-    let reach = p.pairs.iter().filter(|x| x.reachable).count();
-    tracing::info!(
-        peer,
-        pairs = p.pairs.len(),
-        reachable = reach,
-        "NIC pairs probed"
-    );
-    let pairs = p.pairs.clone();
-    cache.put(peer, p);
-    pairs
+    let (tx, rx) = tokio::sync::oneshot::channel::<Vec<NicPath>>();
+    let tx = std::sync::Arc::new(std::sync::Mutex::new(Some(tx)));
+    let answer = move |pairs: Vec<NicPath>| {
+        if let Some(tx) = ferry_api::util::lock(&tx).take() {
+            let _ = tx.send(pairs);
+        }
+    };
+    let (early_cache, early_peer, early_answer) = (cache.clone(), peer.to_string(), answer.clone());
+    let covered: Box<dyn FnOnce(PeerPaths) + Send> = Box::new(move |p: PeerPaths| {
+        let pairs = p.pairs.clone();
+        early_cache.put(&early_peer, p);
+        early_answer(pairs);
+    });
+    let (cache, me, secret) = (cache.clone(), me.to_string(), secret.to_vec());
+    let (local, peer, peer_nics) = (local.to_vec(), peer.to_string(), peer_nics.to_vec());
+    tokio::spawn(async move {
+        let p = probe_all(&me, &secret, &local, &peer, &peer_nics, port, Some(covered)).await;
+        let reach = p.pairs.iter().filter(|x| x.reachable).count();
+        tracing::info!(
+            peer,
+            pairs = p.pairs.len(),
+            reachable = reach,
+            "NIC pairs probed"
+        );
+        let pairs = p.pairs.clone();
+        cache.put(&peer, p);
+        answer(pairs);
+    });
+    rx.await.unwrap_or_default()
 }
 
 /// Every peer's pairs, by peer name.
@@ -552,6 +625,82 @@ mod tests {
         );
         assert_eq!(u.len(), 1);
         assert_eq!(u[0].peer_nic, "y");
+    }
+
+    #[test]
+    fn pairs_cover_both_hosts_when_every_nic_up_is_in_a_reachable_pair() {
+        let (local, peer) = (
+            [nic("a", true), nic("b", true)],
+            [nic("x", true), nic("y", true)],
+        );
+        // two fabrics: a–x and b–y answer; a–y and b–x never will
+        let two = [pair("a", "x", true), pair("b", "y", true)];
+        assert!(cover(&two, &local, &peer));
+        // one answer so far: b and y not yet
+        assert!(!cover(&two[..1], &local, &peer));
+        // a reaches both peer NICs but b nothing: not covered
+        let one_sided = [
+            pair("a", "x", true),
+            pair("a", "y", true),
+            pair("b", "y", false),
+        ];
+        assert!(!cover(&one_sided, &local, &peer));
+        // a NIC that is down need not be reached
+        assert!(cover(
+            &two[..1],
+            &[nic("a", true), nic("b", false)],
+            &[nic("x", true), nic("y", false)]
+        ));
+    }
+
+    #[tokio::test]
+    async fn pairs_that_cover_both_hosts_are_known_before_silent_ones_time_out() {
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let port = sock.local_addr().unwrap().port();
+        std::thread::spawn(move || respond(sock, "peer1".into(), b"secret".to_vec()));
+        // the peer's second address takes probes and never answers; its NIC is down
+        let _quiet = std::net::UdpSocket::bind(("127.0.0.2", port)).unwrap();
+        let mut lo = nic("lo", true);
+        lo.address = "127.0.0.1".into();
+        let mut ghost = nic("ghost", false);
+        ghost.address = "127.0.0.2".into();
+        let early = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let seen = early.clone();
+        let t0 = Instant::now();
+        let covered: Box<dyn FnOnce(PeerPaths) + Send> = Box::new(move |p: PeerPaths| {
+            *seen.lock().unwrap() = Some((t0.elapsed(), p.pairs));
+        });
+        let local = [lo.clone()];
+        let full = probe_all(
+            "me",
+            b"secret",
+            &local,
+            "peer1",
+            &[lo, ghost],
+            port,
+            Some(covered),
+        )
+        .await;
+        let took = t0.elapsed();
+        let (at, pairs) = early
+            .lock()
+            .unwrap()
+            .take()
+            .expect("covered before the end");
+        assert!(
+            at < TRY_TIMEOUT && took >= TRY_TIMEOUT * TRIES,
+            "{at:?} {took:?}"
+        );
+        let error = |pairs: &[NicPath], to: &str| {
+            let p = pairs.iter().find(|p| p.peer_nic == to).unwrap();
+            (p.reachable, p.error.clone().unwrap_or_default())
+        };
+        assert_eq!(error(&pairs, "lo"), (true, String::new()));
+        assert_eq!(error(&pairs, "ghost"), (false, "still being probed".into()));
+        assert_eq!(
+            error(&full.pairs, "ghost"),
+            (false, ProbeError::Timeout.to_string())
+        );
     }
 
     #[tokio::test]

@@ -397,7 +397,8 @@ impl Qmp {
                         source: e,
                     });
                 }
-                _ => tokio::time::sleep(Duration::from_millis(100)).await,
+                // QEMU makes its socket within tens of milliseconds
+                _ => tokio::time::sleep(Duration::from_millis(5)).await,
             }
         }
     }

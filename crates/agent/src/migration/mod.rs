@@ -478,12 +478,16 @@ impl Agent {
                 let mptcp = ferry_transport::mptcp::available();
                 let (ratio, idle) = if mptcp && !req.encrypt_carriers {
                     let ratio = sample_memory(vm, spec.memory).await;
-                    let idle = tokio::task::spawn_blocking(|| {
-                        ferry_transport::compress::idle_share(Duration::from_millis(300))
-                    })
-                    .await
-                    .ok()
-                    .flatten();
+                    // the last second's, or (an agent just started) watched now
+                    let idle = match self.idle.idle() {
+                        Some(i) => Some(i),
+                        None => tokio::task::spawn_blocking(|| {
+                            ferry_transport::compress::idle_share(Duration::from_millis(300))
+                        })
+                        .await
+                        .ok()
+                        .flatten(),
+                    };
                     (ratio, idle)
                 } else {
                     (None, None)
@@ -1457,10 +1461,21 @@ impl Agent {
         // and 11. the guest check on the running target (a report, never a
         // rollback), side by side: neither needs the other
         let check_path = format!("/vms/{}/check", spec.name);
-        let (_, checked) = tokio::join!(
-            self.finish_source(&spec.name, id),
-            target.get::<CheckResult>(&check_path, Duration::from_secs(30))
+        let t_end = Instant::now();
+        let ms = move || t_end.elapsed().as_millis() as u64;
+        let (cleanup_ms, (checked, check_ms)) = tokio::join!(
+            async {
+                self.finish_source(&spec.name, id).await;
+                ms()
+            },
+            async {
+                let r = target
+                    .get::<CheckResult>(&check_path, Duration::from_secs(30))
+                    .await;
+                (r, ms())
+            }
         );
+        tracing::info!(vm = %spec.name, cleanup_ms, check_ms, "cleanup and guest check");
         ev.step(
             "cleanup",
             format!("source QEMU on {} stopped and removed", self.cfg.name),

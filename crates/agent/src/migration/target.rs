@@ -81,10 +81,17 @@ impl Agent {
             since: Instant::now(),
             agent_cpu_at_start: crate::host::own_cpu(),
         };
+        // how long each part of the skeleton's start took, logged with it
+        let t0 = Instant::now();
+        let mut parts: Vec<(&str, u64)> = Vec::new();
+        let lap = |name: &'static str, parts: &mut Vec<(&str, u64)>| {
+            parts.push((name, t0.elapsed().as_millis() as u64));
+        };
         // the memory step: room for the guest, and everything it needs here
         req.spec.validate()?;
         self.preflight(&req.spec, req.cpu_expansion.as_ref())
             .await?;
+        lap("preflight", &mut parts);
         // shared-nothing: each local drive is made here empty, and must not
         // be there already (a file of this host's own is never overwritten)
         let copies = self.incoming_disks(&req)?;
@@ -126,11 +133,13 @@ impl Agent {
                         })?;
                 }
             }
+            lap("disks", &mut parts);
             let vm = qemu::launch(&self.cfg.qemu, &req.spec, &dir, true)
                 .await
                 .map_err(|e| {
                     ApiError::internal(format!("starting skeleton QEMU: {}", error_chain(&e)))
                 })?;
+            lap("qemu", &mut parts);
             let vm = Arc::new(vm);
             // registered first, so a failure below still kills this QEMU
             if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
@@ -183,6 +192,7 @@ impl Agent {
                     .await
                     .map_err(qerr)?;
             }
+            lap("capabilities", &mut parts);
             let sock = dir.join("incoming.sock");
             if !handoff {
                 vm.qmp
@@ -256,7 +266,8 @@ impl Agent {
         .await;
         match started {
             Ok((uri, carriers, disk_carriers)) => {
-                tracing::info!(vm = %req.spec.name, source = %req.source, %uri, "skeleton waiting");
+                lap("transport", &mut parts);
+                tracing::info!(vm = %req.spec.name, source = %req.source, %uri, ?parts, "skeleton waiting");
                 Ok(IncomingReply {
                     migration_id: req.migration_id,
                     uri,
