@@ -75,11 +75,18 @@ async fn create_vm(
     Ok(Json(a.create_vm(spec).await?))
 }
 
+/// `?after=N`: the guest's last tick on the host it came from.
+#[derive(serde::Deserialize)]
+struct CheckQuery {
+    after: Option<u64>,
+}
+
 async fn check_vm(
     State(a): State<Arc<Agent>>,
     Path(name): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<CheckQuery>,
 ) -> R<ferry_api::CheckResult> {
-    Ok(Json(a.check_vm(&name).await?))
+    Ok(Json(a.check_vm(&name, q.after).await?))
 }
 
 async fn plug_disk(

@@ -868,7 +868,8 @@ impl Agent {
 
     /// Checks a running guest; a failure is kept on the VM (`problem` in
     /// `vm list`) until a check passes.
-    pub async fn check_vm(&self, name: &str) -> Result<CheckResult, ApiError> {
+    /// `after`: the guest's last tick before it came here (see [`check`]).
+    pub async fn check_vm(&self, name: &str, after: Option<u64>) -> Result<CheckResult, ApiError> {
         let (spec, q) = self.running_vm(name).await?;
         let r = check(
             self.guest.as_ref(),
@@ -876,6 +877,7 @@ impl Agent {
             &spec,
             &q,
             Duration::from_secs(8),
+            after,
         )
         .await;
         let problem = (!r.ok()).then(|| r.summary());
@@ -1197,11 +1199,28 @@ fn ipv4_addrs() -> Vec<(String, std::net::Ipv4Addr, u8)> {
 /// drain's end) waits for it.
 const CHECK_POLL: Duration = Duration::from_millis(50);
 
+/// Has the workload's counter advanced: past the first tick seen during
+/// the check, or past `after` (its last tick on the host it came from)?
+fn counted(
+    first: Option<crate::guest::Progress>,
+    last: Option<crate::guest::Progress>,
+    after: Option<u64>,
+) -> bool {
+    match (first, last) {
+        (Some(a), Some(b)) if b.tick > a.tick => true,
+        (_, Some(b)) => after.is_some_and(|n| b.tick > n),
+        _ => false,
+    }
+}
+
 /// Checks a guest: QEMU's run state, the guest advancing, and no integrity
 /// error or panic on its console (as `guest` reads it).
 ///
 /// "Advancing" is the workload's counter for the lab's workload guest
-/// (waits up to `wait` for a tick, then a newer one); for any other guest,
+/// (waits up to `wait` for a tick, then a newer one — or for one past
+/// `after`, the last tick the guest printed elsewhere: a guest just moved
+/// here prints to a console of its own on this host, so a tick past the
+/// source's last is one it counted here); for any other guest,
 /// CPU time spent by its vCPU threads during the check. A guest with the
 /// guest agent must also answer `guest-ping`, and its clock
 /// (`guest-get-time`) must move forward.
@@ -1211,8 +1230,10 @@ pub async fn check(
     spec: &VmSpec,
     q: &QemuVm,
     wait: Duration,
+    after: Option<u64>,
 ) -> CheckResult {
     let workload = spec.is_workload() && guest.has_progress();
+    let counted = |first, last| counted(first, last, after);
     let qemu_status = match q.qmp.status().await {
         Ok(s) => s.status,
         Err(_) => "unreachable".into(),
@@ -1237,7 +1258,7 @@ pub async fn check(
             first = state.last;
         }
         let advanced = if workload {
-            matches!((first, state.last), (Some(a), Some(b)) if b.tick > a.tick)
+            counted(first, state.last)
         } else {
             let now = vcpu_cpu(q).await;
             vcpu_ms = match (vcpu_start, now) {
@@ -1275,7 +1296,7 @@ pub async fn check(
     };
     let running = qemu_status == "running";
     let advancing = if workload {
-        matches!((first, last), (Some(a), Some(b)) if b.tick > a.tick)
+        counted(first, last)
     } else {
         vcpu_ms.is_some_and(|ms| ms > 0)
     };
@@ -1453,6 +1474,23 @@ mod tests {
         assert_eq!(cpu_ticks(stat), Some((160, 1000)));
         assert_eq!(cpu_ticks("cpu0 1 2 3 4 5\n"), None);
         assert_eq!(cpu_ticks("cpu  1 2\n"), None);
+    }
+
+    #[test]
+    fn a_counter_advances_past_the_first_tick_seen_or_the_sources_last() {
+        let t = |tick| {
+            Some(crate::guest::Progress {
+                tick,
+                ..Default::default()
+            })
+        };
+        assert!(counted(t(5), t(6), None));
+        assert!(!counted(t(5), t(5), None), "one tick is no progress");
+        assert!(!counted(None, None, Some(4)));
+        // a guest just moved here: its first tick on this console is past the source's last
+        assert!(counted(t(5), t(5), Some(4)));
+        assert!(!counted(t(4), t(4), Some(4)), "the source's own last tick");
+        assert!(!counted(t(3), t(3), Some(4)), "a counter gone back");
     }
 
     #[test]

@@ -660,6 +660,11 @@ mod tests {
         std::thread::spawn(move || respond(sock, "peer1".into(), b"secret".to_vec()));
         // the peer's second address takes probes and never answers; its NIC is down
         let _quiet = std::net::UdpSocket::bind(("127.0.0.2", port)).unwrap();
+        // the responder answers once its thread has set IP_PKTINFO: wait for that
+        let at = SocketAddr::from(([127, 0, 0, 1], port));
+        probe("me", b"secret", ("lo", Ipv4Addr::LOCALHOST), ("peer1", at))
+            .await
+            .unwrap();
         let mut lo = nic("lo", true);
         lo.address = "127.0.0.1".into();
         let mut ghost = nic("ghost", false);

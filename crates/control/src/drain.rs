@@ -104,10 +104,13 @@ impl Running {
         copying_for: Duration,
     ) -> Running {
         let ending = finished || (rounds >= 2 && (remaining as f64) <= throughput * 2.0);
+        let transferring = active && copying_for >= AutoLimit::WARMUP;
         Running {
-            transferring: active && copying_for >= AutoLimit::WARMUP,
+            transferring,
             ending,
-            finishing: ending || eta.is_some_and(|e| e <= lead),
+            // a move just started has no rate worth a prediction (QEMU's
+            // first reports may say nothing remains)
+            finishing: ending || (transferring && eta.is_some_and(|e| e <= lead)),
         }
     }
 }
@@ -124,10 +127,11 @@ impl Running {
 /// trying the next; so is the last level that paid, once a step does not:
 /// more migrations at once would only share the same rate and re-send more
 /// of the pages their guests dirty meanwhile. When every step up to the
-/// limit paid, the limit itself rises (to 8). Once settled, a finishing
-/// migration (ending, or its switch-over nearer than [`AutoLimit::lead`])
-/// does not count, so the next one starts while it switches over and is
-/// checked, and the links do not fall idle between moves.
+/// limit paid, the limit itself rises (to 8). A finishing migration
+/// (ending, or its switch-over nearer than [`AutoLimit::lead`]) does not
+/// count, so the next one starts while it switches over and is checked,
+/// and the links do not fall idle between moves — also before the level is
+/// settled, since on a fast link a move can end before it is measured.
 #[derive(Debug, Clone)]
 pub struct AutoLimit {
     pub limit: u32,
@@ -266,11 +270,9 @@ impl AutoLimit {
             }
             self.last_steady = self.probe.map(|_| (now, sent));
         }
-        let finishing = if self.settled {
-            running.iter().filter(|r| r.finishing).count() as u32
-        } else {
-            0
-        };
+        // settled or not: a short move (a fast link) may end before its
+        // level is measured, and the links must not idle meanwhile
+        let finishing = running.iter().filter(|r| r.finishing).count() as u32;
         (
             (self.want + finishing).min(self.limit),
             change.map(|why| (self.want, why)),
@@ -485,11 +487,12 @@ mod tests {
     }
 
     #[test]
-    fn auto_starts_the_next_while_one_finishes_once_settled() {
+    fn auto_starts_the_next_while_one_finishes() {
         let t0 = Instant::now();
         let mut a = AutoLimit::new();
-        // not settled: finishing migrations count
-        assert_eq!(a.tick(t0, 0, &run(1, true, 1)).0, 1);
+        // not settled yet (a move shorter than the warm-up and a window)
+        assert_eq!(a.tick(t0, 0, &run(1, true, 0)).0, 1);
+        assert_eq!(a.tick(t0, 0, &run(1, true, 1)).0, 2);
         a.settled = true;
         a.want = 2;
         assert_eq!(a.tick(t0, 0, &run(2, true, 0)).0, 2);
@@ -560,6 +563,9 @@ mod tests {
         let short = Duration::from_millis(300);
         let r = Running::from_progress(true, false, 1, 10, 100.0, None, lead, short);
         assert!(!r.transferring);
+        // just started: QEMU's first report (nothing remaining yet) predicts nothing
+        let r = Running::from_progress(true, false, 0, 0, 0.0, eta(0), lead, short);
+        assert!(!r.finishing, "a move starting is not finishing");
     }
 
     #[test]

@@ -11,22 +11,41 @@ const SAMPLE_CHUNKS: u64 = 32;
 const SAMPLE_CHUNK: u64 = 128 << 10;
 /// A sample that LZ4 shrinks to this share or less counts as compressible.
 pub const AUTO_COMPRESSES: f64 = 0.8;
+/// What the agents' relay of Ferry's carriers costs beyond the handed-off
+/// socket, CPU seconds per GiB carried, both hosts together (BENCHMARKS.md
+/// "auto on random and compressible memory": 6.2 against 3.6).
+pub const RELAY_CPU_S_PER_GIB: f64 = 2.5;
+/// Memory that does not compress goes by Ferry's carriers only when the
+/// idle CPU covers their relay at the links' full rate this many times.
+pub const RELAY_MARGIN: f64 = 2.0;
+
+/// Room for the carriers' relay: idle CPUs (`idle` share of `cpus`) at
+/// least [`RELAY_MARGIN`] × what relaying `link_bits` per second costs.
+pub(super) fn relay_fits(idle: f64, cpus: usize, link_bits: u64) -> bool {
+    let gib_per_s = link_bits as f64 / 8.0 / (1u64 << 30) as f64;
+    link_bits > 0 && idle * cpus as f64 >= gib_per_s * RELAY_CPU_S_PER_GIB * RELAY_MARGIN
+}
 
 /// What `auto` picks over more than one NIC pair, and why.
 ///
 /// Ferry's carriers are the kind that can compress (per frame, with idle
 /// CPU, when the link is the bottleneck); a guest whose memory compresses
-/// crosses link-bound fabrics several times faster on them. Otherwise the
-/// handed-off MPTCP socket wins: QEMU writes straight into the kernel and no
-/// byte passes through an agent, so the move costs no more CPU than QEMU
-/// over MPTCP (the agents' relay costs 1.7–2.2 CPU-s/GiB more) at 0.90–0.93 of
-/// the links against the carriers' 0.95. BENCHMARKS.md has the runs.
-/// Sealing needs Ferry's frames, and so does a kernel without MPTCP.
+/// crosses link-bound fabrics several times faster on them. They also fill
+/// a link fuller (0.95 of a shaped MTU-1500 link against 0.938 for MPTCP
+/// subflows, whose every segment carries a DSS option), for the CPU of the
+/// agents' relay ([`RELAY_CPU_S_PER_GIB`]): memory that does not compress
+/// takes them when the idle CPU has room for that relay at the links' rate
+/// (`relay_room`, see [`relay_fits`]). Otherwise the handed-off MPTCP socket
+/// wins: QEMU writes straight into the kernel and no byte passes through an
+/// agent, so the move costs no more CPU than QEMU over MPTCP. BENCHMARKS.md
+/// has the runs. Sealing needs Ferry's frames, and so does a kernel without
+/// MPTCP.
 pub(super) fn auto_choice(
     sealed: bool,
     mptcp: bool,
     ratio: Option<f64>,
     idle: Option<f64>,
+    relay_room: Option<u64>,
 ) -> (MigrationOption, String) {
     let carriers = MigrationOption::Multichannel;
     if sealed {
@@ -57,6 +76,15 @@ pub(super) fn auto_choice(
             format!(
                 "QEMU handed an MPTCP socket: memory compresses to {shown} but the CPU is \
                  only {idle_pct:.0}% idle, too little to compress; no byte passes through an agent"
+            ),
+        ),
+        _ if relay_room.is_some() => (
+            carriers,
+            format!(
+                "Ferry's carriers: a memory sample compresses to {shown} only, and the CPU is \
+                 {idle_pct:.0}% idle, room for the agents' relay at the links' {} Mbit/s; \
+                 their frames fill a link fuller than MPTCP subflows",
+                relay_room.unwrap_or(0) / 1_000_000
             ),
         ),
         _ => (
@@ -98,7 +126,7 @@ mod tests {
 
     #[test]
     fn auto_compresses_on_carriers_only_what_compresses_with_idle_cpu() {
-        let pick = |sealed, mptcp, ratio, idle| auto_choice(sealed, mptcp, ratio, idle).0;
+        let pick = |sealed, mptcp, ratio, idle| auto_choice(sealed, mptcp, ratio, idle, None).0;
         // compressible memory and idle CPU: the kind that compresses
         assert_eq!(
             pick(false, true, Some(0.3), Some(0.9)),
@@ -129,8 +157,31 @@ mod tests {
             MigrationOption::Multichannel
         );
         // the reason names what was measured
-        let (_, why) = auto_choice(false, true, Some(0.97), Some(0.8));
+        let (_, why) = auto_choice(false, true, Some(0.97), Some(0.8), None);
         assert!(why.contains("0.97") && why.contains("MPTCP"), "{why}");
         assert!(!why.contains("  "), "{why}");
+    }
+
+    #[test]
+    fn random_memory_takes_the_carriers_only_with_room_for_their_relay() {
+        // 2 × 1 Gbit/s: 0.23 GiB/s × 2.5 CPU-s/GiB × 2 = 1.16 CPUs idle needed
+        let links = 2_000_000_000;
+        assert!(relay_fits(0.9, 2, links));
+        assert!(!relay_fits(0.5, 2, links));
+        assert!(relay_fits(0.5, 4, links));
+        // 2 × 10 Gbit/s needs more than most hosts have idle; an unknown rate never fits
+        assert!(!relay_fits(0.9, 8, 20_000_000_000));
+        assert!(!relay_fits(1.0, 2, 0));
+        let (o, why) = auto_choice(false, true, Some(0.97), Some(0.9), Some(links));
+        assert_eq!(o, MigrationOption::Multichannel);
+        assert!(
+            why.contains("0.97") && why.contains("90% idle") && why.contains("2000 Mbit/s"),
+            "{why}"
+        );
+        // compressible memory with too little idle CPU still goes by MPTCP
+        assert_eq!(
+            auto_choice(false, true, Some(0.3), Some(0.05), Some(links)).0,
+            MigrationOption::Mptcp
+        );
     }
 }

@@ -51,7 +51,7 @@ use crate::convergence;
 use crate::host::{error_chain, nics, Agent, Role};
 use crate::qemu::QemuVm;
 use crate::qmp::MigrationParameters;
-use auto::{auto_choice, sample_memory};
+use auto::{auto_choice, relay_fits, sample_memory};
 use ferry_api::{CarrierReport, Convergence, MigrationOption};
 pub(crate) use settle::resume_guest;
 use target::answer_of;
@@ -492,7 +492,26 @@ impl Agent {
                 } else {
                     (None, None)
                 };
-                let (o, why) = auto_choice(req.encrypt_carriers, mptcp, ratio, idle);
+                // the links this move would use, and whether the idle CPU
+                // could relay them at that rate
+                let used: Vec<String> = paths.iter().map(|p| p.nic.clone()).collect();
+                let classes = self.classes.clone();
+                let link_bits: u64 = tokio::task::spawn_blocking(move || {
+                    ferry_api::util::lock(&classes)
+                        .status("")
+                        .nics
+                        .iter()
+                        .filter(|n| n.up && used.contains(&n.nic))
+                        .map(|n| n.link_rate)
+                        .sum()
+                })
+                .await
+                .unwrap_or(0);
+                let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let relay_room = idle
+                    .filter(|i| relay_fits(*i, cpus, link_bits))
+                    .map(|_| link_bits);
+                let (o, why) = auto_choice(req.encrypt_carriers, mptcp, ratio, idle, relay_room);
                 auto_note = format!("; auto: {why}");
                 o
             }
@@ -1460,7 +1479,11 @@ impl Agent {
         // 10. cleanup on the source (its QEMU stops, the record says Done)
         // and 11. the guest check on the running target (a report, never a
         // rollback), side by side: neither needs the other
-        let check_path = format!("/vms/{}/check", spec.name);
+        // a tick past the source's last counts: the target's console is its own
+        let check_path = match tick_before {
+            Some(t) => format!("/vms/{}/check?after={t}", spec.name),
+            None => format!("/vms/{}/check", spec.name),
+        };
         let t_end = Instant::now();
         let ms = move || t_end.elapsed().as_millis() as u64;
         let (cleanup_ms, (checked, check_ms)) = tokio::join!(
