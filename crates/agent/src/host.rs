@@ -146,34 +146,14 @@ pub struct Agent {
     cpus: tokio::sync::OnceCell<Result<Arc<crate::hardware::CpuCatalog>, String>>,
     /// Switch-overs seen per target, for the next move's downtime budget.
     pub switchovers: crate::downtime::Learned,
-    /// The host's CPU time, busy and in all, at the last look.
-    pub cpu: CpuMeter,
     /// The host's idle CPU share over the last second.
     pub idle: IdleGauge,
 }
 
-/// How busy the host's CPUs were between two looks (`/proc/stat`).
-#[derive(Default)]
-pub struct CpuMeter(std::sync::Mutex<Option<(u64, u64)>>);
-
-impl CpuMeter {
-    /// Busy share since the previous call (`None` on the first).
-    pub fn busy(&self) -> Option<f64> {
-        let now = std::fs::read_to_string("/proc/stat")
-            .ok()
-            .and_then(|s| cpu_ticks(&s))?;
-        let before = ferry_api::util::lock(&self.0).replace(now)?;
-        let (busy, all) = (
-            now.0.saturating_sub(before.0),
-            now.1.saturating_sub(before.1),
-        );
-        (all > 0).then(|| busy as f64 / all as f64)
-    }
-}
-
 /// The host's idle CPU share over the last second, kept by a sampler (see
 /// [`IdleGauge::run`]) so a move's `auto` reads it at once instead of
-/// watching the CPUs for a while first.
+/// watching the CPUs for a while first, and a drain's `GET /bandwidth`
+/// (`cpu_busy`) reads the same second.
 #[derive(Default)]
 pub struct IdleGauge(std::sync::Mutex<std::collections::VecDeque<(u64, u64)>>);
 
@@ -246,7 +226,6 @@ impl Agent {
             paths: Default::default(),
             cpus: Default::default(),
             switchovers: Default::default(),
-            cpu: Default::default(),
             idle: Default::default(),
             journal: crate::commit::Journal::new(&cfg.state_dir),
             live: Default::default(),
@@ -939,7 +918,7 @@ impl Agent {
             tokio::task::spawn_blocking(move || ferry_api::util::lock(&classes).status(&host))
                 .await
                 .map_err(ApiError::internal)?;
-        b.cpu_busy = self.cpu.busy();
+        b.cpu_busy = self.idle.idle().map(|i| 1.0 - i);
         Ok(b)
     }
 }

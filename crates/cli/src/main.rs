@@ -210,6 +210,16 @@ fn main() {
         .init();
     if daemon {
         keep_frame_buffers_on_the_heap();
+    } else if !matches!(cli.cmd, Cmd::Lab(_) | Cmd::Demo(_)) {
+        // a client's output piped into `head` ends it quietly, as any Unix
+        // tool, instead of panicking on the closed pipe (Rust ignores
+        // SIGPIPE); its network I/O is TCP, sent with MSG_NOSIGNAL. Daemons
+        // and the lab (QMP and other unix sockets) keep ignoring it.
+        // SAFETY: signal(2) with SIG_DFL installs no handler; this runs
+        // before any other thread exists.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
     }
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
