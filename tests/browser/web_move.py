@@ -1,11 +1,15 @@
 #!/usr/bin/python3
 """Browser test of the control service's web page, in headless Chromium
-driven over WebDriver (Selenium + chromium-driver): open the page, start a
-move with its button, watch the per-NIC graph of the source host rise while
-the VM moves over both NICs, see the move finish, and keep a screenshot.
+driven over WebDriver (Selenium + chromium-driver): sign in as an operator
+with the sign-in form (the token never in a URL, the session cookie out of
+the page's reach), start a move with its button, watch the per-NIC graph of
+the source host rise while the VM moves over both NICs, see the move finish;
+sign out, sign in as a read-only user, see the buttons disabled and a
+request forged from the page refused (403 without the CSRF token, 403 for
+the role with it); keep a screenshot of each page.
 
 Needs root (a lab), QEMU and chromium; run by `scripts/run test` after the
-cargo tests. Screenshot: target/artifacts/web-move.png.
+cargo tests. Screenshots: target/artifacts/web-*.png.
 
     sudo /usr/bin/python3 tests/browser/web_move.py
 """
@@ -44,7 +48,8 @@ def main():
     # links slow enough that the move lasts several seconds of graph
     ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", "300mbit")
     ferry("vm", "create", "web1", "--host", "host1", "--memory", "512M", "--fill", "384M")
-    token = open("/run/ferry/lab/admin.token").read().strip()
+    operator = json.loads(ferry("token", "create", f"web-op-{os.getpid()}", "--role", "operator", "--json"))["token"]
+    reader = json.loads(ferry("token", "create", f"web-ro-{os.getpid()}", "--role", "read-only", "--json"))["token"]
     # the browser trusts the control service's own certificate (pinned by
     # its key), as an administrator's browser would once the CA is imported
     spki = subprocess.run(
@@ -60,8 +65,34 @@ def main():
         opts.add_argument(a)
     opts.binary_location = "/usr/bin/chromium"
     d = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+    def sign_in(token):
+        wait("the sign-in form", lambda: d.find_element(By.ID, "login").is_displayed(), 10)
+        d.find_element(By.ID, "token").send_keys(token)
+        d.find_element(By.ID, "sign-in").click()
+        wait("the console after signing in", lambda: d.find_element(By.ID, "console").is_displayed(), 10)
+        if token in d.current_url or token in d.page_source:
+            sys.exit("FAIL: the token is in the URL or the page")
+        if "ferry_session" in d.execute_script("return document.cookie"):
+            sys.exit("FAIL: the session cookie is readable by the page (not HttpOnly)")
+
+    def forged(csrf):
+        """A changing request made by the page's own script, as a forged one would be."""
+        return d.execute_async_script("""
+            const [csrf, done] = arguments;
+            const h = {"Content-Type": "application/json"};
+            if (csrf) h["X-Ferry-CSRF"] = window.ferry.session.csrf;
+            fetch("/api/v1/hosts/host1/resume", {method: "POST", headers: h, credentials: "same-origin"})
+              .then(async r => done([r.status, (await r.json()).code]));
+        """, csrf)
+
     try:
-        d.get(f"https://127.0.0.1:7700/#token={token}")
+        d.get("https://127.0.0.1:7700/")
+        wait("the sign-in form", lambda: d.find_element(By.ID, "login").is_displayed(), 10)
+        d.save_screenshot(os.path.join(ART, "web-sign-in.png"))
+        sign_in(operator)
+        role = d.execute_script("return window.ferry.session.role")
+        if role != "operator":
+            sys.exit(f"FAIL: signed in as {role}, not operator")
         wait("the page polls the API", lambda: d.execute_script("return window.ferry.polls") >= 3, 20)
         wait("a graph per host", lambda: len(d.find_elements(By.CSS_SELECTOR, "#host-host1 canvas")) > 0, 10)
         rates = lambda: d.execute_script("return window.ferry.peakRates")
@@ -90,8 +121,44 @@ def main():
         check = json.loads(ferry("vm", "check", "web1", "--json"))
         if check["host"] != "host2" or not check["intact"]:
             sys.exit(f"FAIL: web1 after the move: {check}")
+        # the report the page showed is the API's: its downtime is the move's
+        shown = d.find_element(By.ID, "move-status").text
+        if f"downtime {last.get('guest_downtime_ms') or last.get('downtime_ms')} ms" not in shown:
+            sys.exit(f"FAIL: the page's downtime is not the report's: {shown!r} vs {json.dumps(last)[:300]}")
+
+        # a drain from its button: every move listed, each reaching done, the limit and why shown
+        d.find_element(By.ID, "drain-host2").click()
+        wait("the drain to finish", lambda: d.execute_script("return (window.ferry.drain || {}).done"), 180)
+        drained = d.execute_script(
+            "return Object.values(window.ferry.drain.moves).map(m => [m.vm, m.state])")
+        rows = d.find_elements(By.CSS_SELECTOR, "#drain-moves tbody tr")
+        if not drained or any(state != "done" for _, state in drained) or len(rows) != len(drained):
+            sys.exit(f"FAIL: the drain's moves as the page shows them: {drained}")
+        caption = d.find_element(By.ID, "drain-limit").text
+        if "at once" not in caption:
+            sys.exit(f"FAIL: the page does not show the drain's limit and why: {caption!r}")
+        d.save_screenshot(os.path.join(ART, "web-drain.png"))
+        d.find_element(By.ID, "resume-host2").click()
+        wait("host2 taking VMs again", lambda: not any(
+            h["name"] == "host2" and h.get("draining") for h in json.loads(ferry("host", "list", "--json"))), 15)
+
+        # a read-only user: every changing button disabled, the server refuses anyway
+        d.find_element(By.ID, "sign-out").click()
+        wait("the sign-in form after signing out", lambda: d.find_element(By.ID, "login").is_displayed(), 10)
+        sign_in(reader)
+        wait("the VM table", lambda: d.find_elements(By.ID, "move-web1"), 15)
+        wait("the host cards", lambda: d.find_elements(By.CSS_SELECTOR, "#host-host1 button"), 15)
+        buttons = d.find_elements(By.CSS_SELECTOR, "#vms button, .host button")
+        enabled = [b.get_attribute("aria-label") for b in buttons if b.is_enabled()]
+        if not buttons or enabled:
+            sys.exit(f"FAIL: a read-only user has enabled buttons: {enabled} of {len(buttons)}")
+        no_csrf, with_csrf = forged(False), forged(True)
+        if no_csrf != [403, "refused"] or with_csrf != [403, "forbidden"]:
+            sys.exit(f"FAIL: forged requests were not refused: without CSRF {no_csrf}, with it {with_csrf}")
+        d.save_screenshot(os.path.join(ART, "web-read-only.png"))
         print(f"ok: web page moved web1 to host2; NIC peaks {', '.join(f'{k} {v:.0f} Mbit/s' for k, v in busy.items())}; "
-              f"screenshot {shot}")
+              f"read-only user: {len(buttons)} buttons disabled, forged requests {no_csrf[0]}/{with_csrf[0]}; "
+              f"screenshots in {ART}")
     finally:
         d.quit()
         subprocess.run([FERRY, "vm", "rm", "web1"], capture_output=True)

@@ -29,6 +29,10 @@ pub enum ApiError {
         action: String,
         needed: String,
     },
+    /// Refused whatever the caller's role: a browser session's changing
+    /// request without its CSRF token.
+    #[error("Refused: {reason}")]
+    Refused { reason: String },
     #[error("Conflict: {reason}")]
     Conflict { reason: String },
     #[error("{what} is unavailable: {reason}")]
@@ -85,7 +89,7 @@ impl ApiError {
             ApiError::InsufficientMemory { .. } => 507,
             ApiError::HostCannotRun { .. } => 412,
             ApiError::Unauthorized { .. } => 401,
-            ApiError::Forbidden { .. } => 403,
+            ApiError::Forbidden { .. } | ApiError::Refused { .. } => 403,
             ApiError::Unavailable { .. } => 503,
             ApiError::MigrationFailed { .. }
             | ApiError::MigrationInDoubt { .. }
@@ -178,6 +182,9 @@ mod tests {
                 role: "read-only".into(),
                 action: "move vm".into(),
                 needed: "operator".into(),
+            },
+            ApiError::Refused {
+                reason: "no CSRF token".into(),
             },
             ApiError::Conflict {
                 reason: "busy".into(),

@@ -46,6 +46,7 @@
 //! | POST | /tokens | CreateToken (body: `TokenCreateRequest`) → `TokenCreated` (the secret, this once) |
 //! | DELETE | /tokens/{name} | RevokeToken |
 //! | GET | /metrics (no prefix) | Metrics: Prometheus text of hosts, NICs, migrations, drains, flows |
+//! | GET/POST/DELETE | /session | the web console's session: who is signed in / sign in (body `{"token"}`, sets the cookie) / sign out (see [`crate::sessions`]) |
 
 use std::sync::Arc;
 
@@ -68,18 +69,31 @@ tokio::task_local! {
     static CALLER: Caller;
 }
 
-/// Middleware: every request carries a valid, unrevoked API token; the
-/// token's name and role go with the request to [`run`]. Refusals are 401,
+/// Middleware: every request carries a valid, unrevoked API token — in
+/// its `Authorization` header, or the token of the browser session its
+/// cookie names (see [`crate::sessions`]; a changing request must then
+/// carry the session's CSRF token too); the token's name and role go with
+/// the request to [`run`]. Refusals are 401 (403 without the CSRF token),
 /// in the service's log and the event log.
 async fn authenticate(
     State(c): State<Arc<Control>>,
     req: axum::extract::Request,
     next: middleware::Next,
 ) -> Response {
-    let header = req
-        .headers()
-        .get("authorization")
-        .and_then(|v| v.to_str().ok());
+    let bearer = match session_bearer(&c, &req) {
+        Ok(b) => b,
+        Err(e) => {
+            let path = req.uri().path().to_string();
+            tracing::warn!(%path, "refused: {e}");
+            c.log_refusal(&path, &e);
+            return ErrorResponse(e).into_response();
+        }
+    };
+    let header = bearer.as_deref().or_else(|| {
+        req.headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+    });
     match c.tokens.authenticate(header) {
         Ok(caller) => CALLER.scope(caller, next.run(req)).await,
         Err(e) => {
@@ -90,6 +104,129 @@ async fn authenticate(
         }
     }
 }
+/// The token of the session a request's cookie names, when it has no
+/// `Authorization` header; a changing request without the session's CSRF
+/// token is refused.
+fn session_bearer(
+    c: &Control,
+    req: &axum::extract::Request,
+) -> Result<Option<String>, ferry_api::ApiError> {
+    use crate::sessions;
+    if req.headers().contains_key("authorization") {
+        return Ok(None);
+    }
+    let Some(id) = sessions::cookie_id(req.headers()) else {
+        return Ok(None);
+    };
+    let Some((bearer, csrf)) = c.sessions.get(&id) else {
+        return Err(ferry_api::ApiError::unauthorized(
+            "the session has ended: sign in again",
+        ));
+    };
+    let given = req
+        .headers()
+        .get(sessions::CSRF_HEADER)
+        .and_then(|v| v.to_str().ok());
+    if sessions::changes(req.method()) && !sessions::csrf_ok(given, &csrf) {
+        return Err(ferry_api::ApiError::Refused {
+            reason: format!(
+                "{} {} from a browser session without its CSRF token (X-Ferry-CSRF)",
+                req.method(),
+                req.uri().path()
+            ),
+        });
+    }
+    Ok(Some(bearer))
+}
+
+/// `POST /api/v1/session` body.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SignIn {
+    token: String,
+}
+
+/// What a session answers: who is signed in, and the CSRF token for its
+/// changing requests.
+fn session_body(caller: &Caller, csrf: &str) -> serde_json::Value {
+    serde_json::json!({ "name": caller.name, "role": caller.role.as_str(), "csrf": csrf })
+}
+
+/// Sign-in, the session, sign-out: outside [`authenticate`], each checks
+/// what it needs itself.
+fn session_routes(control: Arc<Control>) -> Router {
+    use crate::sessions;
+    use axum::http::{header::SET_COOKIE, HeaderMap};
+    let refused = |c: &Control, e: ferry_api::ApiError| {
+        c.log_refusal(&format!("{}/session", ferry_api::API_PREFIX), &e);
+        ErrorResponse(e).into_response()
+    };
+    let secure = |c: &Control| c.secure_cookies.load(std::sync::atomic::Ordering::Relaxed);
+    let current = move |c: &Control, headers: &HeaderMap| {
+        let id = sessions::cookie_id(headers)
+            .ok_or_else(|| ferry_api::ApiError::unauthorized("not signed in"))?;
+        let (bearer, csrf) = c.sessions.get(&id).ok_or_else(|| {
+            ferry_api::ApiError::unauthorized("the session has ended: sign in again")
+        })?;
+        let caller = c
+            .tokens
+            .authenticate(Some(&bearer))
+            .inspect_err(|_| c.sessions.close(&id))?;
+        Ok::<_, ferry_api::ApiError>((id, caller, csrf))
+    };
+    Router::new()
+        .route(
+            &format!("{}/session", ferry_api::API_PREFIX),
+            post(move |State(c): S, ApiJson(r): ApiJson<SignIn>| async move {
+                match c.tokens.authenticate(Some(&format!("Bearer {}", r.token.trim()))) {
+                    Ok(caller) => {
+                        let (id, csrf) = c.sessions.open(r.token.trim());
+                        c.log(
+                            "session",
+                            &caller.name,
+                            serde_json::json!({ "action": "signed in", "role": caller.role.as_str() }),
+                        );
+                        (
+                            [(SET_COOKIE, sessions::set_cookie(Some(&id), secure(&c)))],
+                            Json(session_body(&caller, &csrf)),
+                        )
+                            .into_response()
+                    }
+                    Err(e) => refused(&c, e),
+                }
+            })
+            .get(move |State(c): S, headers: HeaderMap| async move {
+                match current(&c, &headers) {
+                    Ok((_, caller, csrf)) => Json(session_body(&caller, &csrf)).into_response(),
+                    Err(e) => ErrorResponse(e).into_response(),
+                }
+            })
+            .delete(move |State(c): S, headers: HeaderMap| async move {
+                let (id, caller, csrf) = match current(&c, &headers) {
+                    Ok(s) => s,
+                    Err(e) => return ErrorResponse(e).into_response(),
+                };
+                let given = headers.get(sessions::CSRF_HEADER).and_then(|v| v.to_str().ok());
+                if !sessions::csrf_ok(given, &csrf) {
+                    return refused(
+                        &c,
+                        ferry_api::ApiError::Refused {
+                            reason: "signing out needs the session's CSRF token (X-Ferry-CSRF)".into(),
+                        },
+                    );
+                }
+                c.sessions.close(&id);
+                c.log("session", &caller.name, serde_json::json!({ "action": "signed out" }));
+                (
+                    [(SET_COOKIE, sessions::set_cookie(None, secure(&c)))],
+                    Json(serde_json::json!({})),
+                )
+                    .into_response()
+            }),
+        )
+        .with_state(control)
+}
+
 use ferry_api::drain::{DrainRequest, HostSettings};
 use ferry_api::storage::{
     BackupRequest, CheckpointRequest, DiskAttachRequest, DiskCreateRequest, DiskMoveRequest,
@@ -431,7 +568,11 @@ pub fn router(control: Arc<Control>) -> Router {
                 .with_state(control.clone()),
         )
         .fallback(not_found)
-        .layer(middleware::from_fn_with_state(control, authenticate))
+        .layer(middleware::from_fn_with_state(
+            control.clone(),
+            authenticate,
+        ))
+        .merge(session_routes(control))
         .merge(web_routes())
 }
 
@@ -444,6 +585,9 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await?;
     tracing::info!(%listen, "control service serving");
+    control
+        .secure_cookies
+        .store(tls.is_some(), std::sync::atomic::Ordering::Relaxed);
     control.resume_rolling().await;
     // once a second: heartbeats of the agents, and the cluster-wide storage
     // policy manager
@@ -776,6 +920,187 @@ mod tests {
                 "{method} {path}: no such route ({body})"
             );
         }
+    }
+
+    /// One request with optional cookie and CSRF headers: (status, Set-Cookie, body).
+    async fn send_session(
+        app: &mut Router,
+        method: &str,
+        path: &str,
+        cookie: Option<&str>,
+        csrf: Option<&str>,
+        body: &str,
+    ) -> (u16, String, serde_json::Value) {
+        use tower_service::Service;
+        let mut b = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("content-type", "application/json");
+        if let Some(c) = cookie {
+            b = b.header("cookie", c);
+        }
+        if let Some(t) = csrf {
+            b = b.header("x-ferry-csrf", t);
+        }
+        let resp = app
+            .call(b.body(Body::from(body.to_string())).unwrap())
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        let set = resp
+            .headers()
+            .get("set-cookie")
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default();
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        (
+            status,
+            set,
+            serde_json::from_slice(&body).unwrap_or_default(),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_browser_session_acts_as_its_token_and_needs_its_csrf_token_to_change_anything() {
+        let c = Arc::new(Control::new(vec![], Default::default()));
+        c.tokens.bootstrap(&c.store, &AUTH[7..]).await.unwrap();
+        let mut app = router(c.clone());
+        let admin = &AUTH[7..];
+        // a wrong token opens nothing
+        let (st, set, b) = send_session(
+            &mut app,
+            "POST",
+            "/api/v1/session",
+            None,
+            None,
+            r#"{"token":"ferry_nope"}"#,
+        )
+        .await;
+        assert_eq!(
+            (st, set.as_str(), b["code"].as_str()),
+            (401, "", Some("unauthorized")),
+            "{b}"
+        );
+        let (st, _, b) = send_session(
+            &mut app,
+            "POST",
+            "/api/v1/session",
+            None,
+            None,
+            r#"{"tok":"x"}"#,
+        )
+        .await;
+        assert_eq!(st, 400, "an unknown field is named: {b}");
+        // the token in the body: a cookie, the role, the CSRF token
+        let body = format!(r#"{{"token":"{admin}"}}"#);
+        let (st, set, b) =
+            send_session(&mut app, "POST", "/api/v1/session", None, None, &body).await;
+        assert_eq!(st, 200, "{b}");
+        assert_eq!(
+            (b["name"].as_str(), b["role"].as_str()),
+            (Some("admin"), Some("admin"))
+        );
+        for part in ["HttpOnly", "Secure", "SameSite=Strict"] {
+            assert!(set.contains(part), "{set}");
+        }
+        let cookie = set.split(';').next().unwrap().to_string();
+        let csrf = b["csrf"].as_str().unwrap().to_string();
+        // reads with the cookie alone; who is signed in
+        let (st, _, _) =
+            send_session(&mut app, "GET", "/api/v1/hosts", Some(&cookie), None, "").await;
+        assert_eq!(st, 200);
+        let (st, _, b) =
+            send_session(&mut app, "GET", "/api/v1/session", Some(&cookie), None, "").await;
+        assert_eq!((st, b["csrf"].as_str()), (200, Some(csrf.as_str())));
+        // a change without, or with a wrong, CSRF token: refused, whatever the role
+        let change = r#"{"encrypt_carriers":false}"#;
+        for bad in [None, Some("0123456789abcdef0123456789abcdef")] {
+            let (st, _, b) = send_session(
+                &mut app,
+                "PUT",
+                "/api/v1/cluster",
+                Some(&cookie),
+                bad,
+                change,
+            )
+            .await;
+            assert_eq!((st, b["code"].as_str()), (403, Some("refused")), "{b}");
+            assert!(
+                b["message"].as_str().unwrap().contains("X-Ferry-CSRF"),
+                "{b}"
+            );
+        }
+        let (st, _, b) = send_session(
+            &mut app,
+            "PUT",
+            "/api/v1/cluster",
+            Some(&cookie),
+            Some(&csrf),
+            change,
+        )
+        .await;
+        assert_eq!(st, 200, "{b}");
+        // sign-out needs the CSRF token too; then the cookie is worth nothing
+        let (st, _, _) = send_session(
+            &mut app,
+            "DELETE",
+            "/api/v1/session",
+            Some(&cookie),
+            None,
+            "",
+        )
+        .await;
+        assert_eq!(st, 403);
+        let (st, set, _) = send_session(
+            &mut app,
+            "DELETE",
+            "/api/v1/session",
+            Some(&cookie),
+            Some(&csrf),
+            "",
+        )
+        .await;
+        assert!(st == 200 && set.contains("Max-Age=0"), "{set}");
+        let (st, _, b) =
+            send_session(&mut app, "GET", "/api/v1/hosts", Some(&cookie), None, "").await;
+        assert_eq!((st, b["code"].as_str()), (401, Some("unauthorized")));
+        // revoking a token ends its sessions at once
+        let (_, _, t) = send_session(&mut app, "POST", "/api/v1/tokens", None, None, "{}").await;
+        assert_eq!(t["code"], "unauthorized", "no cookie, no token: {t}");
+        let created = c
+            .tokens
+            .create(
+                &c.store,
+                "viewer",
+                ferry_api::auth::TokenRole::ReadOnly,
+                None,
+            )
+            .await
+            .unwrap();
+        let body = format!(r#"{{"token":"{}"}}"#, created.token);
+        let (_, set, b) =
+            send_session(&mut app, "POST", "/api/v1/session", None, None, &body).await;
+        let (viewer, vcsrf) = (
+            set.split(';').next().unwrap().to_string(),
+            b["csrf"].as_str().unwrap().to_string(),
+        );
+        // a read-only session with its CSRF token: refused for the role
+        let (st, _, b) = send_session(
+            &mut app,
+            "POST",
+            "/api/v1/hosts/h1/resume",
+            Some(&viewer),
+            Some(&vcsrf),
+            "",
+        )
+        .await;
+        assert_eq!((st, b["code"].as_str()), (403, Some("forbidden")), "{b}");
+        c.tokens.revoke(&c.store, "viewer").await.unwrap();
+        let (st, _, _) =
+            send_session(&mut app, "GET", "/api/v1/hosts", Some(&viewer), None, "").await;
+        assert_eq!(st, 401);
     }
 
     #[tokio::test]

@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod policy_manager;
 mod resilience;
 pub mod rolling;
+pub mod sessions;
 pub mod storage;
 pub mod store;
 pub mod tokens;
@@ -195,6 +196,10 @@ pub struct Control {
     disk_moves: disk_move::DiskMoves,
     /// The cluster's rolling drain (see [`rolling`]).
     rolling: rolling::Rolling,
+    /// The web console's signed-in browsers (see [`sessions`]).
+    pub sessions: sessions::Sessions,
+    /// Session cookies say `Secure` (the service speaks TLS).
+    pub secure_cookies: std::sync::atomic::AtomicBool,
 }
 
 impl Control {
@@ -229,6 +234,8 @@ impl Control {
             pauses: Default::default(),
             disk_moves: Default::default(),
             rolling: Default::default(),
+            sessions: Default::default(),
+            secure_cookies: std::sync::atomic::AtomicBool::new(true),
             down: Default::default(),
             last_validation: Default::default(),
             draining: Default::default(),

@@ -1,26 +1,52 @@
 // Ferry's web page: everything through the control service's REST API
-// (/api/v1, an API token as bearer), the same API the CLI uses.
+// (/api/v1), the same API the CLI uses. The browser signs in once with an
+// API token (POST /api/v1/session) and keeps an HttpOnly session cookie; the
+// token is never stored by the page nor put in a URL. Changing requests
+// carry the session's CSRF token.
 "use strict";
 
 const WINDOW_S = 120;
 // shared with tests: latest and peak per-NIC rates, last move's events
-const ferry = (window.ferry = { nicRates: {}, peakRates: {}, moves: {}, polls: 0 });
+const ferry = (window.ferry = { nicRates: {}, peakRates: {}, moves: {}, polls: 0, session: null });
 
-function token() {
-  const m = location.hash.match(/token=([0-9A-Za-z_]+)/);
-  if (m) localStorage.setItem("ferry-token", m[1]);
-  return localStorage.getItem("ferry-token") || "";
+// what each role may do (the server refuses anything else anyway)
+const OPERATES = ["operator", "admin"];
+const canOperate = () => ferry.session && OPERATES.includes(ferry.session.role);
+
+function signedOut(why) {
+  ferry.session = null;
+  document.getElementById("console").hidden = true;
+  document.getElementById("who").hidden = true;
+  document.getElementById("login").hidden = false;
+  document.getElementById("login-error").textContent = why || "";
+  document.getElementById("token").focus();
+}
+
+function signedIn(s) {
+  ferry.session = s;
+  // buttons are drawn for the role signed in: the host cards are made anew
+  document.getElementById("hosts").innerHTML = "";
+  for (const k of Object.keys(series)) delete series[k];
+  document.getElementById("login").hidden = true;
+  document.getElementById("console").hidden = false;
+  document.getElementById("who").hidden = false;
+  document.getElementById("who-name").textContent = `Signed in as ${s.name} (${s.role})`;
+  refresh();
 }
 
 async function api(method, path, body) {
+  const headers = { "Content-Type": "application/json" };
+  if (method !== "GET" && ferry.session) headers["X-Ferry-CSRF"] = ferry.session.csrf;
   const r = await fetch(path, {
     method,
-    headers: { Authorization: "Bearer " + token(), "Content-Type": "application/json" },
+    headers,
+    credentials: "same-origin",
     body: body === undefined ? undefined : JSON.stringify(body),
   });
   if (r.status === 401) {
-    document.getElementById("login").style.display = "block";
-    throw new Error("the API token is missing, unknown or revoked");
+    const e = await r.json().catch(() => ({}));
+    signedOut(e.message || "Signed out");
+    throw new Error("not signed in");
   }
   if (!r.ok) {
     const e = await r.json().catch(() => ({ message: r.statusText }));
@@ -50,6 +76,17 @@ async function stream(path, body, on) {
       if (line) on(JSON.parse(line));
     }
   }
+}
+
+// A button for what only an operator (or admin) may do: shown disabled,
+// with why, to a read-only user.
+function operatorButton(text, label) {
+  const b = el("button", text);
+  b.type = "button";
+  b.setAttribute("aria-label", label);
+  b.disabled = !canOperate();
+  if (b.disabled) b.title = `needs the operator role; ${ferry.session ? ferry.session.name + " is " + ferry.session.role : "not signed in"}`;
+  return b;
 }
 
 function el(tag, text, cls) {
@@ -84,9 +121,11 @@ function nicCard(h) {
   const title = el("div");
   card.appendChild(title);
   const buttons = el("div");
-  const drain = el("button", "Drain");
+  const drain = operatorButton("Drain", `Drain ${h.name}`);
+  drain.id = "drain-" + h.name;
   drain.onclick = () => drainHost(h.name);
-  const resume = el("button", "Resume");
+  const resume = operatorButton("Resume", `Resume ${h.name}`);
+  resume.id = "resume-" + h.name;
   resume.onclick = () => api("POST", `/api/v1/hosts/${h.name}/resume`).then(refresh, showError);
   buttons.append(drain, resume);
   card.appendChild(buttons);
@@ -129,20 +168,35 @@ function updateHosts(hosts) {
     }
     const names = Object.keys(s.nics).sort();
     const data = [s.t, ...names.map((k) => s.nics[k])];
-    if (!s.plot) {
+    if (s.plot && s.plotNames !== names.join(",")) {
+      s.plot.destroy();
+      s.plot = null;
+    }
+    if (!s.plot && names.length) {
+      s.plotNames = names.join(",");
       const colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
       s.plot = new uPlot(
         {
           width: 420,
           height: 160,
           scales: { y: { range: (u, min, max) => [0, Math.max(10, max * 1.1)] } },
-          series: [{}, ...names.map((k, i) => ({ label: k + " Mbit/s", stroke: colors[i % colors.length], width: 2 }))],
-          axes: [{}, { size: 50 }],
+          // the legend names each NIC in its own colour; values show while the pointer is over the plot
+          legend: { live: true },
+          series: [
+            { label: "time" },
+            ...names.map((k, i) => ({
+              label: k,
+              stroke: colors[i % colors.length],
+              width: 2,
+              value: (u, v) => (v == null ? "" : v.toFixed(0) + " Mbit/s"),
+            })),
+          ],
+          axes: [{ label: "time" }, { size: 60, label: "Mbit/s" }],
         },
         data,
         s.plotDiv
       );
-    } else {
+    } else if (s.plot) {
       s.plot.setData(data);
     }
   }
@@ -157,7 +211,8 @@ function updateVms(vms, hosts) {
     const sel = el("select");
     sel.id = "to-" + v.name;
     for (const h of hosts) if (h.name !== v.host && !h.down) sel.appendChild(new Option(h.name, h.name));
-    const btn = el("button", "Move");
+    sel.setAttribute("aria-label", `Move ${v.name} to`);
+    const btn = operatorButton("Move", `Move ${v.name}`);
     btn.id = "move-" + v.name;
     btn.onclick = () => moveVm(v.name, sel.value);
     row(tbody, [v.name, v.host, vmState(v), mib(v.spec.memory), sel, btn]);
@@ -199,13 +254,50 @@ async function moveVm(vm, to) {
   refresh();
 }
 
+// A drain as it goes: every move queued, running, done, retried or failed,
+// and the limit the scheduler chose with its reason.
 async function drainHost(host) {
   const status = document.getElementById("drain-status");
+  const table = document.getElementById("drain-moves");
+  const tbody = table.querySelector("tbody");
+  const d = (ferry.drain = { host, moves: {}, limits: [], done: null });
+  tbody.innerHTML = "";
+  table.hidden = false;
+  document.getElementById("drain-limit").textContent = `Drain of ${host}`;
   status.textContent = `draining ${host}…`;
+  const show = (vm, fields) => {
+    const m = (d.moves[vm] = d.moves[vm] || { vm, to: "", state: "queued", progress: "", result: "" });
+    Object.assign(m, fields);
+    if (!m.row) {
+      m.row = row(tbody, ["", "", "", "", ""]);
+      m.row.id = "drain-move-" + vm;
+    }
+    const cells = m.row.children;
+    [m.vm, m.to, m.state, m.progress, m.result].forEach((v, i) => (cells[i].textContent = v));
+    cells[2].className = m.state === "done" ? "ok" : m.state === "failed" ? "down" : m.state === "queued" ? "" : "warn";
+  };
   try {
     await stream(`/api/v1/hosts/${host}/drain`, {}, (ev) => {
-      if (ev.event === "moved") status.textContent = `${host}: ${ev.vm} moved to ${ev.to}`;
-      if (ev.event === "done") status.textContent = `${host} drained: ${ev.moved.length} moved, ${ev.failed.length} failed`;
+      if (ev.event === "plan") {
+        for (const m of ev.moves) show(m.vm, { to: m.to });
+        for (const u of ev.unplaceable) show(u.vm, { state: "stays", result: u.reason });
+      }
+      if (ev.event === "limit") {
+        d.limits.push(ev);
+        document.getElementById("drain-limit").textContent = `Drain of ${host}: ${ev.limit} at once — ${ev.reason}`;
+      }
+      if (ev.event === "started") show(ev.vm, { to: ev.to, state: ev.attempt > 1 ? `running (attempt ${ev.attempt})` : "running" });
+      if (ev.event === "progress" && ev.total)
+        show(ev.vm, { progress: `${mib(ev.transferred)} sent, ${mib(ev.remaining)} left` });
+      if (ev.event === "retry") show(ev.vm, { state: `retrying on ${ev.next}`, result: `${ev.failed_on}: ${ev.reason}` });
+      if (ev.event === "failed") show(ev.vm, { state: "failed", result: ev.reason });
+      if (ev.event === "moved")
+        show(ev.vm, { to: ev.to, state: "done", progress: mib(ev.bytes), result: `${(ev.total_ms / 1000).toFixed(1)} s, downtime ${ev.downtime_ms} ms` });
+      if (ev.event === "done") {
+        d.done = ev;
+        status.textContent = `${host} drained in ${(ev.total_ms / 1000).toFixed(1)} s: ${ev.moved.length} moved, ${ev.failed.length} failed, ${ev.unplaceable.length} stayed`;
+      }
+      if (ev.event === "warning") status.textContent = `${host}: ${ev.message}`;
     });
   } catch (e) {
     status.textContent = `drain of ${host}: ${e.message}`;
@@ -232,8 +324,11 @@ function updateEvents(events) {
   const tb = document.querySelector("#events tbody");
   tb.innerHTML = "";
   for (const e of events.slice(-15).reverse()) {
+    // the detail folded: a short line, the whole on demand
     const d = JSON.stringify(e.detail);
-    row(tb, [new Date(e.at_ms).toLocaleTimeString(), e.kind, e.subject, d.length > 100 ? d.slice(0, 99) + "…" : d]);
+    const fold = el("details");
+    fold.append(el("summary", d.length > 80 ? d.slice(0, 79) + "…" : d), el("pre", JSON.stringify(e.detail, null, 2)));
+    row(tb, [new Date(e.at_ms).toLocaleTimeString(), e.kind, e.subject, fold]);
   }
 }
 
@@ -261,14 +356,33 @@ async function refresh() {
   }
 }
 
-document.getElementById("save-token").onclick = () => {
-  localStorage.setItem("ferry-token", document.getElementById("token").value.trim());
-  document.getElementById("login").style.display = "none";
-  refresh();
+document.getElementById("login").onsubmit = async (ev) => {
+  ev.preventDefault();
+  const input = document.getElementById("token");
+  const r = await fetch("/api/v1/session", {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    credentials: "same-origin",
+    body: JSON.stringify({ token: input.value.trim() }),
+  });
+  input.value = "";
+  const body = await r.json().catch(() => ({}));
+  if (r.ok) signedIn(body);
+  else signedOut(body.message || r.statusText);
 };
 
-refresh();
+document.getElementById("sign-out").onclick = async () => {
+  await api("DELETE", "/api/v1/session").catch(() => {});
+  signedOut("Signed out");
+};
+
+// a session this browser already has, else the sign-in form
+fetch("/api/v1/session", { credentials: "same-origin" })
+  .then((r) => (r.ok ? r.json().then(signedIn) : signedOut()))
+  .catch(() => signedOut());
+
 setInterval(() => {
+  if (!ferry.session) return;
   // hosts every second (for the graphs); the rest rides along
   get("/api/v1/hosts")
     .then((hosts) => {
@@ -277,4 +391,4 @@ setInterval(() => {
     })
     .catch(showError);
 }, 1000);
-setInterval(refresh, 3000);
+setInterval(() => ferry.session && refresh(), 3000);
