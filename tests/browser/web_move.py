@@ -22,6 +22,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+AXE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vendor", "axe-core-4.14.1", "axe.min.js")
 FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
 ART = os.path.join(ROOT, "target", "artifacts")
 
@@ -75,6 +76,19 @@ def main():
         if "ferry_session" in d.execute_script("return document.cookie"):
             sys.exit("FAIL: the session cookie is readable by the page (not HttpOnly)")
 
+    def accessible(page):
+        """axe-core on the page as it is: no serious or critical violation."""
+        if not d.execute_script("return !!window.axe"):
+            d.execute_script(open(AXE).read())
+        found = d.execute_async_script("""
+            const done = arguments[0];
+            axe.run(document).then(r => done(r.violations.map(v => [v.id, v.impact, v.nodes.length, v.help])));
+        """)
+        bad = [v for v in found if v[1] in ("serious", "critical")]
+        if bad:
+            sys.exit(f"FAIL: accessibility of the {page}: {bad}")
+        return len(found)
+
     def forged(csrf):
         """A changing request made by the page's own script, as a forged one would be."""
         return d.execute_async_script("""
@@ -89,12 +103,14 @@ def main():
         d.get("https://127.0.0.1:7700/")
         wait("the sign-in form", lambda: d.find_element(By.ID, "login").is_displayed(), 10)
         d.save_screenshot(os.path.join(ART, "web-sign-in.png"))
+        minor = accessible("sign-in page")
         sign_in(operator)
         role = d.execute_script("return window.ferry.session.role")
         if role != "operator":
             sys.exit(f"FAIL: signed in as {role}, not operator")
         wait("the page polls the API", lambda: d.execute_script("return window.ferry.polls") >= 3, 20)
         wait("a graph per host", lambda: len(d.find_elements(By.CSS_SELECTOR, "#host-host1 canvas")) > 0, 10)
+        minor += accessible("console")
         rates = lambda: d.execute_script("return window.ferry.peakRates")
         idle = max(rates().get(k, 0) for k in keys)
         Select(d.find_element(By.ID, "to-web1")).select_by_value("host2")
@@ -156,8 +172,10 @@ def main():
         if no_csrf != [403, "refused"] or with_csrf != [403, "forbidden"]:
             sys.exit(f"FAIL: forged requests were not refused: without CSRF {no_csrf}, with it {with_csrf}")
         d.save_screenshot(os.path.join(ART, "web-read-only.png"))
+        minor += accessible("read-only console")
         print(f"ok: web page moved web1 to host2; NIC peaks {', '.join(f'{k} {v:.0f} Mbit/s' for k, v in busy.items())}; "
               f"read-only user: {len(buttons)} buttons disabled, forged requests {no_csrf[0]}/{with_csrf[0]}; "
+              f"axe-core: no serious violation ({minor} minor or moderate); "
               f"screenshots in {ART}")
     finally:
         d.quit()

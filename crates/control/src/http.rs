@@ -495,6 +495,11 @@ fn web_routes() -> Router {
             "/ui/uPlot.min.css",
             file(include_str!("../web/vendor/uPlot.min.css"), "text/css"),
         )
+        // browsers ask for it unbidden; there is none
+        .route(
+            "/favicon.ico",
+            get(|| async { axum::http::StatusCode::NO_CONTENT }),
+        )
 }
 
 pub fn router(control: Arc<Control>) -> Router {
