@@ -138,9 +138,22 @@ def main():
         if check["host"] != "host2" or not check["intact"]:
             sys.exit(f"FAIL: web1 after the move: {check}")
         # the report the page showed is the API's: its downtime is the move's
+        downtime = f"downtime {last.get('guest_downtime_ms') or last.get('downtime_ms')} ms"
         shown = d.find_element(By.ID, "move-status").text
-        if f"downtime {last.get('guest_downtime_ms') or last.get('downtime_ms')} ms" not in shown:
+        if downtime not in shown:
             sys.exit(f"FAIL: the page's downtime is not the report's: {shown!r} vs {json.dumps(last)[:300]}")
+        # the migration's panel: the round, transfer against dirtying, each step, then the report
+        report = wait("the migration's report", lambda: d.execute_script("return window.ferry.lastReport"), 10)
+        if downtime not in report or "the links' ideal" not in report:
+            sys.exit(f"FAIL: the migration report on the page: {report!r}")
+        steps = [li.text for li in d.find_elements(By.CSS_SELECTOR, "#migration-steps li")]
+        facts = d.find_element(By.ID, "migration-facts").text
+        if not any(s.startswith("commit") for s in steps) or "dirtying" not in facts or "round" not in facts:
+            sys.exit(f"FAIL: the migration panel: steps {steps}, facts {facts!r}")
+        d.save_screenshot(os.path.join(ART, "web-migration.png"))
+        # the NIC graphs were pushed (Server-Sent Events), not polled
+        if d.execute_script("return window.ferry.pushes || 0") < 3:
+            sys.exit("FAIL: no host updates pushed to the page")
 
         # a drain from its button: every move listed, each reaching done, the limit and why shown
         d.find_element(By.ID, "drain-host2").click()

@@ -46,6 +46,7 @@
 //! | POST | /tokens | CreateToken (body: `TokenCreateRequest`) → `TokenCreated` (the secret, this once) |
 //! | DELETE | /tokens/{name} | RevokeToken |
 //! | GET | /metrics (no prefix) | Metrics: Prometheus text of hosts, NICs, migrations, drains, flows |
+//! | GET | /watch/hosts | ListHosts each second as Server-Sent Events (`hosts`), for 5 minutes a stream |
 //! | GET/POST/DELETE | /session | the web console's session: who is signed in / sign in (body `{"token"}`, sets the cookie) / sign out (see [`crate::sessions`]) |
 
 use std::sync::Arc;
@@ -256,6 +257,48 @@ async fn run(c: &Arc<Control>, cmd: Command) -> Response {
 }
 
 type S = State<Arc<Control>>;
+
+/// How long one `GET /watch/hosts` stream lasts; the browser's EventSource
+/// then opens another, authenticated afresh (a revoked token or an ended
+/// session stops there).
+const WATCH_FOR: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// `GET /watch/hosts`: Server-Sent Events, one `hosts` event a second with
+/// what `GET /hosts` answers (for the web page's live NIC graphs), as the
+/// caller of the request that opened it.
+async fn watch_hosts(State(c): S) -> Response {
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    let Ok(caller) = CALLER.try_with(Caller::clone) else {
+        return ErrorResponse(ferry_api::ApiError::unauthorized("no API token")).into_response();
+    };
+    // refused at once (the role) rather than as a stream of errors
+    if let Err(e) = c.execute_as(&caller, Command::ListHosts).await {
+        return ErrorResponse(e).into_response();
+    }
+    let until = tokio::time::Instant::now() + WATCH_FOR;
+    let tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    let events =
+        futures::stream::unfold((c, caller, tick), move |(c, caller, mut tick)| async move {
+            tick.tick().await;
+            if tokio::time::Instant::now() >= until {
+                return None;
+            }
+            let ev = match c.execute_as(&caller, Command::ListHosts).await {
+                Ok(Outcome::Value(v)) => Event::default()
+                    .event("hosts")
+                    .retry(std::time::Duration::from_millis(500))
+                    .data(v.to_string()),
+                Ok(_) => Event::default().event("error").data("unexpected answer"),
+                Err(e) => Event::default()
+                    .event("error")
+                    .data(e.to_body().to_string()),
+            };
+            Some((Ok::<_, std::convert::Infallible>(ev), (c, caller, tick)))
+        });
+    Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
 
 async fn hosts(State(c): S) -> Response {
     run(&c, Command::ListHosts).await
@@ -524,6 +567,7 @@ pub fn router(control: Arc<Control>) -> Router {
                 .delete(|State(c): S| async move { run(&c, Command::StopRolling).await }),
         )
         .route("/hosts/{host}/settings", axum::routing::put(set_host))
+        .route("/watch/hosts", get(watch_hosts))
         .route(
             "/bandwidth",
             get(|State(c): S| async move { run(&c, Command::ListBandwidth).await }).put(
@@ -627,6 +671,14 @@ mod tests {
         let mut app = router(c);
         let resp = app.call(req).await.unwrap();
         let status = resp.status().as_u16();
+        // an event stream runs for minutes: its status is the answer
+        if resp
+            .headers()
+            .get("content-type")
+            .is_some_and(|t| t == "text/event-stream")
+        {
+            return (status, serde_json::Value::Null);
+        }
         let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
             .await
             .unwrap();
@@ -1106,6 +1158,51 @@ mod tests {
         let (st, _, _) =
             send_session(&mut app, "GET", "/api/v1/hosts", Some(&viewer), None, "").await;
         assert_eq!(st, 401);
+    }
+
+    #[tokio::test]
+    async fn host_updates_are_pushed_as_server_sent_events_to_callers_who_may_read_them() {
+        use futures::StreamExt;
+        use tower_service::Service;
+        let c = Arc::new(Control::new(vec![], Default::default()));
+        c.tokens.bootstrap(&c.store, &AUTH[7..]).await.unwrap();
+        let mut app = router(c);
+        let resp = app
+            .call(
+                Request::get("/api/v1/watch/hosts")
+                    .header("authorization", AUTH)
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+        assert_eq!(resp.headers()["content-type"], "text/event-stream");
+        // two events a second apart, each the hosts' list
+        let mut body = resp.into_body().into_data_stream();
+        let mut text = String::new();
+        let t0 = std::time::Instant::now();
+        while text.matches("event: hosts").count() < 2 {
+            let chunk = tokio::time::timeout(std::time::Duration::from_secs(5), body.next())
+                .await
+                .expect("an event within 5 s")
+                .expect("the stream goes on")
+                .unwrap();
+            text.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        assert!(
+            t0.elapsed() >= std::time::Duration::from_millis(900),
+            "{text}"
+        );
+        assert!(text.contains("data: []"), "{text}");
+        // without a token: refused at once, not streamed
+        let (st, b) = call(
+            Request::get("/api/v1/watch/hosts")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await;
+        assert_eq!((st, b["code"].as_str()), (401, Some("unauthorized")));
     }
 
     #[tokio::test]

@@ -13,7 +13,25 @@ const ferry = (window.ferry = { nicRates: {}, peakRates: {}, moves: {}, polls: 0
 const OPERATES = ["operator", "admin"];
 const canOperate = () => ferry.session && OPERATES.includes(ferry.session.role);
 
+// Hosts and their NIC counters, pushed by the control service each second
+// (Server-Sent Events; the browser reconnects when a stream ends).
+let watch = null;
+function watchHosts() {
+  if (watch) watch.close();
+  watch = new EventSource("/api/v1/watch/hosts");
+  watch.addEventListener("hosts", (e) => {
+    updateHosts(JSON.parse(e.data));
+    ferry.pushes = (ferry.pushes || 0) + 1;
+    ferry.polls++;
+  });
+  watch.addEventListener("error", (e) => {
+    if (e.data) showError(new Error(JSON.parse(e.data).message));
+  });
+}
+
 function signedOut(why) {
+  if (watch) watch.close();
+  watch = null;
   ferry.session = null;
   document.getElementById("console").hidden = true;
   document.getElementById("who").hidden = true;
@@ -31,6 +49,7 @@ function signedIn(s) {
   document.getElementById("console").hidden = false;
   document.getElementById("who").hidden = false;
   document.getElementById("who-name").textContent = `Signed in as ${s.name} (${s.role})`;
+  watchHosts();
   refresh();
 }
 
@@ -215,7 +234,9 @@ function updateVms(vms, hosts) {
     const btn = operatorButton("Move", `Move ${v.name}`);
     btn.id = "move-" + v.name;
     btn.onclick = () => moveVm(v.name, sel.value);
-    row(tbody, [v.name, v.host, vmState(v), mib(v.spec.memory), sel, btn]);
+    const host = el("span", v.host);
+    host.id = "vm-host-" + v.name;
+    row(tbody, [v.name, host, vmState(v), mib(v.spec.memory), sel, btn]);
   }
 }
 
@@ -230,13 +251,106 @@ function vmState(v) {
     : `stopped: storage (${p.storage}) did not answer for ${secs}s`;
 }
 
+// ---- a migration as it runs ----------------------------------------------------
+
+const mbit = (bytesPerS) => ((bytesPerS * 8) / 1e6).toFixed(0) + " Mbit/s";
+
+// The migration panel: transfer against dirty rate, bytes left, the round,
+// the expected downtime, each decision as it is taken, then the report.
+function migrationPanel(vm, from, to) {
+  const section = document.getElementById("migration");
+  section.hidden = false;
+  document.getElementById("migration-title").textContent = `Migration of ${vm}: ${from} → ${to}`;
+  document.getElementById("migration-steps").innerHTML = "";
+  document.getElementById("migration-report").textContent = "";
+  const plotDiv = document.getElementById("migration-plot");
+  plotDiv.innerHTML = "";
+  const data = [[], [], []];
+  const plot = new uPlot(
+    {
+      width: 460,
+      height: 180,
+      scales: { x: { time: false }, y: { range: (u, min, max) => [0, Math.max(10, max * 1.1)] } },
+      series: [
+        { label: "s" },
+        { label: "transfer", stroke: "#1f77b4", width: 2, value: (u, v) => (v == null ? "" : v.toFixed(0) + " Mbit/s") },
+        { label: "dirtying", stroke: "#d62728", width: 2, value: (u, v) => (v == null ? "" : v.toFixed(0) + " Mbit/s") },
+      ],
+      axes: [{ label: "seconds since start" }, { size: 60, label: "Mbit/s" }],
+    },
+    data,
+    plotDiv
+  );
+  const facts = (pairs) => {
+    const dl = document.getElementById("migration-facts");
+    dl.innerHTML = "";
+    for (const [k, v] of pairs) dl.append(el("dt", k), el("dd", v));
+  };
+  const step = (text) => {
+    const ol = document.getElementById("migration-steps");
+    const li = el("li", text);
+    ol.appendChild(li);
+    li.scrollIntoView({ block: "nearest" });
+  };
+  return {
+    progress(ev) {
+      data[0].push(ev.elapsed_ms / 1000);
+      data[1].push((ev.throughput * 8) / 1e6);
+      data[2].push((ev.dirty_rate * 8) / 1e6);
+      plot.setData(data);
+      facts([
+        ["phase", ev.phase + (ev.status ? ` (${ev.status})` : "")],
+        ["round", String(ev.rounds)],
+        ["sent", mib(ev.transferred)],
+        ["left", mib(ev.remaining) + (ev.total ? ` of ${mib(ev.total)}` : "")],
+        ["transfer", mbit(ev.throughput)],
+        ["dirtying", mbit(ev.dirty_rate)],
+        ["expected downtime", ev.expected_downtime_ms != null ? ev.expected_downtime_ms + " ms" : "—"],
+        ["switch-over in", ev.eta_ms != null ? (ev.eta_ms / 1000).toFixed(1) + " s" : "—"],
+        ...Object.entries(ev.nic_tx_bytes || {}).map(([n, b]) => [`sent on ${n}`, mib(b)]),
+      ]);
+    },
+    step,
+    async report(ev) {
+      // the links' ideal: the bytes over the rate of the source's NICs that carried them
+      let ideal = "";
+      try {
+        const bw = await get("/api/v1/bandwidth");
+        const host = (bw.hosts || []).find((h) => h.host === ev.from);
+        const used = Object.keys(ev.nic_tx_bytes || {});
+        const rate = host ? host.nics.filter((n) => used.includes(n.nic)).reduce((a, n) => a + n.link_rate, 0) : 0;
+        if (rate > 0) {
+          const secs = (ev.bytes_transferred * 8) / rate;
+          ideal = `, ${(ev.transfer_ms / 1000 / secs).toFixed(2)} × the links' ideal (${(secs).toFixed(1)} s at ${(rate / 1e6).toFixed(0)} Mbit/s)`;
+        }
+      } catch (e) {
+        // no rates known: the ratio is left out
+      }
+      const r = document.getElementById("migration-report");
+      r.textContent =
+        `Done: downtime ${ev.guest_downtime_ms || ev.downtime_ms} ms (QEMU ${ev.downtime_ms} ms, ${ev.downtime_reason || "—"}), ` +
+        `total ${(ev.total_ms / 1000).toFixed(1)} s, copying ${(ev.transfer_ms / 1000).toFixed(1)} s${ideal}; ` +
+        `${mib(ev.bytes_transferred)} over ${ev.data_path} (${ev.option}), ${ev.rounds} rounds`;
+      ferry.lastReport = r.textContent;
+    },
+  };
+}
+
 async function moveVm(vm, to) {
   const status = document.getElementById("move-status");
   const m = (ferry.moves[vm] = { to, events: [], done: false });
+  const from = (document.getElementById("vm-host-" + vm) || {}).textContent || "";
+  const panel = migrationPanel(vm, from, to);
   status.textContent = `moving ${vm} to ${to}…`;
   try {
     await stream(`/api/v1/vms/${vm}/move`, { to }, (ev) => {
       m.events.push(ev);
+      if (ev.event === "progress") panel.progress(ev);
+      if (ev.event === "step") panel.step(`${ev.step}: ${ev.detail}`);
+      if (ev.event === "warning") panel.step(`warning: ${ev.message}`);
+      if (ev.event === "path") panel.step(`${ev.nic} ${ev.action}: ${ev.reason}`);
+      if (ev.event === "completed") panel.report(ev);
+      if (ev.event === "failed") panel.step(`failed: ${ev.error.message}`);
       if (ev.event === "step") status.textContent = `${vm} → ${to}: ${ev.step} — ${ev.detail}`;
       if (ev.event === "path") status.textContent = `${vm} → ${to}: ${ev.nic} ${ev.action} — ${ev.reason}`;
       if (ev.event === "progress") {
@@ -381,14 +495,4 @@ fetch("/api/v1/session", { credentials: "same-origin" })
   .then((r) => (r.ok ? r.json().then(signedIn) : signedOut()))
   .catch(() => signedOut());
 
-setInterval(() => {
-  if (!ferry.session) return;
-  // hosts every second (for the graphs); the rest rides along
-  get("/api/v1/hosts")
-    .then((hosts) => {
-      updateHosts(hosts);
-      ferry.polls++;
-    })
-    .catch(showError);
-}, 1000);
 setInterval(() => ferry.session && refresh(), 3000);
