@@ -42,9 +42,13 @@ function signedOut(why) {
 
 function signedIn(s) {
   ferry.session = s;
-  // buttons are drawn for the role signed in: the host cards are made anew
+  // buttons are drawn for the role signed in: the host cards are made anew,
+  // and nothing of the last user's work stays on the page
   document.getElementById("hosts").innerHTML = "";
   for (const k of Object.keys(series)) delete series[k];
+  document.getElementById("migration").hidden = true;
+  document.getElementById("drain-moves").hidden = true;
+  for (const id of ["move-status", "drain-status", "drain-limit"]) document.getElementById(id).textContent = "";
   document.getElementById("login").hidden = true;
   document.getElementById("console").hidden = false;
   document.getElementById("who").hidden = false;
@@ -198,15 +202,20 @@ function updateHosts(hosts) {
         {
           width: 420,
           height: 160,
-          scales: { y: { range: (u, min, max) => [0, Math.max(10, max * 1.1)] } },
+          scales: {
+            x: { range: (u, min, max) => [max - WINDOW_S, max] },
+            y: { range: (u, min, max) => [0, Math.max(10, max * 1.1)] },
+          },
           // the legend names each NIC in its own colour; values show while the pointer is over the plot
           legend: { live: true },
           series: [
-            { label: "time" },
+            { label: "time", value: (u, v) => (v == null ? "" : new Date(v * 1000).toLocaleTimeString()) },
             ...names.map((k, i) => ({
               label: k,
               stroke: colors[i % colors.length],
               width: 2,
+              // NICs sharing a move carry the same rate: every other one dashed, so both show
+              dash: i % 2 ? [8, 4] : undefined,
               value: (u, v) => (v == null ? "" : v.toFixed(0) + " Mbit/s"),
             })),
           ],
@@ -272,7 +281,7 @@ function migrationPanel(vm, from, to) {
       height: 180,
       scales: { x: { time: false }, y: { range: (u, min, max) => [0, Math.max(10, max * 1.1)] } },
       series: [
-        { label: "s" },
+        { label: "s", value: (u, v) => (v == null ? "" : v.toFixed(1)) },
         { label: "transfer", stroke: "#1f77b4", width: 2, value: (u, v) => (v == null ? "" : v.toFixed(0) + " Mbit/s") },
         { label: "dirtying", stroke: "#d62728", width: 2, value: (u, v) => (v == null ? "" : v.toFixed(0) + " Mbit/s") },
       ],

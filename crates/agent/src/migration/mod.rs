@@ -1536,9 +1536,14 @@ impl Agent {
                         }
                     ),
                     None => format!(
-                        "{} runs the guest: counter {}→{}, {} integrity errors",
+                        "{} runs the guest: its counter went from {}{} to {}, {} integrity errors",
                         check.host,
-                        check.tick_first.unwrap_or(0),
+                        tick_before.or(check.tick_first).unwrap_or(0),
+                        if tick_before.is_some() {
+                            format!(" (its last on {})", self.cfg.name)
+                        } else {
+                            String::new()
+                        },
                         check.tick_last.unwrap_or(0),
                         check.errors
                     ),
