@@ -105,6 +105,7 @@ async fn authenticate(
         }
     }
 }
+
 /// The token of the session a request's cookie names, when it has no
 /// `Authorization` header; a changing request without the session's CSRF
 /// token is refused.

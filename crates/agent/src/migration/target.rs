@@ -81,7 +81,7 @@ impl Agent {
             since: Instant::now(),
             agent_cpu_at_start: crate::host::own_cpu(),
         };
-        // how long each part of the skeleton's start took, logged with it
+        // when each part of the skeleton's start ended (ms since the request), logged with it
         let t0 = Instant::now();
         let mut parts: Vec<(&str, u64)> = Vec::new();
         let lap = |name: &'static str, parts: &mut Vec<(&str, u64)>| {
@@ -267,7 +267,7 @@ impl Agent {
         match started {
             Ok((uri, carriers, disk_carriers)) => {
                 lap("transport", &mut parts);
-                tracing::info!(vm = %req.spec.name, source = %req.source, %uri, ?parts, "skeleton waiting");
+                tracing::info!(vm = %req.spec.name, source = %req.source, %uri, parts_done_at_ms = ?parts, "skeleton waiting");
                 Ok(IncomingReply {
                     migration_id: req.migration_id,
                     uri,
