@@ -171,13 +171,40 @@ def main():
         wait("host2 taking VMs again", lambda: not any(
             h["name"] == "host2" and h.get("draining") for h in json.loads(ferry("host", "list", "--json"))), 15)
 
+        # a QoS policy made from the page's form; a bad one refused with the server's reason; deleted
+        def policy_rows():
+            return [r.text for r in d.find_elements(By.CSS_SELECTOR, "#policies tbody tr")]
+
+        def make_policy(name, lo, hi):
+            for field, value in (("policy-name", name), ("policy-min", lo), ("policy-max", hi)):
+                box = d.find_element(By.ID, field)
+                box.clear()
+                box.send_keys(str(value))
+            d.find_element(By.ID, "policy-create").click()
+
+        make_policy("webgold", 100, 500)
+        wait("the new policy listed", lambda: any(r.startswith("webgold") for r in policy_rows()), 15)
+        make_policy("webbad", 900, 500)
+        bad = wait("the bad policy's reason", lambda: "min_iops" in d.find_element(By.ID, "policy-status").text
+                   and d.find_element(By.ID, "policy-status").text, 10)
+        if any(r.startswith("webbad") for r in policy_rows()):
+            sys.exit(f"FAIL: a policy with min above max was made: {bad}")
+        d.find_element(By.ID, "policy-delete-webgold").click()
+        wait("the policy gone", lambda: not any(r.startswith("webgold") for r in policy_rows()), 15)
+        # events filtered by kind: only that kind shown
+        Select(d.find_element(By.ID, "event-kind")).select_by_value("session")
+        kinds = {r.find_elements(By.TAG_NAME, "td")[1].text for r in d.find_elements(By.CSS_SELECTOR, "#events tbody tr")}
+        if kinds != {"session"}:
+            sys.exit(f"FAIL: events filtered by kind 'session' show {kinds}")
+        Select(d.find_element(By.ID, "event-kind")).select_by_value("")
+
         # a read-only user: every changing button disabled, the server refuses anyway
         d.find_element(By.ID, "sign-out").click()
         wait("the sign-in form after signing out", lambda: d.find_element(By.ID, "login").is_displayed(), 10)
         sign_in(reader)
         wait("the VM table", lambda: d.find_elements(By.ID, "move-web1"), 15)
         wait("the host cards", lambda: d.find_elements(By.CSS_SELECTOR, "#host-host1 button"), 15)
-        buttons = d.find_elements(By.CSS_SELECTOR, "#vms button, .host button")
+        buttons = d.find_elements(By.CSS_SELECTOR, "#vms button, .host button, #policy-create")
         enabled = [b.get_attribute("aria-label") for b in buttons if b.is_enabled()]
         if not buttons or enabled:
             sys.exit(f"FAIL: a read-only user has enabled buttons: {enabled} of {len(buttons)}")

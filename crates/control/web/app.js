@@ -430,23 +430,117 @@ async function drainHost(host) {
 
 // ---- storage and events ---------------------------------------------------------
 
+// flow -> IOPS samples, with their times, for the flows' graph
+const flowSeries = { t: [], flows: {}, plot: null, names: "" };
+
 function updateQos(policies, flows) {
   const pb = document.querySelector("#policies tbody");
   pb.innerHTML = "";
-  for (const p of policies)
-    row(pb, [p.name, p.kind, p.min_iops || "-", p.max_iops || "-", p.max_bandwidth ? mib(p.max_bandwidth) + "/s" : "-"]);
+  for (const p of policies) {
+    const del = operatorButton("Delete", `Delete policy ${p.name}`);
+    del.id = "policy-delete-" + p.name;
+    del.onclick = () =>
+      api("DELETE", `/api/v1/qos/policies/${encodeURIComponent(p.name)}`).then(refresh, (e) => policyStatus(e.message));
+    row(pb, [p.name, p.kind, p.min_iops || "-", p.max_iops || "-", p.max_bandwidth ? mib(p.max_bandwidth) + "/s" : "-", del]);
+  }
+  document.getElementById("policy-create").disabled = !canOperate();
   const fb = document.querySelector("#flows tbody");
   fb.innerHTML = "";
   for (const f of flows) {
     const st = el("span", f.status, f.status === "Ok" ? "ok" : "down");
     row(fb, [f.id, f.host, f.policy || "-", f.iops.toFixed(0), (f.bandwidth / 1e6).toFixed(1), f.latency_us.toFixed(0), f.min_iops, f.max_iops, st]);
   }
+  updateFlowPlot(flows);
 }
 
+// Each flow's IOPS over the last two minutes, one line per flow.
+function updateFlowPlot(flows) {
+  const now = Date.now() / 1000;
+  const s = flowSeries;
+  s.t.push(now);
+  for (const f of flows) {
+    if (!s.flows[f.id]) s.flows[f.id] = s.t.slice(0, -1).map(() => null);
+    s.flows[f.id].push(f.iops);
+  }
+  for (const k of Object.keys(s.flows)) if (s.flows[k].length < s.t.length) s.flows[k].push(null);
+  while (s.t.length && s.t[0] < now - WINDOW_S) {
+    s.t.shift();
+    for (const k in s.flows) s.flows[k].shift();
+  }
+  const names = Object.keys(s.flows).sort();
+  if (!names.length) return;
+  const colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
+  if (s.plot && s.names !== names.join(",")) {
+    s.plot.destroy();
+    s.plot = null;
+  }
+  const data = [s.t, ...names.map((k) => s.flows[k])];
+  if (!s.plot) {
+    s.names = names.join(",");
+    s.plot = new uPlot(
+      {
+        width: 560,
+        height: 180,
+        scales: { x: { range: (u, min, max) => [max - WINDOW_S, max] }, y: { range: (u, min, max) => [0, Math.max(10, max * 1.1)] } },
+        series: [
+          { label: "time", value: (u, v) => (v == null ? "" : new Date(v * 1000).toLocaleTimeString()) },
+          ...names.map((k, i) => ({
+            label: k,
+            stroke: colors[i % colors.length],
+            width: 2,
+            dash: i % 2 ? [8, 4] : undefined,
+            value: (u, v) => (v == null ? "" : v.toFixed(0) + " IOPS"),
+          })),
+        ],
+        axes: [{ label: "time" }, { size: 60, label: "IOPS (8 KiB)" }],
+      },
+      data,
+      document.getElementById("flows-plot")
+    );
+  } else {
+    s.plot.setData(data);
+  }
+}
+
+function policyStatus(text) {
+  document.getElementById("policy-status").textContent = text;
+}
+
+document.getElementById("policy-form").onsubmit = async (ev) => {
+  ev.preventDefault();
+  const num = (id) => Math.max(0, Math.round(Number(document.getElementById(id).value) || 0));
+  const policy = {
+    name: document.getElementById("policy-name").value.trim(),
+    kind: document.getElementById("policy-kind").value,
+    min_iops: num("policy-min"),
+    max_iops: num("policy-max"),
+    max_bandwidth: num("policy-mbps") * 1e6,
+  };
+  try {
+    await api("POST", "/api/v1/qos/policies", policy);
+    policyStatus(`policy ${policy.name} created`);
+    refresh();
+  } catch (e) {
+    // the server names what was wrong
+    policyStatus(e.message);
+  }
+};
+
+// Events as lines; the detail folded; filtered by kind and by host or VM.
+let lastEvents = [];
 function updateEvents(events) {
+  lastEvents = events;
+  const kinds = document.getElementById("event-kind");
+  const have = new Set([...kinds.options].map((o) => o.value));
+  for (const k of [...new Set(events.map((e) => e.kind))].sort()) if (!have.has(k)) kinds.appendChild(new Option(k, k));
+  const kind = kinds.value;
+  const subject = document.getElementById("event-subject").value.trim().toLowerCase();
+  const shown = events.filter(
+    (e) => (!kind || e.kind === kind) && (!subject || (e.subject + " " + JSON.stringify(e.detail)).toLowerCase().includes(subject))
+  );
   const tb = document.querySelector("#events tbody");
   tb.innerHTML = "";
-  for (const e of events.slice(-15).reverse()) {
+  for (const e of shown.slice(-15).reverse()) {
     // the detail folded: a short line, the whole on demand
     const d = JSON.stringify(e.detail);
     const fold = el("details");
@@ -454,6 +548,8 @@ function updateEvents(events) {
     row(tb, [new Date(e.at_ms).toLocaleTimeString(), e.kind, e.subject, fold]);
   }
 }
+document.getElementById("event-kind").onchange = () => updateEvents(lastEvents);
+document.getElementById("event-subject").oninput = () => updateEvents(lastEvents);
 
 function showError(e) {
   document.getElementById("error").textContent = e.message;
