@@ -173,7 +173,8 @@ def main():
 
         # a QoS policy made from the page's form; a bad one refused with the server's reason; deleted
         def policy_rows():
-            return [r.text for r in d.find_elements(By.CSS_SELECTOR, "#policies tbody tr")]
+            # read in one go: the table is drawn anew every 3 s
+            return d.execute_script("return [...document.querySelectorAll('#policies tbody tr')].map(r => r.innerText)")
 
         def make_policy(name, lo, hi):
             for field, value in (("policy-name", name), ("policy-min", lo), ("policy-max", hi)):
@@ -189,11 +190,13 @@ def main():
                    and d.find_element(By.ID, "policy-status").text, 10)
         if any(r.startswith("webbad") for r in policy_rows()):
             sys.exit(f"FAIL: a policy with min above max was made: {bad}")
-        d.find_element(By.ID, "policy-delete-webgold").click()
+        # clicked in the page itself: the table may be drawn anew between a find and a click
+        d.execute_script("document.getElementById('policy-delete-webgold').click()")
         wait("the policy gone", lambda: not any(r.startswith("webgold") for r in policy_rows()), 15)
         # events filtered by kind: only that kind shown
         Select(d.find_element(By.ID, "event-kind")).select_by_value("session")
-        kinds = {r.find_elements(By.TAG_NAME, "td")[1].text for r in d.find_elements(By.CSS_SELECTOR, "#events tbody tr")}
+        kinds = set(d.execute_script(
+            "return [...document.querySelectorAll('#events tbody tr')].map(r => r.children[1].innerText)"))
         if kinds != {"session"}:
             sys.exit(f"FAIL: events filtered by kind 'session' show {kinds}")
         Select(d.find_element(By.ID, "event-kind")).select_by_value("")
@@ -204,8 +207,11 @@ def main():
         sign_in(reader)
         wait("the VM table", lambda: d.find_elements(By.ID, "move-web1"), 15)
         wait("the host cards", lambda: d.find_elements(By.CSS_SELECTOR, "#host-host1 button"), 15)
-        buttons = d.find_elements(By.CSS_SELECTOR, "#vms button, .host button, #policy-create")
-        enabled = [b.get_attribute("aria-label") for b in buttons if b.is_enabled()]
+        # read in one go: the VM table is drawn anew every 3 s
+        buttons = d.execute_script(
+            "return [...document.querySelectorAll('#vms button, .host button, #policy-create')]"
+            ".map(b => [b.getAttribute('aria-label') || b.textContent, b.disabled])")
+        enabled = [label for label, disabled in buttons if not disabled]
         if not buttons or enabled:
             sys.exit(f"FAIL: a read-only user has enabled buttons: {enabled} of {len(buttons)}")
         no_csrf, with_csrf = forged(False), forged(True)
