@@ -135,6 +135,34 @@ const mib = (b) => (b / 1048576).toFixed(0) + " MiB";
 
 // ---- hosts and NIC graphs -----------------------------------------------------
 
+const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
+
+// uPlot options for the last WINDOW_S seconds, one line per name in its own
+// colour (named in the legend; values show while the pointer is over the
+// plot), every other line dashed so lines carrying the same values both show.
+function lastMinutes(names, unit, width, height, axis) {
+  return {
+    width,
+    height,
+    scales: {
+      x: { range: (u, min, max) => [max - WINDOW_S, max] },
+      y: { range: (u, min, max) => [0, Math.max(10, max * 1.1)] },
+    },
+    legend: { live: true },
+    series: [
+      { label: "time", value: (u, v) => (v == null ? "" : new Date(v * 1000).toLocaleTimeString()) },
+      ...names.map((k, i) => ({
+        label: k,
+        stroke: COLORS[i % COLORS.length],
+        width: 2,
+        dash: i % 2 ? [8, 4] : undefined,
+        value: (u, v) => (v == null ? "" : v.toFixed(0) + " " + unit),
+      })),
+    ],
+    axes: [{ label: "time" }, { size: 60, label: axis || unit }],
+  };
+}
+
 const prev = {}; // host/nic -> {t, bytes}
 const series = {}; // host -> {t: [], nics: {nic: []}, plot, card}
 
@@ -197,33 +225,7 @@ function updateHosts(hosts) {
     }
     if (!s.plot && names.length) {
       s.plotNames = names.join(",");
-      const colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
-      s.plot = new uPlot(
-        {
-          width: 420,
-          height: 160,
-          scales: {
-            x: { range: (u, min, max) => [max - WINDOW_S, max] },
-            y: { range: (u, min, max) => [0, Math.max(10, max * 1.1)] },
-          },
-          // the legend names each NIC in its own colour; values show while the pointer is over the plot
-          legend: { live: true },
-          series: [
-            { label: "time", value: (u, v) => (v == null ? "" : new Date(v * 1000).toLocaleTimeString()) },
-            ...names.map((k, i) => ({
-              label: k,
-              stroke: colors[i % colors.length],
-              width: 2,
-              // NICs sharing a move carry the same rate: every other one dashed, so both show
-              dash: i % 2 ? [8, 4] : undefined,
-              value: (u, v) => (v == null ? "" : v.toFixed(0) + " Mbit/s"),
-            })),
-          ],
-          axes: [{ label: "time" }, { size: 60, label: "Mbit/s" }],
-        },
-        data,
-        s.plotDiv
-      );
+      s.plot = new uPlot(lastMinutes(names, "Mbit/s", 420, 160), data, s.plotDiv);
     } else if (s.plot) {
       s.plot.setData(data);
     }
@@ -469,7 +471,6 @@ function updateFlowPlot(flows) {
   }
   const names = Object.keys(s.flows).sort();
   if (!names.length) return;
-  const colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
   if (s.plot && s.names !== names.join(",")) {
     s.plot.destroy();
     s.plot = null;
@@ -477,26 +478,7 @@ function updateFlowPlot(flows) {
   const data = [s.t, ...names.map((k) => s.flows[k])];
   if (!s.plot) {
     s.names = names.join(",");
-    s.plot = new uPlot(
-      {
-        width: 560,
-        height: 180,
-        scales: { x: { range: (u, min, max) => [max - WINDOW_S, max] }, y: { range: (u, min, max) => [0, Math.max(10, max * 1.1)] } },
-        series: [
-          { label: "time", value: (u, v) => (v == null ? "" : new Date(v * 1000).toLocaleTimeString()) },
-          ...names.map((k, i) => ({
-            label: k,
-            stroke: colors[i % colors.length],
-            width: 2,
-            dash: i % 2 ? [8, 4] : undefined,
-            value: (u, v) => (v == null ? "" : v.toFixed(0) + " IOPS"),
-          })),
-        ],
-        axes: [{ label: "time" }, { size: 60, label: "IOPS (8 KiB)" }],
-      },
-      data,
-      document.getElementById("flows-plot")
-    );
+    s.plot = new uPlot(lastMinutes(names, "IOPS", 560, 180, "IOPS (8 KiB)"), data, document.getElementById("flows-plot"));
   } else {
     s.plot.setData(data);
   }
