@@ -1348,6 +1348,25 @@ pub fn stat_fields(stat: &str) -> Option<Vec<&str>> {
 }
 
 /// utime + stime (fields 14 and 15) of a `/proc/PID/stat` line.
+/// CPU time of those of `pid`'s live threads whose name starts with
+/// `prefix` (QEMU names its threads with `debug-threads=on`, e.g.
+/// `mig/src/send_0`); threads that have exited are not counted.
+pub fn threads_cpu(pid: u32, prefix: &str) -> Duration {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Duration::ZERO;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| {
+            let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
+            let name = stat.split_once('(')?.1.rsplit_once(')')?.0;
+            name.starts_with(prefix)
+                .then(|| cpu_of_stat(&stat))
+                .flatten()
+        })
+        .sum()
+}
+
 fn cpu_of_stat(stat: &str) -> Option<Duration> {
     let f = stat_fields(stat)?;
     let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
@@ -1359,6 +1378,28 @@ fn cpu_of_stat(stat: &str) -> Option<Duration> {
 #[cfg(test)]
 mod cpu_tests {
     use super::*;
+
+    #[test]
+    fn threads_are_counted_by_name() {
+        let me = std::process::id();
+        let busy = std::thread::Builder::new()
+            .name("ferry-test-spin".into())
+            .spawn(|| {
+                let t = std::time::Instant::now();
+                let mut x = 0u64;
+                while t.elapsed() < Duration::from_millis(300) {
+                    x = x.wrapping_add(std::hint::black_box(1));
+                }
+                std::thread::sleep(Duration::from_millis(500));
+                x
+            })
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(400));
+        let spun = threads_cpu(me, "ferry-test-sp");
+        assert!(spun >= Duration::from_millis(100), "{spun:?}");
+        assert_eq!(threads_cpu(me, "no-such-thread"), Duration::ZERO);
+        busy.join().unwrap();
+    }
 
     #[test]
     fn interface_addresses_come_from_getifaddrs() {

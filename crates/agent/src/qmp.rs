@@ -76,6 +76,12 @@ pub struct RamStats {
     pub dirty_sync_count: u64,
     #[serde(default)]
     pub page_size: u64,
+    /// Bytes of the pages QEMU sent whole (not zero), before any compression.
+    #[serde(default)]
+    pub normal_bytes: u64,
+    /// Bytes QEMU wrote into its multifd channels (compressed, when it compresses).
+    #[serde(default)]
+    pub multifd_bytes: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -142,6 +148,11 @@ pub struct MigrationParameters {
     /// Bytes per second QEMU may assume for the switch-over (QEMU ≥ 8.2).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub avail_switchover_bandwidth: Option<u64>,
+    /// `none` or `zstd`: QEMU compresses in its multifd channels (both ends).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub multifd_compression: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub multifd_zstd_level: Option<u8>,
 }
 qmp_command!(MigrationParameters, "migrate-set-parameters", qapi::Empty);
 

@@ -833,6 +833,15 @@ pub struct IncomingRequest {
     /// carries the disks' NBD connections, apart from the memory's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_session: Option<String>,
+    /// QEMU compresses guest memory in its multifd channels with zstd at this
+    /// level (the target's QEMU must decompress); absent: QEMU sends pages as
+    /// they are. An agent that predates the field refuses the request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qemu_zstd: Option<u8>,
+    /// Ferry's carriers keep each stream within a window of what the target
+    /// QEMU has taken (the transport's WINDOW frames); asked with `qemu_zstd`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stream_windows: bool,
 }
 
 /// One local drive a migration copies (see [`IncomingRequest::local_disks`]).
@@ -941,6 +950,22 @@ pub struct CodecReport {
     pub cpu_s: f64,
     /// Frames compressed with it that did not shrink enough and went as they were.
     pub misses: u64,
+}
+
+/// What QEMU's own compression did in a migration (see
+/// [`MigrationReport::qemu_codec`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QemuCodecReport {
+    /// `zstd:LEVEL`.
+    pub codec: String,
+    /// Bytes of the pages QEMU sent whole, and what its multifd channels
+    /// wrote for them (compressed, with their packet headers).
+    pub raw_bytes: u64,
+    pub sent_bytes: u64,
+    /// Raw ÷ sent.
+    pub ratio: f64,
+    /// CPU-seconds of QEMU's multifd send threads (compression and writes).
+    pub cpu_s: f64,
 }
 
 /// Source → target agent, `mptcp` kind: announce the address of your NIC
@@ -1127,6 +1152,11 @@ pub struct MigrationReport {
     /// `zstd:LEVEL`), with their share of the bytes, ratio and CPU.
     #[serde(default)]
     pub codecs: Vec<CodecReport>,
+    /// QEMU compressed guest memory itself (in its multifd channels) before
+    /// Ferry's frames carried it; `codecs` then describes what Ferry did with
+    /// QEMU's already compressed output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qemu_codec: Option<QemuCodecReport>,
     /// The last phase reached: `precopy`, `postcopy` or `pause-and-copy`.
     pub phase: String,
     /// The highest vCPU throttle QEMU applied, percent.

@@ -607,6 +607,16 @@ pub fn print_report(r: &MigrationReport) {
         ),
         _ => println!("  CPU: {:.2} s source (QEMU and agent)", r.cpu.source_s),
     }
+    if let Some(q) = &r.qemu_codec {
+        println!(
+            "  QEMU compressed: {} {:.2}× ({:.1} MiB of pages in {:.1} MiB), {:.2} CPU-s in its send threads",
+            q.codec,
+            q.ratio,
+            q.raw_bytes as f64 / 1048576.0,
+            q.sent_bytes as f64 / 1048576.0,
+            q.cpu_s
+        );
+    }
     if r.compression_ratio > 1.0 {
         let codecs: Vec<String> = r
             .codecs

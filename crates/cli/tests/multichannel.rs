@@ -321,10 +321,10 @@ fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
 }
 
 /// `--option compression` on a link shaped so it is the bottleneck: a guest
-/// whose memory compresses crosses one carrier in compressed frames, most
-/// of its bytes in zstd (the link slow, the CPU idle enough), intact; a
-/// guest whose memory does not is sent as it is, and its zero pages cost
-/// nothing on the wire.
+/// whose memory compresses is compressed by QEMU in its multifd channels
+/// (the move report says so, with its ratio and CPU) and crosses one carrier
+/// within the downtime asked, intact; a guest whose memory does not is sent
+/// as it is, and its zero pages cost nothing on the wire.
 #[test]
 #[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn compression_shrinks_what_compresses_and_leaves_the_rest() {
@@ -358,8 +358,26 @@ fn compression_shrinks_what_compresses_and_leaves_the_rest() {
     assert_eq!(r["event"], "completed", "{r}");
     assert_eq!(r["option"], "compression", "{r}");
     assert_eq!(r["carriers"].as_array().unwrap().len(), 1, "one NIC: {r}");
-    assert!(r["frames_compressed"].as_u64().unwrap() > 0, "{r}");
-    assert!(r["compression_ratio"].as_f64().unwrap() > 5.0, "{r}");
+    // memory that compresses: QEMU compresses it in its multifd channels
+    // (zstd 1) and reports it; Ferry's frames carry what QEMU wrote
+    let q = &r["qemu_codec"];
+    assert_eq!(q["codec"], "zstd:1", "QEMU compresses: {r}");
+    assert!(q["ratio"].as_f64().unwrap() > 5.0, "{r}");
+    assert!(q["raw_bytes"].as_u64().unwrap() >= 300 << 20, "{r}");
+    assert!(q["cpu_s"].as_f64().unwrap() > 0.0, "{r}");
+    let wire: u64 = r["nic_tx_bytes"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    assert!(wire < (384 << 20) / 5, "{wire} bytes on the wire: {r}");
+    // the stream windows keep the target's loading close behind: the guest's
+    // downtime stays within what was asked
+    assert!(
+        r["downtime_ms"].as_u64().unwrap() <= r["max_downtime_ms"].as_u64().unwrap(),
+        "{r}"
+    );
     let share = |r: &serde_json::Value, pick: &dyn Fn(&str) -> bool| -> f64 {
         r["codecs"]
             .as_array()
@@ -369,8 +387,6 @@ fn compression_shrinks_what_compresses_and_leaves_the_rest() {
             .map(|c| c["share"].as_f64().unwrap())
             .sum()
     };
-    let zstd = share(&r, &|c| c.starts_with("zstd:"));
-    assert!(zstd > 0.3, "zstd carries most of a slow link's bytes: {r}");
     let all = share(&r, &|_| true);
     assert!((all - 1.0).abs() < 1e-6, "shares add up: {r}");
     assert_intact_on("cz1", "host2");
@@ -400,6 +416,10 @@ fn compression_shrinks_what_compresses_and_leaves_the_rest() {
     let _vm2 = VmGuard("cz2");
     let r = move_vm("cz2", "host2", "compression");
     assert_eq!(r["event"], "completed", "{r}");
+    assert!(
+        r.get("qemu_codec").is_none(),
+        "QEMU sends random pages as they are: {r}"
+    );
     assert!(
         r["compression_ratio"].as_f64().unwrap() < 1.2,
         "random memory does not compress: {r}"

@@ -19,7 +19,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -60,6 +60,10 @@ const ACK_EVERY: u64 = 4;
 /// How long an idle carrier writer sleeps between looks at its ACKs and
 /// heartbeat when nothing wakes it.
 const WRITER_TICK: Duration = Duration::from_millis(20);
+/// The most one stream byte may stand for ([`Session::set_expansion`]).
+pub const MAX_EXPANSION: f64 = 64.0;
+/// The fewest bytes a windowed stream's read asks for.
+const MIN_READ: usize = 4 << 10;
 
 /// Writes all of `a` then all of `b`, gathered into as few writes as the
 /// socket takes.
@@ -232,6 +236,8 @@ struct StreamIn {
     local: Option<Arc<UnixStream>>,
     /// Bytes queued for the local writer and not yet written.
     buffered: Arc<AtomicU64>,
+    /// Bytes the local reader has taken (written to it), for WINDOW frames.
+    taken: Arc<AtomicU64>,
 }
 
 impl StreamIn {
@@ -243,6 +249,7 @@ impl StreamIn {
             to_local: None,
             local: None,
             buffered: Arc::new(AtomicU64::new(0)),
+            taken: Arc::new(AtomicU64::new(0)),
         }
     }
 }
@@ -266,6 +273,16 @@ struct Inner {
     closed: tokio::sync::watch::Sender<bool>,
     failure: Mutex<Option<String>>,
     compressor: crate::compress::Compressor,
+    /// Stream windows agreed (protocol.rs, "Stream windows"): the target
+    /// sends WINDOW frames, the source keeps within them.
+    windows: AtomicBool,
+    /// Source: what one stream byte stands for once loaded (f64 bits).
+    expansion: AtomicU64,
+    /// Source: each stream's bytes the target's local reader has taken.
+    taken: Mutex<HashMap<u16, u64>>,
+    window_moved: Notify,
+    /// Target: the send buffer of the connections to QEMU (0: the system's).
+    local_sndbuf: AtomicUsize,
     /// Carriers dropped and connected again, in order.
     changes: Mutex<Vec<ferry_api::types::PathChange>>,
 }
@@ -335,6 +352,11 @@ impl Session {
                 closed,
                 failure: Mutex::new(None),
                 compressor: Default::default(),
+                windows: AtomicBool::new(false),
+                expansion: AtomicU64::new(1f64.to_bits()),
+                taken: Mutex::new(HashMap::new()),
+                window_moved: Notify::new(),
+                local_sndbuf: AtomicUsize::new(0),
                 changes: Mutex::new(Vec::new()),
             }),
         }
@@ -415,6 +437,62 @@ impl Session {
     /// Every carrier frame is sealed (encrypted and authenticated).
     pub fn sealed(&self) -> bool {
         self.inner.sealed
+    }
+
+    /// Stream windows (protocol.rs, "Stream windows"), agreed by both agents
+    /// before the carriers connect: the target reports what its local reader
+    /// takes, the source keeps what it has read and the target has not taken
+    /// under [`STREAM_WINDOW`] per stream.
+    pub fn set_windows(&self, on: bool) {
+        self.inner.windows.store(on, Ordering::Relaxed);
+    }
+
+    /// Source: each stream byte stands for `x` bytes once the target has
+    /// loaded it (QEMU compressed its pages `x`×); windows count bytes so
+    /// expanded. Clamped to 1..=[`MAX_EXPANSION`].
+    pub fn set_expansion(&self, x: f64) {
+        let x = if x.is_finite() {
+            x.clamp(1.0, MAX_EXPANSION)
+        } else {
+            1.0
+        };
+        self.inner.expansion.store(x.to_bits(), Ordering::Relaxed);
+    }
+
+    /// Target: the streams' connections to QEMU get a send buffer of `bytes`
+    /// (the kernel doubles it): what waits there counts as taken.
+    pub fn set_local_send_buffer(&self, bytes: usize) {
+        self.inner.local_sndbuf.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Source: waits until stream `id`, `read` bytes read from its local
+    /// end, has room in its window; returns how many bytes to read next.
+    async fn window_room(&self, id: u16, read: u64) -> usize {
+        if !self.inner.windows.load(Ordering::Relaxed) {
+            return MAX_PAYLOAD;
+        }
+        loop {
+            let moved = self.inner.window_moved.notified();
+            let taken = lock(&self.inner.taken).get(&id).copied().unwrap_or(0);
+            let x = f64::from_bits(self.inner.expansion.load(Ordering::Relaxed));
+            let out = read.saturating_sub(taken) as f64 * x;
+            if out < STREAM_WINDOW as f64 {
+                let room = ((STREAM_WINDOW as f64 - out) / x) as usize;
+                return room.clamp(MIN_READ, MAX_PAYLOAD);
+            }
+            moved.await;
+        }
+    }
+
+    /// Source: a WINDOW frame.
+    fn window(&self, stream: u16, taken: u64) {
+        let mut t = lock(&self.inner.taken);
+        let e = t.entry(stream).or_insert(0);
+        if taken > *e {
+            *e = taken;
+            drop(t);
+            self.inner.window_moved.notify_waiters();
+        }
     }
 
     /// How this side compresses the DATA it sends (off by default).
@@ -771,6 +849,8 @@ impl Session {
         mut sealer: Option<Sealer>,
     ) -> String {
         let mut acked_sent = 0u64;
+        // target, windows agreed: each stream's count as this carrier last sent it
+        let mut windows_sent: HashMap<u16, u64> = HashMap::new();
         let mut ping = 0u64;
         let mut last_tx = Instant::now();
         let mut buf = BytesMut::with_capacity(HEADER_LEN * 2);
@@ -797,6 +877,26 @@ impl Session {
                 }
                 acked_sent = received;
                 last_tx = Instant::now();
+            }
+            if self.inner.connect_to.is_some() && self.inner.windows.load(Ordering::Relaxed) {
+                let moved: Vec<(u16, u64)> = lock(&self.inner.streams_in)
+                    .iter()
+                    .map(|(id, st)| (*id, st.taken.load(Ordering::Acquire)))
+                    .filter(|(id, t)| windows_sent.get(id).is_none_or(|s| t > s))
+                    .collect();
+                for (stream, taken) in moved {
+                    buf.clear();
+                    let h = Header::new(Kind::Window, stream, 0, taken);
+                    match sealer.as_mut() {
+                        Some(s) => s.frame(&h, &[], &mut buf),
+                        None => encode_frame(&h, &[], &mut buf),
+                    }
+                    if let Err(e) = w.write_all(&buf).await {
+                        return format!("write: {e}");
+                    }
+                    windows_sent.insert(stream, taken);
+                    last_tx = Instant::now();
+                }
             }
             // the next frame, if this carrier has room in flight
             let frame = {
@@ -976,6 +1076,8 @@ impl Session {
             }
             match h.kind {
                 Kind::Ping => self.inner.compressor.set_peer_spare(h.offset),
+                Kind::Window if self.inner.connect_to.is_none() => self.window(h.stream, h.offset),
+                Kind::Window => return "protocol: a WINDOW frame from the source".into(),
                 Kind::Ack => {
                     self.inner.compressor.set_peer_spare(h.offset);
                     self.acked(index, generation, h.id)
@@ -998,6 +1100,10 @@ impl Session {
                     if let Err(e) = self.received(h, payload) {
                         self.fail(e);
                         return "session failed".into();
+                    }
+                    // bytes written straight to the local reader: a WINDOW to send
+                    if self.inner.windows.load(Ordering::Relaxed) {
+                        self.inner.queued.notify_waiters();
                     }
                 }
             }
@@ -1095,12 +1201,14 @@ impl Session {
         let u = Arc::new(u);
         let (tx, mut rx) = mpsc::unbounded_channel::<Option<Bytes>>();
         let buffered = Arc::new(AtomicU64::new(0));
+        let taken = Arc::new(AtomicU64::new(0));
         {
             let mut streams = lock(&self.inner.streams_in);
             let st = streams.entry(id).or_insert_with(StreamIn::new);
             st.to_local = Some(tx);
             st.local = Some(u.clone());
             st.buffered = buffered.clone();
+            st.taken = taken.clone();
             // frames that arrived before the local end was connected
             Self::deliver_ready(st);
         }
@@ -1115,6 +1223,11 @@ impl Session {
                         // counted down once written: a reader that then sees
                         // nothing queued may write the next bytes itself
                         buffered.fetch_sub(b.len() as u64, Ordering::AcqRel);
+                        taken.fetch_add(b.len() as u64, Ordering::AcqRel);
+                        if self.inner.windows.load(Ordering::Relaxed) {
+                            // the carriers' writers send the WINDOW
+                            self.inner.queued.notify_waiters();
+                        }
                     }
                     None => {
                         let _ = socket2::SockRef::from(&*u).shutdown(std::net::Shutdown::Write);
@@ -1126,7 +1239,8 @@ impl Session {
         let reader = async {
             let mut offset = 0u64;
             loop {
-                let mut buf = BytesMut::with_capacity(MAX_PAYLOAD);
+                let room = self.window_room(id, offset).await;
+                let mut buf = BytesMut::with_capacity(room);
                 match read_shared(&u, &mut buf).await {
                     Ok(0) | Err(_) => {
                         self.send_reliable(Kind::Fin, id, offset, Packed::plain(Bytes::new()))
@@ -1160,6 +1274,7 @@ impl Session {
             // now is written here, saving the writer task a wake-up
             if st.buffered.load(Ordering::Acquire) == 0 {
                 if let Some(Ok(n)) = st.local.as_ref().map(|u| u.try_write(&b)) {
+                    st.taken.fetch_add(n as u64, Ordering::AcqRel);
                     if n == b.len() {
                         continue;
                     }
@@ -1187,7 +1302,13 @@ impl Session {
                 let id = h.stream;
                 tokio::spawn(async move {
                     match UnixStream::connect(&path).await {
-                        Ok(u) => me.run_stream(id, u).await,
+                        Ok(u) => {
+                            let size = me.inner.local_sndbuf.load(Ordering::Relaxed);
+                            if size > 0 {
+                                let _ = socket2::SockRef::from(&u).set_send_buffer_size(size);
+                            }
+                            me.run_stream(id, u).await
+                        }
                         Err(e) => {
                             me.fail(format!("connecting stream {id} to {}: {e}", path.display()))
                         }

@@ -464,3 +464,83 @@ async fn a_source_sealing_when_the_target_does_not_is_refused() {
     assert!(why.contains("encryption differs"), "{why}");
     assert_eq!(p.target.stats().healthy, 0);
 }
+
+/// Stream windows: a stream whose reader on the target takes nothing gets
+/// no further than its window (counted expanded) across the carriers, while
+/// another stream of the same session flows to its end; once read, the held
+/// stream arrives whole. Without windows the same stream crosses whole into
+/// the target's buffer (what the check tells apart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_windows_keep_each_stream_within_what_the_target_took() {
+    const LEN: usize = 4 << 20;
+    const EXPANSION: f64 = 16.0;
+    let window = (ferry_transport::protocol::STREAM_WINDOW as f64 / EXPANSION) as u64;
+    for windows in [true, false] {
+        let p = pair(if windows { "windows" } else { "no-windows" }, 1, SECRET).await;
+        p.source.set_windows(windows);
+        p.target.set_windows(windows);
+        p.source.set_expansion(EXPANSION);
+        p.target.set_local_send_buffer(16 << 10);
+        wait_healthy(&p.source, 1).await;
+        let mut senders = Vec::new();
+        for s in [1u8, 2] {
+            let path = p.src_sock.clone();
+            senders.push(tokio::spawn(async move {
+                let mut u = UnixStream::connect(&path).await.unwrap();
+                u.write_all(&[s]).await.unwrap();
+                u.write_all(&pattern(s, LEN)).await.unwrap();
+                u.shutdown().await.unwrap();
+            }));
+        }
+        let (mut read_now, mut held) = (None, None);
+        for _ in 0..2 {
+            let (mut u, _) = tokio::time::timeout(Duration::from_secs(10), p.qemu.accept())
+                .await
+                .unwrap()
+                .unwrap();
+            let mut id = [0u8];
+            u.read_exact(&mut id).await.unwrap();
+            if id[0] == 1 {
+                read_now = Some(tokio::spawn(async move {
+                    let mut got = Vec::new();
+                    u.read_to_end(&mut got).await.unwrap();
+                    got
+                }));
+            } else {
+                held = Some(u);
+            }
+        }
+        let got = tokio::time::timeout(Duration::from_secs(30), read_now.unwrap())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            got == pattern(1, LEN),
+            "stream 1 arrives whole while 2 is not read"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let rx: u64 = p.target.stats().carriers.iter().map(|c| c.rx_bytes).sum();
+        let crossed = rx - (LEN as u64 + 2);
+        if windows {
+            // the window, plus what the unread socket took and one read
+            assert!(
+                crossed <= window + (128 << 10),
+                "stream 2 crossed {crossed} bytes, window {window}"
+            );
+        } else {
+            assert!(crossed >= LEN as u64 * 3 / 4, "without windows: {crossed}");
+        }
+        let mut held = held.unwrap();
+        let mut rest = Vec::new();
+        tokio::time::timeout(Duration::from_secs(30), held.read_to_end(&mut rest))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(rest == pattern(2, LEN), "stream 2 arrives whole once read");
+        for s in senders {
+            s.await.unwrap();
+        }
+        p.source.close();
+        p.target.close();
+    }
+}

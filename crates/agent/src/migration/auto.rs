@@ -97,6 +97,60 @@ pub(super) fn auto_choice(
     }
 }
 
+/// The zstd level QEMU compresses with when it compresses: its fastest.
+/// Guest memory that compresses gains nothing from level 3 (the workload's
+/// pages: 1.44 MB at 3 against 1.33 MB at 1 per 64 MiB, `zstd -b`), and on
+/// the target the cost is the same at any level.
+pub const QEMU_ZSTD_LEVEL: u8 = 1;
+
+/// Whether QEMU compresses guest memory itself, in its multifd channels,
+/// before Ferry's carriers take it (a move that may compress, whose memory
+/// sample compressed to `ratio`, with `idle` CPU); the zstd level, and why.
+///
+/// QEMU compresses every page in place in its multifd threads; Ferry's
+/// frames would first copy each raw byte through both agents (QEMU → agent
+/// → carrier → agent → QEMU). With both hosts on two cores the copies are
+/// what limits a compressible guest's move: 512 MiB took 2.2 CPU-s
+/// compressed by QEMU against 3.4 by Ferry's frames (BENCHMARKS.md
+/// "Compression: …"). QEMU's codec is fixed for the whole migration, so it
+/// is only chosen for memory that compresses ([`AUTO_COMPRESSES`]) with
+/// the CPU idle enough to start compressing; Ferry's per-frame chooser
+/// still runs on top of it (QEMU's packet headers and page lists compress,
+/// its compressed pages go as they are) and alone for memory that does not.
+pub(super) fn qemu_compresses(ratio: Option<f64>, idle: Option<f64>) -> (Option<u8>, String) {
+    let min_idle = ferry_transport::compress::MIN_IDLE;
+    let idle_pct = idle.map_or(0.0, |i| i * 100.0);
+    match (ratio, idle) {
+        (Some(r), Some(i)) if r <= AUTO_COMPRESSES && i >= min_idle => (
+            Some(QEMU_ZSTD_LEVEL),
+            format!(
+                "QEMU compresses with zstd {QEMU_ZSTD_LEVEL} in its multifd channels: a memory \
+                 sample compresses to {r:.2} and the CPU is {idle_pct:.0}% idle"
+            ),
+        ),
+        (Some(r), _) if r <= AUTO_COMPRESSES => (
+            None,
+            format!(
+                "QEMU sends pages as they are: memory compresses to {r:.2} but the CPU is only \
+                 {idle_pct:.0}% idle; Ferry compresses frames if it becomes idle"
+            ),
+        ),
+        (Some(r), _) => (
+            None,
+            format!(
+                "QEMU sends pages as they are: a memory sample compresses to {r:.2} only; \
+                 Ferry compresses the frames that gain"
+            ),
+        ),
+        (None, _) => (
+            None,
+            "QEMU sends pages as they are: the memory sample was all zero (QEMU sends no zero \
+             page) or could not be read"
+                .into(),
+        ),
+    }
+}
+
 /// LZ4's ratio on [`SAMPLE_CHUNKS`] chunks of the guest's memory (QMP
 /// `pmemsave` into the VM's directory); `None` if it is all zero or cannot be read.
 pub(super) async fn sample_memory(vm: &QemuVm, memory: u64) -> Option<f64> {
@@ -123,6 +177,31 @@ pub(super) async fn sample_memory(vm: &QemuVm, memory: u64) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn qemu_compresses_memory_that_compresses_while_the_cpu_is_idle() {
+        // recorded samples: the workload's compressible pages (0.06 with
+        // zstd), random pages (1.0), a guest kernel's pages (0.3)
+        assert_eq!(
+            qemu_compresses(Some(0.06), Some(0.5)).0,
+            Some(QEMU_ZSTD_LEVEL)
+        );
+        assert_eq!(
+            qemu_compresses(Some(0.3), Some(0.9)).0,
+            Some(QEMU_ZSTD_LEVEL)
+        );
+        // random memory: nothing for QEMU to gain, Ferry's frames decide
+        let (level, why) = qemu_compresses(Some(1.0), Some(0.9));
+        assert_eq!(level, None);
+        assert!(why.contains("1.00 only"), "{why}");
+        // a busy CPU: not fixed for the whole move
+        let (level, why) = qemu_compresses(Some(0.06), Some(0.05));
+        assert_eq!(level, None);
+        assert!(why.contains("5% idle"), "{why}");
+        // all zero, or no sample
+        assert_eq!(qemu_compresses(None, Some(0.9)).0, None);
+        assert_eq!(qemu_compresses(Some(0.06), None).0, None);
+    }
 
     #[test]
     fn auto_compresses_on_carriers_only_what_compresses_with_idle_cpu() {

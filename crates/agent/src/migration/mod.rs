@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use ferry_api::client::Client;
 use ferry_api::{
     ApiError, CheckResult, CpuReport, HostInfo, IncomingReply, IncomingRequest, IncomingStatus,
-    MigrateRequest, MigrationEvent, MigrationProgress, MigrationReport, VmSpec,
+    MigrateRequest, MigrationEvent, MigrationProgress, MigrationReport, QemuCodecReport, VmSpec,
 };
 use tokio::sync::mpsc;
 
@@ -51,7 +51,7 @@ use crate::convergence;
 use crate::host::{error_chain, nics, Agent, Role};
 use crate::qemu::QemuVm;
 use crate::qmp::MigrationParameters;
-use auto::{auto_choice, relay_fits, sample_memory};
+use auto::{auto_choice, qemu_compresses, relay_fits, sample_memory};
 use ferry_api::{CarrierReport, Convergence, MigrationOption};
 pub(crate) use settle::resume_guest;
 use target::answer_of;
@@ -132,6 +132,8 @@ enum Plan {
         sock: std::path::PathBuf,
         /// `multichannel`, `compression` or `mptcp`.
         option: &'static str,
+        /// QEMU compresses in its multifd channels with zstd at this level.
+        qemu_zstd: Option<u8>,
     },
 }
 
@@ -473,22 +475,15 @@ impl Agent {
             disk_note = "; post-copy off: local drives are copied before the switch-over".into();
         }
         let mut auto_note = String::new();
+        // a sample of guest memory and the idle CPU, read once
+        let mut sampled: Option<(Option<f64>, Option<f64>)> = None;
         let option = match req.option {
             MigrationOption::Auto if shared > 1 => {
                 let mptcp = ferry_transport::mptcp::available();
                 let (ratio, idle) = if mptcp && !req.encrypt_carriers {
-                    let ratio = sample_memory(vm, spec.memory).await;
-                    // the last second's, or (an agent just started) watched now
-                    let idle = match self.idle.idle() {
-                        Some(i) => Some(i),
-                        None => tokio::task::spawn_blocking(|| {
-                            ferry_transport::compress::idle_share(Duration::from_millis(300))
-                        })
-                        .await
-                        .ok()
-                        .flatten(),
-                    };
-                    (ratio, idle)
+                    let s = (sample_memory(vm, spec.memory).await, self.idle_now().await);
+                    sampled = Some(s);
+                    s
                 } else {
                     (None, None)
                 };
@@ -519,6 +514,25 @@ impl Agent {
             MigrationOption::Auto if req.encrypt_carriers => MigrationOption::Compression,
             MigrationOption::Auto => MigrationOption::Tcp,
             o => o,
+        };
+        // a move that may compress over Ferry's carriers: does QEMU compress
+        // in its multifd channels (post-copy has one stream, no multifd)
+        let (qemu_zstd, sample_ratio) = if compress == ferry_transport::CompressMode::Adaptive
+            && matches!(
+                option,
+                MigrationOption::Multichannel | MigrationOption::Compression
+            )
+            && !conv.postcopy
+        {
+            let (ratio, idle) = match sampled {
+                Some(s) => s,
+                None => (sample_memory(vm, spec.memory).await, self.idle_now().await),
+            };
+            let (level, why) = qemu_compresses(ratio, idle);
+            auto_note.push_str(&format!("; {why}"));
+            (level, ratio)
+        } else {
+            (None, None)
         };
         // the record exists before the target hears of the migration: a
         // target that asks always finds an answer
@@ -557,6 +571,10 @@ impl Agent {
             local_disks: disks::requests(&copies),
             disk_session: (!copies.is_empty())
                 .then(|| ferry_transport::session_to_hex(&disk_session)),
+            qemu_zstd,
+            // what QEMU compressed loads ~20× slower than it crosses: each
+            // stream is kept within a window of what the target has taken
+            stream_windows: qemu_zstd.is_some(),
         };
         let reply: IncomingReply = target
             .post("/incoming", &incoming, Duration::from_secs(30))
@@ -677,6 +695,7 @@ impl Agent {
                             session: ferry_transport::Carriers::Mptcp(s),
                             sock,
                             option: option.name(),
+                            qemu_zstd: None,
                         },
                         Err(e) => {
                             return Err(fail("connection", e));
@@ -704,10 +723,16 @@ impl Agent {
                     {
                         Ok(s) => {
                             s.set_compression(compress);
+                            if qemu_zstd.is_some() {
+                                s.set_windows(true);
+                                // until QEMU's own figures come in
+                                s.set_expansion(1.0 / sample_ratio.unwrap_or(1.0));
+                            }
                             Plan::Multichannel {
                                 session: ferry_transport::Carriers::Ferry(s),
                                 sock,
                                 option: option.name(),
+                                qemu_zstd,
                             }
                         }
                         Err(e) => {
@@ -835,6 +860,10 @@ impl Agent {
         };
         let multifd =
             matches!(plan, Plan::Multichannel { .. }) && !conv.postcopy && handoff.is_none();
+        let qemu_zstd = match plan {
+            Plan::Multichannel { qemu_zstd, .. } => qemu_zstd.filter(|_| multifd),
+            Plan::Tcp { .. } => None,
+        };
         qmp.set_capabilities(&[
             ("multifd", multifd),
             ("auto-converge", conv.throttle),
@@ -858,6 +887,12 @@ impl Agent {
             max_bandwidth: Some(100 << 30),
             downtime_limit: Some(dplan.limit_ms),
             multifd_channels: multifd.then_some(MULTIFD_CHANNELS),
+            multifd_compression: multifd.then_some(if qemu_zstd.is_some() {
+                "zstd"
+            } else {
+                "none"
+            }),
+            multifd_zstd_level: qemu_zstd,
             cpu_throttle_initial: conv.throttle.then_some(20),
             cpu_throttle_increment: conv.throttle.then_some(10),
             ..Default::default()
@@ -891,6 +926,8 @@ impl Agent {
                 let how = if handoff.is_some() {
                     "QEMU's one stream written straight into an MPTCP socket the agents opened"
                         .to_string()
+                } else if let Some(level) = qemu_zstd {
+                    format!("{MULTIFD_CHANNELS} multifd channels compressed by QEMU (zstd {level})")
                 } else if multifd {
                     format!("{MULTIFD_CHANNELS} multifd channels")
                 } else {
@@ -969,6 +1006,10 @@ impl Agent {
         };
         let mut near_end = false;
         let mut paths_seen = 0;
+        // QEMU's send threads' CPU while it compresses (they end with the
+        // migration, so the last reading while they ran is kept)
+        let mut qemu_send_cpu = Duration::ZERO;
+        let mut qemu_ratio_from = (0u64, 0u64);
         let info = loop {
             // near the end (the last pass, or QEMU paused) QEMU is asked every
             // END_POLL, so the commit follows its completion within that
@@ -980,6 +1021,29 @@ impl Agent {
                     Err(e) if committed => return Err(lost(error_chain(&e))),
                     Err(e) => return Err(fail("copy", error_chain(&e))),
                 };
+                if qemu_zstd.is_some() {
+                    qemu_send_cpu =
+                        qemu_send_cpu.max(crate::host::threads_cpu(vm.pid, "mig/src/send_"));
+                    // the windows count what QEMU's bytes expand to: its ratio
+                    // over the last MiB or more it wrote
+                    if let (
+                        Some(r),
+                        Plan::Multichannel {
+                            session: ferry_transport::Carriers::Ferry(s),
+                            ..
+                        },
+                    ) = (&info.ram, plan)
+                    {
+                        let (normal, written) = (
+                            r.normal_bytes.saturating_sub(qemu_ratio_from.0),
+                            r.multifd_bytes.saturating_sub(qemu_ratio_from.1),
+                        );
+                        if written >= 1 << 20 {
+                            s.set_expansion(normal as f64 / written as f64);
+                            qemu_ratio_from = (r.normal_bytes, r.multifd_bytes);
+                        }
+                    }
+                }
                 let st = info.status.as_deref().unwrap_or_default();
                 if !near_end || asked.elapsed() >= POLL || !matches!(st, "active" | "device") {
                     break info;
@@ -1656,6 +1720,13 @@ impl Agent {
             compression_ratio: compression.ratio(),
             frames_compressed: compression.frames_compressed,
             codecs: compression.codecs.clone(),
+            qemu_codec: qemu_zstd.map(|level| QemuCodecReport {
+                codec: format!("zstd:{level}"),
+                raw_bytes: ram.normal_bytes,
+                sent_bytes: ram.multifd_bytes,
+                ratio: ram.normal_bytes as f64 / ram.multifd_bytes.max(1) as f64,
+                cpu_s: qemu_send_cpu.as_secs_f64(),
+            }),
             rounds: ram.dirty_sync_count,
             phase: if copy.in_postcopy() {
                 "postcopy".into()
@@ -1665,7 +1736,12 @@ impl Agent {
                 "precopy".into()
             },
             max_throttle_pct: max_throttle,
-            cpu: CpuReport::new(cpu_source, on_target.cpu_ms, ram.transferred),
+            // per GiB of guest memory moved: QEMU counts compressed bytes as transferred
+            cpu: CpuReport::new(
+                cpu_source,
+                on_target.cpu_ms,
+                ram.transferred.max(ram.normal_bytes),
+            ),
             encrypted: matches!(plan, Plan::Multichannel { session, .. } if session.sealed()),
             disks: mirror.as_deref().map(|m| m.reports()).unwrap_or_default(),
             disk_nic_tx_bytes: mirror.as_deref().map(|m| m.nic_bytes()).unwrap_or_default(),
@@ -1785,6 +1861,20 @@ impl Agent {
     /// the target to discard its skeleton (which never ran: it waits paused
     /// for a RUN that will not come, and asks this host if nobody tells it),
     /// and makes sure the guest runs here again.
+    /// The idle CPU share: the last second's, or (an agent just started)
+    /// watched now for 300 ms.
+    async fn idle_now(&self) -> Option<f64> {
+        match self.idle.idle() {
+            Some(i) => Some(i),
+            None => tokio::task::spawn_blocking(|| {
+                ferry_transport::compress::idle_share(Duration::from_millis(300))
+            })
+            .await
+            .ok()
+            .flatten(),
+        }
+    }
+
     async fn roll_back(
         &self,
         id: &str,

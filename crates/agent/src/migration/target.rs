@@ -13,6 +13,12 @@ use ferry_api::{
 };
 
 use super::MULTIFD_CHANNELS;
+
+/// The send buffer of the target's connections to QEMU when QEMU compressed
+/// the stream (the kernel doubles it): what waits there is acknowledged and
+/// not yet loaded, and at ~20× a default buffer per channel is tens of ms of
+/// loading after the source paused.
+const COMPRESSED_SNDBUF: usize = 16 << 10;
 use crate::commit::{
     from_wire_name, target_next, wire_name, Record, Side, SourceAnswer, TargetAction, TargetAnswer,
     TargetEvent, TargetPhase,
@@ -179,6 +185,12 @@ impl Agent {
             // here; or (mptcp) QEMU is handed the authenticated socket
             let handoff = req.option == MigrationOption::Mptcp;
             let multifd = !req.postcopy && !handoff;
+            if req.qemu_zstd.is_some() && !multifd {
+                return Err(ApiError::invalid(
+                    "qemu_zstd",
+                    "QEMU compresses only in multifd channels: not with post-copy or a handed-off socket",
+                ));
+            }
             vm.qmp
                 .set_capabilities(&[("multifd", multifd), ("postcopy-ram", req.postcopy)])
                 .await
@@ -187,6 +199,11 @@ impl Agent {
                 vm.qmp
                     .set_parameters(MigrationParameters {
                         multifd_channels: Some(MULTIFD_CHANNELS),
+                        multifd_compression: Some(if req.qemu_zstd.is_some() {
+                            "zstd"
+                        } else {
+                            "none"
+                        }),
                         ..Default::default()
                     })
                     .await
@@ -252,6 +269,11 @@ impl Agent {
                 let (s, bound) = ferry_transport::Session::target(session_id, &keys, listen, sock)
                     .await
                     .map_err(|e| ApiError::internal(error_chain(&e)))?;
+                s.set_windows(req.stream_windows);
+                if req.qemu_zstd.is_some() {
+                    // QEMU compressed: each byte waiting for it is ~20 to load
+                    s.set_local_send_buffer(COMPRESSED_SNDBUF);
+                }
                 (ferry_transport::Carriers::Ferry(s), bound)
             };
             if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
