@@ -11,8 +11,11 @@ round. Reported per contender: the median transfer time (QMP `migrate` → targe
 running; for Ferry the move report's `transfer_ms`, the same span), bytes that left host1's
 NIC, and CPU-seconds per GiB of guest memory moved (every QEMU and agent on both hosts,
 sampled from /proc over the move; for Ferry the report's own `cpu`), and each contender's
-time ÷ QEMU zstd's. Every guest is checked intact on the target (its workload's own
-verification: 0 integrity errors).
+time ÷ QEMU zstd's; for Ferry also the downtime its guest saw (the report's
+`guest_downtime_ms`: from the source pausing to the target running) and how it compressed
+(QEMU's own zstd in its multifd channels, when Ferry asked for it, and Ferry's frame codecs).
+Every guest is checked intact on the target (its workload's own verification: 0 integrity
+errors).
 
     sudo python3 bench/compression.py [--memory 768M] [--fill 512M] [--rates 200mbit,1gbit,10gbit]
         [--rounds 3] [--qemu-channels 2] [--zstd-level 1]
@@ -42,9 +45,13 @@ def ferry_move(kind, a):
     subprocess.run([FERRY, "vm", "rm", "cb"], capture_output=True)
     if r.get("event") != "completed" or not r["check"]["intact"]:
         sys.exit(f"ferry move failed or guest not intact: {r}")
-    codecs = ", ".join(f"{c['codec']} {c['share'] * 100:.0f}%" for c in r.get("codecs", []) if c["share"] >= 0.01)
+    codecs = "frames: " + ", ".join(f"{c['codec']} {c['share'] * 100:.0f}%" for c in r.get("codecs", [])
+                                    if c["share"] >= 0.01)
+    q = r.get("qemu_codec")
+    if q:
+        codecs = f"QEMU {q['codec']} {q['ratio']:.1f}× ({q['cpu_s']:.2f} CPU-s); {codecs}"
     return {"secs": r["transfer_ms"] / 1000, "wire": wire, "cpu": r["cpu"]["source_s"] + r["cpu"]["target_s"],
-            "codecs": codecs}
+            "codecs": codecs, "downtime": r["guest_downtime_ms"]}
 
 
 def qemu_move(kind, contender, a):
@@ -87,7 +94,7 @@ def qemu_move(kind, contender, a):
         p.wait()
     if errors != 0:
         sys.exit(f"{contender}: guest not intact on the target (errors={errors})")
-    return {"secs": secs, "wire": wire, "cpu": used, "codecs": ""}
+    return {"secs": secs, "wire": wire, "cpu": used, "codecs": "", "downtime": None}
 
 
 CONTENDERS = ("qemu tcp", "qemu zstd", "ferry compression")
@@ -118,21 +125,24 @@ def main():
                     r = ferry_move(kind, a) if c == "ferry compression" else qemu_move(kind, c, a)
                     runs[c].append(r)
                     print(f"{rate} {kind} round {rnd + 1} {c}: {r['secs']:.2f} s, {r['wire'] / 2**20:.1f} MiB "
-                          f"on the wire, {r['cpu']:.2f} CPU-s {r['codecs']}", file=sys.stderr, flush=True)
+                          f"on the wire, {r['cpu']:.2f} CPU-s, guest downtime {r['downtime']} ms {r['codecs']}",
+                          file=sys.stderr, flush=True)
             med = {c: statistics.median(x["secs"] for x in runs[c]) for c in contenders}
             base = med.get("qemu zstd")
             for c in contenders:
                 rows.append((rate, kind, c, med[c], [x["secs"] for x in runs[c]],
                              statistics.median(x["wire"] for x in runs[c]) / 2**20,
                              statistics.median(x["cpu"] for x in runs[c]) / gib,
-                             med[c] / base if base else None, runs[c][-1]["codecs"]))
+                             med[c] / base if base else None, runs[c][-1]["codecs"],
+                             [x["downtime"] for x in runs[c] if x["downtime"] is not None]))
     ferry("lab", "down")
-    print(f"| link | memory | contender | median s | every run s | MiB on the wire | CPU s/GiB | ÷ QEMU zstd | codecs (last run) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for rate, kind, c, m, every, wire, cpu, ratio, codecs in rows:
+    print("| link | memory | contender | median s | every run s | MiB on the wire | CPU s/GiB | ÷ QEMU zstd "
+          "| guest downtime ms | codecs (last run) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for rate, kind, c, m, every, wire, cpu, ratio, codecs, downs in rows:
         shown = f"{ratio:.2f}" if ratio is not None else "—"
         print(f"| {rate} | {kind} | {c} | {m:.2f} | {', '.join(f'{x:.2f}' for x in every)} | {wire:.1f} | "
-              f"{cpu:.2f} | {shown} | {codecs or '—'} |")
+              f"{cpu:.2f} | {shown} | {', '.join(map(str, downs)) or '—'} | {codecs or '—'} |")
 
 
 if __name__ == "__main__":

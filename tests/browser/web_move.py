@@ -6,7 +6,8 @@ the page's reach), start a move with its button, watch the per-NIC graph of
 the source host rise while the VM moves over both NICs, see the move finish;
 sign out, sign in as a read-only user, see the buttons disabled and a
 request forged from the page refused (403 without the CSRF token, 403 for
-the role with it); keep a screenshot of each page.
+the role with it); remove a VM from its row (confirmed); on a phone-sized screen (390 px) nothing reaches past
+its edge; keep a screenshot of each page.
 
 Needs root (a lab), QEMU and chromium; run by `scripts/run test` after the
 cargo tests. Screenshots: target/artifacts/web-*.png.
@@ -49,6 +50,7 @@ def main():
     # links slow enough that the move lasts several seconds of graph
     ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", "300mbit")
     ferry("vm", "create", "web1", "--host", "host1", "--memory", "512M", "--fill", "384M")
+    ferry("vm", "create", "web2", "--host", "host2", "--memory", "256M", "--fill", "32M")
     operator = json.loads(ferry("token", "create", f"web-op-{os.getpid()}", "--role", "operator", "--json"))["token"]
     reader = json.loads(ferry("token", "create", f"web-ro-{os.getpid()}", "--role", "read-only", "--json"))["token"]
     # the browser trusts the control service's own certificate (pinned by
@@ -113,6 +115,9 @@ def main():
         minor += accessible("console")
         rates = lambda: d.execute_script("return window.ferry.peakRates")
         idle = max(rates().get(k, 0) for k in keys)
+        # the move's options as the CLI's flags: Ferry's carriers, 500 ms at most
+        Select(d.find_element(By.ID, "move-option")).select_by_value("multichannel")
+        d.find_element(By.ID, "move-downtime").send_keys("500")
         Select(d.find_element(By.ID, "to-web1")).select_by_value("host2")
         d.find_element(By.ID, "move-web1").click()
         wait("the move to finish", lambda: d.execute_script("return (window.ferry.moves.web1 || {}).done"), 180)
@@ -120,6 +125,9 @@ def main():
         last = events[-1]
         if last.get("event") != "completed":
             sys.exit(f"FAIL: the move did not complete: {json.dumps(last)[:500]}")
+        if (last.get("option"), last.get("max_downtime_ms")) != ("multichannel", 500):
+            sys.exit(f"FAIL: the move's options did not reach it: option {last.get('option')}, "
+                     f"max downtime {last.get('max_downtime_ms')} ms")
         status = d.find_element(By.ID, "move-status").text
         if "moved to host2" not in status:
             sys.exit(f"FAIL: the page does not say the move finished: {status!r}")
@@ -201,6 +209,17 @@ def main():
             sys.exit(f"FAIL: events filtered by kind 'session' show {kinds}")
         Select(d.find_element(By.ID, "event-kind")).select_by_value("")
 
+        # an operator stops and removes a VM from its row, confirming once
+        wait("web2's Remove button", lambda: d.find_elements(By.ID, "remove-web2"), 15)
+        d.execute_script("document.getElementById('remove-web2').click()")
+        alert = d.switch_to.alert
+        if "web2" not in alert.text:
+            sys.exit(f"FAIL: the confirmation does not name the VM: {alert.text!r}")
+        alert.accept()
+        wait("web2 gone from the table", lambda: not d.find_elements(By.ID, "remove-web2"), 20)
+        if any(v["name"] == "web2" for v in json.loads(ferry("vm", "list", "--json"))):
+            sys.exit("FAIL: web2 is still a VM after Remove")
+
         # a read-only user: every changing button disabled, the server refuses anyway
         d.find_element(By.ID, "sign-out").click()
         wait("the sign-in form after signing out", lambda: d.find_element(By.ID, "login").is_displayed(), 10)
@@ -219,13 +238,37 @@ def main():
             sys.exit(f"FAIL: forged requests were not refused: without CSRF {no_csrf}, with it {with_csrf}")
         d.save_screenshot(os.path.join(ART, "web-read-only.png"))
         minor += accessible("read-only console")
+
+        # a phone-sized screen: the page reflows, never scrolls sideways (wide
+        # tables scroll in their own box), the graphs fit, the controls stay reachable
+        d.set_window_size(390, 844)
+        d.refresh()
+        wait("the console on a phone", lambda: d.find_element(By.ID, "console").is_displayed(), 15)
+        wait("the VM table on a phone", lambda: d.find_elements(By.ID, "move-web1"), 15)
+        wait("a graph per host on a phone", lambda: d.find_elements(By.CSS_SELECTOR, "#host-host1 canvas"), 15)
+        time.sleep(1)
+        layout = d.execute_script("""
+            const vw = document.documentElement.clientWidth;
+            const wide = [...document.querySelectorAll('canvas, input, select, button, table')]
+              .filter(e => e.offsetParent && !e.closest('.scroll'))
+              .filter(e => e.getBoundingClientRect().right > vw + 1)
+              .map(e => e.id || e.tagName);
+            return {vw, page: document.documentElement.scrollWidth, wide};
+        """)
+        if layout["page"] > layout["vw"] + 1 or layout["wide"]:
+            sys.exit(f"FAIL: on a 390 px screen the page is {layout['page']} px wide, past the edge: {layout['wide']}")
+        d.find_element(By.ID, "move-web1").location_once_scrolled_into_view
+        d.save_screenshot(os.path.join(ART, "web-phone.png"))
+        minor += accessible("console on a phone")
         print(f"ok: web page moved web1 to host2; NIC peaks {', '.join(f'{k} {v:.0f} Mbit/s' for k, v in busy.items())}; "
               f"read-only user: {len(buttons)} buttons disabled, forged requests {no_csrf[0]}/{with_csrf[0]}; "
+              f"a 390 px screen: nothing past its edge; "
               f"axe-core: no serious violation ({minor} minor or moderate); "
               f"screenshots in {ART}")
     finally:
         d.quit()
-        subprocess.run([FERRY, "vm", "rm", "web1"], capture_output=True)
+        for vm in ("web1", "web2"):
+            subprocess.run([FERRY, "vm", "rm", vm], capture_output=True)
 
 
 if __name__ == "__main__":

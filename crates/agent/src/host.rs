@@ -890,6 +890,10 @@ impl Agent {
             bandwidth: ferry_api::util::lock(&self.classes).policy().clone(),
             probe_port: self.cfg.probe_port,
             paths: self.paths.all(),
+            features: vec![
+                ferry_api::FEATURE_QEMU_ZSTD.into(),
+                ferry_api::FEATURE_STREAM_WINDOWS.into(),
+            ],
         }
     }
 

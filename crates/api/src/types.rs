@@ -76,7 +76,18 @@ pub struct HostInfo {
     /// NIC pairs to other hosts, as last probed.
     #[serde(default)]
     pub paths: Vec<NicPath>,
+    /// What this agent takes in a migration's request beyond the first
+    /// version of it ([`FEATURE_QEMU_ZSTD`], [`FEATURE_STREAM_WINDOWS`]): a
+    /// source asks only for what its target lists, so an agent not yet
+    /// upgraded still takes moves.
+    #[serde(default)]
+    pub features: Vec<String>,
 }
+
+/// The target sets `multifd-compression zstd` when asked (`IncomingRequest::qemu_zstd`).
+pub const FEATURE_QEMU_ZSTD: &str = "qemu-zstd";
+/// The target's carriers send WINDOW frames when asked (`IncomingRequest::stream_windows`).
+pub const FEATURE_STREAM_WINDOWS: &str = "stream-windows";
 
 pub const DEFAULT_PROBE_PORT: u16 = 7801;
 
@@ -839,7 +850,8 @@ pub struct IncomingRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub qemu_zstd: Option<u8>,
     /// Ferry's carriers keep each stream within a window of what the target
-    /// QEMU has taken (the transport's WINDOW frames); asked with `qemu_zstd`.
+    /// QEMU has taken (the transport's WINDOW frames): what the target has
+    /// still to load when the source pauses stays small.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub stream_windows: bool,
 }

@@ -391,6 +391,9 @@ fn compression_shrinks_what_compresses_and_leaves_the_rest() {
     assert!((all - 1.0).abs() < 1e-6, "shares add up: {r}");
     assert_intact_on("cz1", "host2");
     // auto over both NICs: memory that compresses goes by Ferry's carriers
+    // (with the CPU idle: the last second's share, so not the second the
+    // target QEMU spent loading the move just made)
+    std::thread::sleep(std::time::Duration::from_secs(2));
     auto_move(
         "cz1",
         "host1",

@@ -510,40 +510,18 @@ fn storage_routes() -> Router<Arc<Control>> {
         )
 }
 
-/// The web page and its scripts: static, no cluster data in them, so served
-/// without the credential (the page asks for it and sends it on every API call).
+/// The web page and its files (`assets.rs`): static, no cluster data in
+/// them, so served without the credential (the page signs in).
 fn web_routes() -> Router {
-    fn file(body: &'static str, ctype: &'static str) -> axum::routing::MethodRouter {
-        get(move || async move { ([(axum::http::header::CONTENT_TYPE, ctype)], body) })
+    let mut r = Router::new();
+    for a in crate::assets::ASSETS.iter() {
+        r = r.route(a.path, get(crate::assets::serve));
     }
-    Router::new()
-        .route(
-            "/",
-            file(
-                include_str!("../web/index.html"),
-                "text/html; charset=utf-8",
-            ),
-        )
-        .route(
-            "/ui/app.js",
-            file(include_str!("../web/app.js"), "text/javascript"),
-        )
-        .route(
-            "/ui/uPlot.iife.min.js",
-            file(
-                include_str!("../web/vendor/uPlot.iife.min.js"),
-                "text/javascript",
-            ),
-        )
-        .route(
-            "/ui/uPlot.min.css",
-            file(include_str!("../web/vendor/uPlot.min.css"), "text/css"),
-        )
-        // browsers ask for it unbidden; there is none
-        .route(
-            "/favicon.ico",
-            get(|| async { axum::http::StatusCode::NO_CONTENT }),
-        )
+    // browsers ask for it unbidden; there is none
+    r.route(
+        "/favicon.ico",
+        get(|| async { axum::http::StatusCode::NO_CONTENT }),
+    )
 }
 
 pub fn router(control: Arc<Control>) -> Router {
@@ -1228,5 +1206,62 @@ mod tests {
         }
         let (status, _) = call(Request::get("/api/v1/vms").body(Body::empty()).unwrap()).await;
         assert_eq!(status, 401);
+    }
+
+    #[tokio::test]
+    async fn the_console_files_go_compressed_kept_a_year_by_their_hash_and_the_page_revalidated() {
+        use std::io::Read;
+        use tower_service::Service;
+        let mut app = router(Arc::new(Control::new(vec![], Default::default())));
+        let mut get = |path: String, headers: Vec<(&'static str, String)>| {
+            let mut req = Request::get(path);
+            for (k, v) in headers {
+                req = req.header(k, v);
+            }
+            let fut = app.call(req.body(Body::empty()).unwrap());
+            async move {
+                let resp = fut.await.unwrap();
+                let (parts, body) = resp.into_parts();
+                let body = axum::body::to_bytes(body, 1 << 20).await.unwrap();
+                (parts, body)
+            }
+        };
+        // the page names app.js with its hash
+        let (page, body) = get("/".into(), vec![]).await;
+        assert_eq!(page.headers["cache-control"], "no-cache");
+        let html = String::from_utf8_lossy(&body).into_owned();
+        let src = html
+            .split("src=\"")
+            .filter_map(|s| s.split('"').next())
+            .find(|s| s.starts_with("/ui/app.js?v="))
+            .expect("app.js named with its hash")
+            .to_string();
+        // asked by that name, with gzip: compressed, kept a year
+        let (js, gz) = get(src.clone(), vec![("accept-encoding", "gzip, br".into())]).await;
+        assert_eq!(js.status.as_u16(), 200);
+        assert_eq!(js.headers["content-encoding"], "gzip");
+        assert_eq!(
+            js.headers["cache-control"],
+            "public, max-age=31536000, immutable"
+        );
+        assert_eq!(js.headers["vary"], "Accept-Encoding");
+        let mut plain = Vec::new();
+        flate2::read::GzDecoder::new(&gz[..])
+            .read_to_end(&mut plain)
+            .unwrap();
+        assert_eq!(plain, include_bytes!("../web/app.js"));
+        assert!(gz.len() * 2 < plain.len(), "{} → {}", plain.len(), gz.len());
+        // without gzip: as it is; without the hash: revalidated
+        let (js2, raw) = get("/ui/app.js".into(), vec![]).await;
+        assert!(js2.headers.get("content-encoding").is_none());
+        assert_eq!(js2.headers["cache-control"], "no-cache");
+        assert_eq!(&raw[..], include_bytes!("../web/app.js"));
+        // the same page again: 304, nothing sent
+        let etag = page.headers["etag"].to_str().unwrap().to_string();
+        let (again, empty) = get("/".into(), vec![("if-none-match", etag.clone())]).await;
+        assert_eq!(again.status.as_u16(), 304);
+        assert!(empty.is_empty());
+        let (changed, _) = get("/".into(), vec![("if-none-match", "\"other\"".into())]).await;
+        assert_eq!(changed.status.as_u16(), 200);
     }
 }

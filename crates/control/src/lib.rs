@@ -9,6 +9,7 @@
 //! grow here.
 
 pub mod access;
+pub mod assets;
 pub mod bandwidth;
 mod disk_move;
 pub mod drain;

@@ -137,12 +137,17 @@ const mib = (b) => (b / 1048576).toFixed(0) + " MiB";
 
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
 
+// A graph's width: as asked, or what a narrow screen has room for.
+function fitWidth(w) {
+  return Math.max(240, Math.min(w, document.documentElement.clientWidth - 40));
+}
+
 // uPlot options for the last WINDOW_S seconds, one line per name in its own
 // colour (named in the legend; values show while the pointer is over the
 // plot), every other line dashed so lines carrying the same values both show.
 function lastMinutes(names, unit, width, height, axis) {
   return {
-    width,
+    width: fitWidth(width),
     height,
     scales: {
       x: { range: (u, min, max) => [max - WINDOW_S, max] },
@@ -247,7 +252,19 @@ function updateVms(vms, hosts) {
     btn.onclick = () => moveVm(v.name, sel.value);
     const host = el("span", v.host);
     host.id = "vm-host-" + v.name;
-    row(tbody, [v.name, host, vmState(v), mib(v.spec.memory), sel, btn]);
+    // stops the guest and removes the VM, as `ferry vm rm`: asked once more
+    const rm = operatorButton("Remove", `Stop and remove ${v.name}`);
+    rm.id = "remove-" + v.name;
+    rm.onclick = () => {
+      if (!confirm(`Stop ${v.name} and remove it from ${v.host}?`)) return;
+      const status = document.getElementById("move-status");
+      api("DELETE", `/api/v1/vms/${encodeURIComponent(v.name)}`).then(
+        () => { status.textContent = `${v.name} stopped and removed`; refresh(); },
+        (e) => { status.textContent = `${v.name} not removed: ${e.message}`; });
+    };
+    const actions = el("span");
+    actions.append(btn, rm);
+    row(tbody, [v.name, host, vmState(v), mib(v.spec.memory), sel, actions]);
   }
 }
 
@@ -279,7 +296,7 @@ function migrationPanel(vm, from, to) {
   const data = [[], [], []];
   const plot = new uPlot(
     {
-      width: 460,
+      width: fitWidth(460),
       height: 180,
       scales: { x: { time: false }, y: { range: (u, min, max) => [0, Math.max(10, max * 1.1)] } },
       series: [
@@ -347,6 +364,22 @@ function migrationPanel(vm, from, to) {
   };
 }
 
+// The move's request from the options form: what is left blank is left to
+// the source host's defaults, as with the CLI's flags.
+function moveRequest(to) {
+  const val = (id) => document.getElementById(id).value;
+  const req = { to };
+  if (val("move-option")) req.option = val("move-option");
+  const c = {};
+  if (val("move-downtime")) c.max_downtime_ms = Number(val("move-downtime"));
+  if (val("move-postcopy")) c.postcopy = val("move-postcopy") === "true";
+  if (val("move-throttle")) c.throttle = val("move-throttle") === "true";
+  if (val("move-expiry")) c.at_expiry = val("move-expiry");
+  if (val("move-timeout")) c.timeout_per_gib_s = Number(val("move-timeout"));
+  if (Object.keys(c).length) req.convergence = c;
+  return req;
+}
+
 async function moveVm(vm, to) {
   const status = document.getElementById("move-status");
   const m = (ferry.moves[vm] = { to, events: [], done: false });
@@ -354,7 +387,7 @@ async function moveVm(vm, to) {
   const panel = migrationPanel(vm, from, to);
   status.textContent = `moving ${vm} to ${to}…`;
   try {
-    await stream(`/api/v1/vms/${vm}/move`, { to }, (ev) => {
+    await stream(`/api/v1/vms/${vm}/move`, moveRequest(to), (ev) => {
       m.events.push(ev);
       if (ev.event === "progress") panel.progress(ev);
       if (ev.event === "step") panel.step(`${ev.step}: ${ev.detail}`);

@@ -517,18 +517,36 @@ impl Agent {
         };
         // a move that may compress over Ferry's carriers: does QEMU compress
         // in its multifd channels (post-copy has one stream, no multifd)
+        let takes = |f: &str| tinfo.features.iter().any(|x| x == f);
+        let carriers = matches!(
+            option,
+            MigrationOption::Multichannel | MigrationOption::Compression
+        );
         let (qemu_zstd, sample_ratio) = if compress == ferry_transport::CompressMode::Adaptive
-            && matches!(
-                option,
-                MigrationOption::Multichannel | MigrationOption::Compression
-            )
+            && carriers
             && !conv.postcopy
+            && takes(ferry_api::FEATURE_QEMU_ZSTD)
         {
             let (ratio, idle) = match sampled {
                 Some(s) => s,
                 None => (sample_memory(vm, spec.memory).await, self.idle_now().await),
             };
-            let (level, why) = qemu_compresses(ratio, idle);
+            let (mut level, mut why) = qemu_compresses(ratio, idle);
+            if level.is_some() {
+                // a QEMU built without zstd refuses it: its pages go as they are
+                let asked = vm
+                    .qmp
+                    .set_parameters(MigrationParameters {
+                        multifd_compression: Some("zstd"),
+                        ..Default::default()
+                    })
+                    .await;
+                if let Err(e) = asked {
+                    level = None;
+                    why =
+                        format!("QEMU sends pages as they are: it cannot compress with zstd ({e})");
+                }
+            }
             auto_note.push_str(&format!("; {why}"));
             (level, ratio)
         } else {
@@ -546,6 +564,10 @@ impl Agent {
                 updated: 0,
             })
             .map_err(|e| fail("memory", error_chain(&e)))?;
+        // Ferry's carriers keep each stream within a window of what the target
+        // QEMU has taken: when it loads slower than the links deliver (what
+        // QEMU compressed, or a CPU-bound target) its backlog stays small
+        let stream_windows = carriers && takes(ferry_api::FEATURE_STREAM_WINDOWS);
         let session: [u8; 16] = rand::random();
         let disk_session: [u8; 16] = rand::random();
         // a host-dependent CPU model: the target compares its own expansion
@@ -572,9 +594,7 @@ impl Agent {
             disk_session: (!copies.is_empty())
                 .then(|| ferry_transport::session_to_hex(&disk_session)),
             qemu_zstd,
-            // what QEMU compressed loads ~20× slower than it crosses: each
-            // stream is kept within a window of what the target has taken
-            stream_windows: qemu_zstd.is_some(),
+            stream_windows,
         };
         let reply: IncomingReply = target
             .post("/incoming", &incoming, Duration::from_secs(30))
@@ -723,8 +743,8 @@ impl Agent {
                     {
                         Ok(s) => {
                             s.set_compression(compress);
+                            s.set_windows(stream_windows);
                             if qemu_zstd.is_some() {
-                                s.set_windows(true);
                                 // until QEMU's own figures come in
                                 s.set_expansion(1.0 / sample_ratio.unwrap_or(1.0));
                             }
