@@ -54,7 +54,7 @@ def capture():
     ferry("lab", "down")
     info = next(h["info"] for h in hosts if h["name"] == "host1" and h.get("info"))
     vm = next(v for v in vms if v["name"] == "sample")
-    band = bw[0] if isinstance(bw, list) else bw
+    band = next(h for h in bw["hosts"] if h["host"] == "host1")
     return info, vm, band
 
 
@@ -97,7 +97,7 @@ def stand_in(index, info, vm, band, t0):
             pass
 
         def do_GET(self):
-            path = self.path.split("?")[0]
+            path = self.path.split("?")[0].removeprefix("/api/v1")
             now = time.time() - t0
             if path == "/host":
                 body = counters(host_info, now)
@@ -128,7 +128,8 @@ def stand_in(index, info, vm, band, t0):
 
 PERF = """
 const nav = performance.getEntriesByType('navigation')[0];
-const res = performance.getEntriesByType('resource');
+// the page's own files (API calls made once signed in are counted apart)
+const res = performance.getEntriesByType('resource').filter(e => new URL(e.name).pathname.startsWith('/ui/'));
 const all = [nav, ...res];
 const fcp = performance.getEntriesByType('paint').find(p => p.name === 'first-contentful-paint');
 return {

@@ -46,6 +46,8 @@ function signedIn(s) {
   // and nothing of the last user's work stays on the page
   document.getElementById("hosts").innerHTML = "";
   for (const k of Object.keys(series)) delete series[k];
+  for (const r of vmRows.values()) r.tr.remove();
+  vmRows.clear();
   document.getElementById("migration").hidden = true;
   document.getElementById("drain-moves").hidden = true;
   for (const id of ["move-status", "drain-status", "drain-limit"]) document.getElementById(id).textContent = "";
@@ -119,6 +121,7 @@ function el(tag, text, cls) {
   return e;
 }
 
+// A table row of `cells` (text or nodes), appended to `tbody` if one is given.
 function row(tbody, cells) {
   const tr = el("tr");
   for (const c of cells) {
@@ -127,7 +130,7 @@ function row(tbody, cells) {
     else td.textContent = c;
     tr.appendChild(td);
   }
-  tbody.appendChild(tr);
+  if (tbody) tbody.appendChild(tr);
   return tr;
 }
 
@@ -239,33 +242,68 @@ function updateHosts(hosts) {
 
 // ---- VMs, moves and drains ----------------------------------------------------
 
+// VM rows by name, each drawn again only when what it shows changes: the
+// table is refreshed every 3 s, and rebuilding every row of 200 VMs each
+// time held the page's main thread ~100 ms (and reset a target the user
+// had picked).
+const vmRows = new Map();
+
 function updateVms(vms, hosts) {
   const tbody = document.querySelector("#vms tbody");
-  tbody.innerHTML = "";
+  const up = hosts.filter((h) => !h.down).map((h) => h.name);
+  const seen = new Set();
+  let prev = null;
   for (const v of vms) {
-    const sel = el("select");
-    sel.id = "to-" + v.name;
-    for (const h of hosts) if (h.name !== v.host && !h.down) sel.appendChild(new Option(h.name, h.name));
-    sel.setAttribute("aria-label", `Move ${v.name} to`);
-    const btn = operatorButton("Move", `Move ${v.name}`);
-    btn.id = "move-" + v.name;
-    btn.onclick = () => moveVm(v.name, sel.value);
-    const host = el("span", v.host);
-    host.id = "vm-host-" + v.name;
-    // stops the guest and removes the VM, as `ferry vm rm`: asked once more
-    const rm = operatorButton("Remove", `Stop and remove ${v.name}`);
-    rm.id = "remove-" + v.name;
-    rm.onclick = () => {
-      if (!confirm(`Stop ${v.name} and remove it from ${v.host}?`)) return;
-      const status = document.getElementById("move-status");
-      api("DELETE", `/api/v1/vms/${encodeURIComponent(v.name)}`).then(
-        () => { status.textContent = `${v.name} stopped and removed`; refresh(); },
-        (e) => { status.textContent = `${v.name} not removed: ${e.message}`; });
-    };
-    const actions = el("span");
-    actions.append(btn, rm);
-    row(tbody, [v.name, host, vmState(v), mib(v.spec.memory), sel, actions]);
+    seen.add(v.name);
+    const sig = JSON.stringify([v.host, vmState(v), v.spec.memory, up, canOperate()]);
+    let r = vmRows.get(v.name);
+    if (!r || r.sig !== sig) {
+      const tr = vmRow(v, up);
+      if (r) r.tr.replaceWith(tr);
+      r = { tr, sig };
+      vmRows.set(v.name, r);
+    }
+    const want = prev ? prev.nextSibling : tbody.firstChild;
+    if (r.tr !== want) tbody.insertBefore(r.tr, want);
+    prev = r.tr;
   }
+  for (const [name, r] of vmRows) {
+    if (!seen.has(name)) {
+      r.tr.remove();
+      vmRows.delete(name);
+    }
+  }
+}
+
+function vmRow(v, up) {
+  const sel = el("select");
+  sel.id = "to-" + v.name;
+  for (const h of up) if (h !== v.host) sel.appendChild(new Option(h, h));
+  sel.setAttribute("aria-label", `Move ${v.name} to`);
+  const btn = operatorButton("Move", `Move ${v.name}`);
+  btn.id = "move-" + v.name;
+  btn.onclick = () => moveVm(v.name, sel.value);
+  const host = el("span", v.host);
+  host.id = "vm-host-" + v.name;
+  // stops the guest and removes the VM, as `ferry vm rm`: asked once more
+  const rm = operatorButton("Remove", `Stop and remove ${v.name}`);
+  rm.id = "remove-" + v.name;
+  rm.onclick = () => {
+    if (!confirm(`Stop ${v.name} and remove it from ${v.host}?`)) return;
+    const status = document.getElementById("move-status");
+    api("DELETE", `/api/v1/vms/${encodeURIComponent(v.name)}`).then(
+      () => {
+        status.textContent = `${v.name} stopped and removed`;
+        refresh();
+      },
+      (e) => {
+        status.textContent = `${v.name} not removed: ${e.message}`;
+      },
+    );
+  };
+  const actions = el("span");
+  actions.append(btn, rm);
+  return row(null, [v.name, host, vmState(v), mib(v.spec.memory), sel, actions]);
 }
 
 // "paused: storage (storage1 (198.18.0.2:10809), since 12:00:01 UTC, 42s)"
