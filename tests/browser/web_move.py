@@ -6,7 +6,9 @@ the page's reach), start a move with its button, watch the per-NIC graph of
 the source host rise while the VM moves over both NICs, see the move finish;
 sign out, sign in as a read-only user, see the buttons disabled and a
 request forged from the page refused (403 without the CSRF token, 403 for
-the role with it); remove a VM from its row (confirmed); on a phone-sized screen (390 px) nothing reaches past
+the role with it); events as sentences; validate the hosts (a row per check, host and NIC);
+create a VM from the page's form (a refused spec shows
+the server's reason) and remove it from its row (confirmed); on a phone-sized screen (390 px) nothing reaches past
 its edge; keep a screenshot of each page.
 
 Needs root (a lab), QEMU and chromium; run by `scripts/run test` after the
@@ -50,7 +52,6 @@ def main():
     # links slow enough that the move lasts several seconds of graph
     ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", "300mbit")
     ferry("vm", "create", "web1", "--host", "host1", "--memory", "512M", "--fill", "384M")
-    ferry("vm", "create", "web2", "--host", "host2", "--memory", "256M", "--fill", "32M")
     operator = json.loads(ferry("token", "create", f"web-op-{os.getpid()}", "--role", "operator", "--json"))["token"]
     reader = json.loads(ferry("token", "create", f"web-ro-{os.getpid()}", "--role", "read-only", "--json"))["token"]
     # the browser trusts the control service's own certificate (pinned by
@@ -207,7 +208,52 @@ def main():
             "return [...document.querySelectorAll('#events tbody tr')].map(r => r.children[1].innerText)"))
         if kinds != {"session"}:
             sys.exit(f"FAIL: events filtered by kind 'session' show {kinds}")
+        # events read as sentences, the detail folded under them
+        Select(d.find_element(By.ID, "event-kind")).select_by_value("migration")
+        lines = wait("the move in the events", lambda: [t for t in d.execute_script(
+            "return [...document.querySelectorAll('#events tbody summary')].map(s => s.textContent)")
+            if t.startswith("web1 moved host1 → host2 in ")], 10)
+        if "downtime" not in lines[0]:
+            sys.exit(f"FAIL: the move's event does not read as a sentence: {lines[0]!r}")
         Select(d.find_element(By.ID, "event-kind")).select_by_value("")
+
+        # the checklist from the page: a row per check, host and NIC, with what was seen
+        d.find_element(By.ID, "validate").click()
+        said = wait("validation results", lambda: (d.find_element(By.ID, "validate-status").text
+                                                   if "passed" in d.find_element(By.ID, "validate-status").text
+                                                   else None), 60)
+        checks = d.execute_script(
+            "return [...document.querySelectorAll('#checks tbody tr')].map(r => [...r.cells].map(c => c.textContent))")
+        hosts_checked = {c[2] for c in checks}
+        if not {"host1", "host2"} <= hosts_checked or any(not c[0] or not c[5] for c in checks):
+            sys.exit(f"FAIL: validation rows: {checks[:5]} ({said})")
+        if not any(c[3] for c in checks):
+            sys.exit(f"FAIL: no check names a NIC: {checks[:5]}")
+        minor += accessible("validation results")
+
+        # an operator creates a VM from the page (the workload guest, 256 MiB, on host2) ...
+        d.execute_script("document.getElementById('vm-create-box').open = true")
+        created = d.find_element(By.ID, "vm-create-status")
+        def create(name, spec):
+            d.find_element(By.ID, "vm-name").clear()
+            d.find_element(By.ID, "vm-name").send_keys(name)
+            Select(d.find_element(By.ID, "vm-host")).select_by_value("host2")
+            d.find_element(By.ID, "vm-memory").clear()
+            d.find_element(By.ID, "vm-memory").send_keys("256")
+            d.find_element(By.ID, "vm-spec").clear()
+            d.find_element(By.ID, "vm-spec").send_keys(spec)
+            d.find_element(By.ID, "vm-create-btn").click()
+            return wait(f"{name}'s creation answered", lambda: (created.text if "creat" in created.text
+                                                               and "…" not in created.text else None), 90)
+        said = create("web2", '{"fill": 33554432}')
+        if said != "web2 created on host2":
+            sys.exit(f"FAIL: creating web2 from the page: {said!r}")
+        wait("web2 in the table", lambda: d.find_elements(By.ID, "remove-web2"), 15)
+        # ... and a spec the server refuses shows the server's reason
+        said = create("web3", '{"no_such_field": 1}')
+        if "not created" not in said or "no_such_field" not in said:
+            sys.exit(f"FAIL: a refused spec's reason is not shown: {said!r}")
+        d.save_screenshot(os.path.join(ART, "web-create.png"))
 
         # an operator stops and removes a VM from its row, confirming once
         wait("web2's Remove button", lambda: d.find_elements(By.ID, "remove-web2"), 15)
@@ -228,7 +274,7 @@ def main():
         wait("the host cards", lambda: d.find_elements(By.CSS_SELECTOR, "#host-host1 button"), 15)
         # read in one go: the VM table is drawn anew every 3 s
         buttons = d.execute_script(
-            "return [...document.querySelectorAll('#vms button, .host button, #policy-create')]"
+            "return [...document.querySelectorAll('#vms button, .host button, #policy-create, #vm-create-btn, #validate')]"
             ".map(b => [b.getAttribute('aria-label') || b.textContent, b.disabled])")
         enabled = [label for label, disabled in buttons if not disabled]
         if not buttons or enabled:
@@ -267,7 +313,7 @@ def main():
               f"screenshots in {ART}")
     finally:
         d.quit()
-        for vm in ("web1", "web2"):
+        for vm in ("web1", "web2", "web3"):
             subprocess.run([FERRY, "vm", "rm", vm], capture_output=True)
 
 

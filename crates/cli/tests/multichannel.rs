@@ -320,6 +320,16 @@ fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
     assert_intact_on("mp1", "host1");
 }
 
+/// Bytes the source's NICs sent during the move, as its report gives them.
+fn wire_bytes(r: &Value) -> u64 {
+    r["nic_tx_bytes"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_u64().unwrap())
+        .sum()
+}
+
 /// `--option compression` on a link shaped so it is the bottleneck: a guest
 /// whose memory compresses is compressed by QEMU in its multifd channels
 /// (the move report says so, with its ratio and CPU) and crosses one carrier
@@ -365,12 +375,7 @@ fn compression_shrinks_what_compresses_and_leaves_the_rest() {
     assert!(q["ratio"].as_f64().unwrap() > 5.0, "{r}");
     assert!(q["raw_bytes"].as_u64().unwrap() >= 300 << 20, "{r}");
     assert!(q["cpu_s"].as_f64().unwrap() > 0.0, "{r}");
-    let wire: u64 = r["nic_tx_bytes"]
-        .as_object()
-        .unwrap()
-        .values()
-        .map(|v| v.as_u64().unwrap())
-        .sum();
+    let wire = wire_bytes(&r);
     assert!(wire < (384 << 20) / 5, "{wire} bytes on the wire: {r}");
     // the stream windows keep the target's loading close behind: the guest's
     // downtime stays within what was asked
@@ -439,12 +444,7 @@ fn compression_shrinks_what_compresses_and_leaves_the_rest() {
         qemu < (384 << 20) * 12 / 10 + (64 << 20),
         "QEMU sent {qemu} bytes for 384 MiB written of 768 MiB: {r}"
     );
-    let wire: u64 = r["nic_tx_bytes"]
-        .as_object()
-        .unwrap()
-        .values()
-        .map(|v| v.as_u64().unwrap())
-        .sum();
+    let wire = wire_bytes(&r);
     let frames: u64 = r["codecs"]
         .as_array()
         .unwrap()

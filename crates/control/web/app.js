@@ -48,6 +48,8 @@ function signedIn(s) {
   for (const k of Object.keys(series)) delete series[k];
   for (const r of vmRows.values()) r.tr.remove();
   vmRows.clear();
+  document.querySelector("#checks tbody").innerHTML = "";
+  for (const id of ["validate-status", "vm-create-status"]) document.getElementById(id).textContent = "";
   document.getElementById("migration").hidden = true;
   document.getElementById("drain-moves").hidden = true;
   for (const id of ["move-status", "drain-status", "drain-limit"]) document.getElementById(id).textContent = "";
@@ -579,7 +581,51 @@ document.getElementById("policy-form").onsubmit = async (ev) => {
   }
 };
 
-// Events as lines; the detail folded; filtered by kind and by host or VM.
+// An event as a sentence, from its kind and detail (the kinds the control
+// service logs; any other says its detail in short).
+function sentence(e) {
+  const d = e.detail || {};
+  const secs = (ms) => (ms / 1000).toFixed(1) + " s";
+  switch (e.kind) {
+    case "migration":
+      return d.event === "completed"
+        ? `${e.subject} moved ${d.source} → ${d.target} in ${secs(d.total_ms)} over ${d.option}, ` +
+            `downtime ${d.guest_downtime_ms ?? d.downtime_ms} ms`
+        : `${e.subject} did not move ${d.source} → ${d.target}: ${(d.error || {}).message || "failed"}`;
+    case "drain":
+      return `${e.subject} drained in ${secs(d.total_ms || 0)}: ${(d.moved || []).length} moved` +
+        `${(d.failed || []).length ? `, ${d.failed.length} failed` : ""}` +
+        `${(d.unplaceable || []).length ? `, ${d.unplaceable.length} with no host to take them` : ""}`;
+    case "resume":
+      return `${e.subject} resumed: takes VMs again`;
+    case "host_down":
+      return `${e.subject} stopped answering: nothing is scheduled onto it`;
+    case "host_up":
+      return `${e.subject} answers again`;
+    case "storage_down":
+      return `storage node ${e.subject} stopped answering`;
+    case "storage_up":
+      return `storage node ${e.subject} answers again`;
+    case "refused":
+      return d.by
+        ? `${d.by} (${d.role}) was refused "${d.action}": it needs ${d.needs}`
+        : `a request to ${e.subject} was refused (${d.status}): ${d.reason}`;
+    case "command":
+      return `${d.by} (${d.role}): ${d.action}`;
+    case "session":
+      return `${e.subject} ${d.action || "session"}`;
+    case "settings":
+      return `settings of ${e.subject} changed`;
+    case "token":
+      return d.revoked ? `token ${e.subject} revoked` : `token ${e.subject} created`;
+    default: {
+      const j = JSON.stringify(d);
+      return `${e.kind} ${e.subject}: ${j.length > 80 ? j.slice(0, 79) + "…" : j}`;
+    }
+  }
+}
+
+// Events as sentences, the detail folded; filtered by kind and by host or VM.
 let lastEvents = [];
 function updateEvents(events) {
   lastEvents = events;
@@ -594,10 +640,9 @@ function updateEvents(events) {
   const tb = document.querySelector("#events tbody");
   tb.innerHTML = "";
   for (const e of shown.slice(-15).reverse()) {
-    // the detail folded: a short line, the whole on demand
-    const d = JSON.stringify(e.detail);
+    // a sentence; the whole detail folded under it
     const fold = el("details");
-    fold.append(el("summary", d.length > 80 ? d.slice(0, 79) + "…" : d), el("pre", JSON.stringify(e.detail, null, 2)));
+    fold.append(el("summary", sentence(e)), el("pre", JSON.stringify(e.detail, null, 2)));
     row(tb, [new Date(e.at_ms).toLocaleTimeString(), e.kind, e.subject, fold]);
   }
 }
@@ -608,10 +653,79 @@ function showError(e) {
   document.getElementById("error").textContent = e.message;
 }
 
+// ---- validation ----------------------------------------------------------------
+
+// POST /api/v1/validate: every check with its host, NIC and peer, what was
+// seen and the fix; failures first.
+document.getElementById("validate").onclick = async () => {
+  const status = document.getElementById("validate-status");
+  const throughput = document.getElementById("validate-throughput").checked;
+  status.textContent = "validating…";
+  try {
+    const r = await (await api("POST", "/api/v1/validate", { throughput_ms: throughput ? 1000 : 0 })).json();
+    const order = { fail: 0, warn: 1, not_available: 2, pass: 3 };
+    const cls = { fail: "down", warn: "warn", not_available: "na", pass: "ok" };
+    const tb = document.querySelector("#checks tbody");
+    tb.innerHTML = "";
+    for (const c of [...r.checks].sort((a, b) => order[a.status] - order[b.status])) {
+      row(tb, [el("span", c.status.replace("_", " "), cls[c.status]), c.check, c.host, c.nic || "", c.peer || "", c.observed, c.fix || ""]);
+    }
+    status.textContent = `${r.hosts.length} hosts: ${r.passed} passed, ${r.warned} warned, ${r.failed} failed, ${r.not_available} not available here`;
+  } catch (e) {
+    status.textContent = `validation not run: ${e.message}`;
+  }
+};
+
+// ---- creating a VM ---------------------------------------------------------------
+
+// The create form's host list: the hosts up, the choice kept across refreshes.
+function updateCreateHosts(hosts) {
+  const sel = document.getElementById("vm-host");
+  const up = hosts.filter((h) => !h.down && !h.draining).map((h) => h.name);
+  if ([...sel.options].map((o) => o.value).join() !== up.join()) {
+    const keep = sel.value;
+    sel.innerHTML = "";
+    for (const h of up) sel.appendChild(new Option(h, h));
+    if (up.includes(keep)) sel.value = keep;
+  }
+  document.getElementById("vm-create-btn").disabled = !canOperate();
+  document.getElementById("validate").disabled = !canOperate();
+}
+
+// POST /api/v1/vms with the spec as `ferry vm create --spec` takes it; the
+// server's refusal is shown as it is (it names the field).
+document.getElementById("vm-create").onsubmit = async (ev) => {
+  ev.preventDefault();
+  const status = document.getElementById("vm-create-status");
+  const val = (id) => document.getElementById(id).value.trim();
+  let spec = {};
+  if (val("vm-spec")) {
+    try {
+      spec = JSON.parse(val("vm-spec"));
+    } catch (e) {
+      status.textContent = `the spec is not JSON: ${e.message}`;
+      return;
+    }
+  }
+  spec.name = val("vm-name");
+  spec.memory = Number(val("vm-memory")) * 1048576;
+  spec.fill ??= 0;
+  spec.dirty_rate ??= 0;
+  status.textContent = `creating ${spec.name} on ${val("vm-host")}…`;
+  try {
+    await api("POST", "/api/v1/vms", { host: val("vm-host"), spec });
+    status.textContent = `${spec.name} created on ${val("vm-host")}`;
+    refresh();
+  } catch (e) {
+    status.textContent = `${spec.name} not created: ${e.message}`;
+  }
+};
+
 async function refresh() {
   try {
     const [hosts, vms] = await Promise.all([get("/api/v1/hosts"), get("/api/v1/vms")]);
     updateVms(vms, hosts);
+    updateCreateHosts(hosts);
     const up = hosts.filter((h) => !h.down).length;
     document.getElementById("summary").textContent = `${hosts.length} hosts (${up} up), ${vms.length} VMs`;
     document.getElementById("error").textContent = "";

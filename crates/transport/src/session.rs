@@ -476,9 +476,12 @@ impl Session {
             let taken = lock(&self.inner.taken).get(&id).copied().unwrap_or(0);
             let x = f64::from_bits(self.inner.expansion.load(Ordering::Relaxed));
             let out = read.saturating_sub(taken) as f64 * x;
-            if out < STREAM_WINDOW as f64 {
-                let room = ((STREAM_WINDOW as f64 - out) / x) as usize;
-                return room.clamp(MIN_READ, MAX_PAYLOAD);
+            let room = ((STREAM_WINDOW as f64 - out).max(0.0) / x) as usize;
+            // a quarter of the window free (or a whole frame's worth): reads
+            // stay large, not a few KiB each time the target takes a few
+            let enough = ((STREAM_WINDOW as f64 / 4.0 / x) as usize).clamp(MIN_READ, MAX_PAYLOAD);
+            if room >= enough {
+                return room.min(MAX_PAYLOAD);
             }
             moved.await;
         }

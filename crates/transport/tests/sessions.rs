@@ -211,6 +211,18 @@ async fn wait_healthy(s: &Session, n: usize) {
     panic!("never {n} healthy carriers: {:?}", s.stats());
 }
 
+/// A stream of the source's QEMU: its number, then `len` bytes of its pattern.
+fn send_stream(p: &Pair, s: u8, len: usize) -> tokio::task::JoinHandle<()> {
+    let path = p.src_sock.clone();
+    tokio::spawn(async move {
+        let mut u = UnixStream::connect(&path).await.unwrap();
+        // each stream says who it is first, since streams may connect in any order
+        u.write_all(&[s]).await.unwrap();
+        u.write_all(&pattern(s, len)).await.unwrap();
+        u.shutdown().await.unwrap();
+    })
+}
+
 /// Sends `len` bytes on each of `streams` streams and checks what arrives,
 /// running `during` once a third has arrived.
 async fn transfer(p: &Pair, streams: u8, len: usize, during: impl FnOnce() + Send + 'static) {
@@ -225,17 +237,9 @@ async fn transfer_from(
     len: usize,
     during: impl FnOnce() + Send + 'static,
 ) {
-    let mut senders = Vec::new();
-    for s in first..first + streams {
-        let path = p.src_sock.clone();
-        senders.push(tokio::spawn(async move {
-            let mut u = UnixStream::connect(&path).await.unwrap();
-            // each stream says who it is first, since streams may connect in any order
-            u.write_all(&[s]).await.unwrap();
-            u.write_all(&pattern(s, len)).await.unwrap();
-            u.shutdown().await.unwrap();
-        }));
-    }
+    let senders: Vec<_> = (first..first + streams)
+        .map(|s| send_stream(p, s, len))
+        .collect();
     let mut during = Some(during);
     let mut receivers = Vec::new();
     for _ in 0..streams {
@@ -482,16 +486,7 @@ async fn stream_windows_keep_each_stream_within_what_the_target_took() {
         p.source.set_expansion(EXPANSION);
         p.target.set_local_send_buffer(16 << 10);
         wait_healthy(&p.source, 1).await;
-        let mut senders = Vec::new();
-        for s in [1u8, 2] {
-            let path = p.src_sock.clone();
-            senders.push(tokio::spawn(async move {
-                let mut u = UnixStream::connect(&path).await.unwrap();
-                u.write_all(&[s]).await.unwrap();
-                u.write_all(&pattern(s, LEN)).await.unwrap();
-                u.shutdown().await.unwrap();
-            }));
-        }
+        let senders: Vec<_> = [1u8, 2].iter().map(|s| send_stream(&p, *s, LEN)).collect();
         let (mut read_now, mut held) = (None, None);
         for _ in 0..2 {
             let (mut u, _) = tokio::time::timeout(Duration::from_secs(10), p.qemu.accept())
