@@ -6,7 +6,8 @@ the page's reach), start a move with its button, watch the per-NIC graph of
 the source host rise while the VM moves over both NICs, see the move finish;
 sign out, sign in as a read-only user, see the buttons disabled and a
 request forged from the page refused (403 without the CSRF token, 403 for
-the role with it); events as sentences; validate the hosts (a row per check, host and NIC);
+the role with it); a disk made, given a QoS policy, grown and deleted from the page; events as sentences;
+validate the hosts (a row per check, host and NIC);
 create a VM from the page's form (a refused spec shows
 the server's reason) and remove it from its row (confirmed); on a phone-sized screen (390 px) nothing reaches past
 its edge; keep a screenshot of each page.
@@ -199,6 +200,25 @@ def main():
                    and d.find_element(By.ID, "policy-status").text, 10)
         if any(r.startswith("webbad") for r in policy_rows()):
             sys.exit(f"FAIL: a policy with min above max was made: {bad}")
+        # a disk made from the page, given that policy from its row, grown by 1 GiB, deleted (confirmed)
+        def disk_rows():
+            return d.execute_script(
+                "return [...document.querySelectorAll('#disks tbody tr')].map(r => [...r.cells].map(c => c.innerText))")
+        d.find_element(By.ID, "disk-name").send_keys("webdisk")
+        d.find_element(By.ID, "disk-create").click()
+        wait("the new disk listed", lambda: any(r[0] == "webdisk" for r in disk_rows()), 15)
+        d.execute_script("const s = document.getElementById('disk-policy-webdisk');"
+                         "s.value = 'webgold'; s.dispatchEvent(new Event('change'))")
+        wait("the disk's policy set", lambda: "policy webgold" in d.find_element(By.ID, "disk-status").text, 10)
+        d.execute_script("document.getElementById('disk-grow-webdisk').click()")
+        wait("the disk grown", lambda: any(r[0] == "webdisk" and r[2] == "2048 MiB" for r in disk_rows()), 15)
+        disk = next(x for x in json.loads(ferry("disk", "list", "--json")) if x["name"] == "webdisk")
+        if (disk["size"], disk["policy"]) != (2 << 30, "webgold"):
+            sys.exit(f"FAIL: the disk after the page's changes: {disk}")
+        d.save_screenshot(os.path.join(ART, "web-storage.png"))
+        d.execute_script("document.getElementById('disk-delete-webdisk').click()")
+        d.switch_to.alert.accept()
+        wait("the disk gone", lambda: not any(r[0] == "webdisk" for r in disk_rows()), 15)
         # clicked in the page itself: the table may be drawn anew between a find and a click
         d.execute_script("document.getElementById('policy-delete-webgold').click()")
         wait("the policy gone", lambda: not any(r.startswith("webgold") for r in policy_rows()), 15)
@@ -274,7 +294,7 @@ def main():
         wait("the host cards", lambda: d.find_elements(By.CSS_SELECTOR, "#host-host1 button"), 15)
         # read in one go: the VM table is drawn anew every 3 s
         buttons = d.execute_script(
-            "return [...document.querySelectorAll('#vms button, .host button, #policy-create, #vm-create-btn, #validate')]"
+            "return [...document.querySelectorAll('#vms button, .host button, #policy-create, #vm-create-btn, #validate, #disk-create')]"
             ".map(b => [b.getAttribute('aria-label') || b.textContent, b.disabled])")
         enabled = [label for label, disabled in buttons if not disabled]
         if not buttons or enabled:
@@ -315,6 +335,7 @@ def main():
         d.quit()
         for vm in ("web1", "web2", "web3"):
             subprocess.run([FERRY, "vm", "rm", vm], capture_output=True)
+        subprocess.run([FERRY, "disk", "rm", "webdisk"], capture_output=True)
 
 
 if __name__ == "__main__":

@@ -653,6 +653,89 @@ function showError(e) {
   document.getElementById("error").textContent = e.message;
 }
 
+// ---- storage nodes and disks ------------------------------------------------------
+
+function diskStatus(text) {
+  document.getElementById("disk-status").textContent = text;
+}
+
+// A disk's policy set (or cleared, blank) from its row.
+function diskPolicy(d, policies) {
+  const sel = el("select");
+  sel.id = "disk-policy-" + d.name;
+  sel.setAttribute("aria-label", `Storage QoS policy of ${d.name}`);
+  sel.appendChild(new Option("none", ""));
+  for (const p of policies) sel.appendChild(new Option(p.name, p.name));
+  sel.value = d.policy || "";
+  sel.disabled = !canOperate();
+  sel.onchange = () =>
+    api("PUT", `/api/v1/disks/${encodeURIComponent(d.name)}/policy`, { policy: sel.value || null }).then(
+      () => diskStatus(`${d.name}: policy ${sel.value || "none"}`),
+      (e) => diskStatus(`${d.name}: ${e.message}`),
+    );
+  return sel;
+}
+
+function updateStorage(nodes, disks, policies) {
+  const nb = document.querySelector("#nodes tbody");
+  nb.innerHTML = "";
+  for (const n of nodes) {
+    row(nb, [n.name, n.url, el("span", n.reachable ? "yes" : `no: ${n.error || ""}`, n.reachable ? "ok" : "down"), n.disks]);
+  }
+  const pick = document.getElementById("disk-node");
+  const names = ["", ...nodes.map((n) => n.name)];
+  if ([...pick.options].map((o) => o.value).join() !== names.join()) {
+    pick.innerHTML = "";
+    pick.appendChild(new Option("any", ""));
+    for (const n of nodes) pick.appendChild(new Option(n.name, n.name));
+  }
+  const db = document.querySelector("#disks tbody");
+  // a policy list open under the user's hand is not redrawn
+  if (db.contains(document.activeElement)) return;
+  db.innerHTML = "";
+  for (const d of disks) {
+    const role = typeof d.role === "string" ? d.role : Object.entries(d.role).map(([k, v]) => `${k} ${Object.values(v).join(" ")}`).join();
+    const grow = operatorButton("Grow", `Grow ${d.name} by 1 GiB`);
+    grow.id = "disk-grow-" + d.name;
+    grow.onclick = () =>
+      api("PUT", `/api/v1/disks/${encodeURIComponent(d.name)}/size`, { size: d.size + 1073741824 }).then(
+        () => { diskStatus(`${d.name} grown to ${mib(d.size + 1073741824)}`); refresh(); },
+        (e) => diskStatus(`${d.name}: ${e.message}`),
+      );
+    const del = operatorButton("Delete", `Delete disk ${d.name}`);
+    del.id = "disk-delete-" + d.name;
+    del.onclick = () => {
+      if (!confirm(`Delete disk ${d.name} and every byte on it?`)) return;
+      api("DELETE", `/api/v1/disks/${encodeURIComponent(d.name)}`).then(
+        () => { diskStatus(`${d.name} deleted`); refresh(); },
+        (e) => diskStatus(`${d.name}: ${e.message}`),
+      );
+    };
+    const actions = el("span");
+    actions.append(grow, del);
+    row(db, [d.name, d.node, mib(d.size), d.write_through ? "yes" : "no", diskPolicy(d, policies), d.connections, role, actions]);
+  }
+  document.getElementById("disk-create").disabled = !canOperate();
+}
+
+document.getElementById("disk-form").onsubmit = async (ev) => {
+  ev.preventDefault();
+  const val = (id) => document.getElementById(id).value.trim();
+  const req = {
+    name: val("disk-name"),
+    size: Number(val("disk-size")) * 1073741824,
+    write_through: document.getElementById("disk-wt").checked,
+  };
+  if (val("disk-node")) req.node = val("disk-node");
+  try {
+    await api("POST", "/api/v1/disks", req);
+    diskStatus(`${req.name} created`);
+    refresh();
+  } catch (e) {
+    diskStatus(`${req.name} not created: ${e.message}`);
+  }
+};
+
 // ---- validation ----------------------------------------------------------------
 
 // POST /api/v1/validate: every check with its host, NIC and peer, what was
@@ -737,6 +820,8 @@ async function refresh() {
     const [policies, flows, events] = await Promise.all([get("/api/v1/qos/policies"), get("/api/v1/qos/flows"), get("/api/v1/events?limit=50")]);
     updateQos(policies, flows);
     updateEvents(events);
+    const [nodes, disks] = await Promise.all([get("/api/v1/storage/nodes"), get("/api/v1/disks")]);
+    updateStorage(nodes, disks, policies);
   } catch (e) {
     // no storage node registered: the section stays empty
   }
