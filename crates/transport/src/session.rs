@@ -467,8 +467,10 @@ impl Session {
 
     /// Source: waits until stream `id`, `read` bytes read from its local
     /// end, has room in its window; returns how many bytes to read next.
+    /// The target's streams back to the source (QEMU's return path) have no
+    /// window: nothing reports what the source's QEMU took of them.
     async fn window_room(&self, id: u16, read: u64) -> usize {
-        if !self.inner.windows.load(Ordering::Relaxed) {
+        if !self.inner.windows.load(Ordering::Relaxed) || self.inner.connect_to.is_some() {
             return MAX_PAYLOAD;
         }
         loop {
