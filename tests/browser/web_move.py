@@ -206,7 +206,7 @@ def main():
                 "return [...document.querySelectorAll('#disks tbody tr')].map(r => [...r.cells].map(c => c.innerText))")
         d.find_element(By.ID, "disk-name").send_keys("webdisk")
         d.find_element(By.ID, "disk-create").click()
-        wait("the new disk listed", lambda: any(r[0] == "webdisk" for r in disk_rows()), 15)
+        wait("the new disk listed", lambda: any(r[0] == "webdisk" and r[6] == "primary" for r in disk_rows()), 15)
         d.execute_script("const s = document.getElementById('disk-policy-webdisk');"
                          "s.value = 'webgold'; s.dispatchEvent(new Event('change'))")
         wait("the disk's policy set", lambda: "policy webgold" in d.find_element(By.ID, "disk-status").text, 10)

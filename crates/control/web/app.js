@@ -616,6 +616,8 @@ function sentence(e) {
       return `${e.subject} ${d.action || "session"}`;
     case "settings":
       return `settings of ${e.subject} changed`;
+    case "storage":
+      return `${d.action || "storage"} ${e.subject}`;
     case "token":
       return d.revoked ? `token ${e.subject} revoked` : `token ${e.subject} created`;
     default: {
@@ -694,7 +696,10 @@ function updateStorage(nodes, disks, policies) {
   if (db.contains(document.activeElement)) return;
   db.innerHTML = "";
   for (const d of disks) {
-    const role = typeof d.role === "string" ? d.role : Object.entries(d.role).map(([k, v]) => `${k} ${Object.values(v).join(" ")}`).join();
+    // {"kind": "primary"} or {"kind": "replica", "of": "disk1"}, …
+    const role = typeof d.role === "string"
+      ? d.role
+      : [d.role.kind, ...Object.entries(d.role).filter(([k]) => k !== "kind").map(([k, v]) => `${k} ${v}`)].join(" ");
     const grow = operatorButton("Grow", `Grow ${d.name} by 1 GiB`);
     grow.id = "disk-grow-" + d.name;
     grow.onclick = () =>
