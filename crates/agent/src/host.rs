@@ -1351,7 +1351,6 @@ pub fn stat_fields(stat: &str) -> Option<Vec<&str>> {
     Some(stat.rsplit_once(')')?.1.split_whitespace().collect())
 }
 
-/// utime + stime (fields 14 and 15) of a `/proc/PID/stat` line.
 /// CPU time of those of `pid`'s live threads whose name starts with
 /// `prefix` (QEMU names its threads with `debug-threads=on`, e.g.
 /// `mig/src/send_0`); threads that have exited are not counted.
@@ -1371,6 +1370,7 @@ pub fn threads_cpu(pid: u32, prefix: &str) -> Duration {
         .sum()
 }
 
+/// utime + stime (fields 14 and 15) of a `/proc/PID/stat` line.
 fn cpu_of_stat(stat: &str) -> Option<Duration> {
     let f = stat_fields(stat)?;
     let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;

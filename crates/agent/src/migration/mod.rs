@@ -1877,10 +1877,6 @@ impl Agent {
         }
     }
 
-    /// Before the commit: records Aborted, cancels QEMU's migration, tells
-    /// the target to discard its skeleton (which never ran: it waits paused
-    /// for a RUN that will not come, and asks this host if nobody tells it),
-    /// and makes sure the guest runs here again.
     /// The idle CPU share: the last second's, or (an agent just started)
     /// watched now for 300 ms.
     async fn idle_now(&self) -> Option<f64> {
@@ -1895,6 +1891,10 @@ impl Agent {
         }
     }
 
+    /// Before the commit: records Aborted, cancels QEMU's migration, tells
+    /// the target to discard its skeleton (which never ran: it waits paused
+    /// for a RUN that will not come, and asks this host if nobody tells it),
+    /// and makes sure the guest runs here again.
     async fn roll_back(
         &self,
         id: &str,

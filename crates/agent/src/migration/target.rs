@@ -13,12 +13,6 @@ use ferry_api::{
 };
 
 use super::MULTIFD_CHANNELS;
-
-/// The send buffer of the target's connections to QEMU when QEMU compressed
-/// the stream (the kernel doubles it): what waits there is acknowledged and
-/// not yet loaded, and at ~20× a default buffer per channel is tens of ms of
-/// loading after the source paused.
-const COMPRESSED_SNDBUF: usize = 16 << 10;
 use crate::commit::{
     from_wire_name, target_next, wire_name, Record, Side, SourceAnswer, TargetAction, TargetAnswer,
     TargetEvent, TargetPhase,
@@ -32,6 +26,12 @@ use crate::qmp::MigrationParameters;
 /// the guest is in blackout, and every millisecond between its load and the
 /// answer is downtime.
 const READY_POLL: Duration = Duration::from_millis(2);
+
+/// The send buffer of the target's connections to QEMU when QEMU compressed
+/// the stream (the kernel doubles it): what waits there is acknowledged and
+/// not yet loaded, and at ~20× a default buffer per channel is tens of ms of
+/// loading after the source paused.
+const COMPRESSED_SNDBUF: usize = 16 << 10;
 
 impl Agent {
     /// Step 3-4 on the target: reserve memory, start a skeleton VM waiting on
