@@ -156,6 +156,17 @@ pub struct MigrationParameters {
 }
 qmp_command!(MigrationParameters, "migrate-set-parameters", qapi::Empty);
 
+/// `multifd-compression` for a migration whose QEMUs compress with zstd or
+/// send pages as they are (set on both ends, and on every move: a source
+/// QEMU keeps what its last migration was given).
+pub fn multifd_compression(zstd: bool) -> &'static str {
+    if zstd {
+        "zstd"
+    } else {
+        "none"
+    }
+}
+
 #[derive(Serialize)]
 struct Capability {
     capability: &'static str,

@@ -537,7 +537,7 @@ impl Agent {
                 let asked = vm
                     .qmp
                     .set_parameters(MigrationParameters {
-                        multifd_compression: Some("zstd"),
+                        multifd_compression: Some(crate::qmp::multifd_compression(true)),
                         ..Default::default()
                     })
                     .await;
@@ -907,11 +907,8 @@ impl Agent {
             max_bandwidth: Some(100 << 30),
             downtime_limit: Some(dplan.limit_ms),
             multifd_channels: multifd.then_some(MULTIFD_CHANNELS),
-            multifd_compression: multifd.then_some(if qemu_zstd.is_some() {
-                "zstd"
-            } else {
-                "none"
-            }),
+            multifd_compression: multifd
+                .then(|| crate::qmp::multifd_compression(qemu_zstd.is_some())),
             multifd_zstd_level: qemu_zstd,
             cpu_throttle_initial: conv.throttle.then_some(20),
             cpu_throttle_increment: conv.throttle.then_some(10),

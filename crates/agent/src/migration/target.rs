@@ -199,11 +199,9 @@ impl Agent {
                 vm.qmp
                     .set_parameters(MigrationParameters {
                         multifd_channels: Some(MULTIFD_CHANNELS),
-                        multifd_compression: Some(if req.qemu_zstd.is_some() {
-                            "zstd"
-                        } else {
-                            "none"
-                        }),
+                        multifd_compression: Some(crate::qmp::multifd_compression(
+                            req.qemu_zstd.is_some(),
+                        )),
                         ..Default::default()
                     })
                     .await
