@@ -8,6 +8,7 @@
 use std::io::Write;
 use std::sync::LazyLock;
 
+use axum::body::Bytes;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
@@ -16,8 +17,9 @@ use sha2::{Digest, Sha256};
 pub struct Asset {
     pub path: &'static str,
     ctype: &'static str,
-    body: Vec<u8>,
-    gzip: Vec<u8>,
+    /// Shared with every response (a clone is a reference, not a copy).
+    body: Bytes,
+    gzip: Bytes,
     /// The first 16 hex digits of the content's SHA-256.
     pub hash: String,
 }
@@ -38,8 +40,8 @@ impl Asset {
         Asset {
             path,
             ctype,
-            body,
-            gzip,
+            body: body.into(),
+            gzip: gzip.into(),
             hash,
         }
     }
@@ -156,7 +158,7 @@ mod tests {
 
     #[test]
     fn the_page_names_every_file_with_its_hash_and_each_shrinks() {
-        let page = String::from_utf8(ASSETS[0].body.clone()).unwrap();
+        let page = String::from_utf8(ASSETS[0].body.to_vec()).unwrap();
         for a in &ASSETS[1..] {
             assert!(
                 page.contains(&format!("\"{}?v={}\"", a.path, a.hash)),
