@@ -49,6 +49,8 @@ function signedIn(s) {
   for (const r of vmRows.values()) r.tr.remove();
   vmRows.clear();
   document.querySelector("#checks tbody").innerHTML = "";
+  // the page's fixed controls, for this user's role (rows draw their own)
+  for (const id of ["policy-create", "disk-create", "vm-create-btn", "validate"]) mayOperate(document.getElementById(id));
   for (const id of ["validate-status", "vm-create-status"]) document.getElementById(id).textContent = "";
   document.getElementById("migration").hidden = true;
   document.getElementById("drain-moves").hidden = true;
@@ -111,9 +113,20 @@ function operatorButton(text, label) {
   const b = el("button", text);
   b.type = "button";
   b.setAttribute("aria-label", label);
-  b.disabled = !canOperate();
-  if (b.disabled) b.title = `needs the operator role; ${ferry.session ? ferry.session.name + " is " + ferry.session.role : "not signed in"}`;
-  return b;
+  return mayOperate(b);
+}
+
+// A control that changes something: disabled, saying why, for a role that
+// may not (the server refuses it anyway).
+function mayOperate(c) {
+  c.disabled = !canOperate();
+  c.title = c.disabled ? `needs the operator role; ${ferry.session ? ferry.session.name + " is " + ferry.session.role : "not signed in"}` : "";
+  return c;
+}
+
+// A form field's value, trimmed.
+function field(id) {
+  return document.getElementById(id).value.trim();
 }
 
 function el(tag, text, cls) {
@@ -407,15 +420,14 @@ function migrationPanel(vm, from, to) {
 // The move's request from the options form: what is left blank is left to
 // the source host's defaults, as with the CLI's flags.
 function moveRequest(to) {
-  const val = (id) => document.getElementById(id).value;
   const req = { to };
-  if (val("move-option")) req.option = val("move-option");
+  if (field("move-option")) req.option = field("move-option");
   const c = {};
-  if (val("move-downtime")) c.max_downtime_ms = Number(val("move-downtime"));
-  if (val("move-postcopy")) c.postcopy = val("move-postcopy") === "true";
-  if (val("move-throttle")) c.throttle = val("move-throttle") === "true";
-  if (val("move-expiry")) c.at_expiry = val("move-expiry");
-  if (val("move-timeout")) c.timeout_per_gib_s = Number(val("move-timeout"));
+  if (field("move-downtime")) c.max_downtime_ms = Number(field("move-downtime"));
+  if (field("move-postcopy")) c.postcopy = field("move-postcopy") === "true";
+  if (field("move-throttle")) c.throttle = field("move-throttle") === "true";
+  if (field("move-expiry")) c.at_expiry = field("move-expiry");
+  if (field("move-timeout")) c.timeout_per_gib_s = Number(field("move-timeout"));
   if (Object.keys(c).length) req.convergence = c;
   return req;
 }
@@ -518,7 +530,6 @@ function updateQos(policies, flows) {
       api("DELETE", `/api/v1/qos/policies/${encodeURIComponent(p.name)}`).then(refresh, (e) => policyStatus(e.message));
     row(pb, [p.name, p.kind, p.min_iops || "-", p.max_iops || "-", p.max_bandwidth ? mib(p.max_bandwidth) + "/s" : "-", del]);
   }
-  document.getElementById("policy-create").disabled = !canOperate();
   const fb = document.querySelector("#flows tbody");
   fb.innerHTML = "";
   for (const f of flows) {
@@ -565,7 +576,7 @@ document.getElementById("policy-form").onsubmit = async (ev) => {
   ev.preventDefault();
   const num = (id) => Math.max(0, Math.round(Number(document.getElementById(id).value) || 0));
   const policy = {
-    name: document.getElementById("policy-name").value.trim(),
+    name: field("policy-name"),
     kind: document.getElementById("policy-kind").value,
     min_iops: num("policy-min"),
     max_iops: num("policy-max"),
@@ -669,7 +680,7 @@ function diskPolicy(d, policies) {
   sel.appendChild(new Option("none", ""));
   for (const p of policies) sel.appendChild(new Option(p.name, p.name));
   sel.value = d.policy || "";
-  sel.disabled = !canOperate();
+  mayOperate(sel);
   sel.onchange = () =>
     api("PUT", `/api/v1/disks/${encodeURIComponent(d.name)}/policy`, { policy: sel.value || null }).then(
       () => diskStatus(`${d.name}: policy ${sel.value || "none"}`),
@@ -720,18 +731,16 @@ function updateStorage(nodes, disks, policies) {
     actions.append(grow, del);
     row(db, [d.name, d.node, mib(d.size), d.write_through ? "yes" : "no", diskPolicy(d, policies), d.connections, role, actions]);
   }
-  document.getElementById("disk-create").disabled = !canOperate();
 }
 
 document.getElementById("disk-form").onsubmit = async (ev) => {
   ev.preventDefault();
-  const val = (id) => document.getElementById(id).value.trim();
   const req = {
-    name: val("disk-name"),
-    size: Number(val("disk-size")) * 1073741824,
+    name: field("disk-name"),
+    size: Number(field("disk-size")) * 1073741824,
     write_through: document.getElementById("disk-wt").checked,
   };
-  if (val("disk-node")) req.node = val("disk-node");
+  if (field("disk-node")) req.node = field("disk-node");
   try {
     await api("POST", "/api/v1/disks", req);
     diskStatus(`${req.name} created`);
@@ -776,8 +785,6 @@ function updateCreateHosts(hosts) {
     for (const h of up) sel.appendChild(new Option(h, h));
     if (up.includes(keep)) sel.value = keep;
   }
-  document.getElementById("vm-create-btn").disabled = !canOperate();
-  document.getElementById("validate").disabled = !canOperate();
 }
 
 // POST /api/v1/vms with the spec as `ferry vm create --spec` takes it; the
@@ -785,24 +792,23 @@ function updateCreateHosts(hosts) {
 document.getElementById("vm-create").onsubmit = async (ev) => {
   ev.preventDefault();
   const status = document.getElementById("vm-create-status");
-  const val = (id) => document.getElementById(id).value.trim();
   let spec = {};
-  if (val("vm-spec")) {
+  if (field("vm-spec")) {
     try {
-      spec = JSON.parse(val("vm-spec"));
+      spec = JSON.parse(field("vm-spec"));
     } catch (e) {
       status.textContent = `the spec is not JSON: ${e.message}`;
       return;
     }
   }
-  spec.name = val("vm-name");
-  spec.memory = Number(val("vm-memory")) * 1048576;
+  spec.name = field("vm-name");
+  spec.memory = Number(field("vm-memory")) * 1048576;
   spec.fill ??= 0;
   spec.dirty_rate ??= 0;
-  status.textContent = `creating ${spec.name} on ${val("vm-host")}…`;
+  status.textContent = `creating ${spec.name} on ${field("vm-host")}…`;
   try {
-    await api("POST", "/api/v1/vms", { host: val("vm-host"), spec });
-    status.textContent = `${spec.name} created on ${val("vm-host")}`;
+    await api("POST", "/api/v1/vms", { host: field("vm-host"), spec });
+    status.textContent = `${spec.name} created on ${field("vm-host")}`;
     refresh();
   } catch (e) {
     status.textContent = `${spec.name} not created: ${e.message}`;
