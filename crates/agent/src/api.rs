@@ -11,6 +11,7 @@
 //! | GET/POST | /vms | list / create (body: `VmSpec`) |
 //! | GET | /vms/{name}/check | *peer*: guest check (the source's, after the switch-over) |
 //! | DELETE | /vms/{name} | stop and remove |
+//! | GET | /vms/{name}/console | the end of its serial console (query `bytes`, default 16 KiB, at most 1 MiB) |
 //! | POST | /vms/{name}/migrate | move (body: `MigrateRequest`), NDJSON events |
 //! | POST | /incoming | *peer*: target: reserve + skeleton (body: `IncomingRequest`) |
 //! | GET/DELETE | /incoming/{id} | *peer*: target: status / discard |
@@ -87,6 +88,22 @@ async fn check_vm(
     axum::extract::Query(q): axum::extract::Query<CheckQuery>,
 ) -> R<ferry_api::CheckResult> {
     Ok(Json(a.check_vm(&name, q.after).await?))
+}
+
+/// `?bytes=N`: how much of the console's end (default 16 KiB).
+#[derive(serde::Deserialize)]
+struct ConsoleQuery {
+    bytes: Option<u64>,
+}
+
+async fn console(
+    State(a): State<Arc<Agent>>,
+    Path(name): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<ConsoleQuery>,
+) -> R<ferry_api::ConsoleTail> {
+    Ok(Json(
+        a.console_tail(&name, q.bytes.unwrap_or(16 << 10)).await?,
+    ))
 }
 
 async fn plug_disk(
@@ -269,6 +286,7 @@ pub fn router(agent: Arc<Agent>) -> Router {
     let control = Router::new()
         .route("/vms", get(list_vms).post(create_vm))
         .route("/vms/{name}", axum::routing::delete(remove_vm))
+        .route("/vms/{name}/console", get(console))
         .route("/vms/{name}/disks", post(plug_disk))
         .route(
             "/vms/{name}/disks/{disk}/size",

@@ -866,6 +866,28 @@ impl Agent {
         Ok(r)
     }
 
+    /// The last `max` bytes of a running VM's serial console.
+    pub async fn console_tail(
+        &self,
+        name: &str,
+        max: u64,
+    ) -> Result<ferry_api::ConsoleTail, ApiError> {
+        let (_, q) = self.running_vm(name).await?;
+        let path = q.console_path();
+        let unavailable = |e: std::io::Error| ApiError::Unavailable {
+            what: format!("{name}'s console log ({})", path.display()),
+            reason: e.to_string(),
+        };
+        let size = std::fs::metadata(&path).map_err(unavailable)?.len();
+        let text = read_tail(&path, max.clamp(1, 1 << 20)).map_err(unavailable)?;
+        Ok(ferry_api::ConsoleTail {
+            vm: name.into(),
+            host: self.cfg.name.clone(),
+            size,
+            text,
+        })
+    }
+
     /// Removes a VM's directory, keeping its QEMU log (every run-state change
     /// is traced there) as `STATE_DIR/log/LABEL.qemu.log`.
     pub fn remove_vm_dir(&self, dir: &std::path::Path, label: &str) {

@@ -1218,6 +1218,66 @@ pub enum MigrationEvent {
     },
 }
 
+/// The end of a guest's serial console (`GET /vms/{name}/console`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsoleTail {
+    pub vm: String,
+    pub host: String,
+    /// The whole log's length in bytes; `text` is its last part.
+    pub size: u64,
+    /// The log's last bytes (at most what was asked), as text.
+    pub text: String,
+}
+
+/// What an operation of the control service is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OperationKind {
+    /// A VM's live migration (`POST /vms/{name}/move`).
+    Migration,
+    /// A host's drain (`POST /hosts/{host}/drain`).
+    Drain,
+}
+
+/// Where an operation stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OperationState {
+    Running,
+    /// Ended with its result: a migration completed, a drain done (its own
+    /// moves may have failed; its result says).
+    Completed,
+    /// Ended without one: a migration failed, or the stream broke.
+    Failed,
+}
+
+/// A migration or drain the control service runs, with every event it sent
+/// (`GET /operations/{id}`; the list leaves `events` empty).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Operation {
+    pub id: String,
+    pub kind: OperationKind,
+    /// The VM moved, or the host drained.
+    pub subject: String,
+    /// The source host (a drain: the host).
+    pub source: String,
+    /// A migration's target; none for a drain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+    /// Who started it (the token's name).
+    pub by: String,
+    pub started_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_ms: Option<u64>,
+    pub state: OperationState,
+    /// How many events it has sent.
+    pub event_count: usize,
+    /// Its events in order, as its own stream sent them
+    /// (`MigrationEvent` or `DrainEvent`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<serde_json::Value>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,9 +10,9 @@
 //! | GET | /vms/{name}/check | CheckVm |
 //! | POST | /vms/{name}/resolve | ResolveVm |
 //! | DELETE | /vms/{name} | RemoveVm |
-//! | POST | /vms/{name}/move | MoveVm (body: `MoveRequest`), NDJSON `MigrationEvent`s |
+//! | POST | /vms/{name}/move | MoveVm (body: `MoveRequest`), NDJSON `MigrationEvent`s; header `X-Ferry-Operation`: its operation's id |
 //! | POST | /validate | Validate (body: `ValidateRequest`) → `ValidationReport` |
-//! | POST | /hosts/{host}/drain | Drain (body: `DrainRequest`), NDJSON `DrainEvent`s |
+//! | POST | /hosts/{host}/drain | Drain (body: `DrainRequest`), NDJSON `DrainEvent`s; header `X-Ferry-Operation`: its operation's id |
 //! | POST | /hosts/{host}/resume | Resume: the host takes VMs again |
 //! | PUT | /hosts/{host}/settings | SetHost (body: `HostSettings`) |
 //! | GET | /disks | Storage(ListDisks) |
@@ -46,7 +46,11 @@
 //! | POST | /tokens | CreateToken (body: `TokenCreateRequest`) → `TokenCreated` (the secret, this once) |
 //! | DELETE | /tokens/{name} | RevokeToken |
 //! | GET | /metrics (no prefix) | Metrics: Prometheus text of hosts, NICs, migrations, drains, flows |
-//! | GET | /watch/hosts | ListHosts each second as Server-Sent Events (`hosts`), for 5 minutes a stream |
+//! | GET | /watch | what the topics asked answer (query `topics`: `hosts`, `vms`, `flows`, `events`), each as a Server-Sent Event named by its topic when it changed (checked each second), for 5 minutes a stream |
+//! | GET | /operations | ListOperations: migrations and drains, running and recent (`[Operation]`, newest first) |
+//! | GET | /operations/{id} | GetOperation → `Operation` with every event so far |
+//! | GET | /watch/operations/{id} | an operation's events as Server-Sent Events (`op`, id = its index; `Last-Event-ID` resumes), then `end` with the `Operation` |
+//! | GET | /vms/{name}/console | ConsoleTail (query `bytes`, default 16 KiB, at most 1 MiB) → `ConsoleTail` |
 //! | GET/POST/DELETE | /session | the web console's session: who is signed in / sign in (body `{"token"}`, sets the cookie) / sign out (see [`crate::sessions`]) |
 
 use std::sync::Arc;
@@ -245,6 +249,14 @@ async fn run(c: &Arc<Control>, cmd: Command) -> Response {
     match r {
         Ok(Outcome::Value(v)) => Json(v).into_response(),
         Ok(Outcome::Events(s)) => ndjson(s),
+        Ok(Outcome::Operation(op)) => {
+            let id = op.id();
+            let mut r = ndjson(op.follow(0));
+            if let Ok(v) = axum::http::HeaderValue::from_str(&id) {
+                r.headers_mut().insert(OPERATION_HEADER, v);
+            }
+            r
+        }
         Ok(Outcome::Text(t)) => (
             [(
                 axum::http::header::CONTENT_TYPE,
@@ -259,46 +271,166 @@ async fn run(c: &Arc<Control>, cmd: Command) -> Response {
 
 type S = State<Arc<Control>>;
 
-/// How long one `GET /watch/hosts` stream lasts; the browser's EventSource
+/// How long one `GET /watch` stream lasts; the browser's EventSource
 /// then opens another, authenticated afresh (a revoked token or an ended
 /// session stops there).
 const WATCH_FOR: std::time::Duration = std::time::Duration::from_secs(300);
 
-/// `GET /watch/hosts`: Server-Sent Events, one `hosts` event a second with
-/// what `GET /hosts` answers (for the web page's live NIC graphs), as the
-/// caller of the request that opened it.
-async fn watch_hosts(State(c): S) -> Response {
+/// The header naming a started migration's or drain's operation.
+pub const OPERATION_HEADER: &str = "x-ferry-operation";
+
+/// What `GET /watch` can push, and the command each runs.
+const TOPICS: &[(&str, fn() -> Command)] = &[
+    ("hosts", || Command::ListHosts),
+    ("vms", || Command::ListVms),
+    ("flows", || Command::Storage(StorageCommand::ListFlows)),
+    ("events", || Command::Events { limit: 50 }),
+];
+
+#[derive(serde::Deserialize)]
+struct WatchQuery {
+    topics: Option<String>,
+}
+
+/// `GET /watch?topics=hosts,vms`: Server-Sent Events, each topic's answer
+/// (what its GET answers) as an event named by the topic, sent when it
+/// changed (looked at each second; the first at once), as the caller of the
+/// request that opened it. One stream for every topic a page shows: a
+/// browser opens few connections to one server.
+async fn watch(State(c): S, axum::extract::Query(q): axum::extract::Query<WatchQuery>) -> Response {
     use axum::response::sse::{Event, KeepAlive, Sse};
     let Ok(caller) = CALLER.try_with(Caller::clone) else {
         return ErrorResponse(ferry_api::ApiError::unauthorized("no API token")).into_response();
     };
+    let asked = q.topics.unwrap_or_else(|| "hosts".into());
+    let mut topics = Vec::new();
+    for t in asked.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+        match TOPICS.iter().find(|(name, _)| *name == t) {
+            Some(&topic) => topics.push(topic),
+            None => {
+                let known: Vec<&str> = TOPICS.iter().map(|(n, _)| *n).collect();
+                return ErrorResponse(ferry_api::ApiError::InvalidArgument {
+                    field: "topics".into(),
+                    reason: format!("no topic '{t}' (known: {})", known.join(", ")),
+                })
+                .into_response();
+            }
+        }
+    }
     // refused at once (the role) rather than as a stream of errors
-    if let Err(e) = c.execute_as(&caller, Command::ListHosts).await {
-        return ErrorResponse(e).into_response();
+    for (_, cmd) in &topics {
+        let (needed, action) = cmd().needs();
+        if caller.role < needed {
+            return ErrorResponse(ferry_api::ApiError::Forbidden {
+                caller: format!("token {}", caller.name),
+                role: caller.role.to_string(),
+                action,
+                needed: needed.to_string(),
+            })
+            .into_response();
+        }
     }
     let until = tokio::time::Instant::now() + WATCH_FOR;
     let tick = tokio::time::interval(std::time::Duration::from_secs(1));
-    let events =
-        futures::stream::unfold((c, caller, tick), move |(c, caller, mut tick)| async move {
-            tick.tick().await;
-            if tokio::time::Instant::now() >= until {
-                return None;
+    let last: Vec<String> = vec![String::new(); topics.len()];
+    let state = (c, caller, tick, topics, last, Vec::<Event>::new());
+    let events = futures::stream::unfold(
+        state,
+        move |(c, caller, mut tick, topics, mut last, mut ready)| async move {
+            while ready.is_empty() {
+                tick.tick().await;
+                if tokio::time::Instant::now() >= until {
+                    return None;
+                }
+                for (i, (name, cmd)) in topics.iter().enumerate() {
+                    let ev = match c.execute_as(&caller, cmd()).await {
+                        Ok(Outcome::Value(v)) => {
+                            let text = v.to_string();
+                            if text == last[i] {
+                                continue;
+                            }
+                            last[i] = text.clone();
+                            Event::default().event(*name).data(text)
+                        }
+                        Ok(_) => Event::default().event("error").data("unexpected answer"),
+                        Err(e) => Event::default()
+                            .event("error")
+                            .data(e.to_body().to_string()),
+                    };
+                    ready.push(ev.retry(std::time::Duration::from_millis(500)));
+                }
             }
-            let ev = match c.execute_as(&caller, Command::ListHosts).await {
-                Ok(Outcome::Value(v)) => Event::default()
-                    .event("hosts")
-                    .retry(std::time::Duration::from_millis(500))
-                    .data(v.to_string()),
-                Ok(_) => Event::default().event("error").data("unexpected answer"),
-                Err(e) => Event::default()
-                    .event("error")
-                    .data(e.to_body().to_string()),
-            };
-            Some((Ok::<_, std::convert::Infallible>(ev), (c, caller, tick)))
-        });
+            let ev = ready.remove(0);
+            Some((
+                Ok::<_, std::convert::Infallible>(ev),
+                (c, caller, tick, topics, last, ready),
+            ))
+        },
+    );
     Sse::new(events)
         .keep_alive(KeepAlive::default())
         .into_response()
+}
+
+/// `GET /watch/operations/{id}`: the operation's events as Server-Sent
+/// Events named `op` (data: the event, id: its index; a reconnecting
+/// browser's `Last-Event-ID` resumes after it), then `end` with the
+/// operation (its state, no events) — the page closes the stream there.
+async fn watch_operation(
+    State(c): S,
+    Path(id): Path<String>,
+    headers: axum::http::HeaderMap,
+) -> Response {
+    use axum::response::sse::{Event, KeepAlive, Sse};
+    use futures::StreamExt;
+    let op = match run_value(&c, Command::GetOperation { id: id.clone() }).await {
+        Ok(_) => match c.operation(&id) {
+            Ok(op) => op,
+            Err(e) => return ErrorResponse(e).into_response(),
+        },
+        Err(r) => return r,
+    };
+    let from = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(0, |i| i + 1);
+    let end = op.clone();
+    let events = op
+        .follow(from)
+        .enumerate()
+        .map(move |(i, ev)| {
+            Event::default()
+                .event("op")
+                .id((from + i).to_string())
+                .data(ev.to_string())
+        })
+        .chain(futures::stream::once(async move {
+            let mut o = end.snapshot();
+            o.events.clear();
+            Event::default()
+                .event("end")
+                .data(serde_json::to_string(&o).unwrap_or_default())
+        }))
+        .map(Ok::<_, std::convert::Infallible>);
+    Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+/// Runs `cmd` as the request's caller: its answer, or the error response.
+async fn run_value(c: &Arc<Control>, cmd: Command) -> Result<Outcome, Response> {
+    let caller = CALLER.try_with(Caller::clone).map_err(|_| {
+        ErrorResponse(ferry_api::ApiError::unauthorized("no API token")).into_response()
+    })?;
+    c.execute_as(&caller, cmd)
+        .await
+        .map_err(|e| ErrorResponse(e).into_response())
+}
+
+#[derive(serde::Deserialize)]
+struct ConsoleQuery {
+    bytes: Option<u64>,
 }
 
 async fn hosts(State(c): S) -> Response {
@@ -546,7 +678,29 @@ pub fn router(control: Arc<Control>) -> Router {
                 .delete(|State(c): S| async move { run(&c, Command::StopRolling).await }),
         )
         .route("/hosts/{host}/settings", axum::routing::put(set_host))
-        .route("/watch/hosts", get(watch_hosts))
+        .route("/watch", get(watch))
+        .route("/watch/operations/{id}", get(watch_operation))
+        .route(
+            "/operations",
+            get(|State(c): S| async move { run(&c, Command::ListOperations).await }),
+        )
+        .route(
+            "/operations/{id}",
+            get(|State(c): S, Path(id): Path<String>| async move {
+                run(&c, Command::GetOperation { id }).await
+            }),
+        )
+        .route(
+            "/vms/{name}/console",
+            get(
+                |State(c): S,
+                 Path(name): Path<String>,
+                 axum::extract::Query(q): axum::extract::Query<ConsoleQuery>| async move {
+                    let bytes = q.bytes.unwrap_or(16 << 10).clamp(1, 1 << 20);
+                    run(&c, Command::ConsoleTail { name, bytes }).await
+                },
+            ),
+        )
         .route(
             "/bandwidth",
             get(|State(c): S| async move { run(&c, Command::ListBandwidth).await }).put(
@@ -644,10 +798,14 @@ mod tests {
     use axum::http::Request;
 
     async fn call(req: Request<Body>) -> (u16, serde_json::Value) {
-        use tower_service::Service;
         let c = Arc::new(Control::new(vec![], Default::default()));
         c.tokens.bootstrap(&c.store, &AUTH[7..]).await.unwrap();
-        let mut app = router(c);
+        send(&mut router(c), req).await
+    }
+
+    /// `req` to `app`: the status and the JSON answer (none for an event stream).
+    async fn send(app: &mut Router, req: Request<Body>) -> (u16, serde_json::Value) {
+        use tower_service::Service;
         let resp = app.call(req).await.unwrap();
         let status = resp.status().as_u16();
         // an event stream runs for minutes: its status is the answer
@@ -1140,15 +1298,15 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn host_updates_are_pushed_as_server_sent_events_to_callers_who_may_read_them() {
+    async fn topics_are_pushed_as_server_sent_events_when_they_change() {
         use futures::StreamExt;
         use tower_service::Service;
         let c = Arc::new(Control::new(vec![], Default::default()));
         c.tokens.bootstrap(&c.store, &AUTH[7..]).await.unwrap();
-        let mut app = router(c);
+        let mut app = router(c.clone());
         let resp = app
             .call(
-                Request::get("/api/v1/watch/hosts")
+                Request::get("/api/v1/watch?topics=hosts,events")
                     .header("authorization", AUTH)
                     .body(Body::empty())
                     .unwrap(),
@@ -1157,26 +1315,50 @@ mod tests {
             .unwrap();
         assert_eq!(resp.status().as_u16(), 200);
         assert_eq!(resp.headers()["content-type"], "text/event-stream");
-        // two events a second apart, each the hosts' list
         let mut body = resp.into_body().into_data_stream();
         let mut text = String::new();
-        let t0 = std::time::Instant::now();
-        while text.matches("event: hosts").count() < 2 {
-            let chunk = tokio::time::timeout(std::time::Duration::from_secs(5), body.next())
-                .await
-                .expect("an event within 5 s")
-                .expect("the stream goes on")
-                .unwrap();
-            text.push_str(&String::from_utf8_lossy(&chunk));
+        // what the stream sends for `ms`
+        async fn read_for(body: &mut axum::body::BodyDataStream, text: &mut String, ms: u64) {
+            let until = tokio::time::Instant::now() + std::time::Duration::from_millis(ms);
+            while let Ok(Some(chunk)) = tokio::time::timeout_at(until, body.next()).await {
+                text.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+            }
         }
-        assert!(
-            t0.elapsed() >= std::time::Duration::from_millis(900),
-            "{text}"
-        );
+        // each topic at once
+        read_for(&mut body, &mut text, 1500).await;
+        assert_eq!(text.matches("event: hosts").count(), 1, "{text}");
+        assert_eq!(text.matches("event: events").count(), 1, "{text}");
         assert!(text.contains("data: []"), "{text}");
+        // unchanged: nothing more; a change (a token made, logged): its topic again
+        read_for(&mut body, &mut text, 2000).await;
+        assert_eq!(text.matches("event: events").count(), 1, "{text}");
+        let (st, _) = send(
+            &mut app,
+            Request::post("/api/v1/tokens")
+                .header("authorization", AUTH)
+                .header("content-type", "application/json")
+                .body(Body::from(r#"{"name":"w1","role":"read-only"}"#))
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(st, 200);
+        read_for(&mut body, &mut text, 2500).await;
+        assert_eq!(text.matches("event: events").count(), 2, "{text}");
+        assert_eq!(text.matches("event: hosts").count(), 1, "{text}");
+        // a topic that is not one: named
+        let (st, b) = send(
+            &mut app,
+            Request::get("/api/v1/watch?topics=hosts,weather")
+                .header("authorization", AUTH)
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(st, 400);
+        assert!(b["message"].as_str().unwrap().contains("'weather'"), "{b}");
         // without a token: refused at once, not streamed
         let (st, b) = call(
-            Request::get("/api/v1/watch/hosts")
+            Request::get("/api/v1/watch?topics=hosts")
                 .body(Body::empty())
                 .unwrap(),
         )

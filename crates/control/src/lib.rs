@@ -16,6 +16,7 @@ pub mod drain;
 mod drain_run;
 pub mod http;
 pub mod metrics;
+pub mod operations;
 pub mod policy_manager;
 mod resilience;
 pub mod rolling;
@@ -34,8 +35,8 @@ use ferry_api::client::{Client, ClientAuth};
 use ferry_api::drain::{DrainEvent, DrainRequest, HostSettings};
 use ferry_api::validation::{CheckOutcome, ValidationReport};
 use ferry_api::{
-    ApiError, CheckResult, HostEntry, HostInfo, MigrateRequest, MigrationEvent, MoveRequest,
-    ValidateRequest, VmCreateRequest, VmInfo,
+    ApiError, CheckResult, ConsoleTail, HostEntry, HostInfo, MigrateRequest, MigrationEvent,
+    MoveRequest, OperationKind, ValidateRequest, VmCreateRequest, VmInfo,
 };
 use futures::stream::BoxStream;
 use futures::StreamExt;
@@ -87,6 +88,16 @@ pub enum Command {
     Storage(storage::StorageCommand),
     /// Prometheus text exposition of the cluster (see [`metrics`]).
     Metrics,
+    /// Migrations and drains, running and recent (see [`operations`]).
+    ListOperations,
+    GetOperation {
+        id: String,
+    },
+    /// The end of a VM's serial console, at most `bytes`.
+    ConsoleTail {
+        name: String,
+        bytes: u64,
+    },
     /// The newest `limit` entries of the event log.
     Events {
         limit: usize,
@@ -116,6 +127,9 @@ impl Command {
             Command::CheckVm { name } => (ReadOnly, format!("check VM {name}")),
             Command::Metrics => (ReadOnly, "read metrics".into()),
             Command::Events { .. } => (ReadOnly, "read the event log".into()),
+            Command::ListOperations => (ReadOnly, "list operations".into()),
+            Command::GetOperation { id } => (ReadOnly, format!("read operation {id}")),
+            Command::ConsoleTail { name, .. } => (ReadOnly, format!("read VM {name}'s console")),
             Command::ListBandwidth => (ReadOnly, "list bandwidth classes".into()),
             Command::GetCluster => (ReadOnly, "read cluster settings".into()),
             Command::CreateVm(r) => (Operator, format!("create VM {}", r.spec.name)),
@@ -153,6 +167,9 @@ pub enum Outcome {
     /// Plain text (metrics).
     Text(String),
     Events(BoxStream<'static, serde_json::Value>),
+    /// A migration or drain started (see [`operations`]): its events as it
+    /// sends them, and its id for anyone else to follow.
+    Operation(Arc<operations::Op>),
 }
 
 fn to_json<T: serde::Serialize>(e: T) -> serde_json::Value {
@@ -176,6 +193,8 @@ pub struct Control {
     down: std::sync::Mutex<std::collections::BTreeSet<String>>,
     /// When each agent last answered.
     heartbeats: std::sync::Mutex<BTreeMap<String, std::time::Instant>>,
+    /// Migrations and drains, running and recent, with their events.
+    operations: operations::Operations,
     /// Migrations and drains as their events passed through.
     recorder: std::sync::Mutex<metrics::Recorder>,
     /// Allocations the policy manager pushed, by (node, flow).
@@ -227,6 +246,7 @@ impl Control {
             hosts: clients(hosts, "agent"),
             storage: clients(storage, "storage node"),
             allocations: Default::default(),
+            operations: Default::default(),
             recorder: Default::default(),
             heartbeats: Default::default(),
             store: Arc::new(store::Store::in_memory()),
@@ -394,11 +414,16 @@ impl Control {
                 serde_json::json!({ "by": caller.name, "role": caller.role, "action": action }),
             );
         }
-        self.execute(cmd).await
+        self.execute_by(cmd, &caller.name).await
     }
 
     /// Runs `cmd` as the control service itself (see [`Self::execute_as`]).
     pub async fn execute(self: &Arc<Self>, cmd: Command) -> Result<Outcome, ApiError> {
+        self.execute_by(cmd, "control service").await
+    }
+
+    /// Runs `cmd`; `by` names who asked (on the operations it starts).
+    async fn execute_by(self: &Arc<Self>, cmd: Command, by: &str) -> Result<Outcome, ApiError> {
         match cmd {
             Command::ListTokens => value(self.tokens.list()),
             Command::CreateToken(r) => {
@@ -424,40 +449,65 @@ impl Control {
                 let target = req.to.clone();
                 let (source, events) = self.move_vm(&name, req).await?;
                 let me = self.clone();
-                Ok(Outcome::Events(
-                    events
-                        .map(move |ev| {
-                            lock(&me.recorder).migration(&name, &source, &target, &ev);
-                            if matches!(
-                                ev,
-                                MigrationEvent::Completed(_) | MigrationEvent::Failed { .. }
-                            ) {
-                                let mut detail = to_json(&ev);
-                                detail["source"] = source.clone().into();
-                                detail["target"] = target.clone().into();
-                                me.log("migration", &name, detail);
-                            }
-                            to_json(ev)
-                        })
-                        .boxed(),
-                ))
+                let (vm, from, to) = (name.clone(), source.clone(), target.clone());
+                let events = events
+                    .map(move |ev| {
+                        lock(&me.recorder).migration(&vm, &from, &to, &ev);
+                        if matches!(
+                            ev,
+                            MigrationEvent::Completed(_) | MigrationEvent::Failed { .. }
+                        ) {
+                            let mut detail = to_json(&ev);
+                            detail["source"] = from.clone().into();
+                            detail["target"] = to.clone().into();
+                            me.log("migration", &vm, detail);
+                        }
+                        to_json(ev)
+                    })
+                    .boxed();
+                let start = operations::Start {
+                    kind: OperationKind::Migration,
+                    subject: name,
+                    source,
+                    target: Some(target),
+                    by: by.into(),
+                };
+                Ok(Outcome::Operation(self.operations.start(
+                    start,
+                    events,
+                    operations::migration_end,
+                )))
             }
             Command::Validate(req) => value(self.validate(req).await?),
             Command::Drain { host, req } => {
                 let events = self.clone().drain(host.clone(), req).await?;
                 let me = self.clone();
-                Ok(Outcome::Events(
-                    events
-                        .map(move |ev| {
-                            lock(&me.recorder).drain(&host, &ev);
-                            if let DrainEvent::Done(r) = &ev {
-                                me.log("drain", &host, to_json(r));
-                            }
-                            to_json(ev)
-                        })
-                        .boxed(),
-                ))
+                let h = host.clone();
+                let events = events
+                    .map(move |ev| {
+                        lock(&me.recorder).drain(&h, &ev);
+                        if let DrainEvent::Done(r) = &ev {
+                            me.log("drain", &h, to_json(r));
+                        }
+                        to_json(ev)
+                    })
+                    .boxed();
+                let start = operations::Start {
+                    kind: OperationKind::Drain,
+                    subject: host.clone(),
+                    source: host,
+                    target: None,
+                    by: by.into(),
+                };
+                Ok(Outcome::Operation(self.operations.start(
+                    start,
+                    events,
+                    operations::drain_end,
+                )))
             }
+            Command::ListOperations => value(self.operations.list()),
+            Command::GetOperation { id } => value(self.operations.get(&id)?.snapshot()),
+            Command::ConsoleTail { name, bytes } => value(self.console_tail(&name, bytes).await?),
             Command::Metrics => {
                 let hosts = self.list_hosts().await;
                 // an unreachable storage node hides its flows; the rest still count
@@ -688,6 +738,18 @@ impl Control {
             );
         }
         Ok(out)
+    }
+
+    /// A migration or drain kept (see [`operations`]).
+    pub(crate) fn operation(&self, id: &str) -> Result<Arc<operations::Op>, ApiError> {
+        self.operations.get(id)
+    }
+
+    async fn console_tail(&self, name: &str, bytes: u64) -> Result<ConsoleTail, ApiError> {
+        let (host, _) = self.locate(name).await?;
+        self.host(&host)?
+            .get(&format!("/vms/{name}/console?bytes={bytes}"), AGENT_TIMEOUT)
+            .await
     }
 
     async fn remove_vm(&self, name: &str) -> Result<serde_json::Value, ApiError> {

@@ -1,0 +1,286 @@
+//! Migrations and drains as operations.
+//!
+//! Each runs in its own task, from the agent's (or the scheduler's) event
+//! stream to its end, and keeps every event it sent. Any client follows one
+//! by its id: the one that started it (its response streams the events), and
+//! any other — the web console's migration and drain pages
+//! (`GET /watch/operations/{id}`), a second terminal, a page reloaded halfway.
+//! A client that hangs up stops following, never the work. The newest
+//! [`KEEP`] operations are kept, in memory: a restarted control service
+//! starts with none (the event log keeps each one's result).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use ferry_api::util::lock;
+use ferry_api::{Operation, OperationKind, OperationState};
+use futures::stream::{BoxStream, StreamExt};
+
+/// How many operations are kept, running or ended.
+pub const KEEP: usize = 64;
+
+/// One operation and a signal for its followers.
+pub struct Op {
+    data: Mutex<Operation>,
+    /// Sent after every event and at the end.
+    changed: tokio::sync::watch::Sender<()>,
+}
+
+/// Reads an event: whether it ends the operation, and how.
+pub type EndOf = fn(&serde_json::Value) -> Option<OperationState>;
+
+impl Op {
+    pub fn id(&self) -> String {
+        lock(&self.data).id.clone()
+    }
+
+    /// The operation with its events so far.
+    pub fn snapshot(&self) -> Operation {
+        lock(&self.data).clone()
+    }
+
+    fn summary(&self) -> Operation {
+        let d = lock(&self.data);
+        Operation {
+            events: Vec::new(),
+            ..d.clone()
+        }
+    }
+
+    fn push(&self, ev: serde_json::Value, end_of: EndOf) {
+        let mut d = lock(&self.data);
+        if d.state == OperationState::Running {
+            if let Some(end) = end_of(&ev) {
+                d.state = end;
+                d.ended_ms = Some(ferry_api::util::now_ms());
+            }
+        }
+        d.events.push(ev);
+        d.event_count = d.events.len();
+        self.changed.send_replace(());
+    }
+
+    /// The stream ended: an operation that sent no result failed.
+    fn finish(&self) {
+        let mut d = lock(&self.data);
+        if d.state == OperationState::Running {
+            d.state = OperationState::Failed;
+            d.ended_ms = Some(ferry_api::util::now_ms());
+        }
+        self.changed.send_replace(());
+    }
+
+    /// Its events from the `from`-th on, waiting for each, until it ends.
+    pub fn follow(self: Arc<Self>, from: usize) -> BoxStream<'static, serde_json::Value> {
+        futures::stream::unfold((self, from), |(op, i)| async move {
+            loop {
+                // subscribed under the lock an event is pushed under: either
+                // the event is seen here or its signal reaches `rx`
+                let mut rx = {
+                    let d = lock(&op.data);
+                    if let Some(ev) = d.events.get(i) {
+                        return Some((ev.clone(), (op.clone(), i + 1)));
+                    }
+                    if d.state != OperationState::Running {
+                        return None;
+                    }
+                    op.changed.subscribe()
+                };
+                if rx.changed().await.is_err() {
+                    return None;
+                }
+            }
+        })
+        .boxed()
+    }
+}
+
+/// The operations kept, newest last.
+#[derive(Default)]
+pub struct Operations {
+    ops: Mutex<VecDeque<Arc<Op>>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+/// What an operation is, before it starts.
+pub struct Start {
+    pub kind: OperationKind,
+    pub subject: String,
+    pub source: String,
+    pub target: Option<String>,
+    pub by: String,
+}
+
+impl Operations {
+    /// Runs `events` to its end in its own task, keeping each (after
+    /// `each` has seen it: metrics, the event log).
+    pub fn start(
+        &self,
+        s: Start,
+        mut events: BoxStream<'static, serde_json::Value>,
+        end_of: EndOf,
+    ) -> Arc<Op> {
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        let started_ms = ferry_api::util::now_ms();
+        let kind = match s.kind {
+            OperationKind::Migration => "migration",
+            OperationKind::Drain => "drain",
+        };
+        let op = Arc::new(Op {
+            data: Mutex::new(Operation {
+                // unique across restarts of the control service: its start time
+                id: format!("{kind}-{started_ms}-{n}"),
+                kind: s.kind,
+                subject: s.subject,
+                source: s.source,
+                target: s.target,
+                by: s.by,
+                started_ms,
+                ended_ms: None,
+                state: OperationState::Running,
+                event_count: 0,
+                events: Vec::new(),
+            }),
+            changed: tokio::sync::watch::channel(()).0,
+        });
+        {
+            let mut ops = lock(&self.ops);
+            ops.push_back(op.clone());
+            // the oldest ended ones make room; running ones are never dropped
+            while ops.len() > KEEP {
+                let Some(i) = ops
+                    .iter()
+                    .position(|o| lock(&o.data).state != OperationState::Running)
+                else {
+                    break;
+                };
+                ops.remove(i);
+            }
+        }
+        let runner = op.clone();
+        tokio::spawn(async move {
+            while let Some(ev) = events.next().await {
+                runner.push(ev, end_of);
+            }
+            runner.finish();
+        });
+        op
+    }
+
+    /// Every operation kept, newest first, without their events.
+    pub fn list(&self) -> Vec<Operation> {
+        lock(&self.ops).iter().rev().map(|o| o.summary()).collect()
+    }
+
+    pub fn get(&self, id: &str) -> Result<Arc<Op>, ferry_api::ApiError> {
+        lock(&self.ops)
+            .iter()
+            .find(|o| lock(&o.data).id == id)
+            .cloned()
+            .ok_or_else(|| ferry_api::ApiError::not_found("operation", id))
+    }
+}
+
+/// A migration ends with `completed` or `failed`.
+pub fn migration_end(ev: &serde_json::Value) -> Option<OperationState> {
+    match ev.get("event").and_then(|e| e.as_str()) {
+        Some("completed") => Some(OperationState::Completed),
+        Some("failed") => Some(OperationState::Failed),
+        _ => None,
+    }
+}
+
+/// A drain ends with `done`.
+pub fn drain_end(ev: &serde_json::Value) -> Option<OperationState> {
+    (ev.get("event").and_then(|e| e.as_str()) == Some("done")).then_some(OperationState::Completed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn start(ops: &Operations, events: Vec<serde_json::Value>) -> Arc<Op> {
+        ops.start(
+            Start {
+                kind: OperationKind::Migration,
+                subject: "vm1".into(),
+                source: "h1".into(),
+                target: Some("h2".into()),
+                by: "admin".into(),
+            },
+            futures::stream::iter(events).boxed(),
+            migration_end,
+        )
+    }
+
+    #[tokio::test]
+    async fn a_follower_that_joins_late_gets_every_event_and_the_end() {
+        let ops = Operations::default();
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        let op = ops.start(
+            Start {
+                kind: OperationKind::Drain,
+                subject: "h1".into(),
+                source: "h1".into(),
+                target: None,
+                by: "op".into(),
+            },
+            rx.boxed(),
+            drain_end,
+        );
+        tx.unbounded_send(json!({"event": "plan"})).unwrap();
+        let first = op.clone().follow(0);
+        tx.unbounded_send(json!({"event": "started"})).unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        // a second follower joins halfway: it reads from the start all the same
+        let second = op.clone().follow(0);
+        tx.unbounded_send(json!({"event": "done"})).unwrap();
+        let a: Vec<_> = first.collect().await;
+        let b: Vec<_> = second.collect().await;
+        assert_eq!(a.len(), 3);
+        assert_eq!(a, b);
+        let s = op.snapshot();
+        assert_eq!(s.state, OperationState::Completed);
+        assert_eq!(s.event_count, 3);
+        assert!(s.ended_ms.is_some());
+        // events after the end are kept, the state stays
+        drop(tx);
+        assert_eq!(ops.list()[0].events.len(), 0, "the list leaves events out");
+    }
+
+    #[tokio::test]
+    async fn a_stream_that_ends_without_a_result_failed() {
+        let ops = Operations::default();
+        let op = start(&ops, vec![json!({"event": "progress"})]);
+        let evs: Vec<_> = op.clone().follow(0).collect().await;
+        assert_eq!(evs.len(), 1);
+        assert_eq!(op.snapshot().state, OperationState::Failed);
+        let op = start(&ops, vec![json!({"event": "failed", "error": {}})]);
+        let _: Vec<_> = op.clone().follow(0).collect().await;
+        assert_eq!(op.snapshot().state, OperationState::Failed);
+        let op = start(&ops, vec![json!({"event": "completed"})]);
+        let _: Vec<_> = op.clone().follow(0).collect().await;
+        assert_eq!(op.snapshot().state, OperationState::Completed);
+        assert!(matches!(
+            ops.get("nothing"),
+            Err(ferry_api::ApiError::NotFound { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn the_oldest_ended_operations_make_room() {
+        let ops = Operations::default();
+        let mut ids = Vec::new();
+        for _ in 0..KEEP + 5 {
+            let op = start(&ops, vec![json!({"event": "completed"})]);
+            let _: Vec<_> = op.clone().follow(0).collect().await;
+            ids.push(op.id());
+        }
+        let kept = ops.list();
+        assert_eq!(kept.len(), KEEP);
+        assert_eq!(kept[0].id, *ids.last().unwrap(), "newest first");
+        assert!(ops.get(&ids[0]).is_err());
+        assert!(ops.get(&ids[5]).is_ok());
+    }
+}
