@@ -279,8 +279,11 @@ const WATCH_FOR: std::time::Duration = std::time::Duration::from_secs(300);
 /// The header naming a started migration's or drain's operation.
 pub const OPERATION_HEADER: &str = "x-ferry-operation";
 
-/// What `GET /watch` can push, and the command each runs.
-const TOPICS: &[(&str, fn() -> Command)] = &[
+/// A topic of `GET /watch`: its name and the command it runs.
+type Topic = (&'static str, fn() -> Command);
+
+/// What `GET /watch` can push.
+const TOPICS: &[Topic] = &[
     ("hosts", || Command::ListHosts),
     ("vms", || Command::ListVms),
     ("flows", || Command::Storage(StorageCommand::ListFlows)),
