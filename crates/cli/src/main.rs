@@ -83,6 +83,13 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Migrations and drains the control service runs or ran (the newest
+    /// 64 since it started); with an ID, that one's events.
+    Operations {
+        id: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Main job: a lab, a few VMs, live migrations, a report.
     Demo(demo::DemoArgs),
     /// Run a host agent (started by `ferry lab up` inside each host).
@@ -239,6 +246,7 @@ fn main() {
             Cmd::Cluster(c) => cluster_cmd::run(&cli, c).await,
             Cmd::Token(c) => token_cmd::run(&cli, c).await,
             Cmd::Events { limit, json } => vm_cmd::events(&cli, *limit, *json).await,
+            Cmd::Operations { id, json } => vm_cmd::operations(&cli, id.as_deref(), *json).await,
             Cmd::Demo(a) => demo::run(&cli, a).await,
             Cmd::Agent(a) => daemons::agent(a).await,
             Cmd::QemuArgs(a) => daemons::qemu_args(a),

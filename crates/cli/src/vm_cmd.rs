@@ -54,6 +54,15 @@ pub enum VmCmd {
         #[arg(long)]
         json: bool,
     },
+    /// The end of the VM's serial console, read on its host.
+    Console {
+        name: String,
+        /// How much of the log's end (at most 1M).
+        #[arg(long, default_value = "16K")]
+        bytes: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Is the guest intact and still running? Exit status 1 if not.
     Check {
         name: String,
@@ -336,6 +345,18 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
                     ]);
                 }
                 t.print();
+            }
+            Ok(0)
+        }
+        VmCmd::Console { name, bytes, json } => {
+            let n = parse_size("--bytes", bytes)?;
+            let r: ferry_api::ConsoleTail = client()?
+                .get(&format!("/vms/{name}/console?bytes={n}"), T)
+                .await?;
+            if *json {
+                print_json(&r);
+            } else {
+                print!("{}", r.text);
             }
             Ok(0)
         }
@@ -696,6 +717,43 @@ pub async fn events(cli: &Cli, limit: usize, json: bool) -> anyhow::Result<i32> 
             e.kind,
             e.subject,
             detail,
+        ]);
+    }
+    t.print();
+    Ok(0)
+}
+
+/// `ferry operations [ID]`: migrations and drains the control service
+/// runs or ran; with an ID, that one's events.
+pub async fn operations(cli: &Cli, id: Option<&str>, json: bool) -> anyhow::Result<i32> {
+    let c = cli.client()?;
+    if let Some(id) = id {
+        let op: ferry_api::Operation = c.get(&format!("/operations/{id}"), T).await?;
+        if json {
+            print_json(&op);
+        } else {
+            for ev in &op.events {
+                println!("{ev}");
+            }
+            println!("{:?} {} ({} events)", op.kind, op.subject, op.event_count);
+        }
+        return Ok(0);
+    }
+    let ops: Vec<ferry_api::Operation> = c.get("/operations", T).await?;
+    if json {
+        print_json(&ops);
+        return Ok(0);
+    }
+    let mut t = Table::new(&["ID", "KIND", "SUBJECT", "FROM", "TO", "BY", "STATE"]);
+    for o in ops {
+        t.row(vec![
+            o.id,
+            format!("{:?}", o.kind).to_lowercase(),
+            o.subject,
+            o.source,
+            o.target.unwrap_or_default(),
+            o.by,
+            format!("{:?}", o.state).to_lowercase(),
         ]);
     }
     t.print();

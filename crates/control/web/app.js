@@ -1,40 +1,130 @@
-// Ferry's web page: everything through the control service's REST API
+// Ferry's web console: everything through the control service's REST API
 // (/api/v1), the same API the CLI uses. The browser signs in once with an
 // API token (POST /api/v1/session) and keeps an HttpOnly session cookie; the
 // token is never stored by the page nor put in a URL. Changing requests
 // carry the session's CSRF token.
+//
+// Pages are addressed by the URL's fragment (#/, #/vm/NAME,
+// #/operation/ID, #/storage, …): each can be bookmarked, reloaded or sent
+// to a colleague. Hosts, VMs, storage flows and events are pushed by the
+// control service (one Server-Sent Events stream, GET /watch); a migration's
+// or drain's page follows its operation (GET /watch/operations/ID).
 "use strict";
 
 const WINDOW_S = 120;
-// shared with tests: latest and peak per-NIC rates, last move's events
-const ferry = (window.ferry = { nicRates: {}, peakRates: {}, moves: {}, polls: 0, session: null });
+// shared with tests: latest and peak per-NIC rates, moves and drains followed
+const ferry = (window.ferry = { nicRates: {}, peakRates: {}, moves: {}, polls: 0, pushes: 0, session: null, hosts: [], vms: [], events: [] });
 
 // what each role may do (the server refuses anything else anyway)
 const OPERATES = ["operator", "admin"];
 const canOperate = () => ferry.session && OPERATES.includes(ferry.session.role);
 
-// Hosts and their NIC counters, pushed by the control service each second
-// (Server-Sent Events; the browser reconnects when a stream ends).
+// ---- pushed updates -------------------------------------------------------------
+
+// One stream for what every page shows; the browser reconnects when it ends
+// (every 5 minutes, authenticated afresh).
 let watch = null;
-function watchHosts() {
+function watchCluster() {
   if (watch) watch.close();
-  watch = new EventSource("/api/v1/watch/hosts");
-  watch.addEventListener("hosts", (e) => {
-    updateHosts(JSON.parse(e.data));
-    ferry.pushes = (ferry.pushes || 0) + 1;
-    ferry.polls++;
+  watch = new EventSource("/api/v1/watch?topics=hosts,vms,flows,events");
+  const on = (topic, f) =>
+    watch.addEventListener(topic, (e) => {
+      ferry.pushes++;
+      ferry.polls++;
+      f(JSON.parse(e.data));
+    });
+  on("hosts", (hosts) => {
+    const before = upHosts().join();
+    ferry.hosts = hosts;
+    updateHosts(hosts);
+    updateSummary();
+    updateCreateHosts(hosts);
+    if (upHosts().join() !== before) updateVms();
+  });
+  on("vms", (vms) => {
+    ferry.vms = vms;
+    updateVms();
+    updateSummary();
+    if (page.name === "vm") showVm(page.arg, false);
+  });
+  on("flows", (flows) => updateFlows(flows));
+  on("events", (events) => {
+    ferry.events = events;
+    updateEvents(events);
   });
   watch.addEventListener("error", (e) => {
     if (e.data) showError(new Error(JSON.parse(e.data).message));
   });
 }
 
+const upHosts = () => ferry.hosts.filter((h) => !h.down).map((h) => h.name);
+
+function updateSummary() {
+  document.getElementById("summary").textContent =
+    `${ferry.hosts.length} hosts (${upHosts().length} up), ${ferry.vms.length} VMs`;
+}
+
+// ---- pages ------------------------------------------------------------------------
+
+const PAGES = {
+  overview: { title: "Overview" },
+  vm: { title: "VM" },
+  operations: { title: "Migrations and drains" },
+  operation: { title: "Operation" },
+  storage: { title: "Storage" },
+  validation: { title: "Validation" },
+  cluster: { title: "Cluster" },
+  events: { title: "Events" },
+};
+const page = { name: "overview", arg: "" };
+// a page's own refresh, every 10 s while it shows (what is not pushed)
+let pageTimer = null;
+
+// "#/vm/web1" → page vm, arg web1; anything unknown → the overview
+function route() {
+  const [, name = "", ...rest] = location.hash.replace(/^#/, "").split("/");
+  page.name = PAGES[name] ? name : "overview";
+  page.arg = decodeURIComponent(rest.join("/"));
+  for (const sec of document.querySelectorAll("section.page")) sec.hidden = sec.id !== "page-" + page.name;
+  for (const a of document.querySelectorAll("#nav a")) {
+    const target = a.getAttribute("href").replace(/^#\/?/, "") || "overview";
+    if (target === page.name) a.setAttribute("aria-current", "page");
+    else a.removeAttribute("aria-current");
+  }
+  document.title = `${PAGES[page.name].title}${page.arg ? " " + page.arg : ""} · Ferry`;
+  if (page.name !== "operation") stopFollowing();
+  clearInterval(pageTimer);
+  pageTimer = null;
+  if (!ferry.session) return;
+  const show = {
+    vm: () => showVm(page.arg, true),
+    operations: showOperations,
+    operation: () => showOperation(page.arg),
+    storage: refreshStorage,
+    cluster: refreshCluster,
+  }[page.name];
+  if (show) {
+    show();
+    if (page.name !== "operation") pageTimer = setInterval(show, 10000);
+  }
+}
+window.addEventListener("hashchange", route);
+
+function go(hash) {
+  if (location.hash === hash) route();
+  else location.hash = hash;
+}
+
+// ---- signing in -----------------------------------------------------------------
+
 function signedOut(why) {
   if (watch) watch.close();
   watch = null;
+  stopFollowing();
   ferry.session = null;
   document.getElementById("console").hidden = true;
   document.getElementById("who").hidden = true;
+  document.getElementById("nav").hidden = true;
   document.getElementById("login").hidden = false;
   document.getElementById("login-error").textContent = why || "";
   document.getElementById("token").focus();
@@ -48,19 +138,25 @@ function signedIn(s) {
   for (const k of Object.keys(series)) delete series[k];
   for (const r of vmRows.values()) r.tr.remove();
   vmRows.clear();
-  document.querySelector("#checks tbody").innerHTML = "";
+  // tables with controls or another user's view in them are drawn anew
+  for (const t of ["checks", "policies", "disks", "nodes", "operations", "vm-history", "bw-classes", "bw-nics", "rolling-hosts"])
+    document.querySelector(`#${t} tbody`).innerHTML = "";
+  stopEditing();
   // the page's fixed controls, for this user's role (rows draw their own)
-  for (const id of ["policy-create", "disk-create", "vm-create-btn", "validate"]) mayOperate(document.getElementById(id));
-  for (const id of ["validate-status", "vm-create-status"]) document.getElementById(id).textContent = "";
+  for (const id of ["policy-create", "disk-create", "vm-create-btn", "validate", "vm-move", "rolling-start", "rolling-stop"])
+    mayOperate(document.getElementById(id));
+  for (const id of ["bw-set", "cluster-save"]) mayAdminister(document.getElementById(id));
+  for (const id of ["validate-status", "vm-create-status", "vm-status", "move-status", "drain-status", "drain-limit", "policy-status", "disk-status", "bw-status", "cluster-status", "rolling-status"])
+    document.getElementById(id).textContent = "";
   document.getElementById("migration").hidden = true;
   document.getElementById("drain-moves").hidden = true;
-  for (const id of ["move-status", "drain-status", "drain-limit"]) document.getElementById(id).textContent = "";
   document.getElementById("login").hidden = true;
   document.getElementById("console").hidden = false;
   document.getElementById("who").hidden = false;
+  document.getElementById("nav").hidden = false;
   document.getElementById("who-name").textContent = `Signed in as ${s.name} (${s.role})`;
-  watchHosts();
-  refresh();
+  watchCluster();
+  route();
 }
 
 async function api(method, path, body) {
@@ -88,25 +184,6 @@ async function get(path) {
   return (await api("GET", path)).json();
 }
 
-// Reads an NDJSON event stream, calling on(event) per line.
-async function stream(path, body, on) {
-  const r = await api("POST", path, body);
-  const reader = r.body.getReader();
-  const dec = new TextDecoder();
-  let buf = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) break;
-    buf += dec.decode(value, { stream: true });
-    let i;
-    while ((i = buf.indexOf("\n")) >= 0) {
-      const line = buf.slice(0, i).trim();
-      buf = buf.slice(i + 1);
-      if (line) on(JSON.parse(line));
-    }
-  }
-}
-
 // A button for what only an operator (or admin) may do: shown disabled,
 // with why, to a read-only user.
 function operatorButton(text, label) {
@@ -118,11 +195,15 @@ function operatorButton(text, label) {
 
 // A control that changes something: disabled, saying why, for a role that
 // may not (the server refuses it anyway).
-function mayOperate(c) {
-  c.disabled = !canOperate();
-  c.title = c.disabled ? `needs the operator role; ${ferry.session ? ferry.session.name + " is " + ferry.session.role : "not signed in"}` : "";
+const RANK = { "read-only": 0, operator: 1, admin: 2 };
+function mayDo(c, role) {
+  const ok = !!ferry.session && RANK[ferry.session.role] >= RANK[role];
+  c.disabled = !ok;
+  c.title = ok ? "" : `needs the ${role} role; ${ferry.session ? ferry.session.name + " is " + ferry.session.role : "not signed in"}`;
   return c;
 }
+const mayOperate = (c) => mayDo(c, "operator");
+const mayAdminister = (c) => mayDo(c, "admin");
 
 // A form field's value, trimmed.
 function field(id) {
@@ -155,9 +236,10 @@ const mib = (b) => (b / 1048576).toFixed(0) + " MiB";
 
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
 
-// A graph's width: as asked, or what a narrow screen has room for.
+// A graph's width: as asked, or what a narrow screen has room for (its
+// card's padding, the page's margins and a scroll bar that may yet appear).
 function fitWidth(w) {
-  return Math.max(240, Math.min(w, document.documentElement.clientWidth - 40));
+  return Math.max(240, Math.min(w, document.documentElement.clientWidth - 64));
 }
 
 // uPlot options for the last WINDOW_S seconds, one line per name in its own
@@ -200,7 +282,7 @@ function nicCard(h) {
   drain.onclick = () => drainHost(h.name);
   const resume = operatorButton("Resume", `Resume ${h.name}`);
   resume.id = "resume-" + h.name;
-  resume.onclick = () => api("POST", `/api/v1/hosts/${h.name}/resume`).then(refresh, showError);
+  resume.onclick = () => api("POST", `/api/v1/hosts/${encodeURIComponent(h.name)}/resume`).catch(showError);
   buttons.append(drain, resume);
   card.appendChild(buttons);
   const plotDiv = el("div");
@@ -255,20 +337,19 @@ function updateHosts(hosts) {
   }
 }
 
-// ---- VMs, moves and drains ----------------------------------------------------
+// ---- VMs ----------------------------------------------------------------------------
 
-// VM rows by name, each drawn again only when what it shows changes: the
-// table is refreshed every 3 s, and rebuilding every row of 200 VMs each
-// time held the page's main thread ~100 ms (and reset a target the user
-// had picked).
+// VM rows by name, each drawn again only when what it shows changes: with
+// 200 VMs, rebuilding every row on each update held the page's main thread
+// ~100 ms (and reset a target the user had picked).
 const vmRows = new Map();
 
-function updateVms(vms, hosts) {
+function updateVms() {
   const tbody = document.querySelector("#vms tbody");
-  const up = hosts.filter((h) => !h.down).map((h) => h.name);
+  const up = upHosts();
   const seen = new Set();
   let prev = null;
-  for (const v of vms) {
+  for (const v of ferry.vms) {
     seen.add(v.name);
     const sig = JSON.stringify([v.host, vmState(v), v.spec.memory, up, canOperate()]);
     let r = vmRows.get(v.name);
@@ -290,26 +371,35 @@ function updateVms(vms, hosts) {
   }
 }
 
-function vmRow(v, up) {
+// A select of the hosts up but `except`, labelled.
+function targetSelect(id, except, label) {
   const sel = el("select");
-  sel.id = "to-" + v.name;
-  for (const h of up) if (h !== v.host) sel.appendChild(new Option(h, h));
-  sel.setAttribute("aria-label", `Move ${v.name} to`);
+  sel.id = id;
+  for (const h of upHosts()) if (h !== except) sel.appendChild(new Option(h, h));
+  sel.setAttribute("aria-label", label);
+  return sel;
+}
+
+function vmRow(v) {
+  const sel = targetSelect("to-" + v.name, v.host, `Move ${v.name} to`);
   const btn = operatorButton("Move", `Move ${v.name}`);
   btn.id = "move-" + v.name;
   btn.onclick = () => moveVm(v.name, sel.value);
   const host = el("span", v.host);
   host.id = "vm-host-" + v.name;
+  const name = el("a", v.name);
+  name.href = "#/vm/" + encodeURIComponent(v.name);
+  name.id = "vm-link-" + v.name;
   // stops the guest and removes the VM, as `ferry vm rm`: asked once more
   const rm = operatorButton("Remove", `Stop and remove ${v.name}`);
   rm.id = "remove-" + v.name;
   rm.onclick = () => {
     if (!confirm(`Stop ${v.name} and remove it from ${v.host}?`)) return;
-    const status = document.getElementById("move-status");
+    const status = document.getElementById("vm-status");
     api("DELETE", `/api/v1/vms/${encodeURIComponent(v.name)}`).then(
       () => {
         status.textContent = `${v.name} stopped and removed`;
-        refresh();
+        refreshVms();
       },
       (e) => {
         status.textContent = `${v.name} not removed: ${e.message}`;
@@ -318,7 +408,18 @@ function vmRow(v, up) {
   };
   const actions = el("span");
   actions.append(btn, rm);
-  return row(null, [v.name, host, vmState(v), mib(v.spec.memory), sel, actions]);
+  return row(null, [name, host, vmState(v), mib(v.spec.memory), sel, actions]);
+}
+
+// The VMs now, not at the next push (after a change made here).
+async function refreshVms() {
+  try {
+    ferry.vms = await get("/api/v1/vms");
+    updateVms();
+    updateSummary();
+  } catch (e) {
+    showError(e);
+  }
 }
 
 // "paused: storage (storage1 (198.18.0.2:10809), since 12:00:01 UTC, 42s)"
@@ -339,9 +440,7 @@ const mbit = (bytesPerS) => ((bytesPerS * 8) / 1e6).toFixed(0) + " Mbit/s";
 // The migration panel: transfer against dirty rate, bytes left, the round,
 // the expected downtime, each decision as it is taken, then the report.
 function migrationPanel(vm, from, to) {
-  const section = document.getElementById("migration");
-  section.hidden = false;
-  document.getElementById("migration-title").textContent = `Migration of ${vm}: ${from} → ${to}`;
+  document.getElementById("migration").hidden = false;
   document.getElementById("migration-steps").innerHTML = "";
   document.getElementById("migration-report").textContent = "";
   const plotDiv = document.getElementById("migration-plot");
@@ -432,47 +531,161 @@ function moveRequest(to) {
   return req;
 }
 
+// ---- migrations and drains as operations -----------------------------------------------
+
+// Starts a migration or drain (its POST answers with the operation's id in
+// X-Ferry-Operation) and opens its page; the work goes on whatever this page
+// does next.
+async function startOperation(path, body) {
+  const r = await api("POST", path, body);
+  const id = r.headers.get("X-Ferry-Operation");
+  // its page follows it; this response's copy of the events is not needed
+  r.body.cancel().catch(() => {});
+  if (!id) throw new Error("the control service named no operation for it");
+  go("#/operation/" + encodeURIComponent(id));
+  return id;
+}
+
 async function moveVm(vm, to) {
-  const status = document.getElementById("move-status");
-  const m = (ferry.moves[vm] = { to, events: [], done: false });
-  const from = (document.getElementById("vm-host-" + vm) || {}).textContent || "";
-  const panel = migrationPanel(vm, from, to);
+  const status = document.getElementById("vm-status");
   status.textContent = `moving ${vm} to ${to}…`;
   try {
-    await stream(`/api/v1/vms/${vm}/move`, moveRequest(to), (ev) => {
-      m.events.push(ev);
-      if (ev.event === "progress") panel.progress(ev);
-      if (ev.event === "step") panel.step(`${ev.step}: ${ev.detail}`);
-      if (ev.event === "warning") panel.step(`warning: ${ev.message}`);
-      if (ev.event === "path") panel.step(`${ev.nic} ${ev.action}: ${ev.reason}`);
-      if (ev.event === "completed") panel.report(ev);
-      if (ev.event === "failed") panel.step(`failed: ${ev.error.message}`);
-      if (ev.event === "step") status.textContent = `${vm} → ${to}: ${ev.step} — ${ev.detail}`;
-      if (ev.event === "path") status.textContent = `${vm} → ${to}: ${ev.nic} ${ev.action} — ${ev.reason}`;
-      if (ev.event === "progress") {
-        const pct = ev.total ? ((100 * ev.transferred) / ev.total).toFixed(0) : "?";
-        status.textContent = `${vm} → ${to}: ${ev.phase} ${mib(ev.transferred)} moved (${pct}%), ${((ev.throughput * 8) / 1e6).toFixed(0)} Mbit/s`;
-      }
-      if (ev.event === "completed")
-        status.textContent = `${vm} moved to ${to} in ${(ev.total_ms / 1000).toFixed(1)} s, downtime ${ev.guest_downtime_ms || ev.downtime_ms} ms`;
-      if (ev.event === "failed") status.textContent = `${vm} did not move: ${ev.error.message}`;
-    });
+    await startOperation(`/api/v1/vms/${encodeURIComponent(vm)}/move`, moveRequest(to));
+    status.textContent = "";
   } catch (e) {
     status.textContent = `${vm} did not move: ${e.message}`;
   }
-  m.done = true;
-  refresh();
+}
+
+async function drainHost(host) {
+  const status = document.getElementById("vm-status");
+  try {
+    await startOperation(`/api/v1/hosts/${encodeURIComponent(host)}/drain`, {});
+  } catch (e) {
+    status.textContent = `drain of ${host}: ${e.message}`;
+  }
+}
+
+// The operation this page follows, if any.
+let following = null;
+function stopFollowing() {
+  if (following) following.close();
+  following = null;
+}
+
+const when = (ms) => new Date(ms).toLocaleTimeString();
+
+function opLink(o, text) {
+  const a = el("a", text);
+  a.href = "#/operation/" + encodeURIComponent(o.id);
+  return a;
+}
+
+const OP_STATE = { running: "warn", completed: "ok", failed: "down" };
+
+async function showOperations() {
+  try {
+    const ops = await get("/api/v1/operations");
+    const tb = document.querySelector("#operations tbody");
+    tb.innerHTML = "";
+    for (const o of ops) {
+      const what = o.kind === "migration" ? `move ${o.subject}` : `drain ${o.subject}`;
+      row(tb, [when(o.started_ms), opLink(o, what), o.target ? `${o.source} → ${o.target}` : o.source, o.by, el("span", o.state, OP_STATE[o.state])]);
+    }
+    if (!ops.length) row(tb, ["none since the control service started", "", "", "", ""]);
+  } catch (e) {
+    showError(e);
+  }
+}
+
+// A migration's or drain's page: every event from the first (a page opened
+// or reloaded halfway catches up), as they come, then its end.
+async function showOperation(id) {
+  stopFollowing();
+  document.getElementById("migration").hidden = true;
+  document.getElementById("drain-moves").hidden = true;
+  for (const i of ["move-status", "drain-status", "drain-limit"]) document.getElementById(i).textContent = "";
+  let op;
+  try {
+    op = (await get("/api/v1/operations")).find((o) => o.id === id);
+  } catch (e) {
+    showError(e);
+    return;
+  }
+  const title = document.getElementById("operation-title");
+  if (!op) {
+    title.textContent = `No operation ${id}`;
+    document.getElementById("move-status").textContent =
+      "The control service keeps its 64 newest operations since it started; the event log has the results of older ones.";
+    return;
+  }
+  const view = op.kind === "migration" ? migrationView(op) : drainView(op);
+  const src = new EventSource(`/api/v1/watch/operations/${encodeURIComponent(id)}`);
+  following = src;
+  src.addEventListener("op", (e) => view.event(JSON.parse(e.data)));
+  src.addEventListener("end", (e) => {
+    src.close();
+    if (following === src) following = null;
+    view.end(JSON.parse(e.data));
+  });
+  src.addEventListener("error", () => {
+    // refused or gone (not a reconnect): say so
+    if (src.readyState === EventSource.CLOSED) document.getElementById("move-status").textContent = `${id}: the stream was refused or ended`;
+  });
+}
+
+function migrationView(op) {
+  const vm = op.subject;
+  const to = op.target;
+  const status = document.getElementById("move-status");
+  const m = (ferry.moves[vm] = { id: op.id, to, events: [], done: false });
+  const panel = migrationPanel(vm, op.source, to);
+  document.getElementById("operation-title").textContent = `Migration of ${vm}: ${op.source} → ${to} (started ${when(op.started_ms)} by ${op.by})`;
+  status.textContent = `moving ${vm} to ${to}…`;
+  return {
+    event(ev) {
+      m.events.push(ev);
+      if (ev.event === "progress") {
+        panel.progress(ev);
+        const pct = ev.total ? ((100 * ev.transferred) / ev.total).toFixed(0) : "?";
+        status.textContent = `${vm} → ${to}: ${ev.phase} ${mib(ev.transferred)} moved (${pct}%), ${mbit(ev.throughput)}`;
+      }
+      if (ev.event === "step") {
+        panel.step(`${ev.step}: ${ev.detail}`);
+        status.textContent = `${vm} → ${to}: ${ev.step} — ${ev.detail}`;
+      }
+      if (ev.event === "warning") panel.step(`warning: ${ev.message}`);
+      if (ev.event === "path") {
+        panel.step(`${ev.nic} ${ev.action}: ${ev.reason}`);
+        status.textContent = `${vm} → ${to}: ${ev.nic} ${ev.action} — ${ev.reason}`;
+      }
+      if (ev.event === "completed") {
+        panel.report(ev);
+        status.textContent = `${vm} moved to ${to} in ${(ev.total_ms / 1000).toFixed(1)} s, downtime ${ev.guest_downtime_ms || ev.downtime_ms} ms`;
+      }
+      if (ev.event === "failed") {
+        panel.step(`failed: ${ev.error.message}`);
+        status.textContent = `${vm} did not move: ${ev.error.message}`;
+      }
+    },
+    end(o) {
+      if (o.state === "failed" && !m.events.some((e) => e.event === "failed")) status.textContent = `${vm}: the move ended without a result`;
+      m.done = true;
+    },
+  };
 }
 
 // A drain as it goes: every move queued, running, done, retried or failed,
 // and the limit the scheduler chose with its reason.
-async function drainHost(host) {
+function drainView(op) {
+  const host = op.subject;
   const status = document.getElementById("drain-status");
   const table = document.getElementById("drain-moves");
   const tbody = table.querySelector("tbody");
-  const d = (ferry.drain = { host, moves: {}, limits: [], done: null });
+  const d = (ferry.drain = { id: op.id, host, moves: {}, limits: [], done: null });
   tbody.innerHTML = "";
   table.hidden = false;
+  document.getElementById("operation-title").textContent = `Drain of ${host} (started ${when(op.started_ms)} by ${op.by})`;
   document.getElementById("drain-limit").textContent = `Drain of ${host}`;
   status.textContent = `draining ${host}…`;
   const show = (vm, fields) => {
@@ -486,8 +699,8 @@ async function drainHost(host) {
     [m.vm, m.to, m.state, m.progress, m.result].forEach((v, i) => (cells[i].textContent = v));
     cells[2].className = m.state === "done" ? "ok" : m.state === "failed" ? "down" : m.state === "queued" ? "" : "warn";
   };
-  try {
-    await stream(`/api/v1/hosts/${host}/drain`, {}, (ev) => {
+  return {
+    event(ev) {
       if (ev.event === "plan") {
         for (const m of ev.moves) show(m.vm, { to: m.to });
         for (const u of ev.unplaceable) show(u.vm, { state: "stays", result: u.reason });
@@ -508,28 +721,183 @@ async function drainHost(host) {
         status.textContent = `${host} drained in ${(ev.total_ms / 1000).toFixed(1)} s: ${ev.moved.length} moved, ${ev.failed.length} failed, ${ev.unplaceable.length} stayed`;
       }
       if (ev.event === "warning") status.textContent = `${host}: ${ev.message}`;
-    });
-  } catch (e) {
-    status.textContent = `drain of ${host}: ${e.message}`;
-  }
-  refresh();
+    },
+    end(o) {
+      if (!d.done) {
+        d.done = { failed: true };
+        status.textContent = `drain of ${host} ended without its result (${o.state})`;
+      }
+    },
+  };
 }
 
-// ---- storage and events ---------------------------------------------------------
+// ---- a VM's page ---------------------------------------------------------------------
 
-// flow -> IOPS samples, with their times, for the flows' graph
-const flowSeries = { t: [], flows: {}, plot: null, names: "" };
+// Its facts, a move from here, its moves (the event log's, each linked to
+// its operation while the control service keeps it) and its console's end.
+async function showVm(name, full) {
+  const v = ferry.vms.find((x) => x.name === name);
+  document.getElementById("vm-title").textContent = `VM ${name}`;
+  const facts = document.getElementById("vm-facts");
+  facts.innerHTML = "";
+  if (!v) {
+    facts.append(el("dt", "state"), el("dd", ferry.vms.length ? "no such VM (removed?)" : "…"));
+  } else {
+    const spec = el("details");
+    spec.append(el("summary", "spec"), el("pre", JSON.stringify(v.spec, null, 2)));
+    for (const [k, val] of [["host", v.host], ["state", vmState(v)], ["memory", mib(v.spec.memory)], ["vCPUs", String(v.spec.vcpus || 1)], ["disks", (v.spec.disks || []).map((d) => d.disk).join(", ") || "none"]])
+      facts.append(el("dt", k), el("dd", val));
+    facts.append(el("dt", "spec"), el("dd", ""));
+    facts.lastChild.appendChild(spec);
+    const sel = document.getElementById("vm-move-to");
+    const want = upHosts().filter((h) => h !== v.host);
+    if ([...sel.options].map((o) => o.value).join() !== want.join()) {
+      sel.innerHTML = "";
+      for (const h of want) sel.appendChild(new Option(h, h));
+    }
+  }
+  if (!full) return;
+  try {
+    const [ops, events] = await Promise.all([get("/api/v1/operations"), get("/api/v1/events?limit=2000")]);
+    const tb = document.querySelector("#vm-history tbody");
+    tb.innerHTML = "";
+    const mine = ops.filter((o) => o.kind === "migration" && o.subject === name);
+    // the operation an event logged the end of, while it is kept
+    const opOf = (kind, subject, at) => ops.find((o) => o.kind === kind && o.subject === subject && o.ended_ms && Math.abs(o.ended_ms - at) < 10000);
+    // running ones first (not logged yet), then each logged end: its own
+    // moves and its moves in drains
+    for (const o of mine.filter((o) => o.state === "running")) row(tb, [when(o.started_ms), `${o.source} → ${o.target}`, opLink(o, "running"), "—", o.by]);
+    for (const e of [...events].reverse()) {
+      const d = e.detail || {};
+      const at = new Date(e.at_ms).toLocaleString();
+      if (e.kind === "migration" && e.subject === name) {
+        const o = opOf("migration", name, e.at_ms);
+        const result = d.event === "completed" ? `moved in ${((d.total_ms || 0) / 1000).toFixed(1)} s over ${d.option}` : `failed: ${(d.error || {}).message || ""}`;
+        row(tb, [at, `${d.source} → ${d.target}`, o ? opLink(o, result) : result,
+          d.event === "completed" ? `${d.guest_downtime_ms ?? d.downtime_ms} ms` : "—", o ? o.by : "—"]);
+      }
+      if (e.kind === "drain") {
+        const o = opOf("drain", e.subject, e.at_ms);
+        for (const m of (d.moved || []).filter((m) => m.vm === name)) {
+          const result = `moved in ${(m.total_ms / 1000).toFixed(1)} s, draining ${e.subject}`;
+          row(tb, [at, `${e.subject} → ${m.to}`, o ? opLink(o, result) : result, `${m.downtime_ms} ms`, o ? o.by : "—"]);
+        }
+        for (const m of (d.failed || []).filter((m) => m.vm === name))
+          row(tb, [at, `${e.subject} → —`, `not moved, draining ${e.subject}: ${m.reason}`, "—", o ? o.by : "—"]);
+      }
+    }
+    if (!tb.children.length) row(tb, ["never moved", "", "", "", ""]);
+  } catch (e) {
+    showError(e);
+  }
+  readConsole(name);
+}
 
-function updateQos(policies, flows) {
+async function readConsole(name) {
+  const pre = document.getElementById("vm-console");
+  try {
+    const c = await get(`/api/v1/vms/${encodeURIComponent(name)}/console?bytes=8192`);
+    pre.textContent = c.text || "(nothing written yet)";
+    pre.dataset.size = c.size;
+    pre.scrollTop = pre.scrollHeight;
+  } catch (e) {
+    pre.textContent = `not read: ${e.message}`;
+  }
+}
+
+document.getElementById("vm-console-refresh").onclick = () => readConsole(page.arg);
+document.getElementById("vm-move").onclick = () => moveVm(page.arg, document.getElementById("vm-move-to").value);
+
+// ---- storage: nodes, disks, QoS policies and flows ---------------------------------------
+
+function status(id, text) {
+  document.getElementById(id).textContent = text;
+}
+
+// Nodes, disks and policies (not pushed: they change when someone changes
+// them; this page reads them on opening, after each change and every 10 s).
+async function refreshStorage() {
+  try {
+    const [policies, nodes, disks] = await Promise.all([get("/api/v1/qos/policies"), get("/api/v1/storage/nodes"), get("/api/v1/disks")]);
+    updatePolicies(policies);
+    updateStorage(nodes, disks, policies);
+  } catch (e) {
+    // no storage node registered: the section stays empty
+    status("disk-status", e.message);
+  }
+}
+
+// The policy being edited, if any: the form saves it (PUT) instead of making one.
+let editing = null;
+
+function updatePolicies(policies) {
   const pb = document.querySelector("#policies tbody");
   pb.innerHTML = "";
   for (const p of policies) {
+    const edit = operatorButton("Edit", `Edit policy ${p.name}`);
+    edit.id = "policy-edit-" + p.name;
+    edit.onclick = () => editPolicy(p);
     const del = operatorButton("Delete", `Delete policy ${p.name}`);
     del.id = "policy-delete-" + p.name;
     del.onclick = () =>
-      api("DELETE", `/api/v1/qos/policies/${encodeURIComponent(p.name)}`).then(refresh, (e) => policyStatus(e.message));
-    row(pb, [p.name, p.kind, p.min_iops || "-", p.max_iops || "-", p.max_bandwidth ? mib(p.max_bandwidth) + "/s" : "-", del]);
+      api("DELETE", `/api/v1/qos/policies/${encodeURIComponent(p.name)}`).then(refreshStorage, (e) => status("policy-status", e.message));
+    const actions = el("span");
+    actions.append(edit, del);
+    row(pb, [p.name, p.kind, p.min_iops || "-", p.max_iops || "-", p.max_bandwidth ? (p.max_bandwidth / 1e6).toFixed(0) + " MB/s" : "-", actions]);
   }
+}
+
+// The form holds the policy's limits; its name and type stay (a policy's
+// type is fixed once made).
+function editPolicy(p) {
+  editing = p.name;
+  document.getElementById("policy-name").value = p.name;
+  document.getElementById("policy-name").readOnly = true;
+  document.getElementById("policy-kind").value = p.kind;
+  document.getElementById("policy-kind").disabled = true;
+  document.getElementById("policy-min").value = p.min_iops;
+  document.getElementById("policy-max").value = p.max_iops;
+  document.getElementById("policy-mbps").value = Math.round(p.max_bandwidth / 1e6);
+  document.getElementById("policy-create").textContent = `Save ${p.name}`;
+  document.getElementById("policy-cancel").hidden = false;
+  document.getElementById("policy-min").focus();
+}
+
+function stopEditing() {
+  editing = null;
+  document.getElementById("policy-name").readOnly = false;
+  document.getElementById("policy-kind").disabled = false;
+  document.getElementById("policy-create").textContent = "Create policy";
+  document.getElementById("policy-cancel").hidden = true;
+}
+document.getElementById("policy-cancel").onclick = stopEditing;
+
+document.getElementById("policy-form").onsubmit = async (ev) => {
+  ev.preventDefault();
+  const num = (id) => Math.max(0, Math.round(Number(document.getElementById(id).value) || 0));
+  const limits = { min_iops: num("policy-min"), max_iops: num("policy-max"), max_bandwidth: num("policy-mbps") * 1e6 };
+  try {
+    if (editing) {
+      await api("PUT", `/api/v1/qos/policies/${encodeURIComponent(editing)}`, limits);
+      status("policy-status", `policy ${editing} saved`);
+      stopEditing();
+    } else {
+      const policy = { name: field("policy-name"), kind: document.getElementById("policy-kind").value, ...limits };
+      await api("POST", "/api/v1/qos/policies", policy);
+      status("policy-status", `policy ${policy.name} created`);
+    }
+    refreshStorage();
+  } catch (e) {
+    // the server names what was wrong
+    status("policy-status", e.message);
+  }
+};
+
+// flow -> IOPS samples, with their times, for the flows' graph
+const flowSeries = (ferry.flowSeries = { t: [], flows: {}, plot: null, names: "" });
+
+function updateFlows(flows) {
+  ferry.flows = flows;
   const fb = document.querySelector("#flows tbody");
   fb.innerHTML = "";
   for (const f of flows) {
@@ -568,109 +936,6 @@ function updateFlowPlot(flows) {
   }
 }
 
-function policyStatus(text) {
-  document.getElementById("policy-status").textContent = text;
-}
-
-document.getElementById("policy-form").onsubmit = async (ev) => {
-  ev.preventDefault();
-  const num = (id) => Math.max(0, Math.round(Number(document.getElementById(id).value) || 0));
-  const policy = {
-    name: field("policy-name"),
-    kind: document.getElementById("policy-kind").value,
-    min_iops: num("policy-min"),
-    max_iops: num("policy-max"),
-    max_bandwidth: num("policy-mbps") * 1e6,
-  };
-  try {
-    await api("POST", "/api/v1/qos/policies", policy);
-    policyStatus(`policy ${policy.name} created`);
-    refresh();
-  } catch (e) {
-    // the server names what was wrong
-    policyStatus(e.message);
-  }
-};
-
-// An event as a sentence, from its kind and detail (the kinds the control
-// service logs; any other says its detail in short).
-function sentence(e) {
-  const d = e.detail || {};
-  const secs = (ms) => (ms / 1000).toFixed(1) + " s";
-  switch (e.kind) {
-    case "migration":
-      return d.event === "completed"
-        ? `${e.subject} moved ${d.source} → ${d.target} in ${secs(d.total_ms)} over ${d.option}, ` +
-            `downtime ${d.guest_downtime_ms ?? d.downtime_ms} ms`
-        : `${e.subject} did not move ${d.source} → ${d.target}: ${(d.error || {}).message || "failed"}`;
-    case "drain":
-      return `${e.subject} drained in ${secs(d.total_ms || 0)}: ${(d.moved || []).length} moved` +
-        `${(d.failed || []).length ? `, ${d.failed.length} failed` : ""}` +
-        `${(d.unplaceable || []).length ? `, ${d.unplaceable.length} with no host to take them` : ""}`;
-    case "resume":
-      return `${e.subject} resumed: takes VMs again`;
-    case "host_down":
-      return `${e.subject} stopped answering: nothing is scheduled onto it`;
-    case "host_up":
-      return `${e.subject} answers again`;
-    case "storage_down":
-      return `storage node ${e.subject} stopped answering`;
-    case "storage_up":
-      return `storage node ${e.subject} answers again`;
-    case "refused":
-      return d.by
-        ? `${d.by} (${d.role}) was refused "${d.action}": it needs ${d.needs}`
-        : `a request to ${e.subject} was refused (${d.status}): ${d.reason}`;
-    case "command":
-      return `${d.by} (${d.role}): ${d.action}`;
-    case "session":
-      return `${e.subject} ${d.action || "session"}`;
-    case "settings":
-      return `settings of ${e.subject} changed`;
-    case "storage":
-      return `${d.action || "storage"} ${e.subject}`;
-    case "token":
-      return d.revoked ? `token ${e.subject} revoked` : `token ${e.subject} created`;
-    default: {
-      const j = JSON.stringify(d);
-      return `${e.kind} ${e.subject}: ${j.length > 80 ? j.slice(0, 79) + "…" : j}`;
-    }
-  }
-}
-
-// Events as sentences, the detail folded; filtered by kind and by host or VM.
-let lastEvents = [];
-function updateEvents(events) {
-  lastEvents = events;
-  const kinds = document.getElementById("event-kind");
-  const have = new Set([...kinds.options].map((o) => o.value));
-  for (const k of [...new Set(events.map((e) => e.kind))].sort()) if (!have.has(k)) kinds.appendChild(new Option(k, k));
-  const kind = kinds.value;
-  const subject = document.getElementById("event-subject").value.trim().toLowerCase();
-  const shown = events.filter(
-    (e) => (!kind || e.kind === kind) && (!subject || (e.subject + " " + JSON.stringify(e.detail)).toLowerCase().includes(subject))
-  );
-  const tb = document.querySelector("#events tbody");
-  tb.innerHTML = "";
-  for (const e of shown.slice(-15).reverse()) {
-    // a sentence; the whole detail folded under it
-    const fold = el("details");
-    fold.append(el("summary", sentence(e)), el("pre", JSON.stringify(e.detail, null, 2)));
-    row(tb, [new Date(e.at_ms).toLocaleTimeString(), e.kind, e.subject, fold]);
-  }
-}
-document.getElementById("event-kind").onchange = () => updateEvents(lastEvents);
-document.getElementById("event-subject").oninput = () => updateEvents(lastEvents);
-
-function showError(e) {
-  document.getElementById("error").textContent = e.message;
-}
-
-// ---- storage nodes and disks ------------------------------------------------------
-
-function diskStatus(text) {
-  document.getElementById("disk-status").textContent = text;
-}
 
 // A disk's policy set (or cleared, blank) from its row.
 function diskPolicy(d, policies) {
@@ -683,10 +948,74 @@ function diskPolicy(d, policies) {
   mayOperate(sel);
   sel.onchange = () =>
     api("PUT", `/api/v1/disks/${encodeURIComponent(d.name)}/policy`, { policy: sel.value || null }).then(
-      () => diskStatus(`${d.name}: policy ${sel.value || "none"}`),
-      (e) => diskStatus(`${d.name}: ${e.message}`),
+      () => status("disk-status", `${d.name}: policy ${sel.value || "none"}`),
+      (e) => status("disk-status", `${d.name}: ${e.message}`),
     );
   return sel;
+}
+
+// A disk's attach control: a VM to plug it into (hot-plugged; the VM's
+// host is let open it), as `ferry disk attach`.
+function diskAttach(d) {
+  const span = el("span");
+  const sel = el("select");
+  sel.id = "disk-attach-to-" + d.name;
+  sel.setAttribute("aria-label", `VM to attach ${d.name} to`);
+  for (const v of ferry.vms) if (!(v.spec.disks || []).some((p) => p.disk === d.name)) sel.appendChild(new Option(v.name, v.name));
+  const btn = operatorButton("Attach", `Attach ${d.name}`);
+  btn.id = "disk-attach-" + d.name;
+  btn.disabled ||= !sel.options.length;
+  btn.onclick = () => {
+    status("disk-status", `attaching ${d.name} to ${sel.value}…`);
+    api("POST", `/api/v1/disks/${encodeURIComponent(d.name)}/attach`, { vm: sel.value }).then(
+      () => { status("disk-status", `${d.name} attached to ${sel.value}`); refreshStorage(); refreshVms(); },
+      (e) => status("disk-status", `${d.name} not attached: ${e.message}`),
+    );
+  };
+  span.append(sel, btn);
+  return span;
+}
+
+// A disk's backup to a file on its node, followed until it ends.
+async function backUp(d) {
+  const path = prompt(`Back up ${d.name} to which file on ${d.node}?`, `/var/lib/ferry/backups/${d.name}-${new Date().toISOString().slice(0, 19).replace(/:/g, "")}.img`);
+  if (!path) return;
+  try {
+    await api("POST", `/api/v1/disks/${encodeURIComponent(d.name)}/backups`, { path });
+    for (;;) {
+      const j = await get(`/api/v1/disks/${encodeURIComponent(d.name)}/job`);
+      status("disk-status", `backup of ${d.name} to ${j.target}: ${j.state}, ${mib(j.bytes_done)} of ${mib(j.bytes_total)}${j.error ? ": " + j.error : ""}`);
+      if (j.state !== "running") break;
+      await new Promise((r) => setTimeout(r, 1000));
+    }
+  } catch (e) {
+    status("disk-status", `${d.name} not backed up: ${e.message}`);
+  }
+}
+
+// A disk moved to another node while its guests run (`ferry disk move`).
+async function moveDisk(d, to) {
+  status("disk-status", `moving ${d.name} to ${to}…`);
+  try {
+    const r = await api("POST", `/api/v1/disks/${encodeURIComponent(d.name)}/move`, { to });
+    const reader = r.body.getReader();
+    const dec = new TextDecoder();
+    let buf = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buf += dec.decode(value, { stream: true });
+      const lines = buf.split("\n");
+      buf = lines.pop();
+      for (const line of lines.filter((l) => l.trim())) {
+        const m = JSON.parse(line);
+        status("disk-status", `${d.name} → ${to}: ${m.phase}${m.error ? ": " + m.error : ""}`);
+      }
+    }
+    refreshStorage();
+  } catch (e) {
+    status("disk-status", `${d.name} not moved: ${e.message}`);
+  }
 }
 
 function updateStorage(nodes, disks, policies) {
@@ -703,7 +1032,7 @@ function updateStorage(nodes, disks, policies) {
     for (const n of nodes) pick.appendChild(new Option(n.name, n.name));
   }
   const db = document.querySelector("#disks tbody");
-  // a policy list open under the user's hand is not redrawn
+  // a list open under the user's hand is not redrawn
   if (db.contains(document.activeElement)) return;
   db.innerHTML = "";
   for (const d of disks) {
@@ -715,21 +1044,32 @@ function updateStorage(nodes, disks, policies) {
     grow.id = "disk-grow-" + d.name;
     grow.onclick = () =>
       api("PUT", `/api/v1/disks/${encodeURIComponent(d.name)}/size`, { size: d.size + 1073741824 }).then(
-        () => { diskStatus(`${d.name} grown to ${mib(d.size + 1073741824)}`); refresh(); },
-        (e) => diskStatus(`${d.name}: ${e.message}`),
+        () => { status("disk-status", `${d.name} grown to ${mib(d.size + 1073741824)}`); refreshStorage(); },
+        (e) => status("disk-status", `${d.name}: ${e.message}`),
       );
+    // a backup writes a file on the node: an administrator's
+    const backup = mayAdminister(operatorButton("Back up", `Back up ${d.name}`));
+    backup.id = "disk-backup-" + d.name;
+    backup.onclick = () => backUp(d);
+    const actions = el("span");
+    actions.append(grow, backup);
+    // another node to move it to, when there is one
+    for (const n of nodes.filter((n) => n.name !== d.node && n.reachable)) {
+      const mv = operatorButton(`Move to ${n.name}`, `Move ${d.name} to ${n.name}`);
+      mv.onclick = () => moveDisk(d, n.name);
+      actions.append(mv);
+    }
     const del = operatorButton("Delete", `Delete disk ${d.name}`);
     del.id = "disk-delete-" + d.name;
     del.onclick = () => {
       if (!confirm(`Delete disk ${d.name} and every byte on it?`)) return;
       api("DELETE", `/api/v1/disks/${encodeURIComponent(d.name)}`).then(
-        () => { diskStatus(`${d.name} deleted`); refresh(); },
-        (e) => diskStatus(`${d.name}: ${e.message}`),
+        () => { status("disk-status", `${d.name} deleted`); refreshStorage(); },
+        (e) => status("disk-status", `${d.name}: ${e.message}`),
       );
     };
-    const actions = el("span");
-    actions.append(grow, del);
-    row(db, [d.name, d.node, mib(d.size), d.write_through ? "yes" : "no", diskPolicy(d, policies), d.connections, role, actions]);
+    actions.append(del);
+    row(db, [d.name, d.node, mib(d.size), d.write_through ? "yes" : "no", diskPolicy(d, policies), d.connections, role, diskAttach(d), actions]);
   }
 }
 
@@ -743,10 +1083,10 @@ document.getElementById("disk-form").onsubmit = async (ev) => {
   if (field("disk-node")) req.node = field("disk-node");
   try {
     await api("POST", "/api/v1/disks", req);
-    diskStatus(`${req.name} created`);
-    refresh();
+    status("disk-status", `${req.name} created`);
+    refreshStorage();
   } catch (e) {
-    diskStatus(`${req.name} not created: ${e.message}`);
+    status("disk-status", `${req.name} not created: ${e.message}`);
   }
 };
 
@@ -809,33 +1149,177 @@ document.getElementById("vm-create").onsubmit = async (ev) => {
   try {
     await api("POST", "/api/v1/vms", { host: field("vm-host"), spec });
     status.textContent = `${spec.name} created on ${field("vm-host")}`;
-    refresh();
+    refreshVms();
   } catch (e) {
     status.textContent = `${spec.name} not created: ${e.message}`;
   }
 };
 
-async function refresh() {
+// ---- the cluster: bandwidth classes, settings, rolling drain ------------------------------
+
+const rate = (bits) => (bits / 1e6).toFixed(0) + " Mbit/s";
+
+async function refreshCluster() {
   try {
-    const [hosts, vms] = await Promise.all([get("/api/v1/hosts"), get("/api/v1/vms")]);
-    updateVms(vms, hosts);
-    updateCreateHosts(hosts);
-    const up = hosts.filter((h) => !h.down).length;
-    document.getElementById("summary").textContent = `${hosts.length} hosts (${up} up), ${vms.length} VMs`;
-    document.getElementById("error").textContent = "";
-    ferry.polls++;
+    const [bw, settings, rolling] = await Promise.all([get("/api/v1/bandwidth"), get("/api/v1/cluster"), get("/api/v1/cluster/rolling")]);
+    const cb = document.querySelector("#bw-classes tbody");
+    cb.innerHTML = "";
+    for (const c of bw.policy.classes) {
+      const max = !c.max ? "none" : c.max.percent != null ? `${c.max.percent}% of each NIC` : `${rate(c.max.bits_per_sec)} per host`;
+      row(cb, [c.class, max, c.min_pct ? `${c.min_pct}% of each NIC` : "none"]);
+    }
+    if (!bw.policy.classes.length) row(cb, ["no limits set", "", ""]);
+    const nb = document.querySelector("#bw-nics tbody");
+    nb.innerHTML = "";
+    for (const h of bw.hosts)
+      for (const n of h.nics)
+        for (const c of n.classes) row(nb, [h.host, n.nic, n.up ? rate(n.link_rate) : "down", c.class, rate(c.rate), rate(c.ceil), rate(c.tx_rate * 8)]);
+    if (!document.getElementById("cluster-form").contains(document.activeElement))
+      document.getElementById("cluster-encrypt").checked = settings.encrypt_carriers;
+    updateRolling(rolling);
   } catch (e) {
     showError(e);
   }
-  try {
-    const [policies, flows, events] = await Promise.all([get("/api/v1/qos/policies"), get("/api/v1/qos/flows"), get("/api/v1/events?limit=50")]);
-    updateQos(policies, flows);
-    updateEvents(events);
-    const [nodes, disks] = await Promise.all([get("/api/v1/storage/nodes"), get("/api/v1/disks")]);
-    updateStorage(nodes, disks, policies);
-  } catch (e) {
-    // no storage node registered: the section stays empty
+}
+
+function updateRolling(r) {
+  const state = document.getElementById("rolling-state");
+  const tb = document.querySelector("#rolling-hosts tbody");
+  tb.innerHTML = "";
+  if (!r || !r.hosts) {
+    state.textContent = "No rolling drain has run.";
+    return;
   }
+  state.textContent = `Rolling drain ${r.state}, started ${when(r.started_ms)}${r.ended_ms ? `, ended ${when(r.ended_ms)}` : ""}` +
+    `; at most ${r.request.max_hosts_down} host(s) down at once${r.message ? ": " + r.message : ""}`;
+  for (const h of r.hosts) {
+    const p = h.progress;
+    row(tb, [h.host, h.phase, p ? `${p.moved} of ${p.planned}` : String((h.moved || []).length), String((h.left || []).length), h.reason || ""]);
+  }
+}
+
+document.getElementById("bw-form").onsubmit = async (ev) => {
+  ev.preventDefault();
+  const cls = field("bw-class");
+  const max = Number(field("bw-max")) || 0;
+  // the class's limits become what the form says (clear, then set)
+  const req = { class: cls, clear: true, min_pct: Number(field("bw-min")) || 0 };
+  if (max) req.max = { percent: max };
+  try {
+    await api("PUT", "/api/v1/bandwidth", req);
+    status("bw-status", `${cls}: set`);
+    refreshCluster();
+  } catch (e) {
+    status("bw-status", `${cls} not set: ${e.message}`);
+  }
+};
+
+document.getElementById("cluster-form").onsubmit = async (ev) => {
+  ev.preventDefault();
+  const encrypt_carriers = document.getElementById("cluster-encrypt").checked;
+  try {
+    await api("PUT", "/api/v1/cluster", { encrypt_carriers });
+    status("cluster-status", `saved: carriers ${encrypt_carriers ? "encrypted" : "as each move chooses"}`);
+    refreshCluster();
+  } catch (e) {
+    status("cluster-status", `not saved: ${e.message}`);
+  }
+};
+
+document.getElementById("rolling-form").onsubmit = async (ev) => {
+  ev.preventDefault();
+  const hosts = field("rolling-list").split(",").map((h) => h.trim()).filter(Boolean);
+  if (!confirm(`Drain ${hosts.length ? hosts.join(", ") : "every host"} in turn, ${field("rolling-down") || 1} at a time?`)) return;
+  try {
+    const r = await (await api("POST", "/api/v1/cluster/rolling", { hosts, max_hosts_down: Number(field("rolling-down")) || 1 })).json();
+    status("rolling-status", "started");
+    updateRolling(r);
+  } catch (e) {
+    status("rolling-status", `not started: ${e.message}`);
+  }
+};
+
+document.getElementById("rolling-stop").onclick = async () => {
+  try {
+    updateRolling(await (await api("DELETE", "/api/v1/cluster/rolling")).json());
+    status("rolling-status", "stopped: hosts already drained stay so until resumed");
+  } catch (e) {
+    status("rolling-status", `not stopped: ${e.message}`);
+  }
+};
+
+// ---- events ---------------------------------------------------------------------------
+
+// An event as a sentence, from its kind and detail (the kinds the control
+// service logs; any other says its detail in short).
+function sentence(e) {
+  const d = e.detail || {};
+  const secs = (ms) => (ms / 1000).toFixed(1) + " s";
+  switch (e.kind) {
+    case "migration":
+      return d.event === "completed"
+        ? `${e.subject} moved ${d.source} → ${d.target} in ${secs(d.total_ms)} over ${d.option}, ` +
+            `downtime ${d.guest_downtime_ms ?? d.downtime_ms} ms`
+        : `${e.subject} did not move ${d.source} → ${d.target}: ${(d.error || {}).message || "failed"}`;
+    case "drain":
+      return `${e.subject} drained in ${secs(d.total_ms || 0)}: ${(d.moved || []).length} moved` +
+        `${(d.failed || []).length ? `, ${d.failed.length} failed` : ""}` +
+        `${(d.unplaceable || []).length ? `, ${d.unplaceable.length} with no host to take them` : ""}`;
+    case "resume":
+      return `${e.subject} resumed: takes VMs again`;
+    case "host_down":
+      return `${e.subject} stopped answering: nothing is scheduled onto it`;
+    case "host_up":
+      return `${e.subject} answers again`;
+    case "storage_down":
+      return `storage node ${e.subject} stopped answering`;
+    case "storage_up":
+      return `storage node ${e.subject} answers again`;
+    case "refused":
+      return d.by
+        ? `${d.by} (${d.role}) was refused "${d.action}": it needs ${d.needs}`
+        : `a request to ${e.subject} was refused (${d.status}): ${d.reason}`;
+    case "command":
+      return `${d.by} (${d.role}): ${d.action}`;
+    case "session":
+      return `${e.subject} ${d.action || "session"}`;
+    case "settings":
+      return `settings of ${e.subject} changed`;
+    case "storage":
+      return `${d.action || "storage"} ${e.subject}`;
+    case "token":
+      return d.revoked ? `token ${e.subject} revoked` : `token ${e.subject} created`;
+    default: {
+      const j = JSON.stringify(d);
+      return `${e.kind} ${e.subject}: ${j.length > 80 ? j.slice(0, 79) + "…" : j}`;
+    }
+  }
+}
+
+// Events as sentences, the detail folded; filtered by kind and by host or VM.
+function updateEvents(events) {
+  const kinds = document.getElementById("event-kind");
+  const have = new Set([...kinds.options].map((o) => o.value));
+  for (const k of [...new Set(events.map((e) => e.kind))].sort()) if (!have.has(k)) kinds.appendChild(new Option(k, k));
+  const kind = kinds.value;
+  const subject = document.getElementById("event-subject").value.trim().toLowerCase();
+  const shown = events.filter(
+    (e) => (!kind || e.kind === kind) && (!subject || (e.subject + " " + JSON.stringify(e.detail)).toLowerCase().includes(subject))
+  );
+  const tb = document.querySelector("#events tbody");
+  tb.innerHTML = "";
+  for (const e of shown.slice(-30).reverse()) {
+    // a sentence; the whole detail folded under it
+    const fold = el("details");
+    fold.append(el("summary", sentence(e)), el("pre", JSON.stringify(e.detail, null, 2)));
+    row(tb, [new Date(e.at_ms).toLocaleTimeString(), e.kind, e.subject, fold]);
+  }
+}
+document.getElementById("event-kind").onchange = () => updateEvents(ferry.events);
+document.getElementById("event-subject").oninput = () => updateEvents(ferry.events);
+
+function showError(e) {
+  document.getElementById("error").textContent = e.message;
 }
 
 document.getElementById("login").onsubmit = async (ev) => {
@@ -862,5 +1346,3 @@ document.getElementById("sign-out").onclick = async () => {
 fetch("/api/v1/session", { credentials: "same-origin" })
   .then((r) => (r.ok ? r.json().then(signedIn) : signedOut()))
   .catch(() => signedOut());
-
-setInterval(() => ferry.session && refresh(), 3000);
