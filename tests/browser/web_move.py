@@ -209,6 +209,9 @@ def main():
         if "at once" not in caption:
             sys.exit(f"FAIL: the page does not show the drain's limit and why: {caption!r}")
         d.save_screenshot(os.path.join(ART, "web-drain.png"))
+        # pushed, not polled: the page's VM list follows the drain to its end by itself
+        wait("the pushed VM list after the drain", lambda: d.execute_script(
+            "return window.ferry.vms.map(v => [v.name, v.host, v.state].join(' '))") == ["web1 host1 running"], 10)
         goto("#/")
         d.find_element(By.ID, "resume-host2").click()
         wait("host2 taking VMs again", lambda: not any(
@@ -236,6 +239,25 @@ def main():
             d.find_element(By.ID, "vm-console").text), 20)
         minor += accessible("VM's page")
         d.save_screenshot(os.path.join(ART, "web-vm.png"))
+
+        # a host's page: its NICs with fabric, address, MTU and link; its VMs; its own checks
+        goto("#/host/host1")
+        nic_rows = wait("host1's NICs", lambda: d.execute_script(
+            "return [...document.querySelectorAll('#host-nics tbody tr')].map(r => [...r.cells].map(c => c.innerText))"), 15)
+        lab_nics = {l["nic"]: l for l in links if l["host"] == "host1"}
+        if sorted(r[0] for r in nic_rows) != sorted(lab_nics) or \
+                any(r[3] != str(lab_nics[r[0]]["mtu"]) or r[4] != "up" for r in nic_rows):
+            sys.exit(f"FAIL: host1's NICs on its page: {nic_rows} (the lab: {lab_nics})")
+        if "web1" not in d.find_element(By.ID, "host-vms").text:
+            sys.exit(f"FAIL: host1's page does not list web1: {d.find_element(By.ID, 'host-vms').text!r}")
+        d.find_element(By.ID, "host-validate").click()
+        wait("host1's checks", lambda: "passed" in d.find_element(By.ID, "host-status").text, 60)
+        host_checks = d.execute_script(
+            "return [...document.querySelectorAll('#host-checks tbody tr')].map(r => [...r.cells].map(c => c.innerText))")
+        if not host_checks or not any(c[2] for c in host_checks):
+            sys.exit(f"FAIL: host1's checks on its page: {host_checks[:5]}")
+        d.save_screenshot(os.path.join(ART, "web-host.png"))
+        minor += accessible("host's page")
 
         # storage: a QoS policy made from the page's form; a bad one refused with the server's reason
         goto("#/storage")
@@ -389,6 +411,11 @@ def main():
                 box.click()
             d.find_element(By.ID, "cluster-save").click()
             wait("the setting saved", lambda: json.loads(ferry("cluster", "show", "--json"))["encrypt_carriers"] == want, 10)
+        goto("#/host/host2")
+        d.find_element(By.ID, "host-max").send_keys("2")
+        d.find_element(By.ID, "host-save").click()
+        wait("host2's settings saved", lambda: next(h for h in json.loads(ferry("host", "list", "--json"))
+                                                    if h["name"] == "host2").get("settings", {}).get("max_migrations") == {"fixed": 2}, 10)
         d.find_element(By.ID, "sign-out").click()
         sign_in(operator)
         goto("#/")
@@ -445,7 +472,8 @@ def main():
         # read in one go: the VM table is drawn anew every 3 s
         buttons = d.execute_script(
             "return [...document.querySelectorAll('#vms button, .host button, #policies button, #disks button, #disks select[id^=disk-policy], "
-            "#policy-create, #vm-create-btn, #validate, #disk-create, #vm-move, #bw-set, #cluster-save, #rolling-start, #rolling-stop')]"
+            "#policy-create, #vm-create-btn, #validate, #disk-create, #vm-move, #bw-set, #cluster-save, #rolling-start, #rolling-stop, "
+            "#host-drain, #host-resume, #host-validate, #host-save')]"
             ".map(b => [b.getAttribute('aria-label') || b.textContent, b.disabled])")
         enabled = [label for label, disabled in buttons if not disabled]
         if not buttons or enabled:
@@ -494,6 +522,7 @@ def main():
             subprocess.run([FERRY, "vm", "rm", vm], capture_output=True)
         for disk in ("webdisk", "webdisk2"):
             subprocess.run([FERRY, "disk", "rm", disk], capture_output=True)
+        subprocess.run([FERRY, "host", "set", "host2", "--max-migrations", "auto"], capture_output=True)
         for policy in ("webgold", "webtmp"):
             subprocess.run([FERRY, "qos", "policy", "rm", policy], capture_output=True)
 

@@ -334,42 +334,43 @@ async fn watch(State(c): S, axum::extract::Query(q): axum::extract::Query<WatchQ
         }
     }
     let until = tokio::time::Instant::now() + WATCH_FOR;
-    let tick = tokio::time::interval(std::time::Duration::from_secs(1));
-    let last: Vec<String> = vec![String::new(); topics.len()];
-    let state = (c, caller, tick, topics, last, Vec::<Event>::new());
-    let events = futures::stream::unfold(
-        state,
-        move |(c, caller, mut tick, topics, mut last, mut ready)| async move {
-            while ready.is_empty() {
+    use futures::StreamExt;
+    // each topic on its own: a slow answer (an agent busy loading a guest)
+    // holds back its topic only
+    let streams = topics.into_iter().map(|(name, cmd)| {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let state = (c.clone(), caller.clone(), tick, String::new());
+        futures::stream::unfold(state, move |(c, caller, mut tick, mut last)| async move {
+            loop {
                 tick.tick().await;
                 if tokio::time::Instant::now() >= until {
                     return None;
                 }
-                for (i, (name, cmd)) in topics.iter().enumerate() {
-                    let ev = match c.execute_as(&caller, cmd()).await {
-                        Ok(Outcome::Value(v)) => {
-                            let text = v.to_string();
-                            if text == last[i] {
-                                continue;
-                            }
-                            last[i] = text.clone();
-                            Event::default().event(*name).data(text)
+                let ev = match c.execute_as(&caller, cmd()).await {
+                    Ok(Outcome::Value(v)) => {
+                        let text = v.to_string();
+                        if text == last {
+                            continue;
                         }
-                        Ok(_) => Event::default().event("error").data("unexpected answer"),
-                        Err(e) => Event::default()
-                            .event("error")
-                            .data(e.to_body().to_string()),
-                    };
-                    ready.push(ev.retry(std::time::Duration::from_millis(500)));
-                }
+                        last = text.clone();
+                        Event::default().event(name).data(text)
+                    }
+                    Ok(_) => Event::default().event("error").data("unexpected answer"),
+                    Err(e) => Event::default()
+                        .event("error")
+                        .data(e.to_body().to_string()),
+                };
+                let ev = ev.retry(std::time::Duration::from_millis(500));
+                return Some((
+                    Ok::<_, std::convert::Infallible>(ev),
+                    (c, caller, tick, last),
+                ));
             }
-            let ev = ready.remove(0);
-            Some((
-                Ok::<_, std::convert::Infallible>(ev),
-                (c, caller, tick, topics, last, ready),
-            ))
-        },
-    );
+        })
+        .boxed()
+    });
+    let events = futures::stream::select_all(streams);
     Sse::new(events)
         .keep_alive(KeepAlive::default())
         .into_response()
@@ -789,6 +790,14 @@ pub async fn serve(
             }
         })
     };
+    // HTTP/2 offered to browsers: the web console's event streams and
+    // requests share one connection (over HTTP/1.1 a browser opens at most
+    // six to a server, and each event stream holds one)
+    let tls = tls.map(|t| {
+        let mut c = (*t).clone();
+        c.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Arc::new(c)
+    });
     let r = ferry_api::server::serve(listener, router(control), tls).await;
     manager.abort();
     r

@@ -36,6 +36,7 @@ function watchCluster() {
   on("hosts", (hosts) => {
     const before = upHosts().join();
     ferry.hosts = hosts;
+    if (page.name === "host") showHost(page.arg);
     updateHosts(hosts);
     updateSummary();
     updateCreateHosts(hosts);
@@ -69,6 +70,7 @@ function updateSummary() {
 const PAGES = {
   overview: { title: "Overview" },
   vm: { title: "VM" },
+  host: { title: "Host" },
   operations: { title: "Migrations and drains" },
   operation: { title: "Operation" },
   storage: { title: "Storage" },
@@ -98,6 +100,7 @@ function route() {
   if (!ferry.session) return;
   const show = {
     vm: () => showVm(page.arg, true),
+    host: () => showHost(page.arg),
     operations: showOperations,
     operation: () => showOperation(page.arg),
     storage: refreshStorage,
@@ -139,14 +142,15 @@ function signedIn(s) {
   for (const r of vmRows.values()) r.tr.remove();
   vmRows.clear();
   // tables with controls or another user's view in them are drawn anew
-  for (const t of ["checks", "policies", "disks", "nodes", "operations", "vm-history", "bw-classes", "bw-nics", "rolling-hosts"])
+  for (const t of ["checks", "host-checks", "policies", "disks", "nodes", "operations", "vm-history", "bw-classes", "bw-nics", "rolling-hosts"])
     document.querySelector(`#${t} tbody`).innerHTML = "";
   stopEditing();
   // the page's fixed controls, for this user's role (rows draw their own)
   for (const id of ["policy-create", "disk-create", "vm-create-btn", "validate", "vm-move", "rolling-start", "rolling-stop"])
     mayOperate(document.getElementById(id));
-  for (const id of ["bw-set", "cluster-save"]) mayAdminister(document.getElementById(id));
-  for (const id of ["validate-status", "vm-create-status", "vm-status", "move-status", "drain-status", "drain-limit", "policy-status", "disk-status", "bw-status", "cluster-status", "rolling-status"])
+  for (const id of ["host-drain", "host-resume", "host-validate"]) mayOperate(document.getElementById(id));
+  for (const id of ["bw-set", "cluster-save", "host-save"]) mayAdminister(document.getElementById(id));
+  for (const id of ["validate-status", "vm-create-status", "vm-status", "move-status", "drain-status", "drain-limit", "policy-status", "disk-status", "bw-status", "cluster-status", "rolling-status", "host-status"])
     document.getElementById(id).textContent = "";
   document.getElementById("migration").hidden = true;
   document.getElementById("drain-moves").hidden = true;
@@ -301,8 +305,12 @@ function updateHosts(hosts) {
     const state = h.down ? "DOWN" : h.reachable ? "up" : "unreachable";
     const info = h.info;
     s.title.innerHTML = "";
+    const link = el("a", h.name);
+    link.href = "#/host/" + encodeURIComponent(h.name);
+    const name = el("b");
+    name.append(link, " ");
     s.title.append(
-      el("b", h.name + " "),
+      name,
       el("span", state + (h.draining ? ", draining" : ""), h.down ? "down" : h.draining ? "warn" : "ok"),
       el("span", info ? ` · ${mib(info.memory_free)} free · ${info.vms.length} VMs` : "")
     );
@@ -466,6 +474,18 @@ function migrationPanel(vm, from, to) {
     dl.innerHTML = "";
     for (const [k, v] of pairs) dl.append(el("dt", k), el("dd", v));
   };
+  // what the convergence policy decided, as it shows in the progress:
+  // the phase changed, auto-converge throttled the vCPUs, convergence won or lost
+  let last = null;
+  const decisions = (ev) => {
+    const at = `${(ev.elapsed_ms / 1000).toFixed(1)} s: `;
+    if (last && ev.phase !== last.phase) step(`${at}decision: ${last.phase} → ${ev.phase}`);
+    if ((ev.throttle_pct || 0) !== ((last && last.throttle_pct) || 0))
+      step(`${at}decision: vCPUs throttled to ${ev.throttle_pct || 0}% (auto-converge)`);
+    if (ev.converging != null && (!last || last.converging !== ev.converging))
+      step(`${at}${ev.converging ? "converging" : "not converging"}: transfer ${mbit(ev.throughput)}, dirtying ${mbit(ev.dirty_rate)}`);
+    last = ev;
+  };
   const step = (text) => {
     const ol = document.getElementById("migration-steps");
     const li = el("li", text);
@@ -474,6 +494,7 @@ function migrationPanel(vm, from, to) {
   };
   return {
     progress(ev) {
+      decisions(ev);
       data[0].push(ev.elapsed_ms / 1000);
       data[1].push((ev.throughput * 8) / 1e6);
       data[2].push((ev.dirty_rate * 8) / 1e6);
@@ -487,6 +508,9 @@ function migrationPanel(vm, from, to) {
         ["dirtying", mbit(ev.dirty_rate)],
         ["expected downtime", ev.expected_downtime_ms != null ? ev.expected_downtime_ms + " ms" : "—"],
         ["switch-over in", ev.eta_ms != null ? (ev.eta_ms / 1000).toFixed(1) + " s" : "—"],
+        ["converging", ev.converging == null ? "—" : ev.converging ? "yes" : "no: dirtying outruns the path"],
+        ["vCPU throttle", ev.throttle_pct ? ev.throttle_pct + "%" : "none"],
+        ...(ev.carriers_up != null ? [["carriers up", String(ev.carriers_up)]] : []),
         ...Object.entries(ev.nic_tx_bytes || {}).map(([n, b]) => [`sent on ${n}`, mib(b)]),
       ]);
     },
@@ -730,6 +754,85 @@ function drainView(op) {
     },
   };
 }
+
+// ---- a host's page -----------------------------------------------------------------
+
+// State, maintenance, NICs with their fabric, link and MTU, settings, VMs,
+// and this host's checks; drawn again with each pushed hosts' list.
+function showHost(name) {
+  const h = ferry.hosts.find((x) => x.name === name);
+  document.getElementById("host-title").textContent = `Host ${name}`;
+  const facts = document.getElementById("host-facts");
+  facts.innerHTML = "";
+  if (!h) {
+    facts.append(el("dt", "state"), el("dd", ferry.hosts.length ? "no such host" : "…"));
+    return;
+  }
+  const info = h.info;
+  const s = h.settings || {};
+  const limit = s.max_migrations == null ? "auto (default)" : s.max_migrations === "auto" ? "auto" : String(s.max_migrations.fixed);
+  for (const [k, v] of [
+    ["state", h.down ? "down: no heartbeat" : h.reachable ? "up" : `unreachable: ${h.error || ""}`],
+    ["maintenance", h.draining ? "drained: takes no VMs until resumed" : "no: takes VMs"],
+    ["agent", h.agent_url],
+    ["memory", info ? `${mib(info.memory_free)} free of ${mib(info.memory_total)}` : "—"],
+    ["migrations at once", limit],
+    ["performance option", s.migration_option || "auto (default)"],
+    ["features", info ? (info.features || []).join(", ") || "—" : "—"],
+  ])
+    facts.append(el("dt", k), el("dd", v));
+  const nb = document.querySelector("#host-nics tbody");
+  nb.innerHTML = "";
+  for (const n of info ? info.nics : []) {
+    const rate = ferry.nicRates[`${name}/${n.name}`];
+    row(nb, [n.name, n.network, n.address, String(n.mtu), el("span", n.up ? "up" : "down", n.up ? "ok" : "down"), rate == null ? "—" : rate.toFixed(0) + " Mbit/s"]);
+  }
+  const ul = document.getElementById("host-vms");
+  ul.innerHTML = "";
+  for (const v of ferry.vms.filter((v) => v.host === name)) {
+    const li = el("li");
+    const a = el("a", v.name);
+    a.href = "#/vm/" + encodeURIComponent(v.name);
+    li.append(a, ` (${vmState(v)}, ${mib(v.spec.memory)})`);
+    ul.appendChild(li);
+  }
+  if (!ul.children.length) ul.appendChild(el("li", "none"));
+}
+
+document.getElementById("host-drain").onclick = () => drainHost(page.arg);
+document.getElementById("host-resume").onclick = () =>
+  api("POST", `/api/v1/hosts/${encodeURIComponent(page.arg)}/resume`).then(() => status("host-status", `${page.arg} takes VMs again`), (e) => status("host-status", e.message));
+
+// POST /validate for this host (and the paths touching it)
+document.getElementById("host-validate").onclick = async () => {
+  const name = page.arg;
+  status("host-status", `validating ${name}…`);
+  try {
+    const r = await (await api("POST", "/api/v1/validate", { hosts: [name], throughput_ms: 0 })).json();
+    const tb = document.querySelector("#host-checks tbody");
+    tb.innerHTML = "";
+    for (const c of sortedChecks(r.checks).filter((c) => c.host === name))
+      row(tb, [checkStatus(c), c.check, c.nic || "", c.peer || "", c.observed, c.fix || ""]);
+    status("host-status", `${name}: ${r.passed} passed, ${r.warned} warned, ${r.failed} failed, ${r.not_available} not available here`);
+  } catch (e) {
+    status("host-status", `validation not run: ${e.message}`);
+  }
+};
+
+document.getElementById("host-settings").onsubmit = async (ev) => {
+  ev.preventDefault();
+  const name = page.arg;
+  const settings = {};
+  const max = field("host-max");
+  if (max) settings.max_migrations = max === "auto" ? "auto" : { fixed: Number(max) };
+  if (field("host-option")) settings.migration_option = field("host-option");
+  try {
+    await api("PUT", `/api/v1/hosts/${encodeURIComponent(name)}/settings`, settings);
+    status("host-status", `${name}: settings saved`);
+  } catch (e) {
+    status("host-status", `${name}: settings not saved: ${e.message}`);
+  }
+};
 
 // ---- a VM's page ---------------------------------------------------------------------
 
@@ -1092,6 +1195,17 @@ document.getElementById("disk-form").onsubmit = async (ev) => {
 
 // ---- validation ----------------------------------------------------------------
 
+// Checks in the order an administrator reads them: failures first.
+function sortedChecks(checks) {
+  const order = { fail: 0, warn: 1, not_available: 2, pass: 3 };
+  return [...checks].sort((a, b) => order[a.status] - order[b.status]);
+}
+
+function checkStatus(c) {
+  const cls = { fail: "down", warn: "warn", not_available: "na", pass: "ok" };
+  return el("span", c.status.replace("_", " "), cls[c.status]);
+}
+
 // POST /api/v1/validate: every check with its host, NIC and peer, what was
 // seen and the fix; failures first.
 document.getElementById("validate").onclick = async () => {
@@ -1100,13 +1214,9 @@ document.getElementById("validate").onclick = async () => {
   status.textContent = "validating…";
   try {
     const r = await (await api("POST", "/api/v1/validate", { throughput_ms: throughput ? 1000 : 0 })).json();
-    const order = { fail: 0, warn: 1, not_available: 2, pass: 3 };
-    const cls = { fail: "down", warn: "warn", not_available: "na", pass: "ok" };
     const tb = document.querySelector("#checks tbody");
     tb.innerHTML = "";
-    for (const c of [...r.checks].sort((a, b) => order[a.status] - order[b.status])) {
-      row(tb, [el("span", c.status.replace("_", " "), cls[c.status]), c.check, c.host, c.nic || "", c.peer || "", c.observed, c.fix || ""]);
-    }
+    for (const c of sortedChecks(r.checks)) row(tb, [checkStatus(c), c.check, c.host, c.nic || "", c.peer || "", c.observed, c.fix || ""]);
     status.textContent = `${r.hosts.length} hosts: ${r.passed} passed, ${r.warned} warned, ${r.failed} failed, ${r.not_available} not available here`;
   } catch (e) {
     status.textContent = `validation not run: ${e.message}`;
