@@ -19,6 +19,15 @@ use futures::stream::{BoxStream, StreamExt};
 /// How many operations are kept, running or ended.
 pub const KEEP: usize = 64;
 
+/// Events an operation keeps whole; past them, a progress event replaces
+/// the progress event before it (a drain of many guests over slow links
+/// sends one every half second per move), so a kept operation stays small.
+pub const MAX_EVENTS: usize = 4096;
+
+fn is_progress(ev: &serde_json::Value) -> bool {
+    ev.get("event").and_then(|e| e.as_str()) == Some("progress")
+}
+
 /// One operation and a signal for its followers.
 pub struct Op {
     data: Mutex<Operation>,
@@ -55,7 +64,16 @@ impl Op {
                 d.ended_ms = Some(ferry_api::util::now_ms());
             }
         }
-        d.events.push(ev);
+        let thin = d.events.len() >= MAX_EVENTS
+            && is_progress(&ev)
+            && d.events.last().is_some_and(is_progress);
+        if thin {
+            if let Some(last) = d.events.last_mut() {
+                *last = ev;
+            }
+        } else {
+            d.events.push(ev);
+        }
         d.event_count = d.events.len();
         self.changed.send_replace(());
     }
@@ -266,6 +284,30 @@ mod tests {
             ops.get("nothing"),
             Err(ferry_api::ApiError::NotFound { .. })
         ));
+    }
+
+    #[tokio::test]
+    async fn a_long_operation_keeps_its_steps_and_thins_its_progress() {
+        let ops = Operations::default();
+        let mut evs: Vec<_> = (0..MAX_EVENTS)
+            .map(|i| json!({"event": "progress", "n": i}))
+            .collect();
+        for i in 0..1000 {
+            evs.push(json!({"event": "progress", "n": MAX_EVENTS + i}));
+            if i % 100 == 0 {
+                evs.push(json!({"event": "step", "n": i}));
+            }
+        }
+        evs.push(json!({"event": "completed"}));
+        let op = start(&ops, evs);
+        let seen: Vec<_> = op.clone().follow(0).collect().await;
+        let s = op.snapshot();
+        assert_eq!(s.state, OperationState::Completed);
+        // every step and the end kept, progress between them one each
+        assert_eq!(seen.iter().filter(|e| e["event"] == "step").count(), 10);
+        assert!(s.events.len() <= MAX_EVENTS + 21, "{}", s.events.len());
+        assert_eq!(s.events.last().unwrap()["event"], "completed");
+        assert_eq!(s.events[s.events.len() - 2]["n"], MAX_EVENTS + 999);
     }
 
     #[tokio::test]
