@@ -481,6 +481,13 @@ def main():
         no_csrf, with_csrf = forged(False), forged(True)
         if no_csrf != [403, "refused"] or with_csrf != [403, "forbidden"]:
             sys.exit(f"FAIL: forged requests were not refused: without CSRF {no_csrf}, with it {with_csrf}")
+        # a console is an operator's to read: refused to this user, said so on the VM's page
+        console_status = d.execute_async_script(
+            "const done = arguments[0]; fetch('/api/v1/vms/web1/console', {credentials: 'same-origin'}).then(r => done(r.status))")
+        goto("#/vm/web1")
+        said = wait("the VM page's word on the console", lambda: d.find_element(By.ID, "vm-console").text, 10)
+        if console_status != 403 or "operator's" not in said:
+            sys.exit(f"FAIL: a read-only user and web1's console: {console_status}, {said!r}")
         d.save_screenshot(os.path.join(ART, "web-read-only.png"))
         minor += accessible("read-only console")
 

@@ -129,7 +129,9 @@ impl Command {
             Command::Events { .. } => (ReadOnly, "read the event log".into()),
             Command::ListOperations => (ReadOnly, "list operations".into()),
             Command::GetOperation { id } => (ReadOnly, format!("read operation {id}")),
-            Command::ConsoleTail { name, .. } => (ReadOnly, format!("read VM {name}'s console")),
+            // a guest's console may print what it keeps from onlookers
+            // (passwords made at first boot): an operator's, as moving it is
+            Command::ConsoleTail { name, .. } => (Operator, format!("read VM {name}'s console")),
             Command::ListBandwidth => (ReadOnly, "list bandwidth classes".into()),
             Command::GetCluster => (ReadOnly, "read cluster settings".into()),
             Command::CreateVm(r) => (Operator, format!("create VM {}", r.spec.name)),

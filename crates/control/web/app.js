@@ -234,6 +234,18 @@ function row(tbody, cells) {
   return tr;
 }
 
+// The definition list `id` holds `pairs` of term and value (text or a node).
+function drawFacts(id, pairs) {
+  const dl = document.getElementById(id);
+  dl.innerHTML = "";
+  for (const [k, v] of pairs) {
+    const dd = el("dd");
+    if (v instanceof Node) dd.appendChild(v);
+    else dd.textContent = v;
+    dl.append(el("dt", k), dd);
+  }
+}
+
 const mib = (b) => (b / 1048576).toFixed(0) + " MiB";
 
 // ---- hosts and NIC graphs -----------------------------------------------------
@@ -469,11 +481,7 @@ function migrationPanel(vm, from, to) {
     data,
     plotDiv
   );
-  const facts = (pairs) => {
-    const dl = document.getElementById("migration-facts");
-    dl.innerHTML = "";
-    for (const [k, v] of pairs) dl.append(el("dt", k), el("dd", v));
-  };
+  const facts = (pairs) => drawFacts("migration-facts", pairs);
   // what the convergence policy decided, as it shows in the progress:
   // the phase changed, auto-converge throttled the vCPUs, convergence won or lost
   let last = null;
@@ -762,16 +770,14 @@ function drainView(op) {
 function showHost(name) {
   const h = ferry.hosts.find((x) => x.name === name);
   document.getElementById("host-title").textContent = `Host ${name}`;
-  const facts = document.getElementById("host-facts");
-  facts.innerHTML = "";
   if (!h) {
-    facts.append(el("dt", "state"), el("dd", ferry.hosts.length ? "no such host" : "…"));
+    drawFacts("host-facts", [["state", ferry.hosts.length ? "no such host" : "…"]]);
     return;
   }
   const info = h.info;
   const s = h.settings || {};
   const limit = s.max_migrations == null ? "auto (default)" : s.max_migrations === "auto" ? "auto" : String(s.max_migrations.fixed);
-  for (const [k, v] of [
+  drawFacts("host-facts", [
     ["state", h.down ? "down: no heartbeat" : h.reachable ? "up" : `unreachable: ${h.error || ""}`],
     ["maintenance", h.draining ? "drained: takes no VMs until resumed" : "no: takes VMs"],
     ["agent", h.agent_url],
@@ -779,8 +785,7 @@ function showHost(name) {
     ["migrations at once", limit],
     ["performance option", s.migration_option || "auto (default)"],
     ["features", info ? (info.features || []).join(", ") || "—" : "—"],
-  ])
-    facts.append(el("dt", k), el("dd", v));
+  ]);
   const nb = document.querySelector("#host-nics tbody");
   nb.innerHTML = "";
   for (const n of info ? info.nics : []) {
@@ -841,17 +846,13 @@ document.getElementById("host-settings").onsubmit = async (ev) => {
 async function showVm(name, full) {
   const v = ferry.vms.find((x) => x.name === name);
   document.getElementById("vm-title").textContent = `VM ${name}`;
-  const facts = document.getElementById("vm-facts");
-  facts.innerHTML = "";
   if (!v) {
-    facts.append(el("dt", "state"), el("dd", ferry.vms.length ? "no such VM (removed?)" : "…"));
+    drawFacts("vm-facts", [["state", ferry.vms.length ? "no such VM (removed?)" : "…"]]);
   } else {
     const spec = el("details");
     spec.append(el("summary", "spec"), el("pre", JSON.stringify(v.spec, null, 2)));
-    for (const [k, val] of [["host", v.host], ["state", vmState(v)], ["memory", mib(v.spec.memory)], ["vCPUs", String(v.spec.vcpus || 1)], ["disks", (v.spec.disks || []).map((d) => d.disk).join(", ") || "none"]])
-      facts.append(el("dt", k), el("dd", val));
-    facts.append(el("dt", "spec"), el("dd", ""));
-    facts.lastChild.appendChild(spec);
+    drawFacts("vm-facts", [["host", v.host], ["state", vmState(v)], ["memory", mib(v.spec.memory)], ["vCPUs", String(v.spec.vcpus || 1)],
+      ["disks", (v.spec.disks || []).map((d) => d.disk).join(", ") || "none"], ["spec", spec]]);
     const sel = document.getElementById("vm-move-to");
     const want = upHosts().filter((h) => h !== v.host);
     if ([...sel.options].map((o) => o.value).join() !== want.join()) {
@@ -898,6 +899,10 @@ async function showVm(name, full) {
 
 async function readConsole(name) {
   const pre = document.getElementById("vm-console");
+  if (!canOperate()) {
+    pre.textContent = "A console is an operator's to read (it may print what a read-only user should not see).";
+    return;
+  }
   try {
     const c = await get(`/api/v1/vms/${encodeURIComponent(name)}/console?bytes=8192`);
     pre.textContent = c.text || "(nothing written yet)";
