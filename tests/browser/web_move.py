@@ -317,10 +317,14 @@ def main():
         if (flow["min_iops"], flow["max_iops"]) != (100, 800):
             sys.exit(f"FAIL: the flow's limits are not its policy's: {flow}")
         line = wait("the flow's IOPS line", lambda: (lambda v: v if v and max(x or 0 for x in v) > 0 else None)(
-            d.execute_script("return (window.ferry.flowSeries.flows['webdisk/web1'] || null)")), 30)
+            d.execute_script("return (window.ferry.flowSeries.iops['webdisk/web1'] || null)")), 30)
         legend = d.find_element(By.ID, "flows-plot").text
         if "webdisk/web1" not in legend or not d.find_elements(By.CSS_SELECTOR, "#flows-plot canvas"):
             sys.exit(f"FAIL: the flows' graph has no line for webdisk/web1: {legend!r}")
+        # the same flows' latency over time, picked from the graph's list
+        Select(d.find_element(By.ID, "flow-metric")).select_by_value("latency")
+        wait("the flows' latency graph", lambda: "latency µs" in d.find_element(By.ID, "flows-plot").text, 10)
+        Select(d.find_element(By.ID, "flow-metric")).select_by_value("iops")
         d.save_screenshot(os.path.join(ART, "web-storage.png"))
         minor += accessible("storage page")
         # a second disk deleted (confirmed), a second policy deleted

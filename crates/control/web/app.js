@@ -1002,7 +1002,7 @@ document.getElementById("policy-form").onsubmit = async (ev) => {
 };
 
 // flow -> IOPS samples, with their times, for the flows' graph
-const flowSeries = (ferry.flowSeries = { t: [], flows: {}, plot: null, names: "" });
+const flowSeries = (ferry.flowSeries = { t: [], iops: {}, mbps: {}, latency: {}, plot: null, names: "" });
 
 function updateFlows(flows) {
   ferry.flows = flows;
@@ -1015,35 +1015,55 @@ function updateFlows(flows) {
   updateFlowPlot(flows);
 }
 
-// Each flow's IOPS over the last two minutes, one line per flow.
+// What the flows' graph can draw: each flow's value and its axis.
+const FLOW_METRICS = {
+  iops: { of: (f) => f.iops, unit: "IOPS", axis: "IOPS (8 KiB)" },
+  mbps: { of: (f) => f.bandwidth / 1e6, unit: "MB/s", axis: "MB/s" },
+  latency: { of: (f) => f.latency_us, unit: "µs", axis: "latency µs" },
+};
+
+// Each flow's IOPS, MB/s and latency over the last two minutes; the graph
+// draws the one picked, a line per flow.
 function updateFlowPlot(flows) {
   const now = Date.now() / 1000;
   const s = flowSeries;
   s.t.push(now);
-  for (const f of flows) {
-    if (!s.flows[f.id]) s.flows[f.id] = s.t.slice(0, -1).map(() => null);
-    s.flows[f.id].push(f.iops);
+  for (const [m, { of }] of Object.entries(FLOW_METRICS)) {
+    const per = (s[m] = s[m] || {});
+    for (const f of flows) {
+      if (!per[f.id]) per[f.id] = s.t.slice(0, -1).map(() => null);
+      per[f.id].push(of(f));
+    }
+    for (const k of Object.keys(per)) if (per[k].length < s.t.length) per[k].push(null);
   }
-  for (const k of Object.keys(s.flows)) if (s.flows[k].length < s.t.length) s.flows[k].push(null);
   while (s.t.length && s.t[0] < now - WINDOW_S) {
     s.t.shift();
-    for (const k in s.flows) s.flows[k].shift();
+    for (const m of Object.keys(FLOW_METRICS)) for (const k in s[m]) s[m][k].shift();
   }
-  const names = Object.keys(s.flows).sort();
+  drawFlowPlot();
+}
+
+function drawFlowPlot() {
+  const s = flowSeries;
+  const metric = document.getElementById("flow-metric").value;
+  const per = s[metric] || {};
+  const names = Object.keys(per).sort();
   if (!names.length) return;
-  if (s.plot && s.names !== names.join(",")) {
+  const key = metric + ":" + names.join(",");
+  if (s.plot && s.names !== key) {
     s.plot.destroy();
     s.plot = null;
   }
-  const data = [s.t, ...names.map((k) => s.flows[k])];
+  const data = [s.t, ...names.map((k) => per[k])];
   if (!s.plot) {
-    s.names = names.join(",");
-    s.plot = new uPlot(lastMinutes(names, "IOPS", 560, 180, "IOPS (8 KiB)"), data, document.getElementById("flows-plot"));
+    s.names = key;
+    const m = FLOW_METRICS[metric];
+    s.plot = new uPlot(lastMinutes(names, m.unit, 560, 180, m.axis), data, document.getElementById("flows-plot"));
   } else {
     s.plot.setData(data);
   }
 }
-
+document.getElementById("flow-metric").onchange = drawFlowPlot;
 
 // A disk's policy set (or cleared, blank) from its row.
 function diskPolicy(d, policies) {
