@@ -323,7 +323,8 @@ def main():
             sys.exit(f"FAIL: the flows' graph has no line for webdisk/web1: {legend!r}")
         # the same flows' latency over time, picked from the graph's list
         Select(d.find_element(By.ID, "flow-metric")).select_by_value("latency")
-        wait("the flows' latency graph", lambda: "latency µs" in d.find_element(By.ID, "flows-plot").text, 10)
+        wait("the flows' latency graph", lambda: d.execute_script("return window.ferry.flowSeries.names") == "latency:webdisk/web1"
+             and d.find_elements(By.CSS_SELECTOR, "#flows-plot canvas"), 10)
         Select(d.find_element(By.ID, "flow-metric")).select_by_value("iops")
         d.save_screenshot(os.path.join(ART, "web-storage.png"))
         minor += accessible("storage page")

@@ -733,9 +733,30 @@ pub async fn operations(cli: &Cli, id: Option<&str>, json: bool) -> anyhow::Resu
             print_json(&op);
         } else {
             for ev in &op.events {
-                println!("{ev}");
+                let kind = ev.get("event").and_then(|e| e.as_str()).unwrap_or("?");
+                let text = ev.to_string();
+                let short: String = text.chars().take(110).collect();
+                let more = if text.chars().count() > 110 {
+                    "…"
+                } else {
+                    ""
+                };
+                println!("{kind:>9}  {short}{more}");
             }
-            println!("{:?} {} ({} events)", op.kind, op.subject, op.event_count);
+            let to = op
+                .target
+                .as_deref()
+                .map(|t| format!(" → {t}"))
+                .unwrap_or_default();
+            println!(
+                "{} {} on {}{to}: {} ({} events, by {})",
+                format!("{:?}", op.kind).to_lowercase(),
+                op.subject,
+                op.source,
+                format!("{:?}", op.state).to_lowercase(),
+                op.event_count,
+                op.by
+            );
         }
         return Ok(0);
     }

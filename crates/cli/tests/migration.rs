@@ -61,6 +61,80 @@ fn vm_with_1gib_filled_moves_host1_host2_three_times_intact() {
 
 #[test]
 #[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
+fn a_move_goes_on_when_its_command_is_interrupted_and_anyone_follows_it() {
+    require_lab();
+    let _g = serial();
+    lab(2, 1);
+    let _vm = VmGuard::create("op1", "host1", "512M", "384M");
+    // the command that starts it is killed a second in (384 MiB at 1 Gbit/s takes ~3 s)
+    let mut cli = std::process::Command::new(FERRY)
+        .args(["vm", "move", "op1", "--to", "host2", "--json"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    cli.kill().unwrap();
+    let _ = cli.wait();
+    // the control service lists the move, started by the lab's admin token, and runs it to its end
+    let newest = || {
+        ferry_json(&["operations"])
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|o| o["subject"] == "op1")
+            .cloned()
+            .expect("op1's move listed")
+    };
+    let first = newest();
+    assert_eq!(
+        (
+            first["kind"].as_str(),
+            first["source"].as_str(),
+            first["target"].as_str()
+        ),
+        (Some("migration"), Some("host1"), Some("host2")),
+        "{first}"
+    );
+    assert_eq!(first["by"], "admin", "{first}");
+    let t0 = std::time::Instant::now();
+    while newest()["state"] == "running" {
+        assert!(t0.elapsed().as_secs() < 120, "op1's move still running");
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+    let id = first["id"].as_str().unwrap();
+    let op = ferry_json(&["operations", id]);
+    assert_eq!(op["state"], "completed", "{op}");
+    let events = op["events"].as_array().unwrap();
+    assert_eq!(events.len() as u64, op["event_count"].as_u64().unwrap());
+    assert_eq!(events.first().unwrap()["event"], "step", "{op}");
+    assert_eq!(events.last().unwrap()["event"], "completed", "{op}");
+    assert_intact_on("op1", "host2");
+    // the guest's console, read on its new host
+    let tail = ferry_json(&["vm", "console", "op1", "--bytes", "4K"]);
+    assert_eq!(tail["host"], "host2", "{tail}");
+    assert!(
+        tail["text"].as_str().unwrap().contains("FERRY tick="),
+        "{tail}"
+    );
+    // (the target's QEMU writes a console of its own from the switch-over on)
+    let text = tail["text"].as_str().unwrap();
+    assert!(text.len() <= 4096, "{tail}");
+    assert!(
+        tail["size"].as_u64().unwrap() >= text.len() as u64,
+        "{tail}"
+    );
+    // an operation that is not one is named
+    let out = ferry(&["operations", "migration-0-0"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("migration-0-0"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn move_to_a_host_without_memory_is_refused_before_anything_starts() {
     require_lab();
     let _g = serial();
