@@ -6,18 +6,21 @@ the page's reach); start a move with its button and follow it on its own
 page (#/operation/ID) — the per-NIC graph of the source rises on both NICs,
 the report's downtime is the API's, and the page reloaded after the end
 rebuilds the same report from the operation; drain a host from its card
-and see every move reach done on the drain's page; a VM's page with its
-moves and its console's end; the list of migrations and drains; storage:
-policies made, edited and refused with the server's reason, a disk made,
-given a policy, grown, attached to a running VM and its flow's IOPS line
-drawn under that policy; events as sentences, filtered; the checklist per
-host and NIC; bandwidth classes, cluster settings and a rolling drain
-started and stopped; a VM created from the form (a refused spec shows the
-server's reason) and removed from its row; a read-only user sees every
-changing control disabled and a forged request refused (403 without the
-CSRF token, 403 for the role with it); on a phone-sized screen (390 px)
-nothing reaches past its edge; axe-core finds no serious violation on any
-page; a screenshot of each page.
+and see every move reach done on the drain's page; the list of migrations
+and drains; a VM's page with its moves and its console's end; a host's
+page with its NICs and its own checks; storage: policies made, edited and
+refused with the server's reason, a disk made, given a policy, grown,
+attached to a running VM and its flow's IOPS (and latency) line drawn
+under that policy; events as sentences, filtered; the checklist per host
+and NIC; a rolling drain started and stopped; as an administrator, a
+bandwidth class, a cluster setting and a host's settings set and put back,
+and the attached disk backed up live to a new file; a VM created from the
+form (a refused spec shows the server's reason) and removed from its row;
+a read-only user sees every changing control disabled, a forged request
+refused (403 without the CSRF token, 403 for the role with it) and a
+console refused; on a phone-sized screen (390 px) nothing reaches past its
+edge on five pages; axe-core finds no serious violation on any page; a
+screenshot of each page.
 
 Needs root (a lab), QEMU and chromium; run by `scripts/run test` after the
 cargo tests. Screenshots: target/artifacts/web-*.png.
@@ -30,6 +33,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
+from selenium.common.exceptions import NoAlertPresentException
 from selenium.webdriver.support.ui import Select
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -109,6 +113,14 @@ def main():
             fetch("/api/v1/hosts/host1/resume", {method: "POST", headers: h, credentials: "same-origin"})
               .then(async r => done([r.status, (await r.json()).code]));
         """, csrf)
+
+    backup_file = f"/tmp/ferry-web-backup-{os.getpid()}.img"
+
+    def alert_now():
+        try:
+            return d.switch_to.alert
+        except NoAlertPresentException:
+            return None
 
     def goto(fragment):
         """A page of the console by its address, as a link or a bookmark would open it."""
@@ -416,6 +428,18 @@ def main():
                 box.click()
             d.find_element(By.ID, "cluster-save").click()
             wait("the setting saved", lambda: json.loads(ferry("cluster", "show", "--json"))["encrypt_carriers"] == want, 10)
+        # a live backup of the attached disk to a new file on its node (an administrator's), followed to its end
+        goto("#/storage")
+        wait("webdisk's Back up button enabled", lambda: d.find_elements(By.ID, "disk-backup-webdisk")
+             and d.find_element(By.ID, "disk-backup-webdisk").is_enabled(), 15)
+        d.execute_script("setTimeout(() => document.getElementById('disk-backup-webdisk').click(), 0)")
+        ask = wait("the backup's question", alert_now, 5)
+        ask.send_keys(backup_file)
+        ask.accept()
+        said = wait("the backup's end", lambda: (lambda t: t if ": done," in t or ": failed" in t or "not backed up" in t else None)(
+            d.find_element(By.ID, "disk-status").text), 60)
+        if ": done," not in said or not os.path.getsize(backup_file):
+            sys.exit(f"FAIL: webdisk's backup from the page: {said!r}")
         goto("#/host/host2")
         d.find_element(By.ID, "host-max").send_keys("2")
         d.find_element(By.ID, "host-save").click()
@@ -535,6 +559,9 @@ def main():
         for disk in ("webdisk", "webdisk2"):
             subprocess.run([FERRY, "disk", "rm", disk], capture_output=True)
         subprocess.run([FERRY, "host", "set", "host2", "--max-migrations", "auto"], capture_output=True)
+        for f in (backup_file, backup_file + ".json"):
+            if os.path.exists(f):
+                os.remove(f)
         for policy in ("webgold", "webtmp"):
             subprocess.run([FERRY, "qos", "policy", "rm", policy], capture_output=True)
 

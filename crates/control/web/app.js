@@ -1106,7 +1106,7 @@ function diskAttach(d) {
 
 // A disk's backup to a file on its node, followed until it ends.
 async function backUp(d) {
-  const path = prompt(`Back up ${d.name} to which file on ${d.node}?`, `/var/lib/ferry/backups/${d.name}-${new Date().toISOString().slice(0, 19).replace(/:/g, "")}.img`);
+  const path = prompt(`Back up ${d.name} to which new file on ${d.node}? (an absolute path in a directory that exists there)`, "");
   if (!path) return;
   try {
     await api("POST", `/api/v1/disks/${encodeURIComponent(d.name)}/backups`, { path });
