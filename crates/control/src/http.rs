@@ -322,15 +322,8 @@ async fn watch(State(c): S, axum::extract::Query(q): axum::extract::Query<WatchQ
     }
     // refused at once (the role) rather than as a stream of errors
     for (_, cmd) in &topics {
-        let (needed, action) = cmd().needs();
-        if caller.role < needed {
-            return ErrorResponse(ferry_api::ApiError::Forbidden {
-                caller: format!("token {}", caller.name),
-                role: caller.role.to_string(),
-                action,
-                needed: needed.to_string(),
-            })
-            .into_response();
+        if let Err(e) = crate::permitted(&caller, &cmd()) {
+            return ErrorResponse(e).into_response();
         }
     }
     let until = tokio::time::Instant::now() + WATCH_FOR;
@@ -387,12 +380,15 @@ async fn watch_operation(
 ) -> Response {
     use axum::response::sse::{Event, KeepAlive, Sse};
     use futures::StreamExt;
-    let op = match run_value(&c, Command::GetOperation { id: id.clone() }).await {
-        Ok(_) => match c.operation(&id) {
-            Ok(op) => op,
-            Err(e) => return ErrorResponse(e).into_response(),
-        },
-        Err(r) => return r,
+    let Ok(caller) = CALLER.try_with(Caller::clone) else {
+        return ErrorResponse(ferry_api::ApiError::unauthorized("no API token")).into_response();
+    };
+    // the role as for GET /operations/{id}, without copying its events
+    let op = match crate::permitted(&caller, &Command::GetOperation { id: id.clone() })
+        .and_then(|()| c.operation(&id))
+    {
+        Ok(op) => op,
+        Err(e) => return ErrorResponse(e).into_response(),
     };
     let from = headers
         .get("last-event-id")
@@ -420,16 +416,6 @@ async fn watch_operation(
     Sse::new(events)
         .keep_alive(KeepAlive::default())
         .into_response()
-}
-
-/// Runs `cmd` as the request's caller: its answer, or the error response.
-async fn run_value(c: &Arc<Control>, cmd: Command) -> Result<Outcome, Response> {
-    let caller = CALLER.try_with(Caller::clone).map_err(|_| {
-        ErrorResponse(ferry_api::ApiError::unauthorized("no API token")).into_response()
-    })?;
-    c.execute_as(&caller, cmd)
-        .await
-        .map_err(|e| ErrorResponse(e).into_response())
 }
 
 #[derive(serde::Deserialize)]

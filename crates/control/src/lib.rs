@@ -116,6 +116,21 @@ pub enum Command {
     },
 }
 
+/// Whether `caller`'s role may run `cmd`: `Forbidden` naming the role
+/// needed when it is weaker.
+pub(crate) fn permitted(caller: &Caller, cmd: &Command) -> Result<(), ApiError> {
+    let (needed, action) = cmd.needs();
+    if caller.role < needed {
+        return Err(ApiError::Forbidden {
+            caller: format!("token {}", caller.name),
+            role: caller.role.to_string(),
+            action,
+            needed: needed.to_string(),
+        });
+    }
+    Ok(())
+}
+
 impl Command {
     /// The role a token needs to run this command, and what it is called
     /// in refusals and the event log.
@@ -394,7 +409,7 @@ impl Control {
         cmd: Command,
     ) -> Result<Outcome, ApiError> {
         let (needed, action) = cmd.needs();
-        if caller.role < needed {
+        if let Err(e) = permitted(caller, &cmd) {
             tracing::warn!(token = %caller.name, role = %caller.role, %action, "refused: role too weak");
             self.log(
                 "refused",
@@ -402,12 +417,7 @@ impl Control {
                 serde_json::json!({ "by": caller.name, "role": caller.role, "action": action,
                                     "needs": needed, "status": 403 }),
             );
-            return Err(ApiError::Forbidden {
-                caller: format!("token {}", caller.name),
-                role: caller.role.to_string(),
-                action,
-                needed: needed.to_string(),
-            });
+            return Err(e);
         }
         if needed > TokenRole::ReadOnly {
             self.log(
