@@ -915,6 +915,7 @@ impl Agent {
             features: vec![
                 ferry_api::FEATURE_QEMU_ZSTD.into(),
                 ferry_api::FEATURE_STREAM_WINDOWS.into(),
+                ferry_api::FEATURE_QEMU_CHANNELS.into(),
             ],
         }
     }

@@ -77,7 +77,8 @@ pub struct HostInfo {
     #[serde(default)]
     pub paths: Vec<NicPath>,
     /// What this agent takes in a migration's request beyond the first
-    /// version of it ([`FEATURE_QEMU_ZSTD`], [`FEATURE_STREAM_WINDOWS`]): a
+    /// version of it ([`FEATURE_QEMU_ZSTD`], [`FEATURE_STREAM_WINDOWS`],
+    /// [`FEATURE_QEMU_CHANNELS`]): a
     /// source asks only for what its target lists, so an agent not yet
     /// upgraded still takes moves.
     #[serde(default)]
@@ -88,6 +89,8 @@ pub struct HostInfo {
 pub const FEATURE_QEMU_ZSTD: &str = "qemu-zstd";
 /// The target's carriers send WINDOW frames when asked (`IncomingRequest::stream_windows`).
 pub const FEATURE_STREAM_WINDOWS: &str = "stream-windows";
+/// The target's QEMU takes QEMU's own multifd channels when asked (`IncomingRequest::qemu_channels`).
+pub const FEATURE_QEMU_CHANNELS: &str = "qemu-channels";
 
 pub const DEFAULT_PROBE_PORT: u16 = 7801;
 
@@ -854,6 +857,12 @@ pub struct IncomingRequest {
     /// still to load when the source pauses stays small.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub stream_windows: bool,
+    /// With `tcp`: the source's QEMU opens its multifd channels straight to
+    /// the target's QEMU (no carriers, no agent relays a byte); the target's
+    /// QEMU expects them. `compression` takes this when the CPU, not the
+    /// link, limits the move (see the agent's `migration::auto`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub qemu_channels: bool,
 }
 
 /// One local drive a migration copies (see [`IncomingRequest::local_disks`]).

@@ -151,6 +151,54 @@ pub(super) fn qemu_compresses(ratio: Option<f64>, idle: Option<f64>) -> (Option<
     }
 }
 
+/// QEMU's own CPU to send and load a GiB of guest memory, both hosts
+/// together: the source's multifd send threads, and the target's receive
+/// threads, most of it the kernel clearing each fresh page they write. In
+/// this lab's moves 2.0 CPU-s for 0.57 GiB of pages, compressed or not
+/// (BENCHMARKS.md "Compression: QEMU's own channels …").
+pub const LOAD_CPU_S_PER_GIB: f64 = 3.5;
+
+/// Whether `compression` hands a move to QEMU's own multifd channels,
+/// straight from the source's QEMU to the target's, and why: when QEMU
+/// sends the pages as they are (it was not asked to compress them) and the
+/// link (`link_bits`, 0 unknown) delivers them faster than the spare CPU
+/// (`idle` share of `cpus`, less the [`MIN_IDLE`] share compression keeps
+/// free) can load them ([`LOAD_CPU_S_PER_GIB`]). Then the CPU, not the
+/// link, is the limit: Ferry's frames would gain little (the pages do not
+/// compress, or there is no CPU to compress them) and each CPU-second the
+/// agents' relay takes (QEMU → agent → carrier → agent → QEMU) is one the
+/// hosts do not spend loading. Not for memory QEMU compresses: its
+/// compressed pages outrun the target's loading, and only Ferry's stream
+/// windows keep that backlog (the switch-over's wait) small.
+///
+/// [`MIN_IDLE`]: ferry_transport::compress::MIN_IDLE
+pub(super) fn own_channels(
+    ratio: Option<f64>,
+    idle: Option<f64>,
+    cpus: usize,
+    link_bits: u64,
+) -> Option<String> {
+    let idle = idle?;
+    if link_bits == 0 {
+        return None;
+    }
+    let spare = (idle - ferry_transport::compress::MIN_IDLE).max(0.0) * cpus as f64;
+    let gib = (1u64 << 30) as f64;
+    let loads = spare / LOAD_CPU_S_PER_GIB * gib * 8.0;
+    if (link_bits as f64) <= loads {
+        return None;
+    }
+    let shown = ratio.map_or("all zero".to_string(), |r| format!("{r:.2}"));
+    Some(format!(
+        "QEMU's own multifd channels carry it, no agent relays a byte: its pages go as they are \
+         (a memory sample compresses to {shown}) and the link's {} Mbit/s outruns what the \
+         spare CPU ({:.0}% idle of {cpus}) loads, {:.0} Mbit/s: the CPU is the limit",
+        link_bits / 1_000_000,
+        idle * 100.0,
+        loads / 1e6
+    ))
+}
+
 /// LZ4's ratio on [`SAMPLE_CHUNKS`] chunks of the guest's memory (QMP
 /// `pmemsave` into the VM's directory); `None` if it is all zero or cannot be read.
 pub(super) async fn sample_memory(vm: &QemuVm, memory: u64) -> Option<f64> {
@@ -239,6 +287,28 @@ mod tests {
         let (_, why) = auto_choice(false, true, Some(0.97), Some(0.8), None);
         assert!(why.contains("0.97") && why.contains("MPTCP"), "{why}");
         assert!(!why.contains("  "), "{why}");
+    }
+
+    #[test]
+    fn compression_takes_qemus_own_channels_only_when_the_cpu_is_the_limit() {
+        // recorded at the start of moves in the lab: random memory (1.0),
+        // 90% idle on 2 CPUs: 1.4 CPUs spare load ~3.4 Gbit/s of pages
+        let unshaped = 10_000_000_000;
+        let why = own_channels(Some(1.0), Some(0.9), 2, unshaped).expect("unshaped: QEMU's own");
+        assert!(
+            why.contains("1.00") && why.contains("10000 Mbit/s") && why.contains("90% idle"),
+            "{why}"
+        );
+        // a link the spare CPU keeps up with: Ferry's carriers and frames
+        assert_eq!(own_channels(Some(1.0), Some(0.9), 2, 1_000_000_000), None);
+        assert_eq!(own_channels(Some(1.0), Some(0.9), 2, 200_000_000), None);
+        // many CPUs keep up with 10 Gbit/s
+        assert_eq!(own_channels(Some(1.0), Some(0.9), 16, unshaped), None);
+        // no spare CPU at all: even 1 Gbit/s is more than it loads
+        assert!(own_channels(Some(1.0), Some(0.15), 2, 1_000_000_000).is_some());
+        // nothing measured: no guess
+        assert_eq!(own_channels(Some(1.0), None, 2, unshaped), None);
+        assert_eq!(own_channels(Some(1.0), Some(0.9), 2, 0), None);
     }
 
     #[test]

@@ -51,10 +51,14 @@ use crate::convergence;
 use crate::host::{error_chain, nics, Agent, Role};
 use crate::qemu::QemuVm;
 use crate::qmp::MigrationParameters;
-use auto::{auto_choice, qemu_compresses, relay_fits, sample_memory};
+use auto::{auto_choice, own_channels, qemu_compresses, relay_fits, sample_memory};
 use ferry_api::{CarrierReport, Convergence, MigrationOption};
 pub(crate) use settle::resume_guest;
 use target::answer_of;
+
+fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
 
 /// Consecutive failed polls of the target agent before giving up on it.
 pub const TARGET_POLL_FAILURES: u32 = 2;
@@ -123,8 +127,14 @@ impl Events {
 
 /// How the migration's bytes travel.
 enum Plan {
-    /// QEMU's own TCP stream to the target QEMU over one NIC.
-    Tcp { uri: String, nic: String },
+    /// QEMU's own TCP stream to the target QEMU over one NIC; with
+    /// `multifd`, its multifd channels (`compression` when the CPU is the
+    /// limit, see `auto::own_channels`).
+    Tcp {
+        uri: String,
+        nic: String,
+        multifd: bool,
+    },
     /// QEMU multifd into a local socket, carried by Ferry's transport
     /// (either carrier kind).
     Multichannel {
@@ -490,19 +500,8 @@ impl Agent {
                 // the links this move would use, and whether the idle CPU
                 // could relay them at that rate
                 let used: Vec<String> = paths.iter().map(|p| p.nic.clone()).collect();
-                let classes = self.classes.clone();
-                let link_bits: u64 = tokio::task::spawn_blocking(move || {
-                    ferry_api::util::lock(&classes)
-                        .status("")
-                        .nics
-                        .iter()
-                        .filter(|n| n.up && used.contains(&n.nic))
-                        .map(|n| n.link_rate)
-                        .sum()
-                })
-                .await
-                .unwrap_or(0);
-                let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let link_bits = self.link_bits(used).await;
+                let cpus = cpus();
                 let relay_room = idle
                     .filter(|i| relay_fits(*i, cpus, link_bits))
                     .map(|_| link_bits);
@@ -531,6 +530,7 @@ impl Agent {
                 Some(s) => s,
                 None => (sample_memory(vm, spec.memory).await, self.idle_now().await),
             };
+            sampled = Some((ratio, idle));
             let (mut level, mut why) = qemu_compresses(ratio, idle);
             if level.is_some() {
                 // a QEMU built without zstd refuses it: its pages go as they are
@@ -552,6 +552,35 @@ impl Agent {
         } else {
             (None, None)
         };
+        // compression whose pages QEMU sends as they are, over a link faster
+        // than the spare CPU loads them: QEMU's own channels, no relay
+        let qemu_channels = match sampled {
+            Some((ratio, idle))
+                if option == MigrationOption::Compression
+                    && qemu_zstd.is_none()
+                    && !req.encrypt_carriers
+                    && !conv.postcopy
+                    && copies.is_empty()
+                    && takes(ferry_api::FEATURE_QEMU_CHANNELS) =>
+            {
+                // the one NIC compression takes: the first pair probed to work
+                let first: Vec<String> = paths.iter().take(1).map(|p| p.nic.clone()).collect();
+                let link_bits = self.link_bits(first).await;
+                match own_channels(ratio, idle, cpus(), link_bits) {
+                    Some(why) => {
+                        auto_note.push_str(&format!("; {why}"));
+                        true
+                    }
+                    None => false,
+                }
+            }
+            _ => false,
+        };
+        let option = if qemu_channels {
+            MigrationOption::Tcp
+        } else {
+            option
+        };
         // the record exists before the target hears of the migration: a
         // target that asks always finds an answer
         self.journal
@@ -567,7 +596,7 @@ impl Agent {
         // Ferry's carriers keep each stream within a window of what the target
         // QEMU has taken: when it loads slower than the links deliver (what
         // QEMU compressed, or a CPU-bound target) its backlog stays small
-        let stream_windows = carriers && takes(ferry_api::FEATURE_STREAM_WINDOWS);
+        let stream_windows = carriers && !qemu_channels && takes(ferry_api::FEATURE_STREAM_WINDOWS);
         let session: [u8; 16] = rand::random();
         let disk_session: [u8; 16] = rand::random();
         // a host-dependent CPU model: the target compares its own expansion
@@ -595,6 +624,7 @@ impl Agent {
                 .then(|| ferry_transport::session_to_hex(&disk_session)),
             qemu_zstd,
             stream_windows,
+            qemu_channels,
         };
         let reply: IncomingReply = target
             .post("/incoming", &incoming, Duration::from_secs(30))
@@ -763,6 +793,7 @@ impl Agent {
                 _ => Plan::Tcp {
                     uri: reply.uri.clone(),
                     nic: reply.nic.clone(),
+                    multifd: qemu_channels,
                 },
             })
         }
@@ -878,8 +909,10 @@ impl Agent {
             Plan::Multichannel { session, .. } => session.handoff_fd(),
             Plan::Tcp { .. } => None,
         };
-        let multifd =
-            matches!(plan, Plan::Multichannel { .. }) && !conv.postcopy && handoff.is_none();
+        let multifd = match plan {
+            Plan::Multichannel { .. } => !conv.postcopy && handoff.is_none(),
+            Plan::Tcp { multifd, .. } => *multifd,
+        };
         let qemu_zstd = match plan {
             Plan::Multichannel { qemu_zstd, .. } => qemu_zstd.filter(|_| multifd),
             Plan::Tcp { .. } => None,
@@ -918,9 +951,15 @@ impl Agent {
         .map_err(q("connection"))?;
         let tx_before = nic_tx(&self.cfg.nics);
         let (uri, detail) = match plan {
-            Plan::Tcp { uri, nic } => (
+            Plan::Tcp { uri, nic, multifd } => (
                 uri.clone(),
-                format!("QEMU's TCP stream to {uri} over {nic}"),
+                if *multifd {
+                    format!(
+                        "QEMU's own {MULTIFD_CHANNELS} multifd channels straight to {uri} over {nic}"
+                    )
+                } else {
+                    format!("QEMU's TCP stream to {uri} over {nic}")
+                },
             ),
             Plan::Multichannel { session, sock, .. } => {
                 // carriers come up in the background; give them a moment so the
@@ -1662,9 +1701,9 @@ impl Agent {
             }
         };
         let (option, data_path, nic_tx_bytes, carriers, frames_resent, compression) = match plan {
-            Plan::Tcp { .. } => (
-                "tcp",
-                "qemu-tcp",
+            Plan::Tcp { multifd, .. } => (
+                if *multifd { "compression" } else { "tcp" },
+                if *multifd { "qemu-multifd" } else { "qemu-tcp" },
                 delta(&tx_before, &nic_tx(&self.cfg.nics)),
                 Vec::new(),
                 0,
@@ -1876,6 +1915,22 @@ impl Agent {
 
     /// The idle CPU share: the last second's, or (an agent just started)
     /// watched now for 300 ms.
+    /// The link rates of `nics` here, summed (bits per second; 0 unknown).
+    async fn link_bits(&self, nics: Vec<String>) -> u64 {
+        let classes = self.classes.clone();
+        tokio::task::spawn_blocking(move || {
+            ferry_api::util::lock(&classes)
+                .status("")
+                .nics
+                .iter()
+                .filter(|n| n.up && nics.contains(&n.nic))
+                .map(|n| n.link_rate)
+                .sum()
+        })
+        .await
+        .unwrap_or(0)
+    }
+
     async fn idle_now(&self) -> Option<f64> {
         match self.idle.idle() {
             Some(i) => Some(i),

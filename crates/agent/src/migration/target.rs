@@ -158,9 +158,27 @@ impl Agent {
                 self.export_disks(&req, &vm, &dir, &usable, &copies).await?
             };
             let Some(session_id) = multichannel else {
+                if req.qemu_zstd.is_some() && !req.qemu_channels {
+                    return Err(ApiError::invalid(
+                        "qemu_zstd",
+                        "QEMU compresses only in multifd channels: tcp without qemu_channels has one stream",
+                    ));
+                }
+                if req.qemu_channels && req.postcopy {
+                    return Err(ApiError::invalid(
+                        "qemu_channels",
+                        "post-copy has QEMU's one stream, not multifd channels",
+                    ));
+                }
                 if req.postcopy {
                     vm.qmp
                         .set_capabilities(&[("postcopy-ram", true)])
+                        .await
+                        .map_err(qerr)?;
+                }
+                if req.qemu_channels {
+                    // QEMU's own multifd channels, straight from the source's QEMU
+                    expect_channels(&vm.qmp, req.qemu_zstd.is_some())
                         .await
                         .map_err(qerr)?;
                 }
@@ -191,19 +209,13 @@ impl Agent {
                     "QEMU compresses only in multifd channels: not with post-copy or a handed-off socket",
                 ));
             }
-            vm.qmp
-                .set_capabilities(&[("multifd", multifd), ("postcopy-ram", req.postcopy)])
-                .await
-                .map_err(qerr)?;
             if multifd {
+                expect_channels(&vm.qmp, req.qemu_zstd.is_some())
+                    .await
+                    .map_err(qerr)?;
+            } else {
                 vm.qmp
-                    .set_parameters(MigrationParameters {
-                        multifd_channels: Some(MULTIFD_CHANNELS),
-                        multifd_compression: Some(crate::qmp::multifd_compression(
-                            req.qemu_zstd.is_some(),
-                        )),
-                        ..Default::default()
-                    })
+                    .set_capabilities(&[("multifd", false), ("postcopy-ram", req.postcopy)])
                     .await
                     .map_err(qerr)?;
             }
@@ -873,6 +885,19 @@ type Waiting = (String, String, Option<Arc<QemuVm>>, String, Instant);
 
 /// A waiting skeleton asks its source after this long.
 pub const ASK_AFTER: Duration = Duration::from_secs(10);
+
+/// The skeleton's QEMU expects the source's multifd channels (over Ferry's
+/// carriers or straight from the source's QEMU), zstd-compressed if `zstd`.
+async fn expect_channels(qmp: &crate::qmp::Qmp, zstd: bool) -> Result<(), crate::qmp::QmpError> {
+    qmp.set_capabilities(&[("multifd", true), ("postcopy-ram", false)])
+        .await?;
+    qmp.set_parameters(MigrationParameters {
+        multifd_channels: Some(MULTIFD_CHANNELS),
+        multifd_compression: Some(crate::qmp::multifd_compression(zstd)),
+        ..Default::default()
+    })
+    .await
+}
 
 /// What the source is told of listeners bound on usable NICs.
 fn endpoints(
