@@ -56,6 +56,16 @@ impl Table {
     }
 }
 
+/// `text` cut to at most `max` characters, the last one `…` when cut.
+pub fn shorten(text: &str, max: usize) -> String {
+    if text.chars().count() <= max {
+        return text.to_string();
+    }
+    let mut s: String = text.chars().take(max.saturating_sub(1)).collect();
+    s.push('…');
+    s
+}
+
 /// Bytes per second as Mbit/s.
 pub fn mbit(bytes_per_sec: f64) -> String {
     format!("{:.0} Mbit/s", bytes_per_sec * 8.0 / 1e6)
@@ -87,5 +97,14 @@ mod tests {
         let mut t = Table::new(&["A", "BB"]);
         t.row(vec!["long".into(), "x".into()]);
         assert_eq!(t.render(), "A     BB\nlong  x");
+    }
+
+    #[test]
+    fn shorten_counts_characters_not_bytes() {
+        assert_eq!(shorten("abc", 3), "abc");
+        assert_eq!(shorten("abcd", 3), "ab…");
+        // 4 characters, 8 bytes: kept whole
+        assert_eq!(shorten("→→→→", 4), "→→→→");
+        assert_eq!(shorten("→→→→→", 4), "→→→…");
     }
 }

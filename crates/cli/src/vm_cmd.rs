@@ -11,7 +11,7 @@ use ferry_api::{
 };
 use futures::StreamExt;
 
-use crate::output::{mbit, print_json, Table};
+use crate::output::{mbit, print_json, shorten, Table};
 use crate::Cli;
 
 pub(crate) const T: Duration = Duration::from_secs(90);
@@ -707,10 +707,7 @@ pub async fn events(cli: &Cli, limit: usize, json: bool) -> anyhow::Result<i32> 
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0);
     for e in ev {
-        let mut detail = e.detail.to_string();
-        if detail.len() > 80 {
-            detail = format!("{}…", detail.chars().take(79).collect::<String>());
-        }
+        let detail = shorten(&e.detail.to_string(), 80);
         t.row(vec![
             e.id.to_string(),
             format!("{:.0} s", now.saturating_sub(e.at_ms) as f64 / 1e3),
@@ -734,14 +731,7 @@ pub async fn operations(cli: &Cli, id: Option<&str>, json: bool) -> anyhow::Resu
         } else {
             for ev in &op.events {
                 let kind = ev.get("event").and_then(|e| e.as_str()).unwrap_or("?");
-                let text = ev.to_string();
-                let short: String = text.chars().take(110).collect();
-                let more = if text.chars().count() > 110 {
-                    "…"
-                } else {
-                    ""
-                };
-                println!("{kind:>9}  {short}{more}");
+                println!("{kind:>9}  {}", shorten(&ev.to_string(), 111));
             }
             let to = op
                 .target
