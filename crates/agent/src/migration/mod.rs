@@ -56,6 +56,7 @@ use ferry_api::{CarrierReport, Convergence, MigrationOption};
 pub(crate) use settle::resume_guest;
 use target::answer_of;
 
+/// This host's CPUs.
 fn cpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
@@ -1913,8 +1914,6 @@ impl Agent {
         }
     }
 
-    /// The idle CPU share: the last second's, or (an agent just started)
-    /// watched now for 300 ms.
     /// The link rates of `nics` here, summed (bits per second; 0 unknown).
     async fn link_bits(&self, nics: Vec<String>) -> u64 {
         let classes = self.classes.clone();
@@ -1931,6 +1930,8 @@ impl Agent {
         .unwrap_or(0)
     }
 
+    /// The idle CPU share: the last second's, or (an agent just started)
+    /// watched now for 300 ms.
     async fn idle_now(&self) -> Option<f64> {
         match self.idle.idle() {
             Some(i) => Some(i),

@@ -199,6 +199,15 @@ impl Agent {
                     disk_carriers,
                 ));
             };
+            if req.qemu_channels {
+                return Err(ApiError::invalid(
+                    "qemu_channels",
+                    format!(
+                        "QEMU's own channels go with tcp, not {}",
+                        req.option.name()
+                    ),
+                ));
+            }
             // multichannel: QEMU listens on a local socket, carriers end
             // here; or (mptcp) QEMU is handed the authenticated socket
             let handoff = req.option == MigrationOption::Mptcp;
