@@ -18,21 +18,32 @@ fn nic_bytes(r: &Value, nic: &str) -> u64 {
 /// Moves `vm` with `auto`; it must complete, for one of the reasons `why`
 /// (parts of the `auto:` reason in its skeleton step), by the kind that
 /// reason names.
-fn auto_move(vm: &str, to: &str, why: &[&str]) -> Value {
-    let out = ferry(&["vm", "move", vm, "--to", to, "--option", "auto", "--json"]);
+/// Moves `vm` with `--option OPTION --json`: its final event, and the
+/// skeleton step's detail (where the source gives the reasons it chose by).
+fn move_explained(vm: &str, to: &str, option: &str) -> (Value, String) {
+    let out = ferry(&["vm", "move", vm, "--to", to, "--option", option, "--json"]);
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let events: Vec<Value> = text
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect();
     let r = events.last().cloned().expect("at least one event");
-    assert_eq!(r["event"], "completed", "{r}");
-    let reason = events
+    let skeleton = events
         .iter()
-        .find(|e| e["step"] == "skeleton")
+        .find(|e| e["event"] == "step" && e["step"] == "skeleton")
         .and_then(|e| e["detail"].as_str())
-        .and_then(|d| d.split("auto: ").nth(1))
-        .unwrap_or_else(|| panic!("no auto reason: {text}"))
+        .unwrap_or_else(|| panic!("no skeleton step: {text}"))
+        .to_string();
+    (r, skeleton)
+}
+
+fn auto_move(vm: &str, to: &str, why: &[&str]) -> Value {
+    let (r, skeleton) = move_explained(vm, to, "auto");
+    assert_eq!(r["event"], "completed", "{r}");
+    let reason = skeleton
+        .split("auto: ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no auto reason: {skeleton}"))
         .to_string();
     assert!(
         why.iter().any(|w| reason.contains(w)),
@@ -464,28 +475,9 @@ fn compression_shrinks_what_compresses_and_leaves_the_rest() {
     ferry_ok(&["lab", "rate", "host1", "nic1", "10gbit"]);
     ferry_ok(&["lab", "rate", "host2", "nic1", "10gbit"]);
     std::thread::sleep(std::time::Duration::from_secs(2));
-    let out = ferry(&[
-        "vm",
-        "move",
-        "cz2",
-        "--to",
-        "host1",
-        "--option",
-        "compression",
-        "--json",
-    ]);
-    let events: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
-    let r = events.last().expect("a final event").clone();
+    let (r, skeleton) = move_explained("cz2", "host1", "compression");
     assert_eq!(r["event"], "completed", "{r}");
     assert_eq!(r["option"], "compression", "{r}");
-    let skeleton = events
-        .iter()
-        .find(|e| e["event"] == "step" && e["step"] == "skeleton")
-        .map(|e| e["detail"].as_str().unwrap_or_default().to_string())
-        .unwrap_or_default();
     // (idle − 20%) × CPUs ÷ 3.5 CPU-s per GiB: up to 4 CPUs load less than
     // 10 Gbit/s of pages however idle they are
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -43,6 +43,24 @@ impl Agent {
                 "a sealed migration needs Ferry's transport; tcp is QEMU's clear stream",
             ));
         }
+        if req.qemu_channels && req.option != MigrationOption::Tcp {
+            return Err(ApiError::invalid(
+                "qemu_channels",
+                format!("QEMU's own channels go with tcp, not {}", req.option.name()),
+            ));
+        }
+        if req.qemu_channels && req.postcopy {
+            return Err(ApiError::invalid(
+                "qemu_channels",
+                "post-copy has QEMU's one stream, not multifd channels",
+            ));
+        }
+        if req.option == MigrationOption::Tcp && req.qemu_zstd.is_some() && !req.qemu_channels {
+            return Err(ApiError::invalid(
+                "qemu_zstd",
+                "QEMU compresses only in multifd channels: tcp without qemu_channels has one stream",
+            ));
+        }
         let datapath = QemuTcp;
         // the NICs the source reached in its probes, up here now
         let usable: Vec<_> = self
@@ -158,18 +176,6 @@ impl Agent {
                 self.export_disks(&req, &vm, &dir, &usable, &copies).await?
             };
             let Some(session_id) = multichannel else {
-                if req.qemu_zstd.is_some() && !req.qemu_channels {
-                    return Err(ApiError::invalid(
-                        "qemu_zstd",
-                        "QEMU compresses only in multifd channels: tcp without qemu_channels has one stream",
-                    ));
-                }
-                if req.qemu_channels && req.postcopy {
-                    return Err(ApiError::invalid(
-                        "qemu_channels",
-                        "post-copy has QEMU's one stream, not multifd channels",
-                    ));
-                }
                 if req.postcopy {
                     vm.qmp
                         .set_capabilities(&[("postcopy-ram", true)])
@@ -199,15 +205,6 @@ impl Agent {
                     disk_carriers,
                 ));
             };
-            if req.qemu_channels {
-                return Err(ApiError::invalid(
-                    "qemu_channels",
-                    format!(
-                        "QEMU's own channels go with tcp, not {}",
-                        req.option.name()
-                    ),
-                ));
-            }
             // multichannel: QEMU listens on a local socket, carriers end
             // here; or (mptcp) QEMU is handed the authenticated socket
             let handoff = req.option == MigrationOption::Mptcp;
