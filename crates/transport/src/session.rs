@@ -860,6 +860,11 @@ impl Session {
         let mut last_tx = Instant::now();
         let mut buf = BytesMut::with_capacity(HEADER_LEN * 2);
         loop {
+            // registered before looking for work: a frame queued, an ACK or a
+            // WINDOW due while this writer looks wakes it (`notify_waiters`
+            // wakes only futures that exist), rather than its tick ~20 ms on
+            // while the link idles
+            let wake = self.inner.queued.notified();
             if !self.current(index, generation) {
                 return "superseded".into();
             }
@@ -979,7 +984,6 @@ impl Session {
                         }
                         last_tx = Instant::now();
                     }
-                    let wake = self.inner.queued.notified();
                     tokio::select! {
                         _ = wake => {}
                         _ = tokio::time::sleep(WRITER_TICK) => {}
