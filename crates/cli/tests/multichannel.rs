@@ -15,9 +15,6 @@ fn nic_bytes(r: &Value, nic: &str) -> u64 {
     r["nic_tx_bytes"][nic].as_u64().unwrap_or(0)
 }
 
-/// Moves `vm` with `auto`; it must complete, for one of the reasons `why`
-/// (parts of the `auto:` reason in its skeleton step), by the kind that
-/// reason names.
 /// Moves `vm` with `--option OPTION --json`: its final event, and the
 /// skeleton step's detail (where the source gives the reasons it chose by).
 fn move_explained(vm: &str, to: &str, option: &str) -> (Value, String) {
@@ -37,6 +34,9 @@ fn move_explained(vm: &str, to: &str, option: &str) -> (Value, String) {
     (r, skeleton)
 }
 
+/// Moves `vm` with `auto`; it must complete, for one of the reasons `why`
+/// (parts of the `auto:` reason in its skeleton step), by the kind that
+/// reason names.
 fn auto_move(vm: &str, to: &str, why: &[&str]) -> Value {
     let (r, skeleton) = move_explained(vm, to, "auto");
     assert_eq!(r["event"], "completed", "{r}");
