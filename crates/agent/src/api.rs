@@ -21,7 +21,7 @@
 //! | POST | /vms/{name}/resolve | settle a migration of this VM that is in doubt here (`ResolveReport`) |
 //! | POST | /incoming/{id}/rejoin | *peer*: target, `mptcp`: announce a NIC's address again (body: `RejoinRequest`) |
 //! | GET | /paths | NIC pairs to peers, as last probed (`NicPath`) |
-//! | POST | /paths/probe | probe the peers given (body: `[PeerRef]`), return every pair |
+//! | POST | /paths/probe | probe the peers given (body: `[PeerRef]`) now, not from the cache; return every pair |
 //! | GET | /validate/facts | NICs, CPU power, queues, RDMA as seen here |
 //! | POST | /validate/path | largest don't-fragment packet to a peer |
 //! | POST, GET | /validate/sink, /validate/sink/{port} | throughput sink and its count |

@@ -269,12 +269,17 @@ impl Agent {
     /// when older than [`crate::probe::PROBE_TTL`] or when a link on
     /// either side changed.
     pub async fn paths_to(&self, info: &HostInfo) -> Vec<ferry_api::NicPath> {
-        let mine = self.nics();
         if let Some(p) = self.paths.get(&info.name) {
-            if p.fresh(&mine, &info.nics) {
+            if p.fresh(&self.nics(), &info.nics) {
                 return p.pairs;
             }
         }
+        self.probe_now(info).await
+    }
+
+    /// The NIC pairs to `peer`, probed now whatever the cache holds.
+    async fn probe_now(&self, info: &HostInfo) -> Vec<ferry_api::NicPath> {
+        let mine = self.nics();
         crate::probe::refresh(
             &self.paths,
             (&self.cfg.name, self.cred.secret()),
@@ -286,8 +291,11 @@ impl Agent {
         .await
     }
 
-    /// Probes every peer given (each asked for its NICs first); returns
-    /// every pair known.
+    /// Probes every peer given (each asked for its NICs first) now, not
+    /// from the cache: validation asks what reaches what at this moment,
+    /// and a pair probed in a link's first moments back up (its neighbour
+    /// entries still failed) would otherwise stand unreachable for
+    /// [`crate::probe::PROBE_TTL`]. Returns every pair known.
     pub async fn probe_peers(&self, peers: Vec<ferry_api::PeerRef>) -> Vec<ferry_api::NicPath> {
         let jobs = peers
             .into_iter()
@@ -300,7 +308,7 @@ impl Agent {
                 );
                 match c.get::<HostInfo>("/host", Duration::from_secs(5)).await {
                     Ok(info) => {
-                        self.paths_to(&info).await;
+                        self.probe_now(&info).await;
                     }
                     Err(e) => {
                         tracing::warn!(peer = %p.name, error = %e, "cannot ask a peer for its NICs")

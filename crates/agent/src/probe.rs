@@ -24,7 +24,8 @@
 //! credential. Results are cached per peer and probed again as soon as a
 //! link changes on either side; past [`PROBE_TTL`] with no link changed, a
 //! move uses them as they are while they are probed again behind it (a
-//! probe that finds a pair unreachable waits out its [`TRIES`]). A move that
+//! probe that finds a pair unreachable waits out its [`TRIES`]); validation
+//! (`POST /paths/probe`) probes afresh whatever is cached. A move that
 //! must probe waits only until the answers [`cover`] both hosts; pairs that
 //! never answer (across separate fabrics) are probed on behind it.
 
