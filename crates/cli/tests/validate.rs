@@ -105,6 +105,16 @@ fn validation_finds_and_names_mtu_mismatch_cut_link_and_slow_path() {
         .iter()
         .all(|p| p["observed"].as_str().unwrap().contains("path is down")));
 
+    // back up: validation at once may find the NIC reaching nothing (its
+    // neighbour entries failed while it was down resolve again within a
+    // second or two); seconds later it reaches its peers, probed afresh
+    // rather than read back from what that first probe cached
+    validate(&["--all", "--throughput-ms", "0"]);
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let (_, r) = validate(&["host3", "--throughput-ms", "0"]);
+    let reach = rows(&r, "reach", "fail");
+    assert!(reach.is_empty(), "{reach:?}");
+
     // a path shaped far below the others
     ferry_ok(&["lab", "rate", "host1", "nic2", "50mbit"]);
     let (code, r) = validate(&["host1"]);
