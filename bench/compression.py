@@ -110,16 +110,21 @@ def qemu_move(kind, contender, a):
 CONTENDERS = ("qemu tcp", "qemu zstd", "ferry compression")
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def guest_options(ap):
+    """The guest and QEMU-by-hand options a compression bench takes."""
     ap.add_argument("--memory", default="768M")
     ap.add_argument("--fill", default="512M")
     ap.add_argument("--dirty-rate", default="1M")
+    ap.add_argument("--qemu-channels", type=int, default=2)
+    ap.add_argument("--zstd-level", type=int, default=1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    guest_options(ap)
     ap.add_argument("--rates", default="200mbit,1gbit,10gbit")
     ap.add_argument("--kinds", default="compressible,random")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--qemu-channels", type=int, default=2)
-    ap.add_argument("--zstd-level", type=int, default=1)
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     a = ap.parse_args()
     contenders = a.contenders.split(",")

@@ -10,7 +10,7 @@ killed and started again from that build (`ferry lab restart-agent`; guests outl
 and every guest is removed after its move). Prints every run and the medians.
 
     sudo python3 bench/compression_ab.py --old OLD_BIN --new NEW_BIN [--rounds 4]
-        [--rate 1gbit] [--kind random]
+        [--rate 1gbit] [--kind random] [the guest options of bench/compression.py]
 
 OLD_BIN and NEW_BIN must be copies outside target/ (a running agent holds its binary).
 """
@@ -18,21 +18,13 @@ import argparse, os, statistics, subprocess, sys, time
 
 import compression
 import labqemu
-
-
-class Guest:
-    memory, fill, dirty_rate, qemu_channels, zstd_level = "768M", "512M", "1M", 2, 1
+from faults import LAB, kill_pidfile
 
 
 def agents_from(binary, hosts=("host1", "host2")):
     """Restarts every lab agent from `binary`."""
-    pids = subprocess.run(["pgrep", "-f", r"ferry[^ ]* agent --config /run/ferry/lab/"],
-                          capture_output=True, text=True).stdout.split()
-    for p in pids:
-        try:
-            os.kill(int(p), 9)
-        except ProcessLookupError:
-            pass
+    for h in hosts:
+        kill_pidfile(f"{LAB}/{h}/agent.pid")
     time.sleep(0.5)
     for h in hosts:
         subprocess.run([binary, "lab", "restart-agent", h], check=True, capture_output=True)
@@ -41,6 +33,7 @@ def agents_from(binary, hosts=("host1", "host2")):
 
 def main():
     ap = argparse.ArgumentParser()
+    compression.guest_options(ap)
     ap.add_argument("--old", required=True)
     ap.add_argument("--new", required=True)
     ap.add_argument("--rounds", type=int, default=4)
@@ -58,11 +51,11 @@ def main():
     for rnd in range(a.rounds):
         for c in names[rnd % 3:] + names[:rnd % 3]:
             if c == "qemu zstd":
-                r = compression.qemu_move(a.kind, c, Guest)
+                r = compression.qemu_move(a.kind, c, a)
             else:
                 agents_from(builds[c])
                 compression.FERRY = labqemu.FERRY = builds[c]
-                r = compression.ferry_move(a.kind, Guest)
+                r = compression.ferry_move(a.kind, a)
             runs[c].append(r["secs"])
             print(f"round {rnd + 1} {c}: {r['secs']:.3f} s, guest downtime {r['downtime']} ms {r['codecs']}",
                   flush=True)

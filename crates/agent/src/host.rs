@@ -269,17 +269,18 @@ impl Agent {
     /// when older than [`crate::probe::PROBE_TTL`] or when a link on
     /// either side changed.
     pub async fn paths_to(&self, info: &HostInfo) -> Vec<ferry_api::NicPath> {
+        let mine = self.nics();
         if let Some(p) = self.paths.get(&info.name) {
-            if p.fresh(&self.nics(), &info.nics) {
+            if p.fresh(&mine, &info.nics) {
                 return p.pairs;
             }
         }
-        self.probe_now(info).await
+        self.probe_now(info, mine).await
     }
 
-    /// The NIC pairs to `peer`, probed now whatever the cache holds.
-    async fn probe_now(&self, info: &HostInfo) -> Vec<ferry_api::NicPath> {
-        let mine = self.nics();
+    /// The NIC pairs to `peer` from this host's NICs `mine`, probed now
+    /// whatever the cache holds.
+    async fn probe_now(&self, info: &HostInfo, mine: Vec<NicInfo>) -> Vec<ferry_api::NicPath> {
         crate::probe::refresh(
             &self.paths,
             (&self.cfg.name, self.cred.secret()),
@@ -308,7 +309,7 @@ impl Agent {
                 );
                 match c.get::<HostInfo>("/host", Duration::from_secs(5)).await {
                     Ok(info) => {
-                        self.probe_now(&info).await;
+                        self.probe_now(&info, self.nics()).await;
                     }
                     Err(e) => {
                         tracing::warn!(peer = %p.name, error = %e, "cannot ask a peer for its NICs")
