@@ -10,7 +10,11 @@ killed and started again from that build (`ferry lab restart-agent`; guests outl
 and every guest is removed after its move). Prints every run and the medians.
 
     sudo python3 bench/compression_ab.py --old OLD_BIN --new NEW_BIN [--rounds 4]
-        [--rate 1gbit] [--kind random] [the guest options of bench/compression.py]
+        [--rate 1gbit] [--kind random] [--encrypt] [the guest options of bench/compression.py]
+
+--encrypt turns the cluster's `encrypt_carriers` on: every Ferry frame sealed (QEMU by hand
+stays in clear; it has no such option on multifd). Each run's CPU seconds are printed beside
+its time: for Ferry both agents' and QEMUs' (the move report's), for QEMU by hand both QEMUs'.
 
 OLD_BIN and NEW_BIN must be copies outside target/ (a running agent holds its binary).
 """
@@ -39,6 +43,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--kind", default="random", choices=["random", "compressible"])
+    ap.add_argument("--encrypt", action="store_true")
     a = ap.parse_args()
     builds = {"old": a.old, "new": a.new}
     for name, b in builds.items():
@@ -46,7 +51,11 @@ def main():
             sys.exit(f"--{name} {b}: not an executable")
     subprocess.run([a.new, "lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate],
                    check=True, capture_output=True)
+    if a.encrypt:
+        subprocess.run([a.new, "cluster", "set", "--encrypt-carriers", "on"], check=True,
+                       capture_output=True)
     runs = {"qemu zstd": [], "old": [], "new": []}
+    cpu = {c: [] for c in runs}
     names = list(runs)
     for rnd in range(a.rounds):
         for c in names[rnd % 3:] + names[:rnd % 3]:
@@ -57,14 +66,16 @@ def main():
                 compression.FERRY = labqemu.FERRY = builds[c]
                 r = compression.ferry_move(a.kind, a)
             runs[c].append(r["secs"])
-            print(f"round {rnd + 1} {c}: {r['secs']:.3f} s, guest downtime {r['downtime']} ms {r['codecs']}",
-                  flush=True)
+            cpu[c].append(r["cpu"])
+            print(f"round {rnd + 1} {c}: {r['secs']:.3f} s, {r['cpu']:.2f} CPU-s, "
+                  f"guest downtime {r['downtime']} ms {r['codecs']}", flush=True)
     subprocess.run([a.new, "lab", "down"], capture_output=True)
     base = statistics.median(runs["qemu zstd"])
     for c in names:
         m = statistics.median(runs[c])
-        print(f"{c}: median {m:.3f} s ({m / base:.3f} × QEMU zstd), every run "
-              + ", ".join(f"{x:.3f}" for x in runs[c]))
+        print(f"{c}: median {m:.3f} s ({m / base:.3f} × QEMU zstd), "
+              f"{statistics.median(cpu[c]):.2f} CPU-s; every run "
+              + ", ".join(f"{x:.3f} s {y:.2f} CPU-s" for x, y in zip(runs[c], cpu[c])))
 
 
 if __name__ == "__main__":
