@@ -22,7 +22,8 @@ pub enum Direction {
     TargetToSource = 2,
 }
 
-fn key(secret: &[u8], hello: &Hello, dir: Direction) -> LessSafeKey {
+/// The AES-256 key of one connection and direction (HKDF-SHA256).
+fn key_bytes(secret: &[u8], hello: &Hello, dir: Direction) -> [u8; 32] {
     let mut salt = [0u8; 32];
     salt[..16].copy_from_slice(&hello.session);
     salt[16..].copy_from_slice(&hello.nonce);
@@ -32,7 +33,11 @@ fn key(secret: &[u8], hello: &Hello, dir: Direction) -> LessSafeKey {
     Hkdf::<Sha256>::new(Some(&salt), secret)
         .expand(&info, &mut k)
         .unwrap_or_else(|_| unreachable!("32 bytes is a valid HKDF-SHA256 length"));
-    let k = UnboundKey::new(&AES_256_GCM, &k)
+    k
+}
+
+fn key(secret: &[u8], hello: &Hello, dir: Direction) -> LessSafeKey {
+    let k = UnboundKey::new(&AES_256_GCM, &key_bytes(secret, hello, dir))
         .unwrap_or_else(|_| unreachable!("32 bytes is an AES-256 key"));
     LessSafeKey::new(k)
 }
@@ -164,24 +169,15 @@ mod tests {
         assert!(o.open(&h, &head, p).unwrap().is_empty());
     }
 
-    /// The wire is plain AES-256-GCM: what another implementation seals
-    /// with the same derived key and nonce, this opens, byte for byte, so
-    /// agents built with either talk to each other.
+    /// The wire is plain AES-256-GCM: this seals what another
+    /// implementation seals with the same key and nonce, byte for byte, and
+    /// opens it, so agents built with either talk to each other.
     #[test]
     fn frames_are_aes_256_gcm_as_another_implementation_computes_it() {
         use aes_gcm::aead::{AeadInPlace, KeyInit};
         let h = hello(3);
         let dir = Direction::SourceToTarget;
-        let mut k = [0u8; 32];
-        let mut info = b"ferry-transport seal v1".to_vec();
-        info.extend([dir as u8, h.carrier]);
-        let mut salt = [0u8; 32];
-        salt[..16].copy_from_slice(&h.session);
-        salt[16..].copy_from_slice(&h.nonce);
-        Hkdf::<Sha256>::new(Some(&salt), SECRET)
-            .expand(&info, &mut k)
-            .unwrap();
-        let other = aes_gcm::Aes256Gcm::new(&k.into());
+        let other = aes_gcm::Aes256Gcm::new(&key_bytes(SECRET, &h, dir).into());
         let plain: Vec<u8> = (0..70_000u32).map(|i| (i * 7 % 251) as u8).collect();
         let mut s = Sealer::new(SECRET, &h, dir);
         let mut o = Opener::new(SECRET, &h, dir);
