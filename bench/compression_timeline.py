@@ -17,7 +17,7 @@ and down.
 import argparse, subprocess, threading, time
 
 import compression
-from labqemu import FERRY, lab_nic
+from labqemu import FERRY, agent_pids, lab_nic
 
 
 class Wire:
@@ -65,7 +65,7 @@ def main():
     a = ap.parse_args()
     subprocess.run([FERRY, "lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate],
                    check=True, capture_output=True)
-    agent = open("/run/ferry/lab/host1/agent.pid").read().strip()
+    agent = agent_pids(["host1"])[0]
     nic = lab_nic("host1", "nic1")
     names = ["ferry compression", "qemu zstd"]
     for rnd in range(a.rounds):
