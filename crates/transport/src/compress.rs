@@ -545,6 +545,12 @@ impl Compressor {
                 sent_waiting = w.sent_waiting,
                 raw = w.raw,
                 current = %st.current.name(),
+                estimates = %st
+                    .estimates
+                    .iter()
+                    .map(|(c, e)| format!("{}:{:.1}x@{:.0}MB/s", c.name(), e.ratio, e.speed / 1e6))
+                    .collect::<Vec<_>>()
+                    .join(" "),
                 "compression window"
             );
         }

@@ -105,7 +105,8 @@ pub const QEMU_ZSTD_LEVEL: u8 = 1;
 
 /// Whether QEMU compresses guest memory itself, in its multifd channels,
 /// before Ferry's carriers take it (a move that may compress, whose memory
-/// sample compressed to `ratio`, with `idle` CPU); the zstd level, and why.
+/// sample compressed to `ratio`, with `idle` CPU of `cpus`, over links of
+/// `link_bits` per second, 0 unknown); the zstd level, and why.
 ///
 /// QEMU compresses every page in place in its multifd threads; Ferry's
 /// frames would first copy each raw byte through both agents (QEMU → agent
@@ -113,11 +114,21 @@ pub const QEMU_ZSTD_LEVEL: u8 = 1;
 /// what limits a compressible guest's move: 512 MiB took 2.2 CPU-s
 /// compressed by QEMU against 3.4 by Ferry's frames (BENCHMARKS.md
 /// "Compression: …"). QEMU's codec is fixed for the whole migration, so it
-/// is only chosen for memory that compresses ([`AUTO_COMPRESSES`]) with
-/// the CPU idle enough to start compressing; Ferry's per-frame chooser
+/// is chosen for memory that compresses ([`AUTO_COMPRESSES`]) with the CPU
+/// idle enough to start compressing, and for memory whose sample does not
+/// compress only when the spare CPU covers QEMU's zstd on every page on top
+/// of loading and relaying them at the links' full rate ([`zstd_fits`]): a
+/// sample's average hides the parts that compress (a guest's kernel and
+/// tables beside its data), which then cross the relay already small, and
+/// zstd costs little on pages that do not shrink. Ferry's per-frame chooser
 /// still runs on top of it (QEMU's packet headers and page lists compress,
-/// its compressed pages go as they are) and alone for memory that does not.
-pub(super) fn qemu_compresses(ratio: Option<f64>, idle: Option<f64>) -> (Option<u8>, String) {
+/// its compressed pages go as they are) and alone for the rest.
+pub(super) fn qemu_compresses(
+    ratio: Option<f64>,
+    idle: Option<f64>,
+    cpus: usize,
+    link_bits: u64,
+) -> (Option<u8>, String) {
     let min_idle = ferry_transport::compress::MIN_IDLE;
     let idle_pct = idle.map_or(0.0, |i| i * 100.0);
     match (ratio, idle) {
@@ -135,6 +146,16 @@ pub(super) fn qemu_compresses(ratio: Option<f64>, idle: Option<f64>) -> (Option<
                  {idle_pct:.0}% idle; Ferry compresses frames if it becomes idle"
             ),
         ),
+        (Some(r), Some(i)) if zstd_fits(i, cpus, link_bits) => (
+            Some(QEMU_ZSTD_LEVEL),
+            format!(
+                "QEMU compresses with zstd {QEMU_ZSTD_LEVEL} in its multifd channels although a \
+                 memory sample compresses to {r:.2} only: the spare CPU ({idle_pct:.0}% idle of \
+                 {cpus}) loads, relays and compresses at the links' {} Mbit/s, and what compresses \
+                 then crosses the agents already small",
+                link_bits / 1_000_000
+            ),
+        ),
         (Some(r), _) => (
             None,
             format!(
@@ -149,6 +170,28 @@ pub(super) fn qemu_compresses(ratio: Option<f64>, idle: Option<f64>) -> (Option<
                 .into(),
         ),
     }
+}
+
+/// QEMU's zstd over pages that do not shrink, CPU seconds per GiB of guest
+/// memory (its multifd send threads; loading what zstd left as it was costs
+/// the target no more than raw pages): the random-memory guest of
+/// `bench/compression.py` at 1 Gbit/s, 0.52 GiB of pages, took 0.56-0.74
+/// CPU-s in QEMU's send threads and its moves 0.6 CPU-s more in all
+/// (BENCHMARKS.md "Compression at 1 Gbit/s: QEMU compresses memory whose
+/// sample does not").
+pub const QEMU_ZSTD_CPU_S_PER_GIB: f64 = 1.5;
+
+/// Room for QEMU's zstd on every page: the spare CPU (`idle` share of
+/// `cpus`, less the [`MIN_IDLE`] share kept free) covers loading
+/// ([`LOAD_CPU_S_PER_GIB`]), the agents' relay ([`RELAY_CPU_S_PER_GIB`])
+/// and zstd ([`QEMU_ZSTD_CPU_S_PER_GIB`]) at the links' full rate.
+///
+/// [`MIN_IDLE`]: ferry_transport::compress::MIN_IDLE
+pub(super) fn zstd_fits(idle: f64, cpus: usize, link_bits: u64) -> bool {
+    let spare = (idle - ferry_transport::compress::MIN_IDLE).max(0.0) * cpus as f64;
+    let gib_per_s = link_bits as f64 / 8.0 / (1u64 << 30) as f64;
+    link_bits > 0
+        && spare >= gib_per_s * (LOAD_CPU_S_PER_GIB + RELAY_CPU_S_PER_GIB + QEMU_ZSTD_CPU_S_PER_GIB)
 }
 
 /// QEMU's own CPU to send and load a GiB of guest memory, both hosts
@@ -231,24 +274,44 @@ mod tests {
         // recorded samples: the workload's compressible pages (0.06 with
         // zstd), random pages (1.0), a guest kernel's pages (0.3)
         assert_eq!(
-            qemu_compresses(Some(0.06), Some(0.5)).0,
+            qemu_compresses(Some(0.06), Some(0.5), 2, 0).0,
             Some(QEMU_ZSTD_LEVEL)
         );
         assert_eq!(
-            qemu_compresses(Some(0.3), Some(0.9)).0,
+            qemu_compresses(Some(0.3), Some(0.9), 2, 0).0,
             Some(QEMU_ZSTD_LEVEL)
         );
-        // random memory: nothing for QEMU to gain, Ferry's frames decide
-        let (level, why) = qemu_compresses(Some(1.0), Some(0.9));
+        // random memory over a link the spare CPU cannot also compress at
+        // (two cores, 10 Gbit/s): Ferry's frames decide
+        let (level, why) = qemu_compresses(Some(1.0), Some(0.9), 2, 10_000_000_000);
         assert_eq!(level, None);
         assert!(why.contains("1.00 only"), "{why}");
+        // the same memory over 1 Gbit/s with the CPU idle: QEMU's zstd on
+        // every page fits, and catches the parts the sample's average hides
+        let (level, why) = qemu_compresses(Some(1.0), Some(0.9), 2, 1_000_000_000);
+        assert_eq!(level, Some(QEMU_ZSTD_LEVEL));
+        assert!(
+            why.contains("1.00 only") && why.contains("1000 Mbit/s"),
+            "{why}"
+        );
+        // ... but not with half the CPU busy, nor over two such links, nor
+        // over a link of unknown rate
+        assert_eq!(
+            qemu_compresses(Some(1.0), Some(0.5), 2, 1_000_000_000).0,
+            None
+        );
+        assert_eq!(
+            qemu_compresses(Some(1.0), Some(0.9), 2, 2_000_000_000).0,
+            None
+        );
+        assert_eq!(qemu_compresses(Some(1.0), Some(0.9), 2, 0).0, None);
         // a busy CPU: not fixed for the whole move
-        let (level, why) = qemu_compresses(Some(0.06), Some(0.05));
+        let (level, why) = qemu_compresses(Some(0.06), Some(0.05), 2, 1_000_000_000);
         assert_eq!(level, None);
         assert!(why.contains("5% idle"), "{why}");
         // all zero, or no sample
-        assert_eq!(qemu_compresses(None, Some(0.9)).0, None);
-        assert_eq!(qemu_compresses(Some(0.06), None).0, None);
+        assert_eq!(qemu_compresses(None, Some(0.9), 2, 1_000_000_000).0, None);
+        assert_eq!(qemu_compresses(Some(0.06), None, 2, 1_000_000_000).0, None);
     }
 
     #[test]

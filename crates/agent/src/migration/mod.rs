@@ -532,7 +532,15 @@ impl Agent {
                 None => (sample_memory(vm, spec.memory).await, self.idle_now().await),
             };
             sampled = Some((ratio, idle));
-            let (mut level, mut why) = qemu_compresses(ratio, idle);
+            // the links the carriers will take: compression's one, or every pair
+            let take = if option == MigrationOption::Compression {
+                1
+            } else {
+                paths.len()
+            };
+            let used: Vec<String> = paths.iter().take(take).map(|p| p.nic.clone()).collect();
+            let link_bits = self.link_bits(used).await;
+            let (mut level, mut why) = qemu_compresses(ratio, idle, cpus(), link_bits);
             if level.is_some() {
                 // a QEMU built without zstd refuses it: its pages go as they are
                 let asked = vm
