@@ -345,7 +345,8 @@ fn wire_bytes(r: &Value) -> u64 {
 /// whose memory compresses is compressed by QEMU in its multifd channels
 /// (the move report says so, with its ratio and CPU) and crosses one carrier
 /// within the downtime asked, intact; a guest whose memory does not is sent
-/// as it is, and its zero pages cost nothing on the wire.
+/// as it is (or through QEMU's zstd, when the idle CPU covers it at the
+/// link's rate), and its zero pages cost nothing on the wire.
 #[test]
 #[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn compression_shrinks_what_compresses_and_leaves_the_rest() {
@@ -434,12 +435,27 @@ fn compression_shrinks_what_compresses_and_leaves_the_rest() {
         "1M",
     ]);
     let _vm2 = VmGuard("cz2");
-    let r = move_vm("cz2", "host2", "compression");
+    let (r, skeleton) = move_explained("cz2", "host2", "compression");
     assert_eq!(r["event"], "completed", "{r}");
-    assert!(
-        r.get("qemu_codec").is_none(),
-        "QEMU sends random pages as they are: {r}"
-    );
+    // a sample of random memory does not compress: QEMU compresses it all
+    // the same when the spare CPU covers zstd on every page at the link's
+    // 200 Mbit/s (an idle CPU does), else sends its pages as they are; the
+    // skeleton step says which, and the report agrees
+    match r.get("qemu_codec") {
+        Some(q) => {
+            assert_eq!(q["codec"], "zstd:1", "{r}");
+            assert!(q["ratio"].as_f64().unwrap() < 1.5, "random pages: {r}");
+            assert!(
+                skeleton.contains("although a memory sample compresses to")
+                    && skeleton.contains("200 Mbit/s"),
+                "the reason is given: {skeleton}"
+            );
+        }
+        None => assert!(
+            skeleton.contains("QEMU sends pages as they are"),
+            "the reason is given: {skeleton}"
+        ),
+    }
     assert!(
         r["compression_ratio"].as_f64().unwrap() < 1.2,
         "random memory does not compress: {r}"
@@ -463,10 +479,20 @@ fn compression_shrinks_what_compresses_and_leaves_the_rest() {
         .iter()
         .map(|c| c["frames"].as_u64().unwrap())
         .sum();
-    assert!(
-        wire + 32 * frames <= qemu,
-        "{wire} bytes in {frames} frames on the wire for QEMU's {qemu}: {r}"
-    );
+    if r.get("qemu_codec").is_some() {
+        // QEMU compressed what compresses: Ferry's frames gain little on
+        // top, and the wire is QEMU's bytes plus framing (Ethernet, IP and
+        // TCP at MTU 1500: ~4.6%; Ferry's headers: 32 bytes per frame)
+        assert!(
+            wire <= qemu * 106 / 100,
+            "{wire} bytes in {frames} frames on the wire for QEMU's {qemu}: {r}"
+        );
+    } else {
+        assert!(
+            wire + 32 * frames <= qemu,
+            "{wire} bytes in {frames} frames on the wire for QEMU's {qemu}: {r}"
+        );
+    }
     assert_intact_on("cz2", "host2");
 
     // back over an unshaped link (10 Gbit/s as the NICs say): faster than

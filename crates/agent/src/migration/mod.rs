@@ -532,14 +532,16 @@ impl Agent {
                 None => (sample_memory(vm, spec.memory).await, self.idle_now().await),
             };
             sampled = Some((ratio, idle));
-            // the links the carriers will take: compression's one, or every pair
-            let take = if option == MigrationOption::Compression {
-                1
+            // compression's one link; `auto`'s carriers over several NICs
+            // (drains among them) keep QEMU's zstd for memory that compresses:
+            // zstd on memory that does not is measured on one link only
+            // (BENCHMARKS.md), so their rate counts as unknown here
+            let link_bits = if option == MigrationOption::Compression {
+                let first: Vec<String> = paths.iter().take(1).map(|p| p.nic.clone()).collect();
+                self.link_bits(first).await
             } else {
-                paths.len()
+                0
             };
-            let used: Vec<String> = paths.iter().take(take).map(|p| p.nic.clone()).collect();
-            let link_bits = self.link_bits(used).await;
             let (mut level, mut why) = qemu_compresses(ratio, idle, cpus(), link_bits);
             if level.is_some() {
                 // a QEMU built without zstd refuses it: its pages go as they are
