@@ -537,8 +537,7 @@ impl Agent {
             // zstd on memory that does not is measured on one link only
             // (BENCHMARKS.md), so their rate counts as unknown here
             let link_bits = if option == MigrationOption::Compression {
-                let first: Vec<String> = paths.iter().take(1).map(|p| p.nic.clone()).collect();
-                self.link_bits(first).await
+                self.first_link_bits(&paths).await
             } else {
                 0
             };
@@ -574,9 +573,7 @@ impl Agent {
                     && copies.is_empty()
                     && takes(ferry_api::FEATURE_QEMU_CHANNELS) =>
             {
-                // the one NIC compression takes: the first pair probed to work
-                let first: Vec<String> = paths.iter().take(1).map(|p| p.nic.clone()).collect();
-                let link_bits = self.link_bits(first).await;
+                let link_bits = self.first_link_bits(&paths).await;
                 match own_channels(ratio, idle, cpus(), link_bits) {
                     Some(why) => {
                         auto_note.push_str(&format!("; {why}"));
@@ -1938,6 +1935,12 @@ impl Agent {
         })
         .await
         .unwrap_or(0)
+    }
+
+    /// The rate of the one NIC `compression` takes: the first pair probed to work.
+    async fn first_link_bits(&self, paths: &[ferry_api::NicPath]) -> u64 {
+        self.link_bits(paths.iter().take(1).map(|p| p.nic.clone()).collect())
+            .await
     }
 
     /// The idle CPU share: the last second's, or (an agent just started)
