@@ -522,6 +522,15 @@ impl Agent {
             option,
             MigrationOption::Multichannel | MigrationOption::Compression
         );
+        // compression's one link: the first pair probed to work. `auto`'s
+        // carriers over several NICs (drains among them) keep QEMU's zstd for
+        // memory that compresses: zstd on memory that does not is measured on
+        // one link only (BENCHMARKS.md), so their rate counts as unknown (0)
+        let compression_link = if option == MigrationOption::Compression {
+            self.first_link_bits(&paths).await
+        } else {
+            0
+        };
         let (qemu_zstd, sample_ratio) = if compress == ferry_transport::CompressMode::Adaptive
             && carriers
             && !conv.postcopy
@@ -532,16 +541,7 @@ impl Agent {
                 None => (sample_memory(vm, spec.memory).await, self.idle_now().await),
             };
             sampled = Some((ratio, idle));
-            // compression's one link; `auto`'s carriers over several NICs
-            // (drains among them) keep QEMU's zstd for memory that compresses:
-            // zstd on memory that does not is measured on one link only
-            // (BENCHMARKS.md), so their rate counts as unknown here
-            let link_bits = if option == MigrationOption::Compression {
-                self.first_link_bits(&paths).await
-            } else {
-                0
-            };
-            let (mut level, mut why) = qemu_compresses(ratio, idle, cpus(), link_bits);
+            let (mut level, mut why) = qemu_compresses(ratio, idle, cpus(), compression_link);
             if level.is_some() {
                 // a QEMU built without zstd refuses it: its pages go as they are
                 let asked = vm
@@ -573,8 +573,7 @@ impl Agent {
                     && copies.is_empty()
                     && takes(ferry_api::FEATURE_QEMU_CHANNELS) =>
             {
-                let link_bits = self.first_link_bits(&paths).await;
-                match own_channels(ratio, idle, cpus(), link_bits) {
+                match own_channels(ratio, idle, cpus(), compression_link) {
                     Some(why) => {
                         auto_note.push_str(&format!("; {why}"));
                         true
