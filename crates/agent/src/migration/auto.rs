@@ -19,11 +19,23 @@ pub const RELAY_CPU_S_PER_GIB: f64 = 2.5;
 /// idle CPU covers their relay at the links' full rate this many times.
 pub const RELAY_MARGIN: f64 = 2.0;
 
+/// `link_bits` per second in GiB per second.
+fn gib_per_s(link_bits: u64) -> f64 {
+    link_bits as f64 / 8.0 / (1u64 << 30) as f64
+}
+
+/// CPUs' worth compression may spend: the `idle` share of `cpus`, less the
+/// [`MIN_IDLE`] share it keeps free.
+///
+/// [`MIN_IDLE`]: ferry_transport::compress::MIN_IDLE
+fn spare_cpus(idle: f64, cpus: usize) -> f64 {
+    (idle - ferry_transport::compress::MIN_IDLE).max(0.0) * cpus as f64
+}
+
 /// Room for the carriers' relay: idle CPUs (`idle` share of `cpus`) at
 /// least [`RELAY_MARGIN`] × what relaying `link_bits` per second costs.
 pub(super) fn relay_fits(idle: f64, cpus: usize, link_bits: u64) -> bool {
-    let gib_per_s = link_bits as f64 / 8.0 / (1u64 << 30) as f64;
-    link_bits > 0 && idle * cpus as f64 >= gib_per_s * RELAY_CPU_S_PER_GIB * RELAY_MARGIN
+    link_bits > 0 && idle * cpus as f64 >= gib_per_s(link_bits) * RELAY_CPU_S_PER_GIB * RELAY_MARGIN
 }
 
 /// What `auto` picks over more than one NIC pair, and why.
@@ -188,10 +200,10 @@ pub const QEMU_ZSTD_CPU_S_PER_GIB: f64 = 1.5;
 ///
 /// [`MIN_IDLE`]: ferry_transport::compress::MIN_IDLE
 pub(super) fn zstd_fits(idle: f64, cpus: usize, link_bits: u64) -> bool {
-    let spare = (idle - ferry_transport::compress::MIN_IDLE).max(0.0) * cpus as f64;
-    let gib_per_s = link_bits as f64 / 8.0 / (1u64 << 30) as f64;
     link_bits > 0
-        && spare >= gib_per_s * (LOAD_CPU_S_PER_GIB + RELAY_CPU_S_PER_GIB + QEMU_ZSTD_CPU_S_PER_GIB)
+        && spare_cpus(idle, cpus)
+            >= gib_per_s(link_bits)
+                * (LOAD_CPU_S_PER_GIB + RELAY_CPU_S_PER_GIB + QEMU_ZSTD_CPU_S_PER_GIB)
 }
 
 /// QEMU's own CPU to send and load a GiB of guest memory, both hosts
@@ -225,9 +237,8 @@ pub(super) fn own_channels(
     if link_bits == 0 {
         return None;
     }
-    let spare = (idle - ferry_transport::compress::MIN_IDLE).max(0.0) * cpus as f64;
     let gib = (1u64 << 30) as f64;
-    let loads = spare / LOAD_CPU_S_PER_GIB * gib * 8.0;
+    let loads = spare_cpus(idle, cpus) / LOAD_CPU_S_PER_GIB * gib * 8.0;
     if (link_bits as f64) <= loads {
         return None;
     }
