@@ -6,10 +6,12 @@ host1's migration NIC (the lab's nic1) is read every 2 ms from /proc/PID/net/dev
 process in host1's namespace (its agent) while each contender moves a fresh guest host1 →
 host2. Printed per move: its transfer time (as bench/compression.py counts it), the wire's
 first to last byte, and that span cut in four — the first 20 MiB, the next 20, the bulk and
-the last 55 MiB — then the MiB on the wire every ~20 ms over the first 400 ms.
+the last 55 MiB (a sixth, a sixth and a quarter of the wire when that is smaller, as for
+compressible memory) — then the MiB on the wire every ~20 ms over the first 400 ms (or
+every --curve-ms ÷ 20 over the first --curve-ms).
 
     sudo python3 bench/compression_timeline.py [--rounds 3] [--rate 1gbit]
-        [--kind random] [the guest options of bench/compression.py]
+        [--kind random] [--curve-ms 400] [the guest options of bench/compression.py]
 
 Uses $FERRY_BIN (as bench/compression.py: target/debug/ferry unless set); brings the lab up
 and down.
@@ -40,7 +42,7 @@ class Wire:
             self.s.append((time.time(), self.tx()))
             time.sleep(0.002)
 
-    def done(self):
+    def done(self, curve_ms=400):
         self.stop = True
         self.t.join()
         b0, b1 = self.s[0][1], self.s[-1][1]
@@ -50,10 +52,13 @@ class Wire:
             return next(t for t, b in self.s if b - b0 >= m * 2**20)
         first = next(t for t, b in self.s if b - b0 > 256 << 10)
         last = [t for t, b in self.s if b1 - b > 64 << 10][-1]
+        # one point per ~1/20 of the span (samples are ~2 ms apart)
         curve = [(round((t - first) * 1000), (b - b0) / 2**20)
-                 for t, b in self.s if first - 0.01 <= t <= first + 0.4][::10]
-        return {"wire_s": last - first, "mib": mib, "first20": at(20) - first, "next20": at(40) - at(20),
-                "bulk": at(mib - 55) - at(40), "last55": last - at(mib - 55), "curve": curve}
+                 for t, b in self.s if first - 0.01 <= t <= first + curve_ms / 1000][::max(curve_ms // 40, 1)]
+        head, tail = min(20, mib / 6), min(55, mib / 4)
+        return {"wire_s": last - first, "mib": mib, "head": head, "tail": tail, "first": at(head) - first,
+                "next": at(2 * head) - at(head), "bulk": at(mib - tail) - at(2 * head),
+                "last": last - at(mib - tail), "curve": curve}
 
 
 def main():
@@ -62,6 +67,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--kind", default="random", choices=["random", "compressible"])
+    ap.add_argument("--curve-ms", type=int, default=400)
     a = ap.parse_args()
     subprocess.run([FERRY, "lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate],
                    check=True, capture_output=True)
@@ -73,10 +79,11 @@ def main():
             w = Wire(agent, nic)
             time.sleep(0.05)
             r = compression.ferry_move(a.kind, a) if c.startswith("ferry") else compression.qemu_move(a.kind, c, a)
-            t = w.done()
-            print(f"round {rnd + 1} {c}: {r['secs']:.3f} s; wire first→last byte {t['wire_s']:.3f} s "
-                  f"({t['mib']:.1f} MiB): first 20 MiB {t['first20']:.3f}, next 20 {t['next20']:.3f}, "
-                  f"bulk {t['bulk']:.3f}, last 55 MiB {t['last55']:.3f}", flush=True)
+            t = w.done(a.curve_ms)
+            print(f"round {rnd + 1} {c}: {r['secs']:.3f} s, guest downtime {r['downtime']} ms; wire first→last "
+                  f"byte {t['wire_s']:.3f} s ({t['mib']:.1f} MiB): first {t['head']:.0f} MiB {t['first']:.3f}, "
+                  f"next {t['head']:.0f} {t['next']:.3f}, bulk {t['bulk']:.3f}, last {t['tail']:.0f} MiB "
+                  f"{t['last']:.3f}", flush=True)
             print("    ms:MiB " + " ".join(f"{ms}:{m:.1f}" for ms, m in t["curve"]), flush=True)
     subprocess.run([FERRY, "lab", "down"], capture_output=True)
 
