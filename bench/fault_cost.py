@@ -15,22 +15,33 @@ import argparse, ctypes, mmap, resource, statistics, time
 MADV_HUGEPAGE = 14
 
 
+def private(size):
+    """A new anonymous mapping, private as guest RAM is (a shared anonymous
+    mapping is shmem, which THP leaves alone)."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def touch_cpu(m, size, value):
+    """CPU seconds to write `value` into every 4 KiB of `m`."""
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    for off in range(0, size, 4096):
+        m[off] = value
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+
+
 def touch(mib, huge):
     size = mib << 20
-    # private, as guest RAM is (a shared anonymous mapping is shmem, which THP leaves alone)
-    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m = private(size)
     if huge:
         buf = (ctypes.c_char * size).from_buffer(m)
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.madvise(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), MADV_HUGEPAGE):
             raise OSError(ctypes.get_errno(), "madvise(MADV_HUGEPAGE)")
         del buf
-    r0 = resource.getrusage(resource.RUSAGE_SELF)
-    for off in range(0, size, 4096):
-        m[off] = 1
-    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = touch_cpu(m, size, 1)
     m.close()
-    return (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return cpu
 
 
 def main():
@@ -40,14 +51,9 @@ def main():
     ap.add_argument("--rest", type=float, default=3.0)
     a = ap.parse_args()
     # the Python loop alone, on memory already faulted in: subtracted from each run
-    warm = mmap.mmap(-1, a.mib << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    for off in range(0, a.mib << 20, 4096):
-        warm[off] = 1
-    r0 = resource.getrusage(resource.RUSAGE_SELF)
-    for off in range(0, a.mib << 20, 4096):
-        warm[off] = 2
-    r1 = resource.getrusage(resource.RUSAGE_SELF)
-    loop = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    warm = private(a.mib << 20)
+    touch_cpu(warm, a.mib << 20, 1)
+    loop = touch_cpu(warm, a.mib << 20, 2)
     warm.close()
     runs = {"4 KiB pages": [], "huge pages asked": []}
     for rnd in range(a.rounds):
