@@ -14,7 +14,9 @@ and every guest is removed after its move). Prints every run and the medians.
 
 --encrypt turns the cluster's `encrypt_carriers` on: every Ferry frame sealed (QEMU by hand
 stays in clear; it has no such option on multifd). Each run's CPU seconds are printed beside
-its time: for Ferry both agents' and QEMUs' (the move report's), for QEMU by hand both QEMUs'.
+its time: for Ferry both agents' and QEMUs' (the move report's), for QEMU by hand both QEMUs';
+for Ferry also both agents' own, in brackets (from /proc, over the `ferry vm move`: the relay,
+the move's control work and the CLI's requests it serves).
 
 OLD_BIN and NEW_BIN must be copies outside target/ (a running agent holds its binary).
 """
@@ -56,25 +58,33 @@ def main():
                        capture_output=True)
     runs = {"qemu zstd": [], "old": [], "new": []}
     cpu = {c: [] for c in runs}
+    agents = {c: [] for c in runs}
     names = list(runs)
     for rnd in range(a.rounds):
         for c in names[rnd % 3:] + names[:rnd % 3]:
             if c == "qemu zstd":
                 r = compression.qemu_move(a.kind, c, a)
+                relay = ""
             else:
                 agents_from(builds[c])
                 compression.FERRY = labqemu.FERRY = builds[c]
+                pids = labqemu.agent_pids(["host1", "host2"])
+                before = [labqemu.cpu_seconds(p) for p in pids]
                 r = compression.ferry_move(a.kind, a)
+                used = sum(labqemu.cpu_seconds(p) - b for p, b in zip(pids, before))
+                agents[c].append(used)
+                relay = f" (agents {used:.3f})"
             runs[c].append(r["secs"])
             cpu[c].append(r["cpu"])
-            print(f"round {rnd + 1} {c}: {r['secs']:.3f} s, {r['cpu']:.2f} CPU-s, "
+            print(f"round {rnd + 1} {c}: {r['secs']:.3f} s, {r['cpu']:.2f} CPU-s{relay}, "
                   f"guest downtime {r['downtime']} ms {r['codecs']}", flush=True)
     subprocess.run([a.new, "lab", "down"], capture_output=True)
     base = statistics.median(runs["qemu zstd"])
     for c in names:
         m = statistics.median(runs[c])
+        relay = f" (both agents {statistics.median(agents[c]):.3f})" if agents[c] else ""
         print(f"{c}: median {m:.3f} s ({m / base:.3f} × QEMU zstd), "
-              f"{statistics.median(cpu[c]):.2f} CPU-s; every run "
+              f"{statistics.median(cpu[c]):.2f} CPU-s{relay}; every run "
               + ", ".join(f"{x:.3f} s {y:.2f} CPU-s" for x, y in zip(runs[c], cpu[c])))
 
 
