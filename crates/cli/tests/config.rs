@@ -5,16 +5,28 @@
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::process::Command;
 
 const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
 
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferry-config-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh directory, removed with what is in it when the test ends.
+struct Scratch(tempfile::TempDir);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+fn scratch(name: &str) -> Scratch {
+    Scratch(
+        tempfile::Builder::new()
+            .prefix(&format!("ferry-config-{name}-"))
+            .tempdir()
+            .unwrap(),
+    )
 }
 
 /// `ferry agent --config FILE --check-config` with `body` as the file;

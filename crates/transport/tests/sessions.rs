@@ -18,11 +18,12 @@ use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
 const LO: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferry-transport-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh directory for a test's sockets, removed when dropped.
+fn tmp(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("ferry-transport-{name}-"))
+        .tempdir()
+        .unwrap()
 }
 
 /// A deterministic, non-repeating byte pattern per stream.
@@ -144,6 +145,8 @@ struct Pair {
     src_sock: PathBuf,
     qemu: UnixListener,
     modes: Vec<Arc<AtomicU8>>,
+    /// Holds the sockets; removed with the pair.
+    _dir: tempfile::TempDir,
 }
 
 async fn pair(name: &str, carriers: usize, target_secret: &[u8]) -> Pair {
@@ -157,7 +160,8 @@ async fn pair(name: &str, carriers: usize, target_secret: &[u8]) -> Pair {
 /// A pair whose target uses `target` and whose source seals or not.
 async fn pair_keys(name: &str, carriers: usize, target: Keys<'_>, source_sealed: bool) -> Pair {
     let target_keys = target;
-    let d = tmp(name);
+    let dir = tmp(name);
+    let d = dir.path();
     let qemu_sock = d.join("qemu.sock");
     let qemu = UnixListener::bind(&qemu_sock).unwrap();
     let nics = (0..carriers)
@@ -187,6 +191,7 @@ async fn pair_keys(name: &str, carriers: usize, target: Keys<'_>, source_sealed:
         src_sock,
         qemu,
         modes,
+        _dir: dir,
     }
 }
 

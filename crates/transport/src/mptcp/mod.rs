@@ -845,7 +845,7 @@ mod tests {
 
     /// A target session for session `[7; 16]` on loopback, its QEMU stand-in's receiver.
     fn loopback_target() -> (
-        PathBuf,
+        tempfile::TempDir,
         std::sync::mpsc::Receiver<Vec<u8>>,
         Spliced,
         IpAddr,
@@ -853,7 +853,7 @@ mod tests {
     ) {
         need_mptcp();
         let dir = tempdir();
-        let (qemu, rx) = fake_qemu(&dir);
+        let (qemu, rx) = fake_qemu(dir.path());
         let lo: IpAddr = "127.0.0.1".parse().unwrap();
         let nics = vec![("lo".to_string(), lo)];
         let (t, port) = Spliced::target([7; 16], &secret(), nics, Deliver::Relay(qemu)).unwrap();
@@ -864,7 +864,7 @@ mod tests {
     fn streams_cross_intact_both_ways_over_loopback() {
         let (dir, rx, t, lo, port) = loopback_target();
         let nics = vec![("lo".to_string(), lo)];
-        let out = dir.join("out.sock");
+        let out = dir.path().join("out.sock");
         let s = Spliced::source(
             [7; 16],
             &secret(),
@@ -917,7 +917,7 @@ mod tests {
             ([7; 16], b"another credential".to_vec(), "credential"),
             ([8; 16], secret(), "session"),
         ] {
-            let out = dir.join(format!("out-{why}.sock"));
+            let out = dir.path().join(format!("out-{why}.sock"));
             let s = Spliced::source(
                 session,
                 &cred,
@@ -1110,9 +1110,8 @@ mod tests {
         assert!(!rejoin_wanted(true, true, false, false));
     }
 
-    fn tempdir() -> PathBuf {
-        let d = std::env::temp_dir().join(format!("ferry-mptcp-{}", rand::random::<u64>()));
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    /// A fresh directory, removed when dropped.
+    fn tempdir() -> tempfile::TempDir {
+        tempfile::Builder::new().prefix("ferry-mptcp-").tempdir().unwrap()
     }
 }
