@@ -1112,6 +1112,9 @@ mod tests {
 
     /// A fresh directory, removed when dropped.
     fn tempdir() -> tempfile::TempDir {
-        tempfile::Builder::new().prefix("ferry-mptcp-").tempdir().unwrap()
+        tempfile::Builder::new()
+            .prefix("ferry-mptcp-")
+            .tempdir()
+            .unwrap()
     }
 }
