@@ -44,7 +44,10 @@ fn acceptor() -> tokio_rustls::TlsAcceptor {
         )
         .expect("certificate");
         let pki = ferry_api::tls::Pki::load(&d.join("storage1")).expect("load");
-        tokio_rustls::TlsAcceptor::from(pki.server_config(true).expect("config"))
+        let config = pki.server_config(true).expect("config");
+        // everything is in memory now: nothing is left in /tmp when the fuzzer exits
+        let _ = std::fs::remove_dir_all(&d);
+        tokio_rustls::TlsAcceptor::from(config)
     })
     .clone()
 }
