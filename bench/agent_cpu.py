@@ -16,47 +16,20 @@ Prints every run and the medians per (build, option).
 --bins: Ferry builds to compare (copies outside target/, as for bench/compression_ab.py); the
 first also brings the lab up. Default: $FERRY_BIN.
 """
-import argparse, json, os, statistics, subprocess, sys, time
+import argparse, os, statistics, subprocess, sys
 
 import compression
 import labqemu
 from compression_ab import agents_from
 
 
-def switches(pid):
-    """Voluntary and involuntary context switches of every thread of `pid`."""
-    n = 0
-    for t in os.listdir(f"/proc/{pid}/task"):
-        try:
-            for line in open(f"/proc/{pid}/task/{t}/status"):
-                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
-                    n += int(line.split()[1])
-        except OSError:
-            pass  # a thread that ended between the listing and the read
-    return n
-
-
 def move(binary, option, a):
-    """One fresh guest moved host1 → host2 with `option`; the agents' CPU and switches over it."""
-    subprocess.run([binary, "vm", "rm", "cb"], capture_output=True)
-    extra = ["--compressible"] if a.kind == "compressible" else []
-    subprocess.run([binary, "vm", "create", "cb", "--host", "host1", "--memory", a.memory, "--fill", a.fill,
-                    "--dirty-rate", a.dirty_rate, *extra], check=True, capture_output=True)
-    time.sleep(2)
-    pids = labqemu.agent_pids(["host1", "host2"])
-    cpu0, sw0 = [labqemu.cpu_seconds(p) for p in pids], [switches(p) for p in pids]
-    out = subprocess.run([binary, "vm", "move", "cb", "--to", "host2", "--option", option, "--json"],
-                         capture_output=True, text=True)
-    cpu = [labqemu.cpu_seconds(p) - c for p, c in zip(pids, cpu0)]
-    sw = sum(switches(p) - s for p, s in zip(pids, sw0))
-    subprocess.run([binary, "vm", "rm", "cb"], capture_output=True)
-    try:
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-    except (IndexError, ValueError):
-        sys.exit(f"{option}: no move report: {out.stderr.strip()}")
-    if r.get("event") != "completed" or not r["check"]["intact"]:
-        sys.exit(f"{option}: move failed or guest not intact: {r}")
-    return {"ms": r["transfer_ms"], "src": cpu[0], "dst": cpu[1], "switches": sw, "path": r["data_path"]}
+    """One fresh guest moved host1 → host2 with `option` by `binary`'s agents (bench/
+    compression.py's move); its transfer time and the agents' CPU and switches over it."""
+    compression.FERRY = labqemu.FERRY = binary
+    r = compression.ferry_move(a.kind, a, option)
+    return {"ms": round(r["secs"] * 1000), "src": r["agents"][0], "dst": r["agents"][1],
+            "switches": r["switches"], "path": r["path"]}
 
 
 def main():

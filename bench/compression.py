@@ -25,7 +25,7 @@ errors).
 """
 import argparse, json, os, re, statistics, subprocess, sys, time
 
-from labqemu import FERRY, Cpu, ferry, lab_addr, nic_tx, qemu, run_target, size, wait_migration, wait_ready
+from labqemu import FERRY, Cpu, agents_spend, ferry, lab_addr, nic_tx, qemu, run_target, size, wait_migration, wait_ready
 
 
 def console_errors(path):
@@ -34,18 +34,23 @@ def console_errors(path):
     return (int(ticks[-1][1]), len(ticks)) if ticks else (None, 0)
 
 
-def ferry_move(kind, a):
+def ferry_move(kind, a, option="compression"):
+    """A fresh guest moved host1 → host2 by `ferry vm move --option OPTION`, checked intact;
+    with both agents' CPU seconds (source, target) and context switches over the move."""
     subprocess.run([FERRY, "vm", "rm", "cb"], capture_output=True)
     extra = ["--compressible"] if kind == "compressible" else []
     ferry("vm", "create", "cb", "--host", "host1", "--memory", a.memory, "--fill", a.fill,
           "--dirty-rate", a.dirty_rate, *extra)
     time.sleep(2)
     tx0 = nic_tx("host1", "nic1")
-    out = subprocess.run([FERRY, "vm", "move", "cb", "--to", "host2", "--option", "compression", "--json"],
-                         capture_output=True, text=True).stdout
+    out, agents, switches = agents_spend(lambda: subprocess.run(
+        [FERRY, "vm", "move", "cb", "--to", "host2", "--option", option, "--json"], capture_output=True, text=True))
     wire = nic_tx("host1", "nic1") - tx0
-    r = json.loads(out.strip().splitlines()[-1])
     subprocess.run([FERRY, "vm", "rm", "cb"], capture_output=True)
+    try:
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        sys.exit(f"ferry move ({option}): no move report: {out.stderr.strip()}")
     if r.get("event") != "completed" or not r["check"]["intact"]:
         sys.exit(f"ferry move failed or guest not intact: {r}")
     codecs = "frames: " + ", ".join(f"{c['codec']} {c['share'] * 100:.0f}%" for c in r.get("codecs", [])
@@ -57,7 +62,8 @@ def ferry_move(kind, a):
         # the CPU was the limit: QEMU's own channels, no frames (see ARCHITECTURE.md)
         codecs = "QEMU's own multifd channels, pages as they are"
     return {"secs": r["transfer_ms"] / 1000, "wire": wire, "cpu": r["cpu"]["source_s"] + r["cpu"]["target_s"],
-            "codecs": codecs, "downtime": r["guest_downtime_ms"]}
+            "codecs": codecs, "downtime": r["guest_downtime_ms"], "path": r["data_path"], "agents": agents,
+            "switches": switches}
 
 
 def qemu_move(kind, contender, a):

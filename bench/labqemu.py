@@ -74,6 +74,29 @@ def agent_pids(hosts):
     return [int(open(f"/run/ferry/lab/{h}/agent.pid").read().strip()) for h in hosts]
 
 
+def context_switches(pid):
+    """Voluntary and involuntary context switches of every thread of `pid`."""
+    n = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            for line in open(f"/proc/{pid}/task/{t}/status"):
+                if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                    n += int(line.split()[1])
+        except OSError:
+            pass  # a thread that ended between the listing and the read
+    return n
+
+
+def agents_spend(run, hosts=("host1", "host2")):
+    """Calls `run()`; returns its result, the CPU seconds each of `hosts`' agents spent over
+    it (every thread, not their QEMUs) and their context switches in all."""
+    pids = agent_pids(hosts)
+    cpu0, sw0 = [cpu_seconds(p) for p in pids], [context_switches(p) for p in pids]
+    r = run()
+    cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu0)]
+    return r, cpu, sum(context_switches(p) - s for p, s in zip(pids, sw0))
+
+
 def qemu_pids(hosts=("host1", "host2")):
     """Every QEMU running in the lab namespaces of `hosts`."""
     pids = []
