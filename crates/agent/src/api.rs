@@ -37,7 +37,9 @@ use axum::{
     routing::{get, post},
     Json, Router,
 };
-use ferry_api::server::{ndjson, not_found, require_peer, ApiJson, ErrorResponse, PeerAuth};
+use ferry_api::server::{
+    ndjson, not_found, require_peer, ApiJson, ErrorResponse, PeerAuth, PeerCert,
+};
 use ferry_api::tls::Role;
 use ferry_api::validation::{
     HostFacts, PathProbeRequest, PathProbeResult, SendRequest, SendResult, SinkReply, SinkRequest,
@@ -164,24 +166,75 @@ async fn set_bandwidth(
     Ok(Json(a.set_bandwidth(p).await?))
 }
 
+/// The calling peer agent, when the caller is one (None: the control
+/// service, or a caller known by the cluster credential).
+type Caller = Option<axum::Extension<PeerCert>>;
+
+fn peer_agent(caller: &Caller) -> Option<&ferry_api::tls::Identity> {
+    caller
+        .as_ref()
+        .map(|axum::Extension(PeerCert(id))| id)
+        .filter(|id| id.role == Role::Agent)
+}
+
+/// A peer's say over incoming migration `id`: the id as a source makes
+/// them, and a peer agent only over the migrations it is the source of.
+async fn own_incoming(a: &Agent, id: &str, caller: &Caller) -> Result<(), ApiError> {
+    ferry_api::validate_migration_id(id)?;
+    if let Some(who) = peer_agent(caller) {
+        if let Some(source) = a.incoming_peer(id).await {
+            if source != who.name {
+                tracing::warn!(caller = %who, migration = %id, %source, "refused: not this migration's source");
+                return Err(ApiError::Forbidden {
+                    caller: who.to_string(),
+                    role: who.role.to_string(),
+                    action: format!("act on incoming migration {id}"),
+                    needed: format!("the migration's source, {source}"),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 async fn incoming(
     State(a): State<Arc<Agent>>,
+    caller: Caller,
     ApiJson(req): ApiJson<IncomingRequest>,
 ) -> R<ferry_api::IncomingReply> {
+    ferry_api::validate_migration_id(&req.migration_id)?;
+    ferry_api::validate_name("source", &req.source)?;
+    // a peer agent hands over only its own VMs: it is the source it names
+    if let Some(who) = peer_agent(&caller) {
+        if who.name != req.source {
+            tracing::warn!(caller = %who, claimed = %req.source, "refused: an incoming migration from another host's name");
+            return Err(ApiError::Forbidden {
+                caller: who.to_string(),
+                role: who.role.to_string(),
+                action: format!("hand over a migration as {}", req.source),
+                needed: format!("the certificate of {}", req.source),
+            }
+            .into());
+        }
+    }
     Ok(Json(a.prepare_incoming(req).await?))
 }
 
 async fn incoming_status(
     State(a): State<Arc<Agent>>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> R<ferry_api::IncomingStatus> {
+    own_incoming(&a, &id, &caller).await?;
     Ok(Json(a.incoming_status(&id).await?))
 }
 
 async fn incoming_ready(
     State(a): State<Arc<Agent>>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> R<ferry_api::IncomingStatus> {
+    own_incoming(&a, &id, &caller).await?;
     Ok(Json(a.ready_incoming(&id).await?))
 }
 
@@ -189,8 +242,10 @@ async fn incoming_ready(
 /// hangs up (its deadline passed) must not cut a journaled step in half.
 async fn incoming_run(
     State(a): State<Arc<Agent>>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> R<ferry_api::IncomingStatus> {
+    own_incoming(&a, &id, &caller).await?;
     let run = tokio::spawn(async move { a.run_incoming(&id).await });
     Ok(Json(run.await.map_err(ApiError::internal)??))
 }
@@ -199,6 +254,7 @@ async fn migration_record(
     State(a): State<Arc<Agent>>,
     Path(id): Path<String>,
 ) -> R<ferry_api::SourceStatus> {
+    ferry_api::validate_migration_id(&id)?;
     Ok(Json(a.source_status(&id)?))
 }
 
@@ -211,17 +267,21 @@ async fn resolve_vm(
 
 async fn incoming_rejoin(
     State(a): State<Arc<Agent>>,
+    caller: Caller,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<ferry_api::RejoinRequest>,
 ) -> R<serde_json::Value> {
+    own_incoming(&a, &id, &caller).await?;
     let nic = a.rejoin_incoming(&id, &req.nic).await?;
     Ok(Json(serde_json::json!({ "announced": nic })))
 }
 
 async fn incoming_abort(
     State(a): State<Arc<Agent>>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> R<serde_json::Value> {
+    own_incoming(&a, &id, &caller).await?;
     let id2 = id.clone();
     let abort = tokio::spawn(async move { a.abort_incoming(&id2).await });
     abort.await.map_err(ApiError::internal)??;
@@ -368,6 +428,7 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
             tokio::time::sleep(std::time::Duration::from_secs(2)).await;
             reaper.reap_incoming().await;
             reaper.settle_committed().await;
+            reaper.rotate_consoles().await;
         }
     });
     let tls = match &agent.pki {

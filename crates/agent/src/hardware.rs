@@ -36,6 +36,8 @@ pub struct CpuCatalog {
     pub models: BTreeMap<String, Vec<String>>,
     /// Full expansions of [`HOST_DEPENDENT_MODELS`] this host can run.
     pub expansions: BTreeMap<String, Expansion>,
+    /// The machine types QEMU here knows (`query-machines`, aliases too).
+    pub machines: Vec<String>,
 }
 
 /// A real-mode firmware image (64 KiB, code at the reset vector): writes
@@ -138,6 +140,7 @@ pub async fn probe_cpus(binary: &str, accel: &str) -> Result<CpuCatalog, String>
             cmds.push(serde_json::json!({"execute": "query-cpu-model-expansion",
                 "arguments": {"type": "full", "model": {"name": m}}}));
         }
+        cmds.push(serde_json::json!({"execute": "query-machines"}));
         // greeting
         lines
             .next_line()
@@ -170,7 +173,27 @@ pub async fn probe_cpus(binary: &str, accel: &str) -> Result<CpuCatalog, String>
         .await
         .map_err(|_| "QEMU did not answer within 20 s".to_string())??;
     let _ = tokio::time::timeout(Duration::from_secs(3), child.wait()).await;
-    catalog_of(&answers[1], &answers[2..])
+    let n = 2 + HOST_DEPENDENT_MODELS.len();
+    let mut cat = catalog_of(&answers[1], &answers[2..n])?;
+    cat.machines = machines_of(&answers[n])?;
+    Ok(cat)
+}
+
+/// Reads `query-machines`: every name and alias.
+pub fn machines_of(answer: &Value) -> Result<Vec<String>, String> {
+    let list = answer
+        .get("return")
+        .and_then(Value::as_array)
+        .ok_or_else(|| format!("query-machines: {answer}"))?;
+    let mut out: Vec<String> = list
+        .iter()
+        .flat_map(|m| [m.get("name"), m.get("alias")])
+        .flatten()
+        .filter_map(|v| v.as_str().map(String::from))
+        .collect();
+    out.sort();
+    out.dedup();
+    Ok(out)
 }
 
 /// Reads `query-cpu-definitions` and the expansions of
@@ -288,6 +311,27 @@ pub fn is_bridge(name: &str) -> bool {
         .is_dir()
 }
 
+/// The backing file a qcow2 image's header names, if any (None: none, or
+/// not a qcow2 image).
+pub fn qcow2_backing(path: &Path) -> Option<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).ok()?;
+    let mut h = [0u8; 20];
+    f.read_exact(&mut h).ok()?;
+    if &h[0..4] != b"QFI\xfb" {
+        return None;
+    }
+    let off = u64::from_be_bytes(h[8..16].try_into().ok()?);
+    let len = u32::from_be_bytes(h[16..20].try_into().ok()?).min(1023) as usize;
+    if off == 0 || len == 0 {
+        return None;
+    }
+    let mut name = vec![0u8; len];
+    f.seek(SeekFrom::Start(off)).ok()?;
+    f.read_exact(&mut name).ok()?;
+    Some(String::from_utf8_lossy(&name).into_owned())
+}
+
 /// Everything in `spec` this host lacks (empty: it can run it). The CPU
 /// model is checked by the caller ([`cpu_problem`]), which has the catalog.
 pub fn missing_here(spec: &VmSpec, ovmf: &Ovmf) -> Vec<String> {
@@ -307,6 +351,12 @@ pub fn missing_here(spec: &VmSpec, ovmf: &Ovmf) -> Vec<String> {
                     "disk path {p} (drives[{i}]) is not a file or block device"
                 )),
                 Err(e) => missing.push(format!("disk path {p} (drives[{i}]): {e}")),
+            }
+            if let Some(b) = qcow2_backing(Path::new(p)) {
+                missing.push(format!(
+                    "disk path {p} (drives[{i}]) is a qcow2 image on a backing file ({}), which Ferry never opens: give a standalone image (qemu-img convert)",
+                    b.escape_debug()
+                ));
             }
         }
     }
@@ -374,6 +424,38 @@ mod tests {
         other.insert("avx2".into(), Value::Bool(true));
         let why = cpu_problem(&c, None, "max", Some(&other)).unwrap();
         assert!(why.contains("differ in 1 features: avx2"), "{why}");
+    }
+
+    #[test]
+    fn a_qcow2_backing_file_is_named() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("a.qcow2");
+        let mut h = vec![0u8; 512];
+        h[0..4].copy_from_slice(b"QFI\xfb");
+        h[8..16].copy_from_slice(&100u64.to_be_bytes());
+        h[16..20].copy_from_slice(&11u32.to_be_bytes());
+        h[100..111].copy_from_slice(b"/etc/shadow");
+        std::fs::write(&p, &h).unwrap();
+        assert_eq!(qcow2_backing(&p).as_deref(), Some("/etc/shadow"));
+        h[8..16].copy_from_slice(&0u64.to_be_bytes());
+        std::fs::write(&p, &h).unwrap();
+        assert_eq!(qcow2_backing(&p), None);
+        std::fs::write(&p, b"raw data, not qcow2").unwrap();
+        assert_eq!(qcow2_backing(&p), None);
+    }
+
+    #[test]
+    fn machines_are_read_with_their_aliases() {
+        let a = serde_json::json!({"return": [
+            {"name": "pc-q35-10.0", "alias": "q35", "cpu-max": 4096},
+            {"name": "pc-q35-9.2"},
+            {"name": "none"},
+        ]});
+        assert_eq!(
+            machines_of(&a).unwrap(),
+            vec!["none", "pc-q35-10.0", "pc-q35-9.2", "q35"]
+        );
+        assert!(machines_of(&serde_json::json!({"error": {}})).is_err());
     }
 
     #[test]

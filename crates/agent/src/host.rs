@@ -341,8 +341,15 @@ impl Agent {
         spec: &VmSpec,
         source: Option<&crate::hardware::Expansion>,
     ) -> Result<(), ApiError> {
+        // what the host grants first: nothing outside it is even looked at
+        let catalog = self.cpu_catalog().await;
+        let machines = catalog.as_ref().ok().map(|c| c.machines.as_slice());
+        if let Some(r) = self.cfg.grants.refusal(spec, machines) {
+            tracing::warn!(vm = %spec.name, field = %r.field, value = %r.value, "refused: not granted to guests here");
+            return Err(r.into_error(&self.cfg.name));
+        }
         let mut missing = crate::hardware::missing_here(spec, &self.cfg.qemu.ovmf);
-        match self.cpu_catalog().await {
+        match catalog {
             Ok(cat) => missing.extend(crate::hardware::cpu_problem(
                 &cat,
                 self.cfg.cpu_models.as_deref(),
@@ -360,6 +367,28 @@ impl Agent {
                 vm: spec.name.clone(),
                 missing,
             })
+        }
+    }
+
+    /// Keeps every guest's console log within `console_log_max` (see
+    /// [`crate::guest::rotate`]): a guest printing without end fills no disk.
+    pub async fn rotate_consoles(&self) {
+        let logs: Vec<(String, PathBuf)> = {
+            let st = self.state.lock().await;
+            st.vms
+                .iter()
+                .filter_map(|(n, s)| Some((n.clone(), s.qemu.as_ref()?.console_path())))
+                .collect()
+        };
+        for (vm, log) in logs {
+            match crate::guest::rotate(&log, self.cfg.console_log_max) {
+                Ok(true) => {
+                    tracing::info!(%vm, max = self.cfg.console_log_max, "console log rotated")
+                }
+                Ok(false) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(%vm, "rotating the console log: {e}"),
+            }
         }
     }
 

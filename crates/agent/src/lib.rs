@@ -27,6 +27,7 @@ pub mod convergence;
 pub mod datapath;
 pub mod downtime;
 pub mod failpoint;
+pub mod grants;
 pub mod guest;
 pub mod hardware;
 pub mod host;
@@ -67,6 +68,11 @@ pub struct AgentConfig {
     /// The CPU models this host offers guests (None: every model QEMU can
     /// run here), for clusters kept to a common baseline.
     pub cpu_models: Option<Vec<String>>,
+    /// Drive directories, kernel directories and bridges guests may use.
+    pub grants: grants::Grants,
+    /// A guest's console log is rotated past this many bytes (see
+    /// [`guest::rotate`]).
+    pub console_log_max: u64,
     /// A VM paused for its storage this long is stopped (see [`resilience`]).
     pub storage_pause_max: std::time::Duration,
 }

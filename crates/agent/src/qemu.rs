@@ -187,14 +187,20 @@ impl BlockNode {
         }
     }
 
-    /// The whole `-blockdev` node.
+    /// The whole `-blockdev` node. A qcow2 image's backing file is never
+    /// opened: the name in its header is the image writer's, not a grant
+    /// of this host (see [`crate::grants`]).
     pub fn blockdev(&self, cfg: &QemuConfig) -> serde_json::Value {
-        serde_json::json!({
+        let mut n = serde_json::json!({
             "driver": self.driver,
             "node-name": self.name,
             "read-only": self.read_only,
             "file": self.file(cfg),
-        })
+        });
+        if self.driver == "qcow2" {
+            n["backing"] = serde_json::Value::Null;
+        }
+        n
     }
 }
 
@@ -556,7 +562,8 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
     a.extend(
         [
             "-chardev",
-            &format!("file,id=con0,path={}", p("console.log")),
+            // appended to, so that the agent can rotate it (see `guest::rotate`)
+            &format!("file,id=con0,path={},append=on", p("console.log")),
             "-serial",
             "chardev:con0",
             "-qmp",

@@ -31,7 +31,14 @@ pub enum QgaError {
     Refused { command: String, desc: String },
     #[error("the guest agent's answer to {command} is not understood: {answer}")]
     Garbled { command: String, answer: String },
+    /// A line longer than [`MAX_REPLY`]: the guest is not trusted to end it.
+    #[error("the guest agent's answer to {command} passed {max} bytes without ending; the channel is dropped")]
+    TooLong { command: String, max: usize },
 }
+
+/// The longest line read from a guest agent (its answers are one line
+/// each; `guest-exec-status` output, base64, is the largest Ferry asks).
+pub const MAX_REPLY: usize = 4 << 20;
 
 pub struct Qga {
     rd: BufReader<tokio::net::unix::OwnedReadHalf>,
@@ -82,11 +89,26 @@ impl Qga {
     }
 
     async fn read_line(&mut self, command: &str) -> Result<Value, QgaError> {
+        self.read_line_within(command, MAX_REPLY).await
+    }
+
+    async fn read_line_within(&mut self, command: &str, max: usize) -> Result<Value, QgaError> {
+        use tokio::io::AsyncReadExt;
         let mut line = String::new();
         loop {
             line.clear();
-            if self.rd.read_line(&mut line).await? == 0 {
+            let n = (&mut self.rd)
+                .take(max as u64 + 1)
+                .read_line(&mut line)
+                .await?;
+            if n == 0 {
                 return Err(QgaError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            if n > max && !line.ends_with('\n') {
+                return Err(QgaError::TooLong {
+                    command: command.into(),
+                    max,
+                });
             }
             // a reply may be preceded by the 0xff a delimited sync sends
             let t = line.trim_matches(|c: char| c.is_whitespace() || c == '\u{fffd}');
@@ -189,5 +211,49 @@ impl Qga {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_endless_line_from_the_guest_is_cut_off() {
+        let (ours, mut guest) = UnixStream::pair().unwrap();
+        let (rd, wr) = ours.into_split();
+        let mut q = Qga {
+            rd: BufReader::new(rd),
+            wr,
+        };
+        let writer = tokio::spawn(async move {
+            let chunk = vec![b'a'; 64 << 10];
+            // far past the limit, never a newline
+            for _ in 0..64 {
+                if guest.write_all(&chunk).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let e = q.read_line_within("guest-exec-status", 1 << 20).await;
+        assert!(
+            matches!(e, Err(QgaError::TooLong { max, .. }) if max == 1 << 20),
+            "{e:?}"
+        );
+        drop(q);
+        writer.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn answers_within_the_limit_are_read() {
+        let (ours, mut guest) = UnixStream::pair().unwrap();
+        let (rd, wr) = ours.into_split();
+        let mut q = Qga {
+            rd: BufReader::new(rd),
+            wr,
+        };
+        guest.write_all(b"{\"return\": 7}\n").await.unwrap();
+        let v = q.read_line_within("guest-sync", 64).await.unwrap();
+        assert_eq!(v["return"], 7);
     }
 }

@@ -75,6 +75,21 @@ pub enum ApiError {
         vm: String,
         missing: Vec<String>,
     },
+    /// A VM names a host resource (a drive path, a kernel, a bridge, a
+    /// machine type) the host's administrator does not grant guests: refused
+    /// before anything starts, naming the field, the key in `agent.toml`
+    /// that grants it and what is granted.
+    #[error(
+        "Host {host} does not grant {field} = '{value}' to guests; it grants {} (agent.toml `{key}`)",
+        if allowed.is_empty() { "none".to_string() } else { allowed.join(", ") }
+    )]
+    NotGranted {
+        host: String,
+        field: String,
+        value: String,
+        key: String,
+        allowed: Vec<String>,
+    },
     #[error("Internal error: {reason}")]
     Internal { reason: String },
 }
@@ -89,7 +104,9 @@ impl ApiError {
             ApiError::InsufficientMemory { .. } => 507,
             ApiError::HostCannotRun { .. } => 412,
             ApiError::Unauthorized { .. } => 401,
-            ApiError::Forbidden { .. } | ApiError::Refused { .. } => 403,
+            ApiError::Forbidden { .. } | ApiError::Refused { .. } | ApiError::NotGranted { .. } => {
+                403
+            }
             ApiError::Unavailable { .. } => 503,
             ApiError::MigrationFailed { .. }
             | ApiError::MigrationInDoubt { .. }
@@ -200,6 +217,13 @@ mod tests {
                 host: "host3".into(),
                 vm: "deb1".into(),
                 missing: vec!["bridge br-guest".into()],
+            },
+            ApiError::NotGranted {
+                host: "host1".into(),
+                field: "drives[0].path".into(),
+                value: "/etc/shadow".into(),
+                key: "drive_dirs".into(),
+                allowed: vec!["/srv/vm".into()],
             },
             ApiError::internal("x"),
         ];

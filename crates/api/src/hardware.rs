@@ -192,6 +192,30 @@ pub fn validate_cpu_model(cpu: &str) -> Result<(), ApiError> {
     }
 }
 
+/// A q35 machine type name: `q35` or `pc-q35-X.Y` (digits and dots),
+/// nothing QEMU would read as an option. Whether QEMU knows it is the
+/// host's to say (`query-machines`).
+pub fn validate_machine(m: &str) -> Result<(), ApiError> {
+    let versioned = m.strip_prefix("pc-q35-").is_some_and(|v| {
+        !v.is_empty()
+            && v.len() <= 16
+            && v.bytes().all(|b| b.is_ascii_digit() || b == b'.')
+            && !v.starts_with('.')
+            && !v.ends_with('.')
+    });
+    if m == "q35" || versioned {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            "machine",
+            format!(
+                "'{}' is not a q35 machine type (q35 or pc-q35-X.Y)",
+                m.escape_debug()
+            ),
+        ))
+    }
+}
+
 /// The largest local drive Ferry creates.
 pub const MAX_LOCAL_DISK: u64 = 16 << 40;
 
@@ -278,13 +302,7 @@ impl Drive {
 
 /// Checks the hardware fields of a spec (the VM's name is checked by the caller).
 pub fn validate(spec: &crate::VmSpec) -> Result<(), ApiError> {
-    let m = &spec.machine;
-    if m != "q35" && !m.starts_with("pc-q35-") {
-        return Err(ApiError::invalid(
-            "machine",
-            format!("'{m}' is not a q35 machine type (q35 or pc-q35-X.Y)"),
-        ));
-    }
+    validate_machine(&spec.machine)?;
     validate_cpu_model(&spec.cpu)?;
     if spec.drives.len() > 8 {
         return Err(ApiError::invalid("drives", "a VM takes at most 8 drives"));
@@ -380,6 +398,25 @@ mod tests {
         assert!(validate_ifname("b", "br/0").is_err());
         assert!(validate_cpu_model("Skylake-Server-v4").is_ok());
         assert!(validate_cpu_model("host,+vmx").is_err());
+    }
+
+    #[test]
+    fn machine_types_carry_no_options() {
+        for ok in ["q35", "pc-q35-9.2", "pc-q35-10.0"] {
+            assert!(validate_machine(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "pc-q35-9.2,accel=kvm",
+            "pc-q35-",
+            "pc-q35-x",
+            "pc",
+            "q35,memory-backend=m",
+            "pc-q35-9.2\nfoo",
+            "pc-q35-.9",
+        ] {
+            let e = validate_machine(bad).unwrap_err().to_string();
+            assert!(e.contains("machine"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -29,12 +29,35 @@ pub struct RollingRequest {
     pub max_parallel: Option<MigrationLimit>,
     #[serde(default)]
     pub option: Option<MigrationOption>,
-    /// A command the control service runs (`sh -c`, `FERRY_HOST` set) every
-    /// few seconds while a host is in maintenance; exit status 0 says the
-    /// host is healthy again and resumes it. Without one, `ferry host
-    /// resume HOST` does.
+    /// The name of a program in the control service's hooks directory
+    /// (`hooks_dir`, which only its administrator fills), run every few
+    /// seconds while a host is in maintenance — no shell, no arguments,
+    /// `FERRY_HOST` set; exit status 0 says the host is healthy again and
+    /// resumes it. Without one, `ferry host resume HOST` does. Naming a
+    /// hook takes the admin role.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hook: Option<String>,
+}
+
+/// A hook's name: 1-64 of `[A-Za-z0-9._-]`, not starting with a dot or a
+/// dash — a file name in the hooks directory, never a path or a command.
+pub fn validate_hook_name(h: &str) -> Result<(), ApiError> {
+    let ok = !h.is_empty()
+        && h.len() <= 64
+        && !h.starts_with(['.', '-'])
+        && h.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            "hook",
+            format!(
+                "'{}' is not a hook's name: give the name of a program in the control service's hooks_dir (1-64 of A-Z, a-z, 0-9, '.', '_', '-')",
+                h.escape_debug()
+            ),
+        ))
+    }
 }
 
 fn one() -> u32 {
@@ -94,8 +117,8 @@ impl RollingRequest {
                 ));
             }
         }
-        if self.hook.as_deref().is_some_and(|h| h.trim().is_empty()) {
-            return Err(ApiError::invalid("hook", "an empty command"));
+        if let Some(h) = &self.hook {
+            validate_hook_name(h)?;
         }
         Ok(())
     }
@@ -254,6 +277,8 @@ mod tests {
             (r#"{"max_hosts_down":3}"#, "max_hosts_down"),
             (r#"{"max_parallel":{"fixed":40}}"#, "max_parallel"),
             (r#"{"hook":"  "}"#, "hook"),
+            (r#"{"hook":"touch /tmp/x"}"#, "hook"),
+            (r#"{"hook":"../../bin/sh"}"#, "hook"),
         ];
         for (json, field) in cases {
             let r: RollingRequest = serde_json::from_str(json).unwrap();

@@ -353,6 +353,26 @@ impl VmSpec {
     }
 }
 
+/// A migration's id as a source agent makes it: 16 lowercase hex digits.
+/// Peers send ids back; anything else is refused before it names a file.
+pub fn validate_migration_id(id: &str) -> Result<(), ApiError> {
+    if id.len() == 16
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(
+            "migration_id",
+            format!(
+                "'{}' is not a migration id (16 lowercase hex digits)",
+                id.chars().take(64).collect::<String>().escape_debug()
+            ),
+        ))
+    }
+}
+
 /// Names of VMs and hosts: 1-32 of `[a-z0-9-]`, starting with a letter or digit.
 pub fn validate_name(field: &str, name: &str) -> Result<(), ApiError> {
     let ok = !name.is_empty()

@@ -104,9 +104,10 @@ pub enum ClusterCmd {
         max_parallel: Option<String>,
         #[arg(long, value_enum)]
         option: Option<crate::vm_cmd::OptionArg>,
-        /// A command the control service runs (sh -c, FERRY_HOST set) while
-        /// a host is in maintenance; exit status 0 resumes the host.
-        #[arg(long)]
+        /// The name of a program in the control service's hooks_dir, run
+        /// (no shell, FERRY_HOST set) while a host is in maintenance; exit
+        /// status 0 resumes the host. Takes the admin role.
+        #[arg(long, value_name = "NAME")]
         hook: Option<String>,
         /// Show the run (the last one if none runs) and exit.
         #[arg(long, conflicts_with = "stop")]

@@ -117,6 +117,20 @@ pub struct AgentFile {
     /// The CPU models this host offers guests (default: every model QEMU
     /// can run here); a move to this host of a VM with another is refused.
     pub cpu_models: Option<Vec<String>>,
+    /// Directories whose files guests may use as `path` drives (absolute;
+    /// default: none).
+    #[serde(default)]
+    pub drive_dirs: Vec<PathBuf>,
+    /// Directories whose files guests may boot as a kernel or initramfs
+    /// (absolute; default: none).
+    #[serde(default)]
+    pub kernel_dirs: Vec<PathBuf>,
+    /// Linux bridges guests' NICs may join (default: none).
+    #[serde(default)]
+    pub bridges: Vec<String>,
+    /// A guest's console log is rotated past this size (default `8M`; one
+    /// older generation is kept).
+    pub console_log_max: Option<String>,
     /// UEFI firmware code (default `/usr/share/OVMF/OVMF_CODE_4M.fd`).
     pub ovmf_code: Option<PathBuf>,
     /// UEFI variable store template (default `/usr/share/OVMF/OVMF_VARS_4M.fd`).
@@ -152,6 +166,9 @@ pub struct ControlFile {
     /// Storage nodes: name → API URL.
     #[serde(default)]
     pub storage: BTreeMap<String, String>,
+    /// The programs a rolling drain may run as hooks, by name (default
+    /// `/etc/ferry/hooks`; root's to fill).
+    pub hooks_dir: Option<PathBuf>,
 }
 
 /// `/etc/ferry/storage.toml`.

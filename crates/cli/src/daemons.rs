@@ -235,6 +235,31 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
                 .map_err(|e| key("cpu_models", e.to_string()))?;
         }
     }
+    for (k, dirs) in [
+        ("drive_dirs", &f.drive_dirs),
+        ("kernel_dirs", &f.kernel_dirs),
+    ] {
+        for d in dirs.iter() {
+            if !d.is_absolute() || d == std::path::Path::new("/") {
+                return Err(key(
+                    k,
+                    format!("{} is not an absolute directory other than /", d.display()),
+                )
+                .into());
+            }
+            if !d.is_dir() {
+                return Err(key(
+                    k,
+                    format!("{} is not a directory on this host", d.display()),
+                )
+                .into());
+            }
+        }
+    }
+    for b in &f.bridges {
+        ferry_api::hardware::validate_ifname("bridges", b)
+            .map_err(|e| key("bridges", e.to_string()))?;
+    }
     let duration = |k: &'static str, v: &Option<String>, default: std::time::Duration| match v {
         Some(s) => ferry_api::size::parse_duration(k, s).map_err(|e| key(k, e.to_string())),
         None => Ok(default),
@@ -252,6 +277,14 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
         &f.storage_pause_max,
         ferry_agent::resilience::STORAGE_PAUSE_MAX,
     )?;
+    let console_log_max = match &f.console_log_max {
+        Some(v) => ferry_api::size::parse_size("console_log_max", v)
+            .map_err(|e| key("console_log_max", e.to_string()))?,
+        None => ferry_agent::guest::CONSOLE_LOG_MAX,
+    };
+    if console_log_max < 64 << 10 {
+        return Err(key("console_log_max", "must be at least 64K".into()).into());
+    }
     let mut ovmf = ferry_agent::hardware::Ovmf::default();
     if let Some(c) = &f.ovmf_code {
         ovmf.code = c.clone();
@@ -306,7 +339,13 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
         probe_port: f.probe_port.unwrap_or(ferry_api::DEFAULT_PROBE_PORT),
         storage_nic: f.storage_nic.clone(),
         cpu_models: f.cpu_models.clone(),
+        grants: ferry_agent::grants::Grants {
+            drive_dirs: f.drive_dirs.clone(),
+            kernel_dirs: f.kernel_dirs.clone(),
+            bridges: f.bridges.clone(),
+        },
         storage_pause_max,
+        console_log_max,
     };
     Ok((
         cfg,
@@ -314,7 +353,16 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
     ))
 }
 
+/// Everything a daemon (and the QEMUs it starts) creates — disks, backups,
+/// seeds, VM records, console logs, keys — is its owner's alone: 0600
+/// files in 0700 directories, whatever umask it was started with.
+pub fn private_files() {
+    // SAFETY: umask only sets the process's file mode creation mask
+    unsafe { libc::umask(0o077) };
+}
+
 pub async fn agent(a: &AgentArgs) -> anyhow::Result<i32> {
+    private_files();
     let (cfg, token_file) = agent_config(a)?;
     if a.check_config {
         println!("{cfg:#?}\ncredential: {}", token_file.display());
@@ -370,6 +418,7 @@ pub struct ControlArgs {
 }
 
 pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
+    private_files();
     let (f, _) = config::load::<config::ControlFile>(
         a.config.as_deref(),
         &format!("{}/control.toml", config::ETC),
@@ -392,6 +441,9 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
     let pki = a.tls.load("control", f.tls_dir.as_ref(), f.insecure_http)?;
     let auth = ferry_api::client::ClientAuth::component(pki.as_ref(), &cred)?;
     let mut control = ferry_control::Control::with_storage(hosts, storage, auth);
+    if let Some(d) = &f.hooks_dir {
+        control = control.with_hooks_dir(d.clone());
+    }
     // SQLite by default
     let state = a
         .state
@@ -468,6 +520,7 @@ pub struct StorageArgs {
 }
 
 pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
+    private_files();
     let (f, file) = config::load::<config::StorageFile>(
         a.config.as_deref(),
         &format!("{}/storage.toml", config::ETC),

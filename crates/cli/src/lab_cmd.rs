@@ -527,6 +527,8 @@ fn start_agent(dir: &LabDir, spec: &LabSpec, i: u32) -> anyhow::Result<()> {
     // its listening socket is free only once the old agent is gone
     stop_pidfile(&hd.join("agent.pid"));
     // configured like any host: an agent.toml in the host's directory
+    let shared = dir.shared_path();
+    std::fs::create_dir_all(&shared)?;
     let listen = format!("{}:{}", topology::mgmt_addr(i), topology::AGENT_PORT);
     let file = crate::config::AgentFile {
         name: Some(h.clone()),
@@ -540,6 +542,10 @@ fn start_agent(dir: &LabDir, spec: &LabSpec, i: u32) -> anyhow::Result<()> {
         nic_rate: Some(spec.rate.clone()),
         kernel: Some(img.kernel),
         initrd: Some(img.initrd),
+        // what guests may use here: the shared directory and the guests' bridge
+        drive_dirs: vec![shared.clone()],
+        kernel_dirs: vec![shared],
+        bridges: vec![topology::GUEST_BRIDGE.to_string()],
         ..Default::default()
     };
     // settings an administrator keeps for this host (agent.local.toml in

@@ -156,6 +156,10 @@ impl Command {
             Command::Validate(_) => (Operator, "validate hosts".into()),
             Command::Drain { host, .. } => (Operator, format!("drain host {host}")),
             Command::Resume { host } => (Operator, format!("resume host {host}")),
+            // a hook is a program the control service runs: an admin's choice
+            Command::StartRolling(r) if r.hook.is_some() => {
+                (Admin, "start a rolling drain with a hook".into())
+            }
             Command::StartRolling(_) => (Operator, "start a rolling drain".into()),
             Command::RollingStatus => (ReadOnly, "read the rolling drain".into()),
             Command::StopRolling => (Operator, "stop the rolling drain".into()),
@@ -233,6 +237,9 @@ pub struct Control {
     disk_moves: disk_move::DiskMoves,
     /// The cluster's rolling drain (see [`rolling`]).
     rolling: rolling::Rolling,
+    /// Where the programs a rolling drain may run as hooks are (see
+    /// [`rolling::resolve_hook`]).
+    hooks_dir: std::path::PathBuf,
     /// The web console's signed-in browsers (see [`sessions`]).
     pub sessions: sessions::Sessions,
     /// Session cookies say `Secure` (the service speaks TLS).
@@ -272,6 +279,7 @@ impl Control {
             pauses: Default::default(),
             disk_moves: Default::default(),
             rolling: Default::default(),
+            hooks_dir: rolling::DEFAULT_HOOKS_DIR.into(),
             sessions: Default::default(),
             secure_cookies: std::sync::atomic::AtomicBool::new(true),
             down: Default::default(),
@@ -280,6 +288,12 @@ impl Control {
             settings: Default::default(),
             bandwidth: Default::default(),
         }
+    }
+
+    /// Takes rolling-drain hooks from `dir` (default [`rolling::DEFAULT_HOOKS_DIR`]).
+    pub fn with_hooks_dir(mut self, dir: std::path::PathBuf) -> Control {
+        self.hooks_dir = dir;
+        self
     }
 
     /// Keeps state in `store` instead of memory, taking up what it holds.

@@ -38,6 +38,46 @@ pub const KEY: &str = "rolling";
 /// How often the runner looks at the cluster, and runs a hook.
 const TICK: Duration = Duration::from_secs(1);
 const HOOK_EVERY: Duration = Duration::from_secs(3);
+/// Where hooks are, unless the control service's `hooks_dir` says.
+pub const DEFAULT_HOOKS_DIR: &str = "/etc/ferry/hooks";
+
+/// The program a hook's name stands for: `dir/NAME`, a regular executable
+/// file that only its owner (root, or the service's own user) may change,
+/// in a directory nobody else may write to either. Anything else is
+/// refused, naming the field and the directory.
+pub fn resolve_hook(dir: &std::path::Path, name: &str) -> Result<std::path::PathBuf, ApiError> {
+    use std::os::unix::fs::MetadataExt;
+    ferry_api::rolling::validate_hook_name(name)?;
+    let me = own_uid();
+    let safe = |m: &std::fs::Metadata| (m.uid() == 0 || m.uid() == me) && m.mode() & 0o022 == 0;
+    let refuse = |why: String| ApiError::invalid("hook", format!("{name}: {why}"));
+    let d = std::fs::metadata(dir)
+        .map_err(|e| refuse(format!("the hooks directory {}: {e}", dir.display())))?;
+    if !d.is_dir() || !safe(&d) {
+        return Err(refuse(format!(
+            "the hooks directory {} must be a directory writable by its owner (root) only",
+            dir.display()
+        )));
+    }
+    let path = dir.join(name);
+    let m = std::fs::symlink_metadata(&path)
+        .map_err(|_| refuse(format!("no program of that name in {}", dir.display())))?;
+    if !m.is_file() || m.mode() & 0o111 == 0 || !safe(&m) {
+        return Err(refuse(format!(
+            "{} must be an executable regular file (not a link) writable by its owner (root) only",
+            path.display()
+        )));
+    }
+    Ok(path)
+}
+
+/// This process's user id, from `/proc/self` (no libc call needed).
+fn own_uid() -> u32 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .unwrap_or(0)
+}
 const HOOK_TIMEOUT: Duration = Duration::from_secs(60);
 /// A run whose owner wrote nothing for this long is taken over.
 pub const ORPHANED: Duration = Duration::from_secs(15);
@@ -234,6 +274,9 @@ impl Control {
     ) -> Result<RollingStatus, ApiError> {
         let known: Vec<String> = self.hosts.keys().cloned().collect();
         req.check(&known)?;
+        if let Some(h) = &req.hook {
+            resolve_hook(&self.hooks_dir, h)?;
+        }
         let mut cur = self.rolling.status.lock().await;
         if cur.is_none() {
             *cur = self.store.cluster(KEY).await?;
@@ -524,9 +567,22 @@ impl Control {
             }
             last.insert(host.into(), std::time::Instant::now());
         }
-        let run = tokio::process::Command::new("sh")
-            .args(["-c", hook])
+        // resolved again each time: the directory is the admin's to change
+        let program = match resolve_hook(&self.hooks_dir, hook) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(%host, "hook: {e}");
+                return None;
+            }
+        };
+        let run = tokio::process::Command::new(&program)
+            .env_clear()
+            .env(
+                "PATH",
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            )
             .env("FERRY_HOST", host)
+            .current_dir("/")
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -670,6 +726,39 @@ impl Control {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hooks_are_programs_in_the_admins_directory() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = std::env::temp_dir().join(format!("ferry-hooks-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let write = |name: &str, mode: u32| {
+            let p = d.join(name);
+            std::fs::write(&p, "#!/bin/sh\nexit 0\n").unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+        };
+        write("healthy", 0o755);
+        write("shared", 0o777);
+        write("plain", 0o644);
+        std::os::unix::fs::symlink("/bin/true", d.join("link")).unwrap();
+        assert_eq!(resolve_hook(&d, "healthy").unwrap(), d.join("healthy"));
+        for (name, says) in [
+            ("shared", "writable by its owner"),
+            ("plain", "executable"),
+            ("link", "not a link"),
+            ("none", "no program"),
+            ("../healthy", "not a hook's name"),
+            ("sh -c id", "not a hook's name"),
+        ] {
+            let e = resolve_hook(&d, name).unwrap_err().to_string();
+            assert!(e.contains("hook") && e.contains(says), "{name}: {e}");
+        }
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = resolve_hook(&d, "healthy").unwrap_err().to_string();
+        assert!(e.contains("hooks directory"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
 
     const G: u64 = 1 << 30;
 

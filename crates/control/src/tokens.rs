@@ -173,6 +173,16 @@ impl Tokens {
     /// Makes the bootstrap admin token from `secret` unless a token named
     /// [`BOOTSTRAP_NAME`] was ever made. Returns whether it made it.
     pub async fn bootstrap(&self, store: &Store, secret: &str) -> Result<bool, ApiError> {
+        // an empty or short file would be an admin token anyone can guess
+        if secret.trim().len() < MIN_SECRET {
+            return Err(ApiError::invalid(
+                "admin_token",
+                format!(
+                    "the file holds {} characters; an admin token has at least {MIN_SECRET} (ferry cluster init writes one)",
+                    secret.trim().len()
+                ),
+            ));
+        }
         self.reload(store).await?;
         if ferry_api::util::lock(&self.by_name).contains_key(BOOTSTRAP_NAME) {
             return Ok(false);
@@ -188,9 +198,24 @@ impl Tokens {
     }
 }
 
+/// The shortest secret taken as a token (128 bits, hex).
+pub const MIN_SECRET: usize = 32;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn an_empty_or_short_admin_token_file_is_refused() {
+        let store = Store::in_memory();
+        let t = Tokens::default();
+        for s in ["", "  \n", "0123456789abcdef"] {
+            let e = t.bootstrap(&store, s).await.unwrap_err().to_string();
+            assert!(e.contains("admin_token"), "{e}");
+        }
+        assert!(t.list().is_empty() || !t.list().iter().any(|i| i.name == BOOTSTRAP_NAME));
+        assert!(t.bootstrap(&store, &new_secret()).await.unwrap());
+    }
 
     fn bearer(s: &str) -> String {
         format!("Bearer {s}")
@@ -247,13 +272,16 @@ mod tests {
     async fn bootstrap_happens_once_even_after_revocation() {
         let store = Store::in_memory();
         let t = Tokens::default();
-        assert!(t.bootstrap(&store, "ferry_first\n").await.unwrap());
+        let first = "ferry_first_0123456789abcdef0123456789";
+        assert!(t.bootstrap(&store, &format!("{first}\n")).await.unwrap());
         assert_eq!(
-            t.authenticate(Some("Bearer ferry_first")).unwrap().role,
+            t.authenticate(Some(&format!("Bearer {first}")))
+                .unwrap()
+                .role,
             TokenRole::Admin
         );
         t.revoke(&store, BOOTSTRAP_NAME).await.unwrap();
-        assert!(!t.bootstrap(&store, "ferry_first").await.unwrap());
-        assert!(t.authenticate(Some("Bearer ferry_first")).is_err());
+        assert!(!t.bootstrap(&store, first).await.unwrap());
+        assert!(t.authenticate(Some(&format!("Bearer {first}"))).is_err());
     }
 }

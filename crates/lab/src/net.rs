@@ -415,6 +415,11 @@ impl LabDir {
     pub fn host_dir(&self, host: &str) -> PathBuf {
         self.0.join(host)
     }
+    /// Storage every lab host mounts (it is one machine): the one directory
+    /// the lab's agents grant guests for `path` drives and kernels.
+    pub fn shared_path(&self) -> PathBuf {
+        self.0.join("shared")
+    }
     pub fn control_dir(&self) -> PathBuf {
         self.0.join("control")
     }

@@ -201,6 +201,8 @@ fn data_path_of(session: &ferry_transport::Carriers) -> &'static str {
 
 /// The carriers a source dials: for each of the target's listeners that a
 /// probed pair reaches, (local NIC, its address, the listener's address).
+/// A listener is dialled only at an address the source knows (see
+/// [`own_endpoint`]); any other is dropped.
 fn carrier_pairs(
     offered: &[ferry_api::CarrierEndpoint],
     paths: &[ferry_api::NicPath],
@@ -208,14 +210,66 @@ fn carrier_pairs(
     offered
         .iter()
         .filter_map(|c| {
-            let p = paths.iter().find(|p| p.peer_nic == c.nic)?;
-            Some((
-                p.nic.clone(),
-                p.address.parse().ok()?,
-                c.address.parse().ok()?,
-            ))
+            let (p, addr) = own_endpoint(&c.nic, &c.address, paths).ok()?;
+            Some((p.nic.clone(), p.address.parse().ok()?, addr))
         })
         .collect()
+}
+
+/// Where the source connects for a listener the target says it opened on
+/// its NIC `nic` at `said`: the address this source probed that NIC at,
+/// and the port only when it lies in the migration block. The target's
+/// words pick a port; the source's own knowledge makes the address.
+fn own_endpoint<'a>(
+    nic: &str,
+    said: &str,
+    paths: &'a [ferry_api::NicPath],
+) -> Result<(&'a ferry_api::NicPath, std::net::SocketAddr), String> {
+    use ferry_api::bandwidth::{MIGRATION_PORT_BASE, MIGRATION_PORT_MASK};
+    let addr: std::net::SocketAddr = said
+        .parse()
+        .map_err(|_| format!("'{}' is not an address:port", said.escape_debug()))?;
+    let p = paths.iter().find(|p| p.peer_nic == nic).ok_or_else(|| {
+        format!(
+            "no probed path reaches the target's NIC '{}'",
+            nic.escape_debug()
+        )
+    })?;
+    let known: std::net::IpAddr = p
+        .peer_address
+        .parse()
+        .map_err(|_| format!("the probed address of {nic} is '{}'", p.peer_address))?;
+    if addr.ip() != known {
+        return Err(format!("{said} is not {nic}'s probed address {known}"));
+    }
+    if addr.port() & MIGRATION_PORT_MASK != MIGRATION_PORT_BASE & MIGRATION_PORT_MASK {
+        return Err(format!(
+            "port {} lies outside the migration block {MIGRATION_PORT_BASE}+256",
+            addr.port()
+        ));
+    }
+    Ok((p, std::net::SocketAddr::new(known, addr.port())))
+}
+
+/// The URI the source QEMU sends its stream to, built here from the
+/// target's reply (`tcp:ADDRESS:PORT` on NIC `nic`): never the reply's
+/// text itself, which QEMU would run (`exec:`) or open (`file:`).
+fn tcp_uri(
+    reply: &ferry_api::IncomingReply,
+    paths: &[ferry_api::NicPath],
+) -> Result<String, String> {
+    let said = reply.uri.strip_prefix("tcp:").ok_or_else(|| {
+        format!(
+            "the target answered '{}', not a tcp: URI",
+            reply.uri.escape_debug()
+        )
+    })?;
+    let (_, addr) = own_endpoint(&reply.nic, said, paths)?;
+    Ok(crate::datapath::DataPath::source_uri(
+        &crate::datapath::QemuTcp,
+        &addr.ip().to_string(),
+        &addr.port().to_string(),
+    ))
 }
 
 /// One look at the target while the source copies (`step`): its QEMU gone
@@ -713,8 +767,8 @@ impl Agent {
                     // the target's listener takes every address; the connection
                     // starts on the first pair probed to work
                     let first = reply.carriers.iter().find_map(|c| {
-                        let p = paths.iter().find(|p| p.peer_nic == c.nic)?;
-                        Some((p.address.parse().ok()?, c.address.parse().ok()?))
+                        let (p, remote) = own_endpoint(&c.nic, &c.address, &paths).ok()?;
+                        Some((p.address.parse().ok()?, remote))
                     });
                     let Some((local, remote)) = first else {
                         return Err(fail("connection", "no NIC pair to carry the migration"));
@@ -798,7 +852,12 @@ impl Agent {
                     }
                 }
                 _ => Plan::Tcp {
-                    uri: reply.uri.clone(),
+                    uri: tcp_uri(&reply, &paths).map_err(|why| {
+                        fail(
+                            "connection",
+                            format!("refused the target's listener: {why}"),
+                        )
+                    })?,
                     nic: reply.nic.clone(),
                     multifd: qemu_channels,
                 },

@@ -508,6 +508,26 @@ impl Agent {
         }
     }
 
+    /// The source host of incoming migration `id`, as it introduced itself
+    /// (a waiting skeleton, or the journal's record); None: unknown here.
+    pub async fn incoming_peer(&self, id: &str) -> Option<String> {
+        {
+            let st = self.state.lock().await;
+            let waiting = st.vms.values().find_map(|s| match &s.role {
+                Role::Incoming {
+                    migration_id,
+                    source,
+                    ..
+                } if migration_id == id => Some(source.clone()),
+                _ => None,
+            });
+            if waiting.is_some() {
+                return waiting;
+            }
+        }
+        self.target_phase(id).await.1.map(|r| r.peer)
+    }
+
     async fn incoming_slot(&self, id: &str) -> Result<(String, Option<Arc<QemuVm>>), ApiError> {
         let st = self.state.lock().await;
         st.vms

@@ -1,0 +1,219 @@
+//! What this host grants guests: the host resources a VM's spec may name.
+//!
+//! A spec comes from a caller — an operator through the control service, or
+//! a peer agent handing over a migration — and none of them is this host's
+//! administrator. So every host resource a spec names is checked against
+//! the lists in `agent.toml`, here, on the host that is about to start the
+//! VM, whatever the caller checked before:
+//!
+//! | spec field | agent.toml key | granted when |
+//! |---|---|---|
+//! | `drives[i].path` | `drive_dirs` | the file, symlinks resolved, lies inside a listed directory |
+//! | `kernel.kernel`, `kernel.initrd` | `kernel_dirs` | the same |
+//! | `nics[i].bridge` | `bridges` | the bridge is listed |
+//! | `machine` | — | QEMU here lists the machine type (`query-machines`) |
+//! | `cpu` | `cpu_models` | see [`crate::hardware::cpu_problem`] |
+//!
+//! Every list is empty by default: a host grants nothing it was not told
+//! to. A path is compared after resolving symlinks, and must be written as
+//! its resolved form: a symlink inside a granted directory that points out
+//! of it is refused, and QEMU opens exactly the file that was checked.
+
+use std::path::{Path, PathBuf};
+
+use ferry_api::{ApiError, VmSpec};
+
+/// The lists an administrator keeps in `agent.toml`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Grants {
+    /// Directories whose files guests may use as `path` drives.
+    pub drive_dirs: Vec<PathBuf>,
+    /// Directories whose files guests may boot as a kernel or initramfs.
+    pub kernel_dirs: Vec<PathBuf>,
+    /// Linux bridges guests' NICs may join.
+    pub bridges: Vec<String>,
+}
+
+/// One resource a spec names that this host does not grant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub field: String,
+    pub value: String,
+    pub key: &'static str,
+    pub allowed: Vec<String>,
+}
+
+impl Refusal {
+    pub fn into_error(self, host: &str) -> ApiError {
+        ApiError::NotGranted {
+            host: host.into(),
+            field: self.field,
+            value: self.value,
+            key: self.key.into(),
+            allowed: self.allowed,
+        }
+    }
+}
+
+/// True when `p`, resolved, is a file inside one of `dirs` (resolved) and
+/// `p` is already written in its resolved form.
+fn inside(p: &str, dirs: &[PathBuf]) -> bool {
+    let Ok(real) = std::fs::canonicalize(p) else {
+        return false;
+    };
+    if real != Path::new(p) {
+        return false;
+    }
+    dirs.iter()
+        .filter_map(|d| std::fs::canonicalize(d).ok())
+        .any(|d| real.starts_with(&d) && real != d)
+}
+
+fn shown(dirs: &[PathBuf]) -> Vec<String> {
+    dirs.iter().map(|d| d.display().to_string()).collect()
+}
+
+impl Grants {
+    /// The first resource of `spec` this host does not grant (None: all are).
+    /// `machines` is what QEMU here lists (None: not known, not checked).
+    pub fn refusal(&self, spec: &VmSpec, machines: Option<&[String]>) -> Option<Refusal> {
+        if let Some(m) = machines {
+            if !m.iter().any(|x| x == &spec.machine) {
+                let mut q35: Vec<String> = m
+                    .iter()
+                    .filter(|x| x.as_str() == "q35" || x.starts_with("pc-q35-"))
+                    .cloned()
+                    .collect();
+                q35.sort();
+                return Some(Refusal {
+                    field: "machine".into(),
+                    value: spec.machine.clone(),
+                    key: "qemu",
+                    allowed: q35,
+                });
+            }
+        }
+        for (i, d) in spec.drives.iter().enumerate() {
+            if let Some(p) = &d.path {
+                if !inside(p, &self.drive_dirs) {
+                    return Some(Refusal {
+                        field: format!("drives[{i}].path"),
+                        value: p.clone(),
+                        key: "drive_dirs",
+                        allowed: shown(&self.drive_dirs),
+                    });
+                }
+            }
+        }
+        if let Some(k) = &spec.kernel {
+            let files = [
+                ("kernel.kernel", Some(&k.kernel)),
+                ("kernel.initrd", k.initrd.as_ref()),
+            ];
+            for (field, p) in files {
+                if let Some(p) = p {
+                    if !inside(p, &self.kernel_dirs) {
+                        return Some(Refusal {
+                            field: field.into(),
+                            value: p.clone(),
+                            key: "kernel_dirs",
+                            allowed: shown(&self.kernel_dirs),
+                        });
+                    }
+                }
+            }
+        }
+        for (i, n) in spec.nics.iter().enumerate() {
+            if !self.bridges.contains(&n.bridge) {
+                return Some(Refusal {
+                    field: format!("nics[{i}].bridge"),
+                    value: n.bridge.clone(),
+                    key: "bridges",
+                    allowed: self.bridges.clone(),
+                });
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_api::hardware::{Drive, GuestNic, KernelBoot};
+
+    fn spec() -> VmSpec {
+        VmSpec::workload("v", 256 << 20, 0, 0)
+    }
+
+    #[test]
+    fn nothing_is_granted_by_default() {
+        let g = Grants::default();
+        let mut s = spec();
+        assert_eq!(g.refusal(&s, None), None);
+        s.nics.push(GuestNic {
+            bridge: "ferry-mgmt".into(),
+            mac: "52:54:00:00:00:01".into(),
+        });
+        let r = g.refusal(&s, None).unwrap();
+        assert_eq!((r.field.as_str(), r.key), ("nics[0].bridge", "bridges"));
+        let e = r.into_error("host1").to_string();
+        assert!(e.contains("grants none") && e.contains("ferry-mgmt"), "{e}");
+    }
+
+    #[test]
+    fn paths_must_resolve_inside_a_granted_directory() {
+        let root = tempfile::tempdir().unwrap();
+        let vm = root.path().join("vm");
+        std::fs::create_dir(&vm).unwrap();
+        let real = std::fs::canonicalize(&vm).unwrap();
+        std::fs::write(real.join("a.img"), b"x").unwrap();
+        std::fs::write(root.path().join("secret"), b"x").unwrap();
+        std::os::unix::fs::symlink(root.path().join("secret"), real.join("link.img")).unwrap();
+        let g = Grants {
+            drive_dirs: vec![vm.clone()],
+            ..Default::default()
+        };
+        let with = |p: &str| {
+            let mut s = spec();
+            s.firmware = ferry_api::hardware::Firmware::Bios;
+            s.drives.push(Drive {
+                path: Some(p.into()),
+                ..Default::default()
+            });
+            g.refusal(&s, None)
+        };
+        assert_eq!(with(&real.join("a.img").display().to_string()), None);
+        for bad in [
+            "/etc/shadow".to_string(),
+            real.join("link.img").display().to_string(),
+            real.join("none.img").display().to_string(),
+            real.display().to_string(),
+            format!("{}/../vm/a.img", real.display()),
+        ] {
+            let r = with(&bad).unwrap_or_else(|| panic!("{bad} granted"));
+            assert_eq!(r.field, "drives[0].path", "{bad}");
+            assert_eq!(r.allowed, vec![vm.display().to_string()]);
+        }
+    }
+
+    #[test]
+    fn kernels_and_machines() {
+        let g = Grants::default();
+        let mut s = spec();
+        s.kernel = Some(KernelBoot {
+            kernel: "/boot/vmlinuz".into(),
+            initrd: None,
+            append: String::new(),
+        });
+        assert_eq!(g.refusal(&s, None).unwrap().key, "kernel_dirs");
+        let s = spec();
+        let known = vec!["q35".to_string(), "pc-q35-9.2".into(), "pc".into()];
+        assert_eq!(g.refusal(&s, Some(&known)), None);
+        let mut s = spec();
+        s.machine = "pc-q35-1.0".into();
+        let r = g.refusal(&s, Some(&known)).unwrap();
+        assert_eq!(r.field, "machine");
+        assert_eq!(r.allowed, vec!["pc-q35-9.2", "q35"]);
+    }
+}
