@@ -517,7 +517,8 @@ impl Agent {
         VmInfo {
             name: spec.name.clone(),
             host: self.cfg.name.clone(),
-            spec: spec.clone(),
+            // a listing never carries the seed's user data
+            spec: spec.redacted(),
             state,
             pid: qemu.map(|q| q.pid),
             in_doubt,

@@ -836,6 +836,7 @@ mod tests {
             user_data: "#cloud-config\n".into(),
             meta_data: "instance-id: deb1\n".into(),
             network_config: None,
+            redacted: false,
         });
         s.guest_agent = true;
         let a = qemu_args(&cfg(), &s, Path::new("/d"), false).join(" ");

@@ -102,6 +102,11 @@ pub struct GuestNic {
 }
 
 /// A cloud-init NoCloud seed, attached as a CD-ROM labelled `cidata`.
+///
+/// `user_data` is write-only: it may hold first-boot passwords and keys, so
+/// no VM listing shows it — to read-only users, operators and peer agents
+/// alike it reads as `""` with `redacted` set. Only the host that runs the
+/// VM keeps it (it is in the seed the guest reads).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CloudInit {
@@ -110,6 +115,20 @@ pub struct CloudInit {
     pub meta_data: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network_config: Option<String>,
+    /// Set in listings: `user_data` was there and is not shown.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub redacted: bool,
+}
+
+impl CloudInit {
+    /// The seed as a listing shows it: `user_data` withheld.
+    pub fn redacted(&self) -> CloudInit {
+        CloudInit {
+            user_data: String::new(),
+            redacted: true,
+            ..self.clone()
+        }
+    }
 }
 
 pub fn default_machine() -> String {
@@ -362,6 +381,12 @@ pub fn validate(spec: &crate::VmSpec) -> Result<(), ApiError> {
         ));
     }
     if let Some(c) = &spec.cloud_init {
+        if c.redacted {
+            return Err(ApiError::invalid(
+                "cloud_init.redacted",
+                "a listing's spec has no user_data: give the seed itself",
+            ));
+        }
         if c.user_data.len() + c.meta_data.len() > 1 << 20 {
             return Err(ApiError::invalid(
                 "cloud_init",
@@ -398,6 +423,32 @@ mod tests {
         assert!(validate_ifname("b", "br/0").is_err());
         assert!(validate_cpu_model("Skylake-Server-v4").is_ok());
         assert!(validate_cpu_model("host,+vmx").is_err());
+    }
+
+    #[test]
+    fn listings_withhold_user_data_and_cannot_be_fed_back() {
+        let mut s = crate::VmSpec::workload("web1", 256 << 20, 0, 0);
+        s.firmware = Firmware::Bios;
+        s.drives.push(Drive {
+            disk: Some("root".into()),
+            ..Default::default()
+        });
+        s.cloud_init = Some(CloudInit {
+            user_data: "#cloud-config\npassword: hunter2\n".into(),
+            meta_data: "instance-id: web1\n".into(),
+            network_config: None,
+            redacted: false,
+        });
+        assert!(validate(&s).is_ok());
+        let shown = s.redacted();
+        let text = serde_json::to_string(&shown).unwrap();
+        assert!(
+            !text.contains("hunter2") && text.contains("\"redacted\":true"),
+            "{text}"
+        );
+        assert!(text.contains("instance-id: web1"));
+        let e = validate(&shown).unwrap_err().to_string();
+        assert!(e.contains("cloud_init.redacted"), "{e}");
     }
 
     #[test]

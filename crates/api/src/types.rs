@@ -306,6 +306,15 @@ impl VmSpec {
             .filter(|(_, d)| d.local.is_some())
     }
 
+    /// The spec as VM listings show it: secrets withheld (see
+    /// [`crate::hardware::CloudInit`]).
+    pub fn redacted(&self) -> VmSpec {
+        VmSpec {
+            cloud_init: self.cloud_init.as_ref().map(|c| c.redacted()),
+            ..self.clone()
+        }
+    }
+
     /// Checks a spec before anything starts; errors name the offending field.
     pub fn validate(&self) -> Result<(), ApiError> {
         validate_name("name", &self.name)?;

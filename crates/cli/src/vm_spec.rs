@@ -253,6 +253,7 @@ impl HardwareArgs {
                 user_data: read("--user-data", &self.user_data)?,
                 meta_data: read("--meta-data", &self.meta_data)?,
                 network_config: None,
+                redacted: false,
             });
         }
         if self.guest_agent {

@@ -1032,6 +1032,7 @@ mod tests {
             user_data: String::new(),
             meta_data: String::new(),
             network_config: Some(String::new()),
+            redacted: false,
         });
         let schemas = &doc["components"]["schemas"];
         let check = |schema: &str, value: serde_json::Value| {

@@ -49,6 +49,7 @@ pub fn spec(name: &str, disk: &str, addr: &str, mac: &str) -> ferry_api::VmSpec 
         network_config: Some(format!(
             "version: 2\nethernets:\n  nic0:\n    match:\n      macaddress: \"{mac}\"\n    addresses: [{addr}/24]\n"
         )),
+        redacted: false,
     });
     s.guest_agent = true;
     s
