@@ -90,6 +90,14 @@ pub enum ApiError {
         key: String,
         allowed: Vec<String>,
     },
+    /// A limit the caller reached (streams, connections): refused until
+    /// it gives some back; `setting` names the limit.
+    #[error("Too many {what}: the limit is {limit} ({setting})")]
+    TooMany {
+        what: String,
+        limit: u64,
+        setting: String,
+    },
     #[error("Internal error: {reason}")]
     Internal { reason: String },
 }
@@ -111,6 +119,7 @@ impl ApiError {
             ApiError::MigrationFailed { .. }
             | ApiError::MigrationInDoubt { .. }
             | ApiError::MigrationLost { .. } => 502,
+            ApiError::TooMany { .. } => 429,
             ApiError::Internal { .. } => 500,
         }
     }
@@ -224,6 +233,11 @@ mod tests {
                 value: "/etc/shadow".into(),
                 key: "drive_dirs".into(),
                 allowed: vec!["/srv/vm".into()],
+            },
+            ApiError::TooMany {
+                what: "event streams of token ci".into(),
+                limit: 16,
+                setting: "max_streams_per_token".into(),
             },
             ApiError::internal("x"),
         ];

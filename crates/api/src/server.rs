@@ -15,6 +15,32 @@ use serde::Serialize;
 
 use crate::{auth::Credential, ApiError};
 
+#[cfg(test)]
+mod limit_tests {
+    use super::*;
+
+    #[test]
+    fn connections_are_capped_per_client_and_in_all() {
+        let limits = Limits {
+            max_connections: 3,
+            per_client: 2,
+            ..Limits::default()
+        };
+        let table = std::sync::Arc::new(std::sync::Mutex::new(Connections::default()));
+        let a: std::net::IpAddr = "198.18.0.5".parse().unwrap();
+        let b: std::net::IpAddr = "198.18.0.6".parse().unwrap();
+        let a1 = admit(&table, a, &limits).unwrap();
+        let _a2 = admit(&table, a, &limits).unwrap();
+        let why = admit(&table, a, &limits).err().unwrap();
+        assert!(why.contains("max_connections_per_client 2"), "{why}");
+        let _b1 = admit(&table, b, &limits).unwrap();
+        let why = admit(&table, b, &limits).err().unwrap();
+        assert!(why.contains("max_connections)"), "{why}");
+        drop(a1);
+        assert!(admit(&table, b, &limits).is_ok());
+    }
+}
+
 /// Largest request body accepted.
 pub const MAX_BODY: usize = 1 << 20;
 
@@ -139,19 +165,120 @@ pub async fn require_peer(State(auth): State<PeerAuth>, req: Request, next: Next
     next.run(req).await
 }
 
+/// The address a request's connection came from (TLS serving), put on
+/// every request as an extension.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientAddr(pub std::net::SocketAddr);
+
+/// What one server takes from its clients, each a named setting with a
+/// safe default: no client can hold every connection, trickle its headers
+/// forever or send headers without end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections open at once, from everyone (`max_connections`).
+    pub max_connections: usize,
+    /// Connections open at once from one address (`max_connections_per_client`).
+    pub per_client: usize,
+    /// A request's head (request line and headers) must arrive within this,
+    /// counted from when the server waits for it — so a keep-alive
+    /// connection idle this long is closed too (`header_timeout`).
+    pub header_timeout: std::time::Duration,
+    /// The largest request head, bytes (`max_header_bytes`); over it the
+    /// answer is 431 and the connection closes.
+    pub max_header_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: 1024,
+            per_client: 64,
+            header_timeout: std::time::Duration::from_secs(30),
+            max_header_bytes: 64 << 10,
+        }
+    }
+}
+
+/// Open connections per client address; a [`Slot`] gives one back.
+#[derive(Default)]
+struct Connections {
+    total: usize,
+    per: std::collections::HashMap<std::net::IpAddr, usize>,
+}
+
+struct Slot {
+    table: std::sync::Arc<std::sync::Mutex<Connections>>,
+    ip: std::net::IpAddr,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut t = crate::util::lock(&self.table);
+        t.total = t.total.saturating_sub(1);
+        if let Some(n) = t.per.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                t.per.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// A slot for one more connection from `ip`, or why not.
+fn admit(
+    table: &std::sync::Arc<std::sync::Mutex<Connections>>,
+    ip: std::net::IpAddr,
+    limits: &Limits,
+) -> Result<Slot, String> {
+    let mut t = crate::util::lock(table);
+    let mine = t.per.get(&ip).copied().unwrap_or(0);
+    if t.total >= limits.max_connections {
+        return Err(format!(
+            "{} connections open (max_connections)",
+            limits.max_connections
+        ));
+    }
+    if mine >= limits.per_client {
+        return Err(format!(
+            "{mine} connections open from {ip} (max_connections_per_client {})",
+            limits.per_client
+        ));
+    }
+    t.total += 1;
+    *t.per.entry(ip).or_default() += 1;
+    Ok(Slot {
+        table: table.clone(),
+        ip,
+    })
+}
+
 /// Serves `router` on `listener` until the process ends: over TLS with
 /// `tls` (each request carrying the client certificate's [`PeerCert`]),
 /// or plain HTTP when `tls` is `None` (`--insecure-http`). A connection
 /// whose handshake fails or stalls is dropped and logged; others go on.
+/// Serving takes the default [`Limits`].
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: axum::Router,
     tls: Option<std::sync::Arc<rustls::ServerConfig>>,
 ) -> std::io::Result<()> {
+    serve_with(listener, router, tls, Limits::default()).await
+}
+
+/// [`serve`] with these `limits`: a connection past them is closed at
+/// once (logged at most once a second), before its TLS handshake.
+pub async fn serve_with(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    tls: Option<std::sync::Arc<rustls::ServerConfig>>,
+    limits: Limits,
+) -> std::io::Result<()> {
     let Some(tls) = tls else {
         return axum::serve(listener, router).await;
     };
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let table = std::sync::Arc::new(std::sync::Mutex::new(Connections::default()));
+    let mut last_said = std::time::Instant::now() - std::time::Duration::from_secs(2);
     loop {
         let (tcp, peer) = match listener.accept().await {
             Ok(c) => c,
@@ -162,8 +289,20 @@ pub async fn serve(
                 continue;
             }
         };
+        let slot = match admit(&table, peer.ip(), &limits) {
+            Ok(s) => s,
+            Err(why) => {
+                if last_said.elapsed() >= std::time::Duration::from_secs(1) {
+                    tracing::warn!(%peer, "connection refused: {why}");
+                    last_said = std::time::Instant::now();
+                }
+                drop(tcp);
+                continue;
+            }
+        };
         let (acceptor, router) = (acceptor.clone(), router.clone());
         tokio::spawn(async move {
+            let _slot = slot;
             let _ = tcp.set_nodelay(true);
             let stream =
                 match tokio::time::timeout(crate::tls::HANDSHAKE_TIMEOUT, acceptor.accept(tcp))
@@ -185,15 +324,26 @@ pub async fn serve(
                 .peer_certificates()
                 .and_then(|c| c.first())
                 .and_then(crate::tls::identity_of);
+            let router = router.layer(axum::Extension(ClientAddr(peer)));
             let svc = match id {
                 Some(id) => router.layer(axum::Extension(PeerCert(id))),
                 None => router,
             };
             let hyper_svc = hyper_util::service::TowerToHyperService::new(svc);
-            let r =
-                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new())
-                    .serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(stream), hyper_svc)
-                    .await;
+            let mut b =
+                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+            b.http1()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.header_timeout)
+                .max_buf_size(limits.max_header_bytes.max(8192) * 2);
+            b.http2()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .max_header_list_size(limits.max_header_bytes as u32)
+                .keep_alive_interval(limits.header_timeout)
+                .keep_alive_timeout(std::time::Duration::from_secs(20));
+            let r = b
+                .serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(stream), hyper_svc)
+                .await;
             if let Err(e) = r {
                 tracing::debug!(%peer, "connection: {e}");
             }

@@ -85,12 +85,17 @@ async fn authenticate(
     req: axum::extract::Request,
     next: middleware::Next,
 ) -> Response {
+    let source = req
+        .extensions()
+        .get::<ferry_api::server::ClientAddr>()
+        .map(|a| a.0.ip().to_string())
+        .unwrap_or_else(|| "a client".into());
     let bearer = match session_bearer(&c, &req) {
         Ok(b) => b,
         Err(e) => {
             let path = req.uri().path().to_string();
-            tracing::warn!(%path, "refused: {e}");
-            c.log_refusal(&path, &e);
+            tracing::warn!(%path, %source, "refused: {e}");
+            c.log_refusal(&source, &path, &e);
             return ErrorResponse(e).into_response();
         }
     };
@@ -103,8 +108,8 @@ async fn authenticate(
         Ok(caller) => CALLER.scope(caller, next.run(req)).await,
         Err(e) => {
             let path = req.uri().path().to_string();
-            tracing::warn!(%path, "refused: {e}");
-            c.log_refusal(&path, &e);
+            tracing::warn!(%path, %source, "refused: {e}");
+            c.log_refusal(&source, &path, &e);
             ErrorResponse(e).into_response()
         }
     }
@@ -164,7 +169,7 @@ fn session_routes(control: Arc<Control>) -> Router {
     use crate::sessions;
     use axum::http::{header::SET_COOKIE, HeaderMap};
     let refused = |c: &Control, e: ferry_api::ApiError| {
-        c.log_refusal(&format!("{}/session", ferry_api::API_PREFIX), &e);
+        c.log_refusal("sign-in", &format!("{}/session", ferry_api::API_PREFIX), &e);
         ErrorResponse(e).into_response()
     };
     let secure = |c: &Control| c.secure_cookies.load(std::sync::atomic::Ordering::Relaxed);
@@ -326,6 +331,10 @@ async fn watch(State(c): S, axum::extract::Query(q): axum::extract::Query<WatchQ
             return ErrorResponse(e).into_response();
         }
     }
+    let slot = match stream_slot(&c, &caller) {
+        Ok(s) => s,
+        Err(r) => return r.into_response(),
+    };
     let until = tokio::time::Instant::now() + WATCH_FOR;
     use futures::StreamExt;
     // each topic on its own: a slow answer (an agent busy loading a guest)
@@ -363,10 +372,28 @@ async fn watch(State(c): S, axum::extract::Query(q): axum::extract::Query<WatchQ
         })
         .boxed()
     });
-    let events = futures::stream::select_all(streams);
+    // the slot goes back when the client does (the stream is dropped)
+    let events = futures::stream::select_all(streams).map(move |e| {
+        let _held = &slot;
+        e
+    });
     Sse::new(events)
         .keep_alive(KeepAlive::default())
         .into_response()
+}
+
+/// One more event stream for `caller`'s token, or the refusal (logged).
+fn stream_slot(c: &Control, caller: &Caller) -> Result<crate::limits::StreamSlot, ErrorResponse> {
+    c.streams
+        .open(&caller.name, crate::limits::MAX_STREAMS_PER_TOKEN)
+        .map_err(|e| {
+            c.log_refused(
+                &format!("token {}", caller.name),
+                "watch",
+                serde_json::json!({ "by": caller.name, "status": 429, "reason": e.to_string() }),
+            );
+            ErrorResponse(e)
+        })
 }
 
 /// `GET /watch/operations/{id}`: the operation's events as Server-Sent
@@ -395,6 +422,10 @@ async fn watch_operation(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok())
         .map_or(0, |i| i + 1);
+    let slot = match stream_slot(&c, &caller) {
+        Ok(s) => s,
+        Err(r) => return r.into_response(),
+    };
     let end = op.clone();
     let events = op
         .follow(from)
@@ -412,7 +443,10 @@ async fn watch_operation(
                 .event("end")
                 .data(serde_json::to_string(&o).unwrap_or_default())
         }))
-        .map(Ok::<_, std::convert::Infallible>);
+        .map(move |e| {
+            let _held = &slot;
+            Ok::<_, std::convert::Infallible>(e)
+        });
     Sse::new(events)
         .keep_alive(KeepAlive::default())
         .into_response()

@@ -15,6 +15,7 @@ mod disk_move;
 pub mod drain;
 mod drain_run;
 pub mod http;
+pub mod limits;
 pub mod metrics;
 pub mod operations;
 pub mod policy_manager;
@@ -237,6 +238,10 @@ pub struct Control {
     disk_moves: disk_move::DiskMoves,
     /// The cluster's rolling drain (see [`rolling`]).
     rolling: rolling::Rolling,
+    /// Event streams open per token (see [`limits`]).
+    pub(crate) streams: limits::Streams,
+    /// Refusals per source, so a flood cannot push real events out.
+    refusals: limits::Refusals,
     /// Where the programs a rolling drain may run as hooks are (see
     /// [`rolling::resolve_hook`]).
     hooks_dir: std::path::PathBuf,
@@ -280,6 +285,8 @@ impl Control {
             disk_moves: Default::default(),
             rolling: Default::default(),
             hooks_dir: rolling::DEFAULT_HOOKS_DIR.into(),
+            streams: Default::default(),
+            refusals: Default::default(),
             sessions: Default::default(),
             secure_cookies: std::sync::atomic::AtomicBool::new(true),
             down: Default::default(),
@@ -326,13 +333,31 @@ impl Control {
         });
     }
 
-    /// A request refused for its credential, in the event log.
-    pub(crate) fn log_refusal(&self, path: &str, e: &ApiError) {
-        self.log(
-            "refused",
+    /// A request refused for its credential, in the event log; `source`
+    /// is the client's address.
+    pub(crate) fn log_refusal(&self, source: &str, path: &str, e: &ApiError) {
+        self.log_refused(
+            source,
             path,
             serde_json::json!({ "status": e.http_status(), "reason": e.to_string() }),
         );
+    }
+
+    /// One refused request from `source` in the event log, unless `source`
+    /// has had its share of this window (then it is counted; see [`limits`]).
+    pub(crate) fn log_refused(&self, source: &str, subject: &str, detail: serde_json::Value) {
+        let (one, closed) = self.refusals.note(
+            source,
+            detail,
+            std::time::Instant::now(),
+            limits::REFUSAL_WINDOW,
+        );
+        if let Some(c) = closed {
+            self.log("refused", source, c);
+        }
+        if let Some(d) = one {
+            self.log("refused", subject, d);
+        }
     }
 
     /// Makes the first admin token from the file `control.toml` names (see
@@ -353,6 +378,13 @@ impl Control {
         self.sync_access(&hosts, asked).await;
         self.resume_rolling().await;
         self.log_pauses(&hosts);
+        for s in self
+            .refusals
+            .flush(std::time::Instant::now(), limits::REFUSAL_WINDOW)
+        {
+            let source = s["source"].as_str().unwrap_or("?").to_string();
+            self.log("refused", &source, s);
+        }
         {
             let mut down = lock(&self.down);
             for h in &hosts {
@@ -423,24 +455,41 @@ impl Control {
         cmd: Command,
     ) -> Result<Outcome, ApiError> {
         let (needed, action) = cmd.needs();
+        let source = format!("token {}", caller.name);
         if let Err(e) = permitted(caller, &cmd) {
             tracing::warn!(token = %caller.name, role = %caller.role, %action, "refused: role too weak");
-            self.log(
-                "refused",
+            self.log_refused(
+                &source,
                 &action,
                 serde_json::json!({ "by": caller.name, "role": caller.role, "action": action,
                                     "needs": needed, "status": 403 }),
             );
             return Err(e);
         }
-        if needed > TokenRole::ReadOnly {
-            self.log(
-                "command",
-                &action,
-                serde_json::json!({ "by": caller.name, "role": caller.role, "action": action }),
-            );
+        if needed == TokenRole::ReadOnly {
+            return self.execute_by(cmd, &caller.name).await;
         }
-        self.execute_by(cmd, &caller.name).await
+        self.log(
+            "command",
+            &action,
+            serde_json::json!({ "by": caller.name, "role": caller.role, "action": action }),
+        );
+        let r = self.execute_by(cmd, &caller.name).await;
+        // a change refused at a boundary (a host's grants, a field's
+        // format, a limit) is a refusal too, in the log with its reason
+        if let Err(e) = &r {
+            if matches!(e.http_status(), 400 | 403 | 412 | 429) {
+                tracing::warn!(token = %caller.name, %action, "refused: {e}");
+                self.log_refused(
+                    &source,
+                    &action,
+                    serde_json::json!({ "by": caller.name, "role": caller.role, "action": action,
+                                        "status": e.http_status(), "code": serde_json::to_value(e).ok().and_then(|v| v.get("code").cloned()),
+                                        "reason": e.to_string() }),
+                );
+            }
+        }
+        r
     }
 
     /// Runs `cmd` as the control service itself (see [`Self::execute_as`]).
