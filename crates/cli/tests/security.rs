@@ -19,36 +19,6 @@ use common::*;
 const PKI: &str = "/run/ferry/lab/pki";
 const NBD: &str = "198.18.0.1:10809";
 
-/// `curl` to `url` with `args`; (HTTP status or 0 when no answer, body).
-fn curl(url: &str, args: &[&str]) -> (u16, String) {
-    let out = Command::new("curl")
-        .args(["-s", "-m", "10", "-o", "-", "-w", "\n%{http_code}"])
-        .args(args)
-        .arg(url)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
-    eprintln!("curl {args:?} {url} -> {code} {body}");
-    (code.trim().parse().unwrap_or(0), body.to_string())
-}
-
-/// `ferry` with the token in `token_file`.
-fn ferry_as(token_file: &str, args: &[&str]) -> std::process::Output {
-    let out = Command::new(FERRY)
-        .args(["--token-file", token_file])
-        .args(args)
-        .output()
-        .unwrap();
-    eprintln!(
-        "$ ferry (as {token_file}) {}\n{}{}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
 /// `nbdinfo` of `uri`: (success, the server's error messages).
 fn nbdinfo(uri: &str) -> (bool, String) {
     // libnbd shows the server's own error text only in its debug output

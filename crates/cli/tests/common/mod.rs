@@ -553,3 +553,33 @@ pub fn seq_past(host: &str, vm: &str, after: u64) -> u64 {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// `curl` to `url` with `args`; (HTTP status or 0 when no answer, body).
+pub fn curl(url: &str, args: &[&str]) -> (u16, String) {
+    let out = Command::new("curl")
+        .args(["-s", "-m", "10", "-o", "-", "-w", "\n%{http_code}"])
+        .args(args)
+        .arg(url)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    eprintln!("curl {args:?} {url} -> {code} {body}");
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// `ferry` with the token in `token_file`.
+pub fn ferry_as(token_file: &str, args: &[&str]) -> std::process::Output {
+    let out = Command::new(FERRY)
+        .args(["--token-file", token_file])
+        .args(args)
+        .output()
+        .unwrap();
+    eprintln!(
+        "$ ferry (as {token_file}) {}\n{}{}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
