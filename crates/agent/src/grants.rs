@@ -56,17 +56,19 @@ impl Refusal {
 }
 
 /// True when `p`, resolved, is a file inside one of `dirs` (resolved) and
-/// `p` is already written in its resolved form.
+/// `p` is already written in its resolved form. A path that does not
+/// exist is judged by where it would be (the caller then says it is
+/// missing): whether a file exists outside the grants is never told.
 fn inside(p: &str, dirs: &[PathBuf]) -> bool {
-    let Ok(real) = std::fs::canonicalize(p) else {
-        return false;
-    };
-    if real != Path::new(p) {
-        return false;
+    let dirs: Vec<PathBuf> = dirs
+        .iter()
+        .map(|d| std::fs::canonicalize(d).unwrap_or_else(|_| d.clone()))
+        .collect();
+    let within = |real: &Path| dirs.iter().any(|d| real.starts_with(d) && real != d);
+    match std::fs::canonicalize(p) {
+        Ok(real) => real == Path::new(p) && within(&real),
+        Err(_) => within(Path::new(p)),
     }
-    dirs.iter()
-        .filter_map(|d| std::fs::canonicalize(d).ok())
-        .any(|d| real.starts_with(&d) && real != d)
 }
 
 fn shown(dirs: &[PathBuf]) -> Vec<String> {
@@ -184,10 +186,12 @@ mod tests {
             g.refusal(&s, None)
         };
         assert_eq!(with(&real.join("a.img").display().to_string()), None);
+        // missing, but where a granted file would be: for the caller to name
+        assert_eq!(with(&real.join("none.img").display().to_string()), None);
         for bad in [
             "/etc/shadow".to_string(),
             real.join("link.img").display().to_string(),
-            real.join("none.img").display().to_string(),
+            "/nonexistent/none.img".to_string(),
             real.display().to_string(),
             format!("{}/../vm/a.img", real.display()),
         ] {
