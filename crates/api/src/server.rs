@@ -206,7 +206,34 @@ struct Connections {
     per: std::collections::HashMap<std::net::IpAddr, usize>,
 }
 
-struct Slot {
+/// Connections a server holds open, per client address and in all, for
+/// servers other than HTTP (the storage node's NBD).
+pub struct ConnectionTable {
+    table: std::sync::Arc<std::sync::Mutex<Connections>>,
+    limits: Limits,
+}
+
+impl ConnectionTable {
+    pub fn new(max_connections: usize, per_client: usize) -> ConnectionTable {
+        ConnectionTable {
+            table: Default::default(),
+            limits: Limits {
+                max_connections,
+                per_client,
+                ..Limits::default()
+            },
+        }
+    }
+
+    /// A slot for one more connection from `ip` (given back when dropped),
+    /// or why not, naming the limit.
+    pub fn admit(&self, ip: std::net::IpAddr) -> Result<Slot, String> {
+        admit(&self.table, ip, &self.limits)
+    }
+}
+
+/// One open connection; dropping it gives it back.
+pub struct Slot {
     table: std::sync::Arc<std::sync::Mutex<Connections>>,
     ip: std::net::IpAddr,
 }

@@ -41,6 +41,11 @@ pub const REPLAY_LIMIT: usize = 4 << 10;
 pub const CARRIER_INFLIGHT: usize = 4 << 20;
 /// Bytes one stream may have waiting for its local reader before the session fails.
 pub const STREAM_BUFFER_LIMIT: usize = 512 << 20;
+/// Bytes one stream may hold out of order (arrived ahead of a gap, or before
+/// its local end connects) before the session fails. A sender keeping to
+/// [`REPLAY_LIMIT`] never has more than that unacknowledged, so this only
+/// stops a peer that sends far ahead of what it was acknowledged.
+pub const REORDER_LIMIT: u64 = 64 << 20;
 const REDIAL: Duration = Duration::from_millis(250);
 /// How long a carrier's dial waits for the peer's SYN-ACK. A SYN sent while
 /// the link was down is lost, and the kernel would resend it only after 1 s;
@@ -228,6 +233,8 @@ struct CarrierState {
 struct StreamIn {
     next: u64,
     pending: BTreeMap<u64, Bytes>,
+    /// Bytes in `pending`.
+    held: u64,
     fin: Option<u64>,
     /// The local writer, once the local end is connected.
     to_local: Option<mpsc::UnboundedSender<Option<Bytes>>>,
@@ -245,6 +252,7 @@ impl StreamIn {
         StreamIn {
             next: 0,
             pending: BTreeMap::new(),
+            held: 0,
             fin: None,
             to_local: None,
             local: None,
@@ -1278,6 +1286,7 @@ impl Session {
     fn deliver_ready(st: &mut StreamIn) {
         let Some(to_local) = &st.to_local else { return };
         while let Some(mut b) = st.pending.remove(&st.next) {
+            st.held -= b.len() as u64;
             st.next += b.len() as u64;
             // nothing queued (the writer idle): as much as the socket takes
             // now is written here, saving the writer task a wake-up
@@ -1331,9 +1340,19 @@ impl Session {
         match h.kind {
             Kind::Data => {
                 if h.offset >= st.next && !st.pending.contains_key(&h.offset) {
+                    st.held += payload.len() as u64;
                     st.pending.insert(h.offset, payload);
                 }
                 Self::deliver_ready(st);
+                if st.held > REORDER_LIMIT {
+                    return Err(format!(
+                        "stream {} holds over {} MiB out of order (offset {} while {} is awaited)",
+                        h.stream,
+                        REORDER_LIMIT >> 20,
+                        h.offset,
+                        st.next
+                    ));
+                }
                 if st.buffered.load(Ordering::Relaxed) as usize > STREAM_BUFFER_LIMIT {
                     return Err(format!(
                         "stream {} has over {} MiB waiting for its reader",

@@ -544,3 +544,66 @@ async fn stream_windows_keep_each_stream_within_what_the_target_took() {
         p.target.close();
     }
 }
+
+/// A peer holding the credential that sends far ahead of any gap (frames
+/// the target can never deliver in order) is cut off once the stream holds
+/// `REORDER_LIMIT` out of order, instead of growing the target's memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_sending_far_ahead_of_a_gap_is_cut_off() {
+    use ferry_transport::protocol::{self, Hello, Kind};
+    let dir = tmp("reorder");
+    let qemu_sock = dir.path().join("qemu.sock");
+    let _qemu = UnixListener::bind(&qemu_sock).unwrap();
+    let keys = Keys {
+        secret: SECRET,
+        sealed: false,
+    };
+    let (target, bound) = Session::target([7; 16], &keys, vec![("nic1".into(), LO)], qemu_sock)
+        .await
+        .unwrap();
+    let mut tcp = TcpStream::connect(bound[0].1).await.unwrap();
+    let nonce = [9u8; 16];
+    let hello = Hello {
+        role: protocol::ROLE_CARRIER,
+        carrier: 0,
+        session: [7; 16],
+        nonce,
+        sealed: false,
+    };
+    tcp.write_all(&hello.encode(SECRET)).await.unwrap();
+    let mut welcome = [0u8; protocol::WELCOME_LEN];
+    tcp.read_exact(&mut welcome).await.unwrap();
+    protocol::decode_welcome(&welcome, &nonce, SECRET).unwrap();
+    // offset 0 never comes: everything after it waits
+    let payload = vec![0x5au8; protocol::MAX_PAYLOAD];
+    let frames = (ferry_transport::session::REORDER_LIMIT as usize / protocol::MAX_PAYLOAD) + 8;
+    let (mut rd, mut wr) = tcp.into_split();
+    // the target's acknowledgements are read and dropped
+    let drain = tokio::spawn(async move {
+        let mut b = vec![0u8; 64 << 10];
+        while matches!(rd.read(&mut b).await, Ok(n) if n > 0) {}
+    });
+    for i in 0..frames {
+        let offset = ((i + 1) * protocol::MAX_PAYLOAD) as u64;
+        let mut out = bytes::BytesMut::new();
+        protocol::encode_frame(
+            &protocol::Header::new(Kind::Data, 0, i as u64 + 1, offset),
+            &payload,
+            &mut out,
+        );
+        if wr.write_all(&out).await.is_err() {
+            break; // the target hung up: what this test waits for
+        }
+    }
+    let mut why = None;
+    for _ in 0..100 {
+        why = target.failure();
+        if why.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let why = why.expect("the target kept every frame");
+    assert!(why.contains("out of order"), "{why}");
+    drain.abort();
+}

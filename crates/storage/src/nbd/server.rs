@@ -40,6 +40,14 @@ use crate::qos::{Permit, Ticket};
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Requests one connection may have in progress at once.
 pub const MAX_IN_PROGRESS: usize = 256;
+/// Bytes of reads and writes one connection may have in progress at once:
+/// past it no further request is read until replies go out, so a client
+/// holds at most this plus one request's payload ([`proto::MAX_PAYLOAD`])
+/// of the node's memory per connection.
+pub const MAX_IN_FLIGHT_BYTES: u64 = 64 << 20;
+/// Connections one client address may hold, and all clients together.
+pub const MAX_CONNECTIONS_PER_CLIENT: usize = 512;
+pub const MAX_CONNECTIONS: usize = 4096;
 
 /// What a connection is bound to after the handshake: an export, and the
 /// flow its requests are admitted under. Dropping it ends the flow's use.
@@ -117,12 +125,17 @@ fn transmission_flags(read_only: bool) -> u16 {
 }
 
 /// Serves NBD on `listener` until the task is dropped; with `tls`, in the
-/// TLS-required mode.
+/// TLS-required mode. A client past [`MAX_CONNECTIONS_PER_CLIENT`] (or
+/// everyone past [`MAX_CONNECTIONS`]) is closed at once, before the
+/// handshake; the others are served on.
 pub async fn serve(
     listener: TcpListener,
     catalog: Arc<dyn Catalog>,
     tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
+    let table =
+        ferry_api::server::ConnectionTable::new(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT);
+    let mut said = std::time::Instant::now() - Duration::from_secs(2);
     loop {
         let (sock, peer) = match listener.accept().await {
             Ok(x) => x,
@@ -132,9 +145,20 @@ pub async fn serve(
                 continue;
             }
         };
+        let slot = match table.admit(peer.ip()) {
+            Ok(s) => s,
+            Err(why) => {
+                if said.elapsed() >= Duration::from_secs(1) {
+                    tracing::warn!(%peer, "nbd connection refused: {why}");
+                    said = std::time::Instant::now();
+                }
+                continue;
+            }
+        };
         let _ = sock.set_nodelay(true);
         let (cat, tls) = (catalog.clone(), tls.clone());
         tokio::spawn(async move {
+            let _slot = slot;
             let r = match tls {
                 Some(acc) => serve_tls_connection(sock, peer, cat, acc).await,
                 None => serve_connection(sock, peer, cat).await,
@@ -500,25 +524,31 @@ where
     // Requests the scheduler admits at once and the page cache answers at
     // once (RWF_NOWAIT) are served inline, in this task; the rest go to a
     // task of their own and come back as replies on `rx`.
-    let (tx, mut rx) = mpsc::unbounded_channel::<Reply>();
+    // each reply comes back with the bytes its request held
+    let (tx, mut rx) = mpsc::unbounded_channel::<(u64, Reply)>();
     let mut pending = 0usize;
+    let mut in_flight = 0u64;
     let result: Result<(), ConnError> = async {
         loop {
-            while let Ok(r) = rx.try_recv() {
+            while let Ok((b, r)) = rx.try_recv() {
                 pending -= 1;
+                in_flight -= b;
                 write_reply(&mut wr, r, structured).await?;
             }
-            if pending >= MAX_IN_PROGRESS || rd.buffer().is_empty() {
-                // nothing pipelined: send what is ready, then wait for input or a reply
+            let full = pending >= MAX_IN_PROGRESS || in_flight >= MAX_IN_FLIGHT_BYTES;
+            if full || rd.buffer().is_empty() {
+                // nothing pipelined (or no room): send what is ready, then
+                // wait for input or a reply
                 wr.flush().await?;
                 tokio::select! {
-                    r = rd.fill_buf(), if pending < MAX_IN_PROGRESS => {
+                    r = rd.fill_buf(), if !full => {
                         if r?.is_empty() {
                             return Ok(());
                         }
                     }
-                    Some(r) = rx.recv() => {
+                    Some((b, r)) = rx.recv() => {
                         pending -= 1;
+                        in_flight -= b;
                         write_reply(&mut wr, r, structured).await?;
                         continue;
                     }
@@ -579,21 +609,26 @@ where
                     continue;
                 }
                 pending += 1;
+                in_flight += bytes;
                 spawn_blocking_io(tx.clone(), export, cmd, req, payload, permit);
                 continue;
             }
             pending += 1;
+            in_flight += bytes;
             let tx = tx.clone();
             tokio::spawn(async move {
                 match ticket.wait().await {
                     Some(permit) => spawn_blocking_io(tx, export, cmd, req, payload, permit),
                     None => {
-                        let _ = tx.send(Reply::Err {
-                            cookie: req.cookie,
-                            code: proto::EIO,
-                            msg: "the flow was removed".into(),
-                            read: cmd == Command::Read,
-                        });
+                        let _ = tx.send((
+                            bytes,
+                            Reply::Err {
+                                cookie: req.cookie,
+                                code: proto::EIO,
+                                msg: "the flow was removed".into(),
+                                read: cmd == Command::Read,
+                            },
+                        ));
                     }
                 }
             });
@@ -603,7 +638,9 @@ where
     // finish what is in progress (a disconnect waits for every reply); writes
     // already received complete even when the client is gone
     while pending > 0 {
-        let Some(r) = rx.recv().await else { break };
+        let Some((_, r)) = rx.recv().await else {
+            break;
+        };
         pending -= 1;
         if result.is_ok() {
             let _ = write_reply(&mut wr, r, structured).await;
@@ -616,17 +653,21 @@ where
 
 /// Carries out a request on the blocking pool; its reply goes to `tx`.
 fn spawn_blocking_io(
-    tx: mpsc::UnboundedSender<Reply>,
+    tx: mpsc::UnboundedSender<(u64, Reply)>,
     export: Arc<Export>,
     cmd: Command,
     req: proto::Request,
     payload: Vec<u8>,
     permit: Permit,
 ) {
+    let bytes = match cmd {
+        Command::Read | Command::Write { .. } => req.length as u64,
+        _ => 0,
+    };
     tokio::task::spawn_blocking(move || {
         let reply = execute(&export, cmd, &req, payload);
         drop(permit);
-        let _ = tx.send(reply);
+        let _ = tx.send((bytes, reply));
     });
 }
 
