@@ -312,24 +312,15 @@ pub fn is_bridge(name: &str) -> bool {
 }
 
 /// The backing file a qcow2 image's header names, if any (None: none, or
-/// not a qcow2 image).
+/// not a qcow2 image); see [`ferry_api::hardware::qcow2_backing`].
 pub fn qcow2_backing(path: &Path) -> Option<String> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut f = std::fs::File::open(path).ok()?;
-    let mut h = [0u8; 20];
-    f.read_exact(&mut h).ok()?;
-    if &h[0..4] != b"QFI\xfb" {
-        return None;
-    }
-    let off = u64::from_be_bytes(h[8..16].try_into().ok()?);
-    let len = u32::from_be_bytes(h[16..20].try_into().ok()?).min(1023) as usize;
-    if off == 0 || len == 0 {
-        return None;
-    }
-    let mut name = vec![0u8; len];
-    f.seek(SeekFrom::Start(off)).ok()?;
-    f.read_exact(&mut name).ok()?;
-    Some(String::from_utf8_lossy(&name).into_owned())
+    use std::io::Read;
+    let f = std::fs::File::open(path).ok()?;
+    let mut head = Vec::new();
+    f.take(ferry_api::hardware::QCOW2_HEAD as u64)
+        .read_to_end(&mut head)
+        .ok()?;
+    ferry_api::hardware::qcow2_backing(&head)
 }
 
 /// Everything in `spec` this host lacks (empty: it can run it). The CPU

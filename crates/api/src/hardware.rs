@@ -235,6 +235,31 @@ pub fn validate_machine(m: &str) -> Result<(), ApiError> {
     }
 }
 
+/// How much of an image's start [`qcow2_backing`] reads.
+pub const QCOW2_HEAD: usize = 64 << 10;
+
+/// The backing file named in a qcow2 image's header, given the image's
+/// first bytes (up to [`QCOW2_HEAD`]); None when `head` is not a qcow2
+/// header or names none. A name past `head` (or cut by its end) still
+/// counts: the image has a backing file, its name not shown.
+pub fn qcow2_backing(head: &[u8]) -> Option<String> {
+    if head.len() < 20 || head[0..4] != *b"QFI\xfb" {
+        return None;
+    }
+    let off = u64::from_be_bytes(head[8..16].try_into().ok()?);
+    let len = u32::from_be_bytes(head[16..20].try_into().ok()?) as u64;
+    if off == 0 || len == 0 {
+        return None;
+    }
+    let name = usize::try_from(off)
+        .ok()
+        .and_then(|o| head.get(o..o.checked_add(len.min(1023) as usize)?));
+    Some(match name {
+        Some(n) => String::from_utf8_lossy(n).into_owned(),
+        None => format!("a name of {len} bytes at offset {off}"),
+    })
+}
+
 /// The largest local drive Ferry creates.
 pub const MAX_LOCAL_DISK: u64 = 16 << 40;
 
@@ -449,6 +474,23 @@ mod tests {
         assert!(text.contains("instance-id: web1"));
         let e = validate(&shown).unwrap_err().to_string();
         assert!(e.contains("cloud_init.redacted"), "{e}");
+    }
+
+    #[test]
+    fn a_qcow2_header_names_its_backing_file() {
+        let mut h = vec![0u8; 512];
+        h[0..4].copy_from_slice(b"QFI\xfb");
+        h[8..16].copy_from_slice(&100u64.to_be_bytes());
+        h[16..20].copy_from_slice(&11u32.to_be_bytes());
+        h[100..111].copy_from_slice(b"/etc/shadow");
+        assert_eq!(qcow2_backing(&h).as_deref(), Some("/etc/shadow"));
+        // past what was read, or absurd: still a backing file
+        h[8..16].copy_from_slice(&u64::MAX.to_be_bytes());
+        assert!(qcow2_backing(&h).unwrap().contains("offset"));
+        h[8..16].copy_from_slice(&0u64.to_be_bytes());
+        assert_eq!(qcow2_backing(&h), None);
+        assert_eq!(qcow2_backing(b"raw data, not qcow2"), None);
+        assert_eq!(qcow2_backing(b"QFI"), None);
     }
 
     #[test]
