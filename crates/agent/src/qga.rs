@@ -218,14 +218,20 @@ impl Qga {
 mod tests {
     use super::*;
 
-    #[tokio::test]
-    async fn an_endless_line_from_the_guest_is_cut_off() {
-        let (ours, mut guest) = UnixStream::pair().unwrap();
+    /// Our end of a guest-agent channel, and the guest's.
+    fn channel() -> (Qga, UnixStream) {
+        let (ours, guest) = UnixStream::pair().unwrap();
         let (rd, wr) = ours.into_split();
-        let mut q = Qga {
+        let q = Qga {
             rd: BufReader::new(rd),
             wr,
         };
+        (q, guest)
+    }
+
+    #[tokio::test]
+    async fn an_endless_line_from_the_guest_is_cut_off() {
+        let (mut q, mut guest) = channel();
         let writer = tokio::spawn(async move {
             let chunk = vec![b'a'; 64 << 10];
             // far past the limit, never a newline
@@ -246,12 +252,7 @@ mod tests {
 
     #[tokio::test]
     async fn answers_within_the_limit_are_read() {
-        let (ours, mut guest) = UnixStream::pair().unwrap();
-        let (rd, wr) = ours.into_split();
-        let mut q = Qga {
-            rd: BufReader::new(rd),
-            wr,
-        };
+        let (mut q, mut guest) = channel();
         guest.write_all(b"{\"return\": 7}\n").await.unwrap();
         let v = q.read_line_within("guest-sync", 64).await.unwrap();
         assert_eq!(v["return"], 7);

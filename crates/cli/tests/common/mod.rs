@@ -570,16 +570,7 @@ pub fn curl(url: &str, args: &[&str]) -> (u16, String) {
 
 /// `ferry` with the token in `token_file`.
 pub fn ferry_as(token_file: &str, args: &[&str]) -> std::process::Output {
-    let out = Command::new(FERRY)
-        .args(["--token-file", token_file])
-        .args(args)
-        .output()
-        .unwrap();
-    eprintln!(
-        "$ ferry (as {token_file}) {}\n{}{}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    let mut a = vec!["--token-file", token_file];
+    a.extend_from_slice(args);
+    ferry(&a)
 }
