@@ -21,23 +21,18 @@ mod limit_tests {
 
     #[test]
     fn connections_are_capped_per_client_and_in_all() {
-        let limits = Limits {
-            max_connections: 3,
-            per_client: 2,
-            ..Limits::default()
-        };
-        let table = std::sync::Arc::new(std::sync::Mutex::new(Connections::default()));
+        let table = ConnectionTable::new(3, 2);
         let a: std::net::IpAddr = "198.18.0.5".parse().unwrap();
         let b: std::net::IpAddr = "198.18.0.6".parse().unwrap();
-        let a1 = admit(&table, a, &limits).unwrap();
-        let _a2 = admit(&table, a, &limits).unwrap();
-        let why = admit(&table, a, &limits).err().unwrap();
+        let a1 = table.admit(a).unwrap();
+        let _a2 = table.admit(a).unwrap();
+        let why = table.admit(a).err().unwrap();
         assert!(why.contains("max_connections_per_client 2"), "{why}");
-        let _b1 = admit(&table, b, &limits).unwrap();
-        let why = admit(&table, b, &limits).err().unwrap();
+        let _b1 = table.admit(b).unwrap();
+        let why = table.admit(b).err().unwrap();
         assert!(why.contains("max_connections)"), "{why}");
         drop(a1);
-        assert!(admit(&table, b, &limits).is_ok());
+        assert!(table.admit(b).is_ok());
     }
 }
 
@@ -206,29 +201,46 @@ struct Connections {
     per: std::collections::HashMap<std::net::IpAddr, usize>,
 }
 
-/// Connections a server holds open, per client address and in all, for
-/// servers other than HTTP (the storage node's NBD).
+/// Connections a server holds open, per client address and in all: the
+/// TLS servers' ([`serve_with`]) and the storage node's NBD.
 pub struct ConnectionTable {
     table: std::sync::Arc<std::sync::Mutex<Connections>>,
-    limits: Limits,
+    max_connections: usize,
+    per_client: usize,
 }
 
 impl ConnectionTable {
     pub fn new(max_connections: usize, per_client: usize) -> ConnectionTable {
         ConnectionTable {
             table: Default::default(),
-            limits: Limits {
-                max_connections,
-                per_client,
-                ..Limits::default()
-            },
+            max_connections,
+            per_client,
         }
     }
 
     /// A slot for one more connection from `ip` (given back when dropped),
     /// or why not, naming the limit.
     pub fn admit(&self, ip: std::net::IpAddr) -> Result<Slot, String> {
-        admit(&self.table, ip, &self.limits)
+        let mut t = crate::util::lock(&self.table);
+        let mine = t.per.get(&ip).copied().unwrap_or(0);
+        if t.total >= self.max_connections {
+            return Err(format!(
+                "{} connections open (max_connections)",
+                self.max_connections
+            ));
+        }
+        if mine >= self.per_client {
+            return Err(format!(
+                "{mine} connections open from {ip} (max_connections_per_client {})",
+                self.per_client
+            ));
+        }
+        t.total += 1;
+        *t.per.entry(ip).or_default() += 1;
+        Ok(Slot {
+            table: self.table.clone(),
+            ip,
+        })
     }
 }
 
@@ -249,34 +261,6 @@ impl Drop for Slot {
             }
         }
     }
-}
-
-/// A slot for one more connection from `ip`, or why not.
-fn admit(
-    table: &std::sync::Arc<std::sync::Mutex<Connections>>,
-    ip: std::net::IpAddr,
-    limits: &Limits,
-) -> Result<Slot, String> {
-    let mut t = crate::util::lock(table);
-    let mine = t.per.get(&ip).copied().unwrap_or(0);
-    if t.total >= limits.max_connections {
-        return Err(format!(
-            "{} connections open (max_connections)",
-            limits.max_connections
-        ));
-    }
-    if mine >= limits.per_client {
-        return Err(format!(
-            "{mine} connections open from {ip} (max_connections_per_client {})",
-            limits.per_client
-        ));
-    }
-    t.total += 1;
-    *t.per.entry(ip).or_default() += 1;
-    Ok(Slot {
-        table: table.clone(),
-        ip,
-    })
 }
 
 /// Serves `router` on `listener` until the process ends: over TLS with
@@ -304,7 +288,7 @@ pub async fn serve_with(
         return axum::serve(listener, router).await;
     };
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
-    let table = std::sync::Arc::new(std::sync::Mutex::new(Connections::default()));
+    let table = ConnectionTable::new(limits.max_connections, limits.per_client);
     let mut last_said = std::time::Instant::now() - std::time::Duration::from_secs(2);
     loop {
         let (tcp, peer) = match listener.accept().await {
@@ -316,7 +300,7 @@ pub async fn serve_with(
                 continue;
             }
         };
-        let slot = match admit(&table, peer.ip(), &limits) {
+        let slot = match table.admit(peer.ip()) {
             Ok(s) => s,
             Err(why) => {
                 if last_said.elapsed() >= std::time::Duration::from_secs(1) {
