@@ -217,6 +217,20 @@ async fn incoming(
             .into());
         }
     }
+    // and only a move the control service ordered
+    if let Some(v) = &a.tickets {
+        let digest = ferry_api::ticket::spec_digest(&req.spec);
+        let want = ferry_api::ticket::Expect {
+            vm: &req.spec.name,
+            spec: &digest,
+            source: &req.source,
+            target: &a.cfg.name,
+        };
+        if let Err(e) = v.admit(req.ticket.as_ref(), &want, ferry_api::ticket::now_ms()) {
+            tracing::warn!(source = %req.source, vm = %req.spec.name, "refused an incoming migration: {e}");
+            return Err(ApiError::from(e).into());
+        }
+    }
     Ok(Json(a.prepare_incoming(req).await?))
 }
 

@@ -128,6 +128,9 @@ pub struct Agent {
     /// This host's certificate (see [`ferry_api::tls`]); `None` under
     /// `--insecure-http`.
     pub pki: Option<ferry_api::tls::Pki>,
+    /// Admits incoming migrations with the control service's tickets
+    /// (see [`ferry_api::ticket`]); `None` under `--insecure-http`.
+    pub tickets: Option<ferry_api::ticket::TicketVerifier>,
     /// How this agent calls peers.
     pub client_auth: ferry_api::client::ClientAuth,
     pub state: tokio::sync::Mutex<HostState>,
@@ -218,9 +221,15 @@ impl Agent {
         guest: Arc<dyn GuestCheck>,
     ) -> Result<Arc<Agent>, ferry_api::tls::TlsError> {
         let client_auth = ferry_api::client::ClientAuth::component(pki.as_ref(), &cred)?;
+        let tickets = pki
+            .as_ref()
+            .map(|p| ferry_api::ticket::TicketVerifier::new(p.roots()))
+            .transpose()
+            .map_err(ferry_api::tls::TlsError::Config)?;
         Ok(Arc::new(Agent {
             cred,
             pki,
+            tickets,
             client_auth,
             guest,
             paths: Default::default(),

@@ -98,6 +98,10 @@ pub enum ApiError {
         limit: u64,
         setting: String,
     },
+    /// An incoming migration without a good ticket from the control
+    /// service (see [`crate::ticket`]); `reason` says which check failed.
+    #[error("Move refused: {reason}")]
+    BadTicket { reason: String },
     #[error("Internal error: {reason}")]
     Internal { reason: String },
 }
@@ -112,9 +116,10 @@ impl ApiError {
             ApiError::InsufficientMemory { .. } => 507,
             ApiError::HostCannotRun { .. } => 412,
             ApiError::Unauthorized { .. } => 401,
-            ApiError::Forbidden { .. } | ApiError::Refused { .. } | ApiError::NotGranted { .. } => {
-                403
-            }
+            ApiError::Forbidden { .. }
+            | ApiError::Refused { .. }
+            | ApiError::NotGranted { .. }
+            | ApiError::BadTicket { .. } => 403,
             ApiError::Unavailable { .. } => 503,
             ApiError::MigrationFailed { .. }
             | ApiError::MigrationInDoubt { .. }
@@ -238,6 +243,9 @@ mod tests {
                 what: "event streams of token ci".into(),
                 limit: 16,
                 setting: "max_streams_per_token".into(),
+            },
+            ApiError::BadTicket {
+                reason: "ticket expired 3 ms ago".into(),
             },
             ApiError::internal("x"),
         ];

@@ -25,6 +25,7 @@ pub mod rolling;
 pub mod server;
 pub mod size;
 pub mod storage;
+pub mod ticket;
 pub mod tls;
 pub mod types;
 pub mod util;

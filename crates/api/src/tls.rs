@@ -410,6 +410,19 @@ impl Pki {
         Ok(Arc::new(c))
     }
 
+    /// The cluster CA as trust roots.
+    pub fn roots(&self) -> Arc<RootCertStore> {
+        self.roots.clone()
+    }
+
+    /// Signs move tickets with this certificate's key (the control service's).
+    pub fn ticket_signer(&self) -> Result<crate::ticket::TicketSigner, TlsError> {
+        crate::ticket::TicketSigner::new(&self.chain[0], &self.key).map_err(|why| TlsError::Pem {
+            path: self.dir.join(KEY),
+            why,
+        })
+    }
+
     /// TLS for a client that presents this certificate.
     pub fn client_config(&self) -> Result<Arc<ClientConfig>, TlsError> {
         ClientConfig::builder_with_provider(provider())

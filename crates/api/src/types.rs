@@ -807,6 +807,10 @@ pub struct MigrateRequest {
     /// Seal every carrier frame (the cluster's `encrypt_carriers`).
     #[serde(default)]
     pub encrypt_carriers: bool,
+    /// The control service's ticket for this move, handed to the target
+    /// (see [`crate::ticket`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ticket: Option<crate::ticket::Ticket>,
 }
 
 /// Settings that hold for the whole cluster.
@@ -843,6 +847,10 @@ pub struct IncomingRequest {
     pub migration_id: String,
     pub source: String,
     pub spec: VmSpec,
+    /// The control service's ticket for this move (see [`crate::ticket`]):
+    /// over TLS, required.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ticket: Option<crate::ticket::Ticket>,
     /// The target's NICs a NIC of the source, up, reaches (probed); the
     /// target listens on those.
     pub reachable_nics: Vec<String>,

@@ -444,6 +444,9 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
     if let Some(d) = &f.hooks_dir {
         control = control.with_hooks_dir(d.clone());
     }
+    if let Some(p) = &pki {
+        control = control.with_ticket_signer(p.ticket_signer()?);
+    }
     // SQLite by default
     let state = a
         .state

@@ -408,15 +408,25 @@ fn as_peer(h: &str, method: &str, url: &str, body: Option<&Value>) -> (u16, Stri
     curl(url, &a)
 }
 
-fn incoming(id: &str, source: &str, spec: Value) -> Value {
+fn incoming(id: &str, source: &str, spec: Value, ticket: Option<Value>) -> Value {
     json!({
         "migration_id": id,
         "source": source,
         "spec": spec,
+        "ticket": ticket,
         "reachable_nics": [nic("host1", 1)],
         "option": "tcp",
         "source_url": format!("https://198.18.0.1{}:7800", &source[4..]),
     })
+}
+
+/// A move ticket signed with the key of `signer`'s certificate in the lab
+/// (`control`: the control service's, as it signs them).
+fn ticket(signer: &str, spec: &Value, source: &str, target: &str) -> Value {
+    let pki = ferry_api::tls::Pki::load(&Path::new(PKI).join(signer)).unwrap();
+    let spec: ferry_api::VmSpec = serde_json::from_value(spec.clone()).unwrap();
+    let t = pki.ticket_signer().unwrap();
+    serde_json::to_value(t.sign(&spec, source, target, ferry_api::ticket::now_ms())).unwrap()
 }
 
 fn workload(name: &str) -> Value {
@@ -445,7 +455,7 @@ fn a_peer_agent_cannot_escalate_through_another_agent() {
         "host2",
         "POST",
         &url("/incoming"),
-        Some(&incoming(&walk, "host2", workload("att4"))),
+        Some(&incoming(&walk, "host2", workload("att4"), None)),
     );
     assert!(st == 400 && body.contains("migration_id"), "{st} {body}");
     assert!(canary.path().join("keep").exists());
@@ -455,9 +465,35 @@ fn a_peer_agent_cannot_escalate_through_another_agent() {
         "host2",
         "POST",
         &url("/incoming"),
-        Some(&incoming(&id, "host3", workload("att4"))),
+        Some(&incoming(&id, "host3", workload("att4"), None)),
     );
     assert!(st == 403 && body.contains("host3"), "{st} {body}");
+    // 19b. a move the control service did not order: no ticket, a ticket the
+    // peer signed itself, a real ticket for another target
+    let w = workload("att4");
+    for (t, says) in [
+        (None, "no ticket"),
+        (
+            Some(ticket("host2", &w, "host2", "host1")),
+            "not the cluster's control service",
+        ),
+        (
+            Some(ticket("control", &w, "host2", "host3")),
+            "for target 'host3'",
+        ),
+    ] {
+        let (st, body) = as_peer(
+            "host2",
+            "POST",
+            &url("/incoming"),
+            Some(&incoming(&id, "host2", w.clone(), t)),
+        );
+        assert!(
+            st == 403 && body.contains("bad_ticket") && body.contains(says),
+            "{says}: {st} {body}"
+        );
+    }
+    assert_eq!(leftovers("host1", "att4"), Vec::<PathBuf>::new());
     // 20. a spec naming a file the host does not grant, through a peer
     let mut spec = workload("att4");
     spec["firmware"] = json!("bios");
@@ -468,7 +504,7 @@ fn a_peer_agent_cannot_escalate_through_another_agent() {
         "host2",
         "POST",
         &url("/incoming"),
-        Some(&incoming(&id, "host2", spec)),
+        Some(&incoming(&id, "host2", spec.clone(), Some(ticket("control", &spec, "host2", "host1")))),
     );
     assert!(
         st == 403 && body.contains("not_granted") && body.contains("drive_dirs"),
@@ -489,16 +525,27 @@ fn a_peer_agent_cannot_escalate_through_another_agent() {
             "{m} {p}: {st} {body}"
         );
     }
-    // 22. a real skeleton from host2; host3 may neither read nor discard it
+    // 22. a real skeleton from host2, with the control service's ticket;
+    // host3 may neither read nor discard it
+    let good = ticket("control", &w, "host2", "host1");
     let (st, body) = as_peer(
         "host2",
         "POST",
         &url("/incoming"),
-        Some(&incoming(&id, "host2", workload("att4"))),
+        Some(&incoming(&id, "host2", w.clone(), Some(good.clone()))),
     );
     assert_eq!(st, 200, "{body}");
     // the reply's URI is only a port to the source: it builds its own (see migration/mod.rs)
     assert!(body.contains("\"uri\":\"tcp:198.1"), "{body}");
+    // 22b. the same ticket again, for a second skeleton: one ticket, one move
+    let id2 = format!("{:016x}", u64::from(std::process::id()) << 20 | 0xa78);
+    let (st, body) = as_peer(
+        "host2",
+        "POST",
+        &url("/incoming"),
+        Some(&incoming(&id2, "host2", w.clone(), Some(good))),
+    );
+    assert!(st == 403 && body.contains("already used"), "{st} {body}");
     for m in ["GET", "DELETE"] {
         let (st, body) = as_peer("host3", m, &url(&format!("/incoming/{id}")), None);
         assert!(

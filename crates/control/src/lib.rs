@@ -245,6 +245,9 @@ pub struct Control {
     /// Where the programs a rolling drain may run as hooks are (see
     /// [`rolling::resolve_hook`]).
     hooks_dir: std::path::PathBuf,
+    /// Signs each move's ticket (see [`ferry_api::ticket`]); `None` under
+    /// `--insecure-http`, where agents ask for none.
+    tickets: Option<Arc<ferry_api::ticket::TicketSigner>>,
     /// The web console's signed-in browsers (see [`sessions`]).
     pub sessions: sessions::Sessions,
     /// Session cookies say `Secure` (the service speaks TLS).
@@ -285,6 +288,7 @@ impl Control {
             disk_moves: Default::default(),
             rolling: Default::default(),
             hooks_dir: rolling::DEFAULT_HOOKS_DIR.into(),
+            tickets: None,
             streams: Default::default(),
             refusals: Default::default(),
             sessions: Default::default(),
@@ -300,6 +304,12 @@ impl Control {
     /// Takes rolling-drain hooks from `dir` (default [`rolling::DEFAULT_HOOKS_DIR`]).
     pub fn with_hooks_dir(mut self, dir: std::path::PathBuf) -> Control {
         self.hooks_dir = dir;
+        self
+    }
+
+    /// Signs move tickets with `signer` (the control service's certificate key).
+    pub fn with_ticket_signer(mut self, signer: ferry_api::ticket::TicketSigner) -> Control {
+        self.tickets = Some(Arc::new(signer));
         self
     }
 
@@ -725,6 +735,18 @@ impl Control {
         Ok(out)
     }
 
+    /// VM `vm`'s spec as host `host` lists it now (what a move's ticket names).
+    async fn spec_on(&self, vm: &str, host: &str) -> Result<ferry_api::VmSpec, ApiError> {
+        self.host(host)?
+            .get::<Vec<VmInfo>>("/vms", AGENT_TIMEOUT)
+            .await
+            .map_err(|e| ApiError::unavailable(format!("host {host}"), e))?
+            .into_iter()
+            .find(|v| v.name == vm && v.state != "incoming")
+            .map(|v| v.spec)
+            .ok_or_else(|| ApiError::not_found("vm", vm))
+    }
+
     /// The host running VM `name` (skeletons on migration targets excluded).
     pub(crate) async fn locate(&self, name: &str) -> Result<(String, VmInfo), ApiError> {
         self.list_vms()
@@ -916,12 +938,20 @@ impl Control {
     {
         let target = self.host(to)?;
         let (option, convergence) = self.migration_policy(source, option, convergence)?;
+        let ticket = match &self.tickets {
+            Some(signer) => {
+                let spec = self.spec_on(vm, source).await?;
+                Some(signer.sign(&spec, source, to, ferry_api::ticket::now_ms()))
+            }
+            None => None,
+        };
         let mreq = MigrateRequest {
             target: to.to_string(),
             target_url: target.base().to_string(),
             option,
             convergence,
             encrypt_carriers: self.cluster_settings().await?.encrypt_carriers,
+            ticket,
         };
         if !self.storage.is_empty() {
             self.granting_move(vm, source, to).await?;

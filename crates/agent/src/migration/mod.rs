@@ -674,6 +674,7 @@ impl Agent {
             migration_id: id.into(),
             source: self.cfg.name.clone(),
             spec: spec.clone(),
+            ticket: req.ticket.clone(),
             reachable_nics,
             option,
             session: Some(ferry_transport::session_to_hex(&session)),
