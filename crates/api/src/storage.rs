@@ -560,11 +560,15 @@ mod tests {
 }
 
 /// `PUT /access/{vm}` on a storage node: the hosts whose certificates may
-/// open the VM's exports (`DISK/VM`); empty forgets the VM.
+/// open the VM's exports `DISK/VM`, for these disks only; no hosts forgets
+/// the VM.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AccessRequest {
     pub hosts: Vec<String>,
+    /// The Ferry disks the VM uses; an export of any other is refused.
+    #[serde(default)]
+    pub disks: Vec<String>,
 }
 
 /// A VM's NBD access on a storage node.
@@ -572,4 +576,6 @@ pub struct AccessRequest {
 pub struct AccessInfo {
     pub vm: String,
     pub hosts: Vec<String>,
+    #[serde(default)]
+    pub disks: Vec<String>,
 }

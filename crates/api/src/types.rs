@@ -266,6 +266,15 @@ impl VmSpec {
             .map(DiskUse::Drive)
     }
 
+    /// The Ferry disks this VM uses: plugged, or drives on exports `DISK/VM`.
+    pub fn ferry_disks(&self) -> std::collections::BTreeSet<String> {
+        let drives = self.drives.iter().filter_map(|d| {
+            let (_, _, export) = parse_nbd_uri(d.nbd.as_deref()?).ok()?;
+            export.split('/').next().map(str::to_string)
+        });
+        self.disks.iter().map(|d| d.disk.clone()).chain(drives).collect()
+    }
+
     /// A lab workload guest (the host's kernel and workload, memory filled
     /// with a checkable pattern), with defaults for everything else.
     pub fn workload(name: &str, memory: u64, fill: u64, dirty_rate: u64) -> VmSpec {

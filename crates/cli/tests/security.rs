@@ -221,6 +221,16 @@ fn tokens_roles_certificates_and_nbd_access_are_enforced() {
     assert!(!ok);
     // an administrator's certificate opens any export
     assert!(nbdinfo(&nbds(export, "admin")).0);
+    // nor another disk under the name of a VM it does run: grants are per
+    // (disk, VM, host)
+    let _ = ferry(&["disk", "rm", "secx"]);
+    ferry_ok(&["disk", "create", "secx", "--size", "16M"]);
+    let (ok, text) = nbdinfo(&nbds("secx/sec1", "host1"));
+    assert!(
+        !ok && text.contains("not one of VM sec1's disks (secd)"),
+        "{text}"
+    );
+    ferry_ok(&["disk", "rm", "secx"]);
 
     // the grant follows the VM: after a move host2 opens it and host1 not
     let r = move_vm("sec1", "host2", "multichannel");

@@ -1,9 +1,12 @@
 //! Which host may open which VM's disks over NBD.
 //!
 //! A storage node serving NBD over TLS opens an export `DISK/VM` to an
-//! agent's certificate only when the VM is granted to that host
-//! (`PUT /access/{vm}` on the node). The control service keeps the grants
-//! true, so one host cannot read another VM's disk:
+//! agent's certificate only when the VM is granted to that host and DISK
+//! is one of the VM's disks (`PUT /access/{vm}` on the node): grants are
+//! per (disk, VM, host). The control service keeps them true, so one host
+//! can neither read another VM's disk nor open any disk under the name of
+//! one of its own VMs. A VM's disks are those its spec uses (plugged, or
+//! drives on Ferry exports) as the hosts list it. Grants are made:
 //! - at `vm create`: the VM's host, before the agent starts QEMU;
 //! - at a move's start: source and target, before the target's skeleton
 //!   opens its disks; the target stays granted while the move runs;
@@ -24,7 +27,26 @@ use ferry_api::{ApiError, HostEntry};
 
 use crate::{lock, Control, AGENT_TIMEOUT};
 
-pub type Grants = BTreeMap<String, BTreeSet<String>>;
+/// A VM's grant: the hosts that may open its exports, of these disks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Grant {
+    pub hosts: BTreeSet<String>,
+    pub disks: BTreeSet<String>,
+}
+
+impl Grant {
+    pub fn new(hosts: BTreeSet<String>, disks: BTreeSet<String>) -> Grant {
+        Grant { hosts, disks }
+    }
+
+    fn merge(&mut self, other: &Grant) {
+        self.hosts.extend(other.hosts.iter().cloned());
+        self.disks.extend(other.disks.iter().cloned());
+    }
+}
+
+/// VM → its grant.
+pub type Grants = BTreeMap<String, Grant>;
 /// Moves running now: VM → {source, target}.
 pub type Moving = std::sync::Mutex<Grants>;
 
@@ -48,20 +70,20 @@ pub fn desired(hosts: &[HostEntry], before: &Grants, moving: &Grants) -> Grants 
     let mut out = Grants::new();
     for h in hosts.iter().filter(|h| h.reachable) {
         for vm in h.info.iter().flat_map(|i| &i.vms) {
-            out.entry(vm.name.clone())
-                .or_default()
-                .insert(h.name.clone());
+            let g = out.entry(vm.name.clone()).or_default();
+            g.hosts.insert(h.name.clone());
+            g.disks.extend(vm.spec.ferry_disks());
         }
     }
     for (vm, had) in before {
-        for host in had.iter().filter(|h| !reachable.contains(h.as_str())) {
-            out.entry(vm.clone()).or_default().insert(host.clone());
+        for host in had.hosts.iter().filter(|h| !reachable.contains(h.as_str())) {
+            let g = out.entry(vm.clone()).or_default();
+            g.hosts.insert(host.clone());
+            g.disks.extend(had.disks.iter().cloned());
         }
     }
-    for (vm, hs) in moving {
-        out.entry(vm.clone())
-            .or_default()
-            .extend(hs.iter().cloned());
+    for (vm, g) in moving {
+        out.entry(vm.clone()).or_default().merge(g);
     }
     out
 }
@@ -75,21 +97,21 @@ fn standing(
 ) -> Grants {
     let mut out = moving.clone();
     for vm in recent.keys() {
-        if let Some(hs) = before.get(vm) {
-            out.entry(vm.clone())
-                .or_default()
-                .extend(hs.iter().cloned());
+        if let Some(g) = before.get(vm) {
+            out.entry(vm.clone()).or_default().merge(g);
         }
     }
     out
 }
 
 impl Control {
-    /// Tells every storage node which hosts may open `vm`'s exports; an
-    /// unreachable node fails it (a VM must not start without its disks).
-    pub(crate) async fn grant(&self, vm: &str, hosts: BTreeSet<String>) -> Result<(), ApiError> {
+    /// Tells every storage node which hosts may open `vm`'s exports of
+    /// which disks; an unreachable node fails it (a VM must not start
+    /// without its disks).
+    pub(crate) async fn grant(&self, vm: &str, grant: Grant) -> Result<(), ApiError> {
         let req = AccessRequest {
-            hosts: hosts.iter().cloned().collect(),
+            hosts: grant.hosts.iter().cloned().collect(),
+            disks: grant.disks.iter().cloned().collect(),
         };
         for (name, c) in &self.storage {
             c.put::<_, AccessInfo>(&format!("/access/{vm}"), &req, AGENT_TIMEOUT)
@@ -99,24 +121,28 @@ impl Control {
                 })?;
         }
         let mut pushed = lock(&self.access.pushed);
-        if hosts.is_empty() {
+        if grant.hosts.is_empty() {
             pushed.remove(vm);
         } else {
-            pushed.insert(vm.into(), hosts);
+            pushed.insert(vm.into(), grant);
         }
         lock(&self.access.granted_at).insert(vm.into(), std::time::Instant::now());
         Ok(())
     }
 
-    /// Before a move: source and target may open the VM's disks until the
-    /// move ends ([`Self::moved`]).
+    /// Before a move: source and target may open the VM's disks (those of
+    /// `spec`) until the move ends ([`Self::moved`]).
     pub(crate) async fn granting_move(
         &self,
-        vm: &str,
+        spec: &ferry_api::VmSpec,
         source: &str,
         target: &str,
     ) -> Result<(), ApiError> {
-        let both: BTreeSet<String> = [source.to_string(), target.to_string()].into();
+        let vm = spec.name.as_str();
+        let both = Grant::new(
+            [source.to_string(), target.to_string()].into(),
+            spec.ferry_disks(),
+        );
         lock(&self.access.moving).insert(vm.into(), both.clone());
         let r = self.grant(vm, both).await;
         if r.is_err() {
@@ -151,7 +177,7 @@ impl Control {
         let vms: BTreeSet<&String> = before.keys().chain(want.keys()).collect();
         for vm in vms {
             let w = want.get(vm).cloned().unwrap_or_default();
-            if before.get(vm) != Some(&w) || (w.is_empty() && before.contains_key(vm)) {
+            if before.get(vm) != Some(&w) || (w.hosts.is_empty() && before.contains_key(vm)) {
                 if let Err(e) = self.grant(vm, w).await {
                     tracing::warn!("NBD access of {vm}: {e}");
                 }
@@ -171,7 +197,8 @@ mod tests {
                 "memory_free": 0, "nics": [], "probe_port": 0,
                 "vms": vms.iter().map(|v| serde_json::json!({
                     "name": v, "host": name, "state": "running", "pid": 1,
-                    "spec": {"name": v, "memory": 134217728u64, "fill": 0, "dirty_rate": 0}
+                    "spec": {"name": v, "memory": 134217728u64, "fill": 0, "dirty_rate": 0,
+                             "disks": [{"disk": format!("d{v}"), "uri": format!("nbd://s:1/d{v}/{v}")}]}
                 })).collect::<Vec<_>>(),
             }))
             .unwrap()
@@ -193,25 +220,27 @@ mod tests {
         h.iter().map(|s| s.to_string()).collect()
     }
 
+    /// VM `vm` on hosts `h`, its one disk `d{vm}`.
+    fn g(vm: &str, h: &[&str]) -> (String, Grant) {
+        (vm.to_string(), Grant::new(set(h), set(&[&format!("d{vm}")])))
+    }
+
     #[test]
     fn grants_follow_the_hosts_and_an_unreachable_host_keeps_its_own() {
-        let before: Grants = [
-            ("a".to_string(), set(&["h1"])),
-            ("b".to_string(), set(&["h2"])),
-        ]
-        .into();
-        let moving: Grants = [("c".to_string(), set(&["h1", "h3"]))].into();
+        let before: Grants = [g("a", &["h1"]), g("b", &["h2"])].into();
+        let moving: Grants = [g("c", &["h1", "h3"])].into();
         let hosts = [
             host("h1", true, &["a", "c"]),
             host("h2", false, &[]),
             host("h3", true, &[]),
         ];
         let d = desired(&hosts, &before, &moving);
-        assert_eq!(d["a"], set(&["h1"]));
+        // each VM its own disks only
+        assert_eq!(d["a"], g("a", &["h1"]).1);
         // h2 does not answer: b stays granted to it
-        assert_eq!(d["b"], set(&["h2"]));
+        assert_eq!(d["b"], g("b", &["h2"]).1);
         // a move running: its target is granted before its skeleton shows
-        assert_eq!(d["c"], set(&["h1", "h3"]));
+        assert_eq!(d["c"], g("c", &["h1", "h3"]).1);
         // a VM gone from a host that answers is no longer granted there
         let hosts = [
             host("h1", true, &[]),
@@ -220,23 +249,19 @@ mod tests {
         ];
         let d = desired(&hosts, &before, &Grants::new());
         assert!(!d.contains_key("a"));
-        assert_eq!(d["b"], set(&["h2"]));
+        assert_eq!(d["b"], g("b", &["h2"]).1);
     }
 
     #[test]
     fn a_grant_newer_than_the_hosts_answers_stands() {
         // `vm create` granted d to h1 while the heartbeat's answers (which
         // cannot list d yet) were on their way
-        let before: Grants = [
-            ("a".to_string(), set(&["h1"])),
-            ("d".to_string(), set(&["h1"])),
-        ]
-        .into();
+        let before: Grants = [g("a", &["h1"]), g("d", &["h1"])].into();
         let hosts = [host("h1", true, &["a"])];
         let recent = [("d".to_string(), std::time::Instant::now())].into();
         let keep = standing(&Grants::new(), &before, &recent);
         let d = desired(&hosts, &before, &keep);
-        assert_eq!(d["d"], set(&["h1"]));
+        assert_eq!(d["d"], g("d", &["h1"]).1);
         // the next heartbeat (asked after the grant) does not list d: revoked
         let keep = standing(&Grants::new(), &before, &BTreeMap::new());
         assert!(!desired(&hosts, &before, &keep).contains_key("d"));

@@ -790,8 +790,8 @@ impl Control {
         }
         // its disks open to its host before QEMU asks for them
         if !req.spec.disks.is_empty() || req.spec.drives.iter().any(|d| d.nbd.is_some()) {
-            self.grant(&req.spec.name, [req.host.clone()].into())
-                .await?;
+            let grant = access::Grant::new([req.host.clone()].into(), req.spec.ferry_disks());
+            self.grant(&req.spec.name, grant).await?;
         }
         agent.post("/vms", &req.spec, Duration::from_secs(60)).await
     }
@@ -938,13 +938,12 @@ impl Control {
     {
         let target = self.host(to)?;
         let (option, convergence) = self.migration_policy(source, option, convergence)?;
-        let ticket = match &self.tickets {
-            Some(signer) => {
-                let spec = self.spec_on(vm, source).await?;
-                Some(signer.sign(&spec, source, to, ferry_api::ticket::now_ms()))
-            }
-            None => None,
-        };
+        // the VM as its host lists it now: what the ticket and the grants name
+        let spec = self.spec_on(vm, source).await?;
+        let ticket = self
+            .tickets
+            .as_ref()
+            .map(|signer| signer.sign(&spec, source, to, ferry_api::ticket::now_ms()));
         let mreq = MigrateRequest {
             target: to.to_string(),
             target_url: target.base().to_string(),
@@ -954,7 +953,7 @@ impl Control {
             ticket,
         };
         if !self.storage.is_empty() {
-            self.granting_move(vm, source, to).await?;
+            self.granting_move(&spec, source, to).await?;
         }
         let events = match self
             .host(source)?

@@ -342,8 +342,11 @@ impl Control {
             }
             StorageCommand::AttachDisk { name, req } => {
                 let (disk, _) = self.locate_disk(&name).await?;
-                let (host, _) = self.locate(&req.vm).await?;
-                self.grant(&req.vm, [host.clone()].into()).await?;
+                let (host, info) = self.locate(&req.vm).await?;
+                let mut disks = info.spec.ferry_disks();
+                disks.insert(disk.name.clone());
+                let grant = crate::access::Grant::new([host.clone()].into(), disks);
+                self.grant(&req.vm, grant).await?;
                 let body = ferry_api::DiskPlug {
                     disk: disk.name.clone(),
                     uri: format!("{}/{}", disk.uri, req.vm),

@@ -29,7 +29,7 @@
 //! | GET/PUT | /qos/settings | `QosSettings` |
 //! | GET | /qos/flows | → `[FlowInfo]` |
 //! | PUT | /qos/allocations | `AllocationRequest` → `FlowInfo` |
-//! | GET | /access | → `[AccessInfo]`: which hosts may open each VM's exports |
+//! | GET | /access | → `[AccessInfo]`: which hosts may open each VM's exports, of which disks |
 //! | PUT | /access/{vm} | `AccessRequest` → `AccessInfo` |
 
 use std::sync::Arc;
@@ -208,7 +208,7 @@ pub fn router(node: Arc<Node>, auth: PeerAuth) -> Router {
             "/access/{vm}",
             put(
                 |State(n): S, Path(vm): Path<String>, ApiJson(r): ApiJson<ferry_api::storage::AccessRequest>| async move {
-                    reply(n.set_access(&vm, r.hosts))
+                    reply(n.set_access(&vm, r.hosts, r.disks))
                 },
             ),
         )

@@ -66,9 +66,16 @@ struct Persisted {
     disks: BTreeMap<String, DiskRecord>,
     policies: BTreeMap<String, Policy>,
     normalization: u64,
-    /// VM → the hosts whose certificates may open its exports.
+    /// VM → the hosts whose certificates may open its exports, and which.
     #[serde(default)]
-    access: BTreeMap<String, BTreeSet<String>>,
+    grants: BTreeMap<String, VmAccess>,
+}
+
+/// Who may open a VM's exports `DISK/VM`, and for which disks.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct VmAccess {
+    hosts: BTreeSet<String>,
+    disks: BTreeSet<String>,
 }
 
 struct Disk {
@@ -108,7 +115,7 @@ struct State {
     normalization: u64,
     flows: BTreeMap<String, Flow>,
     next_flow: FlowId,
-    access: BTreeMap<String, BTreeSet<String>>,
+    access: BTreeMap<String, VmAccess>,
 }
 
 pub struct Node {
@@ -145,7 +152,7 @@ impl Node {
                 disks: BTreeMap::new(),
                 policies: BTreeMap::new(),
                 normalization: DEFAULT_NORMALIZATION,
-                access: BTreeMap::new(),
+                grants: BTreeMap::new(),
             },
             Err(e) => return Err(io_err(state_path.display(), e)),
         };
@@ -178,7 +185,7 @@ impl Node {
                 normalization: persisted.normalization,
                 flows: BTreeMap::new(),
                 next_flow: 1,
-                access: persisted.access,
+                access: persisted.grants,
             }),
             jobs: crate::backup::Jobs::default(),
             pushes: crate::remote::Pushes::default(),
@@ -209,7 +216,7 @@ impl Node {
                 .collect(),
             policies: st.policies.clone(),
             normalization: st.normalization,
-            access: st.access.clone(),
+            grants: st.access.clone(),
         };
         let path = self.cfg.dir.join("state.json");
         let tmp = self.cfg.dir.join("state.json.tmp");
@@ -758,36 +765,41 @@ impl Node {
         }
     }
 
-    /// Which hosts may open VM `vm`'s exports (the control service sets
-    /// it: where the VM runs, and during a move its target too). An empty
-    /// list forgets the VM.
-    pub fn set_access(&self, vm: &str, hosts: Vec<String>) -> Result<AccessInfo, ApiError> {
+    /// Which hosts may open VM `vm`'s exports, of which disks (the
+    /// control service sets it: where the VM runs, and during a move its
+    /// target too). No hosts forgets the VM.
+    pub fn set_access(
+        &self,
+        vm: &str,
+        hosts: Vec<String>,
+        disks: Vec<String>,
+    ) -> Result<AccessInfo, ApiError> {
         check_name("vm", vm)?;
         for h in &hosts {
             check_name("host", h)?;
         }
+        for d in &disks {
+            check_name("disk", d)?;
+        }
         let mut st = self.lock();
-        let set: BTreeSet<String> = hosts.into_iter().collect();
-        if set.is_empty() {
+        let a = VmAccess {
+            hosts: hosts.into_iter().collect(),
+            disks: disks.into_iter().collect(),
+        };
+        if a.hosts.is_empty() {
             st.access.remove(vm);
         } else {
-            st.access.insert(vm.to_string(), set.clone());
+            st.access.insert(vm.to_string(), a.clone());
         }
         self.save(&st)?;
-        Ok(AccessInfo {
-            vm: vm.to_string(),
-            hosts: set.into_iter().collect(),
-        })
+        Ok(access_info(vm, &a))
     }
 
     pub fn list_access(&self) -> Vec<AccessInfo> {
         self.lock()
             .access
             .iter()
-            .map(|(vm, h)| AccessInfo {
-                vm: vm.clone(),
-                hosts: h.iter().cloned().collect(),
-            })
+            .map(|(vm, a)| access_info(vm, a))
             .collect()
     }
 
@@ -844,13 +856,16 @@ impl Node {
                         "{id} may open only DISK/VM exports of its VMs, not '{disk}'"
                     )));
                 };
-                if st.access.get(vm).is_some_and(|h| h.contains(&id.name)) {
-                    Ok(())
-                } else {
-                    Err(Refusal::Policy(format!(
+                match st.access.get(vm).filter(|a| a.hosts.contains(&id.name)) {
+                    None => Err(Refusal::Policy(format!(
                         "VM {vm} is not placed on {} (export '{disk}/{vm}')",
                         id.name
-                    )))
+                    ))),
+                    Some(a) if !a.disks.contains(disk) => Err(Refusal::Policy(format!(
+                        "disk '{disk}' is not one of VM {vm}'s disks ({})",
+                        a.disks.iter().cloned().collect::<Vec<_>>().join(", ")
+                    ))),
+                    Some(_) => Ok(()),
                 }
             }
         }
@@ -892,6 +907,14 @@ impl Attachment for NodeAttachment {
 impl Drop for NodeAttachment {
     fn drop(&mut self) {
         self.node.release(&self.key);
+    }
+}
+
+fn access_info(vm: &str, a: &VmAccess) -> AccessInfo {
+    AccessInfo {
+        vm: vm.to_string(),
+        hosts: a.hosts.iter().cloned().collect(),
+        disks: a.disks.iter().cloned().collect(),
     }
 }
 
