@@ -158,8 +158,12 @@ pub struct ControlFile {
     pub admin_token: Option<PathBuf>,
     /// SQLite state file (default `/var/lib/ferry/control/state.db`).
     pub state: Option<PathBuf>,
-    /// Or etcd: `etcd://HOST:PORT`, shared by every control instance.
+    /// Or etcd, shared by every control instance: `etcds://HOST:PORT[,…]`
+    /// (TLS, client certificate), or `etcd://` to a loopback address.
     pub store: Option<String>,
+    /// Certificate directory for `etcds://` (default: the control
+    /// service's own, `tls_dir`).
+    pub store_tls: Option<PathBuf>,
     /// Hosts: name → agent URL.
     #[serde(default)]
     pub hosts: BTreeMap<String, String>,

@@ -401,10 +401,15 @@ pub struct ControlArgs {
     /// settings, event log); default: the file's `state`, else /var/lib/ferry/control/state.db.
     #[arg(long, conflicts_with = "store")]
     state: Option<PathBuf>,
-    /// Keep the state in etcd instead (`etcd://HOST:PORT`), shared by every
-    /// control instance pointed at it.
+    /// Keep the state in etcd instead, shared by every control instance
+    /// pointed at it: `etcds://HOST:PORT[,…]` over TLS with a client
+    /// certificate, or `etcd://` in clear to a loopback address only.
     #[arg(long)]
     store: Option<String>,
+    /// Certificate directory for `etcds://` (ca-cert.pem, cert.pem, key.pem);
+    /// default: the control service's own.
+    #[arg(long)]
+    store_tls: Option<PathBuf>,
     /// Storage nodes as NAME=API_URL; repeatable.
     #[arg(long = "storage")]
     storage: Vec<String>,
@@ -453,9 +458,14 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
         .clone()
         .or(f.state.clone())
         .unwrap_or_else(|| PathBuf::from("/var/lib/ferry/control/state.db"));
+    let store_tls = a
+        .store_tls
+        .clone()
+        .or(f.store_tls.clone())
+        .or_else(|| pki.as_ref().map(|p| p.dir.clone()));
     if let Some(url) = a.store.as_ref().or(f.store.as_ref()) {
         control = control
-            .with_store(ferry_control::store::Store::etcd(url).await?)
+            .with_store(ferry_control::store::Store::etcd(url, store_tls.as_deref()).await?)
             .await?;
     } else {
         control = control

@@ -165,6 +165,23 @@ fn two_control_instances_on_etcd_survive_losing_one() {
         "etcd is not installed (package etcd-server)"
     );
     let dir = test_dir("control-etcd");
+    // etcd serves clients over TLS and asks each for a certificate of the
+    // cluster CA; the control services bring theirs
+    let pki = dir.join("pki");
+    let ca = ferry_api::tls::Authority::create(&pki.join("ca"), "etcd-test").unwrap();
+    for (role, name) in [
+        (ferry_api::tls::Role::Storage, "etcd"),
+        (ferry_api::tls::Role::Control, "control"),
+    ] {
+        let req = ferry_api::tls::CertRequest {
+            role,
+            name: name.into(),
+            san: vec!["127.0.0.1".into()],
+            days: 1,
+        };
+        ca.issue(&req, &pki.join(name)).unwrap();
+    }
+    let e = |f: &str| pki.join("etcd").join(f).display().to_string();
     let (client, peer) = (free_port(), free_port());
     let mut etcd = Command::new("etcd")
         .args([
@@ -172,10 +189,17 @@ fn two_control_instances_on_etcd_survive_losing_one() {
             "ferry-test",
             "--data-dir",
             &dir.join("etcd").display().to_string(),
+            "--cert-file",
+            &e("cert.pem"),
+            "--key-file",
+            &e("key.pem"),
+            "--trusted-ca-file",
+            &e("ca-cert.pem"),
+            "--client-cert-auth",
             "--listen-client-urls",
-            &format!("http://127.0.0.1:{client}"),
+            &format!("https://127.0.0.1:{client}"),
             "--advertise-client-urls",
-            &format!("http://127.0.0.1:{client}"),
+            &format!("https://127.0.0.1:{client}"),
             "--listen-peer-urls",
             &format!("http://127.0.0.1:{peer}"),
             "--initial-advertise-peer-urls",
@@ -192,9 +216,19 @@ fn two_control_instances_on_etcd_survive_losing_one() {
         assert!(t0.elapsed() < Duration::from_secs(15), "etcd did not start");
         std::thread::sleep(Duration::from_millis(100));
     }
-    let url = format!("etcd://127.0.0.1:{client}");
-    let a = Control::start_with(&dir, free_port(), &["--store", &url]);
-    let b = Control::start_with(&dir, free_port(), &["--store", &url]);
+    // a client without the cluster's certificate reads nothing of etcd
+    let range = Command::new("curl")
+        .args(["-sS", "-o", "/dev/null", "-w", "%{http_code}", "--cacert", &e("ca-cert.pem")])
+        .args(["-d", r#"{"key":"L2ZlcnJ5Lw==","range_end":"L2ZlcnJ5MA=="}"#])
+        .arg(format!("https://127.0.0.1:{client}/v3/kv/range"))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&range.stdout), "000", "etcd answered a client without a certificate");
+    let url = format!("etcds://127.0.0.1:{client}");
+    let tls = pki.join("control").display().to_string();
+    let store = ["--store", &url, "--store-tls", &tls];
+    let a = Control::start_with(&dir, free_port(), &store);
+    let b = Control::start_with(&dir, free_port(), &store);
     let out = a.ferry(&["host", "set", "h1", "--max-migrations", "2"]);
     assert!(
         out.status.success(),

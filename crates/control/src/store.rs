@@ -5,7 +5,8 @@
 //!
 //! Two back ends behind one API:
 //! - **SQLite** (default; embedded, zero set-up), one control instance;
-//! - **etcd** (`--store etcd://HOST:PORT`), so several control instances
+//! - **etcd** (`--store etcds://HOST:PORT`, TLS with a client certificate;
+//!   `etcd://` in clear to loopback only), so several control instances
 //!   share one state and any of them can be lost. Keys:
 //!   `/ferry/hosts/NAME/draining`, `/ferry/hosts/NAME/settings` (JSON),
 //!   `/ferry/cluster/KEY` (JSON, e.g. `bandwidth`),
@@ -72,15 +73,58 @@ impl Store {
         }
     }
 
-    /// State in etcd at `url` (`etcd://HOST:PORT[,HOST:PORT…]`).
-    pub async fn etcd(url: &str) -> Result<Store, ApiError> {
-        let rest = url.strip_prefix("etcd://").ok_or_else(|| {
-            ApiError::invalid("--store", format!("'{url}' is not etcd://HOST:PORT"))
-        })?;
-        let endpoints: Vec<String> = rest.split(',').map(|e| format!("http://{e}")).collect();
-        let opts = etcd_client::ConnectOptions::new()
+    /// State in etcd at `url`:
+    /// - `etcds://HOST:PORT[,HOST:PORT…]`: over TLS, the server checked
+    ///   against `tls`'s `ca-cert.pem` and this service known to etcd by
+    ///   `tls`'s `cert.pem` and `key.pem` (a certificate directory as
+    ///   `ferry cluster issue-cert` writes one);
+    /// - `etcd://HOST:PORT[,…]`: in clear, which token hashes and settings
+    ///   must not cross a network in: loopback addresses only.
+    pub async fn etcd(url: &str, tls: Option<&std::path::Path>) -> Result<Store, ApiError> {
+        let bad = |why: String| ApiError::invalid("--store", format!("'{url}' {why}"));
+        let (rest, secure) = match (url.strip_prefix("etcds://"), url.strip_prefix("etcd://")) {
+            (Some(r), _) => (r, true),
+            (None, Some(r)) => (r, false),
+            _ => return Err(bad("is neither etcds://HOST:PORT nor etcd://HOST:PORT".into())),
+        };
+        let hosts: Vec<&str> = rest.split(',').collect();
+        for h in &hosts {
+            let host = h.rsplit_once(':').map(|(h, _)| h).unwrap_or(h);
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            let loopback = host == "localhost"
+                || host.parse::<std::net::IpAddr>().is_ok_and(|a| a.is_loopback());
+            if !secure && !loopback {
+                return Err(bad(format!(
+                    "would send the cluster's state in clear to {h}: use etcds:// (TLS with a client certificate)"
+                )));
+            }
+        }
+        let scheme = if secure { "https" } else { "http" };
+        let endpoints: Vec<String> = hosts.iter().map(|e| format!("{scheme}://{e}")).collect();
+        let mut opts = etcd_client::ConnectOptions::new()
             .with_connect_timeout(std::time::Duration::from_secs(5))
             .with_timeout(std::time::Duration::from_secs(5));
+        if secure {
+            let dir = tls.ok_or_else(|| {
+                bad("needs a certificate directory (--store-tls, or the control service's own)".into())
+            })?;
+            let read = |f: &str| {
+                let p = dir.join(f);
+                std::fs::read(&p).map_err(|e| {
+                    ApiError::invalid("--store-tls", format!("{}: {e}", p.display()))
+                })
+            };
+            let (ca, cert, key) = (
+                read(ferry_api::tls::CA_CERT)?,
+                read(ferry_api::tls::CERT)?,
+                read(ferry_api::tls::KEY)?,
+            );
+            opts = opts.with_tls(
+                etcd_client::TlsOptions::new()
+                    .ca_certificate(etcd_client::Certificate::from_pem(ca))
+                    .identity(etcd_client::Identity::from_pem(cert, key)),
+            );
+        }
         let c = etcd_client::Client::connect(endpoints, Some(opts))
             .await
             .map_err(etcd)?;
@@ -381,6 +425,25 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use ferry_api::drain::MigrationLimit;
+
+    #[tokio::test]
+    async fn etcd_in_clear_is_for_loopback_only() {
+        for (url, says) in [
+            ("etcd://198.18.0.1:2379", "etcds://"),
+            ("etcd://127.0.0.1:2379,etcd1:2379", "in clear to etcd1:2379"),
+            ("etcds://127.0.0.1:2379", "certificate directory"),
+            ("http://127.0.0.1:2379", "neither"),
+        ] {
+            match Store::etcd(url, None).await {
+                Err(ApiError::InvalidArgument { field, reason }) => {
+                    assert_eq!(field, "--store");
+                    assert!(reason.contains(says), "{url}: {reason}");
+                }
+                Err(e) => panic!("{url}: {e}"),
+                Ok(_) => panic!("{url} accepted"),
+            }
+        }
+    }
 
     #[tokio::test]
     async fn state_survives_reopening() {
