@@ -67,7 +67,7 @@ fuzz_target!(|data: &[u8]| {
         let cat = catalog();
         let (mut client, server) = tokio::io::duplex(1 << 16);
         let peer = "127.0.0.1:1".parse().expect("addr");
-        let task = tokio::spawn(serve_connection(server, peer, cat.clone()));
+        let task = tokio::spawn(serve_connection(server, peer, cat.clone(), Default::default()));
         // an odd first byte fuzzes the handshake from its first byte; an even
         // one sends a valid handshake (structured replies, GO to "d") first,
         // so the rest reaches the transmission phase

@@ -61,7 +61,7 @@ fuzz_target!(|data: &[u8]| {
         let (mut client, server) = tokio::io::duplex(1 << 16);
         let peer = "127.0.0.1:1".parse().expect("addr");
         let cat: Arc<dyn Catalog> = Arc::new(Never);
-        let task = tokio::spawn(serve_tls_connection(server, peer, cat, acceptor()));
+        let task = tokio::spawn(serve_tls_connection(server, peer, cat, acceptor(), Default::default()));
         // an odd first byte fuzzes from the client's flags on; an even one
         // sends the flags and STARTTLS first, so the rest is a TLS handshake
         if let Some((&mode, rest)) = data.split_first() {

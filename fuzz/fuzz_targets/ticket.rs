@@ -9,10 +9,10 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(t) = serde_json::from_slice::<Ticket>(data) {
-        if let Ok((claims, sig, issuer)) = t.parts() {
-            assert!(claims.len() <= MAX_CLAIMS);
-            assert!(!sig.is_empty() && sig.len() * 2 <= MAX_SIGNATURE);
-            assert!(!issuer.is_empty() && issuer.len() * 2 <= MAX_ISSUER);
+        if let Ok(p) = t.parts() {
+            assert!(p.claims.len() <= MAX_CLAIMS);
+            assert!(!p.signature.is_empty() && p.signature.len() * 2 <= MAX_SIGNATURE);
+            assert!(!p.issuer.is_empty() && p.issuer.len() * 2 <= MAX_ISSUER);
         }
     }
     if let Ok(c) = Claims::parse(data) {

@@ -452,7 +452,8 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
         ),
         None => None,
     };
-    ferry_api::server::serve(listener, router(agent), tls).await
+    let limits = agent.cfg.limits;
+    ferry_api::server::serve_with(listener, router(agent), tls, limits).await
 }
 
 /// A `Stream` over a tokio mpsc receiver (what tokio-stream's wrapper does).

@@ -75,6 +75,8 @@ pub struct AgentConfig {
     pub console_log_max: u64,
     /// A VM paused for its storage this long is stopped (see [`resilience`]).
     pub storage_pause_max: std::time::Duration,
+    /// What the API takes from its clients (`[limits]` in agent.toml).
+    pub limits: ferry_api::server::Limits,
 }
 
 pub use host::Agent;

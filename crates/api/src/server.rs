@@ -68,11 +68,24 @@ where
     type Rejection = ErrorResponse;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let max = req
+            .extensions()
+            .get::<BodyLimit>()
+            .map_or(MAX_BODY, |l| l.0);
+        let too_big = || {
+            ApiError::invalid(
+                "body",
+                format!("larger than {max} bytes (limits.max_body_bytes)"),
+            )
+        };
         let bytes = axum::body::Bytes::from_request(req, state)
             .await
-            .map_err(|e| ApiError::invalid("body", e.body_text()))?;
-        if bytes.len() > MAX_BODY {
-            return Err(ApiError::invalid("body", "larger than 1 MiB").into());
+            .map_err(|e| match e.status() {
+                StatusCode::PAYLOAD_TOO_LARGE => too_big(),
+                _ => ApiError::invalid("body", e.body_text()),
+            })?;
+        if bytes.len() > max {
+            return Err(too_big().into());
         }
         serde_json::from_slice(&bytes)
             .map(ApiJson)
@@ -167,20 +180,27 @@ pub struct ClientAddr(pub std::net::SocketAddr);
 
 /// What one server takes from its clients, each a named setting with a
 /// safe default: no client can hold every connection, trickle its headers
-/// forever or send headers without end.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// forever or send headers or bodies without end. The `[limits]` table of
+/// `agent.toml`, `control.toml` and `storage.toml`; the keys are the
+/// serialized names below.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct Limits {
     /// Connections open at once, from everyone (`max_connections`).
     pub max_connections: usize,
     /// Connections open at once from one address (`max_connections_per_client`).
+    #[serde(rename = "max_connections_per_client")]
     pub per_client: usize,
     /// A request's head (request line and headers) must arrive within this,
     /// counted from when the server waits for it — so a keep-alive
-    /// connection idle this long is closed too (`header_timeout`).
+    /// connection idle this long is closed too (`header_timeout_secs`).
+    #[serde(rename = "header_timeout_secs", with = "secs")]
     pub header_timeout: std::time::Duration,
     /// The largest request head, bytes (`max_header_bytes`); over it the
     /// answer is 431 and the connection closes.
     pub max_header_bytes: usize,
+    /// The largest JSON request body, bytes (`max_body_bytes`).
+    pub max_body_bytes: usize,
 }
 
 impl Default for Limits {
@@ -190,9 +210,59 @@ impl Default for Limits {
             per_client: 64,
             header_timeout: std::time::Duration::from_secs(30),
             max_header_bytes: 64 << 10,
+            max_body_bytes: MAX_BODY,
         }
     }
 }
+
+impl Limits {
+    /// Refuses limits no server can work within, naming the key.
+    pub fn validate(&self) -> Result<(), ApiError> {
+        let floor = |key: &str, v: u64, min: u64| {
+            if v < min {
+                Err(ApiError::invalid(
+                    &format!("limits.{key}"),
+                    format!("{v} is below the least that works, {min}"),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        floor("max_connections", self.max_connections as u64, 1)?;
+        floor("max_connections_per_client", self.per_client as u64, 1)?;
+        floor("header_timeout_secs", self.header_timeout.as_secs(), 1)?;
+        floor("max_header_bytes", self.max_header_bytes as u64, 4096)?;
+        floor("max_body_bytes", self.max_body_bytes as u64, 64 << 10)?;
+        if self.per_client > self.max_connections {
+            return Err(ApiError::invalid(
+                "limits.max_connections_per_client",
+                format!(
+                    "{} is more than max_connections ({})",
+                    self.per_client, self.max_connections
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+mod secs {
+    pub fn serialize<S: serde::Serializer>(
+        d: &std::time::Duration,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_secs())
+    }
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<std::time::Duration, D::Error> {
+        <u64 as serde::Deserialize>::deserialize(d).map(std::time::Duration::from_secs)
+    }
+}
+
+/// The largest body a server takes ([`Limits::max_body_bytes`]), for [`ApiJson`].
+#[derive(Debug, Clone, Copy)]
+pub struct BodyLimit(pub usize);
 
 /// Open connections per client address; a [`Slot`] gives one back.
 #[derive(Default)]
@@ -284,6 +354,9 @@ pub async fn serve_with(
     tls: Option<std::sync::Arc<rustls::ServerConfig>>,
     limits: Limits,
 ) -> std::io::Result<()> {
+    let router = router
+        .layer(axum::extract::DefaultBodyLimit::max(limits.max_body_bytes))
+        .layer(axum::Extension(BodyLimit(limits.max_body_bytes)));
     let Some(tls) = tls else {
         return axum::serve(listener, router).await;
     };

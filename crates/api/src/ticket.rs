@@ -104,7 +104,9 @@ pub enum TicketError {
     Signature,
     #[error("ticket expired {ago_ms} ms ago")]
     Expired { ago_ms: u64 },
-    #[error("ticket is issued {ahead_ms} ms in this host's future (more than the allowed clock skew)")]
+    #[error(
+        "ticket is issued {ahead_ms} ms in this host's future (more than the allowed clock skew)"
+    )]
     Future { ahead_ms: u64 },
     #[error("ticket is for {field} '{ticket}', the request says '{request}'")]
     Mismatch {
@@ -147,7 +149,7 @@ fn unhex(part: &'static str, s: &str, max: usize) -> Result<Vec<u8>, TicketError
     if s.len() > max {
         return Err(bad(format!("{} characters, at most {max}", s.len())));
     }
-    if s.is_empty() || s.len() % 2 != 0 {
+    if s.is_empty() || !s.len().is_multiple_of(2) {
         return Err(bad("not an even, non-empty number of hex digits".into()));
     }
     s.as_bytes()
@@ -166,10 +168,18 @@ fn unhex(part: &'static str, s: &str, max: usize) -> Result<Vec<u8>, TicketError
         .collect()
 }
 
+/// A ticket's parts, decoded.
+#[derive(Debug)]
+pub struct Parts<'a> {
+    pub claims: &'a [u8],
+    pub signature: Vec<u8>,
+    /// The issuer's certificate, DER.
+    pub issuer: Vec<u8>,
+}
+
 impl Ticket {
-    /// Step 1: the parts decoded, within their bounds: (claims, signature,
-    /// issuer certificate).
-    pub fn parts(&self) -> Result<(&[u8], Vec<u8>, Vec<u8>), TicketError> {
+    /// Step 1: the parts decoded, within their bounds.
+    pub fn parts(&self) -> Result<Parts<'_>, TicketError> {
         if self.claims.len() > MAX_CLAIMS {
             return Err(TicketError::Malformed {
                 part: "claims",
@@ -178,7 +188,11 @@ impl Ticket {
         }
         let sig = unhex("signature", &self.signature, MAX_SIGNATURE)?;
         let issuer = unhex("issuer", &self.issuer, MAX_ISSUER)?;
-        Ok((self.claims.as_bytes(), sig, issuer))
+        Ok(Parts {
+            claims: self.claims.as_bytes(),
+            signature: sig,
+            issuer,
+        })
     }
 }
 
@@ -328,7 +342,11 @@ impl TicketVerifier {
 
     /// Steps 1 to 4: a ticket the control service signed, its claims.
     pub fn verify(&self, t: &Ticket, now: u64) -> Result<Claims, TicketError> {
-        let (claims, sig, issuer) = t.parts()?;
+        let Parts {
+            claims,
+            signature: sig,
+            issuer,
+        } = t.parts()?;
         let cert = CertificateDer::from(issuer);
         let when = UnixTime::since_unix_epoch(Duration::from_millis(now));
         self.verifier
@@ -342,10 +360,8 @@ impl TicketVerifier {
                 why: format!("signed by {id}"),
             });
         }
-        let (_, x) =
-            x509_parser::parse_x509_certificate(cert.as_ref()).map_err(|e| TicketError::Issuer {
-                why: e.to_string(),
-            })?;
+        let (_, x) = x509_parser::parse_x509_certificate(cert.as_ref())
+            .map_err(|e| TicketError::Issuer { why: e.to_string() })?;
         UnparsedPublicKey::new(
             &signature::ECDSA_P256_SHA256_ASN1,
             x.public_key().subject_public_key.data.as_ref(),
@@ -439,10 +455,17 @@ mod tests {
         let c = cluster();
         let v = TicketVerifier::new(c.control.roots()).unwrap();
         let now = now_ms();
-        let t = c.control.ticket_signer().unwrap().sign(&spec(), "host2", "host1", now);
+        let t = c
+            .control
+            .ticket_signer()
+            .unwrap()
+            .sign(&spec(), "host2", "host1", now);
         let d = spec_digest(&spec());
         let claims = v.admit(Some(&t), &expect(&d), now + 1000).unwrap();
-        assert_eq!((claims.vm.as_str(), claims.target.as_str()), ("vm1", "host1"));
+        assert_eq!(
+            (claims.vm.as_str(), claims.target.as_str()),
+            ("vm1", "host1")
+        );
         assert!(matches!(
             v.admit(Some(&t), &expect(&d), now + 2000),
             Err(TicketError::Replayed { .. })
@@ -470,15 +493,39 @@ mod tests {
         }
         let mut other = spec();
         other.name = "vm2".into();
-        let r = v.admit(Some(&s.sign(&other, "host2", "host1", now)), &expect(&d), now);
-        assert!(matches!(r, Err(TicketError::Mismatch { field: "vm", .. })), "{r:?}");
+        let r = v.admit(
+            Some(&s.sign(&other, "host2", "host1", now)),
+            &expect(&d),
+            now,
+        );
+        assert!(
+            matches!(r, Err(TicketError::Mismatch { field: "vm", .. })),
+            "{r:?}"
+        );
         let mut bigger = spec();
         bigger.memory *= 2;
-        let r = v.admit(Some(&s.sign(&bigger, "host2", "host1", now)), &expect(&d), now);
-        assert!(matches!(r, Err(TicketError::Mismatch { field: "spec digest", .. })), "{r:?}");
+        let r = v.admit(
+            Some(&s.sign(&bigger, "host2", "host1", now)),
+            &expect(&d),
+            now,
+        );
+        assert!(
+            matches!(
+                r,
+                Err(TicketError::Mismatch {
+                    field: "spec digest",
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
         // expired, and issued too far ahead
         let old = t("host2", "host1");
-        let r = v.admit(Some(&old), &expect(&d), now + LIFETIME.as_millis() as u64 + 1);
+        let r = v.admit(
+            Some(&old),
+            &expect(&d),
+            now + LIFETIME.as_millis() as u64 + 1,
+        );
         assert!(matches!(r, Err(TicketError::Expired { .. })), "{r:?}");
         let ahead = s.sign(&spec(), "host2", "host1", now + 3_600_000);
         let r = v.admit(Some(&ahead), &expect(&d), now);
@@ -492,34 +539,89 @@ mod tests {
         let now = now_ms();
         let d = spec_digest(&spec());
         // an agent's own certificate signs a ticket for itself
-        let by_agent = c.agent.ticket_signer().unwrap().sign(&spec(), "host2", "host1", now);
+        let by_agent = c
+            .agent
+            .ticket_signer()
+            .unwrap()
+            .sign(&spec(), "host2", "host1", now);
         let r = v.admit(Some(&by_agent), &expect(&d), now);
-        assert!(matches!(&r, Err(TicketError::Issuer { why }) if why.contains("agent host2")), "{r:?}");
+        assert!(
+            matches!(&r, Err(TicketError::Issuer { why }) if why.contains("agent host2")),
+            "{r:?}"
+        );
         // another cluster's control service
-        let foreign = c.other_control.ticket_signer().unwrap().sign(&spec(), "host2", "host1", now);
+        let foreign = c
+            .other_control
+            .ticket_signer()
+            .unwrap()
+            .sign(&spec(), "host2", "host1", now);
         let r = v.admit(Some(&foreign), &expect(&d), now);
         assert!(matches!(r, Err(TicketError::Issuer { .. })), "{r:?}");
         // the control service's certificate, a claim changed after signing
-        let mut t = c.control.ticket_signer().unwrap().sign(&spec(), "host2", "host3", now);
+        let mut t = c
+            .control
+            .ticket_signer()
+            .unwrap()
+            .sign(&spec(), "host2", "host3", now);
         t.claims = t.claims.replace("host3", "host1");
-        assert_eq!(v.admit(Some(&t), &expect(&d), now), Err(TicketError::Signature));
+        assert_eq!(
+            v.admit(Some(&t), &expect(&d), now),
+            Err(TicketError::Signature)
+        );
         // the control service's certificate with an agent's signature
         let mut t = by_agent.clone();
         t.issuer = c.control.ticket_signer().unwrap().issuer.clone();
-        assert_eq!(v.admit(Some(&t), &expect(&d), now), Err(TicketError::Signature));
+        assert_eq!(
+            v.admit(Some(&t), &expect(&d), now),
+            Err(TicketError::Signature)
+        );
     }
 
     #[test]
     fn malformed_parts_are_named() {
         let c = cluster();
         let v = TicketVerifier::new(c.control.roots()).unwrap();
-        let good = c.control.ticket_signer().unwrap().sign(&spec(), "host2", "host1", now_ms());
+        let good = c
+            .control
+            .ticket_signer()
+            .unwrap()
+            .sign(&spec(), "host2", "host1", now_ms());
         let cases = [
-            (Ticket { signature: "zz".into(), ..good.clone() }, "signature"),
-            (Ticket { signature: "abc".into(), ..good.clone() }, "signature"),
-            (Ticket { issuer: "AB".into(), ..good.clone() }, "issuer"),
-            (Ticket { issuer: "00".repeat(MAX_ISSUER), ..good.clone() }, "issuer"),
-            (Ticket { claims: " ".repeat(MAX_CLAIMS + 1), ..good.clone() }, "claims"),
+            (
+                Ticket {
+                    signature: "zz".into(),
+                    ..good.clone()
+                },
+                "signature",
+            ),
+            (
+                Ticket {
+                    signature: "abc".into(),
+                    ..good.clone()
+                },
+                "signature",
+            ),
+            (
+                Ticket {
+                    issuer: "AB".into(),
+                    ..good.clone()
+                },
+                "issuer",
+            ),
+            (
+                Ticket {
+                    issuer: "00".repeat(MAX_ISSUER),
+                    ..good.clone()
+                },
+                "issuer",
+            ),
+            (
+                Ticket {
+                    claims: " ".repeat(MAX_CLAIMS + 1),
+                    ..good.clone()
+                },
+                "claims",
+            ),
         ];
         for (t, part) in cases {
             match v.verify(&t, now_ms()) {
@@ -535,6 +637,9 @@ mod tests {
             signature: s.sign_raw(t.claims.as_bytes()),
             ..t
         };
-        assert!(matches!(v.verify(&t, now_ms()), Err(TicketError::Malformed { part: "claims", .. })));
+        assert!(matches!(
+            v.verify(&t, now_ms()),
+            Err(TicketError::Malformed { part: "claims", .. })
+        ));
     }
 }

@@ -272,7 +272,11 @@ impl VmSpec {
             let (_, _, export) = parse_nbd_uri(d.nbd.as_deref()?).ok()?;
             export.split('/').next().map(str::to_string)
         });
-        self.disks.iter().map(|d| d.disk.clone()).chain(drives).collect()
+        self.disks
+            .iter()
+            .map(|d| d.disk.clone())
+            .chain(drives)
+            .collect()
     }
 
     /// A lab workload guest (the host's kernel and workload, memory filled

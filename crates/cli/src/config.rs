@@ -140,6 +140,9 @@ pub struct AgentFile {
     pub storage_pause_after: Option<String>,
     /// A guest paused for its storage this long is stopped (default `30m`).
     pub storage_pause_max: Option<String>,
+    /// What the agent's API takes from its clients (`[limits]`).
+    #[serde(default)]
+    pub limits: ferry_api::server::Limits,
 }
 
 /// `/etc/ferry/control.toml`.
@@ -173,6 +176,11 @@ pub struct ControlFile {
     /// The programs a rolling drain may run as hooks, by name (default
     /// `/etc/ferry/hooks`; root's to fill).
     pub hooks_dir: Option<PathBuf>,
+    /// Event streams (`/watch`) one token may hold open at once (default 16).
+    pub max_streams_per_token: Option<usize>,
+    /// What the API takes from its clients (`[limits]`).
+    #[serde(default)]
+    pub limits: ferry_api::server::Limits,
 }
 
 /// `/etc/ferry/storage.toml`.
@@ -199,6 +207,12 @@ pub struct StorageFile {
     /// Client address → host name (flows are shown per host).
     #[serde(default)]
     pub peers: BTreeMap<String, String>,
+    /// What the node's API takes from its clients (`[limits]`).
+    #[serde(default)]
+    pub limits: ferry_api::server::Limits,
+    /// What NBD takes from its clients (`[nbd_limits]`).
+    #[serde(default)]
+    pub nbd_limits: ferry_storage::nbd::server::NbdLimits,
 }
 
 /// Checks `networks` and `nics` of an agent file against this host.

@@ -346,6 +346,7 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
         },
         storage_pause_max,
         console_log_max,
+        limits: limits_in(&file, f.limits)?,
     };
     Ok((
         cfg,
@@ -424,7 +425,7 @@ pub struct ControlArgs {
 
 pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
     private_files();
-    let (f, _) = config::load::<config::ControlFile>(
+    let (f, file) = config::load::<config::ControlFile>(
         a.config.as_deref(),
         &format!("{}/control.toml", config::ETC),
     )?;
@@ -451,6 +452,15 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
     }
     if let Some(p) = &pki {
         control = control.with_ticket_signer(p.ticket_signer()?);
+    }
+    let limits = limits_in(&file, f.limits)?;
+    if let Some(n) = f.max_streams_per_token {
+        anyhow::ensure!(
+            n >= 1,
+            "{}: max_streams_per_token must be at least 1",
+            file.display()
+        );
+        control = control.with_max_streams_per_token(n);
     }
     // SQLite by default
     let state = a
@@ -495,7 +505,7 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
         .listen
         .or(f.listen)
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7700)));
-    ferry_control::http::serve(listen, control, tls).await?;
+    ferry_control::http::serve(listen, control, tls, limits).await?;
     Ok(0)
 }
 
@@ -617,6 +627,20 @@ pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
     if nbd_tls.is_none() {
         tracing::warn!("NBD without TLS: disk contents cross the network in clear");
     }
-    ferry_storage::serve(node, nbd_listen, api_listen, auth, tls, nbd_tls).await?;
+    f.nbd_limits
+        .validate()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    let limits = (limits_in(&file, f.limits)?, f.nbd_limits);
+    ferry_storage::serve(node, nbd_listen, api_listen, auth, tls, nbd_tls, limits).await?;
     Ok(0)
+}
+
+/// A `[limits]` table checked; an error names the file and the key.
+fn limits_in(
+    file: &std::path::Path,
+    l: ferry_api::server::Limits,
+) -> anyhow::Result<ferry_api::server::Limits> {
+    l.validate()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    Ok(l)
 }

@@ -504,7 +504,12 @@ fn a_peer_agent_cannot_escalate_through_another_agent() {
         "host2",
         "POST",
         &url("/incoming"),
-        Some(&incoming(&id, "host2", spec.clone(), Some(ticket("control", &spec, "host2", "host1")))),
+        Some(&incoming(
+            &id,
+            "host2",
+            spec.clone(),
+            Some(ticket("control", &spec, "host2", "host1")),
+        )),
     );
     assert!(
         st == 403 && body.contains("not_granted") && body.contains("drive_dirs"),

@@ -65,6 +65,28 @@ fn an_agent_file_with_an_unknown_key_is_refused_naming_it() {
 }
 
 #[test]
+fn limits_that_cannot_work_or_are_unknown_are_refused_naming_them() {
+    let d = scratch("limits");
+    let (ok, _, err) = check_agent(&d, &format!("{BASE}[limits]\nmax_header_bytes = 10\n"));
+    assert!(!ok);
+    assert!(
+        err.contains("limits.max_header_bytes") && err.contains("4096"),
+        "{err}"
+    );
+    let (ok, _, err) = check_agent(&d, &format!("{BASE}[limits]\nmax_conections = 10\n"));
+    assert!(!ok);
+    assert!(err.contains("unknown field `max_conections`"), "{err}");
+    let (ok, _, err) = check_agent(
+        &d,
+        &format!("{BASE}[limits]\nmax_connections = 8\nmax_connections_per_client = 64\n"),
+    );
+    assert!(!ok);
+    assert!(err.contains("limits.max_connections_per_client"), "{err}");
+    let (ok, _, err) = check_agent(&d, &format!("{BASE}[limits]\nheader_timeout_secs = 5\n"));
+    assert!(ok, "{err}");
+}
+
+#[test]
 fn a_nic_that_does_not_exist_is_refused_naming_it() {
     let d = scratch("nic");
     let (ok, _, err) = check_agent(&d, &format!("{BASE}nics = [\"ferry-no-nic9\"]\n"));

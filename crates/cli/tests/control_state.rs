@@ -90,6 +90,70 @@ impl Control {
     }
 }
 
+/// `curl` against a control service in `--insecure-http` with the admin
+/// token: (status, body).
+fn curl_admin(c: &Control, args: &[&str], path: &str) -> (u16, String) {
+    let token = std::fs::read_to_string(c.dir.join("token")).unwrap();
+    let out = Command::new("curl")
+        .args(["-sS", "-m", "5", "-w", "\n%{http_code}", "-H"])
+        .arg(format!("authorization: Bearer {}", token.trim()))
+        .args(args)
+        .arg(format!("http://127.0.0.1:{}/api/v1{path}", c.port))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// The limits in control.toml are the ones served: a body over
+/// `max_body_bytes` and a stream past `max_streams_per_token` are refused
+/// naming the setting.
+#[test]
+fn the_limits_in_control_toml_are_the_ones_served() {
+    let dir = test_dir("control-limits");
+    let conf = dir.join("control.toml");
+    std::fs::write(
+        &conf,
+        "max_streams_per_token = 1\n[limits]\nmax_body_bytes = 65536\nmax_connections_per_client = 8\n",
+    )
+    .unwrap();
+    let c = Control::start_with(&dir, free_port(), &["--config", conf.to_str().unwrap()]);
+    let big = format!("{{\"name\":\"{}\"}}", "a".repeat(100_000));
+    let (st, body) = curl_admin(
+        &c,
+        &["-H", "content-type: application/json", "-d", &big],
+        "/tokens",
+    );
+    assert!(st == 400 && body.contains("max_body_bytes"), "{st} {body}");
+    // one event stream held open; a second of the same token is refused
+    let token = std::fs::read_to_string(dir.join("token")).unwrap();
+    let mut held = Command::new("curl")
+        .args(["-sS", "-N", "-H"])
+        .arg(format!("authorization: Bearer {}", token.trim()))
+        .arg(format!("http://127.0.0.1:{}/api/v1/watch", c.port))
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    loop {
+        let (st, body) = curl_admin(&c, &["-m", "2"], "/watch");
+        if st == 429 {
+            assert!(body.contains("max_streams_per_token"), "{body}");
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "a second stream was served: {st} {body}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _ = held.kill();
+    let _ = held.wait();
+    c.kill();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn events(c: &Control, kind: &str) -> Vec<Value> {
     c.json(&["events", "--json", "--limit", "1000"])
         .as_array()
@@ -218,12 +282,24 @@ fn two_control_instances_on_etcd_survive_losing_one() {
     }
     // a client without the cluster's certificate reads nothing of etcd
     let range = Command::new("curl")
-        .args(["-sS", "-o", "/dev/null", "-w", "%{http_code}", "--cacert", &e("ca-cert.pem")])
+        .args([
+            "-sS",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--cacert",
+            &e("ca-cert.pem"),
+        ])
         .args(["-d", r#"{"key":"L2ZlcnJ5Lw==","range_end":"L2ZlcnJ5MA=="}"#])
         .arg(format!("https://127.0.0.1:{client}/v3/kv/range"))
         .output()
         .unwrap();
-    assert_eq!(String::from_utf8_lossy(&range.stdout), "000", "etcd answered a client without a certificate");
+    assert_eq!(
+        String::from_utf8_lossy(&range.stdout),
+        "000",
+        "etcd answered a client without a certificate"
+    );
     let url = format!("etcds://127.0.0.1:{client}");
     let tls = pki.join("control").display().to_string();
     let store = ["--store", &url, "--store-tls", &tls];

@@ -222,7 +222,10 @@ mod tests {
 
     /// VM `vm` on hosts `h`, its one disk `d{vm}`.
     fn g(vm: &str, h: &[&str]) -> (String, Grant) {
-        (vm.to_string(), Grant::new(set(h), set(&[&format!("d{vm}")])))
+        (
+            vm.to_string(),
+            Grant::new(set(h), set(&[&format!("d{vm}")])),
+        )
     }
 
     #[test]

@@ -385,7 +385,7 @@ async fn watch(State(c): S, axum::extract::Query(q): axum::extract::Query<WatchQ
 /// One more event stream for `caller`'s token, or the refusal (logged).
 fn stream_slot(c: &Control, caller: &Caller) -> Result<crate::limits::StreamSlot, ErrorResponse> {
     c.streams
-        .open(&caller.name, crate::limits::MAX_STREAMS_PER_TOKEN)
+        .open(&caller.name, c.max_streams_per_token)
         .map_err(|e| {
             c.log_refused(
                 &format!("token {}", caller.name),
@@ -788,6 +788,7 @@ pub async fn serve(
     listen: std::net::SocketAddr,
     control: Arc<Control>,
     tls: Option<Arc<ferry_api::tls::ServerConfig>>,
+    limits: ferry_api::server::Limits,
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await?;
     tracing::info!(%listen, "control service serving");
@@ -818,7 +819,7 @@ pub async fn serve(
         c.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Arc::new(c)
     });
-    let r = ferry_api::server::serve(listener, router(control), tls).await;
+    let r = ferry_api::server::serve_with(listener, router(control), tls, limits).await;
     manager.abort();
     r
 }

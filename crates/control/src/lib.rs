@@ -248,6 +248,8 @@ pub struct Control {
     /// Signs each move's ticket (see [`ferry_api::ticket`]); `None` under
     /// `--insecure-http`, where agents ask for none.
     tickets: Option<Arc<ferry_api::ticket::TicketSigner>>,
+    /// Event streams one token may hold open (`max_streams_per_token`).
+    pub(crate) max_streams_per_token: usize,
     /// The web console's signed-in browsers (see [`sessions`]).
     pub sessions: sessions::Sessions,
     /// Session cookies say `Secure` (the service speaks TLS).
@@ -289,6 +291,7 @@ impl Control {
             rolling: Default::default(),
             hooks_dir: rolling::DEFAULT_HOOKS_DIR.into(),
             tickets: None,
+            max_streams_per_token: limits::MAX_STREAMS_PER_TOKEN,
             streams: Default::default(),
             refusals: Default::default(),
             sessions: Default::default(),
@@ -304,6 +307,12 @@ impl Control {
     /// Takes rolling-drain hooks from `dir` (default [`rolling::DEFAULT_HOOKS_DIR`]).
     pub fn with_hooks_dir(mut self, dir: std::path::PathBuf) -> Control {
         self.hooks_dir = dir;
+        self
+    }
+
+    /// At most `n` event streams per token (default [`limits::MAX_STREAMS_PER_TOKEN`]).
+    pub fn with_max_streams_per_token(mut self, n: usize) -> Control {
+        self.max_streams_per_token = n;
         self
     }
 

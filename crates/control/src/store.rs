@@ -85,14 +85,20 @@ impl Store {
         let (rest, secure) = match (url.strip_prefix("etcds://"), url.strip_prefix("etcd://")) {
             (Some(r), _) => (r, true),
             (None, Some(r)) => (r, false),
-            _ => return Err(bad("is neither etcds://HOST:PORT nor etcd://HOST:PORT".into())),
+            _ => {
+                return Err(bad(
+                    "is neither etcds://HOST:PORT nor etcd://HOST:PORT".into()
+                ))
+            }
         };
         let hosts: Vec<&str> = rest.split(',').collect();
         for h in &hosts {
             let host = h.rsplit_once(':').map(|(h, _)| h).unwrap_or(h);
             let host = host.trim_start_matches('[').trim_end_matches(']');
             let loopback = host == "localhost"
-                || host.parse::<std::net::IpAddr>().is_ok_and(|a| a.is_loopback());
+                || host
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|a| a.is_loopback());
             if !secure && !loopback {
                 return Err(bad(format!(
                     "would send the cluster's state in clear to {h}: use etcds:// (TLS with a client certificate)"
@@ -106,13 +112,15 @@ impl Store {
             .with_timeout(std::time::Duration::from_secs(5));
         if secure {
             let dir = tls.ok_or_else(|| {
-                bad("needs a certificate directory (--store-tls, or the control service's own)".into())
+                bad(
+                    "needs a certificate directory (--store-tls, or the control service's own)"
+                        .into(),
+                )
             })?;
             let read = |f: &str| {
                 let p = dir.join(f);
-                std::fs::read(&p).map_err(|e| {
-                    ApiError::invalid("--store-tls", format!("{}: {e}", p.display()))
-                })
+                std::fs::read(&p)
+                    .map_err(|e| ApiError::invalid("--store-tls", format!("{}: {e}", p.display())))
             };
             let (ca, cert, key) = (
                 read(ferry_api::tls::CA_CERT)?,

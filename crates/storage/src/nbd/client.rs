@@ -362,7 +362,7 @@ mod tests {
         });
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
-        tokio::spawn(crate::nbd::server::serve(l, cat, None));
+        tokio::spawn(crate::nbd::server::serve(l, cat, None, Default::default()));
 
         let mut c = Client::connect(&format!("nbd://{addr}/d"), None)
             .await

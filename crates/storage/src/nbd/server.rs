@@ -49,6 +49,66 @@ pub const MAX_IN_FLIGHT_BYTES: u64 = 64 << 20;
 pub const MAX_CONNECTIONS_PER_CLIENT: usize = 512;
 pub const MAX_CONNECTIONS: usize = 4096;
 
+/// What NBD takes from its clients: `[nbd_limits]` in `storage.toml`, each
+/// key a limit with the default above.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NbdLimits {
+    /// Requests one connection may have in progress (`max_requests_in_progress`).
+    pub max_requests_in_progress: usize,
+    /// Bytes of reads and writes one connection may have in progress
+    /// (`max_bytes_in_progress`).
+    pub max_bytes_in_progress: u64,
+    /// Connections one client address may hold (`max_connections_per_client`).
+    pub max_connections_per_client: usize,
+    /// Connections all clients together may hold (`max_connections`).
+    pub max_connections: usize,
+}
+
+impl Default for NbdLimits {
+    fn default() -> Self {
+        NbdLimits {
+            max_requests_in_progress: MAX_IN_PROGRESS,
+            max_bytes_in_progress: MAX_IN_FLIGHT_BYTES,
+            max_connections_per_client: MAX_CONNECTIONS_PER_CLIENT,
+            max_connections: MAX_CONNECTIONS,
+        }
+    }
+}
+
+impl NbdLimits {
+    /// Refuses limits no client could work within, naming the key.
+    pub fn validate(&self) -> Result<(), ferry_api::ApiError> {
+        let floor = |key: &str, v: u64, min: u64| {
+            if v < min {
+                Err(ferry_api::ApiError::invalid(
+                    &format!("nbd_limits.{key}"),
+                    format!("{v} is below the least that works, {min}"),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        floor(
+            "max_requests_in_progress",
+            self.max_requests_in_progress as u64,
+            1,
+        )?;
+        // one request's largest payload must fit
+        floor(
+            "max_bytes_in_progress",
+            self.max_bytes_in_progress,
+            proto::MAX_PAYLOAD as u64,
+        )?;
+        floor(
+            "max_connections_per_client",
+            self.max_connections_per_client as u64,
+            1,
+        )?;
+        floor("max_connections", self.max_connections as u64, 1)
+    }
+}
+
 /// What a connection is bound to after the handshake: an export, and the
 /// flow its requests are admitted under. Dropping it ends the flow's use.
 pub trait Attachment: Send + Sync + 'static {
@@ -125,16 +185,19 @@ fn transmission_flags(read_only: bool) -> u16 {
 }
 
 /// Serves NBD on `listener` until the task is dropped; with `tls`, in the
-/// TLS-required mode. A client past [`MAX_CONNECTIONS_PER_CLIENT`] (or
-/// everyone past [`MAX_CONNECTIONS`]) is closed at once, before the
+/// TLS-required mode. A client past `limits.max_connections_per_client` (or
+/// everyone past `limits.max_connections`) is closed at once, before the
 /// handshake; the others are served on.
 pub async fn serve(
     listener: TcpListener,
     catalog: Arc<dyn Catalog>,
     tls: Option<tokio_rustls::TlsAcceptor>,
+    limits: NbdLimits,
 ) {
-    let table =
-        ferry_api::server::ConnectionTable::new(MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT);
+    let table = ferry_api::server::ConnectionTable::new(
+        limits.max_connections,
+        limits.max_connections_per_client,
+    );
     let mut said = std::time::Instant::now() - Duration::from_secs(2);
     loop {
         let (sock, peer) = match listener.accept().await {
@@ -160,8 +223,8 @@ pub async fn serve(
         tokio::spawn(async move {
             let _slot = slot;
             let r = match tls {
-                Some(acc) => serve_tls_connection(sock, peer, cat, acc).await,
-                None => serve_connection(sock, peer, cat).await,
+                Some(acc) => serve_tls_connection(sock, peer, cat, acc, limits).await,
+                None => serve_connection(sock, peer, cat, limits).await,
             };
             if let Err(e) = r {
                 tracing::info!("nbd client {peer}: {e}");
@@ -175,6 +238,7 @@ pub async fn serve_connection<S>(
     sock: S,
     addr: SocketAddr,
     catalog: Arc<dyn Catalog>,
+    limits: NbdLimits,
 ) -> Result<(), ConnError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -195,7 +259,7 @@ where
     let Some((att, structured)) = neg else {
         return Ok(());
     };
-    transmission(rd, wr, Arc::from(att), structured).await
+    transmission(rd, wr, Arc::from(att), structured, limits).await
 }
 
 /// Serves one client connection in TLS-required mode: greeting and
@@ -206,6 +270,7 @@ pub async fn serve_tls_connection<S>(
     addr: SocketAddr,
     catalog: Arc<dyn Catalog>,
     acceptor: tokio_rustls::TlsAcceptor,
+    limits: NbdLimits,
 ) -> Result<(), ConnError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -249,7 +314,7 @@ where
     let Some((att, structured)) = neg else {
         return Ok(());
     };
-    transmission(rd, wr, Arc::from(att), structured).await
+    transmission(rd, wr, Arc::from(att), structured, limits).await
 }
 
 /// Options before TLS in TLS-required mode. `true`: STARTTLS was
@@ -516,6 +581,7 @@ async fn transmission<R, W>(
     mut wr: BufWriter<W>,
     att: Arc<dyn Attachment>,
     structured: bool,
+    limits: NbdLimits,
 ) -> Result<(), ConnError>
 where
     R: AsyncRead + Unpin,
@@ -535,7 +601,8 @@ where
                 in_flight -= b;
                 write_reply(&mut wr, r, structured).await?;
             }
-            let full = pending >= MAX_IN_PROGRESS || in_flight >= MAX_IN_FLIGHT_BYTES;
+            let full = pending >= limits.max_requests_in_progress
+                || in_flight >= limits.max_bytes_in_progress;
             if full || rd.buffer().is_empty() {
                 // nothing pipelined (or no room): send what is ready, then
                 // wait for input or a reply
