@@ -14,7 +14,8 @@ Prints every run and the medians per (build, option).
         [--kind compressible] [--bins BIN[,BIN2…]] [the guest options of bench/compression.py]
 
 --bins: Ferry builds to compare (copies outside target/, as for bench/compression_ab.py); the
-first also brings the lab up. Default: $FERRY_BIN.
+first also brings the lab up. Default: $FERRY_BIN. --with-control: the control service restarts
+from each build too.
 """
 import argparse, os, statistics, subprocess, sys
 
@@ -40,6 +41,9 @@ def main():
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--kind", default="compressible", choices=["random", "compressible"])
     ap.add_argument("--bins", default=labqemu.FERRY)
+    ap.add_argument("--with-control", action="store_true",
+                    help="restart the control service from each build too (needed when the builds' "
+                         "control service and agents must match)")
     a = ap.parse_args()
     bins = a.bins.split(",")
     for b in bins:
@@ -51,7 +55,7 @@ def main():
     runs = {p: [] for p in pairs}
     for rnd in range(a.rounds):
         for b, o in pairs[rnd % len(pairs):] + pairs[:rnd % len(pairs)]:
-            agents_from(b)
+            agents_from(b, control=a.with_control)
             r = move(b, o, a)
             runs[(b, o)].append(r)
             print(f"round {rnd + 1} {b} {o}: {r['ms']} ms ({r['path']}), agents {r['src'] + r['dst']:.2f} "

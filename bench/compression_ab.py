@@ -27,13 +27,24 @@ import labqemu
 from faults import LAB, kill_pidfile
 
 
-def agents_from(binary, hosts=("host1", "host2")):
-    """Restarts every lab agent from `binary`."""
+def agents_from(binary, hosts=("host1", "host2"), control=False):
+    """Restarts every lab agent from `binary`, and with `control` the control service and the
+    first storage node too (builds whose services must match, as with move tickets)."""
     for h in hosts:
         kill_pidfile(f"{LAB}/{h}/agent.pid")
     time.sleep(0.5)
     for h in hosts:
         subprocess.run([binary, "lab", "restart-agent", h], check=True, capture_output=True)
+    if control:
+        # the storage node too (a storage node takes only the grants of its own build)
+        subprocess.run([binary, "lab", "restart", "storage"], capture_output=True)
+        subprocess.run([binary, "lab", "restart", "control"], check=True, capture_output=True)
+        for _ in range(100):
+            if subprocess.run([binary, "host", "list"], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        else:
+            sys.exit(f"{binary}: the control service did not answer after its restart")
     time.sleep(1)
 
 

@@ -21,39 +21,8 @@
 
 use std::path::{Path, PathBuf};
 
-use ferry_api::{ApiError, VmSpec};
-
-/// The lists an administrator keeps in `agent.toml`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Grants {
-    /// Directories whose files guests may use as `path` drives.
-    pub drive_dirs: Vec<PathBuf>,
-    /// Directories whose files guests may boot as a kernel or initramfs.
-    pub kernel_dirs: Vec<PathBuf>,
-    /// Linux bridges guests' NICs may join.
-    pub bridges: Vec<String>,
-}
-
-/// One resource a spec names that this host does not grant.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Refusal {
-    pub field: String,
-    pub value: String,
-    pub key: &'static str,
-    pub allowed: Vec<String>,
-}
-
-impl Refusal {
-    pub fn into_error(self, host: &str) -> ApiError {
-        ApiError::NotGranted {
-            host: host.into(),
-            field: self.field,
-            value: self.value,
-            key: self.key.into(),
-            allowed: self.allowed,
-        }
-    }
-}
+pub use ferry_api::grants::{HostGrants as Grants, Refusal};
+use ferry_api::VmSpec;
 
 /// True when `p`, resolved, is a file inside one of `dirs` (resolved) and
 /// `p` is already written in its resolved form. A path that does not
@@ -71,72 +40,10 @@ fn inside(p: &str, dirs: &[PathBuf]) -> bool {
     }
 }
 
-fn shown(dirs: &[PathBuf]) -> Vec<String> {
-    dirs.iter().map(|d| d.display().to_string()).collect()
-}
-
-impl Grants {
-    /// The first resource of `spec` this host does not grant (None: all are).
-    /// `machines` is what QEMU here lists (None: not known, not checked).
-    pub fn refusal(&self, spec: &VmSpec, machines: Option<&[String]>) -> Option<Refusal> {
-        if let Some(m) = machines {
-            if !m.iter().any(|x| x == &spec.machine) {
-                let mut q35: Vec<String> = m
-                    .iter()
-                    .filter(|x| x.as_str() == "q35" || x.starts_with("pc-q35-"))
-                    .cloned()
-                    .collect();
-                q35.sort();
-                return Some(Refusal {
-                    field: "machine".into(),
-                    value: spec.machine.clone(),
-                    key: "qemu",
-                    allowed: q35,
-                });
-            }
-        }
-        for (i, d) in spec.drives.iter().enumerate() {
-            if let Some(p) = &d.path {
-                if !inside(p, &self.drive_dirs) {
-                    return Some(Refusal {
-                        field: format!("drives[{i}].path"),
-                        value: p.clone(),
-                        key: "drive_dirs",
-                        allowed: shown(&self.drive_dirs),
-                    });
-                }
-            }
-        }
-        if let Some(k) = &spec.kernel {
-            let files = [
-                ("kernel.kernel", Some(&k.kernel)),
-                ("kernel.initrd", k.initrd.as_ref()),
-            ];
-            for (field, p) in files {
-                if let Some(p) = p {
-                    if !inside(p, &self.kernel_dirs) {
-                        return Some(Refusal {
-                            field: field.into(),
-                            value: p.clone(),
-                            key: "kernel_dirs",
-                            allowed: shown(&self.kernel_dirs),
-                        });
-                    }
-                }
-            }
-        }
-        for (i, n) in spec.nics.iter().enumerate() {
-            if !self.bridges.contains(&n.bridge) {
-                return Some(Refusal {
-                    field: format!("nics[{i}].bridge"),
-                    value: n.bridge.clone(),
-                    key: "bridges",
-                    allowed: self.bridges.clone(),
-                });
-            }
-        }
-        None
-    }
+/// The first resource of `spec` this host does not grant, every path
+/// resolved here (None: all are granted).
+pub fn refusal(g: &Grants, spec: &VmSpec, machines: Option<&[String]>) -> Option<Refusal> {
+    g.refusal_by(spec, machines, &inside)
 }
 
 #[cfg(test)]
@@ -152,12 +59,12 @@ mod tests {
     fn nothing_is_granted_by_default() {
         let g = Grants::default();
         let mut s = spec();
-        assert_eq!(g.refusal(&s, None), None);
+        assert_eq!(refusal(&g, &s, None), None);
         s.nics.push(GuestNic {
             bridge: "ferry-mgmt".into(),
             mac: "52:54:00:00:00:01".into(),
         });
-        let r = g.refusal(&s, None).unwrap();
+        let r = refusal(&g, &s, None).unwrap();
         assert_eq!((r.field.as_str(), r.key), ("nics[0].bridge", "bridges"));
         let e = r.into_error("host1").to_string();
         assert!(e.contains("grants none") && e.contains("ferry-mgmt"), "{e}");
@@ -183,7 +90,7 @@ mod tests {
                 path: Some(p.into()),
                 ..Default::default()
             });
-            g.refusal(&s, None)
+            refusal(&g, &s, None)
         };
         assert_eq!(with(&real.join("a.img").display().to_string()), None);
         // missing, but where a granted file would be: for the caller to name
@@ -210,13 +117,13 @@ mod tests {
             initrd: None,
             append: String::new(),
         });
-        assert_eq!(g.refusal(&s, None).unwrap().key, "kernel_dirs");
+        assert_eq!(refusal(&g, &s, None).unwrap().key, "kernel_dirs");
         let s = spec();
         let known = vec!["q35".to_string(), "pc-q35-9.2".into(), "pc".into()];
-        assert_eq!(g.refusal(&s, Some(&known)), None);
+        assert_eq!(refusal(&g, &s, Some(&known)), None);
         let mut s = spec();
         s.machine = "pc-q35-1.0".into();
-        let r = g.refusal(&s, Some(&known)).unwrap();
+        let r = refusal(&g, &s, Some(&known)).unwrap();
         assert_eq!(r.field, "machine");
         assert_eq!(r.allowed, vec!["pc-q35-9.2", "q35"]);
     }

@@ -353,7 +353,7 @@ impl Agent {
         // what the host grants first: nothing outside it is even looked at
         let catalog = self.cpu_catalog().await;
         let machines = catalog.as_ref().ok().map(|c| c.machines.as_slice());
-        if let Some(r) = self.cfg.grants.refusal(spec, machines) {
+        if let Some(r) = crate::grants::refusal(&self.cfg.grants, spec, machines) {
             tracing::warn!(vm = %spec.name, field = %r.field, value = %r.value, "refused: not granted to guests here");
             return Err(r.into_error(&self.cfg.name));
         }
@@ -965,6 +965,7 @@ impl Agent {
                 ferry_api::FEATURE_STREAM_WINDOWS.into(),
                 ferry_api::FEATURE_QEMU_CHANNELS.into(),
             ],
+            grants: Some(self.cfg.grants.clone()),
         }
     }
 

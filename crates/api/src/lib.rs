@@ -20,6 +20,7 @@ pub mod bandwidth;
 pub mod client;
 pub mod drain;
 pub mod error;
+pub mod grants;
 pub mod hardware;
 pub mod rolling;
 pub mod server;

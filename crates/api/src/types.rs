@@ -83,6 +83,11 @@ pub struct HostInfo {
     /// upgraded still takes moves.
     #[serde(default)]
     pub features: Vec<String>,
+    /// What this host grants guests (`agent.toml`'s lists), for the control
+    /// service to check a spec before it asks; absent from an agent that
+    /// predates it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grants: Option<crate::grants::HostGrants>,
 }
 
 /// The target sets `multifd-compression zstd` when asked (`IncomingRequest::qemu_zstd`).

@@ -744,6 +744,22 @@ impl Control {
         Ok(out)
     }
 
+    /// Refuses `spec` on `host` before anything is asked of it when the
+    /// grants the host reports do not cover it, judging paths as written;
+    /// the agent checks again with every path resolved.
+    async fn check_grants(&self, host: &str, spec: &ferry_api::VmSpec) -> Result<(), ApiError> {
+        let info: HostInfo = self
+            .host(host)?
+            .get("/host", AGENT_TIMEOUT)
+            .await
+            .map_err(|e| ApiError::unavailable(format!("host {host}"), e))?;
+        let lexical = &ferry_api::grants::lexically_inside;
+        match info.grants.and_then(|g| g.refusal_by(spec, None, lexical)) {
+            Some(r) => Err(r.into_error(host)),
+            None => Ok(()),
+        }
+    }
+
     /// VM `vm`'s spec as host `host` lists it now (what a move's ticket names).
     async fn spec_on(&self, vm: &str, host: &str) -> Result<ferry_api::VmSpec, ApiError> {
         self.host(host)?
@@ -797,6 +813,7 @@ impl Control {
                 name: req.spec.name,
             });
         }
+        self.check_grants(&req.host, &req.spec).await?;
         // its disks open to its host before QEMU asks for them
         if !req.spec.disks.is_empty() || req.spec.drives.iter().any(|d| d.nbd.is_some()) {
             let grant = access::Grant::new([req.host.clone()].into(), req.spec.ferry_disks());
@@ -949,6 +966,7 @@ impl Control {
         let (option, convergence) = self.migration_policy(source, option, convergence)?;
         // the VM as its host lists it now: what the ticket and the grants name
         let spec = self.spec_on(vm, source).await?;
+        self.check_grants(to, &spec).await?;
         let ticket = self
             .tickets
             .as_ref()
