@@ -77,6 +77,8 @@ pub struct AgentConfig {
     pub storage_pause_max: std::time::Duration,
     /// What the API takes from its clients (`[limits]` in agent.toml).
     pub limits: ferry_api::server::Limits,
+    /// Bytes one transport stream may hold out of order (`reorder_window`).
+    pub reorder_window: u64,
 }
 
 pub use host::Agent;

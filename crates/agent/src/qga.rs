@@ -31,14 +31,22 @@ pub enum QgaError {
     Refused { command: String, desc: String },
     #[error("the guest agent's answer to {command} is not understood: {answer}")]
     Garbled { command: String, answer: String },
-    /// A line longer than [`MAX_REPLY`]: the guest is not trusted to end it.
-    #[error("the guest agent's answer to {command} passed {max} bytes without ending; the channel is dropped")]
+    /// A line longer than the limit: the guest is not trusted to end it.
+    #[error("the guest agent's answer to {command} passed {max} bytes without ending (guest_agent_max_reply); the channel is dropped")]
     TooLong { command: String, max: usize },
 }
 
 /// The longest line read from a guest agent (its answers are one line
 /// each; `guest-exec-status` output, base64, is the largest Ferry asks).
 pub const MAX_REPLY: usize = 4 << 20;
+static MAX_REPLY_SETTING: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(MAX_REPLY);
+
+/// Sets the longest reply line this process takes (the agent's
+/// `guest_agent_max_reply`; default [`MAX_REPLY`]).
+pub fn set_max_reply(bytes: usize) {
+    MAX_REPLY_SETTING.store(bytes, std::sync::atomic::Ordering::Relaxed);
+}
 
 pub struct Qga {
     rd: BufReader<tokio::net::unix::OwnedReadHalf>,
@@ -89,7 +97,8 @@ impl Qga {
     }
 
     async fn read_line(&mut self, command: &str) -> Result<Value, QgaError> {
-        self.read_line_within(command, MAX_REPLY).await
+        let max = MAX_REPLY_SETTING.load(std::sync::atomic::Ordering::Relaxed);
+        self.read_line_within(command, max).await
     }
 
     async fn read_line_within(&mut self, command: &str, max: usize) -> Result<Value, QgaError> {

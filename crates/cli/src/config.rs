@@ -140,6 +140,11 @@ pub struct AgentFile {
     pub storage_pause_after: Option<String>,
     /// A guest paused for its storage this long is stopped (default `30m`).
     pub storage_pause_max: Option<String>,
+    /// The longest answer line taken from a guest agent (default `4M`).
+    pub guest_agent_max_reply: Option<String>,
+    /// Bytes one transport stream may hold out of order before its session
+    /// fails (default `64M`, at least `8M`).
+    pub reorder_window: Option<String>,
     /// What the agent's API takes from its clients (`[limits]`).
     #[serde(default)]
     pub limits: ferry_api::server::Limits,

@@ -285,6 +285,31 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
     if console_log_max < 64 << 10 {
         return Err(key("console_log_max", "must be at least 64K".into()).into());
     }
+    // what a guest agent's answer (process-wide) and a transport stream out
+    // of order may hold
+    let size_at_least = |k: &'static str, v: &Option<String>, default: u64, min: u64| {
+        let n = match v {
+            Some(v) => ferry_api::size::parse_size(k, v).map_err(|e| key(k, e.to_string()))?,
+            None => default,
+        };
+        if n < min {
+            return Err(key(k, format!("must be at least {}K", min >> 10)));
+        }
+        Ok(n)
+    };
+    let max_reply = size_at_least(
+        "guest_agent_max_reply",
+        &f.guest_agent_max_reply,
+        ferry_agent::qga::MAX_REPLY as u64,
+        64 << 10,
+    )?;
+    ferry_agent::qga::set_max_reply(max_reply as usize);
+    let reorder_window = size_at_least(
+        "reorder_window",
+        &f.reorder_window,
+        ferry_transport::session::REORDER_LIMIT,
+        ferry_transport::session::MIN_REORDER_WINDOW,
+    )?;
     let mut ovmf = ferry_agent::hardware::Ovmf::default();
     if let Some(c) = &f.ovmf_code {
         ovmf.code = c.clone();
@@ -347,6 +372,7 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
         storage_pause_max,
         console_log_max,
         limits: limits_in(&file, f.limits)?,
+        reorder_window,
     };
     Ok((
         cfg,

@@ -46,6 +46,9 @@ pub const STREAM_BUFFER_LIMIT: usize = 512 << 20;
 /// [`REPLAY_LIMIT`] never has more than that unacknowledged, so this only
 /// stops a peer that sends far ahead of what it was acknowledged.
 pub const REORDER_LIMIT: u64 = 64 << 20;
+/// The smallest reorder window that works: twice what a sender may have
+/// unacknowledged ([`REPLAY_LIMIT`] KiB).
+pub const MIN_REORDER_WINDOW: u64 = (2 * REPLAY_LIMIT as u64) << 10;
 const REDIAL: Duration = Duration::from_millis(250);
 /// How long a carrier's dial waits for the peer's SYN-ACK. A SYN sent while
 /// the link was down is lost, and the kernel would resend it only after 1 s;
@@ -291,6 +294,8 @@ struct Inner {
     window_moved: Notify,
     /// Target: the send buffer of the connections to QEMU (0: the system's).
     local_sndbuf: AtomicUsize,
+    /// Bytes one stream may hold out of order before the session fails.
+    reorder_window: AtomicU64,
     /// Carriers dropped and connected again, in order.
     changes: Mutex<Vec<ferry_api::types::PathChange>>,
 }
@@ -365,6 +370,7 @@ impl Session {
                 taken: Mutex::new(HashMap::new()),
                 window_moved: Notify::new(),
                 local_sndbuf: AtomicUsize::new(0),
+                reorder_window: AtomicU64::new(REORDER_LIMIT),
                 changes: Mutex::new(Vec::new()),
             }),
         }
@@ -465,6 +471,15 @@ impl Session {
             1.0
         };
         self.inner.expansion.store(x.to_bits(), Ordering::Relaxed);
+    }
+
+    /// Bytes one stream may hold out of order before the session fails
+    /// (the agent's `reorder_window`; default [`REORDER_LIMIT`], never
+    /// below [`MIN_REORDER_WINDOW`]).
+    pub fn set_reorder_window(&self, bytes: u64) {
+        self.inner
+            .reorder_window
+            .store(bytes.max(MIN_REORDER_WINDOW), Ordering::Relaxed);
     }
 
     /// Target: the streams' connections to QEMU get a send buffer of `bytes`
@@ -1344,11 +1359,12 @@ impl Session {
                     st.pending.insert(h.offset, payload);
                 }
                 Self::deliver_ready(st);
-                if st.held > REORDER_LIMIT {
+                let window = self.inner.reorder_window.load(Ordering::Relaxed);
+                if st.held > window {
                     return Err(format!(
-                        "stream {} holds over {} MiB out of order (offset {} while {} is awaited)",
+                        "stream {} holds over {} MiB out of order (offset {} while {} is awaited; reorder_window)",
                         h.stream,
-                        REORDER_LIMIT >> 20,
+                        window >> 20,
                         h.offset,
                         st.next
                     ));

@@ -547,7 +547,8 @@ async fn stream_windows_keep_each_stream_within_what_the_target_took() {
 
 /// A peer holding the credential that sends far ahead of any gap (frames
 /// the target can never deliver in order) is cut off once the stream holds
-/// `REORDER_LIMIT` out of order, instead of growing the target's memory.
+/// its reorder window out of order (here set to 16 MiB), instead of growing
+/// the target's memory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_sending_far_ahead_of_a_gap_is_cut_off() {
     use ferry_transport::protocol::{self, Hello, Kind};
@@ -561,6 +562,8 @@ async fn a_peer_sending_far_ahead_of_a_gap_is_cut_off() {
     let (target, bound) = Session::target([7; 16], &keys, vec![("nic1".into(), LO)], qemu_sock)
         .await
         .unwrap();
+    let window: u64 = 16 << 20;
+    target.set_reorder_window(window);
     let mut tcp = TcpStream::connect(bound[0].1).await.unwrap();
     let nonce = [9u8; 16];
     let hello = Hello {
@@ -576,7 +579,7 @@ async fn a_peer_sending_far_ahead_of_a_gap_is_cut_off() {
     protocol::decode_welcome(&welcome, &nonce, SECRET).unwrap();
     // offset 0 never comes: everything after it waits
     let payload = vec![0x5au8; protocol::MAX_PAYLOAD];
-    let frames = (ferry_transport::session::REORDER_LIMIT as usize / protocol::MAX_PAYLOAD) + 8;
+    let frames = (window as usize / protocol::MAX_PAYLOAD) + 8;
     let (mut rd, mut wr) = tcp.into_split();
     // the target's acknowledgements are read and dropped
     let drain = tokio::spawn(async move {
@@ -604,6 +607,6 @@ async fn a_peer_sending_far_ahead_of_a_gap_is_cut_off() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let why = why.expect("the target kept every frame");
-    assert!(why.contains("out of order"), "{why}");
+    assert!(why.contains("holds over 16 MiB out of order"), "{why}");
     drain.abort();
 }

@@ -119,10 +119,12 @@ impl DiskMirror {
         sock: PathBuf,
         carriers: Vec<(String, std::net::IpAddr, std::net::SocketAddr)>,
         copies: Vec<LocalCopy>,
+        reorder_window: u64,
     ) -> Result<DiskMirror, String> {
         let session = ferry_transport::Session::source(session_id, keys, sock.clone(), carriers)
             .await
             .map_err(|e| error_chain(&e))?;
+        session.set_reorder_window(reorder_window);
         let mut m = DiskMirror {
             session,
             sock,

@@ -742,6 +742,7 @@ impl Agent {
                 disks::mirror_sock(&vm.dir, id),
                 carriers,
                 copies,
+                self.cfg.reorder_window,
             )
             .await;
             let mut m = match started_mirror {
@@ -834,6 +835,7 @@ impl Agent {
                         .await
                     {
                         Ok(s) => {
+                            s.set_reorder_window(self.cfg.reorder_window);
                             s.set_compression(compress);
                             s.set_windows(stream_windows);
                             if qemu_zstd.is_some() {

@@ -285,6 +285,7 @@ impl Agent {
                 let (s, bound) = ferry_transport::Session::target(session_id, &keys, listen, sock)
                     .await
                     .map_err(|e| ApiError::internal(error_chain(&e)))?;
+                s.set_reorder_window(self.cfg.reorder_window);
                 s.set_windows(req.stream_windows);
                 if req.qemu_zstd.is_some() {
                     // QEMU compressed: each byte waiting for it is ~20 to load
@@ -413,6 +414,7 @@ impl Agent {
         let (s, bound) = ferry_transport::Session::target(session, &keys, listen, sock)
             .await
             .map_err(|e| ApiError::internal(error_chain(&e)))?;
+        s.set_reorder_window(self.cfg.reorder_window);
         if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
             slot.disk_transport = Some(s);
         }
