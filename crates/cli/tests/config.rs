@@ -87,7 +87,10 @@ fn limits_that_cannot_work_or_are_unknown_are_refused_naming_them() {
     // the agent's own: a reorder window below twice the replay limit, a
     // guest-agent reply that is no size
     let (ok, _, err) = check_agent(&d, &format!("{BASE}reorder_window = \"1M\"\n"));
-    assert!(!ok && err.contains("reorder_window") && err.contains("8192K"), "{err}");
+    assert!(
+        !ok && err.contains("reorder_window") && err.contains("8192K"),
+        "{err}"
+    );
     let (ok, _, err) = check_agent(&d, &format!("{BASE}guest_agent_max_reply = \"lots\"\n"));
     assert!(!ok && err.contains("guest_agent_max_reply"), "{err}");
     let (ok, _, err) = check_agent(
