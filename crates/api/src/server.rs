@@ -218,16 +218,7 @@ impl Default for Limits {
 impl Limits {
     /// Refuses limits no server can work within, naming the key.
     pub fn validate(&self) -> Result<(), ApiError> {
-        let floor = |key: &str, v: u64, min: u64| {
-            if v < min {
-                Err(ApiError::invalid(
-                    &format!("limits.{key}"),
-                    format!("{v} is below the least that works, {min}"),
-                ))
-            } else {
-                Ok(())
-            }
-        };
+        let floor = |key: &str, v: u64, min: u64| at_least(&format!("limits.{key}"), v, min);
         floor("max_connections", self.max_connections as u64, 1)?;
         floor("max_connections_per_client", self.per_client as u64, 1)?;
         floor("header_timeout_secs", self.header_timeout.as_secs(), 1)?;
@@ -242,6 +233,18 @@ impl Limits {
                 ),
             ));
         }
+        Ok(())
+    }
+}
+
+/// A limit `field` of `v` refused when below `min`, the least that works.
+pub fn at_least(field: &str, v: u64, min: u64) -> Result<(), ApiError> {
+    if v < min {
+        Err(ApiError::invalid(
+            field,
+            format!("{v} is below the least that works, {min}"),
+        ))
+    } else {
         Ok(())
     }
 }

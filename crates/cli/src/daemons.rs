@@ -277,16 +277,7 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
         &f.storage_pause_max,
         ferry_agent::resilience::STORAGE_PAUSE_MAX,
     )?;
-    let console_log_max = match &f.console_log_max {
-        Some(v) => ferry_api::size::parse_size("console_log_max", v)
-            .map_err(|e| key("console_log_max", e.to_string()))?,
-        None => ferry_agent::guest::CONSOLE_LOG_MAX,
-    };
-    if console_log_max < 64 << 10 {
-        return Err(key("console_log_max", "must be at least 64K".into()).into());
-    }
-    // what a guest agent's answer (process-wide) and a transport stream out
-    // of order may hold
+    // a size key: its default when absent, never below its least
     let size_at_least = |k: &'static str, v: &Option<String>, default: u64, min: u64| {
         let n = match v {
             Some(v) => ferry_api::size::parse_size(k, v).map_err(|e| key(k, e.to_string()))?,
@@ -297,6 +288,14 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
         }
         Ok(n)
     };
+    let console_log_max = size_at_least(
+        "console_log_max",
+        &f.console_log_max,
+        ferry_agent::guest::CONSOLE_LOG_MAX,
+        64 << 10,
+    )?;
+    // what a guest agent's answer (process-wide) and a transport stream out
+    // of order may hold
     let max_reply = size_at_least(
         "guest_agent_max_reply",
         &f.guest_agent_max_reply,
@@ -653,9 +652,7 @@ pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
     if nbd_tls.is_none() {
         tracing::warn!("NBD without TLS: disk contents cross the network in clear");
     }
-    f.nbd_limits
-        .validate()
-        .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    in_file(&file, f.nbd_limits.validate())?;
     let limits = (limits_in(&file, f.limits)?, f.nbd_limits);
     ferry_storage::serve(node, nbd_listen, api_listen, auth, tls, nbd_tls, limits).await?;
     Ok(0)
@@ -666,7 +663,11 @@ fn limits_in(
     file: &std::path::Path,
     l: ferry_api::server::Limits,
 ) -> anyhow::Result<ferry_api::server::Limits> {
-    l.validate()
-        .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    in_file(file, l.validate())?;
     Ok(l)
+}
+
+/// A check of a configuration file's table; its error names the file.
+fn in_file(file: &std::path::Path, r: Result<(), ferry_api::ApiError>) -> anyhow::Result<()> {
+    r.map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))
 }

@@ -365,10 +365,10 @@ impl Control {
     ) -> Result<ferry_api::MigrationReport, ApiError> {
         let began = std::time::Instant::now();
         // a drain may move onto hosts only it reserved, so no draining check here
-        let (source, info) = self.locate(&m.vm).await?;
+        let (_, info) = self.locate(&m.vm).await?;
         crate::refuse_storage_paused(&info)?;
         let mut events = self
-            .begin_migration(&m.vm, &source, &m.to, option, Default::default())
+            .begin_migration(&info, &m.to, option, Default::default())
             .await?;
         let mut last = std::time::Instant::now() - Duration::from_secs(1);
         let mut copying_since = None;

@@ -760,18 +760,6 @@ impl Control {
         }
     }
 
-    /// VM `vm`'s spec as host `host` lists it now (what a move's ticket names).
-    async fn spec_on(&self, vm: &str, host: &str) -> Result<ferry_api::VmSpec, ApiError> {
-        self.host(host)?
-            .get::<Vec<VmInfo>>("/vms", AGENT_TIMEOUT)
-            .await
-            .map_err(|e| ApiError::unavailable(format!("host {host}"), e))?
-            .into_iter()
-            .find(|v| v.name == vm && v.state != "incoming")
-            .map(|v| v.spec)
-            .ok_or_else(|| ApiError::not_found("vm", vm))
-    }
-
     /// The host running VM `name` (skeletons on migration targets excluded).
     pub(crate) async fn locate(&self, name: &str) -> Result<(String, VmInfo), ApiError> {
         self.list_vms()
@@ -921,7 +909,7 @@ impl Control {
             ));
         }
         let events = self
-            .begin_migration(name, &source, &req.to, req.option, req.convergence)
+            .begin_migration(&info, &req.to, req.option, req.convergence)
             .await?;
         let warnings: Vec<MigrationEvent> = match &*self.last_validation.lock().await {
             Some(r) => r
@@ -949,28 +937,30 @@ impl Control {
 }
 
 impl Control {
-    /// Starts a move of `vm` from `source` to `to` on the source's agent
-    /// (for `vm move` and drains alike): the option and convergence policy
-    /// resolved, the target granted the VM's disks until the move's events
-    /// end. Returns the source's event stream.
+    /// Starts a move of VM `info` (as [`Self::locate`] found it) from its
+    /// host to `to` on the source's agent (for `vm move` and drains alike):
+    /// the option and convergence policy resolved, the spec checked against
+    /// the target's grants and named in a ticket, the target granted the
+    /// VM's disks until the move's events end. Returns the source's event
+    /// stream.
     pub(crate) async fn begin_migration(
         &self,
-        vm: &str,
-        source: &str,
+        info: &VmInfo,
         to: &str,
         option: Option<ferry_api::MigrationOption>,
         convergence: ferry_api::ConvergenceChoice,
     ) -> Result<futures::stream::BoxStream<'static, Result<MigrationEvent, ApiError>>, ApiError>
     {
+        let (vm, source, spec) = (info.name.as_str(), info.host.as_str(), &info.spec);
         let target = self.host(to)?;
         let (option, convergence) = self.migration_policy(source, option, convergence)?;
-        // the VM as its host lists it now: what the ticket and the grants name
-        let spec = self.spec_on(vm, source).await?;
-        self.check_grants(to, &spec).await?;
+        // the spec as `locate` found it on its host: what the ticket and the
+        // grants name
+        self.check_grants(to, spec).await?;
         let ticket = self
             .tickets
             .as_ref()
-            .map(|signer| signer.sign(&spec, source, to, ferry_api::ticket::now_ms()));
+            .map(|signer| signer.sign(spec, source, to, ferry_api::ticket::now_ms()));
         let mreq = MigrateRequest {
             target: to.to_string(),
             target_url: target.base().to_string(),
@@ -980,7 +970,7 @@ impl Control {
             ticket,
         };
         if !self.storage.is_empty() {
-            self.granting_move(&spec, source, to).await?;
+            self.granting_move(spec, source, to).await?;
         }
         let events = match self
             .host(source)?

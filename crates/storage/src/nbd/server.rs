@@ -80,14 +80,7 @@ impl NbdLimits {
     /// Refuses limits no client could work within, naming the key.
     pub fn validate(&self) -> Result<(), ferry_api::ApiError> {
         let floor = |key: &str, v: u64, min: u64| {
-            if v < min {
-                Err(ferry_api::ApiError::invalid(
-                    &format!("nbd_limits.{key}"),
-                    format!("{v} is below the least that works, {min}"),
-                ))
-            } else {
-                Ok(())
-            }
+            ferry_api::server::at_least(&format!("nbd_limits.{key}"), v, min)
         };
         floor(
             "max_requests_in_progress",
