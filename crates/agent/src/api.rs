@@ -275,8 +275,19 @@ async fn migration_record(
 async fn resolve_vm(
     State(a): State<Arc<Agent>>,
     Path(name): Path<String>,
+    ApiJson(req): ApiJson<ferry_api::ResolveRequest>,
 ) -> R<Vec<ferry_api::ResolveReport>> {
-    Ok(Json(a.resolve_vm(&name).await?))
+    Ok(Json(a.resolve_vm(&name, &req).await?))
+}
+
+async fn incoming_recover(
+    State(a): State<Arc<Agent>>,
+    caller: Caller,
+    Path(id): Path<String>,
+    ApiJson(req): ApiJson<ferry_api::RecoverRequest>,
+) -> R<ferry_api::RecoverReply> {
+    own_incoming(&a, &id, &caller).await?;
+    Ok(Json(a.resume_incoming_postcopy(&id, &req.nic).await?))
 }
 
 async fn incoming_rejoin(
@@ -349,6 +360,7 @@ pub fn router(agent: Arc<Agent>) -> Router {
         .route("/incoming/{id}/ready", post(incoming_ready))
         .route("/incoming/{id}/run", post(incoming_run))
         .route("/incoming/{id}/rejoin", post(incoming_rejoin))
+        .route("/incoming/{id}/recover", post(incoming_recover))
         .route("/migrations/{id}", get(migration_record))
         // the source checks the guest on the target after the switch-over
         .route("/vms/{name}/check", get(check_vm))
@@ -399,6 +411,8 @@ pub fn router(agent: Arc<Agent>) -> Router {
 /// left open (see [`crate::commit`]), then reaps and questions skeletons every 2 s.
 pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
     agent.recover().await;
+    let forgetter = agent.clone();
+    tokio::spawn(async move { forgetter.forget_settled().await });
     let listener = tokio::net::TcpListener::bind(agent.cfg.listen).await?;
     let probes = std::net::UdpSocket::bind(std::net::SocketAddr::from((
         [0, 0, 0, 0],

@@ -151,6 +151,84 @@ pub fn source_next(phase: SourcePhase, ev: SourceEvent) -> (SourcePhase, SourceA
     }
 }
 
+/// Where the source's own QEMU stands, read with `query-migrate` and
+/// `query-status` after the commit record (it decides what the record may
+/// not: whether the source's copy of the guest is whole and may still run,
+/// and whether its QEMU may be stopped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SourceQemu {
+    /// The migration completed: the target holds every page and device.
+    Completed,
+    /// In post-copy: the target holds the device state and fetches missing
+    /// pages from here. `paused`: the stream broke (QEMU `postcopy-paused`).
+    Postcopy { paused: bool },
+    /// No migration in flight and none completed (QEMU never switched, or
+    /// its migration was cancelled before it did): this copy is whole.
+    NotSwitched,
+    /// Pre-copy still running, perhaps with a switch to post-copy asked:
+    /// cancel it, then look again.
+    Active,
+    /// No QEMU here any more.
+    Gone,
+    /// Its QMP does not answer.
+    Unknown,
+}
+
+/// What the source does about a committed migration, given the target's
+/// answer (None: no answer) and its own QEMU. The commit record alone
+/// cannot say: post-copy commits before QEMU switches, and QEMU may refuse
+/// the switch or the agent may die before it asks.
+///
+/// | target says | source QEMU | action |
+/// |---|---|---|
+/// | running | completed, gone | finish: stop the source QEMU, record done |
+/// | running | post-copy paused | recover post-copy over a path still up |
+/// | running | post-copy, unknown, not switched | wait (its pages may still be needed) |
+/// | waiting | completed, post-copy, gone | send RUN |
+/// | waiting | not switched | discard the target, then record aborted; the source runs |
+/// | never ran | completed, not switched, gone | record aborted, resume the source |
+/// | never ran | post-copy | wait: the operator decides (`vm resolve --target-lost`) |
+/// | any | active | cancel QEMU's migration and look again |
+/// | no answer | any | wait, in doubt |
+pub fn after_commit(answer: Option<TargetAnswer>, q: SourceQemu) -> AfterCommitAction {
+    use AfterCommitAction as A;
+    use SourceQemu as Q;
+    use TargetAnswer as T;
+    match (answer, q) {
+        (_, Q::Active) => A::CancelAndLook,
+        (None, _) | (_, Q::Unknown) => A::AskLater,
+        (Some(T::Running), Q::Completed | Q::Gone) => A::Finish,
+        (Some(T::Running), Q::Postcopy { paused: true }) => A::Recover,
+        (Some(T::Running), Q::Postcopy { paused: false } | Q::NotSwitched) => A::AskLater,
+        (Some(T::Waiting), Q::Completed | Q::Postcopy { .. } | Q::Gone) => A::SendRun,
+        (Some(T::Waiting), Q::NotSwitched) => A::DiscardTarget,
+        (Some(T::NeverRan), Q::Completed | Q::NotSwitched | Q::Gone) => A::AbortAndResume,
+        (Some(T::NeverRan), Q::Postcopy { .. }) => A::AskLater,
+    }
+}
+
+/// What [`after_commit`] decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterCommitAction {
+    /// The target runs the whole guest: stop the source QEMU, record Done.
+    Finish,
+    /// Send RUN (the target waits, paused, with the whole state or the
+    /// device state of a post-copy).
+    SendRun,
+    /// Post-copy's stream broke: open a new one (`migrate-recover` there,
+    /// `migrate resume` here).
+    Recover,
+    /// QEMU never switched: tell the target to discard its skeleton; once it
+    /// confirms, record Aborted (the source's copy runs on).
+    DiscardTarget,
+    /// The target never ran and never will: record Aborted, resume here.
+    AbortAndResume,
+    /// QEMU's pre-copy is still running: cancel it and look again.
+    CancelAndLook,
+    /// In doubt or waiting for QEMU: stay as is, look again later.
+    AskLater,
+}
+
 /// What happens to the target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TargetEvent {
@@ -226,6 +304,10 @@ pub struct Record {
     pub side: Side,
     /// Unix seconds of the last change.
     pub updated: u64,
+    /// Source: the move's carriers were sealed (a post-copy recovery over
+    /// QEMU's own stream would not be, so it is not done).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sealed: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -272,6 +354,25 @@ pub enum JournalError {
     },
     #[error("migration journal {path}: no such record")]
     Missing { path: PathBuf },
+}
+
+impl JournalError {
+    /// The migration and side of the record this error is about, from its
+    /// file's name (`ID.source.json`: (ID, true)).
+    pub fn record(&self) -> Option<(String, bool)> {
+        let path = match self {
+            JournalError::Io { path, .. }
+            | JournalError::Format { path, .. }
+            | JournalError::Missing { path } => path,
+        };
+        let name = path.file_name()?.to_str()?.strip_suffix(".json")?;
+        let (id, side) = name.rsplit_once('.')?;
+        match side {
+            "source" => Some((id.to_string(), true)),
+            "target" => Some((id.to_string(), false)),
+            _ => None,
+        }
+    }
 }
 
 /// Migration records on disk, one file each, replaced atomically and
@@ -383,20 +484,38 @@ impl Journal {
         (out, errs)
     }
 
-    /// Forgets settled records older than `age_secs`.
-    pub fn prune(&self, age_secs: u64) {
+    /// Forgets settled records older than `age_secs`, except a target's
+    /// `running` ones: without its record a target answers "never ran", so
+    /// those are returned instead, to be forgotten ([`Journal::forget`]) only
+    /// once their source says it is done with them.
+    pub fn prune(&self, age_secs: u64) -> Vec<Record> {
         let cutoff = now_secs().saturating_sub(age_secs);
+        let mut ask = Vec::new();
         for r in self.all().0 {
-            let settled = matches!(
-                r.side,
+            if r.updated >= cutoff {
+                continue;
+            }
+            match r.side {
                 Side::Source(SourcePhase::Aborted | SourcePhase::Done)
-                    | Side::Target(TargetPhase::Running | TargetPhase::Discarded)
-            );
-            if settled && r.updated < cutoff {
-                let _ = std::fs::remove_file(self.path(&r.migration_id, &r.side));
+                | Side::Target(TargetPhase::Discarded) => self.forget(&r),
+                Side::Target(TargetPhase::Running) => ask.push(r),
+                _ => {}
             }
         }
+        ask
     }
+
+    /// Removes one record.
+    pub fn forget(&self, r: &Record) {
+        let _ = std::fs::remove_file(self.path(&r.migration_id, &r.side));
+    }
+}
+
+/// Whether a target may forget its `running` record, given what its source
+/// said (None: no answer): only once the source is done with it, or has
+/// itself forgotten it (a source never forgets a committed record).
+pub fn target_may_forget(source: Option<SourceAnswer>) -> bool {
+    matches!(source, Some(SourceAnswer::Done | SourceAnswer::Unknown))
 }
 
 #[cfg(test)]
@@ -746,6 +865,398 @@ mod tests {
         w
     }
 
+    // ---- after the commit: post-copy, restarts, unreadable and forgotten records ----
+
+    /// The source QEMU's migration, as far as the rules need it.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    enum Mig {
+        /// Pre-copy running, the source guest runs.
+        Precopy,
+        /// Post-copy: the target has the device state; `paused`: stream broke.
+        Post { paused: bool },
+        /// Pre-copy completed: the target has everything, source paused.
+        Completed,
+        /// Cancelled before any switch: the source copy is whole.
+        Cancelled,
+        /// The source QEMU was stopped.
+        Quit,
+    }
+
+    /// One post-copy (or pre-copy) move, both agents, both QEMUs.
+    #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+    struct After {
+        s: SourcePhase,
+        /// The source agent's live move drives it (false: the settler does).
+        live: bool,
+        mig: Mig,
+        /// `migrate-start-postcopy` accepted, QEMU not yet switched.
+        switch_asked: bool,
+        /// None: the target forgot its record.
+        t: Option<TargetPhase>,
+        t_readable: bool,
+        target_qemu: bool,
+        source_runs: bool,
+        target_ran: bool,
+        /// Every page has reached the target.
+        target_whole: bool,
+        restarts: u8,
+        breaks: u8,
+    }
+
+    impl After {
+        fn start() -> After {
+            After {
+                s: SourcePhase::Copying,
+                live: true,
+                mig: Mig::Precopy,
+                switch_asked: false,
+                t: Some(TargetPhase::Waiting),
+                t_readable: true,
+                target_qemu: true,
+                source_runs: true,
+                target_ran: false,
+                target_whole: false,
+                restarts: 0,
+                breaks: 0,
+            }
+        }
+
+        /// What the target answers (None: no answer).
+        fn answer(&self) -> Option<TargetAnswer> {
+            if !self.t_readable {
+                return None;
+            }
+            Some(match self.t {
+                Some(TargetPhase::Waiting) if self.target_qemu => TargetAnswer::Waiting,
+                Some(TargetPhase::Running) => TargetAnswer::Running,
+                _ => TargetAnswer::NeverRan,
+            })
+        }
+
+        fn source_qemu(&self) -> SourceQemu {
+            match self.mig {
+                Mig::Precopy => SourceQemu::Active,
+                Mig::Post { paused } => SourceQemu::Postcopy { paused },
+                Mig::Completed => SourceQemu::Completed,
+                Mig::Cancelled => SourceQemu::NotSwitched,
+                Mig::Quit => SourceQemu::Gone,
+            }
+        }
+
+        /// RUN reaches the target: it runs once it holds the device state.
+        fn run(&mut self) {
+            let has_state = matches!(self.mig, Mig::Post { .. } | Mig::Completed)
+                || (self.mig == Mig::Quit && self.target_whole);
+            if self.t == Some(TargetPhase::Waiting) && self.target_qemu && has_state {
+                self.t = Some(TargetPhase::Running);
+                self.target_ran = true;
+            }
+        }
+
+        fn resume_source(&mut self) {
+            if self.mig != Mig::Quit {
+                self.source_runs = true;
+            }
+        }
+
+        /// One look by the settler (or a failed live move settling at once).
+        fn settle_step(&mut self) {
+            if self.s != SourcePhase::Committed {
+                return;
+            }
+            match after_commit(self.answer(), self.source_qemu()) {
+                AfterCommitAction::CancelAndLook => {
+                    if self.switch_asked {
+                        // the cancel may come after QEMU took the switch
+                        self.mig = Mig::Post { paused: false };
+                        self.source_runs = false;
+                    } else {
+                        self.mig = Mig::Cancelled;
+                    }
+                    self.switch_asked = false;
+                }
+                AfterCommitAction::Finish => {
+                    self.mig = Mig::Quit;
+                    self.source_runs = false;
+                    self.s = SourcePhase::Done;
+                }
+                AfterCommitAction::SendRun => self.run(),
+                AfterCommitAction::Recover => self.mig = Mig::Post { paused: false },
+                AfterCommitAction::DiscardTarget => {
+                    if self.t == Some(TargetPhase::Waiting) {
+                        self.t = Some(TargetPhase::Discarded);
+                        self.target_qemu = false;
+                        self.s = SourcePhase::Aborted;
+                        self.resume_source();
+                    }
+                }
+                AfterCommitAction::AbortAndResume => {
+                    self.s = SourcePhase::Aborted;
+                    self.resume_source();
+                }
+                AfterCommitAction::AskLater => {}
+            }
+        }
+
+        fn next(&self) -> Vec<After> {
+            let mut out = Vec::new();
+            let mut push = |f: &dyn Fn(&mut After)| {
+                let mut w = self.clone();
+                f(&mut w);
+                out.push(w);
+            };
+            // the live move
+            if self.live {
+                match self.s {
+                    SourcePhase::Copying if self.mig == Mig::Precopy => {
+                        // pre-copy: QEMU completes, the target loaded it all,
+                        // then the record (`ready` checked first)
+                        push(&|w| {
+                            w.mig = Mig::Completed;
+                            w.source_runs = false;
+                            w.target_whole = true;
+                            w.s = SourcePhase::Committed;
+                        });
+                        // post-copy: the record before the switch
+                        push(&|w| w.s = SourcePhase::Committed);
+                        // a failure before the commit rolls back
+                        push(&|w| {
+                            w.mig = Mig::Cancelled;
+                            w.s = SourcePhase::Aborted;
+                            w.live = false;
+                            if w.t == Some(TargetPhase::Waiting) {
+                                w.t = Some(TargetPhase::Discarded);
+                                w.target_qemu = false;
+                            }
+                        });
+                    }
+                    SourcePhase::Committed => {
+                        if self.mig == Mig::Precopy && !self.switch_asked {
+                            // QEMU takes the request, or refuses it (the move
+                            // then fails and settles from the journal)
+                            push(&|w| w.switch_asked = true);
+                            push(&|w| {
+                                w.live = false;
+                                w.settle_step();
+                            });
+                        }
+                        push(&|w| w.run());
+                        // any failure from here is settled from the journal
+                        push(&|w| {
+                            w.live = false;
+                            w.settle_step();
+                        });
+                        if self.mig == (Mig::Post { paused: true }) {
+                            push(&|w| w.settle_step());
+                        }
+                        if self.mig == Mig::Completed && self.target_ran {
+                            push(&|w| {
+                                w.mig = Mig::Quit;
+                                w.s = SourcePhase::Done;
+                            });
+                        }
+                    }
+                    _ => {}
+                }
+            } else {
+                push(&|w| w.settle_step());
+            }
+            // QEMU on its own
+            if self.switch_asked && self.mig == Mig::Precopy {
+                push(&|w| {
+                    w.mig = Mig::Post { paused: false };
+                    w.switch_asked = false;
+                    w.source_runs = false;
+                });
+            }
+            if self.mig == (Mig::Post { paused: false }) {
+                if self.breaks < 2 {
+                    push(&|w| {
+                        w.breaks += 1;
+                        w.mig = Mig::Post { paused: true };
+                    });
+                }
+                if self.target_ran {
+                    push(&|w| {
+                        w.mig = Mig::Completed;
+                        w.target_whole = true;
+                    });
+                }
+            }
+            // faults: the source agent restarts (its live move is gone), the
+            // target's record becomes unreadable and readable again, its
+            // skeleton's QEMU dies before it ran
+            if self.restarts < 2 {
+                push(&|w| {
+                    w.restarts += 1;
+                    w.live = false;
+                    if w.s == SourcePhase::Copying {
+                        // restart before the commit: aborted, resumed
+                        w.s = SourcePhase::Aborted;
+                        if w.mig == Mig::Precopy {
+                            w.mig = Mig::Cancelled;
+                        }
+                        w.resume_source();
+                    }
+                });
+            }
+            push(&|w| w.t_readable = !w.t_readable);
+            if self.t == Some(TargetPhase::Waiting) && self.target_qemu {
+                push(&|w| {
+                    w.target_qemu = false;
+                    w.t = Some(TargetPhase::Discarded);
+                });
+            }
+            // the target forgets a running record once its source lets it
+            if self.t == Some(TargetPhase::Running)
+                && target_may_forget(self.t_readable.then_some(self.s.into()))
+            {
+                push(&|w| w.t = None);
+            }
+            out
+        }
+
+        fn check(&self) {
+            assert!(
+                !(self.source_runs && self.target_ran),
+                "two copies ran: {self:?}"
+            );
+            // the source QEMU holds pages the running target still needs
+            if self.target_ran && !self.target_whole {
+                assert!(self.mig != Mig::Quit, "a needed page destroyed: {self:?}");
+            }
+            if self.target_ran {
+                assert!(
+                    matches!(self.s, SourcePhase::Committed | SourcePhase::Done),
+                    "target ran without a commit: {self:?}"
+                );
+            }
+        }
+
+        fn settled(&self) -> bool {
+            match self.s {
+                SourcePhase::Done => self.target_ran && self.target_whole,
+                SourcePhase::Aborted => self.source_runs && !self.target_ran,
+                _ => false,
+            }
+        }
+
+        /// No more faults, records readable: the settler and QEMU go on.
+        fn finish(mut self) -> After {
+            self.t_readable = true;
+            self.live = false;
+            if self.s == SourcePhase::Copying {
+                // a move not yet committed that stops here rolls back
+                self.s = SourcePhase::Aborted;
+                if self.mig == Mig::Precopy {
+                    self.mig = Mig::Cancelled;
+                }
+                self.resume_source();
+            }
+            for _ in 0..20 {
+                if self.settled() {
+                    break;
+                }
+                if self.switch_asked && self.mig == Mig::Precopy {
+                    self.mig = Mig::Post { paused: false };
+                    self.switch_asked = false;
+                    self.source_runs = false;
+                }
+                self.settle_step();
+                if self.s == SourcePhase::Committed
+                    && self.answer() == Some(TargetAnswer::NeverRan)
+                    && matches!(self.mig, Mig::Post { .. })
+                {
+                    // the skeleton died after QEMU switched, before it ran:
+                    // the settler waits for the operator, whose way out
+                    // (`vm resolve --target-lost`) is sound because the
+                    // target never ran
+                    assert!(!self.target_ran, "{self:?}");
+                    self.s = SourcePhase::Aborted;
+                    self.mig = Mig::Cancelled;
+                    self.resume_source();
+                }
+                if self.mig == (Mig::Post { paused: false }) && self.target_ran {
+                    self.mig = Mig::Completed;
+                    self.target_whole = true;
+                }
+                self.check();
+            }
+            self
+        }
+    }
+
+    /// Every world after the commit — post-copy asked and refused, its
+    /// stream broken and recovered, agents restarted at every step, the
+    /// target's record unreadable, records forgotten — keeps one copy,
+    /// never destroys a page the running copy needs, and settles with the
+    /// guest whole on one host once the faults stop.
+    #[test]
+    fn after_the_commit_no_world_runs_two_copies_or_loses_a_page() {
+        let mut seen = HashSet::new();
+        let mut queue = VecDeque::from([After::start()]);
+        let mut in_doubt_while_unreadable = 0;
+        while let Some(w) = queue.pop_front() {
+            if !seen.insert(w.clone()) {
+                continue;
+            }
+            w.check();
+            if !w.t_readable && w.s == SourcePhase::Committed && !w.live {
+                // no answer: the source neither resumes nor finishes
+                let mut x = w.clone();
+                x.settle_step();
+                if x.answer().is_none() {
+                    assert_eq!(x.s, SourcePhase::Committed, "{w:?} → {x:?}");
+                    in_doubt_while_unreadable += 1;
+                }
+            }
+            let end = w.clone().finish();
+            assert!(end.settled(), "never settles from {w:?}: {end:?}");
+            queue.extend(w.next());
+        }
+        assert!(seen.len() > 200, "explored only {} worlds", seen.len());
+        assert!(in_doubt_while_unreadable > 0);
+    }
+
+    #[test]
+    fn after_commit_decisions() {
+        use AfterCommitAction as A;
+        use SourceQemu as Q;
+        use TargetAnswer as T;
+        // the source QEMU stops only once its migration completed
+        assert_eq!(after_commit(Some(T::Running), Q::Completed), A::Finish);
+        assert_eq!(
+            after_commit(Some(T::Running), Q::Postcopy { paused: false }),
+            A::AskLater
+        );
+        assert_eq!(
+            after_commit(Some(T::Running), Q::Postcopy { paused: true }),
+            A::Recover
+        );
+        // QEMU refused post-copy: the target is discarded, the source runs on
+        assert_eq!(
+            after_commit(Some(T::Waiting), Q::NotSwitched),
+            A::DiscardTarget
+        );
+        assert_eq!(after_commit(Some(T::Waiting), Q::Active), A::CancelAndLook);
+        // no answer is never "never ran"
+        for q in [
+            Q::Completed,
+            Q::NotSwitched,
+            Q::Gone,
+            Q::Postcopy { paused: true },
+        ] {
+            assert_eq!(after_commit(None, q), A::AskLater, "{q:?}");
+        }
+        assert_eq!(
+            after_commit(Some(T::NeverRan), Q::Postcopy { paused: true }),
+            A::AskLater
+        );
+        assert!(target_may_forget(Some(SourceAnswer::Done)));
+        assert!(!target_may_forget(Some(SourceAnswer::Committed)));
+        assert!(!target_may_forget(None));
+    }
+
     #[test]
     fn journal_round_trips_and_replaces_atomically() {
         let dir = std::env::temp_dir().join(format!("ferry-journal-{}", std::process::id()));
@@ -757,6 +1268,7 @@ mod tests {
             peer_url: "http://h2".into(),
             side: Side::Source(SourcePhase::Copying),
             updated: 0,
+            sealed: false,
         };
         j.write(&r).unwrap();
         r.side = Side::Source(SourcePhase::Committed);

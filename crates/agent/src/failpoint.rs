@@ -9,10 +9,13 @@
 //! | `target-at-ready` | target, asked whether the memory has arrived, before answering |
 //! | `target-before-run` | target, told to run, before it writes Running |
 //! | `source-after-commit` | source, right after its Committed record is on disk |
+//! | `source-start-postcopy` | source, in place of asking QEMU to switch to post-copy |
+//! | `source-postcopy-running` | source, in post-copy, once the target answered RUN |
 //!
 //! Actions: `stop` (SIGSTOP to the whole agent: frozen until SIGCONT), `exit`
 //! (SIGKILL to the agent: a crash), `kill-qemu` (the caller kills the VM's
-//! QEMU). Each point fires once per process.
+//! QEMU), `fail` (the caller fails the step as if what it asked for was
+//! refused). Each point fires once per process.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
@@ -22,6 +25,7 @@ pub enum Action {
     Stop,
     Exit,
     KillQemu,
+    Fail,
 }
 
 fn parse(spec: &str) -> Result<BTreeMap<String, Action>, String> {
@@ -34,11 +38,10 @@ fn parse(spec: &str) -> Result<BTreeMap<String, Action>, String> {
             "stop" => Action::Stop,
             "exit" => Action::Exit,
             "kill-qemu" => Action::KillQemu,
-            a => {
-                return Err(format!(
-                    "FERRY_FAILPOINTS: unknown action {a:?} for {point} (stop, exit, kill-qemu)"
-                ))
-            }
+            "fail" => Action::Fail,
+            a => return Err(format!(
+                "FERRY_FAILPOINTS: unknown action {a:?} for {point} (stop, exit, kill-qemu, fail)"
+            )),
         };
         out.insert(point.to_string(), action);
     }
@@ -61,7 +64,7 @@ fn armed() -> &'static Mutex<BTreeMap<String, Action>> {
 }
 
 /// Fires point `name` if it is armed: `stop` and `exit` act on this process
-/// here; `kill-qemu` is returned for the caller to carry out.
+/// here; `kill-qemu` and `fail` are returned for the caller to carry out.
 pub fn hit(name: &str) -> Option<Action> {
     let action = ferry_api::util::lock(armed()).remove(name)?;
     tracing::warn!(point = name, ?action, "failpoint fired");
@@ -74,7 +77,7 @@ pub fn hit(name: &str) -> Option<Action> {
         Action::Exit => unsafe {
             libc::kill(libc::getpid(), libc::SIGKILL);
         },
-        Action::KillQemu => {}
+        Action::KillQemu | Action::Fail => {}
     }
     Some(action)
 }
@@ -88,6 +91,10 @@ mod tests {
         let m = parse("target-before-run=stop, source-after-commit=exit").unwrap();
         assert_eq!(m["target-before-run"], Action::Stop);
         assert_eq!(m["source-after-commit"], Action::Exit);
+        assert_eq!(
+            parse("source-start-postcopy=fail").unwrap()["source-start-postcopy"],
+            Action::Fail
+        );
         assert!(parse("").unwrap().is_empty());
         assert!(parse("x").unwrap_err().contains("\"x\""));
         assert!(parse("x=boom").unwrap_err().contains("boom"));

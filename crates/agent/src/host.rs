@@ -140,6 +140,8 @@ pub struct Agent {
     /// Every migration's commit record (see [`crate::commit`]).
     pub journal: crate::commit::Journal,
     /// Migrations a move of this process is driving now (by id).
+    /// Incoming post-copies listening for a recovery stream: id → (NIC, URI).
+    pub recovering: tokio::sync::Mutex<BTreeMap<String, (String, String)>>,
     pub live: std::sync::Mutex<std::collections::BTreeSet<String>>,
     /// Reads guests' consoles for the guest check.
     pub guest: Arc<dyn GuestCheck>,
@@ -238,6 +240,7 @@ impl Agent {
             idle: Default::default(),
             journal: crate::commit::Journal::new(&cfg.state_dir),
             live: Default::default(),
+            recovering: Default::default(),
             state: Default::default(),
             sinks: Default::default(),
             classes: Arc::new(std::sync::Mutex::new(crate::classes::Classes::new(

@@ -118,8 +118,23 @@ pub struct MigrationInfo {
 #[derive(Serialize)]
 struct Migrate {
     uri: String,
+    /// Post-copy recovery: continue a paused post-copy over a new stream.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    resume: bool,
 }
 qmp_command!(Migrate, "migrate", qapi::Empty);
+
+/// Target of a paused post-copy: listen for the source's new stream.
+#[derive(Serialize)]
+struct MigrateRecover {
+    uri: String,
+}
+qmp_command!(MigrateRecover, "migrate-recover", qapi::Empty);
+
+/// Post-copy only: drop the stream now, as if it broke (either end).
+#[derive(Serialize)]
+struct MigratePause {}
+qmp_command!(MigratePause, "migrate-pause", qapi::Empty);
 
 #[derive(Serialize)]
 struct MigrateIncoming {
@@ -461,9 +476,39 @@ impl Qmp {
     }
 
     pub async fn migrate(&self, uri: &str) -> Result<(), QmpError> {
-        self.call(Migrate { uri: uri.into() }, DEFAULT_DEADLINE)
+        self.call(
+            Migrate {
+                uri: uri.into(),
+                resume: false,
+            },
+            DEFAULT_DEADLINE,
+        )
+        .await
+        .map(drop)
+    }
+
+    /// Source of a paused post-copy: send the rest over a new stream to
+    /// `uri`, where the target listens after `migrate-recover`.
+    pub async fn migrate_resume(&self, uri: &str) -> Result<(), QmpError> {
+        self.call(
+            Migrate {
+                uri: uri.into(),
+                resume: true,
+            },
+            DEFAULT_DEADLINE,
+        )
+        .await
+        .map(drop)
+    }
+
+    pub async fn migrate_recover(&self, uri: &str) -> Result<(), QmpError> {
+        self.call(MigrateRecover { uri: uri.into() }, DEFAULT_DEADLINE)
             .await
             .map(drop)
+    }
+
+    pub async fn migrate_pause(&self) -> Result<(), QmpError> {
+        self.call(MigratePause {}, DEFAULT_DEADLINE).await.map(drop)
     }
 
     pub async fn migrate_incoming(&self, uri: &str) -> Result<(), QmpError> {

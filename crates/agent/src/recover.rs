@@ -9,8 +9,10 @@
 //! | `NAME` | no open record | yes | adopted, runs on |
 //! | `NAME` | source `copying` | yes | migration and local drives' mirrors cancelled, guest resumed, record `aborted` |
 //! | `NAME` | source `committed` | yes | adopted paused and in doubt; the settler asks the target |
+//! | `NAME` | a source record unreadable, guest paused | yes | adopted paused and in doubt (the record may be its) |
 //! | `NAME.in-ID` | target `waiting` | any | QEMU killed (it never ran), its partial local drives removed, record `discarded` |
-//! | `NAME.in-ID` | target `running` (or pruned) | yes | adopted; `cont` if it was paused (RUN was received) |
+//! | `NAME.in-ID` | target `running` (or forgotten once its source was done) | yes | adopted; `cont` if it was paused (RUN was received) |
+//! | `NAME.in-ID` | target record unreadable | yes | adopted paused and in doubt: it may or may not have been told to run |
 //! | `NAME.in-ID` | target `discarded` | any | QEMU killed, directory removed |
 //! | any | any | no | directory removed (its QEMU log kept) |
 //!
@@ -19,8 +21,14 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
-use crate::commit::{Record, Side, SourcePhase, TargetPhase};
+use ferry_api::client::Client;
+use ferry_api::{ApiError, SourceStatus};
+
+use crate::commit::{
+    from_wire_name, target_may_forget, Record, Side, SourceAnswer, SourcePhase, TargetPhase,
+};
 use crate::host::{error_chain, Agent, Role, VmSlot};
 use crate::qemu::{self, QemuVm};
 
@@ -48,17 +56,30 @@ fn dir_kind(name: &str) -> DirKind<'_> {
 enum IncomingFate {
     /// Never ran and never will: kill, record `discarded`.
     Discard { record: bool },
-    /// Was told to run (or ran so long ago its record is pruned): adopt.
+    /// Was told to run (or ran so long ago its record is forgotten): adopt.
     Adopt,
+    /// Its record cannot be read: adopt as it is (paused), in doubt.
+    Doubt,
 }
 
-fn incoming_fate(record: Option<TargetPhase>) -> IncomingFate {
+/// A target record as found at start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Found {
+    Phase(TargetPhase),
+    /// No record (written before the skeleton, so: forgotten after its
+    /// source was done with it).
+    None,
+    /// A record that exists but cannot be read.
+    Unreadable,
+}
+
+fn incoming_fate(record: Found) -> IncomingFate {
     match record {
-        Some(TargetPhase::Waiting) => IncomingFate::Discard { record: true },
-        Some(TargetPhase::Discarded) => IncomingFate::Discard { record: false },
-        // `running` records are pruned after a week; the directory of a
-        // guest that ran here stays `.in-ID` for its life
-        Some(TargetPhase::Running) | None => IncomingFate::Adopt,
+        Found::Phase(TargetPhase::Waiting) => IncomingFate::Discard { record: true },
+        Found::Phase(TargetPhase::Discarded) => IncomingFate::Discard { record: false },
+        // the directory of a guest that ran here stays `.in-ID` for its life
+        Found::Phase(TargetPhase::Running) | Found::None => IncomingFate::Adopt,
+        Found::Unreadable => IncomingFate::Doubt,
     }
 }
 
@@ -68,8 +89,10 @@ impl Agent {
     /// settler. Settled records older than a week are forgotten.
     pub async fn recover(&self) {
         let (records, errors) = self.journal.all();
+        let mut unreadable = Vec::new();
         for e in errors {
-            tracing::error!(error = %e, "unreadable migration record");
+            tracing::error!(error = %e, "unreadable migration record: its migration stays in doubt");
+            unreadable.extend(e.record());
         }
         let vms_dir = self.cfg.state_dir.join("vms");
         let mut dirs: Vec<_> = std::fs::read_dir(&vms_dir)
@@ -81,13 +104,27 @@ impl Agent {
                 continue;
             };
             match dir_kind(&name) {
-                DirKind::Vm(vm) => self.recover_vm(dir, vm, &records).await,
+                DirKind::Vm(vm) => {
+                    let unreadable_source: Vec<&str> = unreadable
+                        .iter()
+                        .filter(|(_, source)| *source)
+                        .map(|(id, _)| id.as_str())
+                        .collect();
+                    self.recover_vm(dir, vm, &records, &unreadable_source).await
+                }
                 DirKind::Incoming { vm, id } => {
                     let phase = records.iter().find_map(|r| match r.side {
                         Side::Target(p) if r.migration_id == id => Some(p),
                         _ => None,
                     });
-                    self.recover_incoming(dir, vm, id, phase).await
+                    let found = match phase {
+                        Some(p) => Found::Phase(p),
+                        None if unreadable.iter().any(|(u, source)| u == id && !*source) => {
+                            Found::Unreadable
+                        }
+                        None => Found::None,
+                    };
+                    self.recover_incoming(dir, vm, id, found).await
                 }
             }
         }
@@ -109,7 +146,28 @@ impl Agent {
                 _ => {}
             }
         }
-        self.journal.prune(PRUNE_AFTER_SECS);
+    }
+
+    /// Settled records older than a week are forgotten; a target's
+    /// `running` one only once its source says it is done with it.
+    pub async fn forget_settled(&self) {
+        for rec in self.journal.prune(PRUNE_AFTER_SECS) {
+            let client = Client::new("source agent", &rec.peer_url, self.client_auth.clone());
+            let said = match client
+                .get::<SourceStatus>(
+                    &format!("/migrations/{}", rec.migration_id),
+                    Duration::from_secs(2),
+                )
+                .await
+            {
+                Ok(s) => from_wire_name::<SourceAnswer>(&s.phase),
+                Err(ApiError::NotFound { .. }) => Some(SourceAnswer::Unknown),
+                Err(_) => None,
+            };
+            if target_may_forget(said) {
+                self.journal.forget(&rec);
+            }
+        }
     }
 
     fn record(&self, id: &str, side: Side) {
@@ -120,7 +178,7 @@ impl Agent {
 
     /// A VM that ran here: adopt it; a migration it was the source of and
     /// that never committed is cancelled and the guest resumed.
-    async fn recover_vm(&self, dir: &Path, vm: &str, records: &[Record]) {
+    async fn recover_vm(&self, dir: &Path, vm: &str, records: &[Record], unreadable: &[&str]) {
         let Some(q) = self.adopt_dir(dir, vm, "").await else {
             return;
         };
@@ -146,6 +204,17 @@ impl Agent {
                 // committed: the guest may run only where the settler finds it
                 doubt = Some(format!("committed to {}; settling after a restart", r.peer));
             }
+            None if !unreadable.is_empty() => {
+                // a guest paused by a migration whose record is unreadable
+                // may have moved: it stays paused until someone looks
+                let paused = q.qmp.status().await.map(|s| !s.running).unwrap_or(true);
+                if paused {
+                    doubt = Some(format!(
+                        "paused, and the migration record(s) {} cannot be read; left paused",
+                        unreadable.join(", ")
+                    ));
+                }
+            }
             None => {}
         }
         self.adopt_slot(vm, q, doubt).await;
@@ -153,8 +222,8 @@ impl Agent {
 
     /// A migration target's QEMU: adopt the guest that was told to run,
     /// kill a skeleton that never did.
-    async fn recover_incoming(&self, dir: &Path, vm: &str, id: &str, phase: Option<TargetPhase>) {
-        match incoming_fate(phase) {
+    async fn recover_incoming(&self, dir: &Path, vm: &str, id: &str, found: Found) {
+        match incoming_fate(found) {
             IncomingFate::Discard { record } => {
                 // the process first, the record after: `discarded` means it can never run
                 qemu::kill_recorded(dir).await;
@@ -178,6 +247,16 @@ impl Agent {
                 // been lost with the agent)
                 crate::migration::resume_guest(&q).await;
                 self.adopt_slot(vm, q, None).await;
+            }
+            IncomingFate::Doubt => {
+                let Some(q) = self.adopt_dir(dir, vm, &format!(".{id}.target")).await else {
+                    return;
+                };
+                tracing::error!(vm, migration = id, "restart: this host's record of the migration cannot be read; the guest is left as it is, in doubt");
+                let why = format!(
+                    "the record of incoming migration {id} cannot be read; left as it is (ferry vm resolve {vm})"
+                );
+                self.adopt_slot(vm, q, Some(why)).await;
             }
         }
     }
@@ -245,17 +324,19 @@ mod tests {
     #[test]
     fn only_a_target_told_to_run_is_adopted() {
         assert_eq!(
-            incoming_fate(Some(TargetPhase::Waiting)),
+            incoming_fate(Found::Phase(TargetPhase::Waiting)),
             IncomingFate::Discard { record: true }
         );
         assert_eq!(
-            incoming_fate(Some(TargetPhase::Discarded)),
+            incoming_fate(Found::Phase(TargetPhase::Discarded)),
             IncomingFate::Discard { record: false }
         );
         assert_eq!(
-            incoming_fate(Some(TargetPhase::Running)),
+            incoming_fate(Found::Phase(TargetPhase::Running)),
             IncomingFate::Adopt
         );
-        assert_eq!(incoming_fate(None), IncomingFate::Adopt);
+        assert_eq!(incoming_fate(Found::None), IncomingFate::Adopt);
+        // an unreadable record is no answer: never resumed, never killed
+        assert_eq!(incoming_fate(Found::Unreadable), IncomingFate::Doubt);
     }
 }

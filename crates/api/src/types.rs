@@ -1052,6 +1052,57 @@ pub struct RejoinRequest {
     pub nic: String,
 }
 
+/// Source → target agent: a post-copy's stream broke; listen for a new one
+/// on your NIC `nic` (`migrate-recover`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RecoverRequest {
+    pub nic: String,
+}
+
+/// Where the target's QEMU listens for the post-copy's new stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecoverReply {
+    /// `tcp:ADDRESS:PORT`, for the source's `migrate` with `resume`.
+    pub uri: String,
+    pub nic: String,
+}
+
+/// `POST /vms/{name}/resolve`: settle now what is in doubt. With
+/// `target_lost`, the operator declares the migration's target host gone
+/// for good (powered off or fenced, `confirm_powered_off`): the source
+/// records the move aborted and resumes its copy of the guest.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResolveRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_lost: Option<String>,
+    #[serde(default)]
+    pub confirm_powered_off: bool,
+}
+
+impl ResolveRequest {
+    /// A declared loss needs its confirmation and a host name.
+    pub fn check(&self) -> Result<(), crate::ApiError> {
+        match &self.target_lost {
+            Some(h) if !self.confirm_powered_off => Err(crate::ApiError::invalid(
+                "confirm_powered_off",
+                format!(
+                    "declaring {h} lost resumes the guest on its source: confirm that {h} is \
+                     powered off or fenced (--confirm-powered-off); if {h} ran the guest and \
+                     comes back, two copies would run"
+                ),
+            )),
+            Some(h) => crate::validate_name("target_lost", h),
+            None if self.confirm_powered_off => Err(crate::ApiError::invalid(
+                "confirm_powered_off",
+                "confirms a lost target: give the host with target_lost (--target-lost HOST)",
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IncomingStatus {
     pub migration_id: String,

@@ -70,10 +70,18 @@ pub enum VmCmd {
         json: bool,
     },
     /// Show and settle a migration of the VM left in doubt (its RUN
-    /// unanswered): each host with a record asks the other side now.
-    /// Exit status 1 while it stays in doubt.
+    /// unanswered, or a post-copy broken): each host with a record asks the
+    /// other side now. Exit status 1 while it stays in doubt.
     Resolve {
         name: String,
+        /// The migration's target host is gone for good: resume the guest on
+        /// its source (admin). Needs --confirm-powered-off.
+        #[arg(long, value_name = "HOST")]
+        target_lost: Option<String>,
+        /// Confirms that the host given to --target-lost is powered off or
+        /// fenced: if it ran the guest and came back, two copies would run.
+        #[arg(long)]
+        confirm_powered_off: bool,
         #[arg(long)]
         json: bool,
     },
@@ -369,9 +377,20 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             }
             Ok(if r.ok() { 0 } else { 1 })
         }
-        VmCmd::Resolve { name, json } => {
+        VmCmd::Resolve {
+            name,
+            target_lost,
+            confirm_powered_off,
+            json,
+        } => {
+            let req = ferry_api::ResolveRequest {
+                target_lost: target_lost.clone(),
+                confirm_powered_off: *confirm_powered_off,
+            };
+            // refused here before anything is asked, with the same words
+            req.check()?;
             let r: Vec<ferry_api::ResolveReport> = client()?
-                .post(&format!("/vms/{name}/resolve"), &serde_json::json!({}), T)
+                .post(&format!("/vms/{name}/resolve"), &req, T)
                 .await?;
             if *json {
                 print_json(&r);

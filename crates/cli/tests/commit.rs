@@ -4,6 +4,9 @@
 //! copies. Whether a QEMU's vCPUs ever ran is read from its own log: every
 //! QEMU traces its run-state changes (`vm_state_notify running 1`), and the
 //! agent keeps the log of every QEMU it removes under `STATE_DIR/log/`.
+//! After the commit, an unreadable record is no answer (nothing resumes or
+//! runs on it), and `vm resolve --target-lost` is the operator's way out
+//! when the target host is gone for good.
 //! Needs root and QEMU ≥ 9 (see common/mod.rs); the tests are #[ignore]d and
 //! scripts/run test includes them.
 
@@ -11,7 +14,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -120,4 +123,140 @@ fn source_agent_killed_after_its_commit_record_lets_the_target_run_once_it_is_ba
     // never after, and was stopped when the target answered RUN
     let source_log = one_file(&format!("{LAB}/host1/log"), "cp3.", ".source.qemu.log");
     assert_eq!(runs_in(&source_log), 1);
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
+fn an_unreadable_target_record_leaves_the_source_paused_in_doubt_and_nothing_runs_twice() {
+    require_lab();
+    let _g = serial();
+    lab(3, 2);
+    // the target agent dies at RUN, before it records running: in doubt
+    restart_agent_with("host2", "target-before-run=exit");
+    let _vm = VmGuard::create("cp4", "host1", "384M", "256M");
+    let r = move_vm("cp4", "host2", "tcp");
+    assert_eq!(r["error"]["code"], "migration_in_doubt", "{r}");
+    // its journal is damaged while it is down
+    let skeleton = one_file(&format!("{LAB}/host2/vms"), "cp4.in-", "");
+    let id = skeleton.file_name().unwrap().to_string_lossy()["cp4.in-".len()..].to_string();
+    let record = PathBuf::from(format!("{LAB}/host2/migrations/{id}.target.json"));
+    let kept = std::fs::read(&record).unwrap();
+    std::fs::write(&record, b"{\"migration_id\": ").unwrap();
+    restart_agent_with("host2", "");
+    struct Restore(PathBuf, Vec<u8>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let _ = std::fs::write(&self.0, &self.1);
+            restart_agent_with("host2", "");
+        }
+    }
+    let restore = Restore(record, kept);
+    // the settler and the skeleton both ask for longer than the skeleton's
+    // 10 s: an unreadable record is no answer, never "never ran"
+    std::thread::sleep(Duration::from_secs(14));
+    assert_eq!(
+        runs_in(&skeleton.join("qemu.log")),
+        0,
+        "the skeleton ran on an unreadable record"
+    );
+    assert_eq!(
+        runs_in(Path::new(&format!("{LAB}/host1/vms/cp4/qemu.log"))),
+        1,
+        "the source resumed on an unreadable answer"
+    );
+    let src = vm_entries("cp4")
+        .into_iter()
+        .find(|v| v["host"] == "host1")
+        .expect("listed on host1");
+    assert!(src["in_doubt"].is_string(), "{src}");
+    let out = ferry(&["vm", "resolve", "cp4"]);
+    assert_eq!(out.status.code(), Some(1), "resolve settled it: {out:?}");
+    // the record readable again: the skeleton never ran, so it goes and the
+    // source runs the guest
+    drop(restore);
+    wait_settled_on("cp4", "host1", "host2", Duration::from_secs(60));
+    assert_eq!(
+        runs_in(Path::new(&format!("{LAB}/host1/vms/cp4/qemu.log"))),
+        2
+    );
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
+fn resolve_target_lost_after_the_target_host_is_gone_resumes_the_guest_on_the_source() {
+    require_lab();
+    let _g = serial();
+    lab(3, 2);
+    restart_agent_with("host2", "target-before-run=stop");
+    let _vm = VmGuard::create("cp5", "host1", "384M", "256M");
+    let r = move_vm("cp5", "host2", "tcp");
+    assert_eq!(r["error"]["code"], "migration_in_doubt", "{r}");
+    // host2 is gone for good: its agent and its QEMUs killed, its links cut
+    struct Back;
+    impl Drop for Back {
+        fn drop(&mut self) {
+            for nic in ["mgmt0", "nic1", "nic2"] {
+                ferry(&["lab", "link", "host2", nic, "up"]);
+            }
+            restart_agent_with("host2", "");
+        }
+    }
+    let _back = Back;
+    kill_agent("host2");
+    for pid in qemu_pids("host2") {
+        // SAFETY: kill(2) with a pid and a signal has no memory effects.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    for nic in ["mgmt0", "nic1", "nic2"] {
+        ferry_ok(&["lab", "link", "host2", nic, "down"]);
+    }
+    // asking settles nothing: the target does not answer
+    let out = ferry(&["vm", "resolve", "cp5"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    // the way out needs the operator's confirmation, and says why
+    let out = ferry(&["vm", "resolve", "cp5", "--target-lost", "host2"]);
+    assert_ne!(out.status.code(), Some(0), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--confirm-powered-off") && err.contains("two copies"),
+        "{err}"
+    );
+    let out = ferry(&[
+        "vm",
+        "resolve",
+        "cp5",
+        "--target-lost",
+        "host2",
+        "--confirm-powered-off",
+        "--json",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let reports: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(reports[0]["phase"], "aborted", "{reports}");
+    assert_eq!(reports[0]["host"], "host1", "{reports}");
+    assert_intact_on("cp5", "host1");
+    // stopped for the switch-over, resumed once by the operator's word
+    assert_eq!(
+        runs_in(Path::new(&format!("{LAB}/host1/vms/cp5/qemu.log"))),
+        2
+    );
+    // logged, with who said so
+    let events = ferry_json(&["events", "--json", "--limit", "50"]);
+    let events = events.as_array().unwrap();
+    assert!(
+        events
+            .iter()
+            .any(|e| e["kind"] == "migration-target-lost" && e["subject"] == "cp5"),
+        "no migration-target-lost event"
+    );
+    assert!(
+        events.iter().any(|e| e["kind"] == "command"
+            && e["subject"]
+                .as_str()
+                .unwrap_or("")
+                .contains("declare host2 lost")),
+        "the command and its author are not in the log"
+    );
+    let log = std::fs::read_to_string(format!("{LAB}/host1/agent.log")).unwrap();
+    assert!(log.contains("the operator declared the target lost"));
 }

@@ -3,7 +3,10 @@
 //! allowed (as the source host's default), fails clearly naming the rates
 //! with post-copy forbidden, pauses and copies at expiry when asked to, and
 //! completes in post-copy with one of two NICs cut and with every path cut
-//! for seconds.
+//! for seconds. After post-copy's commit nothing is lost: a stream reset
+//! with its paths down for 20 s is resumed on a new one, a source agent
+//! killed mid-way keeps its QEMU (and the pages) until QEMU says completed,
+//! and a refused switch to post-copy discards the skeleton.
 //! Needs root and QEMU ≥ 9 (see common/mod.rs); the tests are #[ignore]d; scripts/run test includes them.
 
 #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
@@ -12,6 +15,7 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::Value;
@@ -307,4 +311,186 @@ fn postcopy_survives_losing_every_path_for_seconds() {
         assert!(c["failures"].as_u64().unwrap() >= 1, "{c}");
     }
     assert_intact_on("busy5", "host3");
+}
+
+/// Every TCP connection between host1 and host2's migration addresses,
+/// reset at both ends (`ss -K`): a break TCP cannot ride out.
+fn reset_connections_to_host2() {
+    for k in 1..=2 {
+        let addr = nic_addr("host2", k);
+        for (ns, dir) in [("host1", "dst"), ("host2", "src")] {
+            let out = Command::new("ip")
+                .args(["netns", "exec", ns, "ss", "-K", "-t", dir, &addr])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "ss -K in {ns}: {out:?}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
+fn postcopy_whose_stream_is_reset_and_whose_paths_are_down_20_s_recovers_with_every_page() {
+    require_lab();
+    let _g = serial();
+    lab_at(3, 2, RATE);
+    let _vm = busy("busy6");
+    struct Up;
+    impl Drop for Up {
+        fn drop(&mut self) {
+            ferry(&["lab", "link", "host2", "nic1", "up"]);
+            ferry(&["lab", "link", "host2", "nic2", "up"]);
+        }
+    }
+    let _up = Up;
+    let cut = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let (r, events) = {
+        let cut = cut.clone();
+        move_busy(
+            "busy6",
+            "host2",
+            &[
+                "--option",
+                "tcp",
+                "--postcopy",
+                "allow",
+                "--throttle",
+                "forbid",
+            ],
+            move || {
+                // in the middle of post-copy, with the guest running on the
+                // target: QEMU's stream reset and every path of the target
+                // down for 20 s
+                *cut.lock().unwrap() = Some(std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(1500));
+                    ferry_ok(&["lab", "link", "host2", "nic1", "down"]);
+                    ferry_ok(&["lab", "link", "host2", "nic2", "down"]);
+                    reset_connections_to_host2();
+                    std::thread::sleep(Duration::from_secs(20));
+                    ferry_ok(&["lab", "link", "host2", "nic1", "up"]);
+                    ferry_ok(&["lab", "link", "host2", "nic2", "up"]);
+                    Instant::now()
+                }));
+            },
+        )
+    };
+    let restored = cut
+        .lock()
+        .unwrap()
+        .take()
+        .expect("never reached post-copy")
+        .join()
+        .unwrap();
+    if r["event"] != "completed" {
+        for h in ["host1", "host2"] {
+            eprintln!("--- {h} agent.log (tail) ---\n{}", agent_log_tail(h, 40));
+        }
+    }
+    assert_eq!(r["event"], "completed", "{r}");
+    assert_eq!(r["phase"], "postcopy", "{r}");
+    // QEMU saw the break, and the move resumed it on a new stream
+    assert!(
+        events
+            .iter()
+            .any(|e| e["event"] == "progress" && e["status"] == "postcopy-paused"),
+        "post-copy never paused"
+    );
+    let resumed = events
+        .iter()
+        .find(|e| e["event"] == "step" && e["step"] == "postcopy-recover")
+        .expect("a postcopy-recover step");
+    assert!(
+        resumed["detail"].as_str().unwrap().contains("resumed over"),
+        "{resumed}"
+    );
+    // it completed only after the paths returned: nothing moved meanwhile
+    assert!(restored.elapsed() < Duration::from_secs(120));
+    assert_intact_on("busy6", "host2");
+    assert!(qemu_pids("host1").is_empty(), "the source QEMU is left");
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
+fn postcopy_whose_source_agent_is_killed_mid_way_keeps_the_source_qemu_until_completed() {
+    require_lab();
+    let _g = serial();
+    lab_at(3, 2, RATE);
+    restart_agent_with("host1", "source-postcopy-running=exit");
+    struct Restart;
+    impl Drop for Restart {
+        fn drop(&mut self) {
+            restart_agent_with("host1", "");
+        }
+    }
+    let _restart = Restart;
+    let _vm = busy("busy7");
+    // the source agent dies once the target runs the guest, pages still
+    // to come: the move's stream ends without a report
+    let (r, _) = move_busy(
+        "busy7",
+        "host2",
+        &[
+            "--option",
+            "tcp",
+            "--postcopy",
+            "allow",
+            "--throttle",
+            "forbid",
+        ],
+        || {},
+    );
+    assert_ne!(r["event"], "completed", "{r}");
+    restart_agent_with("host1", "");
+    // the guest runs whole on the target; the source QEMU, which kept the
+    // pages it still needed, is gone once QEMU said completed
+    wait_settled_on("busy7", "host2", "host1", Duration::from_secs(120));
+    assert_intact_on("busy7", "host2");
+    let log = std::fs::read_to_string(format!("{LAB}/host1/agent.log")).unwrap();
+    let settled = log
+        .lines()
+        .filter(|l| l.contains("busy7") && l.contains("settled: host2 runs the guest"))
+        .last()
+        .expect("settled by the restarted agent");
+    assert!(settled.contains("its migration completed"), "{settled}");
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
+fn refused_postcopy_discards_the_skeleton_and_the_source_runs_on() {
+    require_lab();
+    let _g = serial();
+    lab_at(3, 2, RATE);
+    restart_agent_with("host1", "source-start-postcopy=fail");
+    struct Restart;
+    impl Drop for Restart {
+        fn drop(&mut self) {
+            restart_agent_with("host1", "");
+        }
+    }
+    let _restart = Restart;
+    let _vm = busy("busy8");
+    let (r, _) = move_busy(
+        "busy8",
+        "host2",
+        &[
+            "--option",
+            "tcp",
+            "--postcopy",
+            "allow",
+            "--throttle",
+            "forbid",
+        ],
+        || {},
+    );
+    assert_eq!(r["event"], "failed", "{r}");
+    assert_eq!(r["error"]["running_on"], "host1", "{r}");
+    let reason = r["error"]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("refused") && reason.contains("discarded its skeleton"),
+        "{reason}"
+    );
+    assert_intact_on("busy8", "host1");
+    assert!(qemu_pids("host2").is_empty(), "skeleton left on host2");
+    let skeleton = one_file(&format!("{LAB}/host2/log"), "busy8.", ".target.qemu.log");
+    assert_eq!(runs_in(&skeleton), 0, "the skeleton ran");
 }

@@ -469,8 +469,12 @@ async fn create(State(c): S, ApiJson(req): ApiJson<VmCreateRequest>) -> Response
 async fn check(State(c): S, Path(name): Path<String>) -> Response {
     run(&c, Command::CheckVm { name }).await
 }
-async fn resolve(State(c): S, Path(name): Path<String>) -> Response {
-    run(&c, Command::ResolveVm { name }).await
+async fn resolve(
+    State(c): S,
+    Path(name): Path<String>,
+    ApiJson(req): ApiJson<ferry_api::ResolveRequest>,
+) -> Response {
+    run(&c, Command::ResolveVm { name, req }).await
 }
 async fn remove(State(c): S, Path(name): Path<String>) -> Response {
     run(&c, Command::RemoveVm { name }).await

@@ -61,6 +61,7 @@ pub enum Command {
     /// that has a record of it).
     ResolveVm {
         name: String,
+        req: ferry_api::ResolveRequest,
     },
     RemoveVm {
         name: String,
@@ -151,7 +152,14 @@ impl Command {
             Command::ListBandwidth => (ReadOnly, "list bandwidth classes".into()),
             Command::GetCluster => (ReadOnly, "read cluster settings".into()),
             Command::CreateVm(r) => (Operator, format!("create VM {}", r.spec.name)),
-            Command::ResolveVm { name } => (Operator, format!("resolve VM {name}")),
+            // declaring a host lost can run two copies if it is not: an admin's word
+            Command::ResolveVm { name, req } => match &req.target_lost {
+                Some(h) => (
+                    Admin,
+                    format!("declare {h} lost and resume VM {name} on its source"),
+                ),
+                None => (Operator, format!("resolve VM {name}")),
+            },
             Command::RemoveVm { name } => (Operator, format!("remove VM {name}")),
             Command::MoveVm { name, req } => (Operator, format!("move VM {name} to {}", req.to)),
             Command::Validate(_) => (Operator, "validate hosts".into()),
@@ -537,7 +545,7 @@ impl Control {
             Command::ListVms => value(self.list_vms().await?),
             Command::CreateVm(req) => value(self.create_vm(*req).await?),
             Command::CheckVm { name } => value(self.check_vm(&name).await?),
-            Command::ResolveVm { name } => value(self.resolve_vm(&name).await?),
+            Command::ResolveVm { name, req } => value(self.resolve_vm(&name, &req).await?),
             Command::RemoveVm { name } => value(self.remove_vm(&name).await?),
             Command::MoveVm { name, req } => {
                 let target = req.to.clone();
@@ -819,12 +827,19 @@ impl Control {
 
     /// Asks every host that lists the VM (source and target alike) to settle
     /// what it has in doubt; an unreachable host is named in the answer.
-    async fn resolve_vm(&self, name: &str) -> Result<Vec<ferry_api::ResolveReport>, ApiError> {
+    async fn resolve_vm(
+        &self,
+        name: &str,
+        req: &ferry_api::ResolveRequest,
+    ) -> Result<Vec<ferry_api::ResolveReport>, ApiError> {
+        req.check()?;
         let vms = self.list_vms().await?;
         let hosts: std::collections::BTreeSet<String> = vms
             .iter()
             .filter(|v| v.name == name)
             .map(|v| v.host.clone())
+            // the lost host is not asked: only the source settles
+            .filter(|h| req.target_lost.as_ref() != Some(h))
             .collect();
         if hosts.is_empty() {
             return Err(ApiError::not_found("vm", name));
@@ -835,13 +850,24 @@ impl Control {
                 .host(&h)?
                 .post(
                     &format!("/vms/{name}/resolve"),
-                    &serde_json::json!({}),
+                    req,
                     Duration::from_secs(30),
                 )
                 .await?;
             out.extend(r);
         }
-        if out.iter().any(|r| r.phase != r.phase_before) {
+        if let Some(lost) = &req.target_lost {
+            if out.is_empty() {
+                return Err(ApiError::Conflict {
+                    reason: format!("no migration of {name} to {lost} is in doubt"),
+                });
+            }
+            self.log(
+                "migration-target-lost",
+                name,
+                serde_json::json!({ "target": lost, "reports": out }),
+            );
+        } else if out.iter().any(|r| r.phase != r.phase_before) {
             self.log(
                 "migration-resolved",
                 name,

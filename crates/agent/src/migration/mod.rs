@@ -104,8 +104,10 @@ fn fail(step: &'static str, reason: impl Into<String>) -> Failure {
 }
 
 /// After post-copy's stream broke, this long in `postcopy-paused` ends the
-/// move as lost (the guest stays paused on the target for recovery).
-const POSTCOPY_PAUSED_LIMIT: Duration = Duration::from_secs(30);
+/// move as lost; the settler goes on recovering it.
+const POSTCOPY_PAUSED_LIMIT: Duration = Duration::from_secs(120);
+/// How often a paused post-copy is tried on a new stream.
+const RECOVER_EVERY: Duration = Duration::from_secs(2);
 /// Post-copy that moves no byte for this long is broken (it ends as lost).
 const POSTCOPY_STALL_LIMIT: Duration = Duration::from_secs(60);
 
@@ -652,6 +654,7 @@ impl Agent {
                 peer_url: req.target_url.clone(),
                 side: Side::Source(SourcePhase::Copying),
                 updated: 0,
+                sealed: req.encrypt_carriers,
             })
             .map_err(|e| fail("memory", error_chain(&e)))?;
         // Ferry's carriers keep each stream within a window of what the target
@@ -888,10 +891,24 @@ impl Agent {
             Err(f) => (Err(f), None),
         };
         let (result, plan) = result;
+        // whether a failure is before or after the commit is the journal's
+        // to say, not the step's that failed
+        let before_commit = match &result {
+            Ok(_) => false,
+            Err(_) => matches!(
+                self.journal.read(id, true),
+                Ok(None)
+                    | Ok(Some(Record {
+                        side: Side::Source(SourcePhase::Copying),
+                        ..
+                    }))
+            ),
+        };
         if let Some(m) = mirror.as_mut() {
-            match &result {
-                Err(f) if f.after == AfterCommit::No => m.abort(&vm.qmp).await,
-                _ => m.close(),
+            if before_commit {
+                m.abort(&vm.qmp).await
+            } else {
+                m.close()
             }
         }
         let Some(plan) = plan else {
@@ -907,44 +924,11 @@ impl Agent {
         };
         let outcome = match result {
             Ok(report) => Ok(report),
-            Err(f) if f.after == AfterCommit::No => {
+            Err(f) if before_commit => {
                 self.roll_back(id, vm, &target, session).await;
                 Err(f)
             }
-            Err(mut f) if f.after == AfterCommit::InDoubt => {
-                let why = format!(
-                    "committed, RUN unanswered since unix time {} ({}); asking {} every 2 s",
-                    crate::commit::now_secs(),
-                    f.reason,
-                    req.target
-                );
-                if let Some(s) = self.state.lock().await.vms.get_mut(&spec.name) {
-                    s.doubt = Some(why);
-                }
-                ev.step(
-                    "in-doubt",
-                    format!(
-                        "{} did not answer RUN: {} stays paused here and runs on neither host until {} answers",
-                        req.target, spec.name, req.target
-                    ),
-                )
-                .await;
-                f.passthrough = Some(ApiError::MigrationInDoubt {
-                    vm: spec.name.clone(),
-                    source_host: self.cfg.name.clone(),
-                    target: req.target.clone(),
-                    reason: f.reason.clone(),
-                });
-                Err(f)
-            }
-            Err(mut f) => {
-                f.passthrough = Some(ApiError::MigrationLost {
-                    vm: spec.name.clone(),
-                    target: req.target.clone(),
-                    reason: f.reason.clone(),
-                });
-                Err(f)
-            }
+            Err(f) => Err(self.failed_after_commit(id, spec, req, ev, f).await),
         };
         if let Plan::Multichannel { session, sock, .. } = &plan {
             session.close();
@@ -1116,6 +1100,18 @@ impl Agent {
         let mut run_answer: Option<IncomingStatus> = None;
         let mut last_run_try = Instant::now() - Duration::from_secs(60);
         let mut postcopy_paused: Option<Instant> = None;
+        let mut last_recover = Instant::now() - RECOVER_EVERY;
+        let mut recover_failed: Option<String> = None;
+        // what a recovery needs to know of this move
+        let rec = Record {
+            migration_id: id.into(),
+            vm: spec.name.clone(),
+            peer: target_name.into(),
+            peer_url: String::new(),
+            side: Side::Source(SourcePhase::Committed),
+            updated: 0,
+            sealed: matches!(plan, Plan::Multichannel { session, .. } if session.sealed()),
+        };
         let mut postcopy_moved = (Instant::now(), 0u64);
         let lost = |why: String| Failure {
             step: "postcopy",
@@ -1290,11 +1286,16 @@ impl Agent {
                     )
                     .await;
                     crate::failpoint::hit("source-after-commit");
-                    if let Err(e) = qmp.start_postcopy().await {
-                        return Err(lost(format!(
-                            "QEMU refused to start post-copy after the commit: {}",
-                            error_chain(&e)
-                        )));
+                    // refused, QEMU never switches: the journal's commit is
+                    // then settled as one QEMU never acted on (see `settle`)
+                    let refused = match crate::failpoint::hit("source-start-postcopy") {
+                        Some(crate::failpoint::Action::Fail) => {
+                            Some("refused at fail point source-start-postcopy".to_string())
+                        }
+                        _ => qmp.start_postcopy().await.err().map(|e| error_chain(&e)),
+                    };
+                    if let Some(why) = refused {
+                        return Err(lost(format!("QEMU refused to start post-copy: {why}")));
                     }
                     copy.entered_postcopy();
                     let detail = format!(
@@ -1365,12 +1366,13 @@ impl Agent {
                     {
                         if answer_of(&st) == TargetAnswer::Running {
                             run_answer = Some(st);
+                            crate::failpoint::hit("source-postcopy-running");
                         }
                     }
                 }
                 // post-copy pushes every remaining page in the background: a
                 // stream that moves nothing for a minute is broken, not idle
-                if ram.transferred != postcopy_moved.1 {
+                if ram.transferred != postcopy_moved.1 || status != "postcopy-active" {
                     postcopy_moved = (now, ram.transferred);
                 } else if now - postcopy_moved.0 > POSTCOPY_STALL_LIMIT {
                     return Err(lost(format!(
@@ -1380,11 +1382,34 @@ impl Agent {
                     )));
                 }
                 if status == "postcopy-paused" {
+                    // the stream broke: a new one over any path up, tried
+                    // again as paths return; the source QEMU keeps every page
                     let since = *postcopy_paused.get_or_insert(now);
+                    if now - last_recover >= RECOVER_EVERY {
+                        last_recover = now;
+                        match self.recover_postcopy(&rec, target, vm).await {
+                            Ok(how) => {
+                                recover_failed = None;
+                                ev.step("postcopy-recover", how).await;
+                            }
+                            Err(why) if recover_failed.as_deref() != Some(why.as_str()) => {
+                                ev.send(MigrationEvent::Warning {
+                                    message: format!(
+                                        "post-copy's stream broke; {} waits paused for its pages; \
+                                         recovering: {why}",
+                                        spec.name
+                                    ),
+                                })
+                                .await;
+                                recover_failed = Some(why);
+                            }
+                            Err(_) => {}
+                        }
+                    }
                     if now - since > POSTCOPY_PAUSED_LIMIT {
                         return Err(lost(format!(
-                            "post-copy's stream broke and stayed down for {} s; the guest waits \
-                             paused on {target_name} for QEMU's post-copy recovery",
+                            "post-copy's stream broke and no new one held for {} s; the guest \
+                             waits paused on {target_name}, and this host keeps trying to resume it",
                             POSTCOPY_PAUSED_LIMIT.as_secs()
                         )));
                     }
@@ -1555,9 +1580,21 @@ impl Agent {
         // checked without running the target is checked now; any failure
         // here rolls back and the source resumes.
         let t_completed = Instant::now();
-        let tick_before = self
-            .console_tick(vm)
-            .map_err(|e| fail("final-check", format!("reading the source console: {e}")))?;
+        // after a post-copy's commit nothing rolls back: an unreadable console
+        // only leaves the check without the source's last counter
+        let tick_before = match self.console_tick(vm) {
+            Ok(t) => t,
+            Err(e) if committed => {
+                tracing::warn!(error = %e, "reading the source console after the commit");
+                None
+            }
+            Err(e) => {
+                return Err(fail(
+                    "final-check",
+                    format!("reading the source console: {e}"),
+                ))
+            }
+        };
         let t_tick = Instant::now();
         let mut switch_parts: Vec<(&str, u64)> = Vec::new();
         let on_target = if committed {
@@ -2018,6 +2055,87 @@ impl Agent {
         }
     }
 
+    /// A move that failed with its commit recorded (or its record
+    /// unreadable): never rolled back. Settled at once if it can be (QEMU
+    /// never switched, the target runs the whole guest), else left in doubt
+    /// (RUN unanswered) or lost (post-copy broke) for the settler.
+    async fn failed_after_commit(
+        &self,
+        id: &str,
+        spec: &VmSpec,
+        req: &MigrateRequest,
+        ev: &Events,
+        mut f: Failure,
+    ) -> Failure {
+        let rec = match self.journal.read(id, true) {
+            Ok(Some(r)) => r,
+            Ok(None) => unreachable!("a move with no record is before its commit"),
+            Err(e) => {
+                let why = format!("this host's record of the move cannot be read: {e}");
+                if let Some(s) = self.state.lock().await.vms.get_mut(&spec.name) {
+                    s.doubt = Some(why.clone());
+                }
+                f.after = AfterCommit::InDoubt;
+                f.passthrough = Some(ApiError::MigrationInDoubt {
+                    vm: spec.name.clone(),
+                    source_host: self.cfg.name.clone(),
+                    target: req.target.clone(),
+                    reason: format!("{}; {why}", f.reason),
+                });
+                return f;
+            }
+        };
+        let (phase, detail) = match rec.side {
+            Side::Source(SourcePhase::Committed) => self.settle_once(&rec).await,
+            Side::Source(p) => (p, String::new()),
+            Side::Target(_) => unreachable!("read as the source's record"),
+        };
+        let reason = if detail.is_empty() {
+            f.reason.clone()
+        } else {
+            format!("{}; {detail}", f.reason)
+        };
+        match phase {
+            SourcePhase::Aborted | SourcePhase::Copying => {
+                f.after = AfterCommit::No;
+                f.reason = reason;
+            }
+            SourcePhase::Done => {
+                f.passthrough = Some(ApiError::MigrationFailed {
+                    vm: spec.name.clone(),
+                    step: f.step.into(),
+                    reason,
+                    running_on: req.target.clone(),
+                });
+            }
+            SourcePhase::Committed if f.after == AfterCommit::InDoubt => {
+                ev.step(
+                    "in-doubt",
+                    format!(
+                        "{} did not answer RUN: {} stays paused here and runs on neither host until {} answers",
+                        req.target, spec.name, req.target
+                    ),
+                )
+                .await;
+                f.passthrough = Some(ApiError::MigrationInDoubt {
+                    vm: spec.name.clone(),
+                    source_host: self.cfg.name.clone(),
+                    target: req.target.clone(),
+                    reason,
+                });
+            }
+            SourcePhase::Committed => {
+                f.after = AfterCommit::Lost;
+                f.passthrough = Some(ApiError::MigrationLost {
+                    vm: spec.name.clone(),
+                    target: req.target.clone(),
+                    reason,
+                });
+            }
+        }
+        f
+    }
+
     /// Before the commit: records Aborted, cancels QEMU's migration, tells
     /// the target to discard its skeleton (which never ran: it waits paused
     /// for a RUN that will not come, and asks this host if nobody tells it),
@@ -2029,6 +2147,17 @@ impl Agent {
         target: &Client,
         session: Option<&ferry_transport::Carriers>,
     ) {
+        // never past the commit, whoever asks
+        match self.journal.read(id, true) {
+            Ok(Some(Record {
+                side: Side::Source(SourcePhase::Copying),
+                ..
+            })) => {}
+            other => {
+                tracing::error!(migration = id, record = ?other.map(|r| r.map(|r| r.side)), "not rolled back: the journal does not say copying");
+                return;
+            }
+        }
         if let Err(e) = self.set_source_phase(id, SourcePhase::Aborted) {
             // the record still says Copying: a target asking hears "copying"
             // and waits; this agent's next start records Aborted

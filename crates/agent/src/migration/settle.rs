@@ -7,10 +7,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_api::client::Client;
-use ferry_api::{ApiError, IncomingStatus, ResolveReport, SourceStatus};
+use ferry_api::{
+    ApiError, HostInfo, IncomingStatus, RecoverReply, RecoverRequest, ResolveReport,
+    ResolveRequest, SourceStatus,
+};
 
 use super::target::answer_of;
-use crate::commit::{source_next, wire_name, Record, Side, SourceAction, SourceEvent, SourcePhase};
+use crate::commit::{
+    after_commit, wire_name, AfterCommitAction, Record, Side, SourcePhase, SourceQemu, TargetAnswer,
+};
 use crate::host::{error_chain, Agent, Role};
 use crate::qemu::QemuVm;
 
@@ -28,6 +33,56 @@ pub(crate) async fn resume_guest(vm: &QemuVm) {
         }
         Ok(_) => {}
         Err(e) => tracing::error!(error = %e, "source QEMU does not answer"),
+    }
+}
+
+/// How the source reads a target's answer (or its silence).
+fn ask_target(r: Result<IncomingStatus, ApiError>) -> Result<TargetAnswer, String> {
+    match r {
+        Ok(st) => Ok(answer_of(&st)),
+        Err(ApiError::NotFound { .. }) => Ok(TargetAnswer::NeverRan),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Where this host's QEMU of a committed migration stands.
+pub(super) async fn source_qemu(q: Option<&QemuVm>) -> SourceQemu {
+    let Some(q) = q else {
+        return SourceQemu::Gone;
+    };
+    if !q.alive().await {
+        return SourceQemu::Gone;
+    }
+    match q.qmp.query_migrate().await {
+        Err(_) => SourceQemu::Unknown,
+        Ok(i) => qemu_phase(i.status.as_deref()),
+    }
+}
+
+/// A source QEMU's `query-migrate` status, as [`after_commit`] reads it.
+fn qemu_phase(status: Option<&str>) -> SourceQemu {
+    match status {
+        Some("completed") => SourceQemu::Completed,
+        Some("postcopy-paused") => SourceQemu::Postcopy { paused: true },
+        Some(s) if s.starts_with("postcopy") => SourceQemu::Postcopy { paused: false },
+        None | Some("none" | "failed" | "cancelled") => SourceQemu::NotSwitched,
+        Some("setup" | "active" | "device" | "pre-switchover" | "cancelling" | "wait-unplug") => {
+            SourceQemu::Active
+        }
+        Some(_) => SourceQemu::Unknown,
+    }
+}
+
+/// Cancels a source QEMU's pre-copy and waits (up to 5 s) until it has
+/// ended one way or the other (cancelled, or switched to post-copy after all).
+async fn cancel_and_wait(q: &QemuVm) {
+    let _ = q.qmp.migrate_cancel().await;
+    for _ in 0..50 {
+        let st = q.qmp.query_migrate().await.ok().and_then(|i| i.status);
+        if qemu_phase(st.as_deref()) != SourceQemu::Active {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -119,87 +174,255 @@ impl Agent {
         }
     }
 
-    /// One attempt to settle a committed migration: ask the target, send RUN
-    /// if it waits, then finish (it runs) or resume (it never ran and never
-    /// will). Returns the phase after and what happened.
-    async fn settle_once(&self, rec: &Record) -> (SourcePhase, String) {
+    /// One attempt to settle a committed migration: ask the target and this
+    /// host's QEMU, then act as [`after_commit`] decides (a RUN or a
+    /// cancellation is followed by one more look). Returns the phase after
+    /// and what happened.
+    pub(super) async fn settle_once(&self, rec: &Record) -> (SourcePhase, String) {
         let target = Client::new(
             &format!("agent {}", rec.peer),
             &rec.peer_url,
             self.client_auth.clone(),
         );
-        let asked = target
-            .get::<IncomingStatus>(
-                &format!("/incoming/{}", rec.migration_id),
-                Duration::from_secs(2),
-            )
-            .await;
-        let mut event = match &asked {
-            Ok(st) => SourceEvent::Answer(answer_of(st)),
-            Err(ApiError::NotFound { .. }) => {
-                SourceEvent::Answer(crate::commit::TargetAnswer::NeverRan)
-            }
-            Err(_) => SourceEvent::NoAnswer,
-        };
-        let mut action = source_next(SourcePhase::Committed, event).1;
-        if action == SourceAction::SendRun {
-            event = match self
-                .send_run_within(&target, &rec.migration_id, Duration::from_secs(5))
-                .await
-            {
-                Ok(st) => SourceEvent::Answer(answer_of(&st)),
-                Err(_) => SourceEvent::NoAnswer,
-            };
-            action = source_next(SourcePhase::Committed, event).1;
-        }
-        match action {
-            SourceAction::Finish => {
-                self.finish_source(&rec.vm, &rec.migration_id).await;
-                tracing::info!(vm = %rec.vm, migration = %rec.migration_id, "settled: {} runs the guest", rec.peer);
-                (
-                    SourcePhase::Done,
-                    format!("{} runs the guest; the source QEMU is stopped", rec.peer),
-                )
-            }
-            SourceAction::AbortAndResume => {
-                if let Err(e) = self.set_source_phase(&rec.migration_id, SourcePhase::Aborted) {
-                    return (SourcePhase::Committed, format!("recording: {e}"));
-                }
-                let q = {
-                    let mut st = self.state.lock().await;
-                    st.vms.get_mut(&rec.vm).and_then(|s| {
-                        s.migrating = false;
-                        s.doubt = None;
-                        s.qemu.clone()
-                    })
-                };
-                let how = match q {
-                    Some(q) => {
-                        resume_guest(&q).await;
-                        "the guest resumed here"
+        let id = &rec.migration_id;
+        let q = self.slot_qemu(&rec.vm).await;
+        let mut answer = ask_target(
+            target
+                .get::<IncomingStatus>(&format!("/incoming/{id}"), Duration::from_secs(2))
+                .await,
+        );
+        let mut sq = source_qemu(q.as_deref()).await;
+        for _ in 0..3 {
+            let action = after_commit(answer.as_ref().ok().copied(), sq);
+            match action {
+                AfterCommitAction::CancelAndLook => {
+                    if let Some(q) = &q {
+                        cancel_and_wait(q).await;
                     }
-                    None => "no source QEMU is left here",
-                };
-                tracing::warn!(vm = %rec.vm, migration = %rec.migration_id, "settled: {} never ran the guest; {how}", rec.peer);
-                (
-                    SourcePhase::Aborted,
-                    format!(
-                        "{} never ran the guest and its skeleton is gone: {how}",
-                        rec.peer
-                    ),
-                )
-            }
-            _ => {
-                let why = match asked {
-                    Err(e) => format!("{} does not answer: {e}", rec.peer),
-                    Ok(st) => format!("{} answered {} but not RUN", rec.peer, st.phase),
-                };
-                if let Some(s) = self.state.lock().await.vms.get_mut(&rec.vm) {
-                    s.doubt = Some(format!("committed to {}; {why}", rec.peer));
+                    sq = source_qemu(q.as_deref()).await;
                 }
-                (SourcePhase::Committed, why)
+                AfterCommitAction::SendRun => {
+                    answer = ask_target(
+                        self.send_run_within(&target, id, Duration::from_secs(5))
+                            .await,
+                    );
+                    // asked once more below; a target still waiting stays in doubt
+                    if answer == Ok(TargetAnswer::Waiting) {
+                        answer = Err(format!("{} answered RUN but does not run yet", rec.peer));
+                    }
+                }
+                AfterCommitAction::Finish => {
+                    self.finish_source(&rec.vm, id).await;
+                    let how = match sq {
+                        SourceQemu::Completed => {
+                            "its migration completed and the source QEMU is stopped"
+                        }
+                        _ => "no source QEMU was left here",
+                    };
+                    tracing::info!(vm = %rec.vm, migration = %id, "settled: {} runs the guest; {how}", rec.peer);
+                    return (
+                        SourcePhase::Done,
+                        format!("{} runs the guest; {how}", rec.peer),
+                    );
+                }
+                AfterCommitAction::Recover => {
+                    let Some(q) = &q else { break };
+                    let why = match self.recover_postcopy(rec, &target, q).await {
+                        Ok(how) => {
+                            tracing::warn!(vm = %rec.vm, migration = %id, "{how}");
+                            format!("{how}; the source QEMU stays until it completes")
+                        }
+                        Err(e) => format!(
+                            "post-copy's stream is broken and could not be resumed yet ({e}); \
+                             the guest waits on {} for its pages, and the source QEMU keeps them",
+                            rec.peer
+                        ),
+                    };
+                    return self.in_doubt(rec, why).await;
+                }
+                AfterCommitAction::DiscardTarget => {
+                    let discarded = target
+                        .delete::<serde_json::Value>(
+                            &format!("/incoming/{id}"),
+                            Duration::from_secs(10),
+                        )
+                        .await;
+                    return match discarded {
+                        Ok(_) | Err(ApiError::NotFound { .. }) => {
+                            self.abort_after_commit(
+                                rec,
+                                q.as_deref(),
+                                format!(
+                                    "QEMU never switched to post-copy and {} discarded its skeleton, which never ran",
+                                    rec.peer
+                                ),
+                            )
+                            .await
+                        }
+                        Err(e) => {
+                            self.in_doubt(
+                                rec,
+                                format!(
+                                    "QEMU never switched to post-copy; {} did not discard its skeleton: {e}",
+                                    rec.peer
+                                ),
+                            )
+                            .await
+                        }
+                    };
+                }
+                AfterCommitAction::AbortAndResume => {
+                    return self
+                        .abort_after_commit(
+                            rec,
+                            q.as_deref(),
+                            format!("{} never ran the guest and its skeleton is gone", rec.peer),
+                        )
+                        .await;
+                }
+                AfterCommitAction::AskLater => break,
             }
         }
+        let why = match (&answer, sq) {
+            (Err(e), _) => format!("{} gives no answer: {e}", rec.peer),
+            (Ok(TargetAnswer::Running), SourceQemu::Postcopy { .. }) => format!(
+                "{} runs the guest in post-copy; the source QEMU stays until its migration completes",
+                rec.peer
+            ),
+            (Ok(TargetAnswer::NeverRan), SourceQemu::Postcopy { .. }) => format!(
+                "{} never ran the guest, but this QEMU has switched to post-copy; \
+                 if {} is gone for good: ferry vm resolve {} --target-lost {}",
+                rec.peer, rec.peer, rec.vm, rec.peer
+            ),
+            (Ok(a), sq) => format!(
+                "{} answered {}; the source QEMU is {sq:?}",
+                rec.peer,
+                wire_name(a)
+            ),
+        };
+        self.in_doubt(rec, why).await
+    }
+
+    async fn slot_qemu(&self, vm: &str) -> Option<Arc<QemuVm>> {
+        self.state
+            .lock()
+            .await
+            .vms
+            .get(vm)
+            .and_then(|s| s.qemu.clone())
+    }
+
+    /// Leaves a committed migration as it is, saying why on the VM.
+    async fn in_doubt(&self, rec: &Record, why: String) -> (SourcePhase, String) {
+        if let Some(s) = self.state.lock().await.vms.get_mut(&rec.vm) {
+            s.doubt = Some(format!("committed to {}; {why}", rec.peer));
+        }
+        (SourcePhase::Committed, why)
+    }
+
+    /// The target never ran and never will: records Aborted, then makes
+    /// sure the guest runs here.
+    async fn abort_after_commit(
+        &self,
+        rec: &Record,
+        q: Option<&QemuVm>,
+        why: String,
+    ) -> (SourcePhase, String) {
+        if let Err(e) = self.set_source_phase(&rec.migration_id, SourcePhase::Aborted) {
+            return (SourcePhase::Committed, format!("recording: {e}"));
+        }
+        if let Some(s) = self.state.lock().await.vms.get_mut(&rec.vm) {
+            s.migrating = false;
+            s.doubt = None;
+        }
+        let how = match q {
+            Some(q) => {
+                resume_guest(q).await;
+                "the guest runs here"
+            }
+            None => "no source QEMU is left here",
+        };
+        tracing::warn!(vm = %rec.vm, migration = %rec.migration_id, "settled: {why}; {how}");
+        (SourcePhase::Aborted, format!("{why}: {how}"))
+    }
+
+    /// A post-copy whose stream broke: the target listens anew on a NIC of
+    /// its that a NIC of this host with its link up reaches, and this QEMU
+    /// sends the rest there. Returns what was done.
+    pub(super) async fn recover_postcopy(
+        &self,
+        rec: &Record,
+        target: &Client,
+        q: &QemuVm,
+    ) -> Result<String, String> {
+        if rec.sealed {
+            return Err(
+                "the move's carriers were sealed and QEMU's recovery stream would not be".into(),
+            );
+        }
+        let tinfo: HostInfo = target
+            .get("/host", Duration::from_secs(3))
+            .await
+            .map_err(|e| e.to_string())?;
+        let paths = crate::probe::usable(&self.paths_for_move(&tinfo).await, &self.nics());
+        let p = paths
+            .first()
+            .ok_or_else(|| format!("no NIC of this host with its link up reaches {}", rec.peer))?;
+        let reply: RecoverReply = target
+            .post(
+                &format!("/incoming/{}/recover", rec.migration_id),
+                &RecoverRequest {
+                    nic: p.peer_nic.clone(),
+                },
+                Duration::from_secs(15),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        q.qmp
+            .migrate_resume(&reply.uri)
+            .await
+            .map_err(|e| format!("QEMU refused to resume post-copy: {}", error_chain(&e)))?;
+        Ok(format!(
+            "post-copy resumed over {} → {} {} ({})",
+            p.nic, rec.peer, reply.nic, reply.uri
+        ))
+    }
+
+    /// `ferry vm resolve VM --target-lost HOST --confirm-powered-off`: the
+    /// operator says the target is gone for good. Committed migrations of
+    /// `vm` to `host` are recorded aborted, QEMU's migration cancelled and
+    /// the guest resumed here.
+    async fn declare_target_lost(&self, vm: &str, host: &str) -> Vec<ResolveReport> {
+        let mut out = Vec::new();
+        for rec in self.journal.all().0 {
+            if rec.vm != vm || rec.peer != host || rec.side != Side::Source(SourcePhase::Committed)
+            {
+                continue;
+            }
+            let q = self.slot_qemu(vm).await;
+            if let Some(q) = &q {
+                let _ = q.qmp.migrate_cancel().await;
+            }
+            tracing::warn!(vm, migration = %rec.migration_id, target = host, "the operator declared the target lost (powered off or fenced): the guest resumes here");
+            let (phase, detail) = self
+                .abort_after_commit(
+                    &rec,
+                    q.as_deref(),
+                    format!("{host} declared lost by the operator (powered off or fenced)"),
+                )
+                .await;
+            out.push(ResolveReport {
+                vm: vm.into(),
+                host: self.cfg.name.clone(),
+                side: "source".into(),
+                migration_id: rec.migration_id.clone(),
+                phase_before: wire_name(SourcePhase::Committed),
+                phase: wire_name(phase),
+                in_doubt: phase == SourcePhase::Committed,
+                detail,
+            });
+        }
+        out
     }
 
     /// Run every 2 s: committed migrations no live move is finishing (their
@@ -215,7 +438,15 @@ impl Agent {
 
     /// `ferry vm resolve`: shows and settles, now, any migration of `vm`
     /// in doubt on this host, as source or as target.
-    pub async fn resolve_vm(self: &Arc<Self>, vm: &str) -> Result<Vec<ResolveReport>, ApiError> {
+    pub async fn resolve_vm(
+        self: &Arc<Self>,
+        vm: &str,
+        req: &ResolveRequest,
+    ) -> Result<Vec<ResolveReport>, ApiError> {
+        req.check()?;
+        if let Some(host) = &req.target_lost {
+            return Ok(self.declare_target_lost(vm, host).await);
+        }
         let mut out = Vec::new();
         for rec in self.journal.all().0 {
             if rec.vm != vm || rec.side != Side::Source(SourcePhase::Committed) {

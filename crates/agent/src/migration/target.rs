@@ -9,7 +9,7 @@ use ferry_api::client::Client;
 use ferry_api::hardware::DriveFormat;
 use ferry_api::{
     ApiError, CarrierEndpoint, IncomingReply, IncomingRequest, IncomingStatus, MigrationOption,
-    SourceStatus,
+    RecoverReply, SourceStatus,
 };
 
 use super::MULTIFD_CHANNELS;
@@ -128,6 +128,7 @@ impl Agent {
             peer_url: req.source_url.clone(),
             side: Side::Target(TargetPhase::Waiting),
             updated: 0,
+            sealed: req.sealed,
         };
         if let Err(e) = self.journal.write(&waiting) {
             self.release(&req.spec.name).await;
@@ -464,20 +465,28 @@ impl Agent {
     }
 
     /// This host's phase for incoming migration `id`: a skeleton in the
-    /// table is waiting; otherwise the journal says (None: never heard of it).
-    async fn target_phase(&self, id: &str) -> (Option<TargetPhase>, Option<Record>) {
+    /// table is waiting; otherwise the journal says (None: never heard of
+    /// it). An unreadable record is an error, never "never heard of it": the
+    /// source must hear no answer rather than "never ran".
+    async fn target_phase(
+        &self,
+        id: &str,
+    ) -> Result<(Option<TargetPhase>, Option<Record>), ApiError> {
         if self.incoming_slot(id).await.is_ok() {
-            return (Some(TargetPhase::Waiting), None);
+            return Ok((Some(TargetPhase::Waiting), None));
         }
         match self.journal.read(id, false) {
-            Ok(Some(r)) => match r.side {
+            Ok(Some(r)) => Ok(match r.side {
                 Side::Target(p) => (Some(p), Some(r)),
                 Side::Source(_) => (None, None),
-            },
-            Ok(None) => (None, None),
+            }),
+            Ok(None) => Ok((None, None)),
             Err(e) => {
                 tracing::error!(error = %e, "reading the migration journal");
-                (None, None)
+                Err(ApiError::internal(format!(
+                    "this host's record of migration {id} cannot be read ({}); it answers nothing about it",
+                    error_chain(&e)
+                )))
             }
         }
     }
@@ -527,7 +536,7 @@ impl Agent {
                 return waiting;
             }
         }
-        self.target_phase(id).await.1.map(|r| r.peer)
+        self.target_phase(id).await.ok()?.1.map(|r| r.peer)
     }
 
     async fn incoming_slot(&self, id: &str) -> Result<(String, Option<Arc<QemuVm>>), ApiError> {
@@ -542,7 +551,7 @@ impl Agent {
     /// Where incoming migration `id` stands here: a waiting skeleton, a guest
     /// that was told to run, one discarded, or `unknown`.
     pub async fn incoming_status(&self, id: &str) -> Result<IncomingStatus, ApiError> {
-        let (phase, rec) = self.target_phase(id).await;
+        let (phase, rec) = self.target_phase(id).await?;
         let q = match (phase, &rec) {
             (Some(TargetPhase::Waiting), _) => self.incoming_slot(id).await?.1,
             (Some(TargetPhase::Running), Some(r)) => self
@@ -659,7 +668,7 @@ impl Agent {
     /// RUN for a skeleton discarded earlier answers `discarded`.
     pub async fn run_incoming(&self, id: &str) -> Result<IncomingStatus, ApiError> {
         crate::failpoint::hit("target-before-run");
-        let (phase, rec) = self.target_phase(id).await;
+        let (phase, rec) = self.target_phase(id).await?;
         let Some(phase) = phase else {
             return self.incoming_status(id).await;
         };
@@ -798,10 +807,92 @@ impl Agent {
         Ok(nic.name)
     }
 
+    /// Post-copy's stream broke: this host's QEMU (the guest, or a skeleton
+    /// RUN has not reached) listens for a new one on NIC `nic`. A QEMU that
+    /// has not seen the break yet is made to (`migrate-pause`); one already
+    /// listening gives the address it listens on.
+    pub async fn resume_incoming_postcopy(
+        &self,
+        id: &str,
+        nic: &str,
+    ) -> Result<RecoverReply, ApiError> {
+        let q = match self.target_phase(id).await? {
+            (Some(TargetPhase::Waiting), _) => self.incoming_slot(id).await?.1,
+            (Some(TargetPhase::Running), Some(r)) => self
+                .state
+                .lock()
+                .await
+                .vms
+                .get(&r.vm)
+                .and_then(|s| s.qemu.clone()),
+            (p, _) => {
+                return Err(ApiError::Conflict {
+                    reason: format!(
+                        "incoming migration {id} is {} here: nothing to recover",
+                        phase_name(p)
+                    ),
+                })
+            }
+        };
+        let q = q.ok_or_else(|| ApiError::Conflict {
+            reason: format!("incoming migration {id} has no QEMU here"),
+        })?;
+        let nic = self
+            .nics()
+            .into_iter()
+            .find(|n| n.name == nic)
+            .ok_or_else(|| ApiError::invalid("nic", format!("no migration NIC named '{nic}'")))?;
+        if !nic.up {
+            return Err(ApiError::Conflict {
+                reason: format!("{} has no carrier", nic.name),
+            });
+        }
+        let qerr = |e: crate::qmp::QmpError| ApiError::internal(error_chain(&e));
+        for _ in 0..50 {
+            let status = q.qmp.query_migrate().await.map_err(qerr)?.status;
+            match status.as_deref() {
+                Some("postcopy-paused") => {
+                    let uri = QemuTcp
+                        .incoming_uri(&nic.address)
+                        .map_err(ApiError::internal)?;
+                    q.qmp.migrate_recover(&uri).await.map_err(qerr)?;
+                    self.recovering
+                        .lock()
+                        .await
+                        .insert(id.to_string(), (nic.name.clone(), uri.clone()));
+                    tracing::warn!(migration = id, %uri, "post-copy's stream broke: listening for a new one");
+                    return Ok(RecoverReply { uri, nic: nic.name });
+                }
+                Some("postcopy-recover-setup" | "postcopy-recover") => {
+                    if let Some((nic, uri)) = self.recovering.lock().await.get(id).cloned() {
+                        return Ok(RecoverReply { uri, nic });
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Some("postcopy-active") => {
+                    // the break was seen at the source only: end this side too
+                    let _ = q.qmp.migrate_pause().await;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                other => {
+                    return Err(ApiError::Conflict {
+                        reason: format!(
+                            "incoming migration {id} is {} here, not a paused post-copy",
+                            other.unwrap_or("none")
+                        ),
+                    })
+                }
+            }
+        }
+        Err(ApiError::internal(
+            "the incoming post-copy did not pause within 5 s",
+        ))
+    }
+
     /// The source rolled back: discard the skeleton. Refused once the guest
     /// may have run here.
     pub async fn abort_incoming(&self, id: &str) -> Result<(), ApiError> {
-        let (phase, _) = self.target_phase(id).await;
+        let (phase, _) = self.target_phase(id).await?;
         let Some(phase) = phase else {
             return Err(ApiError::not_found("incoming migration", id));
         };
