@@ -39,9 +39,11 @@ fn parse(spec: &str) -> Result<BTreeMap<String, Action>, String> {
             "exit" => Action::Exit,
             "kill-qemu" => Action::KillQemu,
             "fail" => Action::Fail,
-            a => return Err(format!(
+            a => {
+                return Err(format!(
                 "FERRY_FAILPOINTS: unknown action {a:?} for {point} (stop, exit, kill-qemu, fail)"
-            )),
+            ))
+            }
         };
         out.insert(point.to_string(), action);
     }

@@ -241,7 +241,7 @@ fn resolve_target_lost_after_the_target_host_is_gone_resumes_the_guest_on_the_so
         2
     );
     // logged, with who said so
-    let events = ferry_json(&["events", "--json", "--limit", "50"]);
+    let events = ferry_json(&["events", "--limit", "50"]);
     let events = events.as_array().unwrap();
     assert!(
         events

@@ -100,6 +100,20 @@ fn tokens_roles_certificates_and_nbd_access_are_enforced() {
     assert!(ferry_as(&op, &change).status.success(), "operator resumes");
     let e = code(&ferry_as(&op, &["token", "list"]));
     assert!(e.contains("needs role admin"), "{e}");
+    // declaring a host lost can run two copies if it is not: an admin's word
+    let lost = [
+        "vm",
+        "resolve",
+        "sec-none",
+        "--target-lost",
+        "host2",
+        "--confirm-powered-off",
+    ];
+    let e = code(&ferry_as(&op, &lost));
+    assert!(
+        e.contains("needs role admin"),
+        "operator declaring a host lost: {e}"
+    );
     ferry_ok(&["token", "revoke", "sec-op"]);
     let e = code(&ferry_as(&op, &change));
     assert!(e.contains("was revoked"), "revoked token: {e}");

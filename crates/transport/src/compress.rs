@@ -37,7 +37,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::protocol::{Packing, SpareCpu};
-use crate::session::lock;
+use ferry_api::util::lock;
 
 /// Idle CPU share kept free: compression spends only what is idle beyond it.
 pub const MIN_IDLE: f64 = 0.2;

@@ -1,0 +1,320 @@
+//! The tree's shape, checked: module circles in the agent, storage and
+//! transport crates, and function lengths in the migration path. Each check
+//! is a ratchet: what exists today is listed here exactly, so a new circle
+//! or a new long function fails, and so does one that is gone but still
+//! listed (the list only shrinks). Reads the sources; needs nothing else.
+
+#![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Module circles that remain, as sets of top-level modules of a crate.
+const KNOWN_CIRCLES: &[(&str, &[&str])] = &[
+    (
+        "agent",
+        &[
+            "classes",
+            "host",
+            "local_disk",
+            "qemu",
+            "resilience",
+            "validate",
+        ],
+    ),
+    ("storage", &["backup", "export", "nbd", "node", "remote"]),
+];
+
+/// Functions of the migration path longer than [`MAX_LINES`] that remain.
+const KNOWN_LONG: &[&str] = &[
+    "migration/mod.rs::migrate",
+    "migration/mod.rs::transfer",
+    "migration/target.rs::prepare_incoming",
+];
+
+const MAX_LINES: usize = 150;
+
+fn src(krate: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(krate)
+        .join("src")
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// A file's code without comments and without its `#[cfg(test)]` tail.
+fn code(p: &Path) -> String {
+    let text = std::fs::read_to_string(p).unwrap();
+    let text = match text.find("#[cfg(test)]") {
+        Some(i) => &text[..i],
+        None => &text[..],
+    };
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The top-level module a file belongs to (`migration/settle.rs`: `migration`).
+fn top(root: &Path, p: &Path) -> String {
+    let rel = p.strip_prefix(root).unwrap();
+    let first = rel
+        .components()
+        .next()
+        .unwrap()
+        .as_os_str()
+        .to_string_lossy();
+    first.trim_end_matches(".rs").to_string()
+}
+
+/// Top-level module → the top-level modules its code names (`crate::x`,
+/// `use crate::{x, y}`, and `super::x` from a submodule).
+fn graph(krate: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let root = src(krate);
+    let mut files = Vec::new();
+    rust_files(&root, &mut files);
+    let tops: BTreeSet<String> = files.iter().map(|f| top(&root, f)).collect();
+    let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for f in &files {
+        let me = top(&root, f);
+        let text = code(f);
+        let mut named = BTreeSet::new();
+        for (i, _) in text.match_indices("crate::") {
+            let rest = &text[i + "crate::".len()..];
+            if let Some(group) = rest.strip_prefix('{') {
+                // `use crate::{a::X, b}`
+                let end = group.find('}').unwrap_or(group.len());
+                for item in group[..end].split(',') {
+                    named.insert(ident(item.trim()));
+                }
+            } else {
+                named.insert(ident(rest));
+            }
+        }
+        let nested = f.strip_prefix(&root).unwrap().components().count() > 1;
+        if nested {
+            for (i, _) in text.match_indices("super::") {
+                named.insert(ident(&text[i + "super::".len()..]));
+            }
+        }
+        let e = g.entry(me.clone()).or_default();
+        for n in named {
+            if n != me && tops.contains(&n) && n != "lib" && n != "main" {
+                e.insert(n);
+            }
+        }
+    }
+    g
+}
+
+fn ident(s: &str) -> String {
+    s.chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect()
+}
+
+/// Strongly connected components with more than one module.
+fn circles(g: &BTreeMap<String, BTreeSet<String>>) -> BTreeSet<BTreeSet<String>> {
+    let reach = |from: &str| {
+        let mut seen = BTreeSet::new();
+        let mut todo = vec![from.to_string()];
+        while let Some(n) = todo.pop() {
+            for m in g.get(&n).into_iter().flatten() {
+                if seen.insert(m.clone()) {
+                    todo.push(m.clone());
+                }
+            }
+        }
+        seen
+    };
+    let all: BTreeMap<&String, BTreeSet<String>> = g.keys().map(|k| (k, reach(k))).collect();
+    let mut out = BTreeSet::new();
+    for (a, ra) in &all {
+        let comp: BTreeSet<String> = ra
+            .iter()
+            .filter(|b| all.get(b).is_some_and(|rb| rb.contains(*a)))
+            .cloned()
+            .chain(std::iter::once((*a).clone()))
+            .collect();
+        if comp.len() > 1 {
+            out.insert(comp);
+        }
+    }
+    out
+}
+
+#[test]
+fn module_circles_are_only_the_known_ones() {
+    for krate in ["agent", "storage", "transport"] {
+        let found = circles(&graph(krate));
+        let known: BTreeSet<BTreeSet<String>> = KNOWN_CIRCLES
+            .iter()
+            .filter(|(k, _)| *k == krate)
+            .map(|(_, m)| m.iter().map(|s| s.to_string()).collect())
+            .collect();
+        assert_eq!(
+            found, known,
+            "crates/{krate}: module circles (left: found, right: known; a new circle is \
+             refused, a broken one leaves the list)"
+        );
+    }
+}
+
+#[test]
+fn the_circle_finder_finds_a_circle() {
+    let g: BTreeMap<String, BTreeSet<String>> = [
+        ("a", vec!["b"]),
+        ("b", vec!["c"]),
+        ("c", vec!["a"]),
+        ("d", vec!["a"]),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.into_iter().map(String::from).collect()))
+    .collect();
+    let c = circles(&g);
+    assert_eq!(c.len(), 1);
+    assert_eq!(
+        c.into_iter().next().unwrap(),
+        ["a", "b", "c"].map(String::from).into_iter().collect()
+    );
+}
+
+/// Functions of `dir`'s files longer than `max` lines: `file::name`.
+fn long_functions(root: &Path, max: usize) -> BTreeSet<String> {
+    let mut files = Vec::new();
+    rust_files(root, &mut files);
+    let mut out = BTreeSet::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let text = match text.find("#[cfg(test)]") {
+            Some(i) => &text[..i],
+            None => &text[..],
+        };
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, l) in lines.iter().enumerate() {
+            let t = l.trim_start();
+            let indent = &l[..l.len() - t.len()];
+            let Some(at) = t.find("fn ") else { continue };
+            let head = &t[..at];
+            if !head
+                .split_whitespace()
+                .all(|w| matches!(w, "pub" | "pub(crate)" | "pub(super)" | "async" | "const"))
+            {
+                continue;
+            }
+            let name = ident(&t[at + 3..]);
+            let close = format!("{indent}}}");
+            let Some(len) = lines[i + 1..].iter().position(|x| *x == close) else {
+                continue;
+            };
+            if len + 2 > max {
+                let rel = f.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+                out.insert(format!("{rel}::{name}"));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn no_new_long_function_in_the_migration_path() {
+    let root = src("agent");
+    let found: BTreeSet<String> = long_functions(&root, MAX_LINES)
+        .into_iter()
+        .filter(|f| f.starts_with("migration/") || f.starts_with("commit.rs"))
+        .collect();
+    let known: BTreeSet<String> = KNOWN_LONG.iter().map(|s| s.to_string()).collect();
+    assert_eq!(
+        found, known,
+        "functions over {MAX_LINES} lines in the migration path (left: found, right: known)"
+    );
+}
+
+/// The `rust-version` a manifest declares.
+fn rust_version(manifest: &Path) -> String {
+    let text = std::fs::read_to_string(manifest).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("rust-version = \""))
+        .and_then(|v| v.strip_suffix('"'))
+        .unwrap_or_else(|| panic!("{} declares no rust-version", manifest.display()))
+        .to_string()
+}
+
+#[test]
+fn one_minimum_rust_version_everywhere() {
+    let top = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let v = rust_version(&top.join("Cargo.toml"));
+    assert_eq!(
+        rust_version(&top.join("fuzz/Cargo.toml")),
+        v,
+        "fuzz/Cargo.toml"
+    );
+    let readme = std::fs::read_to_string(top.join("README.md")).unwrap();
+    assert!(
+        readme.contains(&format!("cargo ≥ {v}")),
+        "README.md does not ask for cargo ≥ {v}"
+    );
+    let run = std::fs::read_to_string(top.join("scripts/run")).unwrap();
+    assert!(
+        run.contains(&format!("Rust >= {v}")),
+        "scripts/run does not ask for Rust >= {v}"
+    );
+    // no locked dependency needs a newer one (read from cargo's sources
+    // where they are unpacked, as after any build)
+    let lock = std::fs::read_to_string(top.join("Cargo.lock")).unwrap();
+    let want: Vec<u32> = v.split('.').map(|x| x.parse().unwrap()).collect();
+    let home = std::env::var("CARGO_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".cargo"));
+    let registries: Vec<PathBuf> = std::fs::read_dir(home.join("registry/src"))
+        .map(|rd| rd.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    let mut checked = 0;
+    for block in lock.split("[[package]]") {
+        let field = |k: &str| {
+            block
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("{k} = \"")))
+                .and_then(|x| x.strip_suffix('"'))
+        };
+        let (Some(name), Some(version), Some(_)) =
+            (field("name"), field("version"), field("source"))
+        else {
+            continue;
+        };
+        for r in &registries {
+            let m = r.join(format!("{name}-{version}/Cargo.toml"));
+            let Ok(text) = std::fs::read_to_string(&m) else {
+                continue;
+            };
+            checked += 1;
+            if let Some(dep) = text
+                .lines()
+                .find_map(|l| l.strip_prefix("rust-version = \""))
+                .and_then(|x| x.strip_suffix('"'))
+            {
+                let d: Vec<u32> = dep
+                    .split('.')
+                    .take(2)
+                    .map(|x| x.parse().unwrap_or(0))
+                    .collect();
+                assert!(
+                    d[..] <= want[..2],
+                    "{name} {version} needs Rust {dep}, above the declared {v}"
+                );
+            }
+            break;
+        }
+    }
+    assert!(checked > 100, "only {checked} locked crates found unpacked");
+}
