@@ -35,7 +35,7 @@ use ferry_api::bandwidth::{
 };
 use serde_json::Value;
 
-use crate::host::nics;
+use crate::facts::nics;
 
 const HANDLE: &str = "10:";
 

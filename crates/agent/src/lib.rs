@@ -26,6 +26,7 @@ pub mod commit;
 pub mod convergence;
 pub mod datapath;
 pub mod downtime;
+pub mod facts;
 pub mod failpoint;
 pub mod grants;
 pub mod guest;
@@ -43,7 +44,7 @@ pub mod validate;
 
 use std::path::PathBuf;
 
-pub use host::{Ipv4Net, NicSelection};
+pub use facts::{Ipv4Net, NicSelection};
 
 /// Everything an agent is started with (`ferry agent …`).
 #[derive(Debug, Clone)]

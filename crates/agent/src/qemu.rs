@@ -22,6 +22,9 @@ use ferry_api::VmSpec;
 
 use crate::qmp::{Qmp, QmpError};
 
+/// QEMU's run state for a VM stopped by a disk's error policy.
+pub const IO_ERROR: &str = "io-error";
+
 #[derive(Debug, thiserror::Error)]
 pub enum QemuError {
     #[error("Cannot prepare VM directory {path}")]
@@ -322,7 +325,7 @@ async fn kill_verified(pid: u32, started: u64) {
 /// there is no such process or it has exited (a zombie).
 pub fn start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let f = crate::host::stat_fields(&stat)?;
+    let f = crate::facts::stat_fields(&stat)?;
     // f[0] is field 3 (state); field 22 (starttime) is f[19]
     if f.first() == Some(&"Z") || f.first() == Some(&"X") {
         return None;

@@ -33,11 +33,8 @@ use ferry_api::util::now_ms;
 use ferry_api::{PauseState, StoragePause, VmSpec};
 
 use crate::host::Role;
-use crate::qemu::{Backing, QemuVm};
+use crate::qemu::{Backing, QemuVm, IO_ERROR};
 use crate::Agent;
-
-/// QEMU's run state for a VM stopped by a disk's error policy.
-pub const IO_ERROR: &str = "io-error";
 
 /// The default window after which a VM still waiting for its storage is
 /// stopped (what Hyper-V's VM storage resiliency does).

@@ -192,7 +192,7 @@ pub fn facts(host: &str, nominal_rate: Option<u64>, nics: Vec<ferry_api::NicInfo
 }
 
 fn nic_address(nic: &str) -> Result<String, ApiError> {
-    crate::host::interface_address(nic)
+    crate::facts::interface_address(nic)
         .map(|a| a.to_string())
         .ok_or_else(|| ApiError::not_found("nic", nic))
 }
@@ -276,7 +276,7 @@ impl Sinks {
             sock,
         )
         .await
-        .map_err(|e| ApiError::internal(crate::host::error_chain(&e)))?;
+        .map_err(|e| ApiError::internal(ferry_api::util::error_chain(&e)))?;
         let port = bound
             .first()
             .map(|(_, a)| a.port())
@@ -366,7 +366,7 @@ pub async fn send(req: SendRequest, secret: &[u8]) -> Result<SendResult, ApiErro
         vec![(req.nic.clone(), local, peer)],
     )
     .await
-    .map_err(|e| ApiError::unavailable(path.clone(), crate::host::error_chain(&e)))?;
+    .map_err(|e| ApiError::unavailable(path.clone(), ferry_api::util::error_chain(&e)))?;
     let result = async {
         for _ in 0..100 {
             if s.stats().healthy == 1 {

@@ -448,8 +448,7 @@ fn postcopy_whose_source_agent_is_killed_mid_way_keeps_the_source_qemu_until_com
     let log = std::fs::read_to_string(format!("{LAB}/host1/agent.log")).unwrap();
     let settled = log
         .lines()
-        .filter(|l| l.contains("busy7") && l.contains("settled: host2 runs the guest"))
-        .last()
+        .rfind(|l| l.contains("busy7") && l.contains("settled: host2 runs the guest"))
         .expect("settled by the restarted agent");
     assert!(settled.contains("its migration completed"), "{settled}");
 }

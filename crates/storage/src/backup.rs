@@ -14,9 +14,7 @@
 //! One copy job per disk at a time; the last job of each disk is kept for
 //! `ferry disk backup` to follow.
 
-use std::collections::BTreeMap;
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -29,75 +27,14 @@ use ferry_api::util::now_ms;
 use ferry_api::ApiError;
 
 use crate::export::Export;
+use crate::jobs::{busy_error, Job};
 use crate::node::Node;
-use crate::tracking::{PointInTime, Started, Take};
+use crate::tracking::{Started, Take};
 
 /// The dirty map of changes since a disk's last backup.
 pub const BACKUP_MAP: &str = "backup";
 /// The copier's step: it takes the granule lock this long at most.
 const STEP: u64 = 1 << 20;
-
-struct Job {
-    info: Mutex<JobInfo>,
-    copy: Arc<PointInTime>,
-}
-
-impl Job {
-    fn info(&self) -> JobInfo {
-        let mut i = ferry_api::util::lock(&self.info).clone();
-        let s = self.copy.status();
-        i.bytes_done = s.copied;
-        i.bytes_preserved = s.preserved;
-        i
-    }
-}
-
-/// The node's copy jobs, and each disk's last backup.
-#[derive(Default)]
-pub struct Jobs {
-    jobs: Mutex<BTreeMap<String, Arc<Job>>>,
-    /// Disk → path of its last backup (the base of the next incremental).
-    last_backup: Mutex<BTreeMap<String, String>>,
-}
-
-impl Jobs {
-    /// The job running on `disk`, if any.
-    pub fn running(&self, disk: &str) -> Option<JobInfo> {
-        let jobs = ferry_api::util::lock(&self.jobs);
-        let j = jobs.get(disk)?;
-        let i = j.info();
-        (i.state == JobState::Running).then_some(i)
-    }
-
-    /// Refuses while a job runs on `disk`, naming it.
-    pub fn busy(&self, disk: &str) -> Result<(), ApiError> {
-        match self.running(disk) {
-            Some(j) => Err(busy_error(&j)),
-            None => Ok(()),
-        }
-    }
-}
-
-fn busy_error(j: &JobInfo) -> ApiError {
-    ApiError::Conflict {
-        reason: format!(
-            "disk {} is busy: {} to {} is at {} of {} bytes",
-            j.disk,
-            kind_name(j.kind),
-            j.target,
-            j.bytes_done,
-            j.bytes_total
-        ),
-    }
-}
-
-fn kind_name(k: JobKind) -> &'static str {
-    match k {
-        JobKind::Backup => "a backup",
-        JobKind::IncrementalBackup => "an incremental backup",
-        JobKind::Checkpoint => "a checkpoint",
-    }
-}
 
 fn manifest_path(p: &Path) -> PathBuf {
     let mut s = p.as_os_str().to_owned();
@@ -495,19 +432,4 @@ fn ready_checkpoint(name: &str, m: &BackupManifest) -> CheckpointInfo {
 fn read_manifest(p: &Path) -> std::io::Result<BackupManifest> {
     let b = std::fs::read(manifest_path(p))?;
     serde_json::from_slice(&b).map_err(std::io::Error::other)
-}
-
-/// Copies the extents of `src` over the same offsets of `dst`.
-pub(crate) fn copy_extents(src: &File, dst: &File, extents: &[(u64, u64)]) -> std::io::Result<()> {
-    let mut buf = vec![0u8; STEP as usize];
-    for &(off, len) in extents {
-        let mut at = off;
-        while at < off + len {
-            let n = (off + len - at).min(STEP) as usize;
-            src.read_exact_at(&mut buf[..n], at)?;
-            dst.write_all_at(&buf[..n], at)?;
-            at += n as u64;
-        }
-    }
-    Ok(())
 }

@@ -277,7 +277,7 @@ impl Export {
     ) -> io::Result<()> {
         self.file.set_len(0)?;
         self.file.set_len(size)?;
-        crate::backup::copy_extents(src, &self.file, extents)?;
+        copy_extents(src, &self.file, extents)?;
         self.file.sync_all()?;
         self.size.store(size, Ordering::Release);
         Ok(())
@@ -366,6 +366,24 @@ impl Export {
         }
         Ok(())
     }
+}
+
+/// What [`copy_extents`] reads and writes at a time.
+const COPY_STEP: u64 = 1 << 20;
+
+/// Copies the extents of `src` over the same offsets of `dst`.
+fn copy_extents(src: &File, dst: &File, extents: &[(u64, u64)]) -> std::io::Result<()> {
+    let mut buf = vec![0u8; COPY_STEP as usize];
+    for &(off, len) in extents {
+        let mut at = off;
+        while at < off + len {
+            let n = (off + len - at).min(COPY_STEP) as usize;
+            src.read_exact_at(&mut buf[..n], at)?;
+            dst.write_all_at(&buf[..n], at)?;
+            at += n as u64;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -21,6 +21,7 @@
 pub mod backup;
 pub mod export;
 pub mod http;
+pub mod jobs;
 pub mod nbd;
 pub mod node;
 pub mod qos;

@@ -58,7 +58,7 @@ struct DiskRecord {
     role: DiskRole,
     /// The disk's replica, restarted with the node.
     #[serde(default)]
-    replica: Option<crate::remote::ReplicaRecord>,
+    replica: Option<crate::jobs::ReplicaRecord>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -84,7 +84,7 @@ struct Disk {
     /// (its one writer is another node) and takes it when it becomes the disk.
     policy: Option<String>,
     role: DiskRole,
-    replica: Option<crate::remote::ReplicaRecord>,
+    replica: Option<crate::jobs::ReplicaRecord>,
 }
 
 struct Flow {
@@ -122,8 +122,8 @@ pub struct Node {
     pub cfg: NodeConfig,
     sched: Arc<Scheduler>,
     state: Mutex<State>,
-    pub(crate) jobs: crate::backup::Jobs,
-    pub(crate) pushes: crate::remote::Pushes,
+    pub(crate) jobs: crate::jobs::Jobs,
+    pub(crate) pushes: crate::jobs::Pushes,
 }
 
 fn role_name(r: &DiskRole) -> String {
@@ -187,8 +187,8 @@ impl Node {
                 next_flow: 1,
                 access: persisted.grants,
             }),
-            jobs: crate::backup::Jobs::default(),
-            pushes: crate::remote::Pushes::default(),
+            jobs: crate::jobs::Jobs::default(),
+            pushes: crate::jobs::Pushes::default(),
         }))
     }
 
@@ -442,7 +442,7 @@ impl Node {
     pub(crate) fn set_replica(
         &self,
         name: &str,
-        r: Option<crate::remote::ReplicaRecord>,
+        r: Option<crate::jobs::ReplicaRecord>,
     ) -> Result<(), ApiError> {
         let mut st = self.lock();
         let d = st
@@ -454,7 +454,7 @@ impl Node {
     }
 
     /// Replicas recorded on this node's disks (restarted by [`crate::serve`]).
-    pub(crate) fn replicas(&self) -> Vec<(String, crate::remote::ReplicaRecord)> {
+    pub(crate) fn replicas(&self) -> Vec<(String, crate::jobs::ReplicaRecord)> {
         let st = self.lock();
         st.disks
             .iter()

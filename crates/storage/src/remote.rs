@@ -21,7 +21,6 @@
 //!   meanwhile). Recorded with the disk, restarted with the node (from a
 //!   full round: dirty maps live in memory).
 
-use std::collections::BTreeMap;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -29,10 +28,10 @@ use std::time::{Duration, Instant};
 use ferry_api::storage::{DiskRole, PushInfo, PushKind, PushRequest, PushState};
 use ferry_api::util::{lock, now_ms};
 use ferry_api::ApiError;
-use serde::{Deserialize, Serialize};
 use tokio::sync::{oneshot, watch};
 
 use crate::export::Export;
+use crate::jobs::{copying, ended, map_name, Order, Push, ReplicaRecord};
 use crate::nbd::client::{Client, MAX_WRITE};
 use crate::node::Node;
 use crate::tracking::Bitmap;
@@ -45,65 +44,6 @@ pub const IN_STEP_BYTES: u64 = 4 << 20;
 const BATCH: usize = 16;
 /// Shortest replica period.
 pub const MIN_EVERY: Duration = Duration::from_secs(1);
-
-/// A replica as recorded with its disk.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReplicaRecord {
-    pub to: String,
-    pub uri: String,
-    pub every_ms: u64,
-}
-
-/// What the push task is told from outside.
-enum Order {
-    Run,
-    Cancel,
-}
-
-/// Where a move's final round answers.
-type FinalReply = oneshot::Sender<Result<PushInfo, String>>;
-
-struct Push {
-    info: Mutex<PushInfo>,
-    order: watch::Sender<Order>,
-    /// A move waiting in step: asks for its final round.
-    finish: Mutex<Option<oneshot::Sender<FinalReply>>>,
-}
-
-impl Push {
-    fn info(&self) -> PushInfo {
-        let mut i = lock(&self.info).clone();
-        i.lag_ms = i.synced_ms.map(|s| now_ms().saturating_sub(s));
-        i
-    }
-
-    fn update(&self, f: impl FnOnce(&mut PushInfo)) {
-        f(&mut lock(&self.info));
-    }
-}
-
-/// The node's pushes, by disk.
-#[derive(Default)]
-pub struct Pushes {
-    map: Mutex<BTreeMap<String, Arc<Push>>>,
-}
-
-fn map_name(to: &str) -> String {
-    format!("push:{to}")
-}
-
-fn ended(s: PushState) -> bool {
-    matches!(
-        s,
-        PushState::Done | PushState::Cancelled | PushState::Failed
-    )
-}
-
-/// Whether a push still copies: running, or a replica between failed
-/// rounds (it tries again).
-fn copying(i: &PushInfo) -> bool {
-    !ended(i.state) || (i.kind == PushKind::Replica && i.state == PushState::Failed)
-}
 
 impl Node {
     /// Starts pushing disk `disk` to node `req.to` (`POST /disks/{d}/push`).

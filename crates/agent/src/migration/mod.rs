@@ -366,7 +366,7 @@ impl Agent {
                     ),
                 });
             }
-            if matches!(q.qmp.status().await, Ok(s) if s.status == crate::resilience::IO_ERROR) {
+            if matches!(q.qmp.status().await, Ok(s) if s.status == crate::qemu::IO_ERROR) {
                 return Err(ApiError::Conflict {
                     reason: format!(
                         "vm {name} is paused: storage (a disk's I/O failed); it moves once its storage answers"

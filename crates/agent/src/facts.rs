@@ -1,0 +1,470 @@
+//! What the host is, read from the kernel: its NICs and their networks,
+//! its CPU time and idle share, a process's CPU from `/proc`. The floor
+//! under everything that uses them (the VM registry, migrations, bandwidth
+//! classes, validation): it uses none of them.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use ferry_api::NicInfo;
+
+/// The host's idle CPU share over the last second, kept by a sampler (see
+/// [`IdleGauge::run`]) so a move's `auto` reads it at once instead of
+/// watching the CPUs for a while first, and a drain's `GET /bandwidth`
+/// (`cpu_busy`) reads the same second.
+#[derive(Default)]
+pub struct IdleGauge(std::sync::Mutex<std::collections::VecDeque<(u64, u64)>>);
+
+impl IdleGauge {
+    /// Samples kept: the window is `(KEEP - 1) × EVERY`.
+    const KEEP: usize = 5;
+    const EVERY: Duration = Duration::from_millis(250);
+
+    /// Takes one sample of `/proc/stat`'s `cpu` line.
+    pub fn sample(&self, stat: &str) {
+        if let Some(t) = cpu_ticks(stat) {
+            let mut q = ferry_api::util::lock(&self.0);
+            q.push_back(t);
+            while q.len() > Self::KEEP {
+                q.pop_front();
+            }
+        }
+    }
+
+    /// Idle share between the oldest and newest sample kept; `None` before
+    /// two samples (or if no time passed).
+    pub fn idle(&self) -> Option<f64> {
+        let q = ferry_api::util::lock(&self.0);
+        let (a, b) = (q.front()?, q.back()?);
+        let all = b.1.saturating_sub(a.1);
+        (all > 0).then(|| 1.0 - b.0.saturating_sub(a.0) as f64 / all as f64)
+    }
+
+    /// Samples every [`Self::EVERY`] until the process ends.
+    pub async fn run(&self) {
+        loop {
+            if let Ok(s) = tokio::fs::read_to_string("/proc/stat").await {
+                self.sample(&s);
+            }
+            tokio::time::sleep(Self::EVERY).await;
+        }
+    }
+}
+
+/// (busy, total) jiffies of the `cpu` line of `/proc/stat`: idle and iowait
+/// are not busy.
+pub fn cpu_ticks(stat: &str) -> Option<(u64, u64)> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    if v.len() < 5 {
+        return None;
+    }
+    let all: u64 = v.iter().sum();
+    Some((all - v[3] - v[4], all))
+}
+
+fn read_u64(path: PathBuf) -> u64 {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// An IPv4 network, `10.10.0.0/24`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ipv4Net {
+    pub addr: std::net::Ipv4Addr,
+    pub prefix: u8,
+}
+
+impl Ipv4Net {
+    pub fn mask(prefix: u8) -> u32 {
+        if prefix == 0 {
+            0
+        } else {
+            u32::MAX << (32 - u32::from(prefix.min(32)))
+        }
+    }
+
+    pub fn contains(&self, ip: std::net::Ipv4Addr) -> bool {
+        let m = Self::mask(self.prefix);
+        u32::from(ip) & m == u32::from(self.addr) & m
+    }
+
+    /// The network `ip` is on with `prefix` bits.
+    pub fn of(ip: std::net::Ipv4Addr, prefix: u8) -> Ipv4Net {
+        Ipv4Net {
+            addr: (u32::from(ip) & Self::mask(prefix)).into(),
+            prefix,
+        }
+    }
+}
+
+impl std::fmt::Display for Ipv4Net {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+impl std::str::FromStr for Ipv4Net {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, p) = s
+            .split_once('/')
+            .ok_or_else(|| format!("'{s}' is not a network (ADDRESS/PREFIX, e.g. 10.10.0.0/24)"))?;
+        let addr = a
+            .parse()
+            .map_err(|_| format!("'{a}' in '{s}' is not an IPv4 address"))?;
+        let prefix: u8 = p
+            .parse()
+            .ok()
+            .filter(|p| *p <= 32)
+            .ok_or_else(|| format!("'/{p}' in '{s}' is not a prefix length 0..32"))?;
+        Ok(Ipv4Net { addr, prefix })
+    }
+}
+
+/// Which interfaces carry live migrations: by name, by network, or (both
+/// empty) every interface with an IPv4 address but loopback.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NicSelection {
+    pub names: Vec<String>,
+    pub networks: Vec<Ipv4Net>,
+}
+
+/// A selection that names what this host does not have.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NicSelectionError {
+    #[error("no interface named '{name}' on this host (it has: {have})")]
+    NoSuchNic { name: String, have: String },
+    #[error("interface '{name}' has no IPv4 address")]
+    NoAddress { name: String },
+    #[error("{network} matches no address of this host (it has: {have})")]
+    NoMatch { network: Ipv4Net, have: String },
+}
+
+impl NicSelection {
+    fn selects(&self, name: &str, ip: std::net::Ipv4Addr) -> bool {
+        if self.names.is_empty() && self.networks.is_empty() {
+            return !ip.is_loopback();
+        }
+        self.names.iter().any(|n| n == name) || self.networks.iter().any(|n| n.contains(ip))
+    }
+
+    /// Refuses a selection naming an interface this host lacks, or a
+    /// network none of its addresses is on.
+    pub fn check(&self) -> Result<(), NicSelectionError> {
+        self.check_against(&ipv4_addrs(), &interface_names())
+    }
+
+    fn check_against(
+        &self,
+        addrs: &[(String, std::net::Ipv4Addr, u8)],
+        names: &[String],
+    ) -> Result<(), NicSelectionError> {
+        for name in &self.names {
+            if !names.contains(name) {
+                return Err(NicSelectionError::NoSuchNic {
+                    name: name.clone(),
+                    have: names.join(", "),
+                });
+            }
+            if !addrs.iter().any(|(n, _, _)| n == name) {
+                return Err(NicSelectionError::NoAddress { name: name.clone() });
+            }
+        }
+        for net in &self.networks {
+            if !addrs.iter().any(|(_, ip, _)| net.contains(*ip)) {
+                let have: Vec<String> = addrs
+                    .iter()
+                    .map(|(n, ip, p)| format!("{n} {ip}/{p}"))
+                    .collect();
+                return Err(NicSelectionError::NoMatch {
+                    network: *net,
+                    have: have.join(", "),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Every network interface's name (`/sys/class/net`).
+fn interface_names() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir("/sys/class/net")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// A fabric's number: NICs of different hosts whose IPv4 networks are the
+/// same share it (two hosts' NICs reach each other directly on it).
+pub fn fabric_of(net: Ipv4Net) -> u32 {
+    u32::from(net.addr) | u32::from(net.prefix)
+}
+
+/// This host's migration NICs (`sel`) with an IPv4 address, read from
+/// `getifaddrs` and sysfs in the agent's own network namespace (no process
+/// spawned: progress reads them every tick).
+pub fn nics(sel: &NicSelection) -> Vec<NicInfo> {
+    let mut out: Vec<NicInfo> = ipv4_addrs()
+        .into_iter()
+        .filter(|(name, ip, _)| sel.selects(name, *ip))
+        .map(|(name, ip, prefix)| {
+            let sys = PathBuf::from("/sys/class/net").join(&name);
+            let net = Ipv4Net::of(ip, prefix);
+            NicInfo {
+                fabric: fabric_of(net),
+                network: net.to_string(),
+                address: ip.to_string(),
+                mtu: read_u64(sys.join("mtu")) as u32,
+                up: read_u64(sys.join("carrier")) == 1,
+                tx_bytes: read_u64(sys.join("statistics/tx_bytes")),
+                rx_bytes: read_u64(sys.join("statistics/rx_bytes")),
+                name,
+            }
+        })
+        .collect();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+/// The IPv4 address of interface `name` (any interface, not only a
+/// migration NIC).
+pub fn interface_address(name: &str) -> Option<std::net::Ipv4Addr> {
+    ipv4_addrs()
+        .into_iter()
+        .find(|(n, _, _)| n == name)
+        .map(|(_, ip, _)| ip)
+}
+
+/// Every interface with an IPv4 address, with its first one and its prefix length.
+fn ipv4_addrs() -> Vec<(String, std::net::Ipv4Addr, u8)> {
+    let mut out: Vec<(String, std::net::Ipv4Addr, u8)> = Vec::new();
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: on success `list` heads a list getifaddrs allocated; it is read
+    // only until the freeifaddrs below.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return out;
+    }
+    let mut cur = list;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of that list; an IPv4 `ifa_addr` (and its
+        // `ifa_netmask`) points to a sockaddr_in and `ifa_name` to a
+        // NUL-terminated name.
+        unsafe {
+            let i = &*cur;
+            if !i.ifa_addr.is_null() && i32::from((*i.ifa_addr).sa_family) == libc::AF_INET {
+                let sin = &*(i.ifa_addr as *const libc::sockaddr_in);
+                let ip = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+                let name = std::ffi::CStr::from_ptr(i.ifa_name)
+                    .to_string_lossy()
+                    .into_owned();
+                let prefix = if i.ifa_netmask.is_null() {
+                    32
+                } else {
+                    let m = &*(i.ifa_netmask as *const libc::sockaddr_in);
+                    u32::from_be(m.sin_addr.s_addr).count_ones() as u8
+                };
+                if !out.iter().any(|(n, _, _)| *n == name) {
+                    out.push((name, ip, prefix));
+                }
+            }
+            cur = i.ifa_next;
+        }
+    }
+    // SAFETY: `list` came from getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(list) };
+    out
+}
+
+/// User + system CPU time of a process (every thread), from `/proc/PID/stat`;
+/// `None` once it is gone.
+pub fn process_cpu(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    cpu_of_stat(&stat)
+}
+
+/// This agent's own CPU time.
+pub fn own_cpu() -> Duration {
+    process_cpu(std::process::id()).unwrap_or_default()
+}
+
+/// The fields of a `/proc/PID/stat` line after the command name (which may
+/// itself contain spaces and parentheses): `[0]` is field 3, the state.
+pub fn stat_fields(stat: &str) -> Option<Vec<&str>> {
+    Some(stat.rsplit_once(')')?.1.split_whitespace().collect())
+}
+
+/// CPU time of those of `pid`'s live threads whose name starts with
+/// `prefix` (QEMU names its threads with `debug-threads=on`, e.g.
+/// `mig/src/send_0`); threads that have exited are not counted.
+pub fn threads_cpu(pid: u32, prefix: &str) -> Duration {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Duration::ZERO;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| {
+            let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
+            let name = stat.split_once('(')?.1.rsplit_once(')')?.0;
+            name.starts_with(prefix)
+                .then(|| cpu_of_stat(&stat))
+                .flatten()
+        })
+        .sum()
+}
+
+/// utime + stime (fields 14 and 15) of a `/proc/PID/stat` line.
+pub fn cpu_of_stat(stat: &str) -> Option<Duration> {
+    let f = stat_fields(stat)?;
+    let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf only reads a constant of the running system
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Some(Duration::from_micros(ticks * 1_000_000 / hz))
+}
+
+#[cfg(test)]
+mod cpu_tests {
+    use super::*;
+
+    #[test]
+    fn cpu_ticks_count_idle_and_iowait_as_not_busy() {
+        let stat = "cpu  100 5 50 800 40 3 2 0 0 0\ncpu0 50 2 25 400 20 1 1 0 0 0\nintr 1\n";
+        assert_eq!(cpu_ticks(stat), Some((160, 1000)));
+        assert_eq!(cpu_ticks("cpu0 1 2 3 4 5\n"), None);
+        assert_eq!(cpu_ticks("cpu  1 2\n"), None);
+    }
+
+    #[test]
+    fn the_idle_gauge_keeps_the_last_second() {
+        let g = IdleGauge::default();
+        let stat = |user: u64, idle: u64| format!("cpu  {user} 0 0 {idle} 0 0 0 0\n");
+        assert_eq!(g.idle(), None, "no sample yet");
+        g.sample(&stat(0, 0));
+        assert_eq!(g.idle(), None, "one sample is no interval");
+        // busy for a while, then idle: only the last KEEP samples count
+        g.sample(&stat(100, 0));
+        assert_eq!(g.idle(), Some(0.0));
+        for i in 1..=IdleGauge::KEEP as u64 {
+            g.sample(&stat(100 + i * 25, i * 75));
+        }
+        assert_eq!(g.idle(), Some(0.75));
+        g.sample("garbage");
+        assert_eq!(g.idle(), Some(0.75), "an unreadable sample is skipped");
+    }
+
+    #[test]
+    fn threads_are_counted_by_name() {
+        let me = std::process::id();
+        let busy = std::thread::Builder::new()
+            .name("ferry-test-spin".into())
+            .spawn(|| {
+                let t = std::time::Instant::now();
+                let mut x = 0u64;
+                while t.elapsed() < Duration::from_millis(300) {
+                    x = x.wrapping_add(std::hint::black_box(1));
+                }
+                std::thread::sleep(Duration::from_millis(500));
+                x
+            })
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(400));
+        let spun = threads_cpu(me, "ferry-test-sp");
+        assert!(spun >= Duration::from_millis(100), "{spun:?}");
+        assert_eq!(threads_cpu(me, "no-such-thread"), Duration::ZERO);
+        busy.join().unwrap();
+    }
+
+    #[test]
+    fn interface_addresses_come_from_getifaddrs() {
+        let all = ipv4_addrs();
+        assert!(
+            all.iter()
+                .any(|(n, ip, p)| n == "lo" && *ip == std::net::Ipv4Addr::LOCALHOST && *p == 8),
+            "lo with 127.0.0.1 missing from {all:?}"
+        );
+    }
+
+    #[test]
+    fn a_selection_names_what_the_host_lacks() {
+        let ip = |s: &str| s.parse::<std::net::Ipv4Addr>().unwrap();
+        let addrs = vec![
+            ("lo".to_string(), ip("127.0.0.1"), 8),
+            ("ens1f0".to_string(), ip("10.10.0.5"), 24),
+            ("ens1f1".to_string(), ip("10.20.0.5"), 24),
+        ];
+        let names: Vec<String> = ["ens1f0", "ens1f1", "ens2", "lo"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let by_name = |n: &[&str]| NicSelection {
+            names: n.iter().map(|s| s.to_string()).collect(),
+            networks: vec![],
+        };
+        assert_eq!(by_name(&["ens1f0"]).check_against(&addrs, &names), Ok(()));
+        assert!(matches!(
+            by_name(&["eth9"]).check_against(&addrs, &names),
+            Err(NicSelectionError::NoSuchNic { name, .. }) if name == "eth9"
+        ));
+        assert!(matches!(
+            by_name(&["ens2"]).check_against(&addrs, &names),
+            Err(NicSelectionError::NoAddress { name }) if name == "ens2"
+        ));
+        let net = |s: &str| NicSelection {
+            names: vec![],
+            networks: vec![s.parse().unwrap()],
+        };
+        assert_eq!(net("10.20.0.0/16").check_against(&addrs, &names), Ok(()));
+        let e = net("10.30.0.0/24")
+            .check_against(&addrs, &names)
+            .unwrap_err();
+        assert!(
+            e.to_string().starts_with("10.30.0.0/24 matches no address"),
+            "{e}"
+        );
+        assert!(NicSelection::default().selects("eth0", ip("10.0.0.1")));
+        assert!(!NicSelection::default().selects("lo", ip("127.0.0.1")));
+        assert!(net("10.20.0.0/24").selects("x", ip("10.20.0.9")));
+        assert!(!net("10.20.0.0/24").selects("x", ip("10.21.0.9")));
+    }
+
+    #[test]
+    fn networks_parse_and_name_their_fabric() {
+        let n: Ipv4Net = "198.18.1.13/24".parse().unwrap();
+        assert_eq!(Ipv4Net::of(n.addr, n.prefix).to_string(), "198.18.1.0/24");
+        assert!("10.0.0.0".parse::<Ipv4Net>().is_err());
+        assert!("10.0.0.0/33".parse::<Ipv4Net>().is_err());
+        assert!("10.0.0/8".parse::<Ipv4Net>().is_err());
+        let a = Ipv4Net::of("10.1.0.7".parse().unwrap(), 24);
+        let b = Ipv4Net::of("10.1.0.9".parse().unwrap(), 24);
+        let c = Ipv4Net::of("10.2.0.9".parse().unwrap(), 24);
+        assert_eq!(fabric_of(a), fabric_of(b));
+        assert_ne!(fabric_of(a), fabric_of(c));
+        assert_eq!(Ipv4Net::mask(0), 0);
+        assert_eq!(Ipv4Net::mask(32), u32::MAX);
+    }
+
+    #[test]
+    fn stat_lines_with_odd_names_parse() {
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+        let line = format!(
+            "42 (qemu (x) y) S 1 42 42 0 -1 4194560 100 0 0 0 {} {} 0 0 20 0 1 0",
+            3 * hz,
+            hz
+        );
+        assert_eq!(cpu_of_stat(&line), Some(Duration::from_secs(4)));
+        assert_eq!(cpu_of_stat("garbage"), None);
+        assert!(process_cpu(std::process::id()).is_some());
+    }
+}
