@@ -32,10 +32,10 @@ fn acceptor() -> tokio_rustls::TlsAcceptor {
     A.get_or_init(|| {
         let d = std::env::temp_dir().join(format!("ferry-fuzz-tls-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
-        let ca = ferry_api::tls::Authority::create(&d.join("ca"), "fuzz").expect("CA");
+        let ca = ferry_net::tls::Authority::create(&d.join("ca"), "fuzz").expect("CA");
         ca.issue(
-            &ferry_api::tls::CertRequest {
-                role: ferry_api::tls::Role::Storage,
+            &ferry_net::tls::CertRequest {
+                role: ferry_net::tls::Role::Storage,
                 name: "storage1".into(),
                 san: vec!["127.0.0.1".into()],
                 days: 1,
@@ -43,7 +43,7 @@ fn acceptor() -> tokio_rustls::TlsAcceptor {
             &d.join("storage1"),
         )
         .expect("certificate");
-        let pki = ferry_api::tls::Pki::load(&d.join("storage1")).expect("load");
+        let pki = ferry_net::tls::Pki::load(&d.join("storage1")).expect("load");
         let config = pki.server_config(true).expect("config");
         // everything is in memory now: nothing is left in /tmp when the fuzzer exits
         let _ = std::fs::remove_dir_all(&d);

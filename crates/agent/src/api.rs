@@ -37,15 +37,15 @@ use axum::{
     routing::{get, post},
     Json, Router,
 };
-use ferry_api::server::{
-    ndjson, not_found, require_peer, ApiJson, ErrorResponse, PeerAuth, PeerCert,
-};
-use ferry_api::tls::Role;
 use ferry_api::validation::{
     HostFacts, PathProbeRequest, PathProbeResult, SendRequest, SendResult, SinkReply, SinkRequest,
     SinkResult,
 };
 use ferry_api::{ApiError, IncomingRequest, MigrateRequest, VmSpec};
+use ferry_net::server::{
+    ndjson, not_found, require_peer, ApiJson, ErrorResponse, PeerAuth, PeerCert,
+};
+use ferry_net::tls::Role;
 use tokio_stream_shim::ReceiverStream;
 
 use crate::Agent;
@@ -170,7 +170,7 @@ async fn set_bandwidth(
 /// service, or a caller known by the cluster credential).
 type Caller = Option<axum::Extension<PeerCert>>;
 
-fn peer_agent(caller: &Caller) -> Option<&ferry_api::tls::Identity> {
+fn peer_agent(caller: &Caller) -> Option<&ferry_net::tls::Identity> {
     caller
         .as_ref()
         .map(|axum::Extension(PeerCert(id))| id)
@@ -219,14 +219,14 @@ async fn incoming(
     }
     // and only a move the control service ordered
     if let Some(v) = &a.tickets {
-        let digest = ferry_api::ticket::spec_digest(&req.spec);
-        let want = ferry_api::ticket::Expect {
+        let digest = ferry_net::ticket::spec_digest(&req.spec);
+        let want = ferry_net::ticket::Expect {
             vm: &req.spec.name,
             spec: &digest,
             source: &req.source,
             target: &a.cfg.name,
         };
-        if let Err(e) = v.admit(req.ticket.as_ref(), &want, ferry_api::ticket::now_ms()) {
+        if let Err(e) = v.admit(req.ticket.as_ref(), &want, ferry_net::ticket::now_ms()) {
             tracing::warn!(source = %req.source, vm = %req.spec.name, "refused an incoming migration: {e}");
             return Err(ApiError::from(e).into());
         }
@@ -467,7 +467,7 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
         None => None,
     };
     let limits = agent.cfg.limits;
-    ferry_api::server::serve_with(listener, router(agent), tls, limits).await
+    ferry_net::server::serve_with(listener, router(agent), tls, limits).await
 }
 
 /// A `Stream` over a tokio mpsc receiver (what tokio-stream's wrapper does).

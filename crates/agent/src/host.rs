@@ -125,14 +125,14 @@ pub struct Agent {
     /// probes, transport carriers) and, under `--insecure-http` only,
     /// authenticates API calls.
     pub cred: ferry_api::auth::Credential,
-    /// This host's certificate (see [`ferry_api::tls`]); `None` under
+    /// This host's certificate (see [`ferry_net::tls`]); `None` under
     /// `--insecure-http`.
-    pub pki: Option<ferry_api::tls::Pki>,
+    pub pki: Option<ferry_net::tls::Pki>,
     /// Admits incoming migrations with the control service's tickets
-    /// (see [`ferry_api::ticket`]); `None` under `--insecure-http`.
-    pub tickets: Option<ferry_api::ticket::TicketVerifier>,
+    /// (see [`ferry_net::ticket`]); `None` under `--insecure-http`.
+    pub tickets: Option<ferry_net::ticket::TicketVerifier>,
     /// How this agent calls peers.
-    pub client_auth: ferry_api::client::ClientAuth,
+    pub client_auth: ferry_net::client::ClientAuth,
     pub state: tokio::sync::Mutex<HostState>,
     pub sinks: crate::validate::Sinks,
     /// Bandwidth classes on this host's NICs.
@@ -159,15 +159,15 @@ impl Agent {
     pub fn new(
         cfg: AgentConfig,
         cred: ferry_api::auth::Credential,
-        pki: Option<ferry_api::tls::Pki>,
+        pki: Option<ferry_net::tls::Pki>,
         guest: Arc<dyn GuestCheck>,
-    ) -> Result<Arc<Agent>, ferry_api::tls::TlsError> {
-        let client_auth = ferry_api::client::ClientAuth::component(pki.as_ref(), &cred)?;
+    ) -> Result<Arc<Agent>, ferry_net::tls::TlsError> {
+        let client_auth = ferry_net::client::ClientAuth::component(pki.as_ref(), &cred)?;
         let tickets = pki
             .as_ref()
-            .map(|p| ferry_api::ticket::TicketVerifier::new(p.roots()))
+            .map(|p| ferry_net::ticket::TicketVerifier::new(p.roots()))
             .transpose()
-            .map_err(ferry_api::tls::TlsError::Config)?;
+            .map_err(ferry_net::tls::TlsError::Config)?;
         Ok(Arc::new(Agent {
             cred,
             pki,
@@ -254,7 +254,7 @@ impl Agent {
             .into_iter()
             .filter(|p| p.name != self.cfg.name)
             .map(|p| async move {
-                let c = ferry_api::client::Client::new(
+                let c = ferry_net::client::Client::new(
                     &format!("agent {}", p.name),
                     &p.url,
                     self.client_auth.clone(),

@@ -77,7 +77,7 @@ pub struct AgentConfig {
     /// A VM paused for its storage this long is stopped (see [`resilience`]).
     pub storage_pause_max: std::time::Duration,
     /// What the API takes from its clients (`[limits]` in agent.toml).
-    pub limits: ferry_api::server::Limits,
+    pub limits: ferry_net::server::Limits,
     /// Bytes one transport stream may hold out of order (`reorder_window`).
     pub reorder_window: u64,
 }

@@ -23,8 +23,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_api::client::Client;
 use ferry_api::{ApiError, SourceStatus};
+use ferry_net::client::Client;
 
 use crate::commit::{
     from_wire_name, target_may_forget, Record, Side, SourceAnswer, SourcePhase, TargetPhase,

@@ -99,7 +99,7 @@ pub enum ApiError {
         setting: String,
     },
     /// An incoming migration without a good ticket from the control
-    /// service (see [`crate::ticket`]); `reason` says which check failed.
+    /// service (see `ferry_net::ticket`); `reason` says which check failed.
     #[error("Move refused: {reason}")]
     BadTicket { reason: String },
     #[error("Internal error: {reason}")]

@@ -2,8 +2,9 @@
 //!
 //! Every front end (the `ferry` CLI today, the REST API and the web page as they
 //! grow) speaks the types in this crate, and the control service and the agents
-//! serve them. Nothing here does I/O except [`client`], the one HTTP client all
-//! callers share, and [`auth`], which reads the cluster credential.
+//! serve them. Nothing here does I/O except [`auth`], which reads the cluster
+//! credential; the HTTP and TLS stack (the one client, the server helpers,
+//! the PKI, move tickets) is `ferry-net`'s.
 //!
 //! Layout:
 //! - [`size`]: byte sizes and rates as users write them (`1G`, `768M`, `20M`).
@@ -12,22 +13,17 @@
 //! - [`error`]: [`ApiError`], the one error enum that crosses the wire, and its
 //!   HTTP status mapping.
 //! - [`auth`]: the cluster credential made at lab/cluster creation.
-//! - [`client`]: an authenticated HTTP client with NDJSON event streams.
 //! - [`util`]: error chains, poison-tolerant locks, commands, rates: written once.
 
 pub mod auth;
 pub mod bandwidth;
-pub mod client;
 pub mod drain;
 pub mod error;
 pub mod grants;
 pub mod hardware;
 pub mod rolling;
-pub mod server;
 pub mod size;
 pub mod storage;
-pub mod ticket;
-pub mod tls;
 pub mod types;
 pub mod util;
 pub mod validation;

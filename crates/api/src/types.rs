@@ -826,9 +826,9 @@ pub struct MigrateRequest {
     #[serde(default)]
     pub encrypt_carriers: bool,
     /// The control service's ticket for this move, handed to the target
-    /// (see [`crate::ticket`]).
+    /// (signed and checked by `ferry_net::ticket`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ticket: Option<crate::ticket::Ticket>,
+    pub ticket: Option<Ticket>,
 }
 
 /// Settings that hold for the whole cluster.
@@ -865,10 +865,10 @@ pub struct IncomingRequest {
     pub migration_id: String,
     pub source: String,
     pub spec: VmSpec,
-    /// The control service's ticket for this move (see [`crate::ticket`]):
+    /// The control service's ticket for this move (signed and checked by `ferry_net::ticket`):
     /// over TLS, required.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ticket: Option<crate::ticket::Ticket>,
+    pub ticket: Option<Ticket>,
     /// The target's NICs a NIC of the source, up, reaches (probed); the
     /// target listens on those.
     pub reachable_nics: Vec<String>,
@@ -1466,4 +1466,14 @@ mod tests {
         assert!(s.starts_with(r#"{"event":"step""#), "{s}");
         assert_eq!(serde_json::from_str::<MigrationEvent>(&s).unwrap(), e);
     }
+}
+
+/// A move ticket as it travels: the control service's signed claims (see
+/// `ferry_net::ticket`, which signs and checks them).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Ticket {
+    pub claims: String,
+    pub signature: String,
+    pub issuer: String,
 }

@@ -138,13 +138,13 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
             out,
             days,
         } => {
-            let req = ferry_api::tls::CertRequest {
+            let req = ferry_net::tls::CertRequest {
                 role: role.parse()?,
                 name: name.clone(),
                 san: san.clone(),
                 days: *days,
             };
-            ferry_api::tls::Authority::load(ca)?.issue(&req, out)?;
+            ferry_net::tls::Authority::load(ca)?.issue(&req, out)?;
             println!("wrote {} ({} {name})", out.display(), req.role);
             return Ok(0);
         }
@@ -246,7 +246,7 @@ fn init(
     if force {
         let _ = std::fs::remove_dir_all(&ca_dir);
     }
-    let ca = ferry_api::tls::Authority::create(&ca_dir, &crate::config::system_hostname())?;
+    let ca = ferry_net::tls::Authority::create(&ca_dir, &crate::config::system_hostname())?;
     ferry_api::auth::Credential::generate()
         .store(&token)
         .with_context(|| format!("writing {}", token.display()))?;
@@ -261,8 +261,8 @@ fn init(
     control_san.extend(san.iter().cloned());
     let pki = dir.join("pki").join("control");
     ca.issue(
-        &ferry_api::tls::CertRequest {
-            role: ferry_api::tls::Role::Control,
+        &ferry_net::tls::CertRequest {
+            role: ferry_net::tls::Role::Control,
             name: "control".into(),
             san: control_san,
             days: 825,
@@ -271,8 +271,8 @@ fn init(
     )?;
     let admin_pki = dir.join("pki").join("admin");
     ca.issue(
-        &ferry_api::tls::CertRequest {
-            role: ferry_api::tls::Role::Admin,
+        &ferry_net::tls::CertRequest {
+            role: ferry_net::tls::Role::Admin,
             name: "admin".into(),
             san: vec![],
             days: 825,
@@ -290,8 +290,8 @@ fn init(
         ..Default::default()
     };
     std::fs::copy(
-        ca_dir.join(ferry_api::tls::CA_CERT),
-        dir.join("pki").join(ferry_api::tls::CA_CERT),
+        ca_dir.join(ferry_net::tls::CA_CERT),
+        dir.join("pki").join(ferry_net::tls::CA_CERT),
     )
     .context("copying the CA's certificate")?;
     let mut written = vec![
@@ -315,8 +315,8 @@ fn init(
         };
         let host_pki = dir.join("hosts").join(name).join("pki").join("agent");
         ca.issue(
-            &ferry_api::tls::CertRequest {
-                role: ferry_api::tls::Role::Agent,
+            &ferry_net::tls::CertRequest {
+                role: ferry_net::tls::Role::Agent,
                 name: name.clone(),
                 san: vec![sock.ip().to_string()],
                 days: 825,
@@ -325,11 +325,11 @@ fn init(
         )?;
         written.push(host_pki.display().to_string());
         std::fs::copy(
-            ca_dir.join(ferry_api::tls::CA_CERT),
+            ca_dir.join(ferry_net::tls::CA_CERT),
             dir.join("hosts")
                 .join(name)
                 .join("pki")
-                .join(ferry_api::tls::CA_CERT),
+                .join(ferry_net::tls::CA_CERT),
         )
         .with_context(|| format!("copying the CA's certificate for {name}"))?;
         let path = dir.join(format!("agent-{name}.toml"));

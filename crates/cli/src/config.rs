@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 pub const ETC: &str = "/etc/ferry";
 /// The cluster credential every service reads by default.
 pub const DEFAULT_CREDENTIAL: &str = "/etc/ferry/cluster.token";
-/// Where the certificates live on a machine (see `ferry_api::tls`): one
+/// Where the certificates live on a machine (see `ferry_net::tls`): one
 /// directory per service (`agent`, `control`, `storage`, `admin`) and the
 /// cluster CA's certificate `ca-cert.pem` (the CLI's trust root).
 pub const PKI: &str = "/etc/ferry/pki";
@@ -147,7 +147,7 @@ pub struct AgentFile {
     pub reorder_window: Option<String>,
     /// What the agent's API takes from its clients (`[limits]`).
     #[serde(default)]
-    pub limits: ferry_api::server::Limits,
+    pub limits: ferry_net::server::Limits,
 }
 
 /// `/etc/ferry/control.toml`.
@@ -185,7 +185,7 @@ pub struct ControlFile {
     pub max_streams_per_token: Option<usize>,
     /// What the API takes from its clients (`[limits]`).
     #[serde(default)]
-    pub limits: ferry_api::server::Limits,
+    pub limits: ferry_net::server::Limits,
 }
 
 /// `/etc/ferry/storage.toml`.
@@ -214,7 +214,7 @@ pub struct StorageFile {
     pub peers: BTreeMap<String, String>,
     /// What the node's API takes from its clients (`[limits]`).
     #[serde(default)]
-    pub limits: ferry_api::server::Limits,
+    pub limits: ferry_net::server::Limits,
     /// What NBD takes from its clients (`[nbd_limits]`).
     #[serde(default)]
     pub nbd_limits: ferry_storage::nbd::server::NbdLimits,

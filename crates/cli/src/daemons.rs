@@ -8,7 +8,7 @@ use clap::Args;
 
 use crate::config;
 
-/// TLS of a service (see `ferry_api::tls`), shared by `ferry agent`,
+/// TLS of a service (see `ferry_net::tls`), shared by `ferry agent`,
 /// `ferry control` and `ferry storage serve`.
 #[derive(Args, Clone, Default)]
 pub struct TlsArgs {
@@ -32,7 +32,7 @@ impl TlsArgs {
         service: &str,
         file_dir: Option<&PathBuf>,
         file_insecure: Option<bool>,
-    ) -> anyhow::Result<Option<ferry_api::tls::Pki>> {
+    ) -> anyhow::Result<Option<ferry_net::tls::Pki>> {
         if self.insecure_http || file_insecure == Some(true) {
             tracing::warn!("--insecure-http: plain HTTP, credentials and data in clear");
             return Ok(None);
@@ -42,7 +42,7 @@ impl TlsArgs {
             .clone()
             .or(file_dir.cloned())
             .unwrap_or_else(|| PathBuf::from(config::PKI).join(service));
-        let pki = ferry_api::tls::Pki::load(&dir).with_context(|| {
+        let pki = ferry_net::tls::Pki::load(&dir).with_context(|| {
             format!(
                 "loading this service's certificate from {} (make one with `ferry cluster issue-cert`, or run with --insecure-http)",
                 dir.display()
@@ -470,7 +470,7 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
         storage.push((n.to_string(), u.to_string()));
     }
     let pki = a.tls.load("control", f.tls_dir.as_ref(), f.insecure_http)?;
-    let auth = ferry_api::client::ClientAuth::component(pki.as_ref(), &cred)?;
+    let auth = ferry_net::client::ClientAuth::component(pki.as_ref(), &cred)?;
     let mut control = ferry_control::Control::with_storage(hosts, storage, auth);
     if let Some(d) = &f.hooks_dir {
         control = control.with_hooks_dir(d.clone());
@@ -603,10 +603,10 @@ pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
     let pki = a.tls.load("storage", f.tls_dir.as_ref(), f.insecure_http)?;
     let (auth, tls) = match &pki {
         Some(p) => (
-            ferry_api::server::PeerAuth::Certificates(&[ferry_api::tls::Role::Control]),
+            ferry_net::server::PeerAuth::Certificates(&[ferry_net::tls::Role::Control]),
             Some(p.server_config(true)?),
         ),
-        None => (ferry_api::server::PeerAuth::Credential(cred), None),
+        None => (ferry_net::server::PeerAuth::Credential(cred), None),
     };
     // NBD: TLS required whenever the node has a certificate, unless turned off
     let nbd_tls = match (f.nbd_tls.as_deref(), &pki) {
@@ -661,8 +661,8 @@ pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
 /// A `[limits]` table checked; an error names the file and the key.
 fn limits_in(
     file: &std::path::Path,
-    l: ferry_api::server::Limits,
-) -> anyhow::Result<ferry_api::server::Limits> {
+    l: ferry_net::server::Limits,
+) -> anyhow::Result<ferry_net::server::Limits> {
     in_file(file, l.validate())?;
     Ok(l)
 }

@@ -209,7 +209,7 @@ const DEBIAN_VM: &str = "demo-deb";
 const DEBIAN_ROOT: &str = "demo-deb-root";
 
 /// Imports the lab's Debian guest into a storage disk and boots it on host2.
-async fn start_debian(c: &ferry_api::client::Client) -> anyhow::Result<std::time::Instant> {
+async fn start_debian(c: &ferry_net::client::Client) -> anyhow::Result<std::time::Instant> {
     let img = ferry_lab::debian::ensure(false)?;
     let t = Duration::from_secs(120);
     let _ = c
@@ -244,7 +244,7 @@ async fn start_debian(c: &ferry_api::client::Client) -> anyhow::Result<std::time
 /// Waits for the Debian guest's agent, moves the guest host2 → host3 and
 /// checks it there. True when all went well.
 async fn move_debian(
-    c: &ferry_api::client::Client,
+    c: &ferry_net::client::Client,
     started: &std::time::Instant,
     json: bool,
 ) -> anyhow::Result<bool> {

@@ -4,12 +4,12 @@
 use std::time::Duration;
 
 use clap::Subcommand;
-use ferry_api::client::Client;
 use ferry_api::drain::{DrainEvent, DrainReport, DrainRequest, HostSettings, MigrationLimit};
 use ferry_api::size::human_bytes;
 use ferry_api::validation::{CheckStatus, ValidationReport};
 use ferry_api::ValidateRequest;
 use ferry_api::{ApiError, HostEntry};
+use ferry_net::client::Client;
 use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 

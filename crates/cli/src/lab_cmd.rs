@@ -473,7 +473,7 @@ fn stop_pidfile(path: &std::path::Path) {
 /// for the administrator's tools (`pki/admin`: NBD clients), and the first
 /// admin API token.
 fn make_pki(dir: &LabDir, spec: &LabSpec) -> anyhow::Result<()> {
-    use ferry_api::tls::{Authority, CertRequest, Role};
+    use ferry_net::tls::{Authority, CertRequest, Role};
     let pki = dir.pki_path();
     let _ = std::fs::remove_dir_all(&pki);
     let ca = Authority::create(&pki.join("ca"), "lab")?;

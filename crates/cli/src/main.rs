@@ -2,7 +2,7 @@
 //! daemons (`ferry agent`, `ferry control`) in one binary.
 //!
 //! Every VM and host verb goes through the control service's API
-//! (`ferry_api::client`); `ferry lab` manages the local lab directly because
+//! (`ferry_net::client`); `ferry lab` manages the local lab directly because
 //! it creates the machines the control service runs on.
 
 mod bandwidth_cmd;
@@ -144,7 +144,7 @@ impl Cli {
     fn ca_file(&self) -> PathBuf {
         Self::default_file(
             self.ca.as_ref(),
-            &format!("{}/{}", config::PKI, ferry_api::tls::CA_CERT),
+            &format!("{}/{}", config::PKI, ferry_net::tls::CA_CERT),
             ferry_lab::net::LabDir::default_path().ca_cert_path(),
         )
     }
@@ -159,10 +159,10 @@ impl Cli {
                 .pki_path()
                 .join("admin"),
         );
-        dir.join(ferry_api::tls::CERT).exists().then_some(dir)
+        dir.join(ferry_net::tls::CERT).exists().then_some(dir)
     }
 
-    fn client(&self) -> anyhow::Result<ferry_api::client::Client> {
+    fn client(&self) -> anyhow::Result<ferry_net::client::Client> {
         let path = self.token_file();
         let cred = ferry_api::auth::Credential::load(&path).map_err(|e| {
             anyhow::anyhow!(
@@ -172,16 +172,16 @@ impl Cli {
         })?;
         let tls = if self.control.starts_with("https://") {
             let ca = self.ca_file();
-            Some(ferry_api::tls::anonymous_client_config(&ca).map_err(|e| {
+            Some(ferry_net::tls::anonymous_client_config(&ca).map_err(|e| {
                 anyhow::anyhow!("cannot read the cluster CA to verify the control service: {e}")
             })?)
         } else {
             None
         };
-        Ok(ferry_api::client::Client::new(
+        Ok(ferry_net::client::Client::new(
             "control service",
             &self.control,
-            ferry_api::client::ClientAuth {
+            ferry_net::client::ClientAuth {
                 bearer: Some(cred),
                 tls,
             },

@@ -5,10 +5,10 @@
 
 use std::time::{Duration, Instant};
 
-use ferry_api::client::Client;
 use ferry_api::rolling::{Phase, RollingRequest, RollingState, RollingStatus};
 use ferry_api::size::human_bytes;
 use ferry_api::ApiError;
+use ferry_net::client::Client;
 
 use crate::output::{print_json, Table};
 

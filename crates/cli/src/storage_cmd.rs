@@ -584,7 +584,7 @@ pub async fn list_nodes(cli: &Cli, json: bool) -> anyhow::Result<i32> {
 /// with the administrator's certificate in `tls` when given. A failed copy
 /// removes the disk it made.
 pub async fn import_disk(
-    c: &ferry_api::client::Client,
+    c: &ferry_net::client::Client,
     name: &str,
     file: &std::path::Path,
     write_through: bool,
@@ -660,7 +660,7 @@ pub async fn import_disk(
     Ok(d)
 }
 
-async fn run_checkpoint(c: &ferry_api::client::Client, cmd: &CheckpointCmd) -> anyhow::Result<i32> {
+async fn run_checkpoint(c: &ferry_net::client::Client, cmd: &CheckpointCmd) -> anyhow::Result<i32> {
     match cmd {
         CheckpointCmd::Create { disk, name, copy } => {
             let req = CheckpointRequest {
@@ -716,7 +716,7 @@ async fn run_checkpoint(c: &ferry_api::client::Client, cmd: &CheckpointCmd) -> a
 /// `ferry disk move`: follows the move's stream with a progress bar (or
 /// NDJSON lines); exit status 1 when it failed.
 async fn move_disk(
-    c: &ferry_api::client::Client,
+    c: &ferry_net::client::Client,
     disk: &str,
     to: &str,
     json: bool,
@@ -789,7 +789,7 @@ async fn move_disk(
     }
 }
 
-async fn run_replica(c: &ferry_api::client::Client, cmd: &ReplicaCmd) -> anyhow::Result<i32> {
+async fn run_replica(c: &ferry_net::client::Client, cmd: &ReplicaCmd) -> anyhow::Result<i32> {
     match cmd {
         ReplicaCmd::Status { disk, json } => {
             let path = match disk {
@@ -849,7 +849,7 @@ async fn run_replica(c: &ferry_api::client::Client, cmd: &ReplicaCmd) -> anyhow:
 /// Follows a copy job to its end with a progress bar (or not, with
 /// `no_wait`); exit status 1 when it failed.
 async fn follow_job(
-    c: &ferry_api::client::Client,
+    c: &ferry_net::client::Client,
     mut j: JobInfo,
     no_wait: bool,
     json: bool,

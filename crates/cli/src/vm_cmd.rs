@@ -3,12 +3,12 @@
 use std::time::Duration;
 
 use clap::Subcommand;
-use ferry_api::client::Client;
 use ferry_api::size::{human_bytes, parse_size};
 use ferry_api::{
     ApiError, AtExpiry, CheckResult, ConvergenceChoice, MigrationEvent, MigrationOption,
     MigrationReport, MoveRequest, VmCreateRequest, VmInfo, VmSpec,
 };
+use ferry_net::client::Client;
 use futures::StreamExt;
 
 use crate::output::{mbit, print_json, shorten, Table};

@@ -423,10 +423,10 @@ fn incoming(id: &str, source: &str, spec: Value, ticket: Option<Value>) -> Value
 /// A move ticket signed with the key of `signer`'s certificate in the lab
 /// (`control`: the control service's, as it signs them).
 fn ticket(signer: &str, spec: &Value, source: &str, target: &str) -> Value {
-    let pki = ferry_api::tls::Pki::load(&Path::new(PKI).join(signer)).unwrap();
+    let pki = ferry_net::tls::Pki::load(&Path::new(PKI).join(signer)).unwrap();
     let spec: ferry_api::VmSpec = serde_json::from_value(spec.clone()).unwrap();
     let t = pki.ticket_signer().unwrap();
-    serde_json::to_value(t.sign(&spec, source, target, ferry_api::ticket::now_ms())).unwrap()
+    serde_json::to_value(t.sign(&spec, source, target, ferry_net::ticket::now_ms())).unwrap()
 }
 
 fn workload(name: &str) -> Value {
@@ -623,7 +623,7 @@ fn an_unauthenticated_client_gets_nothing_and_floods_nothing() {
         "the real event was pushed out: {events}"
     );
     // 27. one client holding connections open without a word: past its share, closed at once
-    let limits = ferry_api::server::Limits::default();
+    let limits = ferry_net::server::Limits::default();
     let held: Vec<std::net::TcpStream> = (0..limits.per_client)
         .map(|_| std::net::TcpStream::connect("127.0.0.1:7700").unwrap())
         .collect();

@@ -232,12 +232,12 @@ fn two_control_instances_on_etcd_survive_losing_one() {
     // etcd serves clients over TLS and asks each for a certificate of the
     // cluster CA; the control services bring theirs
     let pki = dir.join("pki");
-    let ca = ferry_api::tls::Authority::create(&pki.join("ca"), "etcd-test").unwrap();
+    let ca = ferry_net::tls::Authority::create(&pki.join("ca"), "etcd-test").unwrap();
     for (role, name) in [
-        (ferry_api::tls::Role::Storage, "etcd"),
-        (ferry_api::tls::Role::Control, "control"),
+        (ferry_net::tls::Role::Storage, "etcd"),
+        (ferry_net::tls::Role::Control, "control"),
     ] {
-        let req = ferry_api::tls::CertRequest {
+        let req = ferry_net::tls::CertRequest {
             role,
             name: name.into(),
             san: vec!["127.0.0.1".into()],

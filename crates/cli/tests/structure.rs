@@ -164,7 +164,7 @@ fn circles(g: &BTreeMap<String, BTreeSet<String>>) -> BTreeSet<BTreeSet<String>>
 
 #[test]
 fn module_circles_are_only_the_known_ones() {
-    for krate in ["agent", "storage", "transport"] {
+    for krate in ["agent", "storage", "transport", "net", "api"] {
         let found = circles(&graph(krate));
         let known: BTreeSet<BTreeSet<String>> = KNOWN_CIRCLES
             .iter()
@@ -326,4 +326,40 @@ fn one_minimum_rust_version_everywhere() {
         }
     }
     assert!(checked > 100, "only {checked} locked crates found unpacked");
+}
+
+#[test]
+fn the_types_crate_carries_no_http_or_tls_stack() {
+    let top = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let deps = |krate: &str| -> Vec<String> {
+        let text = std::fs::read_to_string(top.join(krate).join("Cargo.toml")).unwrap();
+        let section = text.split("[dependencies]").nth(1).unwrap_or("");
+        let section = section.split("\n[").next().unwrap_or("");
+        section
+            .lines()
+            .filter_map(|l| l.split(['=', '.']).next())
+            .map(|n| n.trim().to_string())
+            .filter(|n| !n.is_empty() && !n.starts_with('#'))
+            .collect()
+    };
+    let stack = [
+        "axum",
+        "reqwest",
+        "hyper",
+        "hyper-util",
+        "rustls",
+        "tokio-rustls",
+        "rcgen",
+        "x509-parser",
+        "tower",
+    ];
+    for krate in ["crates/api", "crates/transport"] {
+        let d = deps(krate);
+        assert!(!d.is_empty(), "{krate}: no dependencies read");
+        for s in stack {
+            assert!(!d.iter().any(|x| x == s), "{krate} depends on {s}");
+        }
+    }
+    // the stack is ferry-net's
+    assert!(deps("crates/net").iter().any(|x| x == "axum"));
 }

@@ -159,7 +159,7 @@ impl Control {
         }
     }
 
-    fn node(&self, name: &str) -> Result<&ferry_api::client::Client, String> {
+    fn node(&self, name: &str) -> Result<&ferry_net::client::Client, String> {
         self.storage
             .get(name)
             .ok_or_else(|| format!("storage node {name} is not registered"))
@@ -564,7 +564,7 @@ impl Control {
 /// An empty copy of `disk` on node `dst` that the disk's node writes: a
 /// move's target, or a replica.
 async fn make_copy(
-    dst: &ferry_api::client::Client,
+    dst: &ferry_net::client::Client,
     disk: &DiskInfo,
     replica: bool,
 ) -> Result<DiskInfo, ApiError> {

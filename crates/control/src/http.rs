@@ -62,8 +62,8 @@ use axum::{
     routing::{get, post},
     Json, Router,
 };
-use ferry_api::server::{ndjson, not_found, ApiJson, ErrorResponse};
 use ferry_api::{MoveRequest, ValidateRequest, VmCreateRequest};
+use ferry_net::server::{ndjson, not_found, ApiJson, ErrorResponse};
 
 use crate::storage::StorageCommand;
 use crate::tokens::Caller;
@@ -87,7 +87,7 @@ async fn authenticate(
 ) -> Response {
     let source = req
         .extensions()
-        .get::<ferry_api::server::ClientAddr>()
+        .get::<ferry_net::server::ClientAddr>()
         .map(|a| a.0.ip().to_string())
         .unwrap_or_else(|| "a client".into());
     let bearer = match session_bearer(&c, &req) {
@@ -791,8 +791,8 @@ pub fn router(control: Arc<Control>) -> Router {
 pub async fn serve(
     listen: std::net::SocketAddr,
     control: Arc<Control>,
-    tls: Option<Arc<ferry_api::tls::ServerConfig>>,
-    limits: ferry_api::server::Limits,
+    tls: Option<Arc<ferry_net::tls::ServerConfig>>,
+    limits: ferry_net::server::Limits,
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await?;
     tracing::info!(%listen, "control service serving");
@@ -823,7 +823,7 @@ pub async fn serve(
         c.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Arc::new(c)
     });
-    let r = ferry_api::server::serve_with(listener, router(control), tls, limits).await;
+    let r = ferry_net::server::serve_with(listener, router(control), tls, limits).await;
     manager.abort();
     r
 }

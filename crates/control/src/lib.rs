@@ -32,13 +32,13 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use ferry_api::auth::TokenRole;
-use ferry_api::client::{Client, ClientAuth};
 use ferry_api::drain::{DrainEvent, DrainRequest, HostSettings};
 use ferry_api::validation::{CheckOutcome, ValidationReport};
 use ferry_api::{
     ApiError, CheckResult, ConsoleTail, HostEntry, HostInfo, MigrateRequest, MigrationEvent,
     MoveRequest, OperationKind, ValidateRequest, VmCreateRequest, VmInfo,
 };
+use ferry_net::client::{Client, ClientAuth};
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use std::sync::Arc;
@@ -253,9 +253,9 @@ pub struct Control {
     /// Where the programs a rolling drain may run as hooks are (see
     /// [`rolling::resolve_hook`]).
     hooks_dir: std::path::PathBuf,
-    /// Signs each move's ticket (see [`ferry_api::ticket`]); `None` under
+    /// Signs each move's ticket (see [`ferry_net::ticket`]); `None` under
     /// `--insecure-http`, where agents ask for none.
-    tickets: Option<Arc<ferry_api::ticket::TicketSigner>>,
+    tickets: Option<Arc<ferry_net::ticket::TicketSigner>>,
     /// Event streams one token may hold open (`max_streams_per_token`).
     pub(crate) max_streams_per_token: usize,
     /// The web console's signed-in browsers (see [`sessions`]).
@@ -325,7 +325,7 @@ impl Control {
     }
 
     /// Signs move tickets with `signer` (the control service's certificate key).
-    pub fn with_ticket_signer(mut self, signer: ferry_api::ticket::TicketSigner) -> Control {
+    pub fn with_ticket_signer(mut self, signer: ferry_net::ticket::TicketSigner) -> Control {
         self.tickets = Some(Arc::new(signer));
         self
     }
@@ -986,7 +986,7 @@ impl Control {
         let ticket = self
             .tickets
             .as_ref()
-            .map(|signer| signer.sign(spec, source, to, ferry_api::ticket::now_ms()));
+            .map(|signer| signer.sign(spec, source, to, ferry_net::ticket::now_ms()));
         let mreq = MigrateRequest {
             target: to.to_string(),
             target_url: target.base().to_string(),

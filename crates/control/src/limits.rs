@@ -1,5 +1,5 @@
 //! What one caller may take of the control service, beyond what
-//! [`ferry_api::server::Limits`] caps per connection:
+//! [`ferry_net::server::Limits`] caps per connection:
 //!
 //! - **Event streams per token** (`GET /watch`, `/watch/operations/{id}`):
 //!   each holds a connection and a task polling the cluster every second,

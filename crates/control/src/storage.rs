@@ -140,7 +140,7 @@ fn json<T: serde::Serialize>(v: T) -> Result<serde_json::Value, ApiError> {
 }
 
 impl Control {
-    fn first_node(&self) -> Result<(&String, &ferry_api::client::Client), ApiError> {
+    fn first_node(&self) -> Result<(&String, &ferry_net::client::Client), ApiError> {
         self.storage
             .iter()
             .next()
@@ -227,7 +227,7 @@ impl Control {
     pub(crate) async fn locate_disk(
         &self,
         name: &str,
-    ) -> Result<(DiskInfo, &ferry_api::client::Client), ApiError> {
+    ) -> Result<(DiskInfo, &ferry_net::client::Client), ApiError> {
         let (disks, down) = self.answering_disks().await?;
         let d = match disks.into_iter().find(|d| d.name == name) {
             Some(d) => d,

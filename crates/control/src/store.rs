@@ -123,9 +123,9 @@ impl Store {
                     .map_err(|e| ApiError::invalid("--store-tls", format!("{}: {e}", p.display())))
             };
             let (ca, cert, key) = (
-                read(ferry_api::tls::CA_CERT)?,
-                read(ferry_api::tls::CERT)?,
-                read(ferry_api::tls::KEY)?,
+                read(ferry_net::tls::CA_CERT)?,
+                read(ferry_net::tls::CERT)?,
+                read(ferry_net::tls::KEY)?,
             );
             opts = opts.with_tls(
                 etcd_client::TlsOptions::new()

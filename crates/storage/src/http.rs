@@ -38,12 +38,12 @@ use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
 use axum::{middleware, Json, Router};
-use ferry_api::server::{not_found, require_peer, ApiJson, ErrorResponse, PeerAuth};
 use ferry_api::storage::{
     ActivateRequest, Allocation, BackupRequest, CheckpointRequest, DiskCreateRequest,
     DiskResizeRequest, DiskSetRequest, IncomingDiskRequest, Policy, PushRequest, QosSettings,
 };
 use ferry_api::ApiError;
+use ferry_net::server::{not_found, require_peer, ApiJson, ErrorResponse, PeerAuth};
 use serde::{Deserialize, Serialize};
 
 use crate::node::Node;

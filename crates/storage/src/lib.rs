@@ -36,10 +36,10 @@ pub async fn serve(
     node: Arc<node::Node>,
     nbd_listen: std::net::SocketAddr,
     api_listen: std::net::SocketAddr,
-    auth: ferry_api::server::PeerAuth,
-    tls: Option<Arc<ferry_api::tls::ServerConfig>>,
-    nbd_tls: Option<Arc<ferry_api::tls::ServerConfig>>,
-    limits: (ferry_api::server::Limits, nbd::server::NbdLimits),
+    auth: ferry_net::server::PeerAuth,
+    tls: Option<Arc<ferry_net::tls::ServerConfig>>,
+    nbd_tls: Option<Arc<ferry_net::tls::ServerConfig>>,
+    limits: (ferry_net::server::Limits, nbd::server::NbdLimits),
 ) -> std::io::Result<()> {
     let nbd = tokio::net::TcpListener::bind(nbd_listen).await?;
     let api = tokio::net::TcpListener::bind(api_listen).await?;
@@ -58,7 +58,7 @@ pub async fn serve(
     let cat: Arc<dyn nbd::server::Catalog> = Arc::new(node::NodeCatalog(node.clone()));
     let nbd_tls = nbd_tls.map(tokio_rustls::TlsAcceptor::from);
     let nbd_task = tokio::spawn(nbd::server::serve(nbd, cat, nbd_tls, limits.1));
-    let r = ferry_api::server::serve_with(api, http::router(node, auth), tls, limits.0).await;
+    let r = ferry_net::server::serve_with(api, http::router(node, auth), tls, limits.0).await;
     nbd_task.abort();
     sampler.abort();
     r

@@ -46,7 +46,7 @@ pub struct NodeConfig {
     pub peers: BTreeMap<IpAddr, String>,
     /// How this node opens other nodes' exports (moves and replicas):
     /// its own certificate, `None` when the node runs without TLS.
-    pub client_tls: Option<Arc<ferry_api::tls::ClientConfig>>,
+    pub client_tls: Option<Arc<ferry_net::tls::ClientConfig>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -813,7 +813,7 @@ impl Node {
         disk: &str,
         initiator: Option<&str>,
     ) -> Result<(), Refusal> {
-        use ferry_api::tls::Role;
+        use ferry_net::tls::Role;
         let role = st
             .disks
             .get(disk)

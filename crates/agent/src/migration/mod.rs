@@ -31,11 +31,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry_api::client::Client;
 use ferry_api::{
     ApiError, CheckResult, CpuReport, HostInfo, IncomingReply, IncomingRequest, IncomingStatus,
     MigrateRequest, MigrationEvent, MigrationProgress, MigrationReport, QemuCodecReport, VmSpec,
 };
+use ferry_net::client::Client;
 use tokio::sync::mpsc;
 
 mod auto;

@@ -6,11 +6,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_api::client::Client;
 use ferry_api::{
     ApiError, HostInfo, IncomingStatus, RecoverReply, RecoverRequest, ResolveReport,
     ResolveRequest, SourceStatus,
 };
+use ferry_net::client::Client;
 
 use super::target::answer_of;
 use crate::commit::{

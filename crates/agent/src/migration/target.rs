@@ -5,12 +5,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry_api::client::Client;
 use ferry_api::hardware::DriveFormat;
 use ferry_api::{
     ApiError, CarrierEndpoint, IncomingReply, IncomingRequest, IncomingStatus, MigrationOption,
     RecoverReply, SourceStatus,
 };
+use ferry_net::client::Client;
 
 use super::MULTIFD_CHANNELS;
 use crate::commit::{

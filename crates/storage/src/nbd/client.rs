@@ -80,7 +80,7 @@ impl Client {
     /// server's certificate must name HOST).
     pub async fn connect(
         uri: &str,
-        tls: Option<Arc<ferry_api::tls::ClientConfig>>,
+        tls: Option<Arc<ferry_net::tls::ClientConfig>>,
     ) -> Result<Client, ClientError> {
         let (host, port, export) =
             ferry_api::types::parse_nbd_uri(uri).map_err(|e| ClientError::Uri(e.to_string()))?;
@@ -116,7 +116,7 @@ impl Client {
             let name = tokio_rustls::rustls::pki_types::ServerName::try_from(host.clone())
                 .map_err(|e| ClientError::Tls(format!("{host}: {e}")))?;
             let s = tokio::time::timeout(
-                ferry_api::tls::HANDSHAKE_TIMEOUT,
+                ferry_net::tls::HANDSHAKE_TIMEOUT,
                 tokio_rustls::TlsConnector::from(Arc::new(c)).connect(name, io),
             )
             .await

@@ -80,7 +80,7 @@ impl NbdLimits {
     /// Refuses limits no client could work within, naming the key.
     pub fn validate(&self) -> Result<(), ferry_api::ApiError> {
         let floor = |key: &str, v: u64, min: u64| {
-            ferry_api::server::at_least(&format!("nbd_limits.{key}"), v, min)
+            ferry_net::server::at_least(&format!("nbd_limits.{key}"), v, min)
         };
         floor(
             "max_requests_in_progress",
@@ -116,7 +116,7 @@ pub struct Peer {
     pub addr: SocketAddr,
     /// The client certificate's identity, once TLS is up; `None` on a
     /// server without TLS.
-    pub identity: Option<ferry_api::tls::Identity>,
+    pub identity: Option<ferry_net::tls::Identity>,
 }
 
 /// Why an export is not served to a peer.
@@ -187,7 +187,7 @@ pub async fn serve(
     tls: Option<tokio_rustls::TlsAcceptor>,
     limits: NbdLimits,
 ) {
-    let table = ferry_api::server::ConnectionTable::new(
+    let table = ferry_net::server::ConnectionTable::new(
         limits.max_connections,
         limits.max_connections_per_client,
     );
@@ -293,7 +293,7 @@ where
         .1
         .peer_certificates()
         .and_then(|c| c.first())
-        .and_then(ferry_api::tls::identity_of);
+        .and_then(ferry_net::tls::identity_of);
     let peer = Peer { addr, identity };
     let (rd, wr) = tokio::io::split(tls);
     let mut rd = BufReader::with_capacity(256 << 10, rd);

@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use axum::routing::get;
-use ferry_api::client::{Client, ClientAuth};
-use ferry_api::server::{require_peer, PeerAuth, PeerCert};
-use ferry_api::tls::{Authority, CertRequest, Pki, Role};
+use ferry_net::client::{Client, ClientAuth};
+use ferry_net::server::{require_peer, PeerAuth, PeerCert};
+use ferry_net::tls::{Authority, CertRequest, Pki, Role};
 
 fn issue(ca: &Authority, dir: &std::path::Path, role: Role, name: &str) -> Pki {
     let out = dir.join(name);
@@ -43,7 +43,7 @@ async fn server(pki: &Pki, roles: &'static [Role]) -> String {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("https://127.0.0.1:{}", l.local_addr().unwrap().port());
     let tls = pki.server_config(true).unwrap();
-    tokio::spawn(ferry_api::server::serve(l, app, Some(tls)));
+    tokio::spawn(ferry_net::server::serve(l, app, Some(tls)));
     url
 }
 
@@ -93,7 +93,7 @@ async fn only_certificates_of_the_cluster_with_a_served_role_get_in() {
     // no client certificate: the handshake fails, nothing is served
     let anon = ClientAuth {
         bearer: Some(ferry_api::auth::Credential::from_secret("ferry_guess")),
-        tls: Some(ferry_api::tls::anonymous_client_config(&d.join("ca/ca-cert.pem")).unwrap()),
+        tls: Some(ferry_net::tls::anonymous_client_config(&d.join("ca/ca-cert.pem")).unwrap()),
     };
     let e = who(&url, anon).await.unwrap_err();
     assert!(matches!(e, ferry_api::ApiError::Unavailable { .. }), "{e}");

@@ -13,7 +13,7 @@ use axum::{
 use futures::StreamExt;
 use serde::Serialize;
 
-use crate::{auth::Credential, ApiError};
+use ferry_api::{auth::Credential, ApiError};
 
 #[cfg(test)]
 mod limit_tests {
@@ -294,7 +294,7 @@ impl ConnectionTable {
     /// A slot for one more connection from `ip` (given back when dropped),
     /// or why not, naming the limit.
     pub fn admit(&self, ip: std::net::IpAddr) -> Result<Slot, String> {
-        let mut t = crate::util::lock(&self.table);
+        let mut t = ferry_api::util::lock(&self.table);
         let mine = t.per.get(&ip).copied().unwrap_or(0);
         if t.total >= self.max_connections {
             return Err(format!(
@@ -325,7 +325,7 @@ pub struct Slot {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        let mut t = crate::util::lock(&self.table);
+        let mut t = ferry_api::util::lock(&self.table);
         t.total = t.total.saturating_sub(1);
         if let Some(n) = t.per.get_mut(&self.ip) {
             *n -= 1;

@@ -296,7 +296,7 @@ impl Authority {
     /// `out` (see the module documentation).
     pub fn issue(&self, req: &CertRequest, out: &Path) -> Result<(), TlsError> {
         // the names hosts and nodes have in the cluster
-        crate::validate_name("certificate name", &req.name)
+        ferry_api::validate_name("certificate name", &req.name)
             .map_err(|e| TlsError::Name(e.to_string()))?;
         let mut san = vec![req.name.clone()];
         san.extend(req.san.iter().cloned());
@@ -342,8 +342,8 @@ impl Authority {
 pub struct Pki {
     pub dir: PathBuf,
     roots: Arc<RootCertStore>,
-    chain: Vec<CertificateDer<'static>>,
-    key: Arc<PrivateKeyDer<'static>>,
+    pub(crate) chain: Vec<CertificateDer<'static>>,
+    pub(crate) key: Arc<PrivateKeyDer<'static>>,
     /// Who this certificate says we are.
     pub identity: Identity,
 }
@@ -413,14 +413,6 @@ impl Pki {
     /// The cluster CA as trust roots.
     pub fn roots(&self) -> Arc<RootCertStore> {
         self.roots.clone()
-    }
-
-    /// Signs move tickets with this certificate's key (the control service's).
-    pub fn ticket_signer(&self) -> Result<crate::ticket::TicketSigner, TlsError> {
-        crate::ticket::TicketSigner::new(&self.chain[0], &self.key).map_err(|why| TlsError::Pem {
-            path: self.dir.join(KEY),
-            why,
-        })
     }
 
     /// TLS for a client that presents this certificate.

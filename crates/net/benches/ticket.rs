@@ -6,9 +6,9 @@
 
 use std::time::Instant;
 
-use ferry_api::ticket::{now_ms, spec_digest, Expect, TicketVerifier};
-use ferry_api::tls::{Authority, CertRequest, Pki, Role};
 use ferry_api::VmSpec;
+use ferry_net::ticket::{now_ms, spec_digest, Expect, TicketVerifier};
+use ferry_net::tls::{Authority, CertRequest, Pki, Role};
 
 const N: u32 = 2000;
 

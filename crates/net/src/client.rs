@@ -7,7 +7,7 @@ use std::time::Duration;
 use futures::{Stream, StreamExt};
 use serde::{de::DeserializeOwned, Serialize};
 
-use crate::{auth::Credential, ApiError};
+use ferry_api::{auth::Credential, ApiError};
 
 /// Largest single NDJSON event accepted from a peer.
 const MAX_EVENT_LINE: usize = 1 << 20;
@@ -77,7 +77,7 @@ impl Client {
     }
 
     fn url(&self, path: &str) -> String {
-        format!("{}{}{}", self.base, crate::API_PREFIX, path)
+        format!("{}{}{}", self.base, ferry_api::API_PREFIX, path)
     }
 
     fn unreachable(&self, e: reqwest::Error) -> ApiError {

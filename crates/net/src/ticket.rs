@@ -47,8 +47,8 @@ use rustls::RootCertStore;
 use serde::{Deserialize, Serialize};
 use sha2::Digest as _;
 
-use crate::tls::{identity_of, Role};
-use crate::VmSpec;
+use crate::tls::{identity_of, Pki, Role, TlsError};
+use ferry_api::VmSpec;
 
 /// How long a ticket the control service signs stays good.
 pub const LIFETIME: Duration = Duration::from_secs(60);
@@ -59,14 +59,8 @@ pub const MAX_CLAIMS: usize = 2048;
 pub const MAX_SIGNATURE: usize = 2 * 80;
 pub const MAX_ISSUER: usize = 2 * 4096;
 
-/// A signed ticket, as it travels.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Ticket {
-    pub claims: String,
-    pub signature: String,
-    pub issuer: String,
-}
+/// A signed ticket, as it travels (the type is the API's).
+pub use ferry_api::Ticket;
 
 /// What a ticket says.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -118,9 +112,9 @@ pub enum TicketError {
     Replayed { nonce: String },
 }
 
-impl From<TicketError> for crate::ApiError {
+impl From<TicketError> for ferry_api::ApiError {
     fn from(e: TicketError) -> Self {
-        crate::ApiError::BadTicket {
+        ferry_api::ApiError::BadTicket {
             reason: e.to_string(),
         }
     }
@@ -177,23 +171,21 @@ pub struct Parts<'a> {
     pub issuer: Vec<u8>,
 }
 
-impl Ticket {
-    /// Step 1: the parts decoded, within their bounds.
-    pub fn parts(&self) -> Result<Parts<'_>, TicketError> {
-        if self.claims.len() > MAX_CLAIMS {
-            return Err(TicketError::Malformed {
-                part: "claims",
-                why: format!("{} bytes, at most {MAX_CLAIMS}", self.claims.len()),
-            });
-        }
-        let sig = unhex("signature", &self.signature, MAX_SIGNATURE)?;
-        let issuer = unhex("issuer", &self.issuer, MAX_ISSUER)?;
-        Ok(Parts {
-            claims: self.claims.as_bytes(),
-            signature: sig,
-            issuer,
-        })
+/// Step 1: a ticket's parts decoded, within their bounds.
+pub fn parts(t: &Ticket) -> Result<Parts<'_>, TicketError> {
+    if t.claims.len() > MAX_CLAIMS {
+        return Err(TicketError::Malformed {
+            part: "claims",
+            why: format!("{} bytes, at most {MAX_CLAIMS}", t.claims.len()),
+        });
     }
+    let sig = unhex("signature", &t.signature, MAX_SIGNATURE)?;
+    let issuer = unhex("issuer", &t.issuer, MAX_ISSUER)?;
+    Ok(Parts {
+        claims: t.claims.as_bytes(),
+        signature: sig,
+        issuer,
+    })
 }
 
 impl Claims {
@@ -240,6 +232,16 @@ impl Claims {
             }
         }
         Ok(())
+    }
+}
+
+impl Pki {
+    /// Signs move tickets with this certificate's key (the control service's).
+    pub fn ticket_signer(&self) -> Result<TicketSigner, TlsError> {
+        TicketSigner::new(&self.chain[0], &self.key).map_err(|why| TlsError::Pem {
+            path: self.dir.join(crate::tls::KEY),
+            why,
+        })
     }
 }
 
@@ -346,7 +348,7 @@ impl TicketVerifier {
             claims,
             signature: sig,
             issuer,
-        } = t.parts()?;
+        } = parts(t)?;
         let cert = CertificateDer::from(issuer);
         let when = UnixTime::since_unix_epoch(Duration::from_millis(now));
         self.verifier
