@@ -1079,11 +1079,23 @@ pub struct ResolveRequest {
     pub target_lost: Option<String>,
     #[serde(default)]
     pub confirm_powered_off: bool,
+    /// The operator confirms the target runs the whole guest (every page
+    /// arrived) although the source QEMU never reported its post-copy
+    /// completed: the source QEMU is stopped.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub target_has_all: bool,
 }
 
 impl ResolveRequest {
-    /// A declared loss needs its confirmation and a host name.
+    /// A declared loss needs its confirmation and a host name; the two ways
+    /// out exclude each other.
     pub fn check(&self) -> Result<(), crate::ApiError> {
+        if self.target_has_all && self.target_lost.is_some() {
+            return Err(crate::ApiError::invalid(
+                "target_has_all",
+                "a target declared lost cannot also run the whole guest: give one of the two",
+            ));
+        }
         match &self.target_lost {
             Some(h) if !self.confirm_powered_off => Err(crate::ApiError::invalid(
                 "confirm_powered_off",
@@ -1476,4 +1488,45 @@ pub struct Ticket {
     pub claims: String,
     pub signature: String,
     pub issuer: String,
+}
+
+#[cfg(test)]
+mod resolve_tests {
+    use super::*;
+
+    #[test]
+    fn a_declared_loss_needs_its_confirmation_and_excludes_the_other_way_out() {
+        let lost = |h: &str, confirm: bool, all: bool| ResolveRequest {
+            target_lost: Some(h.into()),
+            confirm_powered_off: confirm,
+            target_has_all: all,
+        };
+        assert!(ResolveRequest::default().check().is_ok());
+        let e = lost("host2", false, false).check().unwrap_err().to_string();
+        assert!(
+            e.contains("--confirm-powered-off") && e.contains("two copies"),
+            "{e}"
+        );
+        assert!(lost("host2", true, false).check().is_ok());
+        assert!(
+            lost("../x", true, false).check().is_err(),
+            "a bad host name"
+        );
+        let e = lost("host2", true, true).check().unwrap_err().to_string();
+        assert!(e.contains("one of the two"), "{e}");
+        let only_confirm = ResolveRequest {
+            confirm_powered_off: true,
+            ..Default::default()
+        };
+        assert!(only_confirm
+            .check()
+            .unwrap_err()
+            .to_string()
+            .contains("--target-lost"));
+        // unknown fields are refused by name
+        let e = serde_json::from_str::<ResolveRequest>(r#"{"target_lost":"h","force":true}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("force"), "{e}");
+    }
 }

@@ -82,6 +82,10 @@ pub enum VmCmd {
         /// fenced: if it ran the guest and came back, two copies would run.
         #[arg(long)]
         confirm_powered_off: bool,
+        /// The target runs the whole guest although the source QEMU never
+        /// reported its post-copy completed: stop the source QEMU (admin).
+        #[arg(long)]
+        target_has_all: bool,
         #[arg(long)]
         json: bool,
     },
@@ -381,11 +385,13 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             name,
             target_lost,
             confirm_powered_off,
+            target_has_all,
             json,
         } => {
             let req = ferry_api::ResolveRequest {
                 target_lost: target_lost.clone(),
                 confirm_powered_off: *confirm_powered_off,
+                target_has_all: *target_has_all,
             };
             // refused here before anything is asked, with the same words
             req.check()?;

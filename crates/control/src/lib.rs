@@ -158,6 +158,10 @@ impl Command {
                     Admin,
                     format!("declare {h} lost and resume VM {name} on its source"),
                 ),
+                None if req.target_has_all => (
+                    Admin,
+                    format!("confirm VM {name}'s target has every page and stop its source QEMU"),
+                ),
                 None => (Operator, format!("resolve VM {name}")),
             },
             Command::RemoveVm { name } => (Operator, format!("remove VM {name}")),

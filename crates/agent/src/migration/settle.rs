@@ -388,6 +388,62 @@ impl Agent {
         ))
     }
 
+    /// `ferry vm resolve VM --target-has-all`: the operator says the target
+    /// runs the whole guest although this QEMU never reported its post-copy
+    /// completed. Done only where the target says it runs the guest.
+    async fn confirm_target_has_all(&self, vm: &str) -> Vec<ResolveReport> {
+        let mut out = Vec::new();
+        for rec in self.journal.all().0 {
+            if rec.vm != vm || rec.side != Side::Source(SourcePhase::Committed) {
+                continue;
+            }
+            let target = Client::new(
+                &format!("agent {}", rec.peer),
+                &rec.peer_url,
+                self.client_auth.clone(),
+            );
+            let answer = ask_target(
+                target
+                    .get::<IncomingStatus>(
+                        &format!("/incoming/{}", rec.migration_id),
+                        Duration::from_secs(5),
+                    )
+                    .await,
+            );
+            let (phase, detail) = if answer == Ok(TargetAnswer::Running) {
+                tracing::warn!(vm, migration = %rec.migration_id, target = %rec.peer, "the operator confirmed the target runs the whole guest: the source QEMU is stopped");
+                self.finish_source(vm, &rec.migration_id).await;
+                (
+                    SourcePhase::Done,
+                    format!(
+                        "{} runs the guest and the operator confirmed it has every page: the source QEMU is stopped",
+                        rec.peer
+                    ),
+                )
+            } else {
+                let why = match answer {
+                    Ok(a) => format!("{} answered {}", rec.peer, wire_name(a)),
+                    Err(e) => format!("{} gives no answer: {e}", rec.peer),
+                };
+                (
+                    SourcePhase::Committed,
+                    format!("not done: {why}, not that it runs the guest"),
+                )
+            };
+            out.push(ResolveReport {
+                vm: vm.into(),
+                host: self.cfg.name.clone(),
+                side: "source".into(),
+                migration_id: rec.migration_id.clone(),
+                phase_before: wire_name(SourcePhase::Committed),
+                phase: wire_name(phase),
+                in_doubt: phase == SourcePhase::Committed,
+                detail,
+            });
+        }
+        out
+    }
+
     /// `ferry vm resolve VM --target-lost HOST --confirm-powered-off`: the
     /// operator says the target is gone for good. Committed migrations of
     /// `vm` to `host` are recorded aborted, QEMU's migration cancelled and
@@ -446,6 +502,9 @@ impl Agent {
         req.check()?;
         if let Some(host) = &req.target_lost {
             return Ok(self.declare_target_lost(vm, host).await);
+        }
+        if req.target_has_all {
+            return Ok(self.confirm_target_has_all(vm).await);
         }
         let mut out = Vec::new();
         for rec in self.journal.all().0 {
