@@ -313,6 +313,16 @@ fn postcopy_survives_losing_every_path_for_seconds() {
     assert_intact_on("busy5", "host3");
 }
 
+/// A move over QEMU's own TCP stream, post-copy allowed, no throttling.
+const POSTCOPY_TCP: &[&str] = &[
+    "--option",
+    "tcp",
+    "--postcopy",
+    "allow",
+    "--throttle",
+    "forbid",
+];
+
 /// Every TCP connection between host1 and host2's migration addresses,
 /// reset at both ends (`ss -K`): a break TCP cannot ride out.
 fn reset_connections_to_host2() {
@@ -415,30 +425,11 @@ fn postcopy_whose_source_agent_is_killed_mid_way_keeps_the_source_qemu_until_com
     require_lab();
     let _g = serial();
     lab_at(3, 2, RATE);
-    restart_agent_with("host1", "source-postcopy-running=exit");
-    struct Restart;
-    impl Drop for Restart {
-        fn drop(&mut self) {
-            restart_agent_with("host1", "");
-        }
-    }
-    let _restart = Restart;
+    let _armed = Armed::at("host1", "source-postcopy-running=exit");
     let _vm = busy("busy7");
     // the source agent dies once the target runs the guest, pages still
     // to come: the move's stream ends without a report
-    let (r, _) = move_busy(
-        "busy7",
-        "host2",
-        &[
-            "--option",
-            "tcp",
-            "--postcopy",
-            "allow",
-            "--throttle",
-            "forbid",
-        ],
-        || {},
-    );
+    let (r, _) = move_busy("busy7", "host2", POSTCOPY_TCP, || {});
     assert_ne!(r["event"], "completed", "{r}");
     restart_agent_with("host1", "");
     // the guest runs whole on the target; the source QEMU, which kept the
@@ -459,28 +450,9 @@ fn refused_postcopy_discards_the_skeleton_and_the_source_runs_on() {
     require_lab();
     let _g = serial();
     lab_at(3, 2, RATE);
-    restart_agent_with("host1", "source-start-postcopy=fail");
-    struct Restart;
-    impl Drop for Restart {
-        fn drop(&mut self) {
-            restart_agent_with("host1", "");
-        }
-    }
-    let _restart = Restart;
+    let _armed = Armed::at("host1", "source-start-postcopy=fail");
     let _vm = busy("busy8");
-    let (r, _) = move_busy(
-        "busy8",
-        "host2",
-        &[
-            "--option",
-            "tcp",
-            "--postcopy",
-            "allow",
-            "--throttle",
-            "forbid",
-        ],
-        || {},
-    );
+    let (r, _) = move_busy("busy8", "host2", POSTCOPY_TCP, || {});
     assert_eq!(r["event"], "failed", "{r}");
     assert_eq!(r["error"]["running_on"], "host1", "{r}");
     let reason = r["error"]["reason"].as_str().unwrap();

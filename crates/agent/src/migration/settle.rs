@@ -388,6 +388,20 @@ impl Agent {
         ))
     }
 
+    /// What `vm resolve` reports of a committed migration this host is the source of.
+    fn source_report(&self, rec: &Record, phase: SourcePhase, detail: String) -> ResolveReport {
+        ResolveReport {
+            vm: rec.vm.clone(),
+            host: self.cfg.name.clone(),
+            side: "source".into(),
+            migration_id: rec.migration_id.clone(),
+            phase_before: wire_name(SourcePhase::Committed),
+            phase: wire_name(phase),
+            in_doubt: phase == SourcePhase::Committed,
+            detail,
+        }
+    }
+
     /// `ferry vm resolve VM --target-has-all`: the operator says the target
     /// runs the whole guest although this QEMU never reported its post-copy
     /// completed. Done only where the target says it runs the guest.
@@ -430,16 +444,7 @@ impl Agent {
                     format!("not done: {why}, not that it runs the guest"),
                 )
             };
-            out.push(ResolveReport {
-                vm: vm.into(),
-                host: self.cfg.name.clone(),
-                side: "source".into(),
-                migration_id: rec.migration_id.clone(),
-                phase_before: wire_name(SourcePhase::Committed),
-                phase: wire_name(phase),
-                in_doubt: phase == SourcePhase::Committed,
-                detail,
-            });
+            out.push(self.source_report(&rec, phase, detail));
         }
         out
     }
@@ -467,16 +472,7 @@ impl Agent {
                     format!("{host} declared lost by the operator (powered off or fenced)"),
                 )
                 .await;
-            out.push(ResolveReport {
-                vm: vm.into(),
-                host: self.cfg.name.clone(),
-                side: "source".into(),
-                migration_id: rec.migration_id.clone(),
-                phase_before: wire_name(SourcePhase::Committed),
-                phase: wire_name(phase),
-                in_doubt: phase == SourcePhase::Committed,
-                detail,
-            });
+            out.push(self.source_report(&rec, phase, detail));
         }
         out
     }
@@ -512,16 +508,7 @@ impl Agent {
                 continue;
             }
             let (phase, detail) = self.settle_once(&rec).await;
-            out.push(ResolveReport {
-                vm: vm.into(),
-                host: self.cfg.name.clone(),
-                side: "source".into(),
-                migration_id: rec.migration_id.clone(),
-                phase_before: wire_name(SourcePhase::Committed),
-                phase: wire_name(phase),
-                in_doubt: phase == SourcePhase::Committed,
-                detail,
-            });
+            out.push(self.source_report(&rec, phase, detail));
         }
         let waiting = {
             let st = self.state.lock().await;

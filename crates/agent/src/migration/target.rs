@@ -548,11 +548,15 @@ impl Agent {
             .ok_or_else(|| ApiError::not_found("incoming migration", id))
     }
 
-    /// Where incoming migration `id` stands here: a waiting skeleton, a guest
-    /// that was told to run, one discarded, or `unknown`.
-    pub async fn incoming_status(&self, id: &str) -> Result<IncomingStatus, ApiError> {
-        let (phase, rec) = self.target_phase(id).await?;
-        let q = match (phase, &rec) {
+    /// The QEMU of incoming migration `id` in `phase`: the waiting
+    /// skeleton's, or (running) the adopted guest's, found by its record.
+    async fn incoming_qemu(
+        &self,
+        id: &str,
+        phase: Option<TargetPhase>,
+        rec: Option<&Record>,
+    ) -> Result<Option<Arc<QemuVm>>, ApiError> {
+        Ok(match (phase, rec) {
             (Some(TargetPhase::Waiting), _) => self.incoming_slot(id).await?.1,
             (Some(TargetPhase::Running), Some(r)) => self
                 .state
@@ -561,6 +565,18 @@ impl Agent {
                 .vms
                 .get(&r.vm)
                 .and_then(|s| s.qemu.clone()),
+            _ => None,
+        })
+    }
+
+    /// Where incoming migration `id` stands here: a waiting skeleton, a guest
+    /// that was told to run, one discarded, or `unknown`.
+    pub async fn incoming_status(&self, id: &str) -> Result<IncomingStatus, ApiError> {
+        let (phase, rec) = self.target_phase(id).await?;
+        let q = match phase {
+            Some(TargetPhase::Waiting | TargetPhase::Running) => {
+                self.incoming_qemu(id, phase, rec.as_ref()).await?
+            }
             _ => None,
         };
         let mut st = IncomingStatus {
@@ -817,14 +833,9 @@ impl Agent {
         nic: &str,
     ) -> Result<RecoverReply, ApiError> {
         let q = match self.target_phase(id).await? {
-            (Some(TargetPhase::Waiting), _) => self.incoming_slot(id).await?.1,
-            (Some(TargetPhase::Running), Some(r)) => self
-                .state
-                .lock()
-                .await
-                .vms
-                .get(&r.vm)
-                .and_then(|s| s.qemu.clone()),
+            (p @ Some(TargetPhase::Waiting | TargetPhase::Running), rec) => {
+                self.incoming_qemu(id, p, rec.as_ref()).await?
+            }
             (p, _) => {
                 return Err(ApiError::Conflict {
                     reason: format!(

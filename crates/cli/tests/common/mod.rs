@@ -275,6 +275,23 @@ pub fn restart_agent_with(host: &str, failpoints: &str) {
     );
 }
 
+/// A host's agent restarted with fail points armed, and restarted without
+/// them when this is dropped (whatever the test did in between).
+pub struct Armed(&'static str);
+
+impl Armed {
+    pub fn at(host: &'static str, failpoints: &str) -> Armed {
+        restart_agent_with(host, failpoints);
+        Armed(host)
+    }
+}
+
+impl Drop for Armed {
+    fn drop(&mut self) {
+        restart_agent_with(self.0, "");
+    }
+}
+
 pub fn vm_entries(name: &str) -> Vec<serde_json::Value> {
     ferry_json(&["vm", "list"])
         .as_array()
