@@ -21,14 +21,8 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
-use ferry_api::{ApiError, SourceStatus};
-use ferry_net::client::Client;
-
-use crate::commit::{
-    from_wire_name, target_may_forget, Record, Side, SourceAnswer, SourcePhase, TargetPhase,
-};
+use crate::commit::{target_may_forget, Record, Side, SourcePhase, TargetPhase};
 use crate::host::{error_chain, Agent, Role, VmSlot};
 use crate::qemu::{self, QemuVm};
 
@@ -152,18 +146,7 @@ impl Agent {
     /// `running` one only once its source says it is done with it.
     pub async fn forget_settled(&self) {
         for rec in self.journal.prune(PRUNE_AFTER_SECS) {
-            let client = Client::new("source agent", &rec.peer_url, self.client_auth.clone());
-            let said = match client
-                .get::<SourceStatus>(
-                    &format!("/migrations/{}", rec.migration_id),
-                    Duration::from_secs(2),
-                )
-                .await
-            {
-                Ok(s) => from_wire_name::<SourceAnswer>(&s.phase),
-                Err(ApiError::NotFound { .. }) => Some(SourceAnswer::Unknown),
-                Err(_) => None,
-            };
+            let said = self.source_said(&rec.peer_url, &rec.migration_id).await;
             if target_may_forget(said) {
                 self.journal.forget(&rec);
             }

@@ -42,14 +42,19 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
+/// A file's text up to its `#[cfg(test)]` tail.
+fn without_tests(text: &str) -> &str {
+    match text.find("#[cfg(test)]") {
+        Some(i) => &text[..i],
+        None => text,
+    }
+}
+
 /// A file's code without comments and without its `#[cfg(test)]` tail.
 fn code(p: &Path) -> String {
     let text = std::fs::read_to_string(p).unwrap();
-    let text = match text.find("#[cfg(test)]") {
-        Some(i) => &text[..i],
-        None => &text[..],
-    };
-    text.lines()
+    without_tests(&text)
+        .lines()
         .filter(|l| !l.trim_start().starts_with("//"))
         .collect::<Vec<_>>()
         .join("\n")
@@ -205,11 +210,7 @@ fn long_functions(root: &Path, max: usize) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     for f in files {
         let text = std::fs::read_to_string(&f).unwrap();
-        let text = match text.find("#[cfg(test)]") {
-            Some(i) => &text[..i],
-            None => &text[..],
-        };
-        let lines: Vec<&str> = text.lines().collect();
+        let lines: Vec<&str> = without_tests(&text).lines().collect();
         for (i, l) in lines.iter().enumerate() {
             let t = l.trim_start();
             let indent = &l[..l.len() - t.len()];

@@ -45,6 +45,19 @@ fn ask_target(r: Result<IncomingStatus, ApiError>) -> Result<TargetAnswer, Strin
     }
 }
 
+/// Asks the target of `rec` where it stands, within `wait`.
+async fn target_answer(
+    target: &Client,
+    rec: &Record,
+    wait: Duration,
+) -> Result<TargetAnswer, String> {
+    ask_target(
+        target
+            .get::<IncomingStatus>(&format!("/incoming/{}", rec.migration_id), wait)
+            .await,
+    )
+}
+
 /// Where this host's QEMU of a committed migration stands.
 pub(super) async fn source_qemu(q: Option<&QemuVm>) -> SourceQemu {
     let Some(q) = q else {
@@ -179,18 +192,10 @@ impl Agent {
     /// cancellation is followed by one more look). Returns the phase after
     /// and what happened.
     pub(super) async fn settle_once(&self, rec: &Record) -> (SourcePhase, String) {
-        let target = Client::new(
-            &format!("agent {}", rec.peer),
-            &rec.peer_url,
-            self.client_auth.clone(),
-        );
+        let target = self.peer_client(rec);
         let id = &rec.migration_id;
         let q = self.slot_qemu(&rec.vm).await;
-        let mut answer = ask_target(
-            target
-                .get::<IncomingStatus>(&format!("/incoming/{id}"), Duration::from_secs(2))
-                .await,
-        );
+        let mut answer = target_answer(&target, rec, Duration::from_secs(2)).await;
         let mut sq = source_qemu(q.as_deref()).await;
         for _ in 0..3 {
             let action = after_commit(answer.as_ref().ok().copied(), sq);
@@ -303,6 +308,15 @@ impl Agent {
         self.in_doubt(rec, why).await
     }
 
+    /// A client for the other agent of migration record `rec`.
+    fn peer_client(&self, rec: &Record) -> Client {
+        Client::new(
+            &format!("agent {}", rec.peer),
+            &rec.peer_url,
+            self.client_auth.clone(),
+        )
+    }
+
     async fn slot_qemu(&self, vm: &str) -> Option<Arc<QemuVm>> {
         self.state
             .lock()
@@ -411,19 +425,8 @@ impl Agent {
             if rec.vm != vm || rec.side != Side::Source(SourcePhase::Committed) {
                 continue;
             }
-            let target = Client::new(
-                &format!("agent {}", rec.peer),
-                &rec.peer_url,
-                self.client_auth.clone(),
-            );
-            let answer = ask_target(
-                target
-                    .get::<IncomingStatus>(
-                        &format!("/incoming/{}", rec.migration_id),
-                        Duration::from_secs(5),
-                    )
-                    .await,
-            );
+            let target = self.peer_client(&rec);
+            let answer = target_answer(&target, &rec, Duration::from_secs(5)).await;
             let (phase, detail) = if answer == Ok(TargetAnswer::Running) {
                 tracing::warn!(vm, migration = %rec.migration_id, target = %rec.peer, "the operator confirmed the target runs the whole guest: the source QEMU is stopped");
                 self.finish_source(vm, &rec.migration_id).await;

@@ -968,17 +968,23 @@ impl Agent {
         }
     }
 
-    /// Asks the source of a waiting skeleton what it recorded, and acts on it.
-    pub(super) async fn ask_source(&self, name: &str, id: &str, source_url: &str) -> String {
+    /// What the source at `source_url` recorded of migration `id` (None: no
+    /// answer; `unknown`: it has no record).
+    pub async fn source_said(&self, source_url: &str, id: &str) -> Option<SourceAnswer> {
         let client = Client::new("source agent", source_url, self.client_auth.clone());
-        let said = match client
+        match client
             .get::<SourceStatus>(&format!("/migrations/{id}"), Duration::from_secs(2))
             .await
         {
             Ok(s) => from_wire_name::<SourceAnswer>(&s.phase),
             Err(ApiError::NotFound { .. }) => Some(SourceAnswer::Unknown),
             Err(_) => None,
-        };
+        }
+    }
+
+    /// Asks the source of a waiting skeleton what it recorded, and acts on it.
+    pub(super) async fn ask_source(&self, name: &str, id: &str, source_url: &str) -> String {
+        let said = self.source_said(source_url, id).await;
         let (_, action) = target_next(TargetPhase::Waiting, TargetEvent::SourceSaid(said));
         match action {
             TargetAction::RecordAndRun => match self.run_incoming(id).await {
