@@ -128,13 +128,27 @@ fn the_limits_in_control_toml_are_the_ones_served() {
     assert!(st == 400 && body.contains("max_body_bytes"), "{st} {body}");
     // one event stream held open; a second of the same token is refused
     let token = std::fs::read_to_string(dir.join("token")).unwrap();
+    let held_out = dir.join("held-stream");
     let mut held = Command::new("curl")
         .args(["-sS", "-N", "-H"])
         .arg(format!("authorization: Bearer {}", token.trim()))
         .arg(format!("http://127.0.0.1:{}/api/v1/watch", c.port))
-        .stdout(Stdio::null())
+        .stdout(std::fs::File::create(&held_out).unwrap())
         .spawn()
         .unwrap();
+    // the held stream owns the slot once its first event arrived; probing
+    // before that would race it for the one slot
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(&held_out)
+        .unwrap_or_default()
+        .contains("event:")
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the held stream got no event"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let t0 = Instant::now();
     loop {
         let (st, body) = curl_admin(&c, &["-m", "2"], "/watch");
