@@ -37,31 +37,7 @@ impl Agent {
     /// Step 3-4 on the target: reserve memory, start a skeleton VM waiting on
     /// the chosen NIC, and report where the source should send.
     pub async fn prepare_incoming(&self, req: IncomingRequest) -> Result<IncomingReply, ApiError> {
-        if req.sealed && req.option == MigrationOption::Tcp {
-            return Err(ApiError::invalid(
-                "sealed",
-                "a sealed migration needs Ferry's transport; tcp is QEMU's clear stream",
-            ));
-        }
-        if req.qemu_channels && req.option != MigrationOption::Tcp {
-            return Err(ApiError::invalid(
-                "qemu_channels",
-                format!("QEMU's own channels go with tcp, not {}", req.option.name()),
-            ));
-        }
-        if req.qemu_channels && req.postcopy {
-            return Err(ApiError::invalid(
-                "qemu_channels",
-                "post-copy has QEMU's one stream, not multifd channels",
-            ));
-        }
-        if req.option == MigrationOption::Tcp && req.qemu_zstd.is_some() && !req.qemu_channels {
-            return Err(ApiError::invalid(
-                "qemu_zstd",
-                "QEMU compresses only in multifd channels: tcp without qemu_channels has one stream",
-            ));
-        }
-        let datapath = QemuTcp;
+        let multichannel = check_incoming(&req)?;
         // the NICs the source reached in its probes, up here now
         let usable: Vec<_> = self
             .nics()
@@ -74,28 +50,6 @@ impl Agent {
                 "no NIC of the source reaches a NIC up here",
             )
         })?;
-        let multichannel = match req.option {
-            MigrationOption::Tcp => None,
-            MigrationOption::Multichannel
-            | MigrationOption::Compression
-            | MigrationOption::Mptcp
-            | MigrationOption::MptcpRelay => {
-                let id = req
-                    .session
-                    .as_deref()
-                    .and_then(ferry_transport::session_from_hex)
-                    .ok_or_else(|| {
-                        ApiError::invalid("session", "multichannel needs a 32-hex-digit session id")
-                    })?;
-                Some(id)
-            }
-            MigrationOption::Auto => {
-                return Err(ApiError::invalid(
-                    "option",
-                    "the source resolves auto before asking",
-                ))
-            }
-        };
         let dir = self.vm_dir(&req.spec.name, &format!(".in-{}", req.migration_id));
         let role = Role::Incoming {
             migration_id: req.migration_id.clone(),
@@ -135,29 +89,7 @@ impl Agent {
             return Err(ApiError::internal(error_chain(&e)));
         }
         let started = async {
-            let made: Vec<std::path::PathBuf> = copies.iter().map(|c| c.1.clone()).collect();
-            if !made.is_empty() {
-                // listed before they exist: whatever happens next, they go
-                // with the skeleton
-                let marker = crate::local_disk::partial_marker(
-                    &self.cfg.qemu,
-                    &req.spec.name,
-                    &req.migration_id,
-                );
-                crate::local_disk::record_partial(&marker, &made).map_err(|e| {
-                    ApiError::internal(format!("recording {}: {e}", marker.display()))
-                })?;
-                for (i, path, format, size) in &copies {
-                    crate::local_disk::create(path, *format, *size)
-                        .await
-                        .map_err(|e| match e {
-                            ApiError::Internal { reason } => {
-                                ApiError::internal(format!("drives[{i}]: {reason}"))
-                            }
-                            e => e,
-                        })?;
-                }
-            }
+            self.create_incoming_disks(&req, &copies).await?;
             lap("disks", &mut parts);
             let vm = qemu::launch(&self.cfg.qemu, &req.spec, &dir, true)
                 .await
@@ -170,138 +102,19 @@ impl Agent {
             if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
                 slot.qemu = Some(vm.clone());
             }
-            let qerr = |e: crate::qmp::QmpError| ApiError::internal(error_chain(&e));
             let disk_carriers = if copies.is_empty() {
                 Vec::new()
             } else {
                 self.export_disks(&req, &vm, &dir, &usable, &copies).await?
             };
             let Some(session_id) = multichannel else {
-                if req.postcopy {
-                    vm.qmp
-                        .set_capabilities(&[("postcopy-ram", true)])
-                        .await
-                        .map_err(qerr)?;
-                }
-                if req.qemu_channels {
-                    // QEMU's own multifd channels, straight from the source's QEMU
-                    expect_channels(&vm.qmp, req.qemu_zstd.is_some())
-                        .await
-                        .map_err(qerr)?;
-                }
-                vm.qmp
-                    .migrate_incoming(&datapath.incoming_uri(&nic.address).map_err(ApiError::internal)?)
-                    .await
-                    .map_err(qerr)?;
-                let info = vm.qmp.query_migrate().await.map_err(qerr)?;
-                let port = info
-                    .socket_address
-                    .unwrap_or_default()
-                    .into_iter()
-                    .find_map(|a| a.port)
-                    .ok_or_else(|| ApiError::internal("QEMU did not report its listening port"))?;
-                return Ok::<_, ApiError>((
-                    datapath.source_uri(&nic.address, &port),
-                    Vec::new(),
-                    disk_carriers,
-                ));
+                let uri = self.listen_tcp(&req, &vm, &nic).await?;
+                return Ok::<_, ApiError>((uri, Vec::new(), disk_carriers));
             };
-            // multichannel: QEMU listens on a local socket, carriers end
-            // here; or (mptcp) QEMU is handed the authenticated socket
-            let handoff = req.option == MigrationOption::Mptcp;
-            let multifd = !req.postcopy && !handoff;
-            if req.qemu_zstd.is_some() && !multifd {
-                return Err(ApiError::invalid(
-                    "qemu_zstd",
-                    "QEMU compresses only in multifd channels: not with post-copy or a handed-off socket",
-                ));
-            }
-            if multifd {
-                expect_channels(&vm.qmp, req.qemu_zstd.is_some())
-                    .await
-                    .map_err(qerr)?;
-            } else {
-                vm.qmp
-                    .set_capabilities(&[("multifd", false), ("postcopy-ram", req.postcopy)])
-                    .await
-                    .map_err(qerr)?;
-            }
-            lap("capabilities", &mut parts);
-            let sock = dir.join("incoming.sock");
-            if !handoff {
-                vm.qmp
-                    .migrate_incoming(&format!("unix:{}", sock.display()))
-                    .await
-                    .map_err(qerr)?;
-            }
-            let listen: Vec<(String, std::net::IpAddr)> = usable
-                .iter()
-                .filter_map(|n| Some((n.name.clone(), n.address.parse().ok()?)))
-                .collect();
-            let (session, bound) = if matches!(
-                req.option,
-                MigrationOption::Mptcp | MigrationOption::MptcpRelay
-            ) {
-                if req.sealed {
-                    return Err(ApiError::invalid(
-                        "sealed",
-                        "a sealed migration needs Ferry's own carriers; mptcp sends bytes as they are",
-                    ));
-                }
-                ferry_transport::mptcp::prepare_host(&listen).map_err(ApiError::internal)?;
-                let deliver = if handoff {
-                    let monitor = dir.join(crate::qemu::HANDOFF_SOCK);
-                    ferry_transport::Deliver::Handoff(Box::new(
-                        move |t: &std::net::TcpStream| {
-                            use std::os::fd::AsRawFd;
-                            crate::qmp::hand_socket(
-                                &monitor,
-                                t.as_raw_fd(),
-                                crate::qmp::HandTo::Incoming,
-                            )
-                            .map_err(|e| error_chain(&e))
-                        },
-                    ))
-                } else {
-                    ferry_transport::Deliver::Relay(sock)
-                };
-                let (s, port) = ferry_transport::Spliced::target(
-                    session_id,
-                    self.cred.secret(),
-                    listen.clone(),
-                    deliver,
-                )
-                .map_err(|e| ApiError::internal(error_chain(&e)))?;
-                // one listener takes every address: each NIC's address with its port
-                let bound = listen
-                    .into_iter()
-                    .map(|(n, a)| (n, std::net::SocketAddr::new(a, port)))
-                    .collect::<Vec<_>>();
-                (ferry_transport::Carriers::Mptcp(s), bound)
-            } else {
-                let keys = ferry_transport::Keys {
-                    secret: self.cred.secret(),
-                    sealed: req.sealed,
-                };
-                let (s, bound) = ferry_transport::Session::target(session_id, &keys, listen, sock)
-                    .await
-                    .map_err(|e| ApiError::internal(error_chain(&e)))?;
-                s.set_reorder_window(self.cfg.reorder_window);
-                s.set_windows(req.stream_windows);
-                if req.qemu_zstd.is_some() {
-                    // QEMU compressed: each byte waiting for it is ~20 to load
-                    s.set_local_send_buffer(COMPRESSED_SNDBUF);
-                }
-                (ferry_transport::Carriers::Ferry(s), bound)
-            };
-            if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
-                slot.transport = Some(session);
-            }
-            Ok((
-                "ferry-transport".to_string(),
-                endpoints(bound, &usable),
-                disk_carriers,
-            ))
+            let carriers = self
+                .listen_carriers(&req, &vm, &dir, &usable, session_id, (&mut parts, t0))
+                .await?;
+            Ok(("ferry-transport".to_string(), carriers, disk_carriers))
         }
         .await;
         match started {
@@ -323,6 +136,180 @@ impl Agent {
                 Err(e)
             }
         }
+    }
+
+    /// QEMU's own TCP listener (post-copy allowed, or QEMU's own
+    /// channels), on `nic`: the URI the source sends to.
+    async fn listen_tcp(
+        &self,
+        req: &IncomingRequest,
+        vm: &QemuVm,
+        nic: &ferry_api::NicInfo,
+    ) -> Result<String, ApiError> {
+        let datapath = QemuTcp;
+        let qerr = |e: crate::qmp::QmpError| ApiError::internal(error_chain(&e));
+        if req.postcopy {
+            vm.qmp
+                .set_capabilities(&[("postcopy-ram", true)])
+                .await
+                .map_err(qerr)?;
+        }
+        if req.qemu_channels {
+            // QEMU's own multifd channels, straight from the source's QEMU
+            expect_channels(&vm.qmp, req.qemu_zstd.is_some())
+                .await
+                .map_err(qerr)?;
+        }
+        vm.qmp
+            .migrate_incoming(
+                &datapath
+                    .incoming_uri(&nic.address)
+                    .map_err(ApiError::internal)?,
+            )
+            .await
+            .map_err(qerr)?;
+        let info = vm.qmp.query_migrate().await.map_err(qerr)?;
+        let port = info
+            .socket_address
+            .unwrap_or_default()
+            .into_iter()
+            .find_map(|a| a.port)
+            .ok_or_else(|| ApiError::internal("QEMU did not report its listening port"))?;
+        Ok(datapath.source_uri(&nic.address, &port))
+    }
+
+    /// Multichannel: QEMU listens on a local socket and Ferry's carriers
+    /// (or MPTCP) end here, one listener per NIC the source reached; or
+    /// (mptcp) QEMU is handed the authenticated socket. The listeners'
+    /// endpoints, for the source to dial.
+    async fn listen_carriers(
+        &self,
+        req: &IncomingRequest,
+        vm: &QemuVm,
+        dir: &std::path::Path,
+        usable: &[ferry_api::NicInfo],
+        session_id: [u8; 16],
+        (parts, t0): (&mut Vec<(&'static str, u64)>, Instant),
+    ) -> Result<Vec<ferry_api::CarrierEndpoint>, ApiError> {
+        let qerr = |e: crate::qmp::QmpError| ApiError::internal(error_chain(&e));
+        // multichannel: QEMU listens on a local socket, carriers end
+        // here; or (mptcp) QEMU is handed the authenticated socket
+        let handoff = req.option == MigrationOption::Mptcp;
+        let multifd = !req.postcopy && !handoff;
+        if req.qemu_zstd.is_some() && !multifd {
+            return Err(ApiError::invalid(
+                    "qemu_zstd",
+                    "QEMU compresses only in multifd channels: not with post-copy or a handed-off socket",
+                ));
+        }
+        if multifd {
+            expect_channels(&vm.qmp, req.qemu_zstd.is_some())
+                .await
+                .map_err(qerr)?;
+        } else {
+            vm.qmp
+                .set_capabilities(&[("multifd", false), ("postcopy-ram", req.postcopy)])
+                .await
+                .map_err(qerr)?;
+        }
+        parts.push(("capabilities", t0.elapsed().as_millis() as u64));
+        let sock = dir.join("incoming.sock");
+        if !handoff {
+            vm.qmp
+                .migrate_incoming(&format!("unix:{}", sock.display()))
+                .await
+                .map_err(qerr)?;
+        }
+        let listen: Vec<(String, std::net::IpAddr)> = usable
+            .iter()
+            .filter_map(|n| Some((n.name.clone(), n.address.parse().ok()?)))
+            .collect();
+        let (session, bound) = if matches!(
+            req.option,
+            MigrationOption::Mptcp | MigrationOption::MptcpRelay
+        ) {
+            if req.sealed {
+                return Err(ApiError::invalid(
+                    "sealed",
+                    "a sealed migration needs Ferry's own carriers; mptcp sends bytes as they are",
+                ));
+            }
+            ferry_transport::mptcp::prepare_host(&listen).map_err(ApiError::internal)?;
+            let deliver = if handoff {
+                let monitor = dir.join(crate::qemu::HANDOFF_SOCK);
+                ferry_transport::Deliver::Handoff(Box::new(move |t: &std::net::TcpStream| {
+                    use std::os::fd::AsRawFd;
+                    crate::qmp::hand_socket(&monitor, t.as_raw_fd(), crate::qmp::HandTo::Incoming)
+                        .map_err(|e| error_chain(&e))
+                }))
+            } else {
+                ferry_transport::Deliver::Relay(sock)
+            };
+            let (s, port) = ferry_transport::Spliced::target(
+                session_id,
+                self.cred.secret(),
+                listen.clone(),
+                deliver,
+            )
+            .map_err(|e| ApiError::internal(error_chain(&e)))?;
+            // one listener takes every address: each NIC's address with its port
+            let bound = listen
+                .into_iter()
+                .map(|(n, a)| (n, std::net::SocketAddr::new(a, port)))
+                .collect::<Vec<_>>();
+            (ferry_transport::Carriers::Mptcp(s), bound)
+        } else {
+            let keys = ferry_transport::Keys {
+                secret: self.cred.secret(),
+                sealed: req.sealed,
+            };
+            let (s, bound) = ferry_transport::Session::target(session_id, &keys, listen, sock)
+                .await
+                .map_err(|e| ApiError::internal(error_chain(&e)))?;
+            s.set_reorder_window(self.cfg.reorder_window);
+            s.set_windows(req.stream_windows);
+            if req.qemu_zstd.is_some() {
+                // QEMU compressed: each byte waiting for it is ~20 to load
+                s.set_local_send_buffer(COMPRESSED_SNDBUF);
+            }
+            (ferry_transport::Carriers::Ferry(s), bound)
+        };
+        if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
+            slot.transport = Some(session);
+        }
+        Ok(endpoints(bound, usable))
+    }
+
+    /// Shared-nothing: each local drive made here, empty, listed first
+    /// (whatever happens next, they go with the skeleton).
+    async fn create_incoming_disks(
+        &self,
+        req: &IncomingRequest,
+        copies: &[(usize, std::path::PathBuf, DriveFormat, u64)],
+    ) -> Result<(), ApiError> {
+        let made: Vec<std::path::PathBuf> = copies.iter().map(|c| c.1.clone()).collect();
+        if !made.is_empty() {
+            // listed before they exist: whatever happens next, they go
+            // with the skeleton
+            let marker = crate::local_disk::partial_marker(
+                &self.cfg.qemu,
+                &req.spec.name,
+                &req.migration_id,
+            );
+            crate::local_disk::record_partial(&marker, &made)
+                .map_err(|e| ApiError::internal(format!("recording {}: {e}", marker.display())))?;
+            for (i, path, format, size) in copies {
+                crate::local_disk::create(path, *format, *size)
+                    .await
+                    .map_err(|e| match e {
+                        ApiError::Internal { reason } => {
+                            ApiError::internal(format!("drives[{i}]: {reason}"))
+                        }
+                        e => e,
+                    })?;
+            }
+        }
+        Ok(())
     }
 
     /// The local drives an incoming shared-nothing migration copies here:
@@ -1066,4 +1053,55 @@ pub(super) fn answer_of(st: &IncomingStatus) -> TargetAnswer {
         "running" => TargetAnswer::Running,
         _ => TargetAnswer::NeverRan,
     }
+}
+
+/// A skeleton request that cannot work is refused naming its field; the
+/// carriers' session id for the options that take one.
+fn check_incoming(req: &IncomingRequest) -> Result<Option<[u8; 16]>, ApiError> {
+    if req.sealed && req.option == MigrationOption::Tcp {
+        return Err(ApiError::invalid(
+            "sealed",
+            "a sealed migration needs Ferry's transport; tcp is QEMU's clear stream",
+        ));
+    }
+    if req.qemu_channels && req.option != MigrationOption::Tcp {
+        return Err(ApiError::invalid(
+            "qemu_channels",
+            format!("QEMU's own channels go with tcp, not {}", req.option.name()),
+        ));
+    }
+    if req.qemu_channels && req.postcopy {
+        return Err(ApiError::invalid(
+            "qemu_channels",
+            "post-copy has QEMU's one stream, not multifd channels",
+        ));
+    }
+    if req.option == MigrationOption::Tcp && req.qemu_zstd.is_some() && !req.qemu_channels {
+        return Err(ApiError::invalid(
+            "qemu_zstd",
+            "QEMU compresses only in multifd channels: tcp without qemu_channels has one stream",
+        ));
+    }
+    Ok(match req.option {
+        MigrationOption::Tcp => None,
+        MigrationOption::Multichannel
+        | MigrationOption::Compression
+        | MigrationOption::Mptcp
+        | MigrationOption::MptcpRelay => {
+            let id = req
+                .session
+                .as_deref()
+                .and_then(ferry_transport::session_from_hex)
+                .ok_or_else(|| {
+                    ApiError::invalid("session", "multichannel needs a 32-hex-digit session id")
+                })?;
+            Some(id)
+        }
+        MigrationOption::Auto => {
+            return Err(ApiError::invalid(
+                "option",
+                "the source resolves auto before asking",
+            ))
+        }
+    })
 }

@@ -1,0 +1,814 @@
+//! Steps 5-8 of a move: QEMU's stream started, then watched through copy,
+//! iterate and blackout (or post-copy) until QEMU completes. The copy
+//! loop's decisions are `copy_loop`'s; this file reads QEMU, the target and
+//! the carriers, and says what it sees.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use ferry_api::{IncomingStatus, MigrationEvent, MigrationProgress};
+
+use super::sequence::Outcome;
+use super::source::Move;
+use super::{
+    carrier_bytes, copy_loop, data_path_of, fail, lost, nic_tx, poll_target, progress_event,
+    Failure, Plan, END_NEAR_BYTES, END_POLL, MULTIFD_CHANNELS, PAUSE_DOWNTIME_MS, POLL,
+    POSTCOPY_PAUSED_LIMIT, POSTCOPY_STALL_LIMIT, RECOVER_EVERY,
+};
+use crate::commit::{Record, Side, SourcePhase, TargetAnswer};
+use crate::convergence;
+use crate::host::error_chain;
+use crate::qmp::{MigrationInfo, MigrationParameters, QmpError};
+
+/// What the Stream step set up, for the steps after it.
+pub(super) struct Streaming {
+    /// QEMU compresses its multifd channels at this zstd level.
+    pub qemu_zstd: Option<u8>,
+    pub dplan: crate::downtime::DowntimePlan,
+    /// Each NIC's transmitted bytes when the stream started.
+    pub tx_before: BTreeMap<String, u64>,
+    pub t_migrate: Instant,
+    /// This agent's and the source QEMU's CPU when the stream started.
+    pub cpu_at_start: (Duration, Duration),
+}
+
+/// The copy loop's state across the Copy and Postcopy steps.
+pub(super) struct Watch {
+    pub copy: copy_loop::CopyLoop,
+    pub timeout: Duration,
+    rounds: convergence::Rounds,
+    pub max_throttle: u64,
+    last_sample: (Instant, u64),
+    target_failures: u32,
+    last_target_poll: Instant,
+    /// copy, iterate, blackout: each said once.
+    seen: (bool, bool, bool),
+    carriers_up_seen: Option<usize>,
+    /// RUN's answer while in post-copy.
+    pub run_answer: Option<IncomingStatus>,
+    last_run_try: Instant,
+    postcopy_paused: Option<Instant>,
+    last_recover: Instant,
+    recover_failed: Option<String>,
+    postcopy_moved: (Instant, u64),
+    near_end: bool,
+    paths_seen: usize,
+    /// QEMU's send threads' CPU while it compresses (they end with the
+    /// migration, so the last reading while they ran is kept).
+    pub qemu_send_cpu: Duration,
+    qemu_ratio_from: (u64, u64),
+    /// The last pass's decision's path rate and rates text.
+    path_rate: f64,
+    rates: String,
+    /// QEMU's figures when it completed.
+    pub info: Option<MigrationInfo>,
+}
+
+impl Watch {
+    /// The copy loop's last rates, as text.
+    pub fn rates_text(&self) -> &str {
+        &self.rates
+    }
+
+    fn new(policy: copy_loop::Policy) -> Watch {
+        let now = Instant::now();
+        Watch {
+            timeout: policy.timeout,
+            copy: copy_loop::CopyLoop::new(policy, now),
+            rounds: Default::default(),
+            max_throttle: 0,
+            last_sample: (now, 0),
+            target_failures: 0,
+            last_target_poll: now,
+            seen: (false, false, false),
+            carriers_up_seen: None,
+            run_answer: None,
+            last_run_try: now - Duration::from_secs(60),
+            postcopy_paused: None,
+            last_recover: now - RECOVER_EVERY,
+            recover_failed: None,
+            postcopy_moved: (now, 0),
+            near_end: false,
+            paths_seen: 0,
+            qemu_send_cpu: Duration::ZERO,
+            qemu_ratio_from: (0, 0),
+            path_rate: 0.0,
+            rates: String::new(),
+            info: None,
+        }
+    }
+}
+
+fn q(step: &'static str) -> impl Fn(QmpError) -> Failure {
+    move |e| fail(step, error_chain(&e))
+}
+
+impl Move<'_> {
+    fn streaming(&self) -> &Streaming {
+        self.stream.as_ref().expect("the Stream step ran")
+    }
+
+    fn watching(&mut self) -> &mut Watch {
+        self.watch.as_mut().expect("the Stream step ran")
+    }
+
+    /// Step 5, QEMU's capabilities and parameters, then `migrate` to the plan's
+    /// socket or listener (an MPTCP socket handed over as is).
+    pub(super) async fn start_stream(&mut self) -> Result<Outcome, Failure> {
+        let (agent, vm) = (self.agent, self.vm);
+        let qmp = &vm.qmp;
+        let conv = self.chosen().conv;
+        let plan = self.plan_ref();
+        // post-copy and multifd do not mix in QEMU: with post-copy allowed,
+        // Ferry's transport carries QEMU's one stream over every NIC instead;
+        // a handed-off MPTCP socket carries QEMU's one stream: no multifd either
+        let handoff = match plan {
+            Plan::Multichannel { session, .. } => session.handoff_fd(),
+            Plan::Tcp { .. } => None,
+        };
+        let multifd = match plan {
+            Plan::Multichannel { .. } => !conv.postcopy && handoff.is_none(),
+            Plan::Tcp { multifd, .. } => *multifd,
+        };
+        let qemu_zstd = match plan {
+            Plan::Multichannel { qemu_zstd, .. } => qemu_zstd.filter(|_| multifd),
+            Plan::Tcp { .. } => None,
+        };
+        let mirrored = self.mirror.is_some();
+        qmp.set_capabilities(&[
+            ("multifd", multifd),
+            ("auto-converge", conv.throttle),
+            ("postcopy-ram", conv.postcopy),
+            // shared-nothing: QEMU waits, guest paused, while the mirrors end
+            ("pause-before-switchover", mirrored),
+        ])
+        .await
+        .map_err(q("connection"))?;
+        // the downtime the guest sees is QEMU's and then the switch-over:
+        // QEMU gets what the switch-over leaves (see crate::downtime)
+        let (switchover, overshoot) = agent.switchovers.expect(&self.req.target);
+        let dplan = crate::downtime::DowntimePlan::new(
+            conv.max_downtime_ms,
+            conv.downtime_auto && !conv.postcopy && !mirrored,
+            switchover + END_POLL.as_millis() as u64,
+            overshoot,
+        );
+        qmp.set_parameters(MigrationParameters {
+            // Ferry paces migrations itself; QEMU's 128 MiB/s default would cap fast links
+            max_bandwidth: Some(100 << 30),
+            downtime_limit: Some(dplan.limit_ms),
+            multifd_channels: multifd.then_some(MULTIFD_CHANNELS),
+            multifd_compression: multifd
+                .then(|| crate::qmp::multifd_compression(qemu_zstd.is_some())),
+            multifd_zstd_level: qemu_zstd,
+            cpu_throttle_initial: conv.throttle.then_some(20),
+            cpu_throttle_increment: conv.throttle.then_some(10),
+            ..Default::default()
+        })
+        .await
+        .map_err(q("connection"))?;
+        let tx_before = nic_tx(&agent.cfg.nics);
+        let (uri, detail) = stream_target(plan, handoff.is_some(), multifd, qemu_zstd).await;
+        let t_migrate = Instant::now();
+        let cpu_at_start = (
+            crate::host::own_cpu(),
+            crate::host::process_cpu(vm.pid).unwrap_or_default(),
+        );
+        match handoff {
+            Some(fd) => {
+                let monitor = vm.dir.join(crate::qemu::HANDOFF_SOCK);
+                tokio::task::spawn_blocking(move || {
+                    crate::qmp::hand_socket(&monitor, fd, crate::qmp::HandTo::Migrate)
+                })
+                .await
+                .map_err(|e| fail("connection", e.to_string()))?
+                .map_err(q("connection"))?
+            }
+            None => qmp.migrate(&uri).await.map_err(q("connection"))?,
+        }
+        self.ev.step("connection", detail).await;
+        // the timeout measures convergence: it starts when the first pass
+        // over memory is done (that pass is a plain copy at the path's rate,
+        // watched by the stall watchdog), so a slow or shared path does not
+        // fail a guest that would converge
+        self.watch = Some(Watch::new(copy_loop::Policy {
+            postcopy: conv.postcopy,
+            throttle: conv.throttle,
+            expiry: conv.expiry(),
+            timeout: conv.timeout(self.spec.memory),
+            max_downtime_ms: conv.max_downtime_ms,
+        }));
+        self.stream = Some(Streaming {
+            qemu_zstd,
+            dplan,
+            tx_before,
+            t_migrate,
+            cpu_at_start,
+        });
+        Ok(Outcome::Done)
+    }
+
+    /// Steps 6-8, copy, iterate, blackout (or post-copy): QEMU watched until it
+    /// completes (`Done`), or, before the commit, until the copy loop wants
+    /// post-copy (`PostcopyWanted`).
+    pub(super) async fn watch(&mut self) -> Result<Outcome, Failure> {
+        loop {
+            let info = self.poll_qemu().await?;
+            let status = info.status.clone().unwrap_or_default();
+            if status.starts_with("postcopy") {
+                self.watching().copy.entered_postcopy();
+            }
+            self.report_path_changes().await;
+            if status == "pre-switchover" {
+                // the guest is paused: each local drive ends in step with its
+                // copy, then QEMU sends the device state
+                if let Some(m) = self.mirror.as_mut() {
+                    let t0 = Instant::now();
+                    m.complete(&self.vm.qmp)
+                        .await
+                        .map_err(|e| fail("blackout", e))?;
+                    tracing::info!(
+                        ms = t0.elapsed().as_millis() as u64,
+                        "disk copies completed in step"
+                    );
+                }
+                self.vm
+                    .qmp
+                    .migrate_continue()
+                    .await
+                    .map_err(q("blackout"))?;
+                continue;
+            }
+            match status.as_str() {
+                "completed" => {
+                    self.watching().info = Some(info);
+                    return Ok(Outcome::Done);
+                }
+                "failed" => {
+                    let why = info.error_desc.unwrap_or_else(|| "failed".into());
+                    return Err(self.broke(format!("QEMU: {why}")));
+                }
+                "cancelled" | "cancelling" => {
+                    return Err(self.broke("QEMU cancelled the migration".into()))
+                }
+                _ => {}
+            }
+            if let Some(wanted) = self.decide(&info).await? {
+                return Ok(wanted);
+            }
+            if self.watching().copy.in_postcopy() {
+                self.postcopy_tick(&info).await?;
+            } else {
+                self.precopy_tick(&info).await?;
+            }
+        }
+    }
+
+    /// A broken stream: before the commit a failed copy, after it (post-copy)
+    /// a lost one.
+    fn broke(&self, why: String) -> Failure {
+        if self.committed {
+            lost(why)
+        } else {
+            fail("copy", why)
+        }
+    }
+
+    /// QEMU's `query-migrate`: every `POLL`, and near the end (the last
+    /// pass, or QEMU paused) every `END_POLL`, so the commit follows its
+    /// completion within that.
+    async fn poll_qemu(&mut self) -> Result<MigrationInfo, Failure> {
+        let asked = Instant::now();
+        let info = loop {
+            let near_end = self.watching().near_end;
+            tokio::time::sleep(if near_end { END_POLL } else { POLL }).await;
+            let info = match self.vm.qmp.query_migrate().await {
+                Ok(i) => i,
+                Err(e) if self.committed => return Err(lost(error_chain(&e))),
+                Err(e) => return Err(fail("copy", error_chain(&e))),
+            };
+            if self.streaming().qemu_zstd.is_some() {
+                self.follow_qemu_ratio(&info);
+            }
+            let st = info.status.as_deref().unwrap_or_default();
+            if !near_end || asked.elapsed() >= POLL || !matches!(st, "active" | "device") {
+                break info;
+            }
+        };
+        self.watching().near_end = match info.status.as_deref() {
+            Some("device") => true,
+            Some("active") => info
+                .ram
+                .as_ref()
+                .is_some_and(|r| r.remaining <= END_NEAR_BYTES),
+            _ => false,
+        };
+        Ok(info)
+    }
+
+    /// QEMU compresses: its send threads' CPU, and the carriers' windows
+    /// count what its bytes expand to (its ratio over the last MiB or more
+    /// it wrote).
+    fn follow_qemu_ratio(&mut self, info: &MigrationInfo) {
+        let pid = self.vm.pid;
+        let plan = self.plan.as_ref().expect("the Connect step ran");
+        let w = self.watch.as_mut().expect("the Stream step ran");
+        w.qemu_send_cpu = w
+            .qemu_send_cpu
+            .max(crate::host::threads_cpu(pid, "mig/src/send_"));
+        if let (
+            Some(r),
+            Plan::Multichannel {
+                session: ferry_transport::Carriers::Ferry(s),
+                ..
+            },
+        ) = (&info.ram, plan)
+        {
+            let (normal, written) = (
+                r.normal_bytes.saturating_sub(w.qemu_ratio_from.0),
+                r.multifd_bytes.saturating_sub(w.qemu_ratio_from.1),
+            );
+            if written >= 1 << 20 {
+                s.set_expansion(normal as f64 / written as f64);
+                w.qemu_ratio_from = (r.normal_bytes, r.multifd_bytes);
+            }
+        }
+    }
+
+    /// Paths dropped or taken again since the last look, as they happened.
+    async fn report_path_changes(&mut self) {
+        let changes = match &self.plan {
+            Some(Plan::Multichannel { session, .. }) => session.path_changes(),
+            _ => return,
+        };
+        let from = self.watching().paths_seen;
+        for c in changes.into_iter().skip(from) {
+            self.watching().paths_seen += 1;
+            self.ev.send(MigrationEvent::Path(c)).await;
+        }
+    }
+
+    /// The copy loop's decision on QEMU's figures, carried out: a raised
+    /// downtime limit, pause-and-copy, or the end of a copy that does not
+    /// converge or moves nothing. `Some(PostcopyWanted)` hands over to the
+    /// post-copy steps.
+    async fn decide(&mut self, info: &MigrationInfo) -> Result<Option<Outcome>, Failure> {
+        let status = info.status.clone().unwrap_or_default();
+        let ram = info.ram.clone().unwrap_or_default();
+        let page = if ram.page_size == 0 {
+            4096
+        } else {
+            ram.page_size
+        };
+        let throttle = info.cpu_throttle_percentage.unwrap_or(0);
+        let w = self.watching();
+        w.max_throttle = w.max_throttle.max(throttle);
+        let decided = w.copy.observe(
+            &copy_loop::Sample {
+                transferred: ram.transferred,
+                dirty_sync_count: ram.dirty_sync_count,
+                dirty_rate: (ram.dirty_pages_rate * page) as f64,
+                expected_downtime_ms: info.expected_downtime,
+                throttle_pct: throttle,
+            },
+            Instant::now(),
+        );
+        w.path_rate = decided.path_rate;
+        w.rates = decided.rates();
+        let (pausing, timeout, rates) = (w.copy.pausing(), w.timeout, w.rates.clone());
+        if status == "active" && !pausing {
+            let raised = self
+                .stream
+                .as_mut()
+                .expect("the Stream step ran")
+                .dplan
+                .on_round(ram.dirty_sync_count);
+            if let Some(l) = raised {
+                self.vm
+                    .qmp
+                    .set_parameters(MigrationParameters {
+                        downtime_limit: Some(l),
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(q("copy"))?;
+                tracing::info!(vm = %self.spec.name, round = ram.dirty_sync_count, limit_ms = l, "downtime limit raised");
+            }
+        }
+        match decided.action {
+            copy_loop::Action::Continue => Ok(None),
+            copy_loop::Action::StartPostcopy => Ok(Some(Outcome::PostcopyWanted)),
+            copy_loop::Action::PauseAndCopy => {
+                // pause-and-copy: QEMU stops the guest at its next iteration and
+                // copies what remains; the downtime is remaining ÷ path rate
+                self.vm
+                    .qmp
+                    .set_parameters(MigrationParameters {
+                        downtime_limit: Some(PAUSE_DOWNTIME_MS),
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(q("copy"))?;
+                let pause = convergence::drain_time(ram.remaining, decided.path_rate)
+                    .map(|d| format!("~{:.1} s", d.as_secs_f64()))
+                    .unwrap_or_else(|| "unknown time".into());
+                self.ev.step(
+                    "pause-and-copy",
+                    format!(
+                        "pre-copy did not converge within {} s after the first pass ({rates}); the guest is paused while the remaining {} MB are copied ({pause})",
+                        timeout.as_secs(),
+                        ram.remaining / 1_000_000
+                    ),
+                )
+                .await;
+                Ok(None)
+            }
+            copy_loop::Action::NotConverging => {
+                let advice = if self.chosen().conv.throttle {
+                    "allow post-copy"
+                } else {
+                    "allow throttling or post-copy"
+                };
+                Err(fail(
+                    "copy",
+                    format!(
+                        "pre-copy did not converge within {} s after the first pass: {rates}; {advice}",
+                        timeout.as_secs()
+                    ),
+                ))
+            }
+            copy_loop::Action::Stalled => {
+                let path = match self.plan_ref() {
+                    Plan::Tcp { nic, .. } => format!("the data path over {nic} is down"),
+                    Plan::Multichannel { session, .. } => {
+                        format!("every carrier is down ({} carriers)", session.kind())
+                    }
+                };
+                Err(fail(
+                    "copy",
+                    format!(
+                        "no bytes moved for {} s: {path}",
+                        copy_loop::STALL_TIMEOUT.as_secs()
+                    ),
+                ))
+            }
+        }
+    }
+
+    /// One look in post-copy: RUN until the target answers, a stream that
+    /// moves nothing for a minute is broken, a paused one is recovered;
+    /// nothing rolls back now, whatever the path does.
+    async fn postcopy_tick(&mut self, info: &MigrationInfo) -> Result<(), Failure> {
+        let status = info.status.clone().unwrap_or_default();
+        let ram = info.ram.clone().unwrap_or_default();
+        let now = Instant::now();
+        // RUN: the target has the device state (or soon will) and waits,
+        // paused, for it; asked again every 2 s until it answers
+        let w = self.watching();
+        if w.run_answer.is_none() && w.last_run_try.elapsed() >= Duration::from_secs(2) {
+            w.last_run_try = Instant::now();
+            if let Ok(st) = self
+                .agent
+                .send_run_within(&self.target, self.id, Duration::from_secs(2))
+                .await
+            {
+                if super::answer_of(&st) == TargetAnswer::Running {
+                    self.watching().run_answer = Some(st);
+                    crate::failpoint::hit("source-postcopy-running");
+                }
+            }
+        }
+        let target_name = self.req.target.clone();
+        // post-copy pushes every remaining page in the background: a
+        // stream that moves nothing for a minute is broken, not idle
+        let w = self.watching();
+        if ram.transferred != w.postcopy_moved.1 || status != "postcopy-active" {
+            w.postcopy_moved = (now, ram.transferred);
+        } else if now - w.postcopy_moved.0 > POSTCOPY_STALL_LIMIT {
+            return Err(lost(format!(
+                "post-copy moved no byte for {} s; the guest waits on {target_name} for \
+                 its pages",
+                POSTCOPY_STALL_LIMIT.as_secs()
+            )));
+        }
+        if status == "postcopy-paused" {
+            self.recover(now).await?;
+        } else {
+            self.watching().postcopy_paused = None;
+        }
+        let path_rate = self.watching().path_rate;
+        let p = progress_event(
+            info,
+            &ram,
+            self.started,
+            path_rate,
+            self.plan_ref(),
+            (&self.streaming().tx_before, &self.agent.cfg.nics),
+            "postcopy",
+        );
+        self.ev.send(p).await;
+        Ok(())
+    }
+
+    /// Post-copy's stream broke: a new one over any path up, tried again
+    /// as paths return; the source QEMU keeps every page. Past
+    /// `POSTCOPY_PAUSED_LIMIT` the move ends lost, the settler going on.
+    async fn recover(&mut self, now: Instant) -> Result<(), Failure> {
+        let target_name = self.req.target.clone();
+        let w = self.watching();
+        let since = *w.postcopy_paused.get_or_insert(now);
+        if now - w.last_recover >= RECOVER_EVERY {
+            w.last_recover = now;
+            // what a recovery needs to know of this move
+            let rec = Record {
+                migration_id: self.id.into(),
+                vm: self.spec.name.clone(),
+                peer: target_name.clone(),
+                peer_url: String::new(),
+                side: Side::Source(SourcePhase::Committed),
+                updated: 0,
+                sealed: matches!(self.plan_ref(), Plan::Multichannel { session, .. } if session.sealed()),
+            };
+            match self
+                .agent
+                .recover_postcopy(&rec, &self.target, self.vm)
+                .await
+            {
+                Ok(how) => {
+                    self.watching().recover_failed = None;
+                    self.ev.step("postcopy-recover", how).await;
+                }
+                Err(why) if self.watching().recover_failed.as_deref() != Some(why.as_str()) => {
+                    self.ev
+                        .send(MigrationEvent::Warning {
+                            message: format!(
+                                "post-copy's stream broke; {} waits paused for its pages; \
+                                 recovering: {why}",
+                                self.spec.name
+                            ),
+                        })
+                        .await;
+                    self.watching().recover_failed = Some(why);
+                }
+                Err(_) => {}
+            }
+        }
+        if now - since > POSTCOPY_PAUSED_LIMIT {
+            return Err(lost(format!(
+                "post-copy's stream broke and no new one held for {} s; the guest \
+                 waits paused on {target_name}, and this host keeps trying to resume it",
+                POSTCOPY_PAUSED_LIMIT.as_secs()
+            )));
+        }
+        Ok(())
+    }
+
+    /// One look in pre-copy: the target polled, each phase said once, the
+    /// carriers' health (a lost one tells QEMU the bandwidth left), and a
+    /// progress event.
+    async fn precopy_tick(&mut self, info: &MigrationInfo) -> Result<(), Failure> {
+        let status = info.status.clone().unwrap_or_default();
+        let ram = info.ram.clone().unwrap_or_default();
+        let now = Instant::now();
+        if now - self.watching().last_target_poll >= Duration::from_secs(1) {
+            let w = self.watch.as_mut().expect("the Stream step ran");
+            w.last_target_poll = now;
+            poll_target(&self.target, self.id, &mut w.target_failures, "copy").await?;
+        }
+        self.say_phases(&status, &ram).await;
+        let w = self.watching();
+        let dt = (now - w.last_sample.0).as_secs_f64().max(1e-3);
+        let throughput = ram.transferred.saturating_sub(w.last_sample.1) as f64 / dt;
+        w.last_sample = (now, ram.transferred);
+        let (nic_tx_bytes, carriers_up) = match self.plan_ref() {
+            Plan::Tcp { .. } => (self.tx_since_start(), None),
+            Plan::Multichannel { session, .. } => {
+                if let Some(why) = session.failure() {
+                    return Err(fail("copy", format!("transport: {why}")));
+                }
+                let st = match session {
+                    ferry_transport::Carriers::Mptcp(s) => {
+                        let (st, due) = s.tick();
+                        self.agent
+                            .ask_rejoins(self.id, (&self.req.target, &self.target), due);
+                        st
+                    }
+                    _ => session.stats(),
+                };
+                (carrier_bytes(&st), Some(st.healthy))
+            }
+        };
+        self.carrier_loss(carriers_up, throughput).await;
+        let mut p = self.precopy_progress(info, throughput);
+        // the mirrors keep the copies in step meanwhile; one that fails
+        // ends the move (the guest keeps its own disks)
+        let disks = match self.mirror.as_mut() {
+            Some(m) if status != "pre-switchover" && status != "device" => Some(
+                m.progress(&self.vm.qmp)
+                    .await
+                    .map_err(|e| fail("copy", e))?,
+            ),
+            _ => None,
+        };
+        p.nic_tx_bytes = nic_tx_bytes;
+        p.carriers_up = carriers_up;
+        p.disks = disks;
+        self.ev.send(MigrationEvent::Progress(p)).await;
+        Ok(())
+    }
+
+    /// copy, iterate and blackout, each said once as QEMU reaches it.
+    async fn say_phases(&mut self, status: &str, ram: &crate::qmp::RamStats) {
+        let w = self.watching();
+        let (copy, iterate, blackout) = w.seen;
+        if !copy && status == "active" {
+            w.seen.0 = true;
+            self.ev
+                .step(
+                    "copy",
+                    format!("dirty tracking on; first pass over {} bytes", ram.total),
+                )
+                .await;
+        }
+        if !iterate && ram.dirty_sync_count > 1 {
+            self.watching().seen.1 = true;
+            self.ev
+                .step(
+                    "iterate",
+                    "re-sending pages dirtied during the first pass".into(),
+                )
+                .await;
+        }
+        if !blackout && (status == "device" || status == "pre-switchover") {
+            self.watching().seen.2 = true;
+            self.ev
+                .step(
+                    "blackout",
+                    "source paused; sending the last dirty pages and device state".into(),
+                )
+                .await;
+        }
+    }
+
+    /// Whether QEMU's blackout was said (the Tick step says it otherwise).
+    pub(super) fn blackout_seen(&self) -> bool {
+        self.watch.as_ref().is_some_and(|w| w.seen.2)
+    }
+
+    /// A lost NIC: QEMU told the bandwidth it really has now, so the
+    /// switch-over it plans still fits the downtime target.
+    async fn carrier_loss(&mut self, carriers_up: Option<usize>, throughput: f64) {
+        let w = self.watching();
+        let (before, path_rate) = (w.carriers_up_seen, w.path_rate);
+        if carriers_up.is_some() {
+            w.carriers_up_seen = carriers_up;
+        }
+        let (Some(up), Some(before)) = (carriers_up, before) else {
+            return;
+        };
+        // the rate over the last 2 s: a cut NIC can stop everything for a moment
+        let rate = path_rate.max(throughput);
+        if up >= before || rate <= 0.0 {
+            return;
+        }
+        let now_bw = (rate * up as f64 / before as f64) as u64;
+        if let Err(e) = self
+            .vm
+            .qmp
+            .set_parameters(MigrationParameters {
+                avail_switchover_bandwidth: Some(now_bw.max(1 << 20)),
+                ..Default::default()
+            })
+            .await
+        {
+            // the switch-over would be planned on the old bandwidth: say so
+            self.ev
+                .send(MigrationEvent::Warning {
+                    message: format!(
+                        "QEMU refused the bandwidth left after a carrier loss: {}",
+                        error_chain(&e)
+                    ),
+                })
+                .await;
+        }
+        self.ev
+            .send(MigrationEvent::Warning {
+                message: format!(
+                    "a carrier went down: {up} of {before} up; QEMU told to plan switch-over at {} MB/s",
+                    now_bw >> 20
+                ),
+            })
+            .await;
+    }
+
+    /// Pre-copy's progress event (without the NICs' bytes and the disks).
+    fn precopy_progress(&mut self, info: &MigrationInfo, throughput: f64) -> MigrationProgress {
+        let ram = info.ram.clone().unwrap_or_default();
+        let page = if ram.page_size == 0 {
+            4096
+        } else {
+            ram.page_size
+        };
+        let max_downtime_ms = self.chosen().conv.max_downtime_ms;
+        let started = self.started;
+        let w = self.watching();
+        let (eta, converging) = if w.copy.pausing() {
+            (convergence::drain_time(ram.remaining, w.path_rate), None)
+        } else {
+            w.rounds.observe(ram.dirty_sync_count, ram.remaining);
+            match convergence::predict(
+                ram.remaining,
+                w.path_rate,
+                (ram.dirty_pages_rate * page) as f64,
+                w.rounds.ratio(),
+                Duration::from_millis(max_downtime_ms),
+            ) {
+                Some(p) => (p.eta, Some(p.converging)),
+                None => (None, None),
+            }
+        };
+        MigrationProgress {
+            elapsed_ms: started.elapsed().as_millis() as u64,
+            status: info.status.clone().unwrap_or_default(),
+            transferred: ram.transferred,
+            remaining: ram.remaining,
+            total: ram.total,
+            throughput,
+            dirty_rate: ram.dirty_pages_rate * page,
+            rounds: ram.dirty_sync_count,
+            expected_downtime_ms: info.expected_downtime,
+            eta_ms: eta.map(|d| d.as_millis() as u64),
+            converging,
+            nic_tx_bytes: BTreeMap::new(),
+            carriers_up: None,
+            phase: if info.status.as_deref() == Some("device") {
+                "blackout".into()
+            } else if w.copy.pausing() {
+                "pause-and-copy".into()
+            } else {
+                "precopy".into()
+            },
+            throttle_pct: info.cpu_throttle_percentage.unwrap_or(0),
+            disks: None,
+        }
+    }
+}
+
+/// The URI QEMU migrates to and the connection step's text.
+async fn stream_target(
+    plan: &Plan,
+    handoff: bool,
+    multifd: bool,
+    qemu_zstd: Option<u8>,
+) -> (String, String) {
+    match plan {
+        Plan::Tcp { uri, nic, multifd } => {
+            (
+                uri.clone(),
+                if *multifd {
+                    format!("QEMU's own {MULTIFD_CHANNELS} multifd channels straight to {uri} over {nic}")
+                } else {
+                    format!("QEMU's TCP stream to {uri} over {nic}")
+                },
+            )
+        }
+        Plan::Multichannel { session, sock, .. } => {
+            // carriers come up in the background; give them a moment so the
+            // first frames do not all go to whichever dialled first (MPTCP
+            // connections open as QEMU connects)
+            let framed = matches!(session, ferry_transport::Carriers::Ferry(_));
+            for _ in 0..if framed { 20 } else { 0 } {
+                let st = session.stats();
+                if st.healthy == st.carriers.len() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            let names: Vec<String> = session
+                .stats()
+                .carriers
+                .iter()
+                .map(|c| c.nic.clone())
+                .collect();
+            let how = if handoff {
+                "QEMU's one stream written straight into an MPTCP socket the agents opened"
+                    .to_string()
+            } else if let Some(level) = qemu_zstd {
+                format!("{MULTIFD_CHANNELS} multifd channels compressed by QEMU (zstd {level})")
+            } else if multifd {
+                format!("{MULTIFD_CHANNELS} multifd channels")
+            } else {
+                "QEMU's one stream (post-copy allowed)".to_string()
+            };
+            (
+                format!("unix:{}", sock.display()),
+                format!(
+                    "Ferry transport ({}) over {} ({} up), {how}",
+                    data_path_of(session),
+                    names.join(", "),
+                    session.stats().healthy,
+                ),
+            )
+        }
+    }
+}
