@@ -59,7 +59,7 @@ def ferry_move(kind, a, option="compression"):
     if q:
         codecs = f"QEMU {q['codec']} {q['ratio']:.1f}× ({q['cpu_s']:.2f} CPU-s); {codecs}"
     if r["data_path"] == "qemu-multifd":
-        # the CPU was the limit: QEMU's own channels, no frames (see ARCHITECTURE.md)
+        # the CPU was the limit: QEMU's own channels, no frames (see docs/transport.md)
         codecs = "QEMU's own multifd channels, pages as they are"
     return {"secs": r["transfer_ms"] / 1000, "wire": wire, "cpu": r["cpu"]["source_s"] + r["cpu"]["target_s"],
             "codecs": codecs, "downtime": r["guest_downtime_ms"], "path": r["data_path"], "agents": agents,

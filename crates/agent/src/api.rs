@@ -57,7 +57,7 @@ async fn host(State(a): State<Arc<Agent>>) -> R<ferry_api::HostInfo> {
 }
 
 async fn paths(State(a): State<Arc<Agent>>) -> R<Vec<ferry_api::NicPath>> {
-    Ok(Json(a.paths.all()))
+    Ok(Json(a.facts.paths.all()))
 }
 
 async fn probe_paths(
@@ -434,7 +434,7 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
         }
     });
     let gauge = agent.clone();
-    tokio::spawn(async move { gauge.idle.run().await });
+    tokio::spawn(async move { gauge.facts.idle.run().await });
     // the CPU models QEMU offers, asked before a first migration needs them
     let catalog = agent.clone();
     tokio::spawn(async move {

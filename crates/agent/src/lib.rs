@@ -21,6 +21,7 @@
 //! - [`api`]: the authenticated HTTP API the control service and peer agents call.
 
 pub mod api;
+pub mod bandwidth;
 pub mod classes;
 pub mod commit;
 pub mod convergence;
@@ -34,6 +35,7 @@ pub mod hardware;
 pub mod host;
 pub mod local_disk;
 pub mod migration;
+pub mod peers;
 pub mod probe;
 pub mod qemu;
 pub mod qga;
@@ -41,6 +43,8 @@ pub mod qmp;
 pub mod recover;
 pub mod resilience;
 pub mod validate;
+pub mod vm_disks;
+pub mod vms;
 
 use std::path::PathBuf;
 

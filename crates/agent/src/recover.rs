@@ -82,7 +82,7 @@ impl Agent {
     /// left open. Committed source records are settled by the periodic
     /// settler. Settled records older than a week are forgotten.
     pub async fn recover(&self) {
-        let (records, errors) = self.journal.all();
+        let (records, errors) = self.moves.journal.all();
         let mut unreadable = Vec::new();
         for e in errors {
             tracing::error!(error = %e, "unreadable migration record: its migration stays in doubt");
@@ -145,16 +145,16 @@ impl Agent {
     /// Settled records older than a week are forgotten; a target's
     /// `running` one only once its source says it is done with it.
     pub async fn forget_settled(&self) {
-        for rec in self.journal.prune(PRUNE_AFTER_SECS) {
+        for rec in self.moves.journal.prune(PRUNE_AFTER_SECS) {
             let said = self.source_said(&rec.peer_url, &rec.migration_id).await;
             if target_may_forget(said) {
-                self.journal.forget(&rec);
+                self.moves.journal.forget(&rec);
             }
         }
     }
 
     fn record(&self, id: &str, side: Side) {
-        if let Err(e) = self.journal.update(id, side) {
+        if let Err(e) = self.moves.journal.update(id, side) {
             tracing::error!(migration = id, error = %e, "recording a migration settled at restart");
         }
     }

@@ -360,3 +360,68 @@ fn the_types_crate_carries_no_http_or_tls_stack() {
     // the stack is ferry-net's
     assert!(deps("crates/net").iter().any(|x| x == "axum"));
 }
+
+/// The agent is split into rooms with one job each: the VM registry
+/// (`vms.rs`), host facts (`facts.rs` below everything, the measured ones in
+/// `Agent::facts`), migrations (`migration/`, their state in `Agent::moves`),
+/// storage resilience (`resilience.rs`, `vm_disks.rs`), bandwidth classes
+/// (`classes.rs`, `bandwidth.rs`) and peers' NIC pairs (`peers.rs`). `host.rs`
+/// keeps the `Agent` itself and a few host-wide methods.
+#[test]
+fn the_agent_is_split_into_rooms() {
+    let root = src("agent");
+    let host = std::fs::read_to_string(root.join("host.rs")).unwrap();
+    let host = without_tests(&host);
+    let methods = impl_agent_methods(host);
+    assert!(
+        methods.len() <= 6,
+        "host.rs holds {} Agent methods ({methods:?}); each belongs in its room",
+        methods.len()
+    );
+    for field in ["pub moves: Migrations", "pub facts: Facts"] {
+        assert!(host.contains(field), "Agent lacks its room field `{field}`");
+    }
+    for room in [
+        "vms.rs",
+        "peers.rs",
+        "vm_disks.rs",
+        "bandwidth.rs",
+        "resilience.rs",
+        "migration/mod.rs",
+        "migration/source.rs",
+    ] {
+        let text = std::fs::read_to_string(root.join(room)).unwrap();
+        assert!(
+            !impl_agent_methods(without_tests(&text)).is_empty() || text.contains("impl Move"),
+            "room {room} has no methods"
+        );
+    }
+}
+
+/// The names of the methods in `text`'s `impl Agent` blocks.
+fn impl_agent_methods(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut inside = false;
+    for l in text.lines() {
+        if l.starts_with("impl Agent {") {
+            inside = true;
+        } else if l == "}" {
+            inside = false;
+        } else if inside {
+            let t = l.trim_start();
+            if l.len() - t.len() != 4 {
+                continue;
+            }
+            if let Some(at) = t.find("fn ") {
+                let head = &t[..at];
+                if head
+                    .split_whitespace()
+                    .all(|w| matches!(w, "pub" | "pub(crate)" | "pub(super)" | "async"))
+                {
+                    out.push(ident(&t[at + 3..]));
+                }
+            }
+        }
+    }
+    out
+}

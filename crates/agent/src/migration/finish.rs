@@ -271,7 +271,7 @@ impl Move<'_> {
         let downtime_ms = self.qemu_info().downtime.unwrap_or(0);
         let target = self.req.target.clone();
         let dplan = &self.stream.as_ref().expect("the Stream step ran").dplan;
-        self.agent.switchovers.record(
+        self.agent.moves.switchovers.record(
             &target,
             guest_downtime_ms.saturating_sub(downtime_ms),
             downtime_ms,

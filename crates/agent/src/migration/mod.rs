@@ -575,7 +575,7 @@ impl Agent {
     /// The idle CPU share: the last second's, or (an agent just started)
     /// watched now for 300 ms.
     async fn idle_now(&self) -> Option<f64> {
-        match self.idle.idle() {
+        match self.facts.idle.idle() {
             Some(i) => Some(i),
             None => tokio::task::spawn_blocking(|| {
                 ferry_transport::compress::idle_share(Duration::from_millis(300))
@@ -598,7 +598,7 @@ impl Agent {
         ev: &Events,
         mut f: Failure,
     ) -> Failure {
-        let rec = match self.journal.read(id, true) {
+        let rec = match self.moves.journal.read(id, true) {
             Ok(Some(r)) => r,
             Ok(None) => unreachable!("a move with no record is before its commit"),
             Err(e) => {
@@ -679,7 +679,7 @@ impl Agent {
         session: Option<&ferry_transport::Carriers>,
     ) {
         // never past the commit, whoever asks
-        match self.journal.read(id, true) {
+        match self.moves.journal.read(id, true) {
             Ok(Some(Record {
                 side: Side::Source(SourcePhase::Copying),
                 ..
@@ -734,7 +734,7 @@ impl Agent {
         if due.is_empty() {
             return;
         }
-        let Some(pp) = self.paths.get(peer) else {
+        let Some(pp) = self.facts.paths.get(peer) else {
             return;
         };
         let reached = |pairs: &[ferry_api::NicPath], nic: &str| {
@@ -744,7 +744,7 @@ impl Agent {
                 .map(|p| p.peer_nic.clone())
         };
         let stale = due.iter().any(|nic| reached(&pp.pairs, nic).is_none());
-        let (cache, mine) = (self.paths.clone(), self.nics());
+        let (cache, mine) = (self.facts.paths.clone(), self.nics());
         let (me, secret) = (self.cfg.name.clone(), self.cred.secret().to_vec());
         let (peer, target) = (peer.to_string(), target.clone());
         let path = format!("/incoming/{id}/rejoin");

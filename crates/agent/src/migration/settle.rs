@@ -110,7 +110,7 @@ impl Agent {
 
     /// Marks migration `id` as run by this process (the settler leaves it alone).
     pub(super) fn live(&self, id: &str, on: bool) {
-        let mut l = ferry_api::util::lock(&self.live);
+        let mut l = ferry_api::util::lock(&self.moves.live);
         if on {
             l.insert(id.to_string());
         } else {
@@ -119,12 +119,13 @@ impl Agent {
     }
 
     fn is_live(&self, id: &str) -> bool {
-        ferry_api::util::lock(&self.live).contains(id)
+        ferry_api::util::lock(&self.moves.live).contains(id)
     }
 
     /// Rewrites the source record of `id` with a new phase (fsynced).
     pub(super) fn set_source_phase(&self, id: &str, phase: SourcePhase) -> Result<(), ApiError> {
-        self.journal
+        self.moves
+            .journal
             .update(id, Side::Source(phase))
             .map(|_| ())
             .map_err(|e| ApiError::internal(error_chain(&e)))
@@ -133,6 +134,7 @@ impl Agent {
     /// `GET /migrations/{id}`: what this host, as source, recorded.
     pub fn source_status(&self, id: &str) -> Result<SourceStatus, ApiError> {
         let rec = self
+            .moves
             .journal
             .read(id, true)
             .map_err(|e| ApiError::internal(error_chain(&e)))?
@@ -421,7 +423,7 @@ impl Agent {
     /// completed. Done only where the target says it runs the guest.
     async fn confirm_target_has_all(&self, vm: &str) -> Vec<ResolveReport> {
         let mut out = Vec::new();
-        for rec in self.journal.all().0 {
+        for rec in self.moves.journal.all().0 {
             if rec.vm != vm || rec.side != Side::Source(SourcePhase::Committed) {
                 continue;
             }
@@ -458,7 +460,7 @@ impl Agent {
     /// the guest resumed here.
     async fn declare_target_lost(&self, vm: &str, host: &str) -> Vec<ResolveReport> {
         let mut out = Vec::new();
-        for rec in self.journal.all().0 {
+        for rec in self.moves.journal.all().0 {
             if rec.vm != vm || rec.peer != host || rec.side != Side::Source(SourcePhase::Committed)
             {
                 continue;
@@ -483,7 +485,7 @@ impl Agent {
     /// Run every 2 s: committed migrations no live move is finishing (their
     /// RUN's answer was lost, or this agent restarted) are settled.
     pub async fn settle_committed(&self) {
-        for rec in self.journal.all().0 {
+        for rec in self.moves.journal.all().0 {
             if rec.side == Side::Source(SourcePhase::Committed) && !self.is_live(&rec.migration_id)
             {
                 self.settle_once(&rec).await;
@@ -506,7 +508,7 @@ impl Agent {
             return Ok(self.confirm_target_has_all(vm).await);
         }
         let mut out = Vec::new();
-        for rec in self.journal.all().0 {
+        for rec in self.moves.journal.all().0 {
             if rec.vm != vm || rec.side != Side::Source(SourcePhase::Committed) {
                 continue;
             }

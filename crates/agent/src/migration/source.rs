@@ -170,7 +170,7 @@ impl<'a> Move<'a> {
     /// What the journal holds for this move now: decides, after a failure,
     /// whether it is before or after the commit.
     fn on_disk(&self) -> OnDisk {
-        match self.agent.journal.read(self.id, true) {
+        match self.agent.moves.journal.read(self.id, true) {
             Ok(None) => OnDisk::Nothing,
             Ok(Some(Record {
                 side: Side::Source(SourcePhase::Copying),
@@ -453,6 +453,7 @@ impl<'a> Move<'a> {
     /// target that asks always finds an answer.
     fn record(&mut self) -> Result<Outcome, Failure> {
         self.agent
+            .moves
             .journal
             .write(&Record {
                 migration_id: self.id.into(),

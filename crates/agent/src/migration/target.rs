@@ -84,7 +84,7 @@ impl Agent {
             updated: 0,
             sealed: req.sealed,
         };
-        if let Err(e) = self.journal.write(&waiting) {
+        if let Err(e) = self.moves.journal.write(&waiting) {
             self.release(&req.spec.name).await;
             return Err(ApiError::internal(error_chain(&e)));
         }
@@ -446,7 +446,8 @@ impl Agent {
     /// Moves this host's record of incoming migration `id` to `phase`
     /// (fsynced); returns the record.
     fn set_target_phase(&self, id: &str, phase: TargetPhase) -> Result<Record, ApiError> {
-        self.journal
+        self.moves
+            .journal
             .update(id, Side::Target(phase))
             .map_err(|e| ApiError::internal(error_chain(&e)))
     }
@@ -462,7 +463,7 @@ impl Agent {
         if self.incoming_slot(id).await.is_ok() {
             return Ok((Some(TargetPhase::Waiting), None));
         }
-        match self.journal.read(id, false) {
+        match self.moves.journal.read(id, false) {
             Ok(Some(r)) => Ok(match r.side {
                 Side::Target(p) => (Some(p), Some(r)),
                 Side::Source(_) => (None, None),
@@ -854,7 +855,8 @@ impl Agent {
                         .incoming_uri(&nic.address)
                         .map_err(ApiError::internal)?;
                     q.qmp.migrate_recover(&uri).await.map_err(qerr)?;
-                    self.recovering
+                    self.moves
+                        .recovering
                         .lock()
                         .await
                         .insert(id.to_string(), (nic.name.clone(), uri.clone()));
@@ -862,7 +864,7 @@ impl Agent {
                     return Ok(RecoverReply { uri, nic: nic.name });
                 }
                 Some("postcopy-recover-setup" | "postcopy-recover") => {
-                    if let Some((nic, uri)) = self.recovering.lock().await.get(id).cloned() {
+                    if let Some((nic, uri)) = self.moves.recovering.lock().await.get(id).cloned() {
                         return Ok(RecoverReply { uri, nic });
                     }
                     tokio::time::sleep(Duration::from_millis(100)).await;

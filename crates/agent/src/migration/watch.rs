@@ -146,7 +146,7 @@ impl Move<'_> {
         .map_err(q("connection"))?;
         // the downtime the guest sees is QEMU's and then the switch-over:
         // QEMU gets what the switch-over leaves (see crate::downtime)
-        let (switchover, overshoot) = agent.switchovers.expect(&self.req.target);
+        let (switchover, overshoot) = agent.moves.switchovers.expect(&self.req.target);
         let dplan = crate::downtime::DowntimePlan::new(
             conv.max_downtime_ms,
             conv.downtime_auto && !conv.postcopy && !mirrored,

@@ -1,0 +1,512 @@
+//! The VM registry room: every VM this host runs or receives, its slot, its
+//! memory reservation, its directory, its console and its check.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_api::{ApiError, CheckResult, VmInfo, VmSpec};
+
+use crate::facts::cpu_of_stat;
+use crate::guest::{read_tail, GuestCheck, Reading};
+use crate::host::{Agent, Role, VmSlot, VM_OVERHEAD};
+use crate::qemu::{self, QemuVm};
+use ferry_api::util::error_chain;
+
+impl Agent {
+    pub fn vm_dir(&self, name: &str, suffix: &str) -> PathBuf {
+        self.cfg
+            .state_dir
+            .join("vms")
+            .join(format!("{name}{suffix}"))
+    }
+
+    /// Reserves memory and a name for a VM that is about to start. Fails with
+    /// `InsufficientMemory` or `AlreadyExists` before anything starts.
+    pub async fn reserve(&self, spec: &VmSpec, role: Role) -> Result<(), ApiError> {
+        spec.validate()?;
+        let mut st = self.state.lock().await;
+        if st.vms.contains_key(&spec.name) {
+            return Err(ApiError::AlreadyExists {
+                kind: "vm".into(),
+                name: spec.name.clone(),
+            });
+        }
+        let available = self.cfg.memory.saturating_sub(st.reserved());
+        let needed = spec.memory + VM_OVERHEAD;
+        if needed > available {
+            return Err(ApiError::InsufficientMemory {
+                host: self.cfg.name.clone(),
+                needed,
+                available,
+            });
+        }
+        st.vms
+            .insert(spec.name.clone(), VmSlot::new(spec.clone(), role, None));
+        Ok(())
+    }
+
+    /// Drops a reservation and returns its QEMU, if any, for the caller to stop.
+    pub async fn release(&self, name: &str) -> Option<Arc<QemuVm>> {
+        self.state
+            .lock()
+            .await
+            .vms
+            .remove(name)
+            .and_then(|s| s.qemu)
+    }
+
+    /// Creates and boots a VM.
+    pub async fn create_vm(&self, spec: VmSpec) -> Result<VmInfo, ApiError> {
+        spec.validate()?;
+        self.preflight(&spec, None).await?;
+        self.reserve(&spec, Role::Starting).await?;
+        let made = match crate::local_disk::ensure(&self.cfg.qemu, &spec).await {
+            Ok(m) => m,
+            Err(e) => {
+                self.release(&spec.name).await;
+                return Err(e);
+            }
+        };
+        let dir = self.vm_dir(&spec.name, "");
+        match qemu::launch(&self.cfg.qemu, &spec, &dir, false).await {
+            Ok(vm) => {
+                let vm = Arc::new(vm);
+                // a workload guest is ready once it ticks; any other once QEMU runs it
+                let ready = if spec.is_workload() {
+                    wait_workload(self.guest.as_ref(), &vm, BOOT_TIMEOUT).await
+                } else {
+                    Ok(())
+                };
+                if let Err(e) = ready {
+                    vm.kill().await;
+                    self.release(&spec.name).await;
+                    crate::local_disk::remove(&made);
+                    return Err(ApiError::internal(format!(
+                        "vm {} did not start its workload: {e}",
+                        spec.name
+                    )));
+                }
+                let mut st = self.state.lock().await;
+                if let Some(slot) = st.vms.get_mut(&spec.name) {
+                    slot.qemu = Some(vm.clone());
+                    slot.role = Role::Running;
+                }
+                drop(st);
+                tracing::info!(vm = %spec.name, pid = vm.pid, "vm started");
+                Ok(self.vm_info(&spec, &Role::Running, Some(&vm)).await)
+            }
+            Err(e) => {
+                self.release(&spec.name).await;
+                crate::local_disk::remove(&made);
+                Err(ApiError::internal(format!(
+                    "starting QEMU for {}: {}",
+                    spec.name,
+                    error_chain(&e)
+                )))
+            }
+        }
+    }
+
+    pub(crate) async fn vm_info(
+        &self,
+        spec: &VmSpec,
+        role: &Role,
+        qemu: Option<&Arc<QemuVm>>,
+    ) -> VmInfo {
+        self.vm_info_with(spec, role, qemu, None, None, None).await
+    }
+
+    pub(crate) async fn vm_info_with(
+        &self,
+        spec: &VmSpec,
+        role: &Role,
+        qemu: Option<&Arc<QemuVm>>,
+        in_doubt: Option<String>,
+        problem: Option<String>,
+        storage_pause: Option<ferry_api::StoragePause>,
+    ) -> VmInfo {
+        let state = match (role, qemu) {
+            (Role::Starting, _) => "starting".to_string(),
+            (Role::Incoming { .. }, _) => "incoming".to_string(),
+            (Role::Running, Some(q)) => match q.qmp.status().await {
+                Ok(s) => s.status,
+                Err(_) if !q.alive().await => "exited".to_string(),
+                Err(_) => "unreachable".to_string(),
+            },
+            (Role::Running, None) => "unknown".to_string(),
+        };
+        VmInfo {
+            name: spec.name.clone(),
+            host: self.cfg.name.clone(),
+            // a listing never carries the seed's user data
+            spec: spec.redacted(),
+            state,
+            pid: qemu.map(|q| q.pid),
+            in_doubt,
+            problem,
+            accel: self.cfg.qemu.accel.clone(),
+            storage_pause,
+            migrating: false,
+        }
+    }
+
+    pub async fn list_vms(&self) -> Vec<VmInfo> {
+        let slots: Vec<_> = {
+            let st = self.state.lock().await;
+            st.vms
+                .values()
+                .map(|s| {
+                    (
+                        s.spec.clone(),
+                        s.role.clone(),
+                        s.qemu.clone(),
+                        s.doubt.clone(),
+                        s.problem.clone(),
+                        s.storage_pause.clone(),
+                        s.migrating,
+                    )
+                })
+                .collect()
+        };
+        let mut out = Vec::new();
+        for (spec, role, q, doubt, problem, pause, migrating) in slots {
+            let mut info = self
+                .vm_info_with(&spec, &role, q.as_ref(), doubt, problem, pause)
+                .await;
+            info.migrating = migrating;
+            out.push(info);
+        }
+        out
+    }
+
+    /// The running VM `name` (not a skeleton, not starting).
+    pub async fn running_vm(&self, name: &str) -> Result<(VmSpec, Arc<QemuVm>), ApiError> {
+        let st = self.state.lock().await;
+        match st.vms.get(name) {
+            Some(VmSlot {
+                spec,
+                role: Role::Running,
+                qemu: Some(q),
+                ..
+            }) => Ok((spec.clone(), q.clone())),
+            Some(_) => Err(ApiError::Conflict {
+                reason: format!("vm {name} is not running here yet"),
+            }),
+            None => Err(ApiError::not_found("vm", name)),
+        }
+    }
+
+    pub async fn remove_vm(&self, name: &str) -> Result<(), ApiError> {
+        {
+            let st = self.state.lock().await;
+            match st.vms.get(name) {
+                None => return Err(ApiError::not_found("vm", name)),
+                Some(s) if s.migrating || s.role != Role::Running => {
+                    return Err(ApiError::Conflict {
+                        reason: format!("vm {name} is migrating"),
+                    })
+                }
+                Some(_) => {}
+            }
+        }
+        let spec = self
+            .state
+            .lock()
+            .await
+            .vms
+            .get(name)
+            .map(|s| s.spec.clone());
+        if let Some(q) = self.release(name).await {
+            q.stop().await;
+            self.remove_vm_dir(&q.dir, &format!("{name}.removed"));
+        }
+        // its local drives go with it (they exist nowhere else)
+        if let Some(spec) = spec {
+            crate::local_disk::remove(&crate::local_disk::paths(&self.cfg.qemu, &spec));
+        }
+        tracing::info!(vm = name, "vm removed");
+        Ok(())
+    }
+
+    /// Checks a running guest; a failure is kept on the VM (`problem` in
+    /// `vm list`) until a check passes.
+    /// `after`: the guest's last tick before it came here (see [`check`]).
+    pub async fn check_vm(&self, name: &str, after: Option<u64>) -> Result<CheckResult, ApiError> {
+        let (spec, q) = self.running_vm(name).await?;
+        let r = check(
+            self.guest.as_ref(),
+            &self.cfg.name,
+            &spec,
+            &q,
+            Duration::from_secs(8),
+            after,
+        )
+        .await;
+        let problem = (!r.ok()).then(|| r.summary());
+        if let Some(slot) = self.state.lock().await.vms.get_mut(name) {
+            slot.problem = problem;
+        }
+        Ok(r)
+    }
+
+    /// The last `max` bytes of a running VM's serial console.
+    pub async fn console_tail(
+        &self,
+        name: &str,
+        max: u64,
+    ) -> Result<ferry_api::ConsoleTail, ApiError> {
+        let (_, q) = self.running_vm(name).await?;
+        let path = q.console_path();
+        let unavailable = |e: std::io::Error| ApiError::Unavailable {
+            what: format!("{name}'s console log ({})", path.display()),
+            reason: e.to_string(),
+        };
+        let size = std::fs::metadata(&path).map_err(unavailable)?.len();
+        let text = read_tail(&path, max.clamp(1, 1 << 20)).map_err(unavailable)?;
+        Ok(ferry_api::ConsoleTail {
+            vm: name.into(),
+            host: self.cfg.name.clone(),
+            size,
+            text,
+        })
+    }
+
+    /// Removes a VM's directory, keeping its QEMU log (every run-state change
+    /// is traced there) as `STATE_DIR/log/LABEL.qemu.log`.
+    pub fn remove_vm_dir(&self, dir: &std::path::Path, label: &str) {
+        let logs = self.cfg.state_dir.join("log");
+        if std::fs::create_dir_all(&logs).is_ok() {
+            let _ = std::fs::copy(dir.join("qemu.log"), logs.join(format!("{label}.qemu.log")));
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Keeps every guest's console log within `console_log_max` (see
+    /// [`crate::guest::rotate`]): a guest printing without end fills no disk.
+    pub async fn rotate_consoles(&self) {
+        let logs: Vec<(String, PathBuf)> = {
+            let st = self.state.lock().await;
+            st.vms
+                .iter()
+                .filter_map(|(n, s)| Some((n.clone(), s.qemu.as_ref()?.console_path())))
+                .collect()
+        };
+        for (vm, log) in logs {
+            match crate::guest::rotate(&log, self.cfg.console_log_max) {
+                Ok(true) => {
+                    tracing::info!(%vm, max = self.cfg.console_log_max, "console log rotated")
+                }
+                Ok(false) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(%vm, "rotating the console log: {e}"),
+            }
+        }
+    }
+}
+
+/// Time a new guest has to boot and fill its memory.
+pub const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// Waits until the guest workload prints its first tick (it has filled its
+/// memory and runs), so a created VM is ready to check or move.
+async fn wait_workload(
+    guest: &dyn GuestCheck,
+    vm: &QemuVm,
+    timeout: Duration,
+) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let state = guest.read(&read_tail(&vm.console_path(), 64 << 10).unwrap_or_default());
+        if !state.problems.is_empty() {
+            return Err(state.problems.join(" | "));
+        }
+        if state.last.is_some() || !guest.has_progress() {
+            return Ok(());
+        }
+        if !vm.alive().await {
+            return Err("QEMU exited".into());
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(format!("no workload tick within {} s", timeout.as_secs()));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// How often the check looks at the guest again: a move's report (and a
+/// drain's end) waits for it.
+const CHECK_POLL: Duration = Duration::from_millis(50);
+
+/// Has the workload's counter advanced: past the first tick seen during
+/// the check, or past `after` (its last tick on the host it came from)?
+fn counted(
+    first: Option<crate::guest::Progress>,
+    last: Option<crate::guest::Progress>,
+    after: Option<u64>,
+) -> bool {
+    match (first, last) {
+        (Some(a), Some(b)) if b.tick > a.tick => true,
+        (_, Some(b)) => after.is_some_and(|n| b.tick > n),
+        _ => false,
+    }
+}
+
+/// Checks a guest: QEMU's run state, the guest advancing, and no integrity
+/// error or panic on its console (as `guest` reads it).
+///
+/// "Advancing" is the workload's counter for the lab's workload guest
+/// (waits up to `wait` for a tick, then a newer one — or for one past
+/// `after`, the last tick the guest printed elsewhere: a guest just moved
+/// here prints to a console of its own on this host, so a tick past the
+/// source's last is one it counted here); for any other guest,
+/// CPU time spent by its vCPU threads during the check. A guest with the
+/// guest agent must also answer `guest-ping`, and its clock
+/// (`guest-get-time`) must move forward.
+pub async fn check(
+    guest: &dyn GuestCheck,
+    host: &str,
+    spec: &VmSpec,
+    q: &QemuVm,
+    wait: Duration,
+    after: Option<u64>,
+) -> CheckResult {
+    let workload = spec.is_workload() && guest.has_progress();
+    let counted = |first, last| counted(first, last, after);
+    let qemu_status = match q.qmp.status().await {
+        Ok(s) => s.status,
+        Err(_) => "unreachable".into(),
+    };
+    let deadline = tokio::time::Instant::now() + wait;
+    let path = q.console_path();
+    // an unreadable console is a failed check, never a skipped one
+    let mut unreadable = None;
+    let mut read = || match read_tail(&path, 256 << 10) {
+        Ok(text) => guest.read(&text),
+        Err(e) => {
+            unreadable = Some(format!("console {} unreadable: {e}", path.display()));
+            Reading::default()
+        }
+    };
+    let mut first = None;
+    let mut state = read();
+    let vcpu_start = vcpu_cpu(q).await;
+    let mut vcpu_ms = None;
+    loop {
+        if first.is_none() {
+            first = state.last;
+        }
+        let advanced = if workload {
+            counted(first, state.last)
+        } else {
+            let now = vcpu_cpu(q).await;
+            vcpu_ms = match (vcpu_start, now) {
+                (Some(a), Some(b)) => Some(b.saturating_sub(a).as_millis() as u64),
+                _ => None,
+            };
+            vcpu_ms.is_some_and(|ms| ms > 0)
+        };
+        let done = advanced || !state.problems.is_empty();
+        if done || tokio::time::Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(CHECK_POLL).await;
+        state = read();
+    }
+    if let Some(why) = unreadable {
+        state.problems.push(why);
+    }
+    let guest_agent = if spec.guest_agent {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let r = ask_guest_agent(q, left.max(Duration::from_secs(3))).await;
+        if let Err(why) = &r {
+            state.problems.push(format!("guest agent: {why}"));
+        }
+        Some(r.is_ok())
+    } else {
+        None
+    };
+    // integrity errors since boot are in the tick's counter; a panic stops the ticks
+    let last = state.last;
+    let errors = if workload {
+        last.map(|t| t.errors).unwrap_or(0)
+    } else {
+        0
+    };
+    let running = qemu_status == "running";
+    let advancing = if workload {
+        counted(first, last)
+    } else {
+        vcpu_ms.is_some_and(|ms| ms > 0)
+    };
+    CheckResult {
+        vm: spec.name.clone(),
+        host: host.into(),
+        running,
+        qemu_status,
+        tick_first: first.filter(|_| workload).map(|t| t.tick),
+        tick_last: last.filter(|_| workload).map(|t| t.tick),
+        sweeps: last.filter(|_| workload).map(|t| t.sweeps),
+        errors,
+        advancing,
+        intact: errors == 0
+            && state.problems.is_empty()
+            && (!workload || last.is_some())
+            && running,
+        problems: state.problems,
+        vcpu_ms,
+        guest_agent,
+    }
+}
+
+/// CPU time the VM's vCPU threads have used so far (`query-cpus-fast`
+/// names them; `/proc/PID/task/TID/stat` counts them).
+async fn vcpu_cpu(q: &QemuVm) -> Option<Duration> {
+    let vcpus = q.qmp.vcpus().await.ok()?;
+    let mut total = Duration::ZERO;
+    for v in vcpus {
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/task/{}/stat", q.pid, v.thread_id)).ok()?;
+        total += cpu_of_stat(&stat)?;
+    }
+    Some(total)
+}
+
+/// The guest agent answers a ping and its clock moves forward.
+async fn ask_guest_agent(q: &QemuVm, wait: Duration) -> Result<(), String> {
+    let sock = q.dir.join(crate::qemu::QGA_SOCK);
+    let mut a = crate::qga::Qga::connect(&sock, wait)
+        .await
+        .map_err(|e| e.to_string())?;
+    a.ping().await.map_err(|e| e.to_string())?;
+    let t0 = a.time_ns().await.map_err(|e| e.to_string())?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let t1 = a.time_ns().await.map_err(|e| e.to_string())?;
+    if t1 > t0 {
+        Ok(())
+    } else {
+        Err(format!("its clock did not advance ({t0} then {t1})"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_counter_advances_past_the_first_tick_seen_or_the_sources_last() {
+        let t = |tick| {
+            Some(crate::guest::Progress {
+                tick,
+                ..Default::default()
+            })
+        };
+        assert!(counted(t(5), t(6), None));
+        assert!(!counted(t(5), t(5), None), "one tick is no progress");
+        assert!(!counted(None, None, Some(4)));
+        // a guest just moved here: its first tick on this console is past the source's last
+        assert!(counted(t(5), t(5), Some(4)));
+        assert!(!counted(t(4), t(4), Some(4)), "the source's own last tick");
+        assert!(!counted(t(3), t(3), Some(4)), "a counter gone back");
+    }
+}
