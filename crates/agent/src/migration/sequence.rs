@@ -149,10 +149,7 @@ pub fn next(s: State, outcome: Outcome) -> (State, Action) {
     }
     let go = |s: State, step: Step| (State { at: step, ..s }, Action::Do(step));
     match (s.at, outcome) {
-        (_, O::Failed(on_disk)) => {
-            let s = State { ended: true, ..s };
-            (s, failed(s, on_disk))
-        }
+        (_, O::Failed(on_disk)) => end(s, |_| failed(s, on_disk)),
         (S::Establish, O::Done) => go(s, S::Plan),
         (S::Plan, O::Planned { disks }) => go(State { disks, ..s }, S::Record),
         (S::Record, O::Done) => go(s, S::Skeleton),
@@ -187,31 +184,20 @@ pub fn next(s: State, outcome: Outcome) -> (State, Action) {
         (S::Run, O::Ran(TargetAnswer::Running)) => go(s, S::Cleanup),
         // a target that lost its skeleton, or waits still: after the
         // commit, the settler's to decide
-        (S::Run, O::Ran(_)) => {
-            let s = State { ended: true, ..s };
-            (
-                s,
-                Action::AfterCommit {
-                    mirrored: s.mirrored,
-                },
-            )
-        }
-        (S::Cleanup, O::Done) => {
-            let s = State { ended: true, ..s };
-            (
-                s,
-                Action::Report {
-                    mirrored: s.mirrored,
-                },
-            )
-        }
+        (S::Run, O::Ran(_)) => end(s, |mirrored| Action::AfterCommit { mirrored }),
+        (S::Cleanup, O::Done) => end(s, |mirrored| Action::Report { mirrored }),
         // an outcome the step cannot have: the move fails where it stands,
         // as the journal says
         (_, O::PostcopyWanted | O::Ran(_) | O::Done | O::Planned { .. }) => {
-            let s = State { ended: true, ..s };
-            (s, failed(s, OnDisk::Unreadable))
+            end(s, |_| failed(s, OnDisk::Unreadable))
         }
     }
+}
+
+/// The move ends where it stands with `action` (given whether the mirrors
+/// are in step).
+fn end(s: State, action: impl FnOnce(bool) -> Action) -> (State, Action) {
+    (State { ended: true, ..s }, action(s.mirrored))
 }
 
 /// A failed step: before the target heard, before the commit, or after it.
