@@ -10,7 +10,7 @@ use ferry_api::{
 };
 
 use super::sequence::Outcome;
-use super::source::{running, Move};
+use super::source::Move;
 use super::{carrier_bytes, data_path_of, fail, in_doubt, Failure, Plan};
 use crate::commit::{source_next, SourceAction, SourceEvent, SourcePhase};
 use crate::host::error_chain;
@@ -222,7 +222,6 @@ impl Move<'_> {
                 )))
             }
         }
-        debug_assert!(running(&ran));
         let t_running = Instant::now();
         self.end
             .switch_parts

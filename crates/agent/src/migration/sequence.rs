@@ -145,7 +145,12 @@ pub fn next(s: State, outcome: Outcome) -> (State, Action) {
     use Step as S;
     if s.ended {
         // an ended move takes no more steps, whatever is reported
-        return (s, end_action(s, outcome));
+        return (
+            s,
+            Action::AfterCommit {
+                mirrored: s.mirrored,
+            },
+        );
     }
     let go = |s: State, step: Step| (State { at: step, ..s }, Action::Do(step));
     match (s.at, outcome) {
@@ -208,12 +213,6 @@ fn failed(s: State, on_disk: OnDisk) -> Action {
         (Step::Establish | Step::Plan | Step::Record, _) => Action::Fail,
         (_, OnDisk::Copying | OnDisk::Nothing) => Action::RollBack { mirrored },
         (_, OnDisk::Past | OnDisk::Unreadable) => Action::AfterCommit { mirrored },
-    }
-}
-
-fn end_action(s: State, _ignored: Outcome) -> Action {
-    Action::AfterCommit {
-        mirrored: s.mirrored,
     }
 }
 

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_api::{
-    ApiError, Convergence, HostInfo, IncomingReply, IncomingRequest, IncomingStatus,
-    MigrateRequest, MigrationOption, MigrationReport, VmSpec,
+    ApiError, Convergence, HostInfo, IncomingReply, IncomingRequest, MigrateRequest,
+    MigrationOption, MigrationReport, VmSpec,
 };
 use ferry_net::client::Client;
 
@@ -725,9 +725,4 @@ async fn qemu_takes_zstd(vm: &QemuVm, level: Option<u8>, why: String) -> (Option
             format!("QEMU sends pages as they are: it cannot compress with zstd ({e})"),
         ),
     }
-}
-
-/// What RUN's answer was, for the steps after it.
-pub(super) fn running(st: &IncomingStatus) -> bool {
-    super::answer_of(st) == crate::commit::TargetAnswer::Running
 }
