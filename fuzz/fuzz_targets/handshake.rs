@@ -1,7 +1,9 @@
-//! Fuzzes the carrier handshake: Hello and Welcome decoding of arbitrary bytes.
+//! Fuzzes the carrier handshake: Hello, Welcome and Confirm checks of arbitrary bytes.
 #![no_main]
 
-use ferry_transport::protocol::{decode_welcome, Hello, HELLO_LEN, WELCOME_LEN};
+use ferry_transport::protocol::{
+    check_confirm, decode_welcome, Hello, CONFIRM_LEN, HELLO_LEN, WELCOME_LEN,
+};
 use libfuzzer_sys::fuzz_target;
 
 const SECRET: &[u8] = b"fuzzing-credential-fuzzing-credential";
@@ -24,5 +26,16 @@ fuzz_target!(|data: &[u8]| {
         let mut nonce = [0u8; 16];
         nonce.copy_from_slice(&data[WELCOME_LEN..WELCOME_LEN + 16]);
         let _ = decode_welcome(&w, &nonce, SECRET);
+    }
+    if data.len() >= HELLO_LEN + WELCOME_LEN + CONFIRM_LEN {
+        let (h, rest) = data.split_at(HELLO_LEN);
+        let (w, c) = rest.split_at(WELCOME_LEN);
+        let (h, w, c) = (
+            h.try_into().unwrap(),
+            w.try_into().unwrap(),
+            c[..CONFIRM_LEN].try_into().unwrap(),
+        );
+        // a Confirm is a MAC under the key: no input forges one
+        assert!(check_confirm(SECRET, h, w, c).is_err());
     }
 });

@@ -421,13 +421,13 @@ def main():
         minor += accessible("cluster page")
         set_class(0)
         wait("the class cleared", lambda: not any(c["class"] == "live-migration" and c.get("max") for c in classes()), 15)
-        was = json.loads(ferry("cluster", "show", "--json"))["encrypt_carriers"]
+        was = json.loads(ferry("cluster", "show", "--json"))["encryption"]
         for want in (not was, was):
             box = d.find_element(By.ID, "cluster-encrypt")
             if box.is_selected() != want:
                 box.click()
             d.find_element(By.ID, "cluster-save").click()
-            wait("the setting saved", lambda: json.loads(ferry("cluster", "show", "--json"))["encrypt_carriers"] == want, 10)
+            wait("the setting saved", lambda: json.loads(ferry("cluster", "show", "--json"))["encryption"] == want, 10)
         # a live backup of the attached disk to a new file on its node (an administrator's), followed to its end
         goto("#/storage")
         wait("webdisk's Back up button enabled", lambda: d.find_elements(By.ID, "disk-backup-webdisk")

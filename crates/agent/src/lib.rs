@@ -24,6 +24,7 @@ pub mod api;
 pub mod bandwidth;
 pub mod classes;
 pub mod commit;
+pub mod confine;
 pub mod convergence;
 pub mod datapath;
 pub mod downtime;

@@ -51,6 +51,8 @@ pub enum QemuError {
     NotAdoptable { dir: PathBuf, why: String },
     #[error("Cannot build the cloud-init seed: {0}")]
     Seed(String),
+    #[error("Cannot confine QEMU: {0}")]
+    Confine(String),
     #[error("Cannot put tap {tap} on bridge {bridge}: {why}")]
     Tap {
         tap: String,
@@ -81,6 +83,9 @@ pub struct QemuConfig {
     /// Where local drives live: `local_disks/VM/NAME` (the agent's
     /// `STATE_DIR/disks`).
     pub local_disks: PathBuf,
+    /// Each QEMU confined (see [`crate::confine`]); `None`: QEMU runs as
+    /// the agent's user (`confine_qemu = false`).
+    pub confine: Option<crate::confine::Confinement>,
 }
 
 impl QemuConfig {
@@ -92,6 +97,8 @@ impl QemuConfig {
 
 /// The id of QEMU's TLS credentials for NBD.
 pub const NBD_TLS: &str = "ferry-tls";
+/// A confined QEMU's copy of the NBD client credentials, in its directory.
+pub const NBD_TLS_DIR: &str = "nbd-tls";
 
 /// How long a guest's disk I/O waits for a lost NBD connection by default
 /// (QEMU reconnects on its own and reruns what was in flight) before the
@@ -232,6 +239,10 @@ pub struct QemuVm {
     /// This agent's child (reaped by it), or `None` for a QEMU adopted from
     /// an agent that ran before it.
     child: tokio::sync::Mutex<Option<tokio::process::Child>>,
+    /// The uid and gid QEMU runs as, when confined.
+    pub owner: Option<(u32, u32)>,
+    /// Its cgroup (below each controller's root), when confined.
+    cgroup: Option<PathBuf>,
 }
 
 /// What a VM's directory says about it (`vm.json`).
@@ -242,6 +253,12 @@ pub struct VmRecord {
     /// The process's start time (`/proc/PID/stat` field 22, clock ticks
     /// since boot): a pid reused by another process does not match.
     pub started: u64,
+    /// Confined: the uid and gid QEMU runs as.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<(u32, u32)>,
+    /// Confined: its cgroup, below each controller's root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<PathBuf>,
 }
 
 pub const RECORD_FILE: &str = "vm.json";
@@ -265,6 +282,13 @@ impl QemuVm {
         if !self.wait_gone(Duration::from_secs(3)).await {
             self.kill().await;
         }
+        self.leave_cgroup();
+    }
+
+    fn leave_cgroup(&self) {
+        if let Some(g) = &self.cgroup {
+            crate::confine::leave_cgroup(g);
+        }
     }
 
     /// Kills QEMU at once (a skeleton being discarded) and waits until it is gone.
@@ -275,6 +299,7 @@ impl QemuVm {
             }
             None => kill_verified(self.pid, self.started).await,
         }
+        self.leave_cgroup();
     }
 
     /// Waits up to `wait` for the process to exit; true once it has.
@@ -299,6 +324,8 @@ impl QemuVm {
                 spec: spec.clone(),
                 pid: self.pid,
                 started: self.started,
+                owner: self.owner,
+                cgroup: self.cgroup.clone(),
             },
         )
     }
@@ -380,6 +407,8 @@ pub async fn adopt(dir: &Path) -> Result<(VmRecord, QemuVm), QemuError> {
         started: rec.started,
         qmp,
         child: tokio::sync::Mutex::new(None),
+        owner: rec.owner,
+        cgroup: rec.cgroup.clone(),
     };
     Ok((rec, vm))
 }
@@ -486,12 +515,17 @@ fn device_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path) -> Vec<String> {
         ]);
     }
     for (i, n) in spec.nics.iter().enumerate() {
-        a.extend([
-            "-netdev".to_string(),
-            format!(
+        // confined, QEMU gets the tap the agent opened (see `crate::confine`)
+        let tap = match cfg.confine {
+            Some(_) => format!("tap,id=net{i},fd={}", crate::confine::TAP_FD + i as i32),
+            None => format!(
                 "tap,id=net{i},ifname={},script=no,downscript=no",
                 tap_name(&spec.name, i)
             ),
+        };
+        a.extend([
+            "-netdev".to_string(),
+            tap,
             "-device".to_string(),
             format!("virtio-net-pci,netdev=net{i},mac={},id=nic{i}", n.mac),
         ]);
@@ -554,6 +588,11 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
     .collect();
     a.extend(boot_args(cfg, spec, dir));
     if let Some(t) = &cfg.tls_dir {
+        // confined, QEMU reads its own copy (see `launch`)
+        let t = match cfg.confine {
+            Some(_) => dir.join(NBD_TLS_DIR),
+            None => t.clone(),
+        };
         a.extend([
             "-object".to_string(),
             format!(
@@ -561,6 +600,9 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
                 t.display()
             ),
         ]);
+    }
+    if cfg.confine.is_some() {
+        a.extend(["-sandbox".to_string(), crate::confine::SANDBOX.to_string()]);
     }
     a.extend(
         [
@@ -715,35 +757,28 @@ pub async fn launch(
             source,
         })?;
     }
-    let mut cmd = tokio::process::Command::new(&cfg.binary);
-    cmd.args(qemu_args(cfg, spec, dir, incoming))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log);
-    // its own session: a signal to the agent's process group (a terminal's
-    // ^C, a service manager stopping the agent) never reaches the guest
-    // SAFETY: setsid(2) only changes the child's own session; it is
-    // async-signal-safe and touches no memory shared with the parent.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::setsid();
-            Ok(())
-        });
-    }
-    let mut child = cmd.spawn().map_err(|source| QemuError::Spawn {
-        binary: cfg.binary.clone(),
-        source,
-    })?;
-    let pid = child.id().unwrap_or(0);
-    let record = VmRecord {
-        spec: spec.clone(),
-        pid,
-        started: start_time(pid).unwrap_or(0),
+    let confined = match &cfg.confine {
+        Some(c) => {
+            let parent = dir.parent().unwrap_or(dir);
+            let uid = crate::confine::allocate_uid(recorded_uids(parent), c.uid_base)
+                .map_err(confine_err)?;
+            let given = give_vm(cfg, spec, dir, (uid, uid));
+            match given {
+                Ok(taps) => Some((c, (uid, uid), taps)),
+                Err(e) => {
+                    crate::confine::settled(uid);
+                    return Err(e);
+                }
+            }
+        }
+        None => None,
     };
-    if let Err(e) = write_record(dir, &record) {
-        let _ = child.kill().await;
-        return Err(e);
+    let spawned = spawn(cfg, spec, dir, incoming, log, confined.as_ref());
+    if let Some((_, (uid, _), _)) = &confined {
+        crate::confine::settled(*uid);
     }
+    let (mut child, record) = spawned?;
+    let pid = record.pid;
     let sock = dir.join("qmp.sock");
     let qmp = tokio::select! {
         r = Qmp::connect(&sock, Duration::from_secs(10)) => r,
@@ -776,7 +811,180 @@ pub async fn launch(
         qmp,
         started: record.started,
         child: tokio::sync::Mutex::new(Some(child)),
+        owner: record.owner,
+        cgroup: record.cgroup,
     })
+}
+
+impl QemuVm {
+    /// Lets this VM's QEMU connect to the unix socket at `path`, which the
+    /// agent listens on (a migration's or a disk copy's local end).
+    pub fn give_socket(&self, path: &Path) -> Result<(), String> {
+        match self.owner {
+            Some(o) => crate::confine::give(path, o, 0o600).map_err(|e| e.to_string()),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The QEMU uids the VM directories in `vms` record.
+fn recorded_uids(vms: &Path) -> std::collections::BTreeSet<u32> {
+    std::fs::read_dir(vms)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| read_record(&e.path()).ok()?.owner.map(|(uid, _)| uid))
+        .collect()
+}
+
+fn confine_err(e: crate::confine::ConfineError) -> QemuError {
+    QemuError::Confine(e.to_string())
+}
+
+/// Gives a confined VM's QEMU (`owner`) what it uses: its directory, its
+/// drives, its copy of the NBD client credentials; opens its taps.
+fn give_vm(
+    cfg: &QemuConfig,
+    spec: &VmSpec,
+    dir: &Path,
+    owner: (u32, u32),
+) -> Result<Vec<std::os::fd::OwnedFd>, QemuError> {
+    use crate::confine::{give, traversable};
+    let e = confine_err;
+    // QEMU passes through the VMs' directory to its own, lists nothing
+    for d in dir.ancestors().skip(1).take(2) {
+        traversable(d).map_err(e)?;
+    }
+    if let Some(t) = &cfg.tls_dir {
+        let copy = dir.join(NBD_TLS_DIR);
+        std::fs::create_dir_all(&copy).map_err(|source| QemuError::Dir {
+            path: copy.clone(),
+            source,
+        })?;
+        for f in ["ca-cert.pem", "client-cert.pem", "client-key.pem"] {
+            std::fs::copy(t.join(f), copy.join(f)).map_err(|source| QemuError::Dir {
+                path: t.join(f),
+                source,
+            })?;
+            give(&copy.join(f), owner, 0o600).map_err(e)?;
+        }
+        give(&copy, owner, 0o700).map_err(e)?;
+    }
+    for entry in std::fs::read_dir(dir).map_err(|source| QemuError::Dir {
+        path: dir.into(),
+        source,
+    })? {
+        let p = entry
+            .map_err(|source| QemuError::Dir {
+                path: dir.into(),
+                source,
+            })?
+            .path();
+        if p.is_file() {
+            give(&p, owner, 0o600).map_err(e)?;
+        }
+    }
+    give(dir, owner, 0o700).map_err(e)?;
+    for (i, d) in spec.drives.iter().enumerate() {
+        let Some(node) = BlockNode::drive(i, d, &spec.name) else {
+            continue;
+        };
+        let file = match node.backing {
+            Backing::File(f) => PathBuf::from(f),
+            Backing::Local { vm, name } => {
+                let f = cfg.local_disk(&vm, &name);
+                if let Some(vm_disks) = f.parent() {
+                    traversable(vm_disks).map_err(e)?;
+                    if let Some(all) = vm_disks.parent() {
+                        traversable(all).map_err(e)?;
+                    }
+                }
+                f
+            }
+            _ => continue,
+        };
+        give(&file, owner, if node.read_only { 0o400 } else { 0o600 }).map_err(e)?;
+    }
+    spec.nics
+        .iter()
+        .enumerate()
+        .map(|(i, _)| crate::confine::open_tap(&tap_name(&spec.name, i)).map_err(e))
+        .collect()
+}
+
+/// Starts the QEMU process (confined: as its user, with its taps, in its
+/// cgroup) and writes its record.
+fn spawn(
+    cfg: &QemuConfig,
+    spec: &VmSpec,
+    dir: &Path,
+    incoming: bool,
+    log: std::fs::File,
+    confined: Option<&(
+        &crate::confine::Confinement,
+        (u32, u32),
+        Vec<std::os::fd::OwnedFd>,
+    )>,
+) -> Result<(tokio::process::Child, VmRecord), QemuError> {
+    use std::os::fd::AsRawFd;
+    let mut cmd = tokio::process::Command::new(&cfg.binary);
+    cmd.args(qemu_args(cfg, spec, dir, incoming))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log);
+    let owner = confined.map(|(_, o, _)| *o);
+    let taps: Vec<i32> = confined
+        .map(|(_, _, t)| t.iter().map(|f| f.as_raw_fd()).collect())
+        .unwrap_or_default();
+    // its own session: a signal to the agent's process group (a terminal's
+    // ^C, a service manager stopping the agent) never reaches the guest;
+    // confined, its taps at their numbers and its own user
+    // SAFETY: between fork and exec only async-signal-safe calls (setsid,
+    // dup2, setgroups, setgid, setuid) on values computed before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::setsid();
+            for (i, fd) in taps.iter().enumerate() {
+                // dup2 leaves the new descriptor without close-on-exec
+                if libc::dup2(*fd, crate::confine::TAP_FD + i as i32) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            if let Some((uid, gid)) = owner {
+                if libc::setgroups(0, std::ptr::null()) != 0
+                    || libc::setgid(gid) != 0
+                    || libc::setuid(uid) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().map_err(|source| QemuError::Spawn {
+        binary: cfg.binary.clone(),
+        source,
+    })?;
+    let pid = child.id().unwrap_or(0);
+    let cgroup = confined.map(|(c, ..)| c.cgroup.join(&spec.name));
+    if let Some((c, ..)) = confined {
+        if let Err(e) = crate::confine::join_cgroup(&c.cgroup, spec, pid) {
+            let _ = child.start_kill();
+            return Err(confine_err(e));
+        }
+    }
+    let record = VmRecord {
+        spec: spec.clone(),
+        pid,
+        started: start_time(pid).unwrap_or(0),
+        owner,
+        cgroup,
+    };
+    if let Err(e) = write_record(dir, &record) {
+        let _ = child.start_kill();
+        return Err(e);
+    }
+    Ok((child, record))
 }
 
 #[cfg(test)]
@@ -793,6 +1001,7 @@ mod tests {
             ovmf: Default::default(),
             storage_pause_after: STORAGE_PAUSE_AFTER,
             local_disks: "/state/disks".into(),
+            confine: None,
         }
     }
 

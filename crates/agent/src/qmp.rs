@@ -168,6 +168,10 @@ pub struct MigrationParameters {
     pub multifd_compression: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub multifd_zstd_level: Option<u8>,
+    /// The id of the TLS credentials every migration channel uses, `""`
+    /// for none (see `migration::qemu_tls`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls_creds: Option<String>,
 }
 qmp_command!(MigrationParameters, "migrate-set-parameters", qapi::Empty);
 
@@ -255,6 +259,18 @@ qmp_command!(DeviceAdd, "device_add", qapi::Empty);
 #[serde(transparent)]
 struct BlockdevAdd(serde_json::Value);
 qmp_command!(BlockdevAdd, "blockdev-add", qapi::Empty);
+
+/// `object-add` of an object given as JSON (`qom-type`, `id`, properties).
+#[derive(Serialize)]
+#[serde(transparent)]
+struct ObjectAdd(serde_json::Value);
+qmp_command!(ObjectAdd, "object-add", qapi::Empty);
+
+#[derive(Serialize)]
+struct ObjectDel {
+    id: String,
+}
+qmp_command!(ObjectDel, "object-del", qapi::Empty);
 
 #[derive(Serialize)]
 struct BlockdevReopen {
@@ -519,6 +535,18 @@ impl Qmp {
 
     pub async fn migrate_cancel(&self) -> Result<(), QmpError> {
         self.call(MigrateCancel {}, Duration::from_secs(5))
+            .await
+            .map(drop)
+    }
+
+    pub async fn object_add(&self, object: serde_json::Value) -> Result<(), QmpError> {
+        self.call(ObjectAdd(object), DEFAULT_DEADLINE)
+            .await
+            .map(drop)
+    }
+
+    pub async fn object_del(&self, id: &str) -> Result<(), QmpError> {
+        self.call(ObjectDel { id: id.into() }, DEFAULT_DEADLINE)
             .await
             .map(drop)
     }

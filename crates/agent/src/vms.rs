@@ -148,6 +148,15 @@ impl Agent {
             accel: self.cfg.qemu.accel.clone(),
             storage_pause,
             migrating: false,
+            confinement: qemu.and_then(|q| {
+                let (uid, seccomp) = crate::confine::is_confined(q.pid)?;
+                Some(ferry_api::VmConfinement {
+                    uid,
+                    seccomp,
+                    cgroups: crate::confine::cgroups_of(q.pid),
+                })
+            }),
+            moves_encrypted: None,
         }
     }
 

@@ -449,6 +449,33 @@ pub struct VmInfo {
     /// A live migration of it runs from this host now.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub migrating: bool,
+    /// How its QEMU is confined, as read from `/proc` (absent: not running,
+    /// or an agent that does not say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confinement: Option<VmConfinement>,
+    /// Its moves are encrypted (the cluster's `encryption`; the control
+    /// service says).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moves_encrypted: Option<bool>,
+}
+
+/// What confines a VM's QEMU, read from its process.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmConfinement {
+    /// The uid QEMU runs as (0: root, not confined).
+    pub uid: u32,
+    /// A seccomp filter is on (`-sandbox`).
+    pub seccomp: bool,
+    /// Its cgroups (`/proc/PID/cgroup`), one per hierarchy.
+    #[serde(default)]
+    pub cgroups: Vec<String>,
+}
+
+impl VmConfinement {
+    /// Confined: not root, and seccomp on.
+    pub fn holds(&self) -> bool {
+        self.uid != 0 && self.seccomp
+    }
 }
 
 /// A guest paused because its storage stopped answering (VM storage
@@ -822,9 +849,11 @@ pub struct MigrateRequest {
     pub option: MigrationOption,
     #[serde(default)]
     pub convergence: Convergence,
-    /// Seal every carrier frame (the cluster's `encrypt_carriers`).
-    #[serde(default)]
-    pub encrypt_carriers: bool,
+    /// Every byte of the move is encrypted and authenticated (the cluster's
+    /// `encryption`, on unless an administrator turned it off): Ferry's
+    /// carriers seal their frames, QEMU's own streams speak TLS.
+    #[serde(default = "yes")]
+    pub encryption: bool,
     /// The control service's ticket for this move, handed to the target
     /// (signed and checked by `ferry_net::ticket`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -832,14 +861,29 @@ pub struct MigrateRequest {
 }
 
 /// Settings that hold for the whole cluster.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClusterSettings {
-    /// Live migrations go only over Ferry's transport with every frame
-    /// encrypted and authenticated (AES-256-GCM), for fabrics the hosts do
-    /// not trust; `tcp` (QEMU's own clear stream) is refused.
-    #[serde(default)]
-    pub encrypt_carriers: bool,
+    /// Live migrations and disk copies are encrypted and authenticated
+    /// with a key of each move's own (on by default). Off, QEMU's streams
+    /// and Ferry's memory carriers go in clear (disk copies stay sealed);
+    /// every move's report and `vm list` say so.
+    #[serde(default = "yes")]
+    pub encryption: bool,
+    /// Before `encryption`: carriers sealed when true. Read, never written;
+    /// an old `false` was the old default, not a choice, and does not turn
+    /// encryption off.
+    #[serde(default, rename = "encrypt_carriers", skip_serializing)]
+    pub legacy_encrypt_carriers: Option<bool>,
+}
+
+impl Default for ClusterSettings {
+    fn default() -> Self {
+        ClusterSettings {
+            encryption: true,
+            legacy_encrypt_carriers: None,
+        }
+    }
 }
 
 /// Changes some cluster settings; what is not given stays.
@@ -847,13 +891,14 @@ pub struct ClusterSettings {
 #[serde(deny_unknown_fields)]
 pub struct ClusterSettingsUpdate {
     #[serde(default)]
-    pub encrypt_carriers: Option<bool>,
+    pub encryption: Option<bool>,
 }
 
 impl ClusterSettings {
     pub fn updated(&self, u: &ClusterSettingsUpdate) -> ClusterSettings {
         ClusterSettings {
-            encrypt_carriers: u.encrypt_carriers.unwrap_or(self.encrypt_carriers),
+            encryption: u.encryption.unwrap_or(self.encryption),
+            legacy_encrypt_carriers: None,
         }
     }
 }
@@ -884,6 +929,16 @@ pub struct IncomingRequest {
     /// Multichannel: carriers seal every frame.
     #[serde(default)]
     pub sealed: bool,
+    /// The move's session key, 64 hex digits: it authenticates the
+    /// carriers (and keys their sealing) and QEMU's TLS. A new one for each
+    /// move, made by the source; it crosses only this call's mutual TLS.
+    #[serde(default)]
+    pub key: String,
+    /// The two QEMUs speak TLS (a pre-shared key derived from `key`): for
+    /// the options whose bytes Ferry does not frame (`tcp`, `mptcp`,
+    /// `mptcp-relay`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub qemu_tls: bool,
     /// The source agent's URL: a waiting target asks it whether the
     /// migration was committed (see the agent's `commit` module).
     #[serde(default)]
@@ -1300,9 +1355,14 @@ pub struct MigrationReport {
     pub phase: String,
     /// The highest vCPU throttle QEMU applied, percent.
     pub max_throttle_pct: u64,
-    /// Every carrier frame was encrypted and authenticated (AES-256-GCM).
+    /// Every byte of the move was encrypted and authenticated.
     #[serde(default)]
     pub encrypted: bool,
+    /// How: `sealed-carriers` (Ferry's frames, AES-256-GCM), `qemu-tls`
+    /// (QEMU's own TLS 1.3, a pre-shared key of this move's), or `off`
+    /// (the cluster's `encryption` is off).
+    #[serde(default)]
+    pub encryption: String,
     /// CPU spent moving the guest, from QEMU's `migrate` to the target guest running.
     #[serde(default)]
     pub cpu: CpuReport,

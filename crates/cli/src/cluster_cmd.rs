@@ -65,18 +65,18 @@ pub enum ClusterCmd {
         /// Where to write the certificate's directory.
         #[arg(long)]
         out: std::path::PathBuf,
-        /// Days it is valid.
-        #[arg(long, default_value_t = 825)]
+        /// Days it is valid (default a year).
+        #[arg(long, default_value_t = ferry_net::tls::CERT_DAYS)]
         days: u32,
     },
     /// Change cluster settings; what is not given stays.
     Set {
-        /// Live migrations only over Ferry's transport, every frame encrypted
-        /// and authenticated (AES-256-GCM): for fabrics the hosts do not
-        /// trust. `--option tcp` is then refused and `auto` uses the
-        /// transport even over one NIC.
+        /// Every migration and disk copy encrypted and authenticated with a
+        /// key of each move's own (on by default): Ferry's carriers sealed,
+        /// QEMU's own streams in TLS. `off` lets memory go in clear, for
+        /// fabrics the hosts trust; every move's report then says so.
         #[arg(long)]
-        encrypt_carriers: Option<OnOff>,
+        encryption: Option<OnOff>,
         #[arg(long)]
         json: bool,
     },
@@ -174,12 +174,9 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
     }
     let c = cli.client()?;
     let (s, json): (ClusterSettings, bool) = match cmd {
-        ClusterCmd::Set {
-            encrypt_carriers,
-            json,
-        } => {
+        ClusterCmd::Set { encryption, json } => {
             let u = ClusterSettingsUpdate {
-                encrypt_carriers: encrypt_carriers.map(|v| matches!(v, OnOff::On)),
+                encryption: encryption.map(|v| matches!(v, OnOff::On)),
             };
             (c.put("/cluster", &u, T).await?, *json)
         }
@@ -194,11 +191,11 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
         print_json(&s);
     } else {
         println!(
-            "encrypt carriers: {}",
-            if s.encrypt_carriers {
-                "on (AES-256-GCM on every carrier frame; tcp refused)"
+            "encryption: {}",
+            if s.encryption {
+                "on (every move with its own key: carriers sealed, QEMU's streams in TLS)"
             } else {
-                "off"
+                "OFF (guest memory crosses the migration network in clear)"
             }
         );
     }
@@ -265,7 +262,7 @@ fn init(
             role: ferry_net::tls::Role::Control,
             name: "control".into(),
             san: control_san,
-            days: 825,
+            days: ferry_net::tls::CERT_DAYS,
         },
         &pki,
     )?;
@@ -275,7 +272,7 @@ fn init(
             role: ferry_net::tls::Role::Admin,
             name: "admin".into(),
             san: vec![],
-            days: 825,
+            days: ferry_net::tls::CERT_DAYS,
         },
         &admin_pki,
     )?;
@@ -319,7 +316,7 @@ fn init(
                 role: ferry_net::tls::Role::Agent,
                 name: name.clone(),
                 san: vec![sock.ip().to_string()],
-                days: 825,
+                days: ferry_net::tls::CERT_DAYS,
             },
             &host_pki,
         )?;

@@ -145,6 +145,11 @@ pub struct AgentFile {
     /// Bytes one transport stream may hold out of order before its session
     /// fails (default `64M`, at least `8M`).
     pub reorder_window: Option<String>,
+    /// Each VM's QEMU runs as a user of its own, under seccomp, in a cgroup
+    /// of its own (default `true`); `false` runs QEMU as the agent's user.
+    pub confine_qemu: Option<bool>,
+    /// The first uid of this host's QEMUs (default 4000000; 65536 are used).
+    pub qemu_uid_base: Option<u32>,
     /// What the agent's API takes from its clients (`[limits]`).
     #[serde(default)]
     pub limits: ferry_net::server::Limits,

@@ -124,6 +124,7 @@ pub fn qemu_args(a: &QemuArgsArgs) -> anyhow::Result<i32> {
         tls_dir: None,
         storage_pause_after: ferry_agent::qemu::STORAGE_PAUSE_AFTER,
         local_disks: a.dir.join("disks"),
+        confine: None,
     };
     let mut args = vec![a.qemu.clone()];
     args.extend(ferry_agent::qemu::qemu_args(
@@ -342,6 +343,12 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
         .clone()
         .or(f.state_dir.clone())
         .unwrap_or_else(|| PathBuf::from("/var/lib/ferry/agent"));
+    let confine = f.confine_qemu.unwrap_or(true).then(|| {
+        ferry_agent::confine::Confinement::for_host(
+            &name,
+            f.qemu_uid_base.unwrap_or(ferry_agent::confine::UID_BASE),
+        )
+    });
     let cfg = ferry_agent::AgentConfig {
         name,
         listen,
@@ -358,6 +365,7 @@ fn agent_config(a: &AgentArgs) -> anyhow::Result<(ferry_agent::AgentConfig, Path
             tls_dir: None,
             storage_pause_after,
             local_disks: state_dir.join("disks"),
+            confine,
         },
         nics,
         probe_port: f.probe_port.unwrap_or(ferry_api::DEFAULT_PROBE_PORT),
@@ -405,6 +413,10 @@ pub async fn agent(a: &AgentArgs) -> anyhow::Result<i32> {
     cfg.qemu.tls_dir = pki.as_ref().map(|p| p.dir.clone());
     std::fs::create_dir_all(cfg.state_dir.join("vms"))
         .with_context(|| format!("creating {}", cfg.state_dir.display()))?;
+    if cfg.qemu.confine.is_some() {
+        ferry_agent::confine::ensure_cgroupfs()
+            .context("mounting the cgroup controllers each VM's QEMU is confined in")?;
+    }
     let agent = ferry_agent::Agent::new(cfg, cred, pki, std::sync::Arc::new(WorkloadConsole))?;
     ferry_agent::api::serve(agent).await?;
     Ok(0)
@@ -670,4 +682,103 @@ fn limits_in(
 /// A check of a configuration file's table; its error names the file.
 fn in_file(file: &std::path::Path, r: Result<(), ferry_api::ApiError>) -> anyhow::Result<()> {
     r.map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))
+}
+
+#[derive(Args)]
+pub struct ServiceFilesArgs {
+    /// `control` or `storage`.
+    service: String,
+    /// The user the service runs as (default `ferry-SERVICE`).
+    #[arg(long)]
+    user: Option<String>,
+    #[arg(long)]
+    config: Option<PathBuf>,
+}
+
+/// The files a service that runs as its own user reads or writes, as its
+/// configuration names them.
+fn service_files(service: &str, config: Option<&std::path::Path>) -> anyhow::Result<Vec<PathBuf>> {
+    let etc = |f: &str| PathBuf::from(config::ETC).join(f);
+    let pki = |dir: Option<&PathBuf>| {
+        dir.cloned()
+            .unwrap_or_else(|| std::path::Path::new(config::PKI).join(service))
+    };
+    let cred = |c: Option<&PathBuf>| c.cloned().unwrap_or_else(|| etc("cluster.token"));
+    Ok(match service {
+        "control" => {
+            let (f, _) = config::load::<config::ControlFile>(
+                config,
+                &format!("{}/control.toml", config::ETC),
+            )?;
+            let state = f
+                .state
+                .clone()
+                .unwrap_or_else(|| "/var/lib/ferry/control/state.db".into());
+            vec![
+                pki(f.tls_dir.as_ref()),
+                cred(f.credential.as_ref()),
+                f.admin_token
+                    .clone()
+                    .unwrap_or_else(|| config::DEFAULT_ADMIN_TOKEN.into()),
+                state.parent().unwrap_or(&state).to_path_buf(),
+            ]
+        }
+        "storage" => {
+            let (f, _) = config::load::<config::StorageFile>(
+                config,
+                &format!("{}/storage.toml", config::ETC),
+            )?;
+            vec![
+                pki(f.tls_dir.as_ref()),
+                cred(f.credential.as_ref()),
+                f.dir
+                    .clone()
+                    .unwrap_or_else(|| "/var/lib/ferry/storage".into()),
+            ]
+        }
+        other => anyhow::bail!("service: '{other}' runs as root (give control or storage)"),
+    })
+}
+
+/// `ferry service-files SERVICE`: gives the service's user its own files
+/// (certificate directory, credential, state), run as root by the unit
+/// before the service starts as that user. Files it does not find are
+/// skipped; nothing else changes owner.
+pub fn own_service_files(a: &ServiceFilesArgs) -> anyhow::Result<i32> {
+    let user = a
+        .user
+        .clone()
+        .unwrap_or_else(|| format!("ferry-{}", a.service));
+    let files = service_files(&a.service, a.config.as_deref())?;
+    let (uid, gid) = user_ids(&user)?;
+    for path in files {
+        if !path.exists() {
+            continue;
+        }
+        let mut stack = vec![path.clone()];
+        while let Some(p) = stack.pop() {
+            std::os::unix::fs::lchown(&p, Some(uid), Some(gid))
+                .with_context(|| format!("giving {} to {user}", p.display()))?;
+            if p.is_dir() && !p.is_symlink() {
+                for e in std::fs::read_dir(&p).with_context(|| format!("{}", p.display()))? {
+                    stack.push(e?.path());
+                }
+            }
+        }
+        println!("{}: {user}'s", path.display());
+    }
+    Ok(0)
+}
+
+/// A user's uid and primary gid, from the user database.
+fn user_ids(user: &str) -> anyhow::Result<(u32, u32)> {
+    let name = std::ffi::CString::new(user).context("--user")?;
+    // SAFETY: getpwnam reads the user database; its result is copied out at once.
+    let pw = unsafe { libc::getpwnam(name.as_ptr()) };
+    anyhow::ensure!(
+        !pw.is_null(),
+        "no user {user} (the package makes it: systemd-sysusers ferry.conf)"
+    );
+    // SAFETY: pw is non-null and points at getpwnam's static record.
+    Ok(unsafe { ((*pw).pw_uid, (*pw).pw_gid) })
 }

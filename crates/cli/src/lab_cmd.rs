@@ -546,6 +546,11 @@ fn start_agent(dir: &LabDir, spec: &LabSpec, i: u32) -> anyhow::Result<()> {
         drive_dirs: vec![shared.clone()],
         kernel_dirs: vec![shared],
         bridges: vec![topology::GUEST_BRIDGE.to_string()],
+        // the lab's hosts share one kernel: each its own uids, as two
+        // machines would have
+        qemu_uid_base: Some(
+            ferry_agent::confine::UID_BASE + (i - 1) * ferry_agent::confine::UID_RANGE,
+        ),
         ..Default::default()
     };
     // settings an administrator keeps for this host (agent.local.toml in

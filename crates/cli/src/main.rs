@@ -70,7 +70,7 @@ enum Cmd {
     /// Bandwidth per traffic class (live-migration, storage, default) on every NIC.
     #[command(subcommand)]
     Bandwidth(bandwidth_cmd::BandwidthCmd),
-    /// Settings of the whole cluster (encrypted carriers).
+    /// Settings of the whole cluster (encryption of moves).
     #[command(subcommand)]
     Cluster(cluster_cmd::ClusterCmd),
     /// API tokens for the control service, each with a role (admin only).
@@ -100,6 +100,9 @@ enum Cmd {
     QemuArgs(daemons::QemuArgsArgs),
     /// Run the control service (started by `ferry lab up`).
     Control(daemons::ControlArgs),
+    /// Give a service that runs as its own user (control, storage) the files
+    /// its configuration names: run as root by its systemd unit.
+    ServiceFiles(daemons::ServiceFilesArgs),
     /// Storage service.
     #[command(subcommand)]
     Storage(StorageCmd),
@@ -250,6 +253,7 @@ fn main() {
             Cmd::Demo(a) => demo::run(&cli, a).await,
             Cmd::Agent(a) => daemons::agent(a).await,
             Cmd::QemuArgs(a) => daemons::qemu_args(a),
+            Cmd::ServiceFiles(a) => daemons::own_service_files(a),
             Cmd::Control(a) => daemons::control(a).await,
             Cmd::Storage(StorageCmd::Serve(a)) => daemons::storage(a).await,
             Cmd::Storage(StorageCmd::List { json }) => storage_cmd::list_nodes(&cli, *json).await,

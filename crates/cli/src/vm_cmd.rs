@@ -332,7 +332,9 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             } else {
                 let mut t = Table::new(&[
                     "NAME", "HOST", "STATE", "MEMORY", "FILL", "DIRTY/S", "CPU", "ACCEL", "PID",
+                    "QEMU",
                 ]);
+                let in_clear = vms.iter().any(|v| v.moves_encrypted == Some(false));
                 for v in vms {
                     let now = ferry_api::util::now_ms();
                     let state = match (&v.in_doubt, &v.problem, &v.storage_pause) {
@@ -354,9 +356,20 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
                         v.spec.cpu.clone(),
                         v.accel.clone(),
                         v.pid.map(|p| p.to_string()).unwrap_or_default(),
+                        match &v.confinement {
+                            Some(c) if c.holds() => format!("uid {}, seccomp", c.uid),
+                            Some(c) => format!("NOT CONFINED (uid {})", c.uid),
+                            None => String::new(),
+                        },
                     ]);
                 }
                 t.print();
+                if in_clear {
+                    println!(
+                        "moves: IN CLEAR (cluster setting encryption = off: guest memory \
+                         crosses the migration network unencrypted)"
+                    );
+                }
             }
             Ok(0)
         }
@@ -705,7 +718,7 @@ pub fn print_report(r: &MigrationReport) {
             .collect();
         println!(
             "  carriers{}: {}; {} frames resent",
-            if r.encrypted {
+            if r.encryption == "sealed-carriers" {
                 " (sealed, AES-256-GCM)"
             } else {
                 ""

@@ -285,7 +285,7 @@ fn the_control_service_speaks_tls_and_takes_the_admin_token_from_init() {
         &path("ca/ca-cert.pem"),
         &path("ro.token"),
         &url,
-        &["cluster", "set", "--encrypt-carriers", "on"],
+        &["cluster", "set", "--encryption", "off"],
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(

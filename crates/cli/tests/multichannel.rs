@@ -126,19 +126,43 @@ fn multichannel_move_spreads_over_both_nics() {
         nic_bytes(&r, &nic("host2", 1)) > 0 && nic_bytes(&r, &nic("host2", 2)) > 0,
         "auto used one NIC: {r}"
     );
-    assert_eq!(r["encrypted"], false);
+    // encrypted by default, whichever path auto took
+    assert_eq!(r["encrypted"], true, "{r}");
+    assert!(
+        matches!(
+            r["encryption"].as_str(),
+            Some("qemu-tls" | "sealed-carriers")
+        ),
+        "{r}"
+    );
     assert_intact_on("mc1", "host1");
-    // encrypted carriers: QEMU's clear tcp stream refused, the transport sealed
-    let s = ferry_json(&["cluster", "set", "--encrypt-carriers", "on"]);
-    assert_eq!(s["encrypt_carriers"], true, "{s}");
+    // encryption turned off by an administrator: in clear, and the report says so
+    let s = ferry_json(&["cluster", "set", "--encryption", "off"]);
+    assert_eq!(s["encryption"], false, "{s}");
     let r = move_vm("mc1", "host2", "tcp");
-    assert_eq!(r["event"], "failed", "{r}");
-    assert!(r.to_string().contains("encrypt"), "{r}");
-    let r = move_vm("mc1", "host2", "auto");
-    ferry_ok(&["cluster", "set", "--encrypt-carriers", "off"]);
+    ferry_ok(&["cluster", "set", "--encryption", "on"]);
     assert_eq!(
-        (r["event"].as_str(), r["encrypted"].as_bool()),
-        (Some("completed"), Some(true)),
+        (
+            r["event"].as_str(),
+            r["encrypted"].as_bool(),
+            r["encryption"].as_str()
+        ),
+        (Some("completed"), Some(false), Some("off")),
+        "{r}"
+    );
+    assert_intact_on("mc1", "host2");
+    // and on again: QEMU's own stream in TLS with the move's key
+    let r = move_vm("mc1", "host1", "tcp");
+    assert_eq!(
+        (r["event"].as_str(), r["encryption"].as_str()),
+        (Some("completed"), Some("qemu-tls")),
+        "{r}"
+    );
+    assert_intact_on("mc1", "host1");
+    let r = move_vm("mc1", "host2", "multichannel");
+    assert_eq!(
+        (r["event"].as_str(), r["encryption"].as_str()),
+        (Some("completed"), Some("sealed-carriers")),
         "{r}"
     );
     assert!(
@@ -261,6 +285,8 @@ fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
     assert_eq!(r["event"], "completed", "{r}");
     assert_eq!(r["option"], "mptcp", "{r}");
     assert_eq!(r["data_path"], "ferry-mptcp", "{r}");
+    // the handed-off socket carries QEMU's TLS, keyed by the move
+    assert_eq!(r["encryption"], "qemu-tls", "{r}");
     let total = r["bytes_transferred"].as_u64().unwrap();
     let carriers = r["carriers"].as_array().unwrap();
     let nic2 = carriers
@@ -293,13 +319,6 @@ fn mptcp_move_rejoins_a_returning_nic_and_fails_safe() {
     );
     assert!(r["downtime_ms"].as_u64().unwrap() < 1000, "{r}");
     assert_intact_on("mp1", "host1");
-
-    // a cluster that encrypts carriers refuses the clear kind, naming why
-    ferry_ok(&["cluster", "set", "--encrypt-carriers", "on"]);
-    let r = move_vm("mp1", "host2", "mptcp");
-    ferry_ok(&["cluster", "set", "--encrypt-carriers", "off"]);
-    assert_eq!(r["event"], "failed", "{r}");
-    assert!(r.to_string().contains("encrypt"), "{r}");
 
     // every NIC lost mid-move: the guest stays where it was
     let r = move_with("mp1", "host3", "mptcp", 150 << 20, || {

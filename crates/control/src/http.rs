@@ -919,7 +919,7 @@ mod tests {
         assert_eq!(st, 200);
         let op = op["token"].as_str().unwrap().to_string();
         // no, a wrong, a revoked token: 401; read-only on a change: 403 naming the role
-        let change = r#"{"encrypt_carriers":true}"#;
+        let change = r#"{"encryption":true}"#;
         let (st, b) = send("PUT", "/api/v1/hosts/h1/settings", None, "{}").await;
         assert_eq!((st, b["code"].as_str()), (401, Some("unauthorized")), "{b}");
         let (st, _) = send(
@@ -1247,7 +1247,7 @@ mod tests {
             send_session(&mut app, "GET", "/api/v1/session", Some(&cookie), None, "").await;
         assert_eq!((st, b["csrf"].as_str()), (200, Some(csrf.as_str())));
         // a change without, or with a wrong, CSRF token: refused, whatever the role
-        let change = r#"{"encrypt_carriers":false}"#;
+        let change = r#"{"encryption":false}"#;
         for bad in [None, Some("0123456789abcdef0123456789abcdef")] {
             let (st, _, b) = send_session(
                 &mut app,

@@ -751,6 +751,10 @@ impl Control {
         for vms in futures::future::join_all(calls).await.into_iter().flatten() {
             out.extend(vms);
         }
+        let encrypted = self.cluster_settings().await?.encryption;
+        for v in &mut out {
+            v.moves_encrypted = Some(encrypted);
+        }
         self.name_pauses(&mut out);
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
@@ -996,7 +1000,7 @@ impl Control {
             target_url: target.base().to_string(),
             option,
             convergence,
-            encrypt_carriers: self.cluster_settings().await?.encrypt_carriers,
+            encryption: self.cluster_settings().await?.encryption,
             ticket,
         };
         if !self.storage.is_empty() {

@@ -1310,7 +1310,7 @@ async function refreshCluster() {
       for (const n of h.nics)
         for (const c of n.classes) row(nb, [h.host, n.nic, n.up ? rate(n.link_rate) : "down", c.class, rate(c.rate), rate(c.ceil), rate(c.tx_rate * 8)]);
     if (!document.getElementById("cluster-form").contains(document.activeElement))
-      document.getElementById("cluster-encrypt").checked = settings.encrypt_carriers;
+      document.getElementById("cluster-encrypt").checked = settings.encryption;
     updateRolling(rolling);
   } catch (e) {
     showError(e);
@@ -1351,10 +1351,10 @@ document.getElementById("bw-form").onsubmit = async (ev) => {
 
 document.getElementById("cluster-form").onsubmit = async (ev) => {
   ev.preventDefault();
-  const encrypt_carriers = document.getElementById("cluster-encrypt").checked;
+  const encryption = document.getElementById("cluster-encrypt").checked;
   try {
-    await api("PUT", "/api/v1/cluster", { encrypt_carriers });
-    status("cluster-status", `saved: carriers ${encrypt_carriers ? "encrypted" : "as each move chooses"}`);
+    await api("PUT", "/api/v1/cluster", { encryption });
+    status("cluster-status", `saved: encryption ${encryption ? "on" : "OFF: memory crosses the migration network in clear"}`);
     refreshCluster();
   } catch (e) {
     status("cluster-status", `not saved: ${e.message}`);

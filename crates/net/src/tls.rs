@@ -220,6 +220,11 @@ pub struct Authority {
     pem: String,
 }
 
+/// How long a service's certificate lasts by default: a year, so a key
+/// that leaked stops working within one (rotate before; see `ferry
+/// cluster issue-cert`).
+pub const CERT_DAYS: u32 = 365;
+
 /// What a new certificate is for.
 #[derive(Debug, Clone)]
 pub struct CertRequest {

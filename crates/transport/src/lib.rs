@@ -112,15 +112,25 @@ impl Carriers {
     }
 }
 
-/// A session id as text (32 hex digits), as agents pass it in their API.
-pub fn session_to_hex(id: &[u8; 16]) -> String {
+/// A session id (or a session key) as text, two hex digits a byte, as
+/// agents pass it in their API.
+pub fn session_to_hex(id: &[u8]) -> String {
     id.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Parses [`session_to_hex`]'s form; anything else is `None`.
+/// Parses [`session_to_hex`]'s form of a session id; anything else is `None`.
 pub fn session_from_hex(s: &str) -> Option<[u8; 16]> {
-    let mut out = [0u8; 16];
-    if s.len() != 32 {
+    bytes_from_hex(s)
+}
+
+/// Parses [`session_to_hex`]'s form of a session key; anything else is `None`.
+pub fn key_from_hex(s: &str) -> Option<[u8; 32]> {
+    bytes_from_hex(s)
+}
+
+fn bytes_from_hex<const N: usize>(s: &str) -> Option<[u8; N]> {
+    let mut out = [0u8; N];
+    if s.len() != 2 * N {
         return None;
     }
     for (i, o) in out.iter_mut().enumerate() {
@@ -140,5 +150,8 @@ mod tests {
         for bad in ["", "ab", &"z".repeat(32), &"a".repeat(33)] {
             assert_eq!(session_from_hex(bad), None, "{bad}");
         }
+        let key = [0x5c; 32];
+        assert_eq!(key_from_hex(&session_to_hex(&key)), Some(key));
+        assert_eq!(key_from_hex(&session_to_hex(&id)), None, "an id is no key");
     }
 }

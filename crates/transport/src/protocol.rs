@@ -21,19 +21,32 @@
 //!  16  [16] session id
 //!  32  [16] nonce (random per connection)
 //!  48  [32] HMAC-SHA256(cluster credential, "ferry-transport hello" ‖ bytes 0..48)
-//! Welcome (target → source), 64 bytes
+//! Welcome (target → source), 80 bytes
 //!   0  [8]  magic "FERRYTP1"
-//!   8  u16  version = 1
+//!   8  u16  version = 2
 //!  10  u8   status: 0 ok, 1 bad version, 2 bad credential, 3 unknown session, 4 too many carriers
 //!           (or streams),
-//!           5 sealing differs (the Hello's SEALED flag is not the session's)
+//!           5 sealing differs (the Hello's SEALED flag is not the session's),
+//!           6 replayed (this Hello's nonce was already used in this session)
 //!  11  u8   features the target accepts (status 0 only; bits unknown to
 //!           the source are ignored): bit 0 ZSTD (DATA frames may be zstd
 //!           frames); other bits 0
 //!  12  [4]  reserved, 0
 //!  16  [16] the Hello's nonce
-//!  32  [32] HMAC-SHA256(cluster credential, "ferry-transport welcome" ‖ bytes 0..32)
+//!  32  [16] the target's nonce (status 0 only: random per connection)
+//!  48  [32] HMAC-SHA256(session key, "ferry-transport welcome" ‖ bytes 0..48)
+//! Confirm (source → target, after a status-0 Welcome), 32 bytes
+//!   0  [32] HMAC-SHA256(session key, "ferry-transport confirm" ‖ the Hello's
+//!           80 bytes ‖ the Welcome's bytes 0..48)
 //! ```
+//! The *session key* is the move's own: 32 random bytes the source agent
+//! makes for each migration and hands the target in its authenticated
+//! `/incoming` call (mutual TLS between the agents), never a cluster-wide
+//! secret. Both sides add a fresh nonce, so a recorded Hello replayed to the
+//! target gets a Welcome with a new target nonce that the replayer cannot
+//! Confirm; the target also refuses, with status 6, any Hello whose nonce
+//! the session has already seen, and logs it. The target starts nothing
+//! (no carrier attached, no stream handed to QEMU) before the Confirm checks.
 //! A *spliced stream* (the MPTCP carrier kind, see `mptcp.rs`) is one
 //! MPTCP connection per QEMU connection: after the Welcome it carries that
 //! connection's bytes as they are, both ways, and ends with it. No frames
@@ -44,8 +57,9 @@
 //! stream into a handed-off session.
 //!
 //! The target answers a Hello whose HMAC is wrong with status 2 and closes,
-//! without a MAC of its own; the source checks the Welcome's MAC, so both ends
-//! prove they hold the cluster credential.
+//! without a MAC of its own; the source checks the Welcome's MAC and the
+//! target the Confirm, so both ends prove they hold the session key, on this
+//! connection.
 //!
 //! ## Frames, 32-byte header then `len` payload bytes
 //! ```text
@@ -94,13 +108,14 @@
 //! target when the source QEMU pauses: the switch-over does not wait for a
 //! backlog of compressed pages.
 //!
-//! ## Sealed connections (cluster setting: encrypt carriers)
+//! ## Sealed connections (the default: the cluster's `encryption`)
 //! Every frame's payload (compressed first, if it is) is encrypted with
 //! AES-256-GCM and followed by its 16-byte tag; the tag also authenticates
 //! header bytes 0..24 and 28..32 (all but the CRC). One key per connection
-//! and direction: HKDF-SHA256 of the cluster credential, salt = session id ‖
-//! the Hello's nonce (random per connection), info = "ferry-transport seal
-//! v1" ‖ direction (1 source → target, 2 target → source) ‖ carrier index.
+//! and direction: HKDF-SHA256 of the session key, salt = session id ‖ the
+//! Hello's nonce ‖ the Welcome's target nonce (both random per connection),
+//! info = "ferry-transport seal v2" ‖ direction (1 source → target, 2 target
+//! → source) ‖ carrier index.
 //! The 96-bit nonce is 4 zero bytes ‖ the u64 count of frames sealed in that
 //! direction of the connection, so no nonce repeats under a key and a frame
 //! dropped, replayed or moved inside a connection does not open. ACK and PING
@@ -128,9 +143,10 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 pub const MAGIC: &[u8; 8] = b"FERRYTP1";
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 pub const HELLO_LEN: usize = 80;
-pub const WELCOME_LEN: usize = 64;
+pub const WELCOME_LEN: usize = 80;
+pub const CONFIRM_LEN: usize = 32;
 pub const HEADER_LEN: usize = 32;
 /// Largest DATA payload.
 pub const MAX_PAYLOAD: usize = 256 << 10;
@@ -170,8 +186,12 @@ pub enum ProtocolError {
     BadCarrier(u8),
     #[error("Peer refused the handshake: {0}")]
     Refused(&'static str),
-    #[error("Peer failed authentication with the cluster credential")]
+    #[error("Peer failed authentication with the session key")]
     BadCredential,
+    #[error("Replayed Hello: its nonce was already used in this session")]
+    Replayed,
+    #[error("Source did not confirm the handshake with the session key")]
+    BadConfirm,
     #[error("Unknown frame kind {0}")]
     BadKind(u8),
     #[error("Reserved field {0} is not zero")]
@@ -225,14 +245,16 @@ pub const STATUS_BAD_CREDENTIAL: u8 = 2;
 pub const STATUS_UNKNOWN_SESSION: u8 = 3;
 pub const STATUS_TOO_MANY: u8 = 4;
 pub const STATUS_SEALING: u8 = 5;
+pub const STATUS_REPLAYED: u8 = 6;
 
 fn status_text(s: u8) -> &'static str {
     match s {
         STATUS_BAD_VERSION => "unsupported version",
-        STATUS_BAD_CREDENTIAL => "wrong cluster credential",
+        STATUS_BAD_CREDENTIAL => "wrong session key",
         STATUS_UNKNOWN_SESSION => "unknown session",
         STATUS_TOO_MANY => "too many carriers",
         STATUS_SEALING => "carrier encryption differs between the two agents",
+        STATUS_REPLAYED => "replayed hello",
         _ => "unknown status",
     }
 }
@@ -325,12 +347,13 @@ impl Hello {
     }
 }
 
-/// The target's answer: `features` ([`FEATURE_ZSTD`]) only with status 0,
-/// whose answer alone carries a MAC.
+/// The target's answer: `features` ([`FEATURE_ZSTD`]) and the target's
+/// own `answer` nonce only with status 0, whose answer alone carries a MAC.
 pub fn encode_welcome(
     status: u8,
     features: u8,
     nonce: &[u8; 16],
+    answer: &[u8; 16],
     secret: &[u8],
 ) -> [u8; WELCOME_LEN] {
     let mut b = [0u8; WELCOME_LEN];
@@ -340,19 +363,20 @@ pub fn encode_welcome(
     b[16..32].copy_from_slice(nonce);
     if status == STATUS_OK {
         b[11] = features;
-        let m = mac(secret, b"ferry-transport welcome", &b[0..32]);
-        b[32..64].copy_from_slice(&m);
+        b[32..48].copy_from_slice(answer);
+        let m = mac(secret, b"ferry-transport welcome", &b[0..48]);
+        b[48..80].copy_from_slice(&m);
     }
     b
 }
 
 /// Checks the target's answer to our Hello with `nonce`; returns the
-/// features it accepts.
+/// features it accepts and the target's nonce.
 pub fn decode_welcome(
     b: &[u8; WELCOME_LEN],
     nonce: &[u8; 16],
     secret: &[u8],
-) -> Result<u8, ProtocolError> {
+) -> Result<(u8, [u8; 16]), ProtocolError> {
     if &b[0..8] != MAGIC {
         return Err(ProtocolError::BadMagic);
     }
@@ -365,13 +389,59 @@ pub fn decode_welcome(
     }
     if &b[16..32] != nonce
         || !ct_eq(
-            &mac(secret, b"ferry-transport welcome", &b[0..32]),
-            &b[32..64],
+            &mac(secret, b"ferry-transport welcome", &b[0..48]),
+            &b[48..80],
         )
     {
         return Err(ProtocolError::BadCredential);
     }
-    Ok(b[11])
+    let mut answer = [0u8; 16];
+    answer.copy_from_slice(&b[32..48]);
+    Ok((b[11], answer))
+}
+
+/// The source's Confirm of one handshake: proof, bound to both nonces, that
+/// it holds the session key on this connection (see "Handshake").
+pub fn confirm(
+    secret: &[u8],
+    hello: &[u8; HELLO_LEN],
+    welcome: &[u8; WELCOME_LEN],
+) -> [u8; CONFIRM_LEN] {
+    let mut data = [0u8; HELLO_LEN + 48];
+    data[..HELLO_LEN].copy_from_slice(hello);
+    data[HELLO_LEN..].copy_from_slice(&welcome[..48]);
+    mac(secret, b"ferry-transport confirm", &data)
+}
+
+/// Target: checks the source's Confirm.
+pub fn check_confirm(
+    secret: &[u8],
+    hello: &[u8; HELLO_LEN],
+    welcome: &[u8; WELCOME_LEN],
+    got: &[u8; CONFIRM_LEN],
+) -> Result<(), ProtocolError> {
+    if ct_eq(&confirm(secret, hello, welcome), got) {
+        Ok(())
+    } else {
+        Err(ProtocolError::BadConfirm)
+    }
+}
+
+/// The Hello nonces a session has accepted: a nonce seen once is a replay
+/// the second time. Sessions are short and take a handful of connections;
+/// past [`Nonces::LIMIT`] nonces every Hello is refused as a replay (a peer
+/// dialling that often is not a migration).
+#[derive(Debug, Default)]
+pub struct Nonces(std::sync::Mutex<std::collections::HashSet<[u8; 16]>>);
+
+impl Nonces {
+    pub const LIMIT: usize = 4096;
+
+    /// True the first time `nonce` is seen (and it is remembered).
+    pub fn first_use(&self, nonce: &[u8; 16]) -> bool {
+        let mut seen = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        seen.len() < Self::LIMIT && seen.insert(*nonce)
+    }
 }
 
 /// How a DATA payload is packed on the wire (the level a sender compressed
@@ -707,16 +777,22 @@ mod tests {
     }
 
     #[test]
-    fn welcome_proves_the_target_holds_the_credential() {
-        let nonce = [5; 16];
-        let w = encode_welcome(STATUS_OK, FEATURE_ZSTD, &nonce, SECRET);
-        assert_eq!(decode_welcome(&w, &nonce, SECRET), Ok(FEATURE_ZSTD));
-        let mut forged = w;
-        forged[11] = 0; // features are under the MAC
+    fn welcome_proves_the_target_holds_the_key_and_brings_its_own_nonce() {
+        let (nonce, answer) = ([5; 16], [8; 16]);
+        let w = encode_welcome(STATUS_OK, FEATURE_ZSTD, &nonce, &answer, SECRET);
         assert_eq!(
-            decode_welcome(&forged, &nonce, SECRET),
-            Err(ProtocolError::BadCredential)
+            decode_welcome(&w, &nonce, SECRET),
+            Ok((FEATURE_ZSTD, answer))
         );
+        for (i, what) in [(11, "features"), (40, "the target's nonce")] {
+            let mut forged = w;
+            forged[i] ^= 1; // under the MAC
+            assert_eq!(
+                decode_welcome(&forged, &nonce, SECRET),
+                Err(ProtocolError::BadCredential),
+                "{what}"
+            );
+        }
         assert_eq!(
             decode_welcome(&w, &[6; 16], SECRET),
             Err(ProtocolError::BadCredential)
@@ -725,12 +801,59 @@ mod tests {
             decode_welcome(&w, &nonce, b"x"),
             Err(ProtocolError::BadCredential)
         );
-        let refused = encode_welcome(STATUS_BAD_CREDENTIAL, FEATURE_ZSTD, &nonce, SECRET);
+        let refused = encode_welcome(STATUS_BAD_CREDENTIAL, FEATURE_ZSTD, &nonce, &answer, SECRET);
         assert_eq!(refused[11], 0, "features only with status 0");
+        assert_eq!(&refused[32..48], &[0; 16], "a nonce only with status 0");
         assert_eq!(
             decode_welcome(&refused, &nonce, SECRET),
-            Err(ProtocolError::Refused("wrong cluster credential"))
+            Err(ProtocolError::Refused("wrong session key"))
         );
+        let replayed = encode_welcome(STATUS_REPLAYED, 0, &nonce, &answer, SECRET);
+        assert_eq!(
+            decode_welcome(&replayed, &nonce, SECRET),
+            Err(ProtocolError::Refused("replayed hello"))
+        );
+    }
+
+    /// A recorded Hello and Confirm do not pass again: the target's new
+    /// nonce changes the Confirm it expects.
+    #[test]
+    fn a_confirm_binds_both_nonces_and_the_key() {
+        let h = Hello {
+            role: ROLE_CARRIER,
+            carrier: 1,
+            session: [7; 16],
+            nonce: [9; 16],
+            sealed: true,
+        }
+        .encode(SECRET);
+        let w1 = encode_welcome(STATUS_OK, 0, &[9; 16], &[1; 16], SECRET);
+        let w2 = encode_welcome(STATUS_OK, 0, &[9; 16], &[2; 16], SECRET);
+        let c1 = confirm(SECRET, &h, &w1);
+        assert_eq!(check_confirm(SECRET, &h, &w1, &c1), Ok(()));
+        assert_eq!(
+            check_confirm(SECRET, &h, &w2, &c1),
+            Err(ProtocolError::BadConfirm),
+            "replayed into a new handshake"
+        );
+        assert_eq!(
+            check_confirm(SECRET, &h, &w1, &confirm(b"another key", &h, &w1)),
+            Err(ProtocolError::BadConfirm)
+        );
+    }
+
+    #[test]
+    fn a_session_accepts_each_hello_nonce_once() {
+        let seen = Nonces::default();
+        assert!(seen.first_use(&[1; 16]));
+        assert!(seen.first_use(&[2; 16]));
+        assert!(!seen.first_use(&[1; 16]), "a replay");
+        for i in 0..Nonces::LIMIT as u32 {
+            let mut n = [0xee; 16];
+            n[..4].copy_from_slice(&i.to_le_bytes());
+            seen.first_use(&n);
+        }
+        assert!(!seen.first_use(&[3; 16]), "past the limit nothing is new");
     }
 
     #[test]

@@ -23,11 +23,12 @@ pub enum Direction {
 }
 
 /// The AES-256 key of one connection and direction (HKDF-SHA256).
-fn key_bytes(secret: &[u8], hello: &Hello, dir: Direction) -> [u8; 32] {
-    let mut salt = [0u8; 32];
+fn key_bytes(secret: &[u8], hello: &Hello, answer: &[u8; 16], dir: Direction) -> [u8; 32] {
+    let mut salt = [0u8; 48];
     salt[..16].copy_from_slice(&hello.session);
-    salt[16..].copy_from_slice(&hello.nonce);
-    let mut info = b"ferry-transport seal v1".to_vec();
+    salt[16..32].copy_from_slice(&hello.nonce);
+    salt[32..].copy_from_slice(answer);
+    let mut info = b"ferry-transport seal v2".to_vec();
     info.extend([dir as u8, hello.carrier]);
     let mut k = [0u8; 32];
     Hkdf::<Sha256>::new(Some(&salt), secret)
@@ -36,8 +37,8 @@ fn key_bytes(secret: &[u8], hello: &Hello, dir: Direction) -> [u8; 32] {
     k
 }
 
-fn key(secret: &[u8], hello: &Hello, dir: Direction) -> LessSafeKey {
-    let k = UnboundKey::new(&AES_256_GCM, &key_bytes(secret, hello, dir))
+fn key(secret: &[u8], hello: &Hello, answer: &[u8; 16], dir: Direction) -> LessSafeKey {
+    let k = UnboundKey::new(&AES_256_GCM, &key_bytes(secret, hello, answer, dir))
         .unwrap_or_else(|_| unreachable!("32 bytes is an AES-256 key"));
     LessSafeKey::new(k)
 }
@@ -56,9 +57,11 @@ pub struct Sealer {
 }
 
 impl Sealer {
-    pub fn new(secret: &[u8], hello: &Hello, dir: Direction) -> Sealer {
+    /// The sealer of one connection: its Hello and the Welcome's `answer`
+    /// nonce.
+    pub fn new(secret: &[u8], hello: &Hello, answer: &[u8; 16], dir: Direction) -> Sealer {
         Sealer {
-            key: key(secret, hello, dir),
+            key: key(secret, hello, answer, dir),
             count: 0,
         }
     }
@@ -88,9 +91,9 @@ pub struct Opener {
 }
 
 impl Opener {
-    pub fn new(secret: &[u8], hello: &Hello, dir: Direction) -> Opener {
+    pub fn new(secret: &[u8], hello: &Hello, answer: &[u8; 16], dir: Direction) -> Opener {
         Opener {
-            key: key(secret, hello, dir),
+            key: key(secret, hello, answer, dir),
             count: 0,
         }
     }
@@ -125,6 +128,8 @@ mod tests {
     use super::*;
 
     const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
+    /// The Welcome's target nonce of the connection the tests seal.
+    const ANSWER: [u8; 16] = [4; 16];
 
     fn hello(nonce: u8) -> Hello {
         Hello {
@@ -148,8 +153,8 @@ mod tests {
 
     #[test]
     fn sealed_frames_round_trip_in_order_and_hide_the_payload() {
-        let mut s = Sealer::new(SECRET, &hello(1), Direction::SourceToTarget);
-        let mut o = Opener::new(SECRET, &hello(1), Direction::SourceToTarget);
+        let mut s = Sealer::new(SECRET, &hello(1), &ANSWER, Direction::SourceToTarget);
+        let mut o = Opener::new(SECRET, &hello(1), &ANSWER, Direction::SourceToTarget);
         let plain = b"guest memory page guest memory page";
         for i in 0..3u64 {
             let mut out = BytesMut::new();
@@ -177,10 +182,10 @@ mod tests {
         use aes_gcm::aead::{AeadInPlace, KeyInit};
         let h = hello(3);
         let dir = Direction::SourceToTarget;
-        let other = aes_gcm::Aes256Gcm::new(&key_bytes(SECRET, &h, dir).into());
+        let other = aes_gcm::Aes256Gcm::new(&key_bytes(SECRET, &h, &ANSWER, dir).into());
         let plain: Vec<u8> = (0..70_000u32).map(|i| (i * 7 % 251) as u8).collect();
-        let mut s = Sealer::new(SECRET, &h, dir);
-        let mut o = Opener::new(SECRET, &h, dir);
+        let mut s = Sealer::new(SECRET, &h, &ANSWER, dir);
+        let mut o = Opener::new(SECRET, &h, &ANSWER, dir);
         for count in 0..3u64 {
             let mut out = BytesMut::new();
             s.frame(&Header::new(Kind::Data, 1, count + 1, 0), &plain, &mut out);
@@ -200,7 +205,7 @@ mod tests {
 
     #[test]
     fn forged_replayed_reordered_or_foreign_frames_do_not_open() {
-        let mk = || Sealer::new(SECRET, &hello(1), Direction::SourceToTarget);
+        let mk = || Sealer::new(SECRET, &hello(1), &ANSWER, Direction::SourceToTarget);
         let mut s = mk();
         let mut frames = Vec::new();
         for i in 0..2u64 {
@@ -209,19 +214,26 @@ mod tests {
             frames.push(out);
         }
         // out of order: the second first
-        let mut o = Opener::new(SECRET, &hello(1), Direction::SourceToTarget);
+        let mut o = Opener::new(SECRET, &hello(1), &ANSWER, Direction::SourceToTarget);
         let (h, head, p) = read(&frames[1]);
         assert_eq!(o.open(&h, &head, p), Err(ProtocolError::BadSeal));
         // replayed: the first twice
-        let mut o = Opener::new(SECRET, &hello(1), Direction::SourceToTarget);
+        let mut o = Opener::new(SECRET, &hello(1), &ANSWER, Direction::SourceToTarget);
         let (h, head, p) = read(&frames[0]);
         o.open(&h, &head, p.clone()).unwrap();
         assert_eq!(o.open(&h, &head, p), Err(ProtocolError::BadSeal));
-        // another direction, connection (nonce) or credential
+        // another direction, connection (either nonce) or session key
         for mut o in [
-            Opener::new(SECRET, &hello(1), Direction::TargetToSource),
-            Opener::new(SECRET, &hello(2), Direction::SourceToTarget),
-            Opener::new(b"another credential", &hello(1), Direction::SourceToTarget),
+            Opener::new(SECRET, &hello(1), &ANSWER, Direction::TargetToSource),
+            Opener::new(SECRET, &hello(2), &ANSWER, Direction::SourceToTarget),
+            Opener::new(
+                b"another credential",
+                &hello(1),
+                &ANSWER,
+                Direction::SourceToTarget,
+            ),
+            // the same Hello answered by another Welcome: a replayed Hello's keys
+            Opener::new(SECRET, &hello(1), &[5; 16], Direction::SourceToTarget),
         ] {
             let (h, head, p) = read(&frames[0]);
             assert_eq!(o.open(&h, &head, p), Err(ProtocolError::BadSeal));
@@ -232,7 +244,7 @@ mod tests {
         let mut forged = BytesMut::new();
         encode_frame(&h, &p, &mut forged);
         let (h, head, p) = read(&forged);
-        let mut o = Opener::new(SECRET, &hello(1), Direction::SourceToTarget);
+        let mut o = Opener::new(SECRET, &hello(1), &ANSWER, Direction::SourceToTarget);
         assert_eq!(o.open(&h, &head, p), Err(ProtocolError::BadSeal));
         // an unsealed frame on a sealed connection
         let mut plain = BytesMut::new();

@@ -268,7 +268,9 @@ impl StreamIn {
 struct Inner {
     session: [u8; 16],
     secret: Vec<u8>,
-    /// Carriers seal every frame (cluster setting: encrypt carriers).
+    /// Hello nonces this (target) session has accepted: a replay is refused.
+    nonces: Nonces,
+    /// Carriers seal every frame (the cluster's `encryption`).
     sealed: bool,
     /// Target: where streams are connected to (QEMU's incoming socket).
     connect_to: Option<PathBuf>,
@@ -323,9 +325,9 @@ async fn bind_migration_port(addr: std::net::IpAddr) -> std::io::Result<TcpListe
 /// What a session authenticates (and, sealed, encrypts) its carriers with.
 #[derive(Clone, Copy)]
 pub struct Keys<'a> {
-    /// The cluster credential.
+    /// The move's own session key (see `protocol`, "Handshake").
     pub secret: &'a [u8],
-    /// Seal every frame (encrypt carriers).
+    /// Seal every frame (the cluster's `encryption`).
     pub sealed: bool,
 }
 
@@ -351,6 +353,7 @@ impl Session {
             inner: Arc::new(Inner {
                 session,
                 secret: keys.secret.to_vec(),
+                nonces: Nonces::default(),
                 sealed: keys.sealed,
                 connect_to,
                 queue: Mutex::new(VecDeque::new()),
@@ -663,8 +666,9 @@ impl Session {
             sealed: self.inner.sealed,
         };
         let mut welcome = [0u8; WELCOME_LEN];
+        let said = hello.encode(&self.inner.secret);
         let exchange = async {
-            tcp.write_all(&hello.encode(&self.inner.secret)).await?;
+            tcp.write_all(&said).await?;
             tcp.read_exact(&mut welcome).await
         };
         tokio::time::timeout(Duration::from_secs(2), exchange)
@@ -674,19 +678,24 @@ impl Session {
                 source: std::io::ErrorKind::TimedOut.into(),
             })?
             .map_err(io(&what))?;
-        let features = decode_welcome(&welcome, &nonce, &self.inner.secret).map_err(|source| {
-            TransportError::Handshake {
-                index,
-                nic: nic.into(),
-                source,
-            }
-        })?;
+        let (features, answer) =
+            decode_welcome(&welcome, &nonce, &self.inner.secret).map_err(|source| {
+                TransportError::Handshake {
+                    index,
+                    nic: nic.into(),
+                    source,
+                }
+            })?;
+        // the Confirm goes ahead of the first frame, in the same flight
+        tcp.write_all(&confirm(&self.inner.secret, &said, &welcome))
+            .await
+            .map_err(io(&what))?;
         self.inner.compressor.set_peer_features(features);
         let seal = self.inner.sealed.then(|| {
             let secret = &self.inner.secret;
             (
-                Sealer::new(secret, &hello, Direction::SourceToTarget),
-                Opener::new(secret, &hello, Direction::TargetToSource),
+                Sealer::new(secret, &hello, &answer, Direction::SourceToTarget),
+                Opener::new(secret, &hello, &answer, Direction::TargetToSource),
             )
         });
         Ok((tcp, seal))
@@ -703,51 +712,67 @@ impl Session {
                 source: std::io::ErrorKind::TimedOut.into(),
             })?
             .map_err(io(format!("hello on {nic}")))?;
+        let target_nonce: [u8; 16] = rand::random();
         let answer = |status: u8, nonce: [u8; 16]| {
-            encode_welcome(status, FEATURE_ZSTD, &nonce, &self.inner.secret)
+            encode_welcome(
+                status,
+                FEATURE_ZSTD,
+                &nonce,
+                &target_nonce,
+                &self.inner.secret,
+            )
+        };
+        let refused = |index: u8, source: ProtocolError| TransportError::Handshake {
+            index,
+            nic: nic.into(),
+            source,
         };
         let hello = match Hello::decode(&b, &self.inner.secret) {
             Ok(h) if h.session != self.inner.session => {
                 let _ = tcp
                     .write_all(&answer(STATUS_UNKNOWN_SESSION, h.nonce))
                     .await;
-                return Err(TransportError::Handshake {
-                    index: h.carrier,
-                    nic: nic.into(),
-                    source: ProtocolError::Refused("unknown session"),
-                });
+                return Err(refused(
+                    h.carrier,
+                    ProtocolError::Refused("unknown session"),
+                ));
             }
             Ok(h) if h.role != ROLE_CARRIER => {
                 let _ = tcp.write_all(&answer(STATUS_BAD_VERSION, h.nonce)).await;
-                return Err(TransportError::Handshake {
-                    index: h.carrier,
-                    nic: nic.into(),
-                    source: ProtocolError::BadRole(h.role),
-                });
+                return Err(refused(h.carrier, ProtocolError::BadRole(h.role)));
             }
             Ok(h) if h.sealed != self.inner.sealed => {
                 let _ = tcp.write_all(&answer(STATUS_SEALING, h.nonce)).await;
-                return Err(TransportError::Handshake {
-                    index: h.carrier,
-                    nic: nic.into(),
-                    source: ProtocolError::Refused(
-                        "carrier encryption differs between the two agents",
-                    ),
-                });
+                return Err(refused(
+                    h.carrier,
+                    ProtocolError::Refused("carrier encryption differs between the two agents"),
+                ));
+            }
+            Ok(h) if !self.inner.nonces.first_use(&h.nonce) => {
+                let _ = tcp.write_all(&answer(STATUS_REPLAYED, h.nonce)).await;
+                return Err(refused(h.carrier, ProtocolError::Replayed));
             }
             Ok(h) => h,
             Err((e, status)) => {
                 let _ = tcp.write_all(&answer(status, [0; 16])).await;
-                return Err(TransportError::Handshake {
-                    index: b[11],
-                    nic: nic.into(),
-                    source: e,
-                });
+                return Err(refused(b[11], e));
             }
         };
-        tcp.write_all(&answer(STATUS_OK, hello.nonce))
+        let welcome = answer(STATUS_OK, hello.nonce);
+        let mut confirmed = [0u8; CONFIRM_LEN];
+        let exchange = async {
+            tcp.write_all(&welcome).await?;
+            tcp.read_exact(&mut confirmed).await
+        };
+        tokio::time::timeout(Duration::from_secs(2), exchange)
             .await
-            .map_err(io(format!("welcome on {nic}")))?;
+            .map_err(|_| TransportError::Io {
+                what: format!("confirm on {nic}"),
+                source: std::io::ErrorKind::TimedOut.into(),
+            })?
+            .map_err(io(format!("confirm on {nic}")))?;
+        check_confirm(&self.inner.secret, &b, &welcome, &confirmed)
+            .map_err(|e| refused(hello.carrier, e))?;
         if !lock(&self.inner.carriers).contains_key(&hello.carrier) {
             self.register_carrier(hello.carrier, nic);
         }
@@ -756,8 +781,8 @@ impl Session {
         let seal = self.inner.sealed.then(|| {
             let secret = &self.inner.secret;
             (
-                Sealer::new(secret, &hello, Direction::TargetToSource),
-                Opener::new(secret, &hello, Direction::SourceToTarget),
+                Sealer::new(secret, &hello, &target_nonce, Direction::TargetToSource),
+                Opener::new(secret, &hello, &target_nonce, Direction::SourceToTarget),
             )
         });
         self.attach(hello.carrier, tcp, seal);

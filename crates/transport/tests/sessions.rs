@@ -423,10 +423,10 @@ async fn a_corrupted_frame_never_reaches_the_stream() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peer_with_the_wrong_credential_is_refused() {
-    let p = pair("cred", 1, b"a-different-cluster-credential!!").await;
+async fn a_peer_with_the_wrong_session_key_is_refused() {
+    let p = pair("cred", 1, b"another move's session key......").await;
     let why = wait_failure(&p.source).await;
-    assert!(why.contains("credential"), "{why}");
+    assert!(why.contains("wrong session key"), "{why}");
     assert_eq!(p.target.stats().healthy, 0);
     assert_eq!(p.source.stats().healthy, 0);
 }
@@ -573,10 +573,14 @@ async fn a_peer_sending_far_ahead_of_a_gap_is_cut_off() {
         nonce,
         sealed: false,
     };
-    tcp.write_all(&hello.encode(SECRET)).await.unwrap();
+    let said = hello.encode(SECRET);
+    tcp.write_all(&said).await.unwrap();
     let mut welcome = [0u8; protocol::WELCOME_LEN];
     tcp.read_exact(&mut welcome).await.unwrap();
     protocol::decode_welcome(&welcome, &nonce, SECRET).unwrap();
+    tcp.write_all(&protocol::confirm(SECRET, &said, &welcome))
+        .await
+        .unwrap();
     // offset 0 never comes: everything after it waits
     let payload = vec![0x5au8; protocol::MAX_PAYLOAD];
     let frames = (window as usize / protocol::MAX_PAYLOAD) + 8;
@@ -609,4 +613,75 @@ async fn a_peer_sending_far_ahead_of_a_gap_is_cut_off() {
     let why = why.expect("the target kept every frame");
     assert!(why.contains("holds over 16 MiB out of order"), "{why}");
     drain.abort();
+}
+
+/// A Hello recorded off the wire and replayed is refused with status 6 and
+/// never becomes a carrier; a fresh Hello without the Confirm (what a
+/// replayer of a whole first flight has) attaches nothing either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_hello_is_refused_and_an_unconfirmed_one_attaches_nothing() {
+    use ferry_transport::protocol::{self, Hello};
+    let dir = tmp("replay");
+    let qemu_sock = dir.path().join("qemu.sock");
+    let _qemu = UnixListener::bind(&qemu_sock).unwrap();
+    let keys = Keys {
+        secret: SECRET,
+        sealed: true,
+    };
+    let (target, bound) = Session::target([7; 16], &keys, vec![("nic1".into(), LO)], qemu_sock)
+        .await
+        .unwrap();
+    let hello = |nonce| Hello {
+        role: protocol::ROLE_CARRIER,
+        carrier: 0,
+        session: [7; 16],
+        nonce,
+        sealed: true,
+    };
+    // the legitimate source's first flight, recorded
+    let said = hello([9; 16]).encode(SECRET);
+    let mut tcp = TcpStream::connect(bound[0].1).await.unwrap();
+    tcp.write_all(&said).await.unwrap();
+    let mut welcome = [0u8; protocol::WELCOME_LEN];
+    tcp.read_exact(&mut welcome).await.unwrap();
+    let (_, answer) = protocol::decode_welcome(&welcome, &[9; 16], SECRET).unwrap();
+    tcp.write_all(&protocol::confirm(SECRET, &said, &welcome))
+        .await
+        .unwrap();
+    // replayed: refused at once, status 6
+    let mut again = TcpStream::connect(bound[0].1).await.unwrap();
+    again.write_all(&said).await.unwrap();
+    let mut w = [0u8; protocol::WELCOME_LEN];
+    again.read_exact(&mut w).await.unwrap();
+    assert_eq!(w[10], protocol::STATUS_REPLAYED);
+    assert_eq!(
+        protocol::decode_welcome(&w, &[9; 16], SECRET),
+        Err(protocol::ProtocolError::Refused("replayed hello"))
+    );
+    // a new nonce whose Confirm is the recorded one: the target's new
+    // nonce makes it wrong, and the connection is closed unattached
+    let mut forged = TcpStream::connect(bound[0].1).await.unwrap();
+    let said2 = hello([10; 16]).encode(SECRET);
+    forged.write_all(&said2).await.unwrap();
+    let mut w2 = [0u8; protocol::WELCOME_LEN];
+    forged.read_exact(&mut w2).await.unwrap();
+    let (_, answer2) = protocol::decode_welcome(&w2, &[10; 16], SECRET).unwrap();
+    assert_ne!(answer, answer2, "each Welcome brings a fresh target nonce");
+    forged
+        .write_all(&protocol::confirm(SECRET, &said, &welcome))
+        .await
+        .unwrap();
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(3), forged.read_to_end(&mut rest)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+        "an unconfirmed carrier was served: {closed:?} {} bytes",
+        rest.len()
+    );
+    assert_eq!(
+        target.stats().carriers.len(),
+        1,
+        "only the confirmed carrier"
+    );
+    target.close();
 }

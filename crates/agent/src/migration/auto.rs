@@ -53,19 +53,12 @@ pub(super) fn relay_fits(idle: f64, cpus: usize, link_bits: u64) -> bool {
 /// has the runs. Sealing needs Ferry's frames, and so does a kernel without
 /// MPTCP.
 pub(super) fn auto_choice(
-    sealed: bool,
     mptcp: bool,
     ratio: Option<f64>,
     idle: Option<f64>,
     relay_room: Option<u64>,
 ) -> (MigrationOption, String) {
     let carriers = MigrationOption::Multichannel;
-    if sealed {
-        return (
-            carriers,
-            "Ferry's carriers (the cluster seals carriers)".into(),
-        );
-    }
     if !mptcp {
         return (
             carriers,
@@ -327,38 +320,28 @@ mod tests {
 
     #[test]
     fn auto_compresses_on_carriers_only_what_compresses_with_idle_cpu() {
-        let pick = |sealed, mptcp, ratio, idle| auto_choice(sealed, mptcp, ratio, idle, None).0;
+        let pick = |mptcp, ratio, idle| auto_choice(mptcp, ratio, idle, None).0;
         // compressible memory and idle CPU: the kind that compresses
         assert_eq!(
-            pick(false, true, Some(0.3), Some(0.9)),
+            pick(true, Some(0.3), Some(0.9)),
             MigrationOption::Multichannel
         );
         // random memory, or no CPU to spare, or all zero: the handed-off socket
-        assert_eq!(
-            pick(false, true, Some(0.99), Some(0.9)),
-            MigrationOption::Mptcp
-        );
-        assert_eq!(
-            pick(false, true, Some(0.3), Some(0.05)),
-            MigrationOption::Mptcp
-        );
-        assert_eq!(pick(false, true, None, Some(0.9)), MigrationOption::Mptcp);
+        assert_eq!(pick(true, Some(0.99), Some(0.9)), MigrationOption::Mptcp);
+        assert_eq!(pick(true, Some(0.3), Some(0.05)), MigrationOption::Mptcp);
+        assert_eq!(pick(true, None, Some(0.9)), MigrationOption::Mptcp);
         // the edge counts as compressible
         assert_eq!(
-            pick(false, true, Some(AUTO_COMPRESSES), Some(0.5)),
+            pick(true, Some(AUTO_COMPRESSES), Some(0.5)),
             MigrationOption::Multichannel
         );
-        // sealing and a kernel without MPTCP need Ferry's frames
+        // a kernel without MPTCP needs Ferry's frames
         assert_eq!(
-            pick(true, true, Some(0.99), Some(0.9)),
-            MigrationOption::Multichannel
-        );
-        assert_eq!(
-            pick(false, false, Some(0.99), Some(0.9)),
+            pick(false, Some(0.99), Some(0.9)),
             MigrationOption::Multichannel
         );
         // the reason names what was measured
-        let (_, why) = auto_choice(false, true, Some(0.97), Some(0.8), None);
+        let (_, why) = auto_choice(true, Some(0.97), Some(0.8), None);
         assert!(why.contains("0.97") && why.contains("MPTCP"), "{why}");
         assert!(!why.contains("  "), "{why}");
     }
@@ -395,7 +378,7 @@ mod tests {
         // 2 × 10 Gbit/s needs more than most hosts have idle; an unknown rate never fits
         assert!(!relay_fits(0.9, 8, 20_000_000_000));
         assert!(!relay_fits(1.0, 2, 0));
-        let (o, why) = auto_choice(false, true, Some(0.97), Some(0.9), Some(links));
+        let (o, why) = auto_choice(true, Some(0.97), Some(0.9), Some(links));
         assert_eq!(o, MigrationOption::Multichannel);
         assert!(
             why.contains("0.97") && why.contains("90% idle") && why.contains("2000 Mbit/s"),
@@ -403,7 +386,7 @@ mod tests {
         );
         // compressible memory with too little idle CPU still goes by MPTCP
         assert_eq!(
-            auto_choice(false, true, Some(0.3), Some(0.05), Some(links)).0,
+            auto_choice(true, Some(0.3), Some(0.05), Some(links)).0,
             MigrationOption::Mptcp
         );
     }

@@ -33,7 +33,7 @@ use crate::qemu::QemuConfig;
 use crate::qmp::{BlockJobInfo, Qmp};
 
 /// The disks' session seals every frame (AES-256-GCM), whatever the
-/// cluster's `encrypt_carriers` says of memory: a disk's bytes never cross a
+/// cluster's `encryption` says of memory: a disk's bytes never cross a
 /// network in clear.
 pub const SEALED: bool = true;
 
@@ -116,7 +116,7 @@ impl DiskMirror {
         qmp: &Qmp,
         session_id: [u8; 16],
         keys: &ferry_transport::Keys<'_>,
-        sock: PathBuf,
+        (sock, vm): (PathBuf, &crate::qemu::QemuVm),
         carriers: Vec<(String, std::net::IpAddr, std::net::SocketAddr)>,
         copies: Vec<LocalCopy>,
         reorder_window: u64,
@@ -124,6 +124,10 @@ impl DiskMirror {
         let session = ferry_transport::Session::source(session_id, keys, sock.clone(), carriers)
             .await
             .map_err(|e| error_chain(&e))?;
+        if let Err(e) = vm.give_socket(&sock) {
+            session.close();
+            return Err(e);
+        }
         session.set_reorder_window(reorder_window);
         let mut m = DiskMirror {
             session,

@@ -474,6 +474,11 @@ impl Move<'_> {
         let c = self.carried();
         let plan = self.plan_ref();
         let mirror = self.mirror.as_ref();
+        let encryption = match plan {
+            Plan::Multichannel { session, .. } if session.sealed() => "sealed-carriers",
+            _ if self.qemu_tls => "qemu-tls",
+            _ => "off",
+        };
         MigrationReport {
             vm: self.spec.name.clone(),
             from: self.agent.cfg.name.clone(),
@@ -537,7 +542,8 @@ impl Move<'_> {
                 on_target.and_then(|t| t.cpu_ms),
                 ram.transferred.max(ram.normal_bytes),
             ),
-            encrypted: matches!(plan, Plan::Multichannel { session, .. } if session.sealed()),
+            encrypted: encryption != "off",
+            encryption: encryption.into(),
             disks: mirror.map(|m| m.reports()).unwrap_or_default(),
             disk_nic_tx_bytes: mirror.map(|m| m.nic_bytes()).unwrap_or_default(),
             tick_before: self.end.tick_before,

@@ -41,6 +41,7 @@ mod auto;
 mod copy_loop;
 pub mod disks;
 mod finish;
+pub mod qemu_tls;
 mod sequence;
 mod settle;
 mod source;
@@ -144,6 +145,17 @@ impl Events {
         })
         .await;
     }
+}
+
+/// True for the options whose bytes go in Ferry's frames over its own
+/// carriers (which seal them); the others carry QEMU's bytes as they are
+/// (and QEMU's own TLS encrypts them).
+pub(crate) fn carried_by_ferry(o: ferry_api::MigrationOption) -> bool {
+    use ferry_api::MigrationOption;
+    matches!(
+        o,
+        MigrationOption::Multichannel | MigrationOption::Compression
+    )
 }
 
 /// How the migration's bytes travel.

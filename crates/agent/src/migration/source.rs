@@ -53,6 +53,11 @@ pub(super) struct Move<'a> {
     pub chosen: Option<Chosen>,
     pub session_key: [u8; 16],
     pub disk_session: [u8; 16],
+    /// This move's own key (see `IncomingRequest::key`): it authenticates
+    /// and seals its carriers and keys its QEMUs' TLS.
+    pub move_key: [u8; 32],
+    /// Both QEMUs speak TLS with this move's key (see `qemu_tls`).
+    pub qemu_tls: bool,
     pub reply: Option<IncomingReply>,
     pub mirror: Option<disks::DiskMirror>,
     pub plan: Option<Plan>,
@@ -91,6 +96,8 @@ impl<'a> Move<'a> {
             chosen: None,
             session_key: rand::random(),
             disk_session: rand::random(),
+            move_key: rand::random(),
+            qemu_tls: false,
             reply: None,
             mirror: None,
             plan: None,
@@ -222,26 +229,6 @@ impl<'a> Move<'a> {
     /// this host's credential; 3. its free memory.
     async fn establish(&mut self) -> Result<Outcome, Failure> {
         let (agent, req, ev) = (self.agent, self.req, self.ev);
-        if req.encrypt_carriers
-            && matches!(
-                req.option,
-                MigrationOption::Tcp | MigrationOption::Mptcp | MigrationOption::MptcpRelay
-            )
-        {
-            return Err(Failure {
-                step: "establish",
-                reason: String::new(),
-                after: super::AfterCommit::No,
-                passthrough: Some(Box::new(ApiError::invalid(
-                    "option",
-                    format!(
-                        "{} sends the stream's bytes as they are and this cluster encrypts \
-                         migrations (encrypt_carriers): use multichannel, compression or auto",
-                        req.option.name()
-                    ),
-                ))),
-            });
-        }
         let credential = if agent.pki.is_some() {
             "its certificate"
         } else {
@@ -369,7 +356,6 @@ impl<'a> Move<'a> {
             Some((ratio, idle))
                 if option == MigrationOption::Compression
                     && qemu_zstd.is_none()
-                    && !req.encrypt_carriers
                     && !conv.postcopy
                     && copies.is_empty()
                     && takes(ferry_api::FEATURE_QEMU_CHANNELS) =>
@@ -420,7 +406,7 @@ impl<'a> Move<'a> {
             MigrationOption::Auto if paths.len() > 1 => {
                 let mptcp = ferry_transport::mptcp::available();
                 let mut sampled = None;
-                let (ratio, idle) = if mptcp && !req.encrypt_carriers {
+                let (ratio, idle) = if mptcp {
                     let s = (
                         sample_memory(self.vm, self.spec.memory).await,
                         agent.idle_now().await,
@@ -437,12 +423,8 @@ impl<'a> Move<'a> {
                 let relay_room = idle
                     .filter(|i| relay_fits(*i, cpus(), link_bits))
                     .map(|_| link_bits);
-                let (o, why) = auto_choice(req.encrypt_carriers, mptcp, ratio, idle, relay_room);
+                let (o, why) = auto_choice(mptcp, ratio, idle, relay_room);
                 (o, sampled, format!("; auto: {why}"))
-            }
-            // sealed carriers need Ferry's transport, even over one NIC
-            MigrationOption::Auto if req.encrypt_carriers => {
-                (MigrationOption::Compression, None, String::new())
             }
             MigrationOption::Auto => (MigrationOption::Tcp, None, String::new()),
             o => (o, None, String::new()),
@@ -462,7 +444,7 @@ impl<'a> Move<'a> {
                 peer_url: self.req.target_url.clone(),
                 side: Side::Source(SourcePhase::Copying),
                 updated: 0,
-                sealed: self.req.encrypt_carriers,
+                sealed: self.req.encryption,
             })
             .map_err(|e| fail("memory", error_chain(&e)))?;
         Ok(Outcome::Done)
@@ -493,7 +475,9 @@ impl<'a> Move<'a> {
             option: c.option,
             session: Some(ferry_transport::session_to_hex(&self.session_key)),
             postcopy: c.conv.postcopy,
-            sealed: req.encrypt_carriers,
+            sealed: req.encryption && super::carried_by_ferry(c.option),
+            key: ferry_transport::session_to_hex(&self.move_key),
+            qemu_tls: req.encryption && !super::carried_by_ferry(c.option),
             cpu_expansion,
             local_disks: disks::requests(&c.copies),
             disk_session: (!c.copies.is_empty())
@@ -551,9 +535,9 @@ impl<'a> Move<'a> {
             return Err(fail("disks", "no NIC pair to carry the disks' copy"));
         }
         // disk bytes never cross a network in clear: sealed whatever
-        // the cluster's encrypt_carriers says of memory
+        // the cluster's encryption says of memory
         let keys = ferry_transport::Keys {
-            secret: agent.cred.secret(),
+            secret: &self.move_key,
             sealed: disks::SEALED,
         };
         let copies = self.chosen().copies.clone();
@@ -561,7 +545,7 @@ impl<'a> Move<'a> {
             &self.vm.qmp,
             self.disk_session,
             &keys,
-            disks::mirror_sock(&self.vm.dir, self.id),
+            (disks::mirror_sock(&self.vm.dir, self.id), self.vm),
             carriers,
             copies,
             agent.cfg.reorder_window,
@@ -637,7 +621,7 @@ impl<'a> Move<'a> {
                     // QEMU gets the socket itself (see `start_stream`)
                     ferry_transport::Spliced::source_handoff(
                         session,
-                        agent.cred.secret(),
+                        &self.move_key,
                         local,
                         remote,
                         nic_addrs,
@@ -645,7 +629,7 @@ impl<'a> Move<'a> {
                 } else {
                     ferry_transport::Spliced::source(
                         session,
-                        agent.cred.secret(),
+                        &self.move_key,
                         sock.clone(),
                         local,
                         remote,
@@ -655,6 +639,12 @@ impl<'a> Move<'a> {
                 .map_err(|e| error_chain(&e))
             })
             .map_err(|e| fail("connection", e))?;
+        if c.option != MigrationOption::Mptcp {
+            if let Err(e) = self.vm.give_socket(&sock) {
+                started.close();
+                return Err(fail("connection", e));
+            }
+        }
         Ok(Plan::Multichannel {
             session: ferry_transport::Carriers::Mptcp(started),
             sock,
@@ -677,12 +667,16 @@ impl<'a> Move<'a> {
             return Err(fail("connection", "no NIC pair to carry the migration"));
         }
         let keys = ferry_transport::Keys {
-            secret: agent.cred.secret(),
-            sealed: self.req.encrypt_carriers,
+            secret: &self.move_key,
+            sealed: self.req.encryption,
         };
         let s = ferry_transport::Session::source(self.session_key, &keys, sock.clone(), carriers)
             .await
             .map_err(|e| fail("connection", error_chain(&e)))?;
+        if let Err(e) = self.vm.give_socket(&sock) {
+            s.close();
+            return Err(fail("connection", e));
+        }
         s.set_reorder_window(agent.cfg.reorder_window);
         s.set_compression(c.compress);
         s.set_windows(c.stream_windows);

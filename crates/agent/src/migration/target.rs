@@ -38,6 +38,9 @@ impl Agent {
     /// the chosen NIC, and report where the source should send.
     pub async fn prepare_incoming(&self, req: IncomingRequest) -> Result<IncomingReply, ApiError> {
         let multichannel = check_incoming(&req)?;
+        let key = ferry_transport::key_from_hex(&req.key).ok_or_else(|| {
+            ApiError::invalid("key", "give the move's session key: 64 hex digits")
+        })?;
         // the NICs the source reached in its probes, up here now
         let usable: Vec<_> = self
             .nics()
@@ -102,17 +105,34 @@ impl Agent {
             if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
                 slot.qemu = Some(vm.clone());
             }
+            if req.qemu_tls {
+                super::qemu_tls::arm(&vm.qmp, &dir, &key, super::qemu_tls::End::Server, vm.owner)
+                    .await
+                    .map_err(ApiError::internal)?;
+            } else {
+                super::qemu_tls::clear(&vm.qmp)
+                    .await
+                    .map_err(|e| ApiError::internal(error_chain(&e)))?;
+            }
             let disk_carriers = if copies.is_empty() {
                 Vec::new()
             } else {
-                self.export_disks(&req, &vm, &dir, &usable, &copies).await?
+                self.export_disks(&req, &vm, &dir, &usable, (&copies, &key))
+                    .await?
             };
             let Some(session_id) = multichannel else {
                 let uri = self.listen_tcp(&req, &vm, &nic).await?;
                 return Ok::<_, ApiError>((uri, Vec::new(), disk_carriers));
             };
             let carriers = self
-                .listen_carriers(&req, &vm, &dir, &usable, session_id, (&mut parts, t0))
+                .listen_carriers(
+                    &req,
+                    &vm,
+                    &dir,
+                    &usable,
+                    (session_id, &key),
+                    (&mut parts, t0),
+                )
                 .await?;
             Ok(("ferry-transport".to_string(), carriers, disk_carriers))
         }
@@ -188,7 +208,7 @@ impl Agent {
         vm: &QemuVm,
         dir: &std::path::Path,
         usable: &[ferry_api::NicInfo],
-        session_id: [u8; 16],
+        (session_id, key): ([u8; 16], &[u8; 32]),
         (parts, t0): (&mut Vec<(&'static str, u64)>, Instant),
     ) -> Result<Vec<ferry_api::CarrierEndpoint>, ApiError> {
         let qerr = |e: crate::qmp::QmpError| ApiError::internal(error_chain(&e));
@@ -228,12 +248,6 @@ impl Agent {
             req.option,
             MigrationOption::Mptcp | MigrationOption::MptcpRelay
         ) {
-            if req.sealed {
-                return Err(ApiError::invalid(
-                    "sealed",
-                    "a sealed migration needs Ferry's own carriers; mptcp sends bytes as they are",
-                ));
-            }
             ferry_transport::mptcp::prepare_host(&listen).map_err(ApiError::internal)?;
             let deliver = if handoff {
                 let monitor = dir.join(crate::qemu::HANDOFF_SOCK);
@@ -245,13 +259,9 @@ impl Agent {
             } else {
                 ferry_transport::Deliver::Relay(sock)
             };
-            let (s, port) = ferry_transport::Spliced::target(
-                session_id,
-                self.cred.secret(),
-                listen.clone(),
-                deliver,
-            )
-            .map_err(|e| ApiError::internal(error_chain(&e)))?;
+            let (s, port) =
+                ferry_transport::Spliced::target(session_id, key, listen.clone(), deliver)
+                    .map_err(|e| ApiError::internal(error_chain(&e)))?;
             // one listener takes every address: each NIC's address with its port
             let bound = listen
                 .into_iter()
@@ -260,7 +270,7 @@ impl Agent {
             (ferry_transport::Carriers::Mptcp(s), bound)
         } else {
             let keys = ferry_transport::Keys {
-                secret: self.cred.secret(),
+                secret: key,
                 sealed: req.sealed,
             };
             let (s, bound) = ferry_transport::Session::target(session_id, &keys, listen, sock)
@@ -285,7 +295,7 @@ impl Agent {
     async fn create_incoming_disks(
         &self,
         req: &IncomingRequest,
-        copies: &[(usize, std::path::PathBuf, DriveFormat, u64)],
+        copies: &[IncomingDisk],
     ) -> Result<(), ApiError> {
         let made: Vec<std::path::PathBuf> = copies.iter().map(|c| c.1.clone()).collect();
         if !made.is_empty() {
@@ -315,10 +325,7 @@ impl Agent {
     /// The local drives an incoming shared-nothing migration copies here:
     /// (drive index, file, format, size). Every local drive of the spec
     /// must be among them, and none may exist here yet.
-    fn incoming_disks(
-        &self,
-        req: &IncomingRequest,
-    ) -> Result<Vec<(usize, std::path::PathBuf, DriveFormat, u64)>, ApiError> {
+    fn incoming_disks(&self, req: &IncomingRequest) -> Result<Vec<IncomingDisk>, ApiError> {
         let mut out = Vec::new();
         let mut present = Vec::new();
         for (i, d) in req.spec.local_drives() {
@@ -377,7 +384,7 @@ impl Agent {
         vm: &QemuVm,
         dir: &std::path::Path,
         usable: &[ferry_api::NicInfo],
-        copies: &[(usize, std::path::PathBuf, DriveFormat, u64)],
+        (copies, key): (&[IncomingDisk], &[u8; 32]),
     ) -> Result<Vec<CarrierEndpoint>, ApiError> {
         let qerr = |e: crate::qmp::QmpError| ApiError::internal(error_chain(&e));
         let session = req
@@ -396,7 +403,7 @@ impl Agent {
             .filter_map(|n| Some((n.name.clone(), n.address.parse().ok()?)))
             .collect();
         let keys = ferry_transport::Keys {
-            secret: self.cred.secret(),
+            secret: key,
             sealed: super::disks::SEALED,
         };
         let (s, bound) = ferry_transport::Session::target(session, &keys, listen, sock)
@@ -753,27 +760,30 @@ impl Agent {
             slot.doubt = None;
             slot.transport.take()
         };
-        if let Some(t) = transport {
-            let id = id.to_string();
-            tokio::spawn(async move {
-                while q.alive().await {
-                    // a QMP call that fails (QEMU busy faulting pages in over a
-                    // cut NIC) is asked again: the carriers must outlive post-copy
-                    if let Ok(i) = q.qmp.query_migrate().await {
-                        if matches!(i.status.as_deref(), Some("completed" | "failed") | None) {
-                            break;
-                        }
+        let id = id.to_string();
+        tokio::spawn(async move {
+            while q.alive().await {
+                // a QMP call that fails (QEMU busy faulting pages in over a
+                // cut NIC) is asked again: the carriers must outlive post-copy
+                if let Ok(i) = q.qmp.query_migrate().await {
+                    if matches!(i.status.as_deref(), Some("completed" | "failed") | None) {
+                        break;
                     }
-                    tokio::time::sleep(Duration::from_millis(200)).await;
                 }
-                // QEMU's last words on the return path (post-copy's shut
-                // message, which the source waits for) may still be queued
-                // behind a carrier that just came back
-                tracing::info!(migration = %id, "incoming migration over; closing its transport once drained");
-                t.close_when_drained(Duration::from_millis(500), Duration::from_secs(30))
-                    .await;
-            });
-        }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            // the move's TLS credentials (post-copy's recovery used them) go
+            super::qemu_tls::disarm(&q.qmp, &q.dir).await;
+            let Some(t) = transport else {
+                return;
+            };
+            // QEMU's last words on the return path (post-copy's shut
+            // message, which the source waits for) may still be queued
+            // behind a carrier that just came back
+            tracing::info!(migration = %id, "incoming migration over; closing its transport once drained");
+            t.close_when_drained(Duration::from_millis(500), Duration::from_secs(30))
+                .await;
+        });
     }
 
     /// `mptcp` kind: announces the address of this host's NIC `nic` again to
@@ -1047,6 +1057,10 @@ fn phase_name(p: Option<TargetPhase>) -> String {
 }
 
 /// How the source reads a target's answer.
+/// One local drive a shared-nothing move brings here: its index in the
+/// spec, its file, format and size.
+type IncomingDisk = (usize, std::path::PathBuf, DriveFormat, u64);
+
 pub(super) fn answer_of(st: &IncomingStatus) -> TargetAnswer {
     match st.phase.as_str() {
         // even with its QEMU gone: the target discards it at its next look,
@@ -1060,10 +1074,22 @@ pub(super) fn answer_of(st: &IncomingStatus) -> TargetAnswer {
 /// A skeleton request that cannot work is refused naming its field; the
 /// carriers' session id for the options that take one.
 fn check_incoming(req: &IncomingRequest) -> Result<Option<[u8; 16]>, ApiError> {
-    if req.sealed && req.option == MigrationOption::Tcp {
+    if req.sealed && !super::carried_by_ferry(req.option) {
         return Err(ApiError::invalid(
             "sealed",
-            "a sealed migration needs Ferry's transport; tcp is QEMU's clear stream",
+            format!(
+                "{} sends QEMU's bytes as they are: its encryption is QEMU's TLS (qemu_tls)",
+                req.option.name()
+            ),
+        ));
+    }
+    if req.qemu_tls && super::carried_by_ferry(req.option) {
+        return Err(ApiError::invalid(
+            "qemu_tls",
+            format!(
+                "{} goes over Ferry's carriers, which seal it (sealed)",
+                req.option.name()
+            ),
         ));
     }
     if req.qemu_channels && req.option != MigrationOption::Tcp {

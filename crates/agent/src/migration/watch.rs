@@ -167,6 +167,22 @@ impl Move<'_> {
         })
         .await
         .map_err(q("connection"))?;
+        // QEMU's bytes that Ferry does not frame are QEMU's TLS's to encrypt
+        if self.req.encryption && !super::carried_by_ferry(self.chosen().option) {
+            super::qemu_tls::arm(
+                qmp,
+                &vm.dir,
+                &self.move_key,
+                super::qemu_tls::End::Client,
+                vm.owner,
+            )
+            .await
+            .map_err(|e| fail("connection", e))?;
+            self.qemu_tls = true;
+        } else {
+            super::qemu_tls::clear(qmp).await.map_err(q("connection"))?;
+        }
+        let plan = self.plan_ref();
         let tx_before = nic_tx(&agent.cfg.nics);
         let (uri, detail) = stream_target(plan, handoff.is_some(), multifd, qemu_zstd).await;
         let t_migrate = Instant::now();

@@ -61,8 +61,8 @@ use std::time::{Duration, Instant};
 use socket2::Socket;
 
 use crate::protocol::{
-    decode_welcome, encode_welcome, Hello, ProtocolError, HELLO_LEN, MAX_STREAMS, ROLE_SPLICED,
-    STATUS_OK, STATUS_UNKNOWN_SESSION, WELCOME_LEN,
+    check_confirm, confirm, decode_welcome, encode_welcome, Hello, ProtocolError, CONFIRM_LEN,
+    HELLO_LEN, MAX_STREAMS, ROLE_SPLICED, STATUS_OK, STATUS_UNKNOWN_SESSION, WELCOME_LEN,
 };
 use crate::session::{io, lock, CarrierStats, SessionStats, TransportError};
 
@@ -186,6 +186,8 @@ pub type HandOver = Box<dyn Fn(&TcpStream) -> Result<(), String> + Send + Sync>;
 struct Inner {
     session: [u8; 16],
     secret: Vec<u8>,
+    /// Hello nonces the target has accepted: a replay is refused.
+    nonces: crate::protocol::Nonces,
     epoch: Instant,
     /// `(nic, address)` of this host's NICs the session may use.
     nics: Vec<(String, IpAddr)>,
@@ -214,6 +216,7 @@ impl Spliced {
             inner: Arc::new(Inner {
                 session,
                 secret: secret.to_vec(),
+                nonces: Default::default(),
                 epoch: Instant::now(),
                 nics,
                 streams: Mutex::new(Vec::new()),
@@ -352,11 +355,13 @@ impl Spliced {
         };
         tcp.set_read_timeout(Some(Duration::from_secs(5)))
             .map_err(io(&what))?;
-        tcp.write_all(&hello.encode(&self.inner.secret))
-            .map_err(io(&what))?;
+        let said = hello.encode(&self.inner.secret);
+        tcp.write_all(&said).map_err(io(&what))?;
         let mut w = [0u8; WELCOME_LEN];
         tcp.read_exact(&mut w).map_err(io(&what))?;
         decode_welcome(&w, &nonce, &self.inner.secret).map_err(hs)?;
+        tcp.write_all(&confirm(&self.inner.secret, &said, &w))
+            .map_err(io(&what))?;
         tcp.set_read_timeout(None).map_err(io(&what))?;
         Ok(tcp)
     }
@@ -435,7 +440,13 @@ impl Spliced {
         tcp.read_exact(&mut b)
             .map_err(|e| format!("reading the Hello: {e}"))?;
         let refuse = |mut tcp: &TcpStream, status: u8, nonce: &[u8; 16], e: ProtocolError| {
-            let _ = tcp.write_all(&encode_welcome(status, 0, nonce, &self.inner.secret));
+            let _ = tcp.write_all(&encode_welcome(
+                status,
+                0,
+                nonce,
+                &[0; 16],
+                &self.inner.secret,
+            ));
             e.to_string()
         };
         let hello = match Hello::decode(&b, &self.inner.secret) {
@@ -469,13 +480,22 @@ impl Spliced {
                 ProtocolError::Refused("a handed-off session carries one stream"),
             ));
         }
-        tcp.write_all(&encode_welcome(
-            STATUS_OK,
-            0,
-            &hello.nonce,
-            &self.inner.secret,
-        ))
-        .map_err(|e| e.to_string())?;
+        if !self.inner.nonces.first_use(&hello.nonce) {
+            return Err(refuse(
+                &tcp,
+                crate::protocol::STATUS_REPLAYED,
+                &hello.nonce,
+                ProtocolError::Replayed,
+            ));
+        }
+        let answer: [u8; 16] = rand::random();
+        let welcome = encode_welcome(STATUS_OK, 0, &hello.nonce, &answer, &self.inner.secret);
+        tcp.write_all(&welcome).map_err(|e| e.to_string())?;
+        // nothing reaches QEMU before the source proves the key on this connection
+        let mut confirmed = [0u8; CONFIRM_LEN];
+        tcp.read_exact(&mut confirmed)
+            .map_err(|e| format!("reading the Confirm: {e}"))?;
+        check_confirm(&self.inner.secret, &b, &welcome, &confirmed).map_err(|e| e.to_string())?;
         tcp.set_read_timeout(None).map_err(|e| e.to_string())?;
         let _ = tcp.set_nodelay(true);
         match deliver {
