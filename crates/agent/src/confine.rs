@@ -34,6 +34,13 @@ pub const UID_BASE: u32 = 4_000_000;
 pub const UID_RANGE: u32 = 65_536;
 /// The first file descriptor a QEMU finds its taps at (tap `i` at `TAP_FD + i`).
 pub const TAP_FD: RawFd = 100;
+/// The group every confined QEMU is in besides its own, for the devices it
+/// opens: `/dev/userfaultfd` (post-copy's target; the agent gives the
+/// device to this group, mode 0660, as the unprivileged `userfaultfd`
+/// syscall is off by default). It owns no file: a VM's files are mode
+/// 0600/0700, so sharing it gives one VM nothing of another's. The same on
+/// every host of a machine.
+pub const DEVICES_GID: u32 = UID_BASE - 1;
 /// The `-sandbox` argument of every confined QEMU.
 pub const SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
 /// QEMU's own memory beyond the guest's: its code, device state, and the
@@ -184,6 +191,30 @@ fn roots() -> Vec<(PathBuf, bool)> {
         .map(|c| (base.join(c), false))
         .filter(|(p, _)| p.is_dir())
         .collect()
+}
+
+/// The supplementary groups of a confined QEMU: [`DEVICES_GID`], and the
+/// group of `/dev/kvm` where there is one. Gives `/dev/userfaultfd` to
+/// [`DEVICES_GID`] (mode 0660) when it is root's alone.
+pub fn device_groups() -> Vec<u32> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let uffd = Path::new("/dev/userfaultfd");
+    if let Ok(m) = std::fs::metadata(uffd) {
+        if m.gid() != DEVICES_GID || m.permissions().mode() & 0o060 != 0o060 {
+            let _ = std::os::unix::fs::chown(uffd, None, Some(DEVICES_GID));
+            let _ = std::fs::set_permissions(
+                uffd,
+                std::fs::Permissions::from_mode(m.permissions().mode() | 0o060),
+            );
+        }
+    }
+    let mut groups = vec![DEVICES_GID];
+    if let Ok(m) = std::fs::metadata("/dev/kvm") {
+        if m.gid() != 0 {
+            groups.push(m.gid());
+        }
+    }
+    groups
 }
 
 /// Makes the machine's cgroup controllers visible here: an agent started in

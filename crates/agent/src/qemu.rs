@@ -933,6 +933,10 @@ fn spawn(
         .stdout(Stdio::null())
         .stderr(log);
     let owner = confined.map(|(_, o, _)| *o);
+    let groups: Vec<libc::gid_t> = match confined {
+        Some(_) => crate::confine::device_groups(),
+        None => Vec::new(),
+    };
     let taps: Vec<i32> = confined
         .map(|(_, _, t)| t.iter().map(|f| f.as_raw_fd()).collect())
         .unwrap_or_default();
@@ -951,7 +955,7 @@ fn spawn(
                 }
             }
             if let Some((uid, gid)) = owner {
-                if libc::setgroups(0, std::ptr::null()) != 0
+                if libc::setgroups(groups.len(), groups.as_ptr()) != 0
                     || libc::setgid(gid) != 0
                     || libc::setuid(uid) != 0
                 {

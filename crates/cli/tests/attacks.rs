@@ -417,6 +417,7 @@ fn incoming(id: &str, source: &str, spec: Value, ticket: Option<Value>) -> Value
         "reachable_nics": [nic("host1", 1)],
         "option": "tcp",
         "source_url": format!("https://198.18.0.1{}:7800", &source[4..]),
+        "key": "5a".repeat(32),
     })
 }
 
