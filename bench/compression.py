@@ -66,8 +66,9 @@ def ferry_move(kind, a, option="compression"):
             "switches": switches}
 
 
-def qemu_move(kind, contender, a):
-    """A QEMU started by hand on host1 migrated to a new one on host2: `tcp` or multifd + zstd."""
+def qemu_move(kind, contender, a, prepare=None):
+    """A QEMU started by hand on host1 migrated to a new one on host2: `tcp` or multifd + zstd;
+    `prepare(source_qmp, target_qmp)`, when given, sets up more before the migration."""
     src_d, dst_d = "/run/ferry/bench/cb-src", "/run/ferry/bench/cb-dst"
     subprocess.run(["rm", "-rf", src_d, dst_d])
     comp = kind == "compressible"
@@ -83,6 +84,8 @@ def qemu_move(kind, contender, a):
             q.cmd("migrate-set-parameters", **{"multifd-channels": a.qemu_channels,
                                                 "multifd-compression": "zstd",
                                                 "multifd-zstd-level": a.zstd_level})
+    if prepare:
+        prepare(sq, dq)
     sq.cmd("migrate-set-parameters", **{"max-bandwidth": 100 << 30, "downtime-limit": 300})
     addr = {"transport": "socket", "type": "inet", "host": lab_addr("host2", 1), "port": "0"}
     dq.cmd("migrate-incoming", channels=[{"channel-type": "main", "addr": dict(addr)}])

@@ -16,10 +16,10 @@ and the ratios.
     sudo python3 bench/encryption.py [--rates 400mbit,1gbit] [--kinds compressible,random]
         [--rounds 3] [--memory 512M] [--fill 384M]
 """
-import argparse, os, statistics, subprocess, sys, time
+import argparse, os, statistics, subprocess
 
 import compression
-from labqemu import FERRY, ferry, lab_addr, qemu, run_target, size, wait_migration, wait_ready
+from labqemu import ferry
 
 OPTIONS = ("tcp", "multichannel", "mptcp")
 
@@ -29,46 +29,23 @@ def set_encryption(on):
 
 
 def qemu_tls_move(kind, a):
-    """QEMU started by hand on host1, migrated with its own TLS (PSK) to a new one on host2."""
-    src_d, dst_d, psk = "/run/ferry/bench/enc-src", "/run/ferry/bench/enc-dst", "/run/ferry/bench/enc-psk"
-    subprocess.run(["rm", "-rf", src_d, dst_d, psk])
+    """QEMU started by hand on host1, migrated with its own TLS (a pre-shared key) to a new one
+    on host2 (bench/compression.py's QEMU by hand, one stream)."""
+    psk = "/run/ferry/bench/enc-psk"
+    subprocess.run(["rm", "-rf", psk])
     os.makedirs(psk, mode=0o700)
     with open(f"{psk}/keys.psk", "w") as f:
         f.write("ferry:" + os.urandom(32).hex() + "\n")
-    comp = kind == "compressible"
-    mem, fill, dirty = size(a.memory), size(a.fill), size(a.dirty_rate)
-    sp, sq = qemu("host1", src_d, None, mem, fill, dirty, False, comp)
-    wait_ready(f"{src_d}/console.log")
-    time.sleep(2)
-    dp, dq = qemu("host2", dst_d, None, mem, fill, dirty, True, comp)
-    for q, end in ((sq, "client"), (dq, "server")):
-        creds = {"qom-type": "tls-creds-psk", "id": "tls0", "endpoint": end, "dir": psk}
-        if end == "client":
-            creds["username"] = "ferry"
-        q.cmd("object-add", **creds)
-        q.cmd("migrate-set-parameters", **{"tls-creds": "tls0"})
-    sq.cmd("migrate-set-parameters", **{"max-bandwidth": 100 << 30, "downtime-limit": 300})
-    addr = {"transport": "socket", "type": "inet", "host": lab_addr("host2", 1), "port": "0"}
-    dq.cmd("migrate-incoming", channels=[{"channel-type": "main", "addr": dict(addr)}])
-    port = dq.cmd("query-migrate")["socket-address"][0]["port"]
-    t0 = time.time()
-    sq.cmd("migrate", channels=[{"channel-type": "main", "addr": dict(addr, port=str(port))}])
-    info = wait_migration(sq, 0.02)
-    if info["status"] != "completed":
-        sys.exit(f"qemu tls: migration {info['status']}: {info.get('error-desc')}")
-    run_target(dq)
-    secs = time.time() - t0
-    time.sleep(1.5)
-    errors, _ = compression.console_errors(f"{dst_d}/console.log")
-    for p, q in ((sp, sq), (dp, dq)):
-        try:
-            q.cmd("quit")
-        except (OSError, RuntimeError, ValueError):
-            pass
-        p.wait()
-    if errors != 0:
-        sys.exit(f"qemu tls: guest not intact on the target (errors={errors})")
-    return secs
+
+    def tls(sq, dq):
+        for q, end in ((sq, "client"), (dq, "server")):
+            creds = {"qom-type": "tls-creds-psk", "id": "tls0", "endpoint": end, "dir": psk}
+            if end == "client":
+                creds["username"] = "ferry"
+            q.cmd("object-add", **creds)
+            q.cmd("migrate-set-parameters", **{"tls-creds": "tls0"})
+
+    return compression.qemu_move(kind, "qemu tls", a, tls)["secs"]
 
 
 def contenders():

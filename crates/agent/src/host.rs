@@ -281,6 +281,7 @@ impl Agent {
                 ferry_api::FEATURE_QEMU_CHANNELS.into(),
             ],
             grants: Some(self.cfg.grants.clone()),
+            certificate_expires_ms: self.pki.as_ref().and_then(|p| p.expires_ms()),
         }
     }
 }

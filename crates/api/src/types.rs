@@ -88,7 +88,14 @@ pub struct HostInfo {
     /// predates it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grants: Option<crate::grants::HostGrants>,
+    /// When the agent's certificate expires (Unix ms); absent without TLS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificate_expires_ms: Option<u64>,
 }
+
+/// A certificate within this many days of its end is warned of (an event
+/// `certificate_expiring`, once a day per holder).
+pub const CERT_WARN_DAYS: u64 = 30;
 
 /// The target sets `multifd-compression zstd` when asked (`IncomingRequest::qemu_zstd`).
 pub const FEATURE_QEMU_ZSTD: &str = "qemu-zstd";

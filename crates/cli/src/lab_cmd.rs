@@ -507,7 +507,7 @@ fn make_pki(dir: &LabDir, spec: &LabSpec) -> anyhow::Result<()> {
                 role,
                 name: name.clone(),
                 san,
-                days: 30,
+                days: ferry_net::tls::CERT_DAYS,
             },
             &pki.join(&name),
         )?;

@@ -217,6 +217,15 @@ fn value<T: serde::Serialize>(v: T) -> Result<Outcome, ApiError> {
         .map_err(ApiError::internal)
 }
 
+const DAY_MS: u64 = 86_400_000;
+
+/// Days left of a certificate ending at `expires` (Unix ms), when that is
+/// within [`ferry_api::CERT_WARN_DAYS`] (0 once it has ended).
+pub fn expiring(now: u64, expires: u64) -> Option<u64> {
+    let left = expires.saturating_sub(now);
+    (left < ferry_api::CERT_WARN_DAYS * DAY_MS).then_some(left / DAY_MS)
+}
+
 pub struct Control {
     hosts: BTreeMap<String, Client>,
     /// Storage nodes by name.
@@ -237,6 +246,8 @@ pub struct Control {
     last_validation: tokio::sync::Mutex<Option<ValidationReport>>,
     /// Hosts being drained (or drained and not resumed): they take no VMs.
     draining: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    /// Hosts whose expiring certificate was warned of, and on which day.
+    cert_warned: std::sync::Mutex<BTreeMap<String, u64>>,
     settings: std::sync::Mutex<BTreeMap<String, HostSettings>>,
     /// The cluster's bandwidth classes (see [`bandwidth`]).
     bandwidth: std::sync::Mutex<ferry_api::bandwidth::BandwidthPolicy>,
@@ -295,6 +306,7 @@ impl Control {
             operations: Default::default(),
             recorder: Default::default(),
             heartbeats: Default::default(),
+            cert_warned: Default::default(),
             store: Arc::new(store::Store::in_memory()),
             tokens: Default::default(),
             access: Default::default(),
@@ -409,6 +421,7 @@ impl Control {
         self.sync_access(&hosts, asked).await;
         self.resume_rolling().await;
         self.log_pauses(&hosts);
+        self.warn_expiring(&hosts);
         for s in self
             .refusals
             .flush(std::time::Instant::now(), limits::REFUSAL_WINDOW)
@@ -449,6 +462,32 @@ impl Control {
                 lock(&self.down).remove(&key);
                 self.log("storage_up", &n.name, serde_json::json!({}));
             }
+        }
+    }
+
+    /// An event `certificate_expiring` for each host whose certificate ends
+    /// within [`ferry_api::CERT_WARN_DAYS`], once a day.
+    fn warn_expiring(&self, hosts: &[HostEntry]) {
+        let now = ferry_api::util::now_ms();
+        let today = now / DAY_MS;
+        let mut warned = lock(&self.cert_warned);
+        for h in hosts {
+            let Some(expires) = h.info.as_ref().and_then(|i| i.certificate_expires_ms) else {
+                continue;
+            };
+            let Some(days_left) = expiring(now, expires) else {
+                continue;
+            };
+            if warned.get(&h.name) == Some(&today) {
+                continue;
+            }
+            warned.insert(h.name.clone(), today);
+            tracing::warn!(host = %h.name, days_left, "its certificate expires soon: issue it a new one");
+            self.log(
+                "certificate_expiring",
+                &h.name,
+                serde_json::json!({ "expires_ms": expires, "days_left": days_left }),
+            );
         }
     }
 
@@ -1081,5 +1120,20 @@ pub(crate) fn refuse_storage_paused(vm: &VmInfo) -> Result<(), ApiError> {
             ),
         }),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod expiry_tests {
+    use super::*;
+
+    #[test]
+    fn a_certificate_is_warned_of_in_its_last_thirty_days_only() {
+        let now = 1_000 * DAY_MS;
+        assert_eq!(expiring(now, now + 365 * DAY_MS), None);
+        assert_eq!(expiring(now, now + 30 * DAY_MS), None);
+        assert_eq!(expiring(now, now + 30 * DAY_MS - 1), Some(29));
+        assert_eq!(expiring(now, now + DAY_MS / 2), Some(0));
+        assert_eq!(expiring(now, now - DAY_MS), Some(0), "already ended");
     }
 }

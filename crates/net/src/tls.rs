@@ -139,6 +139,14 @@ impl std::fmt::Display for Identity {
     }
 }
 
+/// When `cert` stops being valid (Unix ms).
+pub fn expires_ms(cert: &CertificateDer<'_>) -> Option<u64> {
+    let (_, x) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
+    u64::try_from(x.validity().not_after.timestamp())
+        .ok()
+        .map(|s| s * 1000)
+}
+
 /// The identity in a certificate Ferry issued (its subject's OU and CN);
 /// `None` for a certificate without them. Only call on a certificate the
 /// TLS handshake verified against the cluster CA.
@@ -351,6 +359,13 @@ pub struct Pki {
     pub(crate) key: Arc<PrivateKeyDer<'static>>,
     /// Who this certificate says we are.
     pub identity: Identity,
+}
+
+impl Pki {
+    /// When this component's own certificate stops being valid (Unix ms).
+    pub fn expires_ms(&self) -> Option<u64> {
+        expires_ms(self.chain.first()?)
+    }
 }
 
 impl std::fmt::Debug for Pki {
