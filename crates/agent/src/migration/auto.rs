@@ -50,10 +50,15 @@ pub(super) fn relay_fits(idle: f64, cpus: usize, link_bits: u64) -> bool {
 /// (`relay_room`, see [`relay_fits`]). Otherwise the handed-off MPTCP socket
 /// wins: QEMU writes straight into the kernel and no byte passes through an
 /// agent, so the move costs no more CPU than QEMU over MPTCP. BENCHMARKS.md
-/// has the runs. Sealing needs Ferry's frames, and so does a kernel without
-/// MPTCP.
+/// has the runs. A kernel without MPTCP needs Ferry's frames. An encrypted
+/// move (`encrypted`, the cluster's default) takes them too: over the
+/// handed-off socket QEMU's TLS encrypts in QEMU's one migration thread,
+/// which held 2 × 1 Gbit/s moves to 0.55-0.6 of their clear speed, where
+/// the carriers, sealing per connection in parallel, kept 0.97-1.00
+/// (BENCHMARKS.md, "Encryption by default").
 pub(super) fn auto_choice(
     mptcp: bool,
+    encrypted: bool,
     ratio: Option<f64>,
     idle: Option<f64>,
     relay_room: Option<u64>,
@@ -63,6 +68,14 @@ pub(super) fn auto_choice(
         return (
             carriers,
             "Ferry's carriers (this kernel has no MPTCP)".into(),
+        );
+    }
+    if encrypted {
+        return (
+            carriers,
+            "Ferry's carriers, sealed: they encrypt on every NIC in parallel, where QEMU's TLS \
+             on a handed-off socket encrypts in one thread"
+                .into(),
         );
     }
     let shown = ratio.map_or("all zero".to_string(), |r| format!("{r:.2}"));
@@ -320,7 +333,7 @@ mod tests {
 
     #[test]
     fn auto_compresses_on_carriers_only_what_compresses_with_idle_cpu() {
-        let pick = |mptcp, ratio, idle| auto_choice(mptcp, ratio, idle, None).0;
+        let pick = |mptcp, ratio, idle| auto_choice(mptcp, false, ratio, idle, None).0;
         // compressible memory and idle CPU: the kind that compresses
         assert_eq!(
             pick(true, Some(0.3), Some(0.9)),
@@ -335,13 +348,24 @@ mod tests {
             pick(true, Some(AUTO_COMPRESSES), Some(0.5)),
             MigrationOption::Multichannel
         );
+        // an encrypted move takes the sealed carriers whatever the memory
+        for (ratio, idle) in [
+            (Some(0.99), Some(0.9)),
+            (Some(0.3), Some(0.05)),
+            (None, None),
+        ] {
+            assert_eq!(
+                auto_choice(true, true, ratio, idle, None).0,
+                MigrationOption::Multichannel
+            );
+        }
         // a kernel without MPTCP needs Ferry's frames
         assert_eq!(
             pick(false, Some(0.99), Some(0.9)),
             MigrationOption::Multichannel
         );
         // the reason names what was measured
-        let (_, why) = auto_choice(true, Some(0.97), Some(0.8), None);
+        let (_, why) = auto_choice(true, false, Some(0.97), Some(0.8), None);
         assert!(why.contains("0.97") && why.contains("MPTCP"), "{why}");
         assert!(!why.contains("  "), "{why}");
     }
@@ -378,7 +402,7 @@ mod tests {
         // 2 × 10 Gbit/s needs more than most hosts have idle; an unknown rate never fits
         assert!(!relay_fits(0.9, 8, 20_000_000_000));
         assert!(!relay_fits(1.0, 2, 0));
-        let (o, why) = auto_choice(true, Some(0.97), Some(0.9), Some(links));
+        let (o, why) = auto_choice(true, false, Some(0.97), Some(0.9), Some(links));
         assert_eq!(o, MigrationOption::Multichannel);
         assert!(
             why.contains("0.97") && why.contains("90% idle") && why.contains("2000 Mbit/s"),
@@ -386,7 +410,7 @@ mod tests {
         );
         // compressible memory with too little idle CPU still goes by MPTCP
         assert_eq!(
-            auto_choice(true, Some(0.3), Some(0.05), Some(links)).0,
+            auto_choice(true, false, Some(0.3), Some(0.05), Some(links)).0,
             MigrationOption::Mptcp
         );
     }

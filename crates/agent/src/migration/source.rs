@@ -406,7 +406,7 @@ impl<'a> Move<'a> {
             MigrationOption::Auto if paths.len() > 1 => {
                 let mptcp = ferry_transport::mptcp::available();
                 let mut sampled = None;
-                let (ratio, idle) = if mptcp {
+                let (ratio, idle) = if mptcp && !req.encryption {
                     let s = (
                         sample_memory(self.vm, self.spec.memory).await,
                         agent.idle_now().await,
@@ -423,7 +423,7 @@ impl<'a> Move<'a> {
                 let relay_room = idle
                     .filter(|i| relay_fits(*i, cpus(), link_bits))
                     .map(|_| link_bits);
-                let (o, why) = auto_choice(mptcp, ratio, idle, relay_room);
+                let (o, why) = auto_choice(mptcp, req.encryption, ratio, idle, relay_room);
                 (o, sampled, format!("; auto: {why}"))
             }
             MigrationOption::Auto => (MigrationOption::Tcp, None, String::new()),
