@@ -20,7 +20,7 @@
 //!   its vCPUs plus one for QEMU's other threads.
 //!
 //! `confine_qemu = false` in `agent.toml` runs QEMU as the agent's user, as
-//! before; `vm list` and `host info` then say so.
+//! before; `vm list` then shows it "NOT CONFINED".
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
@@ -287,10 +287,9 @@ pub fn memory_limit(spec: &VmSpec) -> u64 {
     spec.memory + spec.memory / 8 + MEMORY_OVERHEAD
 }
 
-/// Puts process `pid` (`spec`'s QEMU) in its own cgroup under `group`,
-/// memory and CPU capped. Returns the cgroup directories it joined.
-pub fn join_cgroup(group: &Path, spec: &VmSpec, pid: u32) -> Result<Vec<PathBuf>, ConfineError> {
-    let mut joined = Vec::new();
+/// Puts process `pid` (`spec`'s QEMU) in its own cgroup `vm_group`
+/// (`ferry/HOST/VM`, below each controller's root), memory and CPU capped.
+pub fn join_cgroup(vm_group: &Path, spec: &VmSpec, pid: u32) -> Result<(), ConfineError> {
     let cpus = u64::from(spec.vcpus) + 1;
     let roots = roots();
     if roots.is_empty() {
@@ -303,7 +302,7 @@ pub fn join_cgroup(group: &Path, spec: &VmSpec, pid: u32) -> Result<Vec<PathBuf>
         });
     }
     for (root, v2) in roots {
-        let dir = root.join(group).join(&spec.name);
+        let dir = root.join(vm_group);
         std::fs::create_dir_all(&dir).map_err(io(&dir))?;
         let write = |file: &str, value: String| {
             let p = dir.join(file);
@@ -314,7 +313,7 @@ pub fn join_cgroup(group: &Path, spec: &VmSpec, pid: u32) -> Result<Vec<PathBuf>
         if v2 {
             // the controllers must be handed down to every level first
             let mut at = root.clone();
-            for part in group.iter() {
+            for part in vm_group.parent().into_iter().flat_map(Path::iter) {
                 let _ = std::fs::write(at.join("cgroup.subtree_control"), "+memory +cpu");
                 at = at.join(part);
             }
@@ -340,9 +339,8 @@ pub fn join_cgroup(group: &Path, spec: &VmSpec, pid: u32) -> Result<Vec<PathBuf>
             }
         }
         write("cgroup.procs", pid.to_string())?;
-        joined.push(dir);
     }
-    Ok(joined)
+    Ok(())
 }
 
 /// Removes a VM's cgroup (`group/VM`) once its QEMU is gone (a cgroup with

@@ -893,11 +893,9 @@ fn give_vm(
             Backing::File(f) => PathBuf::from(f),
             Backing::Local { vm, name } => {
                 let f = cfg.local_disk(&vm, &name);
-                if let Some(vm_disks) = f.parent() {
-                    traversable(vm_disks).map_err(e)?;
-                    if let Some(all) = vm_disks.parent() {
-                        traversable(all).map_err(e)?;
-                    }
+                // through the disks' directory and the VM's, as to its own directory
+                for d in f.ancestors().skip(1).take(2) {
+                    traversable(d).map_err(e)?;
                 }
                 f
             }
@@ -971,8 +969,8 @@ fn spawn(
     })?;
     let pid = child.id().unwrap_or(0);
     let cgroup = confined.map(|(c, ..)| c.cgroup.join(&spec.name));
-    if let Some((c, ..)) = confined {
-        if let Err(e) = crate::confine::join_cgroup(&c.cgroup, spec, pid) {
+    if let Some(g) = &cgroup {
+        if let Err(e) = crate::confine::join_cgroup(g, spec, pid) {
             let _ = child.start_kill();
             return Err(confine_err(e));
         }

@@ -545,6 +545,29 @@ async fn stream_windows_keep_each_stream_within_what_the_target_took() {
     }
 }
 
+/// A source's whole handshake on `tcp` with `hello` (the test's own key):
+/// Hello, the Welcome checked, Confirm. Returns the Hello and Welcome as
+/// sent, and the target's nonce.
+async fn handshake(
+    tcp: &mut TcpStream,
+    hello: &ferry_transport::protocol::Hello,
+) -> (
+    [u8; ferry_transport::protocol::HELLO_LEN],
+    [u8; ferry_transport::protocol::WELCOME_LEN],
+    [u8; 16],
+) {
+    use ferry_transport::protocol;
+    let said = hello.encode(SECRET);
+    tcp.write_all(&said).await.unwrap();
+    let mut welcome = [0u8; protocol::WELCOME_LEN];
+    tcp.read_exact(&mut welcome).await.unwrap();
+    let (_, answer) = protocol::decode_welcome(&welcome, &hello.nonce, SECRET).unwrap();
+    tcp.write_all(&protocol::confirm(SECRET, &said, &welcome))
+        .await
+        .unwrap();
+    (said, welcome, answer)
+}
+
 /// A peer holding the credential that sends far ahead of any gap (frames
 /// the target can never deliver in order) is cut off once the stream holds
 /// its reorder window out of order (here set to 16 MiB), instead of growing
@@ -573,14 +596,7 @@ async fn a_peer_sending_far_ahead_of_a_gap_is_cut_off() {
         nonce,
         sealed: false,
     };
-    let said = hello.encode(SECRET);
-    tcp.write_all(&said).await.unwrap();
-    let mut welcome = [0u8; protocol::WELCOME_LEN];
-    tcp.read_exact(&mut welcome).await.unwrap();
-    protocol::decode_welcome(&welcome, &nonce, SECRET).unwrap();
-    tcp.write_all(&protocol::confirm(SECRET, &said, &welcome))
-        .await
-        .unwrap();
+    handshake(&mut tcp, &hello).await;
     // offset 0 never comes: everything after it waits
     let payload = vec![0x5au8; protocol::MAX_PAYLOAD];
     let frames = (window as usize / protocol::MAX_PAYLOAD) + 8;
@@ -639,15 +655,8 @@ async fn a_replayed_hello_is_refused_and_an_unconfirmed_one_attaches_nothing() {
         sealed: true,
     };
     // the legitimate source's first flight, recorded
-    let said = hello([9; 16]).encode(SECRET);
     let mut tcp = TcpStream::connect(bound[0].1).await.unwrap();
-    tcp.write_all(&said).await.unwrap();
-    let mut welcome = [0u8; protocol::WELCOME_LEN];
-    tcp.read_exact(&mut welcome).await.unwrap();
-    let (_, answer) = protocol::decode_welcome(&welcome, &[9; 16], SECRET).unwrap();
-    tcp.write_all(&protocol::confirm(SECRET, &said, &welcome))
-        .await
-        .unwrap();
+    let (said, welcome, answer) = handshake(&mut tcp, &hello([9; 16])).await;
     // replayed: refused at once, status 6
     let mut again = TcpStream::connect(bound[0].1).await.unwrap();
     again.write_all(&said).await.unwrap();

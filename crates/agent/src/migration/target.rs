@@ -105,14 +105,11 @@ impl Agent {
             if let Some(slot) = self.state.lock().await.vms.get_mut(&req.spec.name) {
                 slot.qemu = Some(vm.clone());
             }
+            // a skeleton's QEMU is new: it has no TLS credentials unless given here
             if req.qemu_tls {
                 super::qemu_tls::arm(&vm.qmp, &dir, &key, super::qemu_tls::End::Server, vm.owner)
                     .await
                     .map_err(ApiError::internal)?;
-            } else {
-                super::qemu_tls::clear(&vm.qmp)
-                    .await
-                    .map_err(|e| ApiError::internal(error_chain(&e)))?;
             }
             let disk_carriers = if copies.is_empty() {
                 Vec::new()
