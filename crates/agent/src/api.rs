@@ -402,8 +402,12 @@ pub fn router(agent: Arc<Agent>) -> Router {
             peer_auth(&agent, &[Role::Control, Role::Agent]),
             require_peer,
         ));
+    let mut api = peer.merge(control);
+    if let Some(p) = &agent.pki {
+        api = api.merge(ferry_net::server::pki_routes(p.clone()));
+    }
     Router::new()
-        .nest(ferry_api::API_PREFIX, peer.merge(control))
+        .nest(ferry_api::API_PREFIX, api)
         .merge(fallback)
 }
 

@@ -178,9 +178,7 @@ impl Agent {
         let client_auth = ferry_net::client::ClientAuth::component(pki.as_ref(), &cred)?;
         let tickets = pki
             .as_ref()
-            .map(|p| ferry_net::ticket::TicketVerifier::new(p.roots()))
-            .transpose()
-            .map_err(ferry_net::tls::TlsError::Config)?;
+            .map(|p| ferry_net::ticket::TicketVerifier::with_verifier(p.client_verifier()));
         Ok(Arc::new(Agent {
             cred,
             pki,
@@ -282,6 +280,8 @@ impl Agent {
             ],
             grants: Some(self.cfg.grants.clone()),
             certificate_expires_ms: self.pki.as_ref().and_then(|p| p.expires_ms()),
+            certificate_serial: self.pki.as_ref().and_then(|p| p.serial()),
+            crl_number: self.pki.as_ref().and_then(|p| p.crl_number()),
         }
     }
 }

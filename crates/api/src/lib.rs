@@ -12,11 +12,13 @@
 //! - [`hardware`]: a VM's machine, CPU model, firmware, drives and NICs.
 //! - [`error`]: [`ApiError`], the one error enum that crosses the wire, and its
 //!   HTTP status mapping.
+//! - [`certs`]: renewing and revoking certificates across the cluster.
 //! - [`auth`]: the cluster credential made at lab/cluster creation.
 //! - [`util`]: error chains, poison-tolerant locks, commands, rates: written once.
 
 pub mod auth;
 pub mod bandwidth;
+pub mod certs;
 pub mod drain;
 pub mod error;
 pub mod grants;

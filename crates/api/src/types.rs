@@ -91,6 +91,12 @@ pub struct HostInfo {
     /// When the agent's certificate expires (Unix ms); absent without TLS.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub certificate_expires_ms: Option<u64>,
+    /// The agent's certificate's serial number (hex) and the revocation
+    /// list it enforces; absent without TLS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificate_serial: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crl_number: Option<u64>,
 }
 
 /// A certificate within this many days of its end is warned of (an event

@@ -69,6 +69,39 @@ pub enum ClusterCmd {
         #[arg(long, default_value_t = ferry_net::tls::CERT_DAYS)]
         days: u32,
     },
+    /// Replace every component's certificate (control service, agents,
+    /// storage nodes) with no VM stopped and no move failed: each makes a
+    /// new key and sends a signing request through the control service;
+    /// this command signs them with the CA's key, which stays on this
+    /// machine; each component uses its new certificate from its next
+    /// connection on. Exit status 1 names any component left with its old one.
+    RotateCerts {
+        /// The cluster CA's directory (ca-cert.pem, ca-key.pem).
+        #[arg(long, default_value = "/etc/ferry/ca")]
+        ca: std::path::PathBuf,
+        /// Days the new certificates are valid.
+        #[arg(long, default_value_t = ferry_net::tls::CERT_DAYS)]
+        days: u32,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke certificates: signs a new revocation list with the CA's key
+    /// (on this machine) and hands it to the control service, which puts it
+    /// in force on every agent and storage node and on itself. A revoked
+    /// certificate is refused at its next TLS handshake.
+    Revoke {
+        /// A certificate file (PEM) to revoke; repeatable.
+        #[arg(long = "cert")]
+        certs: Vec<std::path::PathBuf>,
+        /// A serial number (hex, as `ferry host list --json` shows
+        /// `certificate_serial`) to revoke; repeatable.
+        #[arg(long = "serial")]
+        serials: Vec<String>,
+        #[arg(long, default_value = "/etc/ferry/ca")]
+        ca: std::path::PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
     /// Change cluster settings; what is not given stays.
     Set {
         /// Every migration and disk copy encrypted and authenticated with a
@@ -148,6 +181,15 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
             println!("wrote {} ({} {name})", out.display(), req.role);
             return Ok(0);
         }
+        ClusterCmd::RotateCerts { ca, days, json } => {
+            return crate::certs_cmd::rotate(&cli.client()?, ca, *days, *json).await
+        }
+        ClusterCmd::Revoke {
+            certs,
+            serials,
+            ca,
+            json,
+        } => return crate::certs_cmd::revoke(&cli.client()?, certs, serials, ca, *json).await,
         ClusterCmd::DrainRolling {
             hosts,
             max_hosts_down,
@@ -183,6 +225,8 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
         ClusterCmd::Show { json } => (c.get("/cluster", T).await?, *json),
         ClusterCmd::Init { .. }
         | ClusterCmd::IssueCert { .. }
+        | ClusterCmd::RotateCerts { .. }
+        | ClusterCmd::Revoke { .. }
         | ClusterCmd::DrainRolling { .. } => {
             unreachable!("handled above")
         }

@@ -48,6 +48,8 @@ impl TlsArgs {
                 dir.display()
             )
         })?;
+        // files an admin replaces by hand take effect without a restart
+        pki.watch(std::time::Duration::from_secs(5));
         Ok(Some(pki))
     }
 }
@@ -488,7 +490,7 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
         control = control.with_hooks_dir(d.clone());
     }
     if let Some(p) = &pki {
-        control = control.with_ticket_signer(p.ticket_signer()?);
+        control = control.with_pki(p.clone())?;
     }
     let limits = limits_in(&file, f.limits)?;
     if let Some(n) = f.max_streams_per_token {
@@ -613,12 +615,9 @@ pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
         .or(f.api_listen)
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7900)));
     let pki = a.tls.load("storage", f.tls_dir.as_ref(), f.insecure_http)?;
-    let (auth, tls) = match &pki {
-        Some(p) => (
-            ferry_net::server::PeerAuth::Certificates(&[ferry_net::tls::Role::Control]),
-            Some(p.server_config(true)?),
-        ),
-        None => (ferry_net::server::PeerAuth::Credential(cred), None),
+    let auth = match &pki {
+        Some(_) => ferry_net::server::PeerAuth::Certificates(&[ferry_net::tls::Role::Control]),
+        None => ferry_net::server::PeerAuth::Credential(cred),
     };
     // NBD: TLS required whenever the node has a certificate, unless turned off
     let nbd_tls = match (f.nbd_tls.as_deref(), &pki) {
@@ -666,7 +665,16 @@ pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
     }
     in_file(&file, f.nbd_limits.validate())?;
     let limits = (limits_in(&file, f.limits)?, f.nbd_limits);
-    ferry_storage::serve(node, nbd_listen, api_listen, auth, tls, nbd_tls, limits).await?;
+    ferry_storage::serve(
+        node,
+        nbd_listen,
+        api_listen,
+        auth,
+        pki.as_ref(),
+        nbd_tls,
+        limits,
+    )
+    .await?;
     Ok(0)
 }
 

@@ -6,6 +6,7 @@
 //! it creates the machines the control service runs on.
 
 mod bandwidth_cmd;
+mod certs_cmd;
 mod cluster_cmd;
 mod config;
 mod daemons;

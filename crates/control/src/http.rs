@@ -41,6 +41,9 @@
 //! | PUT | /bandwidth | SetBandwidth (body: `BandwidthSetRequest`) |
 //! | GET/POST/DELETE | /cluster/rolling | RollingStatus / StartRolling (body: `RollingRequest`) / StopRolling → `RollingStatus` |
 //! | GET/PUT | /cluster | GetCluster / SetCluster (body: `ClusterSettingsUpdate`): cluster-wide settings |
+//! | POST | /cluster/certificates/requests | CertRequests → `[RenewalItem]`: a new key and signing request from every component (admin) |
+//! | POST | /cluster/certificates | InstallCerts (body: `[SignedCert]`) → `[InstallResult]` (admin) |
+//! | GET/PUT | /cluster/crl | GetCrl → `CrlInfo` / SetCrl (body: `CrlInstall`) → `[InstallResult]`: the revocation list, in force everywhere (admin) |
 //! | GET | /events | Events (query `limit`, default 100): the event log, oldest first |
 //! | GET | /tokens | ListTokens |
 //! | POST | /tokens | CreateToken (body: `TokenCreateRequest`) → `TokenCreated` (the secret, this once) |
@@ -743,6 +746,26 @@ pub fn router(control: Arc<Control>) -> Router {
             get(|State(c): S| async move { run(&c, Command::GetCluster).await }).put(
                 |State(c): S, ApiJson(u): ApiJson<ferry_api::ClusterSettingsUpdate>| async move {
                     run(&c, Command::SetCluster(u)).await
+                },
+            ),
+        )
+        .route(
+            "/cluster/certificates/requests",
+            post(|State(c): S| async move { run(&c, Command::CertRequests).await }),
+        )
+        .route(
+            "/cluster/certificates",
+            post(
+                |State(c): S, ApiJson(r): ApiJson<Vec<ferry_api::certs::SignedCert>>| async move {
+                    run(&c, Command::InstallCerts(r)).await
+                },
+            ),
+        )
+        .route(
+            "/cluster/crl",
+            get(|State(c): S| async move { run(&c, Command::GetCrl).await }).put(
+                |State(c): S, ApiJson(r): ApiJson<ferry_api::certs::CrlInstall>| async move {
+                    run(&c, Command::SetCrl(r)).await
                 },
             ),
         )

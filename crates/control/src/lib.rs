@@ -11,6 +11,7 @@
 pub mod access;
 pub mod assets;
 pub mod bandwidth;
+mod certs;
 mod disk_move;
 pub mod drain;
 mod drain_run;
@@ -110,6 +111,12 @@ pub enum Command {
     /// Settings of the whole cluster (encrypted carriers).
     GetCluster,
     SetCluster(ferry_api::ClusterSettingsUpdate),
+    /// Certificates renewed with the CA's key kept by an admin (see [`certs`]).
+    CertRequests,
+    InstallCerts(Vec<ferry_api::certs::SignedCert>),
+    /// The revocation list, kept and pushed to every component.
+    GetCrl,
+    SetCrl(ferry_api::certs::CrlInstall),
     /// Users' API tokens (see [`tokens`]).
     ListTokens,
     CreateToken(ferry_api::auth::TokenCreateRequest),
@@ -187,6 +194,10 @@ impl Command {
             Command::SetHost { host, .. } => (Admin, format!("set host {host}")),
             Command::SetBandwidth(_) => (Admin, "set bandwidth classes".into()),
             Command::SetCluster(_) => (Admin, "set cluster settings".into()),
+            Command::CertRequests => (Admin, "renew the cluster's certificates".into()),
+            Command::InstallCerts(_) => (Admin, "install renewed certificates".into()),
+            Command::GetCrl => (ReadOnly, "read the revocation list".into()),
+            Command::SetCrl(_) => (Admin, "revoke certificates".into()),
             Command::ListTokens => (Admin, "list tokens".into()),
             Command::CreateToken(r) => (Admin, format!("create token {}", r.name)),
             Command::RevokeToken { name } => (Admin, format!("revoke token {name}")),
@@ -270,7 +281,11 @@ pub struct Control {
     hooks_dir: std::path::PathBuf,
     /// Signs each move's ticket (see [`ferry_net::ticket`]); `None` under
     /// `--insecure-http`, where agents ask for none.
-    tickets: Option<Arc<ferry_net::ticket::TicketSigner>>,
+    tickets: Option<Arc<ferry_net::ticket::LiveSigner>>,
+    /// This service's certificate (renewed by `POST /cluster/certificates`).
+    pki: Option<ferry_net::tls::Pki>,
+    /// The revocation list's number each component was last seen with.
+    crl_pushed: std::sync::Mutex<BTreeMap<String, u64>>,
     /// Event streams one token may hold open (`max_streams_per_token`).
     pub(crate) max_streams_per_token: usize,
     /// The web console's signed-in browsers (see [`sessions`]).
@@ -315,6 +330,8 @@ impl Control {
             rolling: Default::default(),
             hooks_dir: rolling::DEFAULT_HOOKS_DIR.into(),
             tickets: None,
+            pki: None,
+            crl_pushed: Default::default(),
             max_streams_per_token: limits::MAX_STREAMS_PER_TOKEN,
             streams: Default::default(),
             refusals: Default::default(),
@@ -340,10 +357,15 @@ impl Control {
         self
     }
 
-    /// Signs move tickets with `signer` (the control service's certificate key).
-    pub fn with_ticket_signer(mut self, signer: ferry_net::ticket::TicketSigner) -> Control {
-        self.tickets = Some(Arc::new(signer));
-        self
+    /// This service's certificate: it signs move tickets with its key, and
+    /// renews it with the cluster's (see `certs`).
+    pub fn with_pki(
+        mut self,
+        pki: ferry_net::tls::Pki,
+    ) -> Result<Control, ferry_net::tls::TlsError> {
+        self.tickets = Some(Arc::new(ferry_net::ticket::LiveSigner::new(&pki)?));
+        self.pki = Some(pki);
+        Ok(self)
     }
 
     /// Keeps state in `store` instead of memory, taking up what it holds.
@@ -422,6 +444,7 @@ impl Control {
         self.resume_rolling().await;
         self.log_pauses(&hosts);
         self.warn_expiring(&hosts);
+        self.sync_crl().await;
         for s in self
             .refusals
             .flush(std::time::Instant::now(), limits::REFUSAL_WINDOW)
@@ -673,6 +696,10 @@ impl Control {
             Command::ListBandwidth => value(self.list_bandwidth().await?),
             Command::SetBandwidth(req) => value(self.set_bandwidth(req).await?),
             Command::GetCluster => value(self.cluster_settings().await?),
+            Command::CertRequests => value(self.cert_requests().await?),
+            Command::InstallCerts(signed) => value(self.install_certs(signed).await?),
+            Command::GetCrl => value(self.crl().await?),
+            Command::SetCrl(c) => value(self.set_crl(c.crl).await?),
             Command::SetCluster(u) => {
                 let s = self.cluster_settings().await?.updated(&u);
                 self.store.put_cluster(CLUSTER_KEY, &s).await?;

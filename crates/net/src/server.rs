@@ -437,3 +437,60 @@ pub async fn serve_with(
         });
     }
 }
+
+/// A component's certificate, renewed and revoked at the control
+/// service's word (see `ferry_api::certs`): `GET /pki`, `POST
+/// /pki/request`, `PUT /pki/certificate`, `PUT /pki/crl`, served to the
+/// control role only. Nest under the API prefix.
+pub fn pki_routes(pki: crate::tls::Pki) -> axum::Router {
+    use axum::routing::{get, post, put};
+    use ferry_api::certs::{CertInstall, CertRenewal, CrlInstall};
+    type P = State<crate::tls::Pki>;
+    fn refused(e: crate::tls::TlsError) -> ErrorResponse {
+        ErrorResponse(ApiError::invalid("certificate", e.to_string()))
+    }
+    axum::Router::new()
+        .route("/pki", get(|State(p): P| async move { axum::Json(pki_status(&p)) }))
+        .route(
+            "/pki/request",
+            post(|State(p): P| async move {
+                let request = p.signing_request().map_err(refused)?;
+                tracing::info!(event = "certificate_request", "made a new key and its signing request");
+                Ok::<_, ErrorResponse>(axum::Json(CertRenewal {
+                    certificate: p.certificate_pem(),
+                    request,
+                }))
+            }),
+        )
+        .route(
+            "/pki/certificate",
+            put(|State(p): P, ApiJson(c): ApiJson<CertInstall>| async move {
+                p.install(&c.certificate).map_err(refused)?;
+                tracing::info!(event = "certificate_renewed", serial = %p.serial().unwrap_or_default(), "a new certificate is in force");
+                Ok::<_, ErrorResponse>(axum::Json(pki_status(&p)))
+            }),
+        )
+        .route(
+            "/pki/crl",
+            put(|State(p): P, ApiJson(c): ApiJson<CrlInstall>| async move {
+                let n = p.install_crl(&c.crl).map_err(refused)?;
+                tracing::info!(event = "crl_installed", number = n, "revocation list in force");
+                Ok::<_, ErrorResponse>(axum::Json(pki_status(&p)))
+            }),
+        )
+        .layer(axum::middleware::from_fn_with_state(
+            PeerAuth::Certificates(&[crate::tls::Role::Control]),
+            require_peer,
+        ))
+        .with_state(pki)
+}
+
+/// What [`pki_routes`] answers about `pki`.
+pub fn pki_status(pki: &crate::tls::Pki) -> ferry_api::certs::PkiStatus {
+    ferry_api::certs::PkiStatus {
+        identity: pki.identity.to_string(),
+        serial: pki.serial().unwrap_or_default(),
+        expires_ms: pki.expires_ms(),
+        crl_number: pki.crl_number(),
+    }
+}

@@ -238,10 +238,49 @@ impl Claims {
 impl Pki {
     /// Signs move tickets with this certificate's key (the control service's).
     pub fn ticket_signer(&self) -> Result<TicketSigner, TlsError> {
-        TicketSigner::new(&self.chain[0], &self.key).map_err(|why| TlsError::Pem {
+        let (cert, key) = self.current_key();
+        TicketSigner::new(&cert, &key).map_err(|why| TlsError::Pem {
             path: self.dir.join(crate::tls::KEY),
             why,
         })
+    }
+}
+
+/// A signer that follows its component's certificate: after a renewal
+/// ([`Pki::install`]) tickets are signed with the new key.
+pub struct LiveSigner {
+    pki: Pki,
+    cached: Mutex<(u64, Arc<TicketSigner>)>,
+}
+
+impl std::fmt::Debug for LiveSigner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LiveSigner({:?})", self.pki)
+    }
+}
+
+impl LiveSigner {
+    pub fn new(pki: &Pki) -> Result<LiveSigner, TlsError> {
+        Ok(LiveSigner {
+            cached: Mutex::new((pki.generation(), Arc::new(pki.ticket_signer()?))),
+            pki: pki.clone(),
+        })
+    }
+
+    /// See [`TicketSigner::sign`]; the key is the certificate's in force.
+    pub fn sign(&self, spec: &VmSpec, source: &str, target: &str, now: u64) -> Ticket {
+        let signer = {
+            let mut c = self.cached.lock().unwrap_or_else(|p| p.into_inner());
+            let generation = self.pki.generation();
+            if c.0 != generation {
+                match self.pki.ticket_signer() {
+                    Ok(s) => *c = (generation, Arc::new(s)),
+                    Err(e) => tracing::warn!("tickets still signed with the old key: {e}"),
+                }
+            }
+            c.1.clone()
+        };
+        signer.sign(spec, source, target, now)
     }
 }
 
@@ -329,6 +368,17 @@ pub struct TicketVerifier {
 }
 
 impl TicketVerifier {
+    /// Issuers checked by `verifier` (a [`Pki::client_verifier`]: the CA
+    /// and the revocation list in force).
+    pub fn with_verifier(
+        verifier: Arc<dyn rustls::server::danger::ClientCertVerifier>,
+    ) -> TicketVerifier {
+        TicketVerifier {
+            verifier,
+            seen: Mutex::new(BTreeMap::new()),
+        }
+    }
+
     pub fn new(roots: Arc<RootCertStore>) -> Result<TicketVerifier, String> {
         let verifier = WebPkiClientVerifier::builder_with_provider(
             roots,

@@ -33,10 +33,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::{CertificateRevocationListDer, ServerName, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::WebPkiClientVerifier;
 use rustls::RootCertStore;
 pub use rustls::{ClientConfig, ServerConfig};
+use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
 
 /// File names in a component's certificate directory.
 pub const CA_CERT: &str = "ca-cert.pem";
@@ -314,27 +318,7 @@ impl Authority {
         let mut san = vec![req.name.clone()];
         san.extend(req.san.iter().cloned());
         san.dedup();
-        let mut p = rcgen::CertificateParams::new(san).map_err(rc)?;
-        p.distinguished_name = rcgen::DistinguishedName::new();
-        p.distinguished_name
-            .push(rcgen::DnType::OrganizationName, "ferry");
-        p.distinguished_name
-            .push(rcgen::DnType::OrganizationalUnitName, req.role.as_str());
-        p.distinguished_name
-            .push(rcgen::DnType::CommonName, req.name.clone());
-        p.is_ca = rcgen::IsCa::ExplicitNoCa;
-        // QEMU's TLS credentials insist on key encipherment too, whatever the key
-        p.key_usages = vec![
-            rcgen::KeyUsagePurpose::DigitalSignature,
-            rcgen::KeyUsagePurpose::KeyEncipherment,
-        ];
-        p.extended_key_usages = vec![
-            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
-            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        let now = time::OffsetDateTime::now_utc();
-        p.not_before = now - time::Duration::hours(1);
-        p.not_after = now + time::Duration::days(i64::from(req.days.max(1)));
+        let p = leaf_params(req.role, &req.name, san, req.days)?;
         let key = rcgen::KeyPair::generate().map_err(rc)?;
         let cert = p.signed_by(&key, &self.cert, &self.key).map_err(rc)?;
         std::fs::create_dir_all(out).map_err(io(out))?;
@@ -350,28 +334,109 @@ impl Authority {
     }
 }
 
-/// A component's certificate directory, loaded.
-#[derive(Clone)]
-pub struct Pki {
-    pub dir: PathBuf,
-    roots: Arc<RootCertStore>,
-    pub(crate) chain: Vec<CertificateDer<'static>>,
-    pub(crate) key: Arc<PrivateKeyDer<'static>>,
-    /// Who this certificate says we are.
-    pub identity: Identity,
-}
+/// The revocation list's file in a component's directory, when the
+/// cluster has revoked anything (see [`Pki::install_crl`]).
+pub const CRL: &str = "crl.pem";
 
-impl Pki {
-    /// When this component's own certificate stops being valid (Unix ms).
-    pub fn expires_ms(&self) -> Option<u64> {
-        expires_ms(self.chain.first()?)
+impl Authority {
+    /// Renews a component's certificate: the holder, its role and the names
+    /// it is reached at come from `current` (which this CA must have
+    /// signed), the key from `csr_pem` (whose signature must verify).
+    /// Returns the new certificate, PEM, valid `days`.
+    pub fn renew(&self, current: &str, csr_pem: &str, days: u32) -> Result<String, TlsError> {
+        let bad = |why: String| TlsError::Generate(why);
+        let chain = rustls_pemfile_certs(current.as_bytes()).map_err(bad)?;
+        let cert = chain
+            .first()
+            .ok_or_else(|| bad("no current certificate given".into()))?;
+        let (_, x) = x509_parser::parse_x509_certificate(cert.as_ref())
+            .map_err(|e| bad(format!("current certificate: {e}")))?;
+        let (_, ca) = x509_parser::parse_x509_certificate(self.cert.der().as_ref())
+            .map_err(|e| bad(format!("CA certificate: {e}")))?;
+        x.verify_signature(Some(ca.public_key()))
+            .map_err(|_| bad("the current certificate is not this CA's".into()))?;
+        let id = identity_of(cert)
+            .ok_or_else(|| bad("the current certificate names no Ferry role".into()))?;
+        let mut san = vec![];
+        if let Ok(Some(ext)) = x.subject_alternative_name() {
+            for n in &ext.value.general_names {
+                match n {
+                    x509_parser::extensions::GeneralName::DNSName(d) => san.push(d.to_string()),
+                    x509_parser::extensions::GeneralName::IPAddress(ip) => {
+                        let ip = match ip.len() {
+                            4 => {
+                                std::net::IpAddr::from(<[u8; 4]>::try_from(*ip).unwrap_or_default())
+                            }
+                            16 => std::net::IpAddr::from(
+                                <[u8; 16]>::try_from(*ip).unwrap_or_default(),
+                            ),
+                            _ => continue,
+                        };
+                        san.push(ip.to_string());
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let csr = rcgen::CertificateSigningRequestParams::from_pem(csr_pem)
+            .map_err(|e| bad(format!("signing request of {id}: {e}")))?;
+        let csr = rcgen::CertificateSigningRequestParams {
+            params: leaf_params(id.role, &id.name, san, days)?,
+            public_key: csr.public_key,
+        };
+        Ok(csr.signed_by(&self.cert, &self.key).map_err(rc)?.pem())
+    }
+
+    /// A revocation list numbered `number` naming `serials` (big-endian
+    /// bytes), PEM.
+    pub fn revocation_list(&self, number: u64, serials: &[Vec<u8>]) -> Result<String, TlsError> {
+        let now = time::OffsetDateTime::now_utc();
+        let p = rcgen::CertificateRevocationListParams {
+            this_update: now,
+            next_update: now + time::Duration::days(3650),
+            crl_number: rcgen::SerialNumber::from(number.to_be_bytes().to_vec()),
+            issuing_distribution_point: None,
+            revoked_certs: serials
+                .iter()
+                .map(|s| rcgen::RevokedCertParams {
+                    serial_number: rcgen::SerialNumber::from(s.clone()),
+                    revocation_time: now,
+                    reason_code: None,
+                    invalidity_date: None,
+                })
+                .collect(),
+            key_identifier_method: rcgen::KeyIdMethod::Sha256,
+        };
+        p.signed_by(&self.cert, &self.key)
+            .map_err(rc)?
+            .pem()
+            .map_err(rc)
     }
 }
 
-impl std::fmt::Debug for Pki {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Pki({}, {})", self.dir.display(), self.identity)
-    }
+/// What every certificate the CA signs says (see the module documentation).
+fn leaf_params(
+    role: Role,
+    name: &str,
+    san: Vec<String>,
+    days: u32,
+) -> Result<rcgen::CertificateParams, TlsError> {
+    let mut p = rcgen::CertificateParams::new(san).map_err(rc)?;
+    p.distinguished_name = subject(role, name);
+    p.is_ca = rcgen::IsCa::ExplicitNoCa;
+    // QEMU's TLS credentials insist on key encipherment too, whatever the key
+    p.key_usages = vec![
+        rcgen::KeyUsagePurpose::DigitalSignature,
+        rcgen::KeyUsagePurpose::KeyEncipherment,
+    ];
+    p.extended_key_usages = vec![
+        rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+        rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    let now = time::OffsetDateTime::now_utc();
+    p.not_before = now - time::Duration::hours(1);
+    p.not_after = now + time::Duration::days(i64::from(days.max(1)));
+    Ok(p)
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
@@ -380,9 +445,13 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 
 /// The cluster CA from `ca-cert.pem`, as trust roots.
 pub fn load_roots(ca: &Path) -> Result<Arc<RootCertStore>, TlsError> {
+    roots_of(ca, &read_certs(ca)?)
+}
+
+fn roots_of(ca: &Path, certs: &[CertificateDer<'static>]) -> Result<Arc<RootCertStore>, TlsError> {
     let mut roots = RootCertStore::empty();
-    for c in read_certs(ca)? {
-        roots.add(c).map_err(|e| TlsError::Pem {
+    for c in certs {
+        roots.add(c.clone()).map_err(|e| TlsError::Pem {
             path: ca.into(),
             why: e.to_string(),
         })?;
@@ -390,60 +459,576 @@ pub fn load_roots(ca: &Path) -> Result<Arc<RootCertStore>, TlsError> {
     Ok(Arc::new(roots))
 }
 
-impl Pki {
-    pub fn load(dir: &Path) -> Result<Pki, TlsError> {
-        let roots = load_roots(&dir.join(CA_CERT))?;
+/// A component's certificate directory, loaded and kept current.
+///
+/// The TLS configurations a `Pki` makes ([`Pki::server_config`],
+/// [`Pki::client_config`]) read its current certificate, trust roots and
+/// revocation list at every handshake, so [`Pki::reload`] (files changed on
+/// disk), [`Pki::install`] (a renewed certificate) and
+/// [`Pki::install_crl`] take effect for the next connection of every
+/// server and client made from it; connections already open keep going.
+/// Clones share one state.
+#[derive(Clone)]
+pub struct Pki {
+    pub dir: PathBuf,
+    /// Who this certificate says we are; a reload never changes it.
+    pub identity: Identity,
+    live: Arc<Live>,
+}
+
+impl std::fmt::Debug for Pki {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Pki({}, {})", self.dir.display(), self.identity)
+    }
+}
+
+struct Live {
+    current: std::sync::RwLock<Arc<Loaded>>,
+    /// The key of a signing request not yet answered ([`Pki::signing_request`]).
+    pending: std::sync::Mutex<Option<String>>,
+    generation: std::sync::atomic::AtomicU64,
+}
+
+/// One reading of the directory.
+struct Loaded {
+    roots: Arc<RootCertStore>,
+    /// The CA certificates the roots are made of.
+    cas: Vec<CertificateDer<'static>>,
+    chain: Vec<CertificateDer<'static>>,
+    key: Arc<PrivateKeyDer<'static>>,
+    certified: Arc<rustls::sign::CertifiedKey>,
+    /// Clients must present a certificate of the cluster, not revoked.
+    strict: Arc<dyn ClientCertVerifier>,
+    /// Clients may present none; one presented is checked as above.
+    lenient: Arc<dyn ClientCertVerifier>,
+    server: Arc<dyn ServerCertVerifier>,
+    crl_number: Option<u64>,
+    stamp: Stamp,
+}
+
+/// Sizes and modification times of the directory's files: a reload reads
+/// them again only when this changed.
+type Stamp = Vec<Option<(u64, std::time::SystemTime)>>;
+
+fn stamp(dir: &Path) -> Stamp {
+    [CERT, KEY, CA_CERT, CRL]
+        .iter()
+        .map(|f| {
+            std::fs::metadata(dir.join(f))
+                .ok()
+                .and_then(|m| Some((m.len(), m.modified().ok()?)))
+        })
+        .collect()
+}
+
+fn config_err(e: impl std::fmt::Display) -> TlsError {
+    TlsError::Config(e.to_string())
+}
+
+fn read_crls(path: &Path) -> Result<Vec<CertificateRevocationListDer<'static>>, TlsError> {
+    use rustls::pki_types::pem::PemObject;
+    let text = match std::fs::read(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+        Err(e) => return Err(io(path)(e)),
+    };
+    CertificateRevocationListDer::pem_slice_iter(&text)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TlsError::Pem {
+            path: path.into(),
+            why: format!("not a PEM revocation list: {e:?}"),
+        })
+}
+
+impl Loaded {
+    fn read(dir: &Path) -> Result<(Loaded, Identity), TlsError> {
+        let before = stamp(dir);
+        let cas = read_certs(&dir.join(CA_CERT))?;
+        let roots = roots_of(&dir.join(CA_CERT), &cas)?;
         let chain = read_certs(&dir.join(CERT))?;
         let key = read_key(&dir.join(KEY))?;
+        let crls = read_crls(&dir.join(CRL))?;
         let identity = identity_of(&chain[0]).ok_or_else(|| TlsError::Pem {
             path: dir.join(CERT),
             why: "not a certificate issued by `ferry cluster issue-cert` (no ferry role in its subject)"
                 .into(),
         })?;
-        Ok(Pki {
-            dir: dir.into(),
+        let signer =
+            rustls::crypto::ring::sign::any_supported_type(&key).map_err(|e| TlsError::Pem {
+                path: dir.join(KEY),
+                why: e.to_string(),
+            })?;
+        let certified = rustls::sign::CertifiedKey::new(chain.clone(), signer);
+        certified.keys_match().map_err(|e| TlsError::Pem {
+            path: dir.join(KEY),
+            why: format!("not the key of {}: {e}", dir.join(CERT).display()),
+        })?;
+        let crl_number = crls
+            .first()
+            .and_then(|c| crl_facts(c.as_ref()).ok())
+            .map(|f| f.0);
+        let client = |lenient: bool| {
+            let b = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
+                .with_crls(crls.iter().cloned())
+                .only_check_end_entity_revocation();
+            if lenient {
+                b.allow_unauthenticated().build()
+            } else {
+                b.build()
+            }
+            .map_err(config_err)
+        };
+        let server =
+            rustls::client::WebPkiServerVerifier::builder_with_provider(roots.clone(), provider())
+                .with_crls(crls.iter().cloned())
+                .only_check_end_entity_revocation()
+                .build()
+                .map_err(config_err)?;
+        let loaded = Loaded {
+            strict: client(false)?,
+            lenient: client(true)?,
+            server,
             roots,
+            cas,
             chain,
             key: Arc::new(key),
+            certified: Arc::new(certified),
+            crl_number,
+            stamp: before,
+        };
+        Ok((loaded, identity))
+    }
+}
+
+/// A revocation list's number and revoked serials (big-endian bytes).
+pub fn crl_facts(der: &[u8]) -> Result<(u64, Vec<Vec<u8>>), String> {
+    let (_, crl) = x509_parser::parse_x509_crl(der).map_err(|e| e.to_string())?;
+    let number = crl
+        .crl_number()
+        .and_then(|n| u64::try_from(n.clone()).ok())
+        .ok_or("a revocation list without a number this side of 2^64")?;
+    let serials = crl
+        .iter_revoked_certificates()
+        .map(|r| r.raw_serial().to_vec())
+        .collect();
+    Ok((number, serials))
+}
+
+/// A revocation list's number and revoked serials (hex), from PEM.
+pub fn crl_facts_pem(pem: &str) -> Result<(u64, Vec<String>), String> {
+    use rustls::pki_types::pem::PemObject;
+    let der = CertificateRevocationListDer::from_pem_slice(pem.as_bytes())
+        .map_err(|e| format!("not a PEM revocation list: {e:?}"))?;
+    let (n, serials) = crl_facts(der.as_ref())?;
+    Ok((n, serials.iter().map(|s| hex(s)).collect()))
+}
+
+/// The serial number (hex) of the first certificate in `pem`.
+pub fn serial_of_pem(pem: &str) -> Option<String> {
+    serial_of(rustls_pemfile_certs(pem.as_bytes()).ok()?.first()?)
+}
+
+/// A certificate's serial number, hex.
+pub fn serial_of(cert: &CertificateDer<'_>) -> Option<String> {
+    let (_, x) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
+    Some(hex(x.raw_serial()))
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+impl Pki {
+    pub fn load(dir: &Path) -> Result<Pki, TlsError> {
+        let (loaded, identity) = Loaded::read(dir)?;
+        Ok(Pki {
+            dir: dir.into(),
             identity,
+            live: Arc::new(Live {
+                current: std::sync::RwLock::new(Arc::new(loaded)),
+                pending: std::sync::Mutex::new(None),
+                generation: Default::default(),
+            }),
         })
+    }
+
+    fn now(&self) -> Arc<Loaded> {
+        self.live
+            .current
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Reads the directory again when its files changed since the last
+    /// reading; `Ok(true)` when something new took effect. A directory
+    /// caught half-written, or holding a certificate of another identity,
+    /// is an error and the current state stays.
+    pub fn reload(&self) -> Result<bool, TlsError> {
+        if stamp(&self.dir) == self.now().stamp {
+            return Ok(false);
+        }
+        let (loaded, identity) = Loaded::read(&self.dir)?;
+        if identity != self.identity {
+            return Err(TlsError::Name(format!(
+                "{} now holds a certificate of {identity}, not of {}: kept the old one",
+                self.dir.display(),
+                self.identity
+            )));
+        }
+        *self.live.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(loaded);
+        self.live
+            .generation
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// Reloads every `every` for as long as the process runs (an admin who
+    /// replaces the files by hand needs no restart); logs each change.
+    pub fn watch(&self, every: Duration) {
+        let pki = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                match pki.reload() {
+                    Ok(true) => tracing::info!(
+                        event = "certificate_reloaded",
+                        serial = %pki.serial().unwrap_or_default(),
+                        crl = ?pki.crl_number(),
+                        "{}: new certificate files in effect",
+                        pki.dir.display()
+                    ),
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!("certificate files not reloaded: {e}"),
+                }
+            }
+        });
+    }
+
+    /// Counts the readings that took effect: a holder of something derived
+    /// from the key (a ticket signer) makes it again when this moved.
+    pub fn generation(&self) -> u64 {
+        self.live
+            .generation
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// When this component's own certificate stops being valid (Unix ms).
+    pub fn expires_ms(&self) -> Option<u64> {
+        expires_ms(self.now().chain.first()?)
+    }
+
+    /// This component's certificate's serial number, hex.
+    pub fn serial(&self) -> Option<String> {
+        serial_of(self.now().chain.first()?)
+    }
+
+    /// The number of the revocation list in force, if any.
+    pub fn crl_number(&self) -> Option<u64> {
+        self.now().crl_number
+    }
+
+    /// The certificate in force, PEM.
+    pub fn certificate_pem(&self) -> String {
+        pem::encode(&pem::Pem::new("CERTIFICATE", self.now().chain[0].to_vec()))
+    }
+
+    /// The current certificate and key (ticket signing).
+    pub(crate) fn current_key(&self) -> (CertificateDer<'static>, Arc<PrivateKeyDer<'static>>) {
+        let now = self.now();
+        (now.chain[0].clone(), now.key.clone())
+    }
+
+    /// Starts a renewal: a new key, kept here until [`Pki::install`], and a
+    /// signing request for it (PEM) naming this component.
+    pub fn signing_request(&self) -> Result<String, TlsError> {
+        let key = rcgen::KeyPair::generate().map_err(rc)?;
+        let mut p = rcgen::CertificateParams::new(vec![self.identity.name.clone()]).map_err(rc)?;
+        p.distinguished_name = subject(self.identity.role, &self.identity.name);
+        let csr = p.serialize_request(&key).map_err(rc)?.pem().map_err(rc)?;
+        *self.live.pending.lock().unwrap_or_else(|p| p.into_inner()) = Some(key.serialize_pem());
+        Ok(csr)
+    }
+
+    /// Ends a renewal: `cert_pem`, signed by the cluster CA for the key of
+    /// the last [`Pki::signing_request`] and for this same identity, is
+    /// written (key first, each file replaced whole) and takes effect.
+    pub fn install(&self, cert_pem: &str) -> Result<(), TlsError> {
+        let bad = |why: String| TlsError::Invalid {
+            what: "certificate",
+            value: self.identity.to_string(),
+            why: Box::leak(why.into_boxed_str()),
+        };
+        let chain = rustls_pemfile_certs(cert_pem.as_bytes()).map_err(bad)?;
+        let cert = chain
+            .first()
+            .ok_or_else(|| bad("no CERTIFICATE in it".into()))?;
+        let pending = self
+            .live
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| {
+                bad("no key is waiting for it: ask for a signing request first".into())
+            })?;
+        let key = rcgen::KeyPair::from_pem(&pending).map_err(rc)?;
+        let (_, x) = x509_parser::parse_x509_certificate(cert.as_ref())
+            .map_err(|e| bad(format!("unreadable: {e}")))?;
+        if x.public_key().raw != key.public_key_der().as_slice() {
+            return Err(bad(
+                "it is not for the key this component is waiting with".into()
+            ));
+        }
+        match identity_of(cert) {
+            Some(id) if id == self.identity => {}
+            other => {
+                return Err(bad(format!(
+                    "it names {}, not this component",
+                    other.map_or("no Ferry identity".into(), |i| i.to_string())
+                )))
+            }
+        }
+        self.now()
+            .strict
+            .verify_client_cert(cert, &chain[1..], UnixTime::now())
+            .map_err(|e| bad(format!("not valid in this cluster: {e}")))?;
+        replace(&self.dir.join(KEY), &key.serialize_pem(), true)?;
+        replace(&self.dir.join(CERT), cert_pem, false)?;
+        *self.live.pending.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.reload().map(|_| ())
+    }
+
+    /// Puts a revocation list signed by the cluster CA in force (and in
+    /// `crl.pem`); refuses one older than the list in force. Returns its number.
+    pub fn install_crl(&self, pem: &str) -> Result<u64, TlsError> {
+        use rustls::pki_types::pem::PemObject;
+        let bad = |why: String| TlsError::Invalid {
+            what: "revocation list",
+            value: String::new(),
+            why: Box::leak(why.into_boxed_str()),
+        };
+        let der = CertificateRevocationListDer::from_pem_slice(pem.as_bytes())
+            .map_err(|e| bad(format!("not PEM: {e:?}")))?;
+        let (number, _) = crl_facts(der.as_ref()).map_err(bad)?;
+        let now = self.now();
+        if let Some(have) = now.crl_number {
+            if number < have {
+                return Err(bad(format!(
+                    "number {number} is older than the list in force ({have})"
+                )));
+            }
+        }
+        verify_crl(&now.cas, der.as_ref()).map_err(bad)?;
+        replace(&self.dir.join(CRL), pem, false)?;
+        self.reload()?;
+        Ok(number)
     }
 
     /// TLS for a server; `require_client_cert`: refuse clients without a
     /// certificate of this cluster (agents, storage nodes); otherwise one is
     /// verified when offered (the control service, whose users bring tokens).
+    /// Revoked certificates are refused either way.
     pub fn server_config(&self, require_client_cert: bool) -> Result<Arc<ServerConfig>, TlsError> {
-        let b = WebPkiClientVerifier::builder_with_provider(self.roots.clone(), provider());
-        let verifier = if require_client_cert {
-            b.build()
-        } else {
-            b.allow_unauthenticated().build()
-        }
-        .map_err(|e| TlsError::Config(e.to_string()))?;
+        let verifier = Arc::new(LiveClients {
+            pki: self.clone(),
+            lenient: !require_client_cert,
+            hints: self.now().roots.subjects(),
+        });
         let mut c = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
-            .map_err(|e| TlsError::Config(e.to_string()))?
+            .map_err(config_err)?
             .with_client_cert_verifier(verifier)
-            .with_single_cert(self.chain.clone(), self.key.clone_key())
-            .map_err(|e| TlsError::Config(e.to_string()))?;
+            .with_cert_resolver(Arc::new(LiveCert(self.clone())));
         c.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(Arc::new(c))
     }
 
+    /// The cluster CA and revocation list in force, as a client-certificate check.
+    pub fn client_verifier(&self) -> Arc<dyn ClientCertVerifier> {
+        Arc::new(LiveClients {
+            pki: self.clone(),
+            lenient: false,
+            hints: self.now().roots.subjects(),
+        })
+    }
+
     /// The cluster CA as trust roots.
     pub fn roots(&self) -> Arc<RootCertStore> {
-        self.roots.clone()
+        self.now().roots.clone()
     }
 
     /// TLS for a client that presents this certificate.
     pub fn client_config(&self) -> Result<Arc<ClientConfig>, TlsError> {
-        ClientConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| TlsError::Config(e.to_string()))?
-            .with_root_certificates(self.roots.clone())
-            .with_client_auth_cert(self.chain.clone(), self.key.clone_key())
-            .map(Arc::new)
-            .map_err(|e| TlsError::Config(e.to_string()))
+        Ok(Arc::new(
+            ClientConfig::builder_with_provider(provider())
+                .with_safe_default_protocol_versions()
+                .map_err(config_err)?
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(LiveServers(self.clone())))
+                .with_client_cert_resolver(Arc::new(LiveCert(self.clone()))),
+        ))
+    }
+}
+
+fn subject(role: Role, name: &str) -> rcgen::DistinguishedName {
+    let mut dn = rcgen::DistinguishedName::new();
+    dn.push(rcgen::DnType::OrganizationName, "ferry");
+    dn.push(rcgen::DnType::OrganizationalUnitName, role.as_str());
+    dn.push(rcgen::DnType::CommonName, name.to_string());
+    dn
+}
+
+/// Writes `path` whole: a temporary file beside it, then a rename.
+fn replace(path: &Path, text: &str, private: bool) -> Result<(), TlsError> {
+    let tmp = path.with_extension("pem.new");
+    if private {
+        write_private(&tmp, text)?;
+    } else {
+        write_public(&tmp, text)?;
+    }
+    std::fs::rename(&tmp, path).map_err(io(path))
+}
+
+/// Checks that one of the CA certificates `cas` signed the revocation list `der`.
+fn verify_crl(cas: &[CertificateDer<'static>], der: &[u8]) -> Result<(), String> {
+    let (_, crl) = x509_parser::parse_x509_crl(der).map_err(|e| e.to_string())?;
+    for ca in cas {
+        let Ok((_, ca)) = x509_parser::parse_x509_certificate(ca.as_ref()) else {
+            continue;
+        };
+        if ca.subject() == crl.issuer() && crl.verify_signature(ca.public_key()).is_ok() {
+            return Ok(());
+        }
+    }
+    Err("not signed by this cluster's CA".into())
+}
+
+/// The certificate in force, for servers and clients alike.
+#[derive(Debug)]
+struct LiveCert(Pki);
+
+impl rustls::server::ResolvesServerCert for LiveCert {
+    fn resolve(
+        &self,
+        _: rustls::server::ClientHello<'_>,
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        Some(self.0.now().certified.clone())
+    }
+}
+
+impl rustls::client::ResolvesClientCert for LiveCert {
+    fn resolve(
+        &self,
+        _: &[&[u8]],
+        _: &[SignatureScheme],
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        Some(self.0.now().certified.clone())
+    }
+    fn has_certs(&self) -> bool {
+        true
+    }
+}
+
+/// Client certificates checked against the roots and list in force.
+#[derive(Debug)]
+struct LiveClients {
+    pki: Pki,
+    lenient: bool,
+    /// The CA names sent as a hint, as they were when the server started.
+    hints: Vec<DistinguishedName>,
+}
+
+impl LiveClients {
+    fn inner(&self) -> Arc<dyn ClientCertVerifier> {
+        let now = self.pki.now();
+        if self.lenient {
+            now.lenient.clone()
+        } else {
+            now.strict.clone()
+        }
+    }
+}
+
+impl ClientCertVerifier for LiveClients {
+    fn client_auth_mandatory(&self) -> bool {
+        !self.lenient
+    }
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &self.hints
+    }
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        self.inner()
+            .verify_client_cert(end_entity, intermediates, now)
+    }
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner().verify_tls12_signature(message, cert, dss)
+    }
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner().verify_tls13_signature(message, cert, dss)
+    }
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner().supported_verify_schemes()
+    }
+}
+
+/// Server certificates checked against the roots and list in force.
+#[derive(Debug)]
+struct LiveServers(Pki);
+
+impl ServerCertVerifier for LiveServers {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        self.0
+            .now()
+            .server
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
+    }
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0
+            .now()
+            .server
+            .verify_tls12_signature(message, cert, dss)
+    }
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0
+            .now()
+            .server
+            .verify_tls13_signature(message, cert, dss)
+    }
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.now().server.supported_verify_schemes()
     }
 }
 

@@ -73,7 +73,9 @@ fn reply<T: Serialize>(r: Result<T, ApiError>) -> Response {
 
 type S = State<Arc<Node>>;
 
-pub fn router(node: Arc<Node>, auth: PeerAuth) -> Router {
+/// The node's REST API; `extra`: routes served beside it (the node's
+/// certificate, `ferry_net::server::pki_routes`).
+pub fn router(node: Arc<Node>, auth: PeerAuth, extra: Router) -> Router {
     let api = Router::new()
         .route(
             "/disks",
@@ -212,7 +214,8 @@ pub fn router(node: Arc<Node>, auth: PeerAuth) -> Router {
                 },
             ),
         )
-        .with_state(node);
+        .with_state(node)
+        .merge(extra);
     Router::new()
         .nest(ferry_api::API_PREFIX, api)
         .fallback(not_found)

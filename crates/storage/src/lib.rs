@@ -37,7 +37,7 @@ pub async fn serve(
     nbd_listen: std::net::SocketAddr,
     api_listen: std::net::SocketAddr,
     auth: ferry_net::server::PeerAuth,
-    tls: Option<Arc<ferry_net::tls::ServerConfig>>,
+    pki: Option<&ferry_net::tls::Pki>,
     nbd_tls: Option<Arc<ferry_net::tls::ServerConfig>>,
     limits: (ferry_net::server::Limits, nbd::server::NbdLimits),
 ) -> std::io::Result<()> {
@@ -58,7 +58,15 @@ pub async fn serve(
     let cat: Arc<dyn nbd::server::Catalog> = Arc::new(node::NodeCatalog(node.clone()));
     let nbd_tls = nbd_tls.map(tokio_rustls::TlsAcceptor::from);
     let nbd_task = tokio::spawn(nbd::server::serve(nbd, cat, nbd_tls, limits.1));
-    let r = ferry_net::server::serve_with(api, http::router(node, auth), tls, limits.0).await;
+    let (extra, tls) = match pki {
+        Some(p) => (
+            ferry_net::server::pki_routes(p.clone()),
+            Some(p.server_config(true).map_err(std::io::Error::other)?),
+        ),
+        None => (axum::Router::new(), None),
+    };
+    let router = http::router(node, auth, extra);
+    let r = ferry_net::server::serve_with(api, router, tls, limits.0).await;
     nbd_task.abort();
     sampler.abort();
     r
