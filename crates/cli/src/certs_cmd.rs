@@ -17,7 +17,7 @@ const T: Duration = Duration::from_secs(60);
 fn authority(ca: &Path) -> anyhow::Result<Authority> {
     Authority::load(ca).with_context(|| {
         format!(
-            "loading the cluster CA from {} (--ca: the directory `ferry cluster init` wrote, kept on the admin's machine)",
+            "loading the cluster CA from {} (--ca-dir: the directory `ferry cluster init` wrote, kept on the admin's machine)",
             ca.display()
         )
     })
@@ -81,11 +81,14 @@ pub async fn rotate(c: &Client, ca: &Path, days: u32, json: bool) -> anyhow::Res
     Ok(report(&results, "renewed", json))
 }
 
-/// A serial number as hex without separators or leading zero bytes' doubt.
+/// A serial number given in hex (colons allowed, as openssl prints them), as bytes.
 fn serial_hex(s: &str) -> anyhow::Result<Vec<u8>> {
-    let clean: String = s.chars().filter(|c| *c != ':').collect();
+    let mut clean: String = s.chars().filter(|c| *c != ':').collect();
+    if !clean.len().is_multiple_of(2) {
+        clean.insert(0, '0');
+    }
     anyhow::ensure!(
-        !clean.is_empty() && clean.len() % 2 == 0 && clean.len() <= 40,
+        !clean.is_empty() && clean.len() <= 40,
         "--serial '{s}': not a serial number (hex, at most 20 bytes)"
     );
     (0..clean.len())

@@ -78,7 +78,7 @@ pub enum ClusterCmd {
     RotateCerts {
         /// The cluster CA's directory (ca-cert.pem, ca-key.pem).
         #[arg(long, default_value = "/etc/ferry/ca")]
-        ca: std::path::PathBuf,
+        ca_dir: std::path::PathBuf,
         /// Days the new certificates are valid.
         #[arg(long, default_value_t = ferry_net::tls::CERT_DAYS)]
         days: u32,
@@ -97,8 +97,14 @@ pub enum ClusterCmd {
         /// `certificate_serial`) to revoke; repeatable.
         #[arg(long = "serial")]
         serials: Vec<String>,
+        /// The cluster CA's directory (ca-cert.pem, ca-key.pem).
         #[arg(long, default_value = "/etc/ferry/ca")]
-        ca: std::path::PathBuf,
+        ca_dir: std::path::PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// The revocation list in force: its number and the revoked serials.
+    Crl {
         #[arg(long)]
         json: bool,
     },
@@ -181,15 +187,33 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
             println!("wrote {} ({} {name})", out.display(), req.role);
             return Ok(0);
         }
-        ClusterCmd::RotateCerts { ca, days, json } => {
-            return crate::certs_cmd::rotate(&cli.client()?, ca, *days, *json).await
+        ClusterCmd::RotateCerts { ca_dir, days, json } => {
+            return crate::certs_cmd::rotate(&cli.client()?, ca_dir, *days, *json).await
         }
         ClusterCmd::Revoke {
             certs,
             serials,
-            ca,
+            ca_dir,
             json,
-        } => return crate::certs_cmd::revoke(&cli.client()?, certs, serials, ca, *json).await,
+        } => return crate::certs_cmd::revoke(&cli.client()?, certs, serials, ca_dir, *json).await,
+        ClusterCmd::Crl { json } => {
+            let crl: ferry_api::certs::CrlInfo = cli.client()?.get("/cluster/crl", T).await?;
+            if *json {
+                print_json(&crl);
+            } else if crl.number == 0 {
+                println!("no certificate revoked");
+            } else {
+                println!(
+                    "revocation list {}: {} serial(s)",
+                    crl.number,
+                    crl.serials.len()
+                );
+                for s in &crl.serials {
+                    println!("  {s}");
+                }
+            }
+            return Ok(0);
+        }
         ClusterCmd::DrainRolling {
             hosts,
             max_hosts_down,
@@ -227,6 +251,7 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
         | ClusterCmd::IssueCert { .. }
         | ClusterCmd::RotateCerts { .. }
         | ClusterCmd::Revoke { .. }
+        | ClusterCmd::Crl { .. }
         | ClusterCmd::DrainRolling { .. } => {
             unreachable!("handled above")
         }

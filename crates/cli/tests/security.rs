@@ -534,3 +534,226 @@ fn guest_memory_is_never_on_the_wire_in_clear_and_qemu_is_confined() {
         );
     }
 }
+
+/// curl arguments presenting the certificate in `dir`.
+fn with_cert(dir: &str) -> Vec<String> {
+    vec![
+        "--cacert".into(),
+        format!("{PKI}/ca/ca-cert.pem"),
+        "--cert".into(),
+        format!("{dir}/cert.pem"),
+        "--key".into(),
+        format!("{dir}/key.pem"),
+    ]
+}
+
+fn curl_with(dir: &str, url: &str) -> u16 {
+    let a = with_cert(dir);
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    curl(url, &a).0
+}
+
+/// Each host's certificate serial, as the control service lists hosts.
+fn host_serials() -> std::collections::BTreeMap<String, String> {
+    ferry_json(&["host", "list"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| {
+            (
+                h["name"].as_str().unwrap().to_string(),
+                h["info"]["certificate_serial"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The storage node's certificate serial and revocation list, as it says.
+fn storage_pki() -> serde_json::Value {
+    let a = with_cert(&format!("{PKI}/control"));
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let (code, body) = curl("https://198.18.0.1:7900/api/v1/pki", &a);
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// `ferry cluster rotate-certs` in the middle of a drain: every component
+/// gets a new certificate, every move of the drain succeeds (those after
+/// the rotation with tickets signed by the control service's new key), no
+/// VM is lost. Then `ferry cluster revoke` of a host's old certificate:
+/// agents, the storage node and the control service all refuse it at the
+/// handshake, and say so in their logs.
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9, iproute2 and curl; run with --include-ignored"]
+fn certificates_rotate_during_a_drain_and_a_revoked_one_is_refused_everywhere() {
+    require_lab();
+    let _g = serial();
+    lab(3, 2);
+    let _ = ferry(&["host", "resume", "host1"]);
+    let vms = [
+        VmGuard::create("rot1", "host1", "384M", "256M"),
+        VmGuard::create("rot2", "host1", "384M", "256M"),
+        VmGuard::create("rot3", "host1", "384M", "256M"),
+    ];
+    let before = host_serials();
+    let storage_before = storage_pki();
+    // a copy of host3's certificate as it is now, to revoke later
+    let old = std::env::temp_dir().join(format!("ferry-old-host3-{}", std::process::id()));
+    std::fs::create_dir_all(&old).unwrap();
+    for f in ["cert.pem", "key.pem"] {
+        std::fs::copy(format!("{PKI}/host3/{f}"), old.join(f)).unwrap();
+    }
+    let old = old.display().to_string();
+    let agent1 = "https://198.18.0.11:7800/api/v1/host";
+    assert_eq!(curl_with(&old, agent1), 200);
+
+    let mut drain = Command::new(FERRY)
+        .args([
+            "host",
+            "drain",
+            "host1",
+            "--max-parallel",
+            "1",
+            "--option",
+            "tcp",
+            "--json",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut events: Vec<serde_json::Value> = vec![];
+    let mut rotated: Option<serde_json::Value> = None;
+    use std::io::BufRead as _;
+    for line in std::io::BufReader::new(drain.stdout.take().unwrap()).lines() {
+        let ev: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+        eprintln!("{ev}");
+        // rotate while the first move copies memory
+        if rotated.is_none() && ev["event"] == "progress" {
+            let out = ferry(&[
+                "cluster",
+                "rotate-certs",
+                "--ca-dir",
+                &format!("{PKI}/ca"),
+                "--days",
+                "30",
+                "--json",
+            ]);
+            eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+            rotated = Some(serde_json::from_slice(&out.stdout).unwrap());
+        }
+        events.push(ev);
+    }
+    assert!(drain.wait().unwrap().success());
+    let rotated = rotated.expect("the drain ended before any progress");
+    let renewed: std::collections::BTreeSet<&str> = rotated
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            assert!(r["error"].is_null(), "{r}");
+            r["component"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(
+        renewed,
+        [
+            "control",
+            "host:host1",
+            "host:host2",
+            "host:host3",
+            "storage:storage1"
+        ]
+        .into_iter()
+        .collect()
+    );
+    // the drain: every move done, none failed, moves started after the rotation
+    let done = events.last().unwrap();
+    assert_eq!(done["event"], "done", "{done}");
+    assert_eq!(done["moved"].as_array().unwrap().len(), 3, "{done}");
+    assert!(done["failed"].as_array().unwrap().is_empty(), "{done}");
+    let starts = events.iter().filter(|e| e["event"] == "started").count();
+    assert_eq!(starts, 3, "one attempt each");
+    for m in done["moved"].as_array().unwrap() {
+        assert_intact_on(m["vm"].as_str().unwrap(), m["to"].as_str().unwrap());
+    }
+    // every certificate is new, on disk and in force
+    let after = host_serials();
+    for (h, s) in &before {
+        assert!(!s.is_empty(), "{h} lists no serial");
+        assert_ne!(after[h], *s, "{h} kept its certificate");
+        let on_disk = ferry_net::tls::serial_of_pem(
+            &std::fs::read_to_string(format!("{PKI}/{h}/cert.pem")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(after[h], on_disk);
+    }
+    assert_ne!(storage_pki()["serial"], storage_before["serial"]);
+    // a VM moves again after the rotation, back to host1
+    ferry_ok(&["host", "resume", "host1"]);
+    let back = move_vm(vms[0].0, "host1", "tcp");
+    assert_eq!(back["event"], "completed", "{back}");
+    assert_intact_on(vms[0].0, "host1");
+
+    // ---- revocation --------------------------------------------------------
+    // the old certificate is still within its dates: it gets in until revoked
+    assert_eq!(curl_with(&old, agent1), 200);
+    let listed = ferry_json(&[
+        "cluster",
+        "revoke",
+        "--cert",
+        &format!("{old}/cert.pem"),
+        "--ca-dir",
+        &format!("{PKI}/ca"),
+    ]);
+    for r in listed.as_array().unwrap() {
+        assert!(r["error"].is_null(), "{r}");
+        assert!(r["status"]["crl_number"].as_u64().unwrap() >= 1, "{r}");
+    }
+    // refused at the handshake by every agent, the storage node and the
+    // control service; host3's new certificate still gets in
+    for url in [
+        agent1,
+        "https://198.18.0.12:7800/api/v1/host",
+        "https://198.18.0.1:7900/api/v1/disks",
+        "https://127.0.0.1:7700/api/v1/hosts",
+    ] {
+        assert_eq!(curl_with(&old, url), 0, "{url} took a revoked certificate");
+        // the same server answers the renewed one (a refusal by role is an answer)
+        assert_ne!(curl_with(&format!("{PKI}/host3"), url), 0, "{url}");
+    }
+    assert_eq!(curl_with(&format!("{PKI}/host3"), agent1), 200);
+    assert!(
+        agent_log_tail("host1", 400).contains("Revoked"),
+        "host1's log does not name the refusal"
+    );
+    // the list grows: each revocation keeps the earlier ones
+    let number = ferry_json(&["cluster", "crl"])["number"].as_u64().unwrap();
+    let out = ferry(&[
+        "cluster",
+        "revoke",
+        "--serial",
+        "0badc0de",
+        "--ca-dir",
+        &format!("{PKI}/ca"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let crl = ferry_json(&["cluster", "crl"]);
+    assert_eq!(crl["number"].as_u64().unwrap(), number + 1, "{crl}");
+    let serials = crl["serials"].as_array().unwrap();
+    assert!(serials.iter().any(|s| s == "0badc0de"), "{crl}");
+    assert!(serials.len() >= 2, "{crl}");
+    assert_eq!(curl_with(&old, agent1), 0);
+    let _ = std::fs::remove_dir_all(&old);
+}
