@@ -43,6 +43,13 @@ pub enum ClusterCmd {
         /// certificate names them); repeatable.
         #[arg(long = "san")]
         san: Vec<String>,
+        /// This is an administrator's machine, not a server: the CA (and
+        /// its key) stays here in DIR/ca; the control host's files go to
+        /// DIR/control and each host's to DIR/hosts/NAME, each a copy of
+        /// what that server's /etc/ferry needs and nothing more. Renew
+        /// later from here with `ferry cluster rotate-certs --ca-dir DIR/ca`.
+        #[arg(long)]
+        admin_machine: bool,
     },
     /// Sign a certificate with the cluster CA for a control service, an
     /// agent, a storage node or an administrator's tools, and write its
@@ -168,7 +175,8 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
             listen,
             force,
             san,
-        } => return init(hosts, dir, *listen, *force, san),
+            admin_machine,
+        } => return init(hosts, dir, *listen, *force, san, *admin_machine),
         ClusterCmd::IssueCert {
             role,
             name,
@@ -294,57 +302,76 @@ fn init(
     listen: std::net::SocketAddr,
     force: bool,
     san: &[String],
+    admin_machine: bool,
 ) -> anyhow::Result<i32> {
     use anyhow::Context;
     let parsed = hosts
         .iter()
         .map(|h| parse_host(h))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let token = dir.join("cluster.token");
+    // the control host's /etc/ferry: here, or a bundle to copy there
+    let server = if admin_machine {
+        dir.join("control")
+    } else {
+        dir.to_path_buf()
+    };
+    let token = server.join("cluster.token");
     if token.exists() && !force {
         anyhow::bail!(
             "{} exists: this machine already has a cluster credential (--force replaces it)",
             token.display()
         );
     }
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::create_dir_all(&server).with_context(|| format!("creating {}", server.display()))?;
     let ca_dir = dir.join("ca");
     if force {
         let _ = std::fs::remove_dir_all(&ca_dir);
     }
     let ca = ferry_net::tls::Authority::create(&ca_dir, &crate::config::system_hostname())?;
-    ferry_api::auth::Credential::generate()
+    let credential = ferry_api::auth::Credential::generate();
+    credential
         .store(&token)
         .with_context(|| format!("writing {}", token.display()))?;
-    let admin = dir.join("admin.token");
-    ferry_api::auth::Credential::from_secret(&ferry_control::tokens::new_secret())
-        .store(&admin)
-        .with_context(|| format!("writing {}", admin.display()))?;
+    let admin = ferry_api::auth::Credential::from_secret(&ferry_control::tokens::new_secret());
+    let mut admin_files = vec![dir.join("admin.token")];
+    if admin_machine {
+        // the control service makes the first admin token from it
+        admin_files.push(server.join("admin.token"));
+    }
+    for f in &admin_files {
+        admin
+            .store(f)
+            .with_context(|| format!("writing {}", f.display()))?;
+    }
     let mut control_san = vec![crate::config::system_hostname(), "127.0.0.1".to_string()];
     if !listen.ip().is_unspecified() {
         control_san.push(listen.ip().to_string());
     }
     control_san.extend(san.iter().cloned());
-    let pki = dir.join("pki").join("control");
-    ca.issue(
-        &ferry_net::tls::CertRequest {
-            role: ferry_net::tls::Role::Control,
-            name: "control".into(),
-            san: control_san,
-            days: ferry_net::tls::CERT_DAYS,
-        },
-        &pki,
-    )?;
+    let issue = |role, name: &str, san: Vec<String>, out: &std::path::Path| {
+        ca.issue(
+            &ferry_net::tls::CertRequest {
+                role,
+                name: name.into(),
+                san,
+                days: ferry_net::tls::CERT_DAYS,
+            },
+            out,
+        )
+    };
+    let ca_cert = |pki: &std::path::Path| {
+        std::fs::copy(
+            ca_dir.join(ferry_net::tls::CA_CERT),
+            pki.join(ferry_net::tls::CA_CERT),
+        )
+        .with_context(|| format!("copying the CA's certificate to {}", pki.display()))
+    };
+    let pki = server.join("pki").join("control");
+    issue(ferry_net::tls::Role::Control, "control", control_san, &pki)?;
+    ca_cert(&server.join("pki"))?;
     let admin_pki = dir.join("pki").join("admin");
-    ca.issue(
-        &ferry_net::tls::CertRequest {
-            role: ferry_net::tls::Role::Admin,
-            name: "admin".into(),
-            san: vec![],
-            days: ferry_net::tls::CERT_DAYS,
-        },
-        &admin_pki,
-    )?;
+    issue(ferry_net::tls::Role::Admin, "admin", vec![], &admin_pki)?;
+    ca_cert(&dir.join("pki"))?;
     let control = crate::config::ControlFile {
         listen: Some(listen),
         credential: Some(crate::config::DEFAULT_CREDENTIAL.into()),
@@ -355,19 +382,11 @@ fn init(
             .collect(),
         ..Default::default()
     };
-    std::fs::copy(
-        ca_dir.join(ferry_net::tls::CA_CERT),
-        dir.join("pki").join(ferry_net::tls::CA_CERT),
-    )
-    .context("copying the CA's certificate")?;
-    let mut written = vec![
-        ca_dir.display().to_string(),
-        token.display().to_string(),
-        admin.display().to_string(),
-        pki.display().to_string(),
-        admin_pki.display().to_string(),
-    ];
-    let path = dir.join("control.toml");
+    let mut written = vec![ca_dir.display().to_string(), token.display().to_string()];
+    written.extend(admin_files.iter().map(|f| f.display().to_string()));
+    written.push(pki.display().to_string());
+    written.push(admin_pki.display().to_string());
+    let path = server.join("control.toml");
     std::fs::write(&path, toml::to_string(&control)?)
         .with_context(|| format!("writing {}", path.display()))?;
     written.push(path.display().to_string());
@@ -379,26 +398,26 @@ fn init(
             credential: Some(crate::config::DEFAULT_CREDENTIAL.into()),
             ..Default::default()
         };
-        let host_pki = dir.join("hosts").join(name).join("pki").join("agent");
-        ca.issue(
-            &ferry_net::tls::CertRequest {
-                role: ferry_net::tls::Role::Agent,
-                name: name.clone(),
-                san: vec![sock.ip().to_string()],
-                days: ferry_net::tls::CERT_DAYS,
-            },
+        let host_dir = dir.join("hosts").join(name);
+        let host_pki = host_dir.join("pki").join("agent");
+        issue(
+            ferry_net::tls::Role::Agent,
+            name,
+            vec![sock.ip().to_string()],
             &host_pki,
         )?;
+        ca_cert(&host_dir.join("pki"))?;
         written.push(host_pki.display().to_string());
-        std::fs::copy(
-            ca_dir.join(ferry_net::tls::CA_CERT),
-            dir.join("hosts")
-                .join(name)
-                .join("pki")
-                .join(ferry_net::tls::CA_CERT),
-        )
-        .with_context(|| format!("copying the CA's certificate for {name}"))?;
-        let path = dir.join(format!("agent-{name}.toml"));
+        let path = if admin_machine {
+            let t = host_dir.join("cluster.token");
+            credential
+                .store(&t)
+                .with_context(|| format!("writing {}", t.display()))?;
+            written.push(t.display().to_string());
+            host_dir.join("agent.toml")
+        } else {
+            dir.join(format!("agent-{name}.toml"))
+        };
         let text = format!(
             "# copy to {name}:/etc/ferry/agent.toml; list its migration NICs\n\
              # (nics = [\"ens1f0\", \"ens1f1\"] or networks = [\"10.10.0.0/24\"])\n{}",
@@ -410,14 +429,30 @@ fn init(
     for w in &written {
         println!("wrote {w}");
     }
-    println!(
-        "next: copy cluster.token to /etc/ferry/ on every host (mode 0600), each agent-NAME.toml \
-         to its host as /etc/ferry/agent.toml and the contents of hosts/NAME/pki into its \
-         /etc/ferry/pki; keep ca/ (the CA's key) on this machine only; then `systemctl enable \
-         --now ferry-agent` on the hosts and `systemctl enable --now ferry-control` here. \
-         admin.token is the first admin API token (`ferry token create` makes more); a storage \
-         node's certificate: `ferry cluster issue-cert --role storage --name NODE --san ADDR --ca \
-         /etc/ferry/ca --out DIR`."
-    );
+    if admin_machine {
+        println!(
+            "next: copy {c}/ to the control host as /etc/ferry (then remove its admin.token once \
+             the control service has started), and each hosts/NAME/ to its host as /etc/ferry \
+             (list its migration NICs in agent.toml); ca/ never leaves this machine. This \
+             machine's CLI uses admin.token and pki/ca-cert.pem here (--token-file, --ca). \
+             `ferry cluster rotate-certs --ca-dir {ca}` gives every server a key made on it and \
+             never sent; `ferry cluster revoke --ca-dir {ca}` revokes. A storage node's \
+             certificate: `ferry cluster issue-cert --role storage --name NODE --san ADDR --ca \
+             {ca} --out DIR`.",
+            c = server.display(),
+            ca = ca_dir.display()
+        );
+    } else {
+        println!(
+            "next: copy cluster.token to /etc/ferry/ on every host (mode 0600), each agent-NAME.toml \
+             to its host as /etc/ferry/agent.toml and the contents of hosts/NAME/pki into its \
+             /etc/ferry/pki; keep ca/ (the CA's key) on this machine only (or run init on an \
+             admin's machine with --admin-machine); then `systemctl enable --now ferry-agent` on \
+             the hosts and `systemctl enable --now ferry-control` here. admin.token is the first \
+             admin API token (`ferry token create` makes more); a storage node's certificate: \
+             `ferry cluster issue-cert --role storage --name NODE --san ADDR --ca /etc/ferry/ca \
+             --out DIR`."
+        );
+    }
     Ok(0)
 }

@@ -490,6 +490,7 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
         control = control.with_hooks_dir(d.clone());
     }
     if let Some(p) = &pki {
+        warn_ca_key_here(p);
         control = control.with_pki(p.clone())?;
     }
     let limits = limits_in(&file, f.limits)?;
@@ -546,6 +547,31 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7700)));
     ferry_control::http::serve(listen, control, tls, limits).await?;
     Ok(0)
+}
+
+/// Logs when the cluster CA's key sits on this server, where a break-in
+/// would take the power to sign any certificate with it.
+fn warn_ca_key_here(pki: &ferry_net::tls::Pki) {
+    let near = [
+        pki.dir.parent().map(|d| d.join("ca")),
+        pki.dir
+            .parent()
+            .and_then(|d| d.parent())
+            .map(|d| d.join("ca")),
+        Some(PathBuf::from(config::ETC).join("ca")),
+    ];
+    for ca in near.into_iter().flatten() {
+        let key = ca.join(ferry_net::tls::CA_KEY);
+        if key.exists() {
+            tracing::warn!(
+                event = "ca_key_on_server",
+                file = %key.display(),
+                "the cluster CA's key is on this server: keep it on an admin's machine \
+                 (`ferry cluster init --admin-machine`, then `ferry cluster rotate-certs --ca-dir`)"
+            );
+            return;
+        }
+    }
 }
 
 #[derive(Args)]

@@ -328,4 +328,145 @@ fn the_control_service_speaks_tls_and_takes_the_admin_token_from_init() {
     );
     let _ = control.kill();
     let _ = control.wait();
+    // init ran on the control host: the service says the CA's key is beside it
+    let said = std::fs::read_to_string(d.join("control.log")).unwrap();
+    assert!(said.contains("CA's key is on this server"), "{said}");
+}
+
+/// Every file under `dir`, relative to it.
+fn files_under(dir: &std::path::Path) -> Vec<String> {
+    let mut out = vec![];
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push(p.strip_prefix(dir).unwrap().display().to_string());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// `cluster init --admin-machine`: the CA's key stays in DIR/ca; the control
+/// host's and each host's bundles hold no CA key. A control service run from
+/// its bundle is renewed by `cluster rotate-certs` from the admin's
+/// directory (the one host, not running, is named as not renewed), and the
+/// CLI still verifies it afterwards.
+#[test]
+fn init_on_an_admin_machine_keeps_the_ca_key_there_and_rotation_renews_from_it() {
+    let d = scratch("admin-machine");
+    let out = Command::new(FERRY)
+        .args(["cluster", "init", "--admin-machine", "--dir"])
+        .arg(d.as_os_str())
+        .args(["--host", "a1=127.0.0.1:9"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let control_files = files_under(&d.join("control"));
+    let host_files = files_under(&d.join("hosts/a1"));
+    for f in [
+        "control.toml",
+        "cluster.token",
+        "admin.token",
+        "pki/ca-cert.pem",
+        "pki/control/cert.pem",
+        "pki/control/key.pem",
+    ] {
+        assert!(
+            control_files.contains(&f.to_string()),
+            "{f}: {control_files:?}"
+        );
+    }
+    for f in [
+        "agent.toml",
+        "cluster.token",
+        "pki/ca-cert.pem",
+        "pki/agent/key.pem",
+    ] {
+        assert!(host_files.contains(&f.to_string()), "{f}: {host_files:?}");
+    }
+    for f in control_files.iter().chain(&host_files) {
+        assert!(!f.contains("ca-key"), "a server's bundle holds {f}");
+    }
+    assert!(d.join("ca/ca-key.pem").exists());
+    assert!(!d.join("control.toml").exists());
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let c = |f: &str| d.join("control").join(f).display().to_string();
+    let log = d.join("control.log");
+    let mut control = Command::new(FERRY)
+        .args(["control", "--config", &c("control.toml")])
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--token-file", &c("cluster.token")])
+        .args(["--tls-dir", &c("pki/control")])
+        .args(["--admin-token", &c("admin.token")])
+        .args(["--state", &c("state.db")])
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let here = |f: &str| d.join(f).display().to_string();
+    let cli = |args: &[&str]| {
+        Command::new(FERRY)
+            .args(["--control", &format!("https://127.0.0.1:{port}")])
+            .args(["--ca", &here("pki/ca-cert.pem")])
+            .args(["--token-file", &here("admin.token")])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let t0 = std::time::Instant::now();
+    while !cli(&["cluster", "show"]).status.success() {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10));
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let serial =
+        |pem: &str| ferry_net::tls::serial_of_pem(&std::fs::read_to_string(pem).unwrap()).unwrap();
+    let before = serial(&c("pki/control/cert.pem"));
+    let out = cli(&["cluster", "rotate-certs", "--ca-dir", &here("ca"), "--json"]);
+    // the host does not run: named, exit status 1; the control service renewed
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let results: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let of = |name: &str| {
+        results
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["component"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("{name} missing: {results}"))
+    };
+    assert!(of("host:a1")["error"].is_string(), "{results}");
+    let renewed = of("control");
+    assert!(renewed["error"].is_null(), "{renewed}");
+    let after = serial(&c("pki/control/cert.pem"));
+    assert_ne!(after, before);
+    assert_eq!(renewed["status"]["serial"], after.as_str());
+    // the CLI verifies the new certificate against the same CA
+    let out = cli(&["cluster", "show", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = control.kill();
+    let _ = control.wait();
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(!said.contains("CA's key is on this server"), "{said}");
 }
