@@ -431,6 +431,18 @@ fn postcopy_whose_source_agent_is_killed_mid_way_keeps_the_source_qemu_until_com
     // to come: the move's stream ends without a report
     let (r, _) = move_busy("busy7", "host2", POSTCOPY_TCP, || {});
     assert_ne!(r["event"], "completed", "{r}");
+    // the source's record: an encrypted tcp move is in QEMU's own TLS, not
+    // Ferry's sealed carriers, so a restarted agent may still recover its
+    // post-copy stream (in TLS)
+    let records: Vec<String> = std::fs::read_dir(format!("{LAB}/host1/migrations"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_to_string(e.unwrap().path()).ok())
+        .filter(|t| t.contains("\"busy7\""))
+        .collect();
+    assert!(!records.is_empty(), "no journal record of busy7's move");
+    for r in &records {
+        assert!(!r.contains("\"sealed\""), "{r}");
+    }
     restart_agent_with("host1", "");
     // the guest runs whole on the target; the source QEMU, which kept the
     // pages it still needed, is gone once QEMU said completed

@@ -444,7 +444,9 @@ impl<'a> Move<'a> {
                 peer_url: self.req.target_url.clone(),
                 side: Side::Source(SourcePhase::Copying),
                 updated: 0,
-                sealed: self.req.encryption,
+                // only Ferry's carriers seal: a move in QEMU's own TLS can
+                // recover its post-copy stream in TLS too
+                sealed: self.req.encryption && super::carried_by_ferry(self.chosen().option),
             })
             .map_err(|e| fail("memory", error_chain(&e)))?;
         Ok(Outcome::Done)
