@@ -588,15 +588,17 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
     .collect();
     a.extend(boot_args(cfg, spec, dir));
     if let Some(t) = &cfg.tls_dir {
-        // confined, QEMU reads its own copy (see `launch`)
-        let t = match cfg.confine {
-            Some(_) => dir.join(NBD_TLS_DIR),
-            None => t.clone(),
+        // confined, QEMU reads its own credentials (see `give_vm`): a VM
+        // certificate its agent signed, which QEMU's own check (chained to
+        // the CA) would refuse; the storage node checks the chain
+        let (t, check) = match cfg.confine {
+            Some(_) => (dir.join(NBD_TLS_DIR), ",sanity-check=off"),
+            None => (t.clone(), ""),
         };
         a.extend([
             "-object".to_string(),
             format!(
-                "tls-creds-x509,id={NBD_TLS},dir={},endpoint=client,verify-peer=on",
+                "tls-creds-x509,id={NBD_TLS},dir={},endpoint=client,verify-peer=on{check}",
                 t.display()
             ),
         ]);
@@ -861,11 +863,12 @@ fn give_vm(
             path: copy.clone(),
             source,
         })?;
+        // its own key and a certificate naming this VM, signed by the
+        // agent: it opens this VM's disks and nothing else
+        ferry_net::tls::Pki::load(t)
+            .and_then(|p| p.vm_credentials(&spec.name, &copy))
+            .map_err(|e| QemuError::Confine(format!("the VM's NBD certificate: {e}")))?;
         for f in ["ca-cert.pem", "client-cert.pem", "client-key.pem"] {
-            std::fs::copy(t.join(f), copy.join(f)).map_err(|source| QemuError::Dir {
-                path: t.join(f),
-                source,
-            })?;
             give(&copy.join(f), owner, 0o600).map_err(e)?;
         }
         give(&copy, owner, 0o700).map_err(e)?;

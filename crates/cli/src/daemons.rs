@@ -647,11 +647,8 @@ pub async fn storage(a: &StorageArgs) -> anyhow::Result<i32> {
     };
     // NBD: TLS required whenever the node has a certificate, unless turned off
     let nbd_tls = match (f.nbd_tls.as_deref(), &pki) {
-        (None | Some("require"), Some(p)) => {
-            let mut c = (*p.server_config(true)?).clone();
-            c.alpn_protocols.clear();
-            Some(std::sync::Arc::new(c))
-        }
+        // the cluster's certificates and VMs' certificates their agents signed
+        (None | Some("require"), Some(p)) => Some(p.nbd_server_config()?),
         (Some("require"), None) => anyhow::bail!(
             "{}: key `nbd_tls`: \"require\" needs the node's certificate (not --insecure-http)",
             file.display()

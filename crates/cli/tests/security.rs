@@ -244,6 +244,24 @@ fn tokens_roles_certificates_and_nbd_access_are_enforced() {
         !ok && text.contains("not one of VM sec1's disks (secd)"),
         "{text}"
     );
+    // sec1's QEMU holds a certificate of its own, signed by host1's agent,
+    // not host1's key: it opens sec1's disk and no other export
+    let creds = format!("{LAB}/host1/vms/sec1/nbd-tls");
+    assert_ne!(
+        std::fs::read(format!("{creds}/client-key.pem")).unwrap(),
+        std::fs::read(format!("{PKI}/host1/key.pem")).unwrap()
+    );
+    let as_vm = |export: &str| nbdinfo(&format!("nbds://{NBD}/{export}?tls-certificates={creds}"));
+    assert!(as_vm(export).0, "sec1's own certificate opens its disk");
+    let (ok, text) = as_vm("secx/sec1");
+    assert!(!ok && text.contains("not one of VM sec1's disks"), "{text}");
+    let (ok, text) = as_vm("secx/other");
+    assert!(
+        !ok && text.contains("VM sec1's certificate opens only its own disks"),
+        "{text}"
+    );
+    let (ok, _) = as_vm("secx");
+    assert!(!ok);
     ferry_ok(&["disk", "rm", "secx"]);
 
     // the grant follows the VM: after a move host2 opens it and host1 not

@@ -92,6 +92,10 @@ pub enum Role {
     Storage,
     /// An administrator's tools (`ferry disk import`, `nbdinfo`, `fio`).
     Admin,
+    /// One VM's QEMU, for NBD only: a certificate its host's agent signed
+    /// with the agent's own key ([`Pki::vm_credentials`]), which no server
+    /// but a storage node's NBD takes ([`Pki::nbd_server_config`]).
+    Vm,
 }
 
 impl Role {
@@ -101,6 +105,7 @@ impl Role {
             Role::Agent => "agent",
             Role::Storage => "storage",
             Role::Admin => "admin",
+            Role::Vm => "vm",
         }
     }
 }
@@ -113,11 +118,12 @@ impl std::str::FromStr for Role {
             "agent" => Role::Agent,
             "storage" => Role::Storage,
             "admin" => Role::Admin,
+            "vm" => Role::Vm,
             _ => {
                 return Err(TlsError::Invalid {
                     what: "certificate role",
                     value: s.into(),
-                    why: "not one of control, agent, storage, admin",
+                    why: "not one of control, agent, storage, admin, vm",
                 })
             }
         })
@@ -825,6 +831,64 @@ impl Pki {
         Ok(number)
     }
 
+    /// Writes `out` as a VM's NBD client credentials (`client-cert.pem`,
+    /// `client-key.pem`, `ca-cert.pem`): a new key, and a certificate for
+    /// role `vm` naming `vm`, signed with this (agent's) key and followed by
+    /// this certificate, so a storage node can tell which VM on which host
+    /// it is ([`vm_identity`]). It ends when this certificate ends. The
+    /// VM's QEMU holds no key of its host's.
+    pub fn vm_credentials(&self, vm: &str, out: &Path) -> Result<(), TlsError> {
+        if self.identity.role != Role::Agent {
+            return Err(TlsError::Name(format!(
+                "{} signs no VM certificates (an agent's does)",
+                self.identity
+            )));
+        }
+        let now = self.now();
+        let pem = |label: &str, der: &[u8]| pem::encode(&pem::Pem::new(label, der.to_vec()));
+        let own_key =
+            rcgen::KeyPair::from_pem(&pem("PRIVATE KEY", now.key.secret_der())).map_err(rc)?;
+        let issuer = rcgen::CertificateParams::from_ca_cert_der(&now.chain[0])
+            .map_err(rc)?
+            .self_signed(&own_key)
+            .map_err(rc)?;
+        let mut p = leaf_params(Role::Vm, vm, vec![], CERT_DAYS)?;
+        p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        if let Some(end) = expires_ms(&now.chain[0]) {
+            let end = time::OffsetDateTime::from_unix_timestamp((end / 1000) as i64)
+                .map_err(|e| TlsError::Generate(e.to_string()))?;
+            p.not_after = p.not_after.min(end);
+        }
+        let key = rcgen::KeyPair::generate().map_err(rc)?;
+        let cert = p.signed_by(&key, &issuer, &own_key).map_err(rc)?;
+        std::fs::create_dir_all(out).map_err(io(out))?;
+        write_private(&out.join("client-key.pem"), &key.serialize_pem())?;
+        write_private(
+            &out.join("client-cert.pem"),
+            &(cert.pem() + &pem("CERTIFICATE", &now.chain[0])),
+        )?;
+        let cas: String = now.cas.iter().map(|c| pem("CERTIFICATE", c)).collect();
+        write_private(&out.join(CA_CERT), &cas)
+    }
+
+    /// TLS for a storage node's NBD: clients with a certificate of the
+    /// cluster, or a VM's certificate signed by an agent whose own
+    /// certificate is of the cluster and not revoked ([`Pki::vm_credentials`]).
+    pub fn nbd_server_config(&self) -> Result<Arc<ServerConfig>, TlsError> {
+        let verifier = Arc::new(VmClients(LiveClients {
+            pki: self.clone(),
+            lenient: false,
+            // no hint: a VM's chain starts below the CA
+            hints: vec![],
+        }));
+        let c = ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(config_err)?
+            .with_client_cert_verifier(verifier)
+            .with_cert_resolver(Arc::new(LiveCert(self.clone())));
+        Ok(Arc::new(c))
+    }
+
     /// TLS for a server; `require_client_cert`: refuse clients without a
     /// certificate of this cluster (agents, storage nodes); otherwise one is
     /// verified when offered (the control service, whose users bring tokens).
@@ -904,6 +968,36 @@ fn verify_crl(cas: &[CertificateDer<'static>], der: &[u8]) -> Result<(), String>
     Err("not signed by this cluster's CA".into())
 }
 
+/// The handshake-signature half of a verifier: the same for every one of
+/// them (the certificate's own key, the provider's algorithms).
+macro_rules! signature_checks {
+    () => {
+        fn verify_tls12_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            rustls::crypto::verify_tls12_signature(message, cert, dss, &algorithms())
+        }
+        fn verify_tls13_signature(
+            &self,
+            message: &[u8],
+            cert: &CertificateDer<'_>,
+            dss: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            rustls::crypto::verify_tls13_signature(message, cert, dss, &algorithms())
+        }
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            algorithms().supported_schemes()
+        }
+    };
+}
+
+fn algorithms() -> rustls::crypto::WebPkiSupportedAlgorithms {
+    rustls::crypto::ring::default_provider().signature_verification_algorithms
+}
+
 /// The certificate in force, for servers and clients alike.
 #[derive(Debug)]
 struct LiveCert(Pki);
@@ -966,25 +1060,88 @@ impl ClientCertVerifier for LiveClients {
         self.inner()
             .verify_client_cert(end_entity, intermediates, now)
     }
-    fn verify_tls12_signature(
+    signature_checks!();
+}
+
+/// NBD clients: the cluster's certificates, or a VM's signed by an agent.
+#[derive(Debug)]
+struct VmClients(LiveClients);
+
+impl ClientCertVerifier for VmClients {
+    fn client_auth_mandatory(&self) -> bool {
+        true
+    }
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        &self.0.hints
+    }
+    fn verify_client_cert(
         &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner().verify_tls12_signature(message, cert, dss)
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        let direct = self.0.verify_client_cert(end_entity, intermediates, now);
+        if direct.is_ok() || identity_of(end_entity).map(|i| i.role) != Some(Role::Vm) {
+            return direct;
+        }
+        let bad = |why: &str| {
+            rustls::Error::InvalidCertificate(rustls::CertificateError::Other(rustls::OtherError(
+                Arc::new(VmCertError(why.to_string())),
+            )))
+        };
+        let agent = intermediates
+            .first()
+            .ok_or_else(|| bad("a VM certificate without its agent's"))?;
+        // the agent's certificate: the cluster's, in its dates, not revoked
+        self.0.verify_client_cert(agent, &[], now)?;
+        if identity_of(agent).map(|i| i.role) != Some(Role::Agent) {
+            return Err(bad("a VM certificate signed by no agent"));
+        }
+        let (_, leaf) = x509_parser::parse_x509_certificate(end_entity.as_ref())
+            .map_err(|_| bad("unreadable VM certificate"))?;
+        let (_, signer) = x509_parser::parse_x509_certificate(agent.as_ref())
+            .map_err(|_| bad("unreadable agent certificate"))?;
+        if leaf.issuer() != signer.subject() {
+            return Err(bad("the VM certificate names another issuer"));
+        }
+        leaf.verify_signature(Some(signer.public_key()))
+            .map_err(|_| bad("the VM certificate's signature is not its agent's"))?;
+        let t = now.as_secs() as i64;
+        let v = leaf.validity();
+        if t < v.not_before.timestamp() || t > v.not_after.timestamp() {
+            return Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::Expired,
+            ));
+        }
+        if leaf.is_ca() {
+            return Err(bad("a VM certificate may sign nothing"));
+        }
+        Ok(ClientCertVerified::assertion())
     }
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.inner().verify_tls13_signature(message, cert, dss)
+    signature_checks!();
+}
+
+#[derive(Debug)]
+struct VmCertError(String);
+
+impl std::fmt::Display for VmCertError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
     }
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.inner().supported_verify_schemes()
+}
+
+impl std::error::Error for VmCertError {}
+
+/// Who a verified NBD client chain says it is: a VM's certificate is
+/// (`vm`, the VM's name, the host whose agent signed it); any other, its
+/// identity and no host. Only call on a chain the handshake verified.
+pub fn vm_identity(chain: &[CertificateDer<'_>]) -> Option<(Identity, Option<String>)> {
+    let id = identity_of(chain.first()?)?;
+    if id.role != Role::Vm {
+        return Some((id, None));
     }
+    let host = identity_of(chain.get(1)?).filter(|a| a.role == Role::Agent)?;
+    Some((id, Some(host.name)))
 }
 
 /// Server certificates checked against the roots and list in force.
@@ -1005,31 +1162,7 @@ impl ServerCertVerifier for LiveServers {
             .server
             .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
     }
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0
-            .now()
-            .server
-            .verify_tls12_signature(message, cert, dss)
-    }
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0
-            .now()
-            .server
-            .verify_tls13_signature(message, cert, dss)
-    }
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.now().server.supported_verify_schemes()
-    }
+    signature_checks!();
 }
 
 /// TLS for a client without a certificate of its own (the CLI): trusts the

@@ -228,3 +228,163 @@ async fn a_renewed_certificate_takes_over_at_once_and_a_revoked_one_is_refused()
     assert!(matches!(e, ferry_api::ApiError::Unavailable { .. }), "{e}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Connects to `port` with `client` and reports what the server made of
+/// the chain (`vm_identity`), or the handshake's error.
+async fn nbd_peer(
+    port: u16,
+    client: std::sync::Arc<rustls::ClientConfig>,
+) -> Result<(String, Option<String>), String> {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let mut s = tokio_rustls::TlsConnector::from(client)
+        .connect(name, tcp)
+        .await
+        .map_err(|e| e.to_string())?;
+    use tokio::io::AsyncReadExt as _;
+    let mut line = String::new();
+    s.read_to_string(&mut line)
+        .await
+        .map_err(|e| e.to_string())?;
+    let (id, host) = line.rsplit_once(' ').ok_or(line.clone())?;
+    Ok((id.to_string(), (host != "-").then(|| host.to_string())))
+}
+
+/// A client config presenting the credentials `vm_credentials` wrote.
+fn vm_client(dir: &std::path::Path) -> std::sync::Arc<rustls::ClientConfig> {
+    use rustls::pki_types::pem::PemObject;
+    let chain: Vec<_> =
+        rustls::pki_types::CertificateDer::pem_file_iter(dir.join("client-cert.pem"))
+            .unwrap()
+            .map(|c| c.unwrap())
+            .collect();
+    let key = rustls::pki_types::PrivateKeyDer::from_pem_file(dir.join("client-key.pem")).unwrap();
+    let roots = ferry_net::tls::load_roots(&dir.join("ca-cert.pem")).unwrap();
+    std::sync::Arc::new(
+        rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn a_vms_nbd_certificate_names_the_vm_and_the_host_whose_agent_signed_it() {
+    let d = std::env::temp_dir().join(format!("ferry-tls-vm-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    let ca = Authority::create(&d.join("ca"), "test").unwrap();
+    let storage = issue(&ca, &d, Role::Storage, "storage1");
+    let host1 = issue(&ca, &d, Role::Agent, "host1");
+    let control = issue(&ca, &d, Role::Control, "control");
+    // an NBD-like server answering who the chain is
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let acceptor = tokio_rustls::TlsAcceptor::from(storage.nbd_server_config().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let (tcp, _) = l.accept().await.unwrap();
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut s) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let who = s
+                    .get_ref()
+                    .1
+                    .peer_certificates()
+                    .and_then(ferry_net::tls::vm_identity)
+                    .map(|(id, h)| format!("{id} {}", h.unwrap_or("-".into())))
+                    .unwrap_or_default();
+                use tokio::io::AsyncWriteExt as _;
+                let _ = s.write_all(who.as_bytes()).await;
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    host1.vm_credentials("web1", &d.join("web1")).unwrap();
+    // the VM holds no key of its host's
+    let vm_key = std::fs::read(d.join("web1/client-key.pem")).unwrap();
+    assert_ne!(vm_key, std::fs::read(d.join("host1/key.pem")).unwrap());
+    use std::os::unix::fs::PermissionsExt;
+    for f in ["client-key.pem", "client-cert.pem", "ca-cert.pem"] {
+        let m = std::fs::metadata(d.join("web1").join(f)).unwrap();
+        assert_eq!(m.permissions().mode() & 0o777, 0o600, "{f}");
+    }
+    assert_eq!(
+        nbd_peer(port, vm_client(&d.join("web1"))).await.unwrap(),
+        ("vm web1".to_string(), Some("host1".to_string()))
+    );
+    // the cluster's own certificates are taken as before
+    assert_eq!(
+        nbd_peer(port, control.client_config().unwrap())
+            .await
+            .unwrap(),
+        ("control control".to_string(), None)
+    );
+    // only an agent signs VM certificates
+    assert!(control.vm_credentials("web1", &d.join("x")).is_err());
+    // a VM certificate signed by a host of another cluster is refused
+    let other = Authority::create(&d.join("other-ca"), "other").unwrap();
+    let stranger = issue(&other, &d, Role::Agent, "host9");
+    stranger.vm_credentials("web1", &d.join("stray")).unwrap();
+    std::fs::copy(d.join("ca/ca-cert.pem"), d.join("stray/ca-cert.pem")).unwrap();
+    assert!(nbd_peer(port, vm_client(&d.join("stray"))).await.is_err());
+    // a VM certificate with another agent's certificate put after it
+    let host2 = issue(&ca, &d, Role::Agent, "host2");
+    let web1 = std::fs::read_to_string(d.join("web1/client-cert.pem")).unwrap();
+    let leaf_end = web1.find("-----END CERTIFICATE-----").unwrap() + 26;
+    std::fs::create_dir_all(d.join("forged")).unwrap();
+    std::fs::write(
+        d.join("forged/client-cert.pem"),
+        format!(
+            "{}{}",
+            &web1[..leaf_end],
+            std::fs::read_to_string(d.join("host2/cert.pem")).unwrap()
+        ),
+    )
+    .unwrap();
+    std::fs::copy(
+        d.join("web1/client-key.pem"),
+        d.join("forged/client-key.pem"),
+    )
+    .unwrap();
+    std::fs::copy(d.join("ca/ca-cert.pem"), d.join("forged/ca-cert.pem")).unwrap();
+    assert!(nbd_peer(port, vm_client(&d.join("forged"))).await.is_err());
+    // revoking the agent's certificate revokes the VMs' it signed
+    let crl = ca
+        .revocation_list(
+            1,
+            &[(0..host1.serial().unwrap().len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&host1.serial().unwrap()[i..i + 2], 16).unwrap())
+                .collect()],
+        )
+        .unwrap();
+    storage.install_crl(&crl).unwrap();
+    assert!(nbd_peer(port, vm_client(&d.join("web1"))).await.is_err());
+    // a VM certificate is no use at any other server of the cluster, even
+    // one that would serve the role: it is not the CA's
+    host2.vm_credentials("web2", &d.join("web2")).unwrap();
+    assert_eq!(
+        nbd_peer(port, vm_client(&d.join("web2"))).await.unwrap(),
+        ("vm web2".to_string(), Some("host2".to_string()))
+    );
+    let url = server(&host2, &[Role::Control, Role::Agent, Role::Vm]).await;
+    let e = who(
+        &url,
+        ClientAuth {
+            bearer: None,
+            tls: Some(vm_client(&d.join("web2"))),
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(e, ferry_api::ApiError::Unavailable { .. }), "{e}");
+    let _ = std::fs::remove_dir_all(&d);
+}

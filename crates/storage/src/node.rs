@@ -850,6 +850,33 @@ impl Node {
         match id.role {
             Role::Admin | Role::Control => Ok(()),
             Role::Storage => Err(Refusal::Policy(format!("{id} opens only copies it writes"))),
+            // a VM's own certificate: its disks, while it is placed on the
+            // host whose agent signed it
+            Role::Vm => {
+                let host = peer.vm_host.as_deref().unwrap_or_default();
+                if initiator != Some(id.name.as_str()) {
+                    return Err(Refusal::Policy(format!(
+                        "VM {}'s certificate opens only its own disks, not '{disk}{}'",
+                        id.name,
+                        initiator.map(|i| format!("/{i}")).unwrap_or_default()
+                    )));
+                }
+                match st
+                    .access
+                    .get(&id.name)
+                    .filter(|a| a.hosts.iter().any(|h| h == host))
+                {
+                    None => Err(Refusal::Policy(format!(
+                        "VM {} is not placed on {host}",
+                        id.name
+                    ))),
+                    Some(a) if !a.disks.contains(disk) => Err(Refusal::Policy(format!(
+                        "disk '{disk}' is not one of VM {}'s disks",
+                        id.name
+                    ))),
+                    Some(_) => Ok(()),
+                }
+            }
             Role::Agent => {
                 let Some(vm) = initiator else {
                     return Err(Refusal::Policy(format!(
@@ -955,7 +982,11 @@ impl Catalog for NodeCatalog {
         let mut st = node.lock();
         Node::may_open(&st, peer, disk, initiator)?;
         let export = st.disks.get(disk).ok_or_else(gone)?.export.clone();
-        let peer_name = peer.identity.as_ref().map(|i| i.name.clone());
+        // a VM's certificate: the host whose agent signed it
+        let peer_name = peer
+            .vm_host
+            .clone()
+            .or_else(|| peer.identity.as_ref().map(|i| i.name.clone()));
         let peer = peer.addr;
         // an agent's certificate names its host; else the configured peers
         let host = peer_name

@@ -117,6 +117,9 @@ pub struct Peer {
     /// The client certificate's identity, once TLS is up; `None` on a
     /// server without TLS.
     pub identity: Option<ferry_net::tls::Identity>,
+    /// For a VM's certificate (role `vm`, named for the VM): the host whose
+    /// agent signed it.
+    pub vm_host: Option<String>,
 }
 
 /// Why an export is not served to a peer.
@@ -239,6 +242,7 @@ where
     let peer = Peer {
         addr,
         identity: None,
+        vm_host: None,
     };
     let (rd, wr) = tokio::io::split(sock);
     let mut rd = BufReader::with_capacity(256 << 10, rd);
@@ -288,13 +292,17 @@ where
         .await
         .map_err(|_| ConnError::Timeout(HANDSHAKE_TIMEOUT))?
         .map_err(ConnError::Tls)?;
-    let identity = tls
+    let (identity, vm_host) = tls
         .get_ref()
         .1
         .peer_certificates()
-        .and_then(|c| c.first())
-        .and_then(ferry_net::tls::identity_of);
-    let peer = Peer { addr, identity };
+        .and_then(ferry_net::tls::vm_identity)
+        .map_or((None, None), |(id, host)| (Some(id), host));
+    let peer = Peer {
+        addr,
+        identity,
+        vm_host,
+    };
     let (rd, wr) = tokio::io::split(tls);
     let mut rd = BufReader::with_capacity(256 << 10, rd);
     let mut wr = BufWriter::with_capacity(256 << 10, wr);
