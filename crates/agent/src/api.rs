@@ -27,6 +27,10 @@
 //! | POST, GET | /validate/sink, /validate/sink/{port} | throughput sink and its count |
 //! | POST | /validate/send | send to a peer's sink for a while |
 //! | GET/PUT | /bandwidth | classes enforced here and their rates / set the policy (body: `BandwidthPolicy`) |
+//! | GET | /pki | this agent's certificate: serial, end, revocation list in force (`PkiStatus`) |
+//! | POST | /pki/request | a new key, kept here, and its signing request (`CertRenewal`) |
+//! | PUT | /pki/certificate | the renewed certificate for that key (body: `CertInstall`), in force from the next connection |
+//! | PUT | /pki/crl | a revocation list signed by the cluster CA, no older than the one in force (body: `CrlInstall`) |
 
 use std::sync::Arc;
 

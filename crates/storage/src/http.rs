@@ -31,6 +31,7 @@
 //! | PUT | /qos/allocations | `AllocationRequest` → `FlowInfo` |
 //! | GET | /access | → `[AccessInfo]`: which hosts may open each VM's exports, of which disks |
 //! | PUT | /access/{vm} | `AccessRequest` → `AccessInfo` |
+//! | GET, POST, PUT, PUT | /pki, /pki/request, /pki/certificate, /pki/crl | the node's certificate, renewed and revoked as an agent's (see `ferry_net::server::pki_routes`) |
 
 use std::sync::Arc;
 
