@@ -49,6 +49,11 @@ pub fn parse_rate_bits(t: &str) -> Option<u64> {
     (v.is_finite() && v > 0.0).then_some((v * scale) as u64)
 }
 
+/// Bytes as lowercase hex, two digits each.
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
 /// Unix time now, milliseconds.
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()

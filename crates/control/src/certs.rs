@@ -7,7 +7,6 @@
 //! list to every agent and storage node that has an older one (a host that
 //! was down when it was made gets it when it answers again).
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use ferry_api::certs::{
@@ -187,22 +186,15 @@ impl Control {
         Ok(out)
     }
 
-    /// Pushes `info` to every component (or to those whose list is older
-    /// than `info`, per `behind`).
-    async fn push_crl(
-        &self,
-        info: &CrlInfo,
-        behind: Option<&BTreeMap<String, u64>>,
-    ) -> Vec<InstallResult> {
+    /// Pushes `info` to every component, or to those named in `only`.
+    async fn push_crl(&self, info: &CrlInfo, only: Option<&[String]>) -> Vec<InstallResult> {
         let body = CrlInstall {
             crl: info.crl.clone(),
         };
         let pushes = self
             .components()
             .into_iter()
-            .filter(|(name, _)| {
-                behind.is_none_or(|b| b.get(name).copied().unwrap_or(0) < info.number)
-            })
+            .filter(|(name, _)| only.is_none_or(|o| o.contains(name)))
             .map(|(name, c)| {
                 let body = &body;
                 async move {
@@ -220,9 +212,15 @@ impl Control {
         out
     }
 
-    /// A heartbeat's part: the kept list in force here and on every
-    /// component not known to have it.
-    pub(crate) async fn sync_crl(&self) {
+    /// A heartbeat's part: the kept list in force here, and pushed to the
+    /// components that answered this round and are behind it — a host by
+    /// the list its agent reports, a storage node by the last push it took.
+    /// One that does not answer is not waited for.
+    pub(crate) async fn sync_crl(
+        &self,
+        hosts: &[ferry_api::HostEntry],
+        nodes: &[ferry_api::storage::StorageNodeEntry],
+    ) {
         let Some(own) = &self.pki else { return };
         let info = match self.crl().await {
             Ok(i) if i.number > 0 => i,
@@ -237,7 +235,27 @@ impl Control {
                 tracing::warn!("revocation list {} not in force here: {e}", info.number);
             }
         }
-        let behind = ferry_api::util::lock(&self.crl_pushed).clone();
+        let pushed = ferry_api::util::lock(&self.crl_pushed).clone();
+        let behind: Vec<String> = hosts
+            .iter()
+            .filter(|h| {
+                h.reachable
+                    && h.info.as_ref().map_or(0, |i| i.crl_number.unwrap_or(0)) < info.number
+            })
+            .map(|h| format!("host:{}", h.name))
+            .chain(
+                nodes
+                    .iter()
+                    .map(|n| (n, format!("storage:{}", n.name)))
+                    .filter(|(n, c)| {
+                        n.reachable && pushed.get(c).copied().unwrap_or(0) < info.number
+                    })
+                    .map(|(_, c)| c),
+            )
+            .collect();
+        if behind.is_empty() {
+            return;
+        }
         for r in self.push_crl(&info, Some(&behind)).await {
             if let Some(e) = r.error {
                 tracing::debug!(component = %r.component, "revocation list not pushed: {e}");

@@ -284,7 +284,8 @@ pub struct Control {
     tickets: Option<Arc<ferry_net::ticket::LiveSigner>>,
     /// This service's certificate (renewed by `POST /cluster/certificates`).
     pki: Option<ferry_net::tls::Pki>,
-    /// The revocation list's number each component was last seen with.
+    /// The revocation list's number each storage node last took (agents
+    /// report theirs in `HostInfo`).
     crl_pushed: std::sync::Mutex<BTreeMap<String, u64>>,
     /// Event streams one token may hold open (`max_streams_per_token`).
     pub(crate) max_streams_per_token: usize,
@@ -444,7 +445,6 @@ impl Control {
         self.resume_rolling().await;
         self.log_pauses(&hosts);
         self.warn_expiring(&hosts);
-        self.sync_crl().await;
         for s in self
             .refusals
             .flush(std::time::Instant::now(), limits::REFUSAL_WINDOW)
@@ -470,7 +470,8 @@ impl Control {
                 }
             }
         }
-        for n in self.storage_nodes().await {
+        let nodes = self.storage_nodes().await;
+        for n in &nodes {
             let key = format!("storage:{}", n.name);
             let was = lock(&self.down).contains(&key);
             if !n.reachable && !was {
@@ -486,6 +487,7 @@ impl Control {
                 self.log("storage_up", &n.name, serde_json::json!({}));
             }
         }
+        self.sync_crl(&hosts, &nodes).await;
     }
 
     /// An event `certificate_expiring` for each host whose certificate ends

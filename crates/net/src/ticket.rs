@@ -48,6 +48,7 @@ use serde::{Deserialize, Serialize};
 use sha2::Digest as _;
 
 use crate::tls::{identity_of, Pki, Role, TlsError};
+use ferry_api::util::hex;
 use ferry_api::VmSpec;
 
 /// How long a ticket the control service signs stays good.
@@ -132,10 +133,6 @@ pub fn now_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 fn unhex(part: &'static str, s: &str, max: usize) -> Result<Vec<u8>, TicketError> {

@@ -33,6 +33,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferry_api::util::hex;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::pki_types::{CertificateRevocationListDer, ServerName, UnixTime};
@@ -78,6 +79,13 @@ pub enum TlsError {
         what: &'static str,
         value: String,
         why: &'static str,
+    },
+    /// A certificate or revocation list sent to a component, refused.
+    #[error("invalid {what} '{value}': {why}")]
+    Refused {
+        what: &'static str,
+        value: String,
+        why: String,
     },
 }
 
@@ -640,10 +648,6 @@ pub fn serial_of(cert: &CertificateDer<'_>) -> Option<String> {
     Some(hex(x.raw_serial()))
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 impl Pki {
     pub fn load(dir: &Path) -> Result<Pki, TlsError> {
         let (loaded, identity) = Loaded::read(dir)?;
@@ -760,10 +764,10 @@ impl Pki {
     /// the last [`Pki::signing_request`] and for this same identity, is
     /// written (key first, each file replaced whole) and takes effect.
     pub fn install(&self, cert_pem: &str) -> Result<(), TlsError> {
-        let bad = |why: String| TlsError::Invalid {
+        let bad = |why: String| TlsError::Refused {
             what: "certificate",
             value: self.identity.to_string(),
-            why: Box::leak(why.into_boxed_str()),
+            why,
         };
         let chain = rustls_pemfile_certs(cert_pem.as_bytes()).map_err(bad)?;
         let cert = chain
@@ -809,10 +813,10 @@ impl Pki {
     /// `crl.pem`); refuses one older than the list in force. Returns its number.
     pub fn install_crl(&self, pem: &str) -> Result<u64, TlsError> {
         use rustls::pki_types::pem::PemObject;
-        let bad = |why: String| TlsError::Invalid {
+        let bad = |why: String| TlsError::Refused {
             what: "revocation list",
             value: String::new(),
-            why: Box::leak(why.into_boxed_str()),
+            why,
         };
         let der = CertificateRevocationListDer::from_pem_slice(pem.as_bytes())
             .map_err(|e| bad(format!("not PEM: {e:?}")))?;
@@ -846,8 +850,7 @@ impl Pki {
         }
         let now = self.now();
         let pem = |label: &str, der: &[u8]| pem::encode(&pem::Pem::new(label, der.to_vec()));
-        let own_key =
-            rcgen::KeyPair::from_pem(&pem("PRIVATE KEY", now.key.secret_der())).map_err(rc)?;
+        let own_key = rcgen::KeyPair::try_from(now.key.secret_der()).map_err(rc)?;
         let issuer = rcgen::CertificateParams::from_ca_cert_der(&now.chain[0])
             .map_err(rc)?
             .self_signed(&own_key)

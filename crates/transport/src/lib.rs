@@ -115,7 +115,7 @@ impl Carriers {
 /// A session id (or a session key) as text, two hex digits a byte, as
 /// agents pass it in their API.
 pub fn session_to_hex(id: &[u8]) -> String {
-    id.iter().map(|b| format!("{b:02x}")).collect()
+    ferry_api::util::hex(id)
 }
 
 /// Parses [`session_to_hex`]'s form of a session id; anything else is `None`.

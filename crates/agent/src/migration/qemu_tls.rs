@@ -18,6 +18,7 @@
 
 use std::path::{Path, PathBuf};
 
+use ferry_api::util::hex;
 use hkdf::Hkdf;
 use sha2::Sha256;
 
@@ -53,10 +54,6 @@ pub fn psk(key: &[u8; 32]) -> [u8; 32] {
 /// The line of QEMU's `keys.psk` (`identity:hex`).
 pub fn psk_line(key: &[u8; 32]) -> String {
     format!("{PSK_USER}:{}\n", hex(&psk(key)))
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 fn psk_dir(vm_dir: &Path) -> PathBuf {
