@@ -317,6 +317,53 @@ async fn incoming_abort(
     Ok(Json(serde_json::json!({ "discarded": id })))
 }
 
+async fn vm_action(
+    State(a): State<Arc<Agent>>,
+    Path((name, action)): Path<(String, String)>,
+    ApiJson(req): ApiJson<ferry_api::ha::ActionRequest>,
+) -> R<ferry_api::ha::Stopped> {
+    let action = ferry_api::ha::Action::parse(&action)?;
+    Ok(Json(a.vm_action(&name, action, &req).await?))
+}
+
+async fn lease(State(a): State<Arc<Agent>>) -> R<ferry_api::ha::LeaseState> {
+    Ok(Json(a.lease.view()))
+}
+
+async fn renew_lease(
+    State(a): State<Arc<Agent>>,
+    ApiJson(req): ApiJson<ferry_api::ha::LeaseRenewal>,
+) -> R<ferry_api::ha::LeaseState> {
+    a.lease.renew(&req);
+    Ok(Json(a.lease.view()))
+}
+
+/// Probes a peer's agent over the migration fabrics (the HA manager's
+/// second signal).
+async fn peer_alive(
+    State(a): State<Arc<Agent>>,
+    ApiJson(req): ApiJson<ferry_api::ha::AliveRequest>,
+) -> R<ferry_api::ha::Liveness> {
+    let mut addrs = Vec::new();
+    for s in &req.addresses {
+        addrs.push(
+            s.parse::<std::net::SocketAddr>()
+                .map_err(|_| ApiError::invalid("addresses", format!("'{s}' is not IP:PORT")))?,
+        );
+    }
+    if addrs.len() > 16 {
+        return Err(ApiError::invalid("addresses", "more than 16").into());
+    }
+    use crate::probe::alive::{probe_any, Heard};
+    let (heard, at) = probe_any(&a.cfg.name, a.cred.secret(), &req.host, &addrs).await;
+    let address = at.map(|a| a.to_string()).unwrap_or_default();
+    Ok(Json(match heard {
+        Heard::Agent { state, .. } => ferry_api::ha::Liveness::Answered { state, address },
+        Heard::AgentDown => ferry_api::ha::Liveness::AgentDown { address },
+        Heard::Silent => ferry_api::ha::Liveness::Silent,
+    }))
+}
+
 async fn facts(State(a): State<Arc<Agent>>) -> R<HostFacts> {
     let (name, rate, nics) = (a.cfg.name.clone(), a.cfg.nic_rate, a.nics());
     tokio::task::spawn_blocking(move || crate::validate::facts(&name, rate, nics))
@@ -386,6 +433,9 @@ pub fn router(agent: Arc<Agent>) -> Router {
         .route("/vms/{name}/disks/{disk}/switch", post(switch_disk))
         .route("/vms/{name}/migrate", post(migrate))
         .route("/vms/{name}/resolve", post(resolve_vm))
+        .route("/vms/{name}/action/{action}", post(vm_action))
+        .route("/lease", get(lease).put(renew_lease))
+        .route("/peers/alive", post(peer_alive))
         .route("/paths", get(paths))
         .route("/paths/probe", post(probe_paths))
         .route("/validate/facts", get(facts))
@@ -427,9 +477,11 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
         agent.cfg.probe_port,
     )))?;
     let (name, secret) = (agent.cfg.name.clone(), agent.cred.secret().to_vec());
+    let lease = agent.lease.clone();
     std::thread::Builder::new()
         .name("probe-responder".into())
-        .spawn(move || crate::probe::respond(probes, name, secret))?;
+        .spawn(move || crate::probe::respond(probes, name, secret, lease))?;
+    tokio::spawn(agent.clone().watch_lease());
     tracing::info!(host = %agent.cfg.name, listen = %agent.cfg.listen, "agent serving");
     let classes = agent.classes.clone();
     tokio::spawn(async move {

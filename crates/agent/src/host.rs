@@ -142,6 +142,8 @@ pub struct Agent {
     pub guest: Arc<dyn GuestCheck>,
     /// The host facts room (what is measured as the agent runs).
     pub facts: Facts,
+    /// The HA lease the control service renews (see [`crate::lease`]).
+    pub lease: Arc<crate::lease::Lease>,
 }
 
 /// The migrations room: what moves keep between requests.
@@ -186,6 +188,7 @@ impl Agent {
             client_auth,
             guest,
             facts: Default::default(),
+            lease: Arc::new(crate::lease::Lease::load(&cfg.state_dir)),
             moves: Migrations {
                 journal: crate::commit::Journal::new(&cfg.state_dir),
                 recovering: Default::default(),
@@ -282,6 +285,7 @@ impl Agent {
             certificate_expires_ms: self.pki.as_ref().and_then(|p| p.expires_ms()),
             certificate_serial: self.pki.as_ref().and_then(|p| p.serial()),
             crl_number: self.pki.as_ref().and_then(|p| p.crl_number()),
+            lease: Some(self.lease.view()),
         }
     }
 }

@@ -34,6 +34,7 @@ pub mod grants;
 pub mod guest;
 pub mod hardware;
 pub mod host;
+pub mod lease;
 pub mod local_disk;
 pub mod migration;
 pub mod peers;

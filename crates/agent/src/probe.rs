@@ -113,7 +113,12 @@ fn parse_answer(line: &str) -> Result<(String, String, String), ProbeError> {
 
 /// Answers probes until the process ends (a thread of its own: it reads
 /// each datagram's arrival interface with `recvmsg`).
-pub fn respond(sock: std::net::UdpSocket, host: String, secret: Vec<u8>) {
+pub fn respond(
+    sock: std::net::UdpSocket,
+    host: String,
+    secret: Vec<u8>,
+    lease: std::sync::Arc<crate::lease::Lease>,
+) {
     use std::os::fd::AsRawFd;
     let fd = sock.as_raw_fd();
     let on: libc::c_int = 1;
@@ -131,6 +136,12 @@ pub fn respond(sock: std::net::UdpSocket, host: String, secret: Vec<u8>) {
         let Some((line, from, ifindex)) = recv_with_ifindex(fd) else {
             continue;
         };
+        if let Some(nonce) = alive::parse_request(&line) {
+            let v = lease.view();
+            let answer = alive::answer(&secret, &nonce, &host, &v);
+            let _ = sock.send_to(answer.as_bytes(), from);
+            continue;
+        }
         let Some(nonce) = parse_request(&line) else {
             continue;
         };
@@ -142,6 +153,172 @@ pub fn respond(sock: std::net::UdpSocket, host: String, secret: Vec<u8>) {
             mac(&secret, &nonce, &host, &nic)
         );
         let _ = sock.send_to(answer.as_bytes(), from);
+    }
+}
+
+/// Liveness probes: is a host's agent alive, and what of its HA lease?
+///
+/// ```text
+/// prober    → responder: "FERRY-ALIVE 1 " NONCE " " PROBER-HOST "\n"
+/// responder → prober:    "FERRY-ALIVE 1 " HOST " " STATE " " SINCE " " MAC "\n"
+///   STATE  leased | unleased | fenced (see crate::lease)
+///   SINCE  milliseconds since its lease was last renewed, or "-"
+///   MAC    64 hex digits: HMAC-SHA256(cluster secret,
+///          "ferry-alive-1" NONCE " " HOST " " STATE " " SINCE)
+/// ```
+///
+/// Sent on the same port as path probes, from a connected socket: a host
+/// whose kernel answers "port unreachable" is up with its agent down.
+pub mod alive {
+    use super::*;
+
+    const ALIVE: &str = "FERRY-ALIVE 1";
+
+    /// What a probe of one address found.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum Heard {
+        Agent {
+            state: String,
+            since_ms: Option<u64>,
+        },
+        AgentDown,
+        Silent,
+    }
+
+    fn mac(secret: &[u8], nonce: &str, host: &str, state: &str, since: &str) -> String {
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(secret)
+            .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
+        m.update(b"ferry-alive-1");
+        for (i, part) in [nonce, host, state, since].iter().enumerate() {
+            if i > 0 {
+                m.update(b" ");
+            }
+            m.update(part.as_bytes());
+        }
+        ferry_api::util::hex(&m.finalize().into_bytes())
+    }
+
+    pub fn parse_request(line: &str) -> Option<String> {
+        let rest = line.strip_suffix('\n')?.strip_prefix(ALIVE)?;
+        let mut f = rest.split(' ').skip(1);
+        let (nonce, host) = (f.next()?, f.next()?);
+        (f.next().is_none()
+            && nonce.len() == 32
+            && nonce.bytes().all(|b| b.is_ascii_hexdigit())
+            && is_token(host))
+        .then(|| nonce.to_string())
+    }
+
+    pub fn answer(secret: &[u8], nonce: &str, host: &str, v: &ferry_api::ha::LeaseState) -> String {
+        let since = v
+            .since_renewal_ms
+            .map(|s| s.to_string())
+            .unwrap_or_else(|| "-".into());
+        let m = mac(secret, nonce, host, &v.state, &since);
+        format!("{ALIVE} {host} {} {since} {m}\n", v.state)
+    }
+
+    /// Parses and checks an answer for `nonce` from `peer`.
+    pub fn check_answer(
+        secret: &[u8],
+        nonce: &str,
+        peer: &str,
+        line: &str,
+    ) -> Result<Heard, ProbeError> {
+        let bad = || ProbeError::Malformed(line.trim_end().chars().take(80).collect());
+        let rest = line
+            .strip_suffix('\n')
+            .and_then(|l| l.strip_prefix(ALIVE))
+            .and_then(|l| l.strip_prefix(' '))
+            .ok_or_else(bad)?;
+        let f: Vec<&str> = rest.split(' ').collect();
+        let [host, state, since, got] = f[..] else {
+            return Err(bad());
+        };
+        if !is_token(host)
+            || !["leased", "unleased", "fenced"].contains(&state)
+            || (since != "-" && since.parse::<u64>().is_err())
+        {
+            return Err(bad());
+        }
+        if got != mac(secret, nonce, host, state, since) {
+            return Err(ProbeError::BadMac);
+        }
+        if host != peer {
+            return Err(ProbeError::Elsewhere { host: host.into() });
+        }
+        Ok(Heard::Agent {
+            state: state.into(),
+            since_ms: since.parse().ok(),
+        })
+    }
+
+    /// Probes `peer`'s agent at `addr` ([`TRIES`] times, [`TRY_TIMEOUT`] apart).
+    pub async fn probe(me: &str, secret: &[u8], peer: &str, addr: SocketAddr) -> Heard {
+        let Ok(sock) = UdpSocket::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)).await
+        else {
+            return Heard::Silent;
+        };
+        if sock.connect(addr).await.is_err() {
+            return Heard::Silent;
+        }
+        let nonce = ferry_api::util::hex(&rand::random::<[u8; 16]>());
+        let request = format!("{ALIVE} {nonce} {me}\n");
+        let mut buf = [0u8; MAX_LINE];
+        let mut refused = false;
+        for _ in 0..TRIES {
+            if let Err(e) = sock.send(request.as_bytes()).await {
+                refused |= e.kind() == std::io::ErrorKind::ConnectionRefused;
+                tokio::time::sleep(TRY_TIMEOUT).await;
+                continue;
+            }
+            let deadline = tokio::time::Instant::now() + TRY_TIMEOUT;
+            while let Ok(r) = tokio::time::timeout_at(deadline, sock.recv(&mut buf)).await {
+                match r {
+                    Ok(n) => {
+                        let Ok(line) = std::str::from_utf8(&buf[..n]) else {
+                            continue;
+                        };
+                        if let Ok(h) = check_answer(secret, &nonce, peer, line) {
+                            return h;
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                        refused = true;
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+        }
+        if refused {
+            Heard::AgentDown
+        } else {
+            Heard::Silent
+        }
+    }
+
+    /// Probes every address at once: an agent's answer wins, then a
+    /// refusal (the host is up), else silence.
+    pub async fn probe_any(
+        me: &str,
+        secret: &[u8],
+        peer: &str,
+        addrs: &[SocketAddr],
+    ) -> (Heard, Option<SocketAddr>) {
+        let all =
+            futures::future::join_all(addrs.iter().map(|a| probe(me, secret, peer, *a))).await;
+        let mut best = (Heard::Silent, None);
+        for (h, a) in all.into_iter().zip(addrs) {
+            match (&h, &best.0) {
+                (Heard::Agent { .. }, Heard::Agent { .. }) => {}
+                (Heard::Agent { .. }, _) | (Heard::AgentDown, Heard::Silent) => {
+                    best = (h, Some(*a))
+                }
+                _ => {}
+            }
+        }
+        best
     }
 }
 
@@ -654,11 +831,64 @@ mod tests {
         ));
     }
 
+    fn no_lease() -> std::sync::Arc<crate::lease::Lease> {
+        let dir = tempfile::tempdir().unwrap();
+        std::sync::Arc::new(crate::lease::Lease::load(dir.path()))
+    }
+
+    #[tokio::test]
+    async fn a_liveness_probe_tells_an_agent_from_a_bare_kernel_and_a_forgery() {
+        use alive::Heard;
+        let dir = tempfile::tempdir().unwrap();
+        let lease = std::sync::Arc::new(crate::lease::Lease::load(dir.path()));
+        lease.renew(&ferry_api::ha::LeaseRenewal {
+            ttl_ms: 5_000,
+            self_fence_ms: 5_000,
+            ha_vms: vec![],
+            peers: vec![],
+        });
+        let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let at = sock.local_addr().unwrap();
+        std::thread::spawn(move || respond(sock, "peer1".into(), b"secret".to_vec(), lease));
+        match alive::probe("me", b"secret", "peer1", at).await {
+            Heard::Agent { state, since_ms } => {
+                assert_eq!(state, "leased");
+                assert!(since_ms.unwrap() < 5_000);
+            }
+            h => panic!("{h:?}"),
+        }
+        // an answer under another secret is no answer
+        assert_eq!(
+            alive::probe("me", b"other", "peer1", at).await,
+            Heard::Silent
+        );
+        // nor one from a host other than the one probed
+        assert_eq!(
+            alive::probe("me", b"secret", "peer2", at).await,
+            Heard::Silent
+        );
+        // a port nobody listens on: the kernel answers, no agent does
+        let free = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let closed = free.local_addr().unwrap();
+        drop(free);
+        assert_eq!(
+            alive::probe("me", b"secret", "peer1", closed).await,
+            Heard::AgentDown
+        );
+        // a forged line is refused by its MAC
+        let line = "FERRY-ALIVE 1 peer1 fenced 10 0000000000000000000000000000000000000000000000000000000000000000\n";
+        assert!(matches!(
+            alive::check_answer(b"secret", "n", "peer1", line),
+            Err(ProbeError::BadMac)
+        ));
+        assert!(alive::check_answer(b"secret", "n", "peer1", "FERRY-ALIVE 1 x\n").is_err());
+    }
+
     #[tokio::test]
     async fn pairs_that_cover_both_hosts_are_known_before_silent_ones_time_out() {
         let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let port = sock.local_addr().unwrap().port();
-        std::thread::spawn(move || respond(sock, "peer1".into(), b"secret".to_vec()));
+        std::thread::spawn(move || respond(sock, "peer1".into(), b"secret".to_vec(), no_lease()));
         // the peer's second address takes probes and never answers; its NIC is down
         let _quiet = std::net::UdpSocket::bind(("127.0.0.2", port)).unwrap();
         // the responder answers once its thread has set IP_PKTINFO: wait for that
@@ -713,7 +943,7 @@ mod tests {
     async fn a_probe_over_loopback_proves_the_peer_and_names_its_nic() {
         let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let port = sock.local_addr().unwrap().port();
-        std::thread::spawn(move || respond(sock, "peer1".into(), b"secret".to_vec()));
+        std::thread::spawn(move || respond(sock, "peer1".into(), b"secret".to_vec(), no_lease()));
         let at = SocketAddr::from(([127, 0, 0, 1], port));
         let lo = ("lo", Ipv4Addr::LOCALHOST);
         let (nic, _) = probe("me", b"secret", lo, ("peer1", at)).await.unwrap();

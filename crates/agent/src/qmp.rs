@@ -407,6 +407,14 @@ qmp_command!(PmemSave, "pmemsave", qapi::Empty);
 struct Quit {}
 qmp_command!(Quit, "quit", qapi::Empty);
 
+#[derive(Serialize)]
+struct SystemPowerdown {}
+qmp_command!(SystemPowerdown, "system_powerdown", qapi::Empty);
+
+#[derive(Serialize)]
+struct SystemReset {}
+qmp_command!(SystemReset, "system_reset", qapi::Empty);
+
 /// A negotiated QMP session with one QEMU.
 pub struct Qmp {
     svc: Service,
@@ -792,6 +800,20 @@ impl Qmp {
 
     pub async fn quit(&self) -> Result<(), QmpError> {
         self.call(Quit {}, Duration::from_secs(3)).await.map(drop)
+    }
+
+    /// Presses the guest's ACPI power button.
+    pub async fn system_powerdown(&self) -> Result<(), QmpError> {
+        self.call(SystemPowerdown {}, Duration::from_secs(3))
+            .await
+            .map(drop)
+    }
+
+    /// Resets the guest (its reset line; QEMU runs on).
+    pub async fn system_reset(&self) -> Result<(), QmpError> {
+        self.call(SystemReset {}, Duration::from_secs(3))
+            .await
+            .map(drop)
     }
 }
 

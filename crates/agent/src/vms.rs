@@ -157,6 +157,9 @@ impl Agent {
                 })
             }),
             moves_encrypted: None,
+            desired: None,
+            ha: None,
+            stopped_because: None,
         }
     }
 
@@ -236,6 +239,82 @@ impl Agent {
         }
         tracing::info!(vm = name, "vm removed");
         Ok(())
+    }
+
+    /// Stops, shuts down or resets a VM running here. A stopped VM is
+    /// forgotten here (the control service keeps its definition) and keeps
+    /// its local drives.
+    pub async fn vm_action(
+        &self,
+        name: &str,
+        action: ferry_api::ha::Action,
+        req: &ferry_api::ha::ActionRequest,
+    ) -> Result<ferry_api::ha::Stopped, ApiError> {
+        use ferry_api::ha::{Action, DEFAULT_SHUTDOWN_S, MAX_SHUTDOWN_S};
+        let t0 = std::time::Instant::now();
+        {
+            let st = self.state.lock().await;
+            if st.vms.get(name).is_some_and(|s| s.migrating) {
+                return Err(ApiError::Conflict {
+                    reason: format!("vm {name} is migrating"),
+                });
+            }
+        }
+        let (_, q) = self.running_vm(name).await?;
+        let how = match action {
+            Action::Reboot => {
+                q.qmp.system_reset().await.map_err(ApiError::internal)?;
+                tracing::info!(vm = name, "vm reset");
+                "reset"
+            }
+            Action::Stop | Action::Shutdown => {
+                let mut how = "stopped";
+                if action == Action::Shutdown {
+                    let secs = req.timeout_s.unwrap_or(DEFAULT_SHUTDOWN_S);
+                    if secs == 0 || secs > MAX_SHUTDOWN_S {
+                        return Err(ApiError::invalid(
+                            "timeout_s",
+                            format!("{secs} is outside 1..={MAX_SHUTDOWN_S}"),
+                        ));
+                    }
+                    q.qmp.system_powerdown().await.map_err(ApiError::internal)?;
+                    let deadline = t0 + Duration::from_secs(secs);
+                    while q.alive().await && std::time::Instant::now() < deadline {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    if !q.alive().await {
+                        how = "powered_off";
+                    } else {
+                        tracing::warn!(
+                            vm = name,
+                            secs,
+                            "the guest did not power off in time: stopped"
+                        );
+                    }
+                }
+                if let Some(q) = self.release(name).await {
+                    q.stop().await;
+                    self.remove_vm_dir(&q.dir, &format!("{name}.stopped"));
+                }
+                tracing::info!(vm = name, how, "vm stopped");
+                how
+            }
+            Action::Start | Action::Restart => {
+                return Err(ApiError::invalid(
+                    "action",
+                    format!(
+                        "'{}' is the control service's (an agent boots a VM by POST /vms)",
+                        action.as_str()
+                    ),
+                ))
+            }
+        };
+        Ok(ferry_api::ha::Stopped {
+            vm: name.into(),
+            host: self.cfg.name.clone(),
+            how: how.into(),
+            took_ms: t0.elapsed().as_millis() as u64,
+        })
     }
 
     /// Checks a running guest; a failure is kept on the VM (`problem` in

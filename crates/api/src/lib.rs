@@ -22,6 +22,7 @@ pub mod certs;
 pub mod drain;
 pub mod error;
 pub mod grants;
+pub mod ha;
 pub mod hardware;
 pub mod rolling;
 pub mod size;

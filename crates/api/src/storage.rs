@@ -578,4 +578,8 @@ pub struct AccessInfo {
     pub hosts: Vec<String>,
     #[serde(default)]
     pub disks: Vec<String>,
+    /// Raised each time a host loses the VM: connections opened under an
+    /// earlier generation by a host no longer listed are refused (fenced).
+    #[serde(default)]
+    pub generation: u64,
 }

@@ -97,6 +97,9 @@ pub struct HostInfo {
     pub certificate_serial: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub crl_number: Option<u64>,
+    /// Its side of the HA lease (see [`crate::ha`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<crate::ha::LeaseState>,
 }
 
 /// A certificate within this many days of its end is warned of (an event
@@ -152,6 +155,9 @@ pub struct HostEntry {
     pub settings: Option<crate::drain::HostSettings>,
     pub error: Option<String>,
     pub info: Option<HostInfo>,
+    /// How the HA manager sees it (see [`crate::ha`]).
+    #[serde(default)]
+    pub health: crate::ha::Health,
 }
 
 /// What a VM is: everything needed to start it, or its skeleton on a target.
@@ -436,6 +442,9 @@ pub fn validate_name(field: &str, name: &str) -> Result<(), ApiError> {
 pub struct VmCreateRequest {
     pub host: String,
     pub spec: VmSpec,
+    /// Restarted elsewhere when its host fails (see [`crate::ha`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ha: Option<crate::ha::HaPolicy>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -470,6 +479,15 @@ pub struct VmInfo {
     /// service says).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moves_encrypted: Option<bool>,
+    /// What its owner wants of it (the control service says).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desired: Option<crate::ha::Desired>,
+    /// Its HA policy (the control service says).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ha: Option<crate::ha::HaPolicy>,
+    /// Why it is stopped when its owner did not ask.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stopped_because: Option<String>,
 }
 
 /// What confines a VM's QEMU, read from its process.

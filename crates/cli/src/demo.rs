@@ -69,6 +69,7 @@ pub async fn run(cli: &Cli, a: &DemoArgs) -> anyhow::Result<i32> {
                 .post(
                     "/vms",
                     &VmCreateRequest {
+                        ha: None,
                         host: "host1".into(),
                         spec,
                     },
@@ -228,6 +229,7 @@ async fn start_debian(c: &ferry_net::client::Client) -> anyhow::Result<std::time
         .post(
             "/vms",
             &VmCreateRequest {
+                ha: None,
                 host: "host2".into(),
                 spec,
             },

@@ -48,6 +48,15 @@ pub enum LabCmd {
     TeamMonitor { host: String },
     /// Start a host's agent again (after it was killed).
     RestartAgent { host: String },
+    /// Fail a whole host: `off` (every process killed, QEMU included, and
+    /// its links down: a pulled power cord), `on` (links up, isolation
+    /// removed, its agent started), `isolate --network …` (one network cut
+    /// while it runs on).
+    Host {
+        host: String,
+        #[command(subcommand)]
+        action: HostPower,
+    },
     /// Start the control service, or a storage node, again (killed with
     /// SIGKILL first if it runs), on the same configuration and state.
     Restart {
@@ -79,6 +88,27 @@ pub enum TeamArg {
     ActiveBackup,
     Mptcp,
     None,
+}
+
+#[derive(Subcommand, Clone)]
+pub enum HostPower {
+    Off,
+    On,
+    Isolate {
+        #[arg(long, value_enum)]
+        network: IsolateNet,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum IsolateNet {
+    /// The control service's calls to its agent.
+    Management,
+    /// Its migration fabrics.
+    Migration,
+    /// Its NBD and storage traffic.
+    Storage,
+    All,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -209,6 +239,52 @@ pub async fn run(cli: &Cli, cmd: &LabCmd) -> anyhow::Result<i32> {
                 .filter(|i| *i <= spec.hosts)
                 .ok_or_else(|| anyhow::anyhow!("no lab host named '{host}'"))?;
             ferry_lab::monitor::run_monitor(&spec, i)?;
+            Ok(0)
+        }
+        LabCmd::Host { host, action } => {
+            let dir = LabDir::default_path();
+            let spec = dir.load_spec()?;
+            match action {
+                HostPower::Off => {
+                    let n = net::power_off(&spec, host)?;
+                    println!("{host}: powered off ({n} processes killed, links down)");
+                }
+                HostPower::On => {
+                    net::power_on(&spec, host)?;
+                    let i = topology::host_index(host).unwrap_or(0);
+                    let pidfile = dir.host_dir(host).join("agent.pid");
+                    let alive = std::fs::read_to_string(&pidfile)
+                        .ok()
+                        .and_then(|p| p.trim().parse::<i32>().ok())
+                        // SAFETY: signal 0 only asks whether the pid exists.
+                        .is_some_and(|p| unsafe { libc::kill(p, 0) } == 0);
+                    if !alive {
+                        start_agent(&dir, &spec, i)?;
+                    }
+                    println!(
+                        "{host}: on (links up, no isolation, agent {})",
+                        if alive { "running" } else { "started" }
+                    );
+                }
+                HostPower::Isolate { network } => {
+                    let n = match network {
+                        IsolateNet::Management => net::Network::Management,
+                        IsolateNet::Migration => net::Network::Migration,
+                        IsolateNet::Storage => net::Network::Storage,
+                        IsolateNet::All => net::Network::All,
+                    };
+                    net::isolate(&spec, host, n)?;
+                    println!(
+                        "{host}: isolated ({} cut; `ferry lab host {host} on` restores it)",
+                        match network {
+                            IsolateNet::Management => "management",
+                            IsolateNet::Migration => "migration fabrics",
+                            IsolateNet::Storage => "storage",
+                            IsolateNet::All => "every network",
+                        }
+                    );
+                }
+            }
             Ok(0)
         }
         LabCmd::RestartAgent { host } => {

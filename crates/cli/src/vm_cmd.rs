@@ -46,6 +46,66 @@ pub enum VmCmd {
         compressible: bool,
         #[command(flatten)]
         hardware: crate::vm_spec::HardwareArgs,
+        /// Restart it on another host when its host fails.
+        #[arg(long)]
+        ha: bool,
+        /// HA restart priority, higher first (0..=1000, default 100).
+        #[arg(long, requires = "ha")]
+        priority: Option<u32>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Boot a stopped VM on its host.
+    Start {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stop a VM at once (QEMU ends; the guest is not asked). It keeps its
+    /// definition, disks and placement.
+    Stop {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Ask the guest to power off (ACPI); stopped when it has not within
+    /// --timeout.
+    Shutdown {
+        name: String,
+        /// Seconds the guest has (1..=3600).
+        #[arg(long, default_value_t = ferry_api::ha::DEFAULT_SHUTDOWN_S)]
+        timeout: u64,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Reset the guest (a hard reboot; QEMU runs on).
+    Reboot {
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Shut down, then start.
+    Restart {
+        name: String,
+        #[arg(long, default_value_t = ferry_api::ha::DEFAULT_SHUTDOWN_S)]
+        timeout: u64,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Change a VM's HA policy.
+    Set {
+        name: String,
+        /// on|off: restarted elsewhere when its host fails.
+        #[arg(long, value_parser = ["on", "off"])]
+        ha: Option<String>,
+        #[arg(long)]
+        priority: Option<u32>,
+        /// At most N restarts …
+        #[arg(long)]
+        restart_limit: Option<u32>,
+        /// … within this many seconds; past it, left stopped.
+        #[arg(long)]
+        restart_window: Option<u64>,
         #[arg(long)]
         json: bool,
     },
@@ -257,6 +317,8 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             seed,
             compressible,
             hardware,
+            ha,
+            priority,
             json,
         } => {
             let spec = if hardware.any() {
@@ -308,6 +370,11 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
                     &VmCreateRequest {
                         host: host.clone(),
                         spec,
+                        ha: ha.then(|| ferry_api::ha::HaPolicy {
+                            enabled: true,
+                            priority: priority.unwrap_or(100),
+                            ..Default::default()
+                        }),
                     },
                     T,
                 )
@@ -321,6 +388,132 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
                     vm.host,
                     human_bytes(vm.spec.memory),
                     human_bytes(vm.spec.fill)
+                );
+            }
+            Ok(0)
+        }
+        VmCmd::Start { name, json } => {
+            let v: VmInfo = client()?
+                .post(&format!("/vms/{name}/start"), &serde_json::json!({}), T)
+                .await?;
+            if *json {
+                print_json(&v);
+            } else {
+                println!("vm {} started on {}", v.name, v.host);
+            }
+            Ok(0)
+        }
+        VmCmd::Stop { name, json } | VmCmd::Reboot { name, json } => {
+            let action = if matches!(cmd, VmCmd::Stop { .. }) {
+                "stop"
+            } else {
+                "reboot"
+            };
+            let r: ferry_api::ha::Stopped = client()?
+                .post(&format!("/vms/{name}/{action}"), &serde_json::json!({}), T)
+                .await?;
+            if *json {
+                print_json(&r);
+            } else {
+                println!(
+                    "vm {} on {}: {} ({} ms)",
+                    r.vm,
+                    r.host,
+                    r.how.replace('_', " "),
+                    r.took_ms
+                );
+            }
+            Ok(0)
+        }
+        VmCmd::Shutdown {
+            name,
+            timeout,
+            json,
+        } => {
+            let req = ferry_api::ha::ActionRequest {
+                timeout_s: Some(*timeout),
+            };
+            let r: ferry_api::ha::Stopped = client()?
+                .post(
+                    &format!("/vms/{name}/shutdown"),
+                    &req,
+                    Duration::from_secs(timeout + 30),
+                )
+                .await?;
+            if *json {
+                print_json(&r);
+            } else {
+                println!(
+                    "vm {} on {}: {} ({} ms)",
+                    r.vm,
+                    r.host,
+                    r.how.replace('_', " "),
+                    r.took_ms
+                );
+            }
+            Ok(0)
+        }
+        VmCmd::Restart {
+            name,
+            timeout,
+            json,
+        } => {
+            let req = ferry_api::ha::ActionRequest {
+                timeout_s: Some(*timeout),
+            };
+            let r: serde_json::Value = client()?
+                .post(
+                    &format!("/vms/{name}/restart"),
+                    &req,
+                    Duration::from_secs(timeout + 90),
+                )
+                .await?;
+            if *json {
+                print_json(&r);
+            } else {
+                println!(
+                    "vm {name}: {} and started on {}",
+                    r["shutdown"]["how"]
+                        .as_str()
+                        .unwrap_or("?")
+                        .replace('_', " "),
+                    r["started"]["host"].as_str().unwrap_or("?")
+                );
+            }
+            Ok(0)
+        }
+        VmCmd::Set {
+            name,
+            ha,
+            priority,
+            restart_limit,
+            restart_window,
+            json,
+        } => {
+            let u = ferry_api::ha::HaUpdate {
+                enabled: ha.as_deref().map(|s| s == "on"),
+                priority: *priority,
+                restart_limit: *restart_limit,
+                restart_window_s: *restart_window,
+            };
+            if u == ferry_api::ha::HaUpdate::default() {
+                return Err(ApiError::invalid(
+                    "ferry vm set",
+                    "give at least one of --ha, --priority, --restart-limit, --restart-window",
+                )
+                .into());
+            }
+            let p: ferry_api::ha::HaPolicy =
+                client()?.put(&format!("/vms/{name}/ha"), &u, T).await?;
+            if *json {
+                print_json(&p);
+            } else {
+                println!(
+                    "vm {name}: HA {}, priority {}, at most {} restarts in {} s",
+                    if p.enabled { "on" } else { "off" },
+                    p.priority,
+                    p.restart_limit,
+                    p.restart_window_s
                 );
             }
             Ok(0)

@@ -173,7 +173,7 @@ impl Control {
             at.retain(|_, t| *t >= asked);
             standing(&lock(&self.access.moving), &before, &at)
         };
-        let want = desired(hosts, &before, &keep);
+        let want = self.without_revoked(desired(hosts, &before, &keep));
         let vms: BTreeSet<&String> = before.keys().chain(want.keys()).collect();
         for vm in vms {
             let w = want.get(vm).cloned().unwrap_or_default();
@@ -213,6 +213,7 @@ mod tests {
             settings: None,
             error: None,
             info,
+            health: Default::default(),
         }
     }
 

@@ -479,6 +479,56 @@ async fn resolve(
 ) -> Response {
     run(&c, Command::ResolveVm { name, req }).await
 }
+async fn vm_action(
+    c: &Arc<Control>,
+    name: String,
+    action: ferry_api::ha::Action,
+    req: ferry_api::ha::ActionRequest,
+) -> Response {
+    run(c, Command::VmAction { name, action, req }).await
+}
+async fn vm_start(
+    State(c): S,
+    Path(name): Path<String>,
+    ApiJson(req): ApiJson<ferry_api::ha::ActionRequest>,
+) -> Response {
+    vm_action(&c, name, ferry_api::ha::Action::Start, req).await
+}
+async fn vm_stop(
+    State(c): S,
+    Path(name): Path<String>,
+    ApiJson(req): ApiJson<ferry_api::ha::ActionRequest>,
+) -> Response {
+    vm_action(&c, name, ferry_api::ha::Action::Stop, req).await
+}
+async fn vm_shutdown(
+    State(c): S,
+    Path(name): Path<String>,
+    ApiJson(req): ApiJson<ferry_api::ha::ActionRequest>,
+) -> Response {
+    vm_action(&c, name, ferry_api::ha::Action::Shutdown, req).await
+}
+async fn vm_reboot(
+    State(c): S,
+    Path(name): Path<String>,
+    ApiJson(req): ApiJson<ferry_api::ha::ActionRequest>,
+) -> Response {
+    vm_action(&c, name, ferry_api::ha::Action::Reboot, req).await
+}
+async fn vm_restart(
+    State(c): S,
+    Path(name): Path<String>,
+    ApiJson(req): ApiJson<ferry_api::ha::ActionRequest>,
+) -> Response {
+    vm_action(&c, name, ferry_api::ha::Action::Restart, req).await
+}
+async fn vm_ha(
+    State(c): S,
+    Path(name): Path<String>,
+    ApiJson(update): ApiJson<ferry_api::ha::HaUpdate>,
+) -> Response {
+    run(&c, Command::SetVmHa { name, update }).await
+}
 async fn remove(State(c): S, Path(name): Path<String>) -> Response {
     run(&c, Command::RemoveVm { name }).await
 }
@@ -695,6 +745,12 @@ pub fn router(control: Arc<Control>) -> Router {
         .route("/vms/{name}/check", get(check))
         .route("/vms/{name}/resolve", post(resolve))
         .route("/vms/{name}/move", post(move_vm))
+        .route("/vms/{name}/start", post(vm_start))
+        .route("/vms/{name}/stop", post(vm_stop))
+        .route("/vms/{name}/shutdown", post(vm_shutdown))
+        .route("/vms/{name}/reboot", post(vm_reboot))
+        .route("/vms/{name}/restart", post(vm_restart))
+        .route("/vms/{name}/ha", axum::routing::put(vm_ha))
         .route("/validate", post(validate))
         .route("/hosts/{host}/drain", post(drain))
         .route("/hosts/{host}/resume", post(resume))
@@ -823,6 +879,7 @@ pub async fn serve(
         .secure_cookies
         .store(tls.is_some(), std::sync::atomic::Ordering::Relaxed);
     control.resume_rolling().await;
+    let ha = tokio::spawn(control.clone().run_ha());
     // once a second: heartbeats of the agents, and the cluster-wide storage
     // policy manager
     let manager = {
@@ -848,6 +905,7 @@ pub async fn serve(
     });
     let r = ferry_net::server::serve_with(listener, router(control), tls, limits).await;
     manager.abort();
+    ha.abort();
     r
 }
 

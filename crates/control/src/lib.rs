@@ -15,6 +15,7 @@ mod certs;
 mod disk_move;
 pub mod drain;
 mod drain_run;
+pub mod ha;
 pub mod http;
 pub mod limits;
 pub mod metrics;
@@ -66,6 +67,16 @@ pub enum Command {
     },
     RemoveVm {
         name: String,
+    },
+    /// Start, stop, shut down, reboot or restart a VM (see [`ha`]).
+    VmAction {
+        name: String,
+        action: ferry_api::ha::Action,
+        req: ferry_api::ha::ActionRequest,
+    },
+    SetVmHa {
+        name: String,
+        update: ferry_api::ha::HaUpdate,
     },
     MoveVm {
         name: String,
@@ -172,6 +183,10 @@ impl Command {
                 None => (Operator, format!("resolve VM {name}")),
             },
             Command::RemoveVm { name } => (Operator, format!("remove VM {name}")),
+            Command::VmAction { name, action, .. } => {
+                (Operator, format!("{} VM {name}", action.as_str()))
+            }
+            Command::SetVmHa { name, .. } => (Operator, format!("set VM {name}'s HA policy")),
             Command::MoveVm { name, req } => (Operator, format!("move VM {name} to {}", req.to)),
             Command::Validate(_) => (Operator, "validate hosts".into()),
             Command::Drain { host, .. } => (Operator, format!("drain host {host}")),
@@ -279,6 +294,8 @@ pub struct Control {
     /// Where the programs a rolling drain may run as hooks are (see
     /// [`rolling::resolve_hook`]).
     hooks_dir: std::path::PathBuf,
+    /// VM records, leases and failovers (see [`ha`]).
+    pub(crate) ha: ha::Ha,
     /// Signs each move's ticket (see [`ferry_net::ticket`]); `None` under
     /// `--insecure-http`, where agents ask for none.
     tickets: Option<Arc<ferry_net::ticket::LiveSigner>>,
@@ -331,6 +348,7 @@ impl Control {
             rolling: Default::default(),
             hooks_dir: rolling::DEFAULT_HOOKS_DIR.into(),
             tickets: None,
+            ha: Default::default(),
             pki: None,
             crl_pushed: Default::default(),
             max_streams_per_token: limits::MAX_STREAMS_PER_TOKEN,
@@ -440,6 +458,7 @@ impl Control {
         }
         let asked = std::time::Instant::now();
         let hosts = self.list_hosts().await;
+        self.sync_records(&hosts).await;
         self.align_bandwidth(&hosts).await;
         self.sync_access(&hosts, asked).await;
         self.resume_rolling().await;
@@ -610,8 +629,12 @@ impl Control {
                 value(t)
             }
             Command::ListHosts => value(self.list_hosts().await),
-            Command::ListVms => value(self.list_vms().await?),
+            Command::ListVms => value(self.list_all_vms().await?),
             Command::CreateVm(req) => value(self.create_vm(*req).await?),
+            Command::VmAction { name, action, req } => {
+                value(self.vm_action(&name, action, &req).await?)
+            }
+            Command::SetVmHa { name, update } => value(self.set_vm_ha(&name, &update).await?),
             Command::CheckVm { name } => value(self.check_vm(&name).await?),
             Command::ResolveVm { name, req } => value(self.resolve_vm(&name, &req).await?),
             Command::RemoveVm { name } => value(self.remove_vm(&name).await?),
@@ -772,6 +795,7 @@ impl Control {
                     settings: settings.get(name).cloned(),
                     error: r.as_ref().err().map(|e| e.to_string()),
                     info: r.ok(),
+                    health: self.health_of(name),
                 }
             })
             .collect()
@@ -856,6 +880,15 @@ impl Control {
 
     async fn create_vm(&self, mut req: VmCreateRequest) -> Result<VmInfo, ApiError> {
         req.spec.validate()?;
+        if let Some(h) = &req.ha {
+            h.validate()?;
+        }
+        if self.records().await?.contains_key(&req.spec.name) {
+            return Err(ApiError::AlreadyExists {
+                kind: "vm".into(),
+                name: req.spec.name,
+            });
+        }
         // a Ferry disk named by a drive: its export for this VM, as attach does
         for (i, d) in req.spec.drives.iter_mut().enumerate() {
             if let Some(name) = d.disk.clone() {
@@ -891,7 +924,11 @@ impl Control {
             let grant = access::Grant::new([req.host.clone()].into(), req.spec.ferry_disks());
             self.grant(&req.spec.name, grant).await?;
         }
-        agent.post("/vms", &req.spec, Duration::from_secs(60)).await
+        let info: VmInfo = agent
+            .post("/vms", &req.spec, Duration::from_secs(60))
+            .await?;
+        self.record_created(&req.spec, &req.host, req.ha).await?;
+        Ok(info)
     }
 
     async fn check_vm(&self, name: &str) -> Result<CheckResult, ApiError> {
@@ -966,10 +1003,20 @@ impl Control {
     }
 
     async fn remove_vm(&self, name: &str) -> Result<serde_json::Value, ApiError> {
-        let (host, _) = self.locate(name).await?;
-        self.host(&host)?
+        let host = match self.locate(name).await {
+            Ok((host, _)) => host,
+            // stopped: only its record is left
+            Err(ApiError::NotFound { .. }) if self.forget_record(name).await? => {
+                return Ok(serde_json::json!({ "removed": name, "was": "stopped" }));
+            }
+            Err(e) => return Err(e),
+        };
+        let r = self
+            .host(&host)?
             .delete(&format!("/vms/{name}"), Duration::from_secs(30))
-            .await
+            .await?;
+        self.forget_record(name).await?;
+        Ok(r)
     }
 
     /// The cluster's settings, from the store (another control instance may have set them).

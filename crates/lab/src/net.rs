@@ -475,3 +475,117 @@ pub fn spawn_daemon(
     })?;
     Ok(child.id())
 }
+
+/// Which of a host's networks `isolate` cuts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Network {
+    /// The control service's calls to its agent (port 7800 on mgmt0).
+    Management,
+    /// Its migration fabrics (every fabric NIC).
+    Migration,
+    /// Its NBD and storage REST traffic (ports 10809 and 7900 on mgmt0).
+    Storage,
+    All,
+}
+
+/// Rule preferences of isolation (policy routing in the host's namespace:
+/// what it sends that way is dropped; no packet filter needed).
+const ISOLATION_PREFS: std::ops::RangeInclusive<u32> = 90..=99;
+
+fn host_ns(spec: &LabSpec, host: &str) -> Result<u32, LabError> {
+    host_index(host)
+        .filter(|i| *i <= spec.hosts)
+        .ok_or_else(|| {
+            LabError::Invalid(format!(
+                "no lab host named '{host}' (host1..host{})",
+                spec.hosts
+            ))
+        })
+}
+
+/// Cuts one of a host's networks while its processes run on: what the
+/// host sends there is dropped (replies included), so the others see it
+/// silent there and nowhere else.
+pub fn isolate(spec: &LabSpec, host: &str, net: Network) -> Result<(), LabError> {
+    host_ns(spec, host)?;
+    let mgmt = "198.18.0.0/24";
+    let mut rules: Vec<Vec<String>> = Vec::new();
+    let rule = |pref: u32, rest: &[&str]| -> Vec<String> {
+        let mut r = vec![
+            "rule".to_string(),
+            "add".into(),
+            "pref".into(),
+            pref.to_string(),
+        ];
+        r.extend(rest.iter().map(|s| s.to_string()));
+        r.push("blackhole".into());
+        r
+    };
+    if matches!(net, Network::Management) {
+        rules.push(rule(90, &["to", mgmt, "ipproto", "tcp", "sport", "7800"]));
+    }
+    if matches!(net, Network::Storage) {
+        rules.push(rule(91, &["to", mgmt, "ipproto", "tcp", "dport", "10809"]));
+        rules.push(rule(92, &["to", mgmt, "ipproto", "tcp", "dport", "7900"]));
+    }
+    if matches!(net, Network::All) {
+        rules.push(rule(93, &["to", mgmt]));
+    }
+    if matches!(net, Network::Migration | Network::All) {
+        for k in 1..=spec.nics {
+            let net = format!(
+                "{}.0/24",
+                crate::topology::nic_addr(1, k)
+                    .rsplit_once('.')
+                    .map(|x| x.0)
+                    .unwrap_or("")
+            );
+            rules.push(rule(93 + k.min(6), &["to", &net]));
+        }
+    }
+    for r in rules {
+        let a: Vec<&str> = r.iter().map(String::as_str).collect();
+        in_ns(host, &a)?;
+    }
+    Ok(())
+}
+
+/// Removes every isolation of a host.
+pub fn rejoin(spec: &LabSpec, host: &str) -> Result<(), LabError> {
+    host_ns(spec, host)?;
+    for pref in ISOLATION_PREFS {
+        // a preference may hold several rules
+        while in_ns(host, &["rule", "del", "pref", &pref.to_string()]).is_ok() {}
+    }
+    Ok(())
+}
+
+/// A pulled power cord: every process of the host's namespace killed (its
+/// agent and QEMUs), its links down. [`power_on`] brings the links back;
+/// the caller starts its agent.
+pub fn power_off(spec: &LabSpec, host: &str) -> Result<usize, LabError> {
+    let i = host_ns(spec, host)?;
+    let pids = namespace_pids(host);
+    for pid in &pids {
+        // SAFETY: kill(2) with a plain pid and signal has no memory effects.
+        unsafe { libc::kill(*pid, libc::SIGKILL) };
+    }
+    ip(&["link", "set", &mgmt_port(i), "down"])?;
+    for k in 1..=spec.nics {
+        in_ns(&fabric_ns(k), &["link", "set", &switch_port(i, k), "down"])?;
+    }
+    Ok(pids.len())
+}
+
+pub fn power_on(spec: &LabSpec, host: &str) -> Result<(), LabError> {
+    let i = host_ns(spec, host)?;
+    rejoin(spec, host)?;
+    ip(&["link", "set", &mgmt_port(i), "up"])?;
+    for k in 1..=spec.nics {
+        in_ns(
+            &fabric_ns(k),
+            &["link", "set", &switch_port(i, k), "master", "br0", "up"],
+        )?;
+    }
+    Ok(())
+}

@@ -15,6 +15,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -116,6 +117,19 @@ struct State {
     flows: BTreeMap<String, Flow>,
     next_flow: FlowId,
     access: BTreeMap<String, VmAccess>,
+    /// Each VM's grant generation: raised whenever a host loses the VM,
+    /// so that host's open connections are refused from their next
+    /// request on (see [`Gate`]).
+    generations: BTreeMap<String, Arc<AtomicU64>>,
+}
+
+/// A connection opened under a host's grant of a VM: refused once a later
+/// generation no longer lists the host.
+struct Gate {
+    generation: Arc<AtomicU64>,
+    seen: AtomicU64,
+    vm: String,
+    host: String,
 }
 
 pub struct Node {
@@ -186,6 +200,7 @@ impl Node {
                 flows: BTreeMap::new(),
                 next_flow: 1,
                 access: persisted.grants,
+                generations: BTreeMap::new(),
             }),
             jobs: crate::jobs::Jobs::default(),
             pushes: crate::jobs::Pushes::default(),
@@ -786,20 +801,30 @@ impl Node {
             hosts: hosts.into_iter().collect(),
             disks: disks.into_iter().collect(),
         };
+        let lost: Vec<String> = st
+            .access
+            .get(vm)
+            .map(|old| old.hosts.difference(&a.hosts).cloned().collect())
+            .unwrap_or_default();
+        if !lost.is_empty() {
+            let g = st.generations.entry(vm.to_string()).or_default();
+            let n = g.fetch_add(1, Ordering::SeqCst) + 1;
+            tracing::info!(vm, hosts = ?lost, generation = n, "grant revoked: their connections are fenced");
+        }
         if a.hosts.is_empty() {
             st.access.remove(vm);
         } else {
             st.access.insert(vm.to_string(), a.clone());
         }
         self.save(&st)?;
-        Ok(access_info(vm, &a))
+        Ok(access_info(vm, &a, &st))
     }
 
     pub fn list_access(&self) -> Vec<AccessInfo> {
-        self.lock()
-            .access
+        let st = self.lock();
+        st.access
             .iter()
-            .map(|(vm, a)| access_info(vm, a))
+            .map(|(vm, a)| access_info(vm, a, &st))
             .collect()
     }
 
@@ -920,6 +945,7 @@ struct NodeAttachment {
     export: Arc<Export>,
     flow: FlowId,
     key: String,
+    gate: Option<Gate>,
 }
 
 impl Attachment for NodeAttachment {
@@ -929,6 +955,28 @@ impl Attachment for NodeAttachment {
     fn request(&self, bytes: u64) -> Ticket {
         self.node.sched.request(self.flow, bytes)
     }
+
+    fn fenced(&self) -> Option<String> {
+        let g = self.gate.as_ref()?;
+        let now = g.generation.load(Ordering::SeqCst);
+        if now == g.seen.load(Ordering::SeqCst) {
+            return None;
+        }
+        let st = self.node.lock();
+        if st
+            .access
+            .get(&g.vm)
+            .is_some_and(|a| a.hosts.contains(&g.host))
+        {
+            // another host lost the VM; this one keeps it
+            g.seen.store(now, Ordering::SeqCst);
+            return None;
+        }
+        Some(format!(
+            "host {} no longer holds VM {}'s disks (grant generation {now}): fenced",
+            g.host, g.vm
+        ))
+    }
 }
 
 impl Drop for NodeAttachment {
@@ -937,11 +985,16 @@ impl Drop for NodeAttachment {
     }
 }
 
-fn access_info(vm: &str, a: &VmAccess) -> AccessInfo {
+fn access_info(vm: &str, a: &VmAccess, st: &State) -> AccessInfo {
     AccessInfo {
         vm: vm.to_string(),
         hosts: a.hosts.iter().cloned().collect(),
         disks: a.disks.iter().cloned().collect(),
+        generation: st
+            .generations
+            .get(vm)
+            .map(|g| g.load(Ordering::SeqCst))
+            .unwrap_or(0),
     }
 }
 
@@ -982,6 +1035,29 @@ impl Catalog for NodeCatalog {
         let mut st = node.lock();
         Node::may_open(&st, peer, disk, initiator)?;
         let export = st.disks.get(disk).ok_or_else(gone)?.export.clone();
+        // an agent's or a VM's connection holds its host's grant of the VM
+        let gate = match (&peer.identity, initiator) {
+            (Some(id), Some(vm))
+                if matches!(
+                    id.role,
+                    ferry_net::tls::Role::Agent | ferry_net::tls::Role::Vm
+                ) =>
+            {
+                let host = match id.role {
+                    ferry_net::tls::Role::Vm => peer.vm_host.clone().unwrap_or_default(),
+                    _ => id.name.clone(),
+                };
+                let generation = st.generations.entry(vm.to_string()).or_default().clone();
+                let seen = AtomicU64::new(generation.load(Ordering::SeqCst));
+                Some(Gate {
+                    generation,
+                    seen,
+                    vm: vm.to_string(),
+                    host,
+                })
+            }
+            _ => None,
+        };
         // a VM's certificate: the host whose agent signed it
         let peer_name = peer
             .vm_host
@@ -1025,6 +1101,69 @@ impl Catalog for NodeCatalog {
             export,
             flow: id,
             key,
+            gate,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_net::tls::{Identity, Role};
+
+    fn agent(host: &str) -> Peer {
+        Peer {
+            addr: "198.18.0.11:40000".parse().unwrap(),
+            identity: Some(Identity {
+                role: Role::Agent,
+                name: host.into(),
+            }),
+            vm_host: None,
+        }
+    }
+
+    #[test]
+    fn a_host_that_loses_a_vms_grant_is_refused_on_its_open_connections() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = Node::open(NodeConfig {
+            name: "s1".into(),
+            dir: dir.path().to_path_buf(),
+            nbd_address: "127.0.0.1:10809".into(),
+            capacity_iops: 0,
+            peers: BTreeMap::new(),
+            client_tls: None,
+        })
+        .unwrap();
+        let req = serde_json::json!({ "name": "d", "size": 1 << 20 });
+        node.create_disk(&serde_json::from_value(req).unwrap())
+            .unwrap();
+        let cat = NodeCatalog(node.clone());
+        node.set_access("vm1", vec!["host1".into()], vec!["d".into()])
+            .unwrap();
+        let old = cat.attach("d/vm1", &agent("host1")).ok().unwrap();
+        assert!(old.fenced().is_none());
+        // a move: host2 joins; host1 keeps its grant, its connection serves on
+        node.set_access(
+            "vm1",
+            vec!["host1".into(), "host2".into()],
+            vec!["d".into()],
+        )
+        .unwrap();
+        assert!(old.fenced().is_none());
+        // fenced: host1 loses the VM; its open connection is refused from now on
+        let a = node
+            .set_access("vm1", vec!["host2".into()], vec!["d".into()])
+            .unwrap();
+        assert_eq!(a.generation, 1);
+        let why = old.fenced().expect("host1's connection is fenced");
+        assert!(why.contains("host1") && why.contains("vm1"), "{why}");
+        let new = cat.attach("d/vm1", &agent("host2")).ok().unwrap();
+        assert!(new.fenced().is_none());
+        // and host1 cannot open it again
+        assert!(cat.attach("d/vm1", &agent("host1")).is_err());
+        // another host losing it later leaves host2 serving
+        node.set_access("vm1", vec!["host2".into()], vec!["d".into()])
+            .unwrap();
+        assert!(new.fenced().is_none());
     }
 }

@@ -108,6 +108,12 @@ pub trait Attachment: Send + Sync + 'static {
     fn export(&self) -> &Arc<Export>;
     /// Queues a request of `bytes` with the QoS scheduler.
     fn request(&self, bytes: u64) -> Ticket;
+    /// Why this connection may no longer be served (its peer was fenced:
+    /// the grant it opened under was revoked), checked before every
+    /// request is carried out, however late it arrives.
+    fn fenced(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Who is at the other end of a connection.
@@ -165,6 +171,8 @@ pub enum ConnError {
     Timeout(Duration),
     #[error("TLS: {0}")]
     Tls(std::io::Error),
+    #[error("fenced: {0}")]
+    Fenced(String),
 }
 
 fn transmission_flags(read_only: bool) -> u16 {
@@ -665,6 +673,22 @@ where
             } else {
                 Vec::new()
             };
+            if let Some(why) = att.fenced() {
+                // refused, and the connection closed: a fenced host's
+                // request is never carried out
+                write_reply(
+                    &mut wr,
+                    Reply::Err {
+                        cookie: req.cookie,
+                        code: proto::EPERM,
+                        msg: why.clone(),
+                        read: cmd == Command::Read,
+                    },
+                    structured,
+                )
+                .await?;
+                return Err(ConnError::Fenced(why));
+            }
             let bytes = match cmd {
                 Command::Read | Command::Write { .. } => req.length as u64,
                 _ => 0,
@@ -684,8 +708,21 @@ where
             pending += 1;
             in_flight += bytes;
             let tx = tx.clone();
+            let gate = att.clone();
             tokio::spawn(async move {
                 match ticket.wait().await {
+                    // fenced while it waited for its turn
+                    Some(_) if gate.fenced().is_some() => {
+                        let _ = tx.send((
+                            bytes,
+                            Reply::Err {
+                                cookie: req.cookie,
+                                code: proto::EPERM,
+                                msg: gate.fenced().unwrap_or_default(),
+                                read: cmd == Command::Read,
+                            },
+                        ));
+                    }
                     Some(permit) => spawn_blocking_io(tx, export, cmd, req, payload, permit),
                     None => {
                         let _ = tx.send((

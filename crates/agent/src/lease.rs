@@ -1,0 +1,324 @@
+//! The agent's HA lease (see `ferry_api::ha`), and self-fencing.
+//!
+//! The control service renews the lease every second (`PUT /lease`), naming
+//! the VMs it would restart elsewhere. When no renewal came for the
+//! self-fence deadline, this agent stops those VMs' QEMUs itself: a host
+//! cut off from the control service is empty of HA guests before the
+//! cluster restarts them anywhere else, and says so to peers that probe it
+//! over the migration fabrics (`FERRY-ALIVE`, see [`crate::probe`]).
+//!
+//! The lease survives an agent restart: each renewal writes its deadline
+//! (wall clock) and VMs to `STATE_DIR/lease.json`, and a restarted agent
+//! takes them up, so a restart neither forgets a deadline nor fences early.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ferry_api::ha::{LeaseRenewal, LeaseState};
+use ferry_api::util::{lock, now_ms};
+use serde::{Deserialize, Serialize};
+
+/// What the probe responder says of this host (see [`crate::probe`]).
+pub const UNLEASED: u8 = 0;
+pub const LEASED: u8 = 1;
+pub const FENCED: u8 = 2;
+
+pub fn state_name(s: u8) -> &'static str {
+    match s {
+        LEASED => "leased",
+        FENCED => "fenced",
+        _ => "unleased",
+    }
+}
+
+/// The lease as written to `lease.json`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+struct Persisted {
+    /// When the agent fences itself (Unix ms).
+    fence_at_ms: u64,
+    self_fence_ms: u64,
+    ha_vms: Vec<String>,
+    #[serde(default)]
+    peers: Vec<ferry_api::ha::PeerAddresses>,
+}
+
+struct Inner {
+    renewed: Option<Instant>,
+    self_fence: Duration,
+    ha_vms: Vec<String>,
+    fenced_vms: Vec<String>,
+    peers: Vec<ferry_api::ha::PeerAddresses>,
+    /// When peers were last asked at a lapse that was held.
+    held: Option<Instant>,
+    persisted: Option<Persisted>,
+}
+
+pub struct Lease {
+    inner: Mutex<Inner>,
+    /// Shared with the probe responder's thread.
+    pub state: Arc<AtomicU8>,
+    file: PathBuf,
+}
+
+impl Lease {
+    /// The lease left by an earlier agent in `state_dir`, if any.
+    pub fn load(state_dir: &std::path::Path) -> Lease {
+        let file = state_dir.join("lease.json");
+        let found: Option<Persisted> = std::fs::read(&file)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
+        let mut inner = Inner {
+            renewed: None,
+            self_fence: Duration::from_millis(ferry_api::ha::SELF_FENCE_MS),
+            ha_vms: Vec::new(),
+            fenced_vms: Vec::new(),
+            peers: Vec::new(),
+            held: None,
+            persisted: None,
+        };
+        let state = Arc::new(AtomicU8::new(UNLEASED));
+        if let Some(p) = found {
+            // the deadline carried over: as if renewed that long before it
+            let left = p.fence_at_ms.saturating_sub(now_ms());
+            let elapsed = p.self_fence_ms.saturating_sub(left);
+            inner.renewed = Instant::now().checked_sub(Duration::from_millis(elapsed));
+            inner.self_fence = Duration::from_millis(p.self_fence_ms);
+            inner.ha_vms = p.ha_vms.clone();
+            inner.peers = p.peers.clone();
+            inner.persisted = Some(p);
+            state.store(LEASED, Ordering::SeqCst);
+            tracing::info!(left_ms = left, "HA lease taken up from the last agent");
+        }
+        Lease {
+            inner: Mutex::new(inner),
+            state,
+            file,
+        }
+    }
+
+    pub fn renew(&self, r: &LeaseRenewal) {
+        let mut g = lock(&self.inner);
+        g.renewed = Some(Instant::now());
+        g.self_fence = Duration::from_millis(r.self_fence_ms);
+        g.ha_vms = r.ha_vms.clone();
+        g.peers = r.peers.clone();
+        g.held = None;
+        let was = self.state.swap(LEASED, Ordering::SeqCst);
+        if was == FENCED {
+            tracing::info!("HA lease renewed again after a self-fence");
+        }
+        let p = Persisted {
+            fence_at_ms: now_ms() + r.self_fence_ms,
+            self_fence_ms: r.self_fence_ms,
+            ha_vms: r.ha_vms.clone(),
+            peers: r.peers.clone(),
+        };
+        g.persisted = Some(p.clone());
+        drop(g);
+        if let Ok(b) = serde_json::to_vec(&p) {
+            let tmp = self.file.with_extension("json.tmp");
+            if std::fs::write(&tmp, b)
+                .and_then(|_| std::fs::rename(&tmp, &self.file))
+                .is_err()
+            {
+                tracing::warn!(file = %self.file.display(), "cannot write the HA lease");
+            }
+        }
+    }
+
+    pub fn view(&self) -> LeaseState {
+        let g = lock(&self.inner);
+        LeaseState {
+            state: state_name(self.state.load(Ordering::SeqCst)).into(),
+            since_renewal_ms: g.renewed.map(|t| t.elapsed().as_millis() as u64),
+            fenced_vms: g.fenced_vms.clone(),
+        }
+    }
+
+    /// The HA VMs to stop and the peers to ask first, when the deadline
+    /// has passed (once per lapse; a held lapse is asked again every 2 s).
+    fn due(&self) -> Option<(Vec<String>, Vec<ferry_api::ha::PeerAddresses>)> {
+        let mut g = lock(&self.inner);
+        if self.state.load(Ordering::SeqCst) != LEASED {
+            return None;
+        }
+        let renewed = g.renewed?;
+        if renewed.elapsed() < g.self_fence {
+            return None;
+        }
+        if g.held.is_some_and(|t| t.elapsed() < Duration::from_secs(2)) {
+            return None;
+        }
+        g.held = Some(Instant::now());
+        Some((g.ha_vms.clone(), g.peers.clone()))
+    }
+
+    fn fenced(&self, vms: Vec<String>) {
+        let mut g = lock(&self.inner);
+        g.fenced_vms = vms;
+        self.state.store(FENCED, Ordering::SeqCst);
+    }
+}
+
+impl crate::host::Agent {
+    /// Checks the lease every 200 ms; past its deadline, stops the HA VMs
+    /// (QEMU killed: what the cluster restarts elsewhere must not run here).
+    pub async fn watch_lease(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let Some((vms, peers)) = self.lease.due() else {
+                continue;
+            };
+            if vms.is_empty() {
+                self.lease.fenced(Vec::new());
+                continue;
+            }
+            if !self.cluster_renews_without_us(&peers).await {
+                continue;
+            }
+            let mut stopped = Vec::new();
+            for vm in vms {
+                let q = {
+                    let mut st = self.state.lock().await;
+                    match st.vms.get(&vm) {
+                        Some(s) if s.role == crate::host::Role::Running => {
+                            st.vms.remove(&vm).and_then(|s| s.qemu)
+                        }
+                        _ => None,
+                    }
+                };
+                if let Some(q) = q {
+                    q.kill().await;
+                    self.remove_vm_dir(&q.dir, &format!("{vm}.fenced"));
+                    stopped.push(vm);
+                }
+            }
+            tracing::warn!(
+                stopped = ?stopped,
+                "no HA lease renewal within the self-fence deadline: HA guests stopped"
+            );
+            self.lease.fenced(stopped);
+        }
+    }
+}
+
+/// What peers said at a lapse (see [`Agent::cluster_renews_without_us`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum PeersSay {
+    /// One of them was renewed recently: the cluster goes on without us.
+    Renewed,
+    /// They answered, none renewed recently: the control service is down
+    /// for everyone, and nothing will be restarted elsewhere.
+    AllLapsed,
+    /// Nobody answered (or no peers): we are cut off.
+    Nothing,
+}
+
+pub fn judge(heard: &[crate::probe::alive::Heard]) -> PeersSay {
+    use crate::probe::alive::Heard;
+    let mut answered = false;
+    for h in heard {
+        if let Heard::Agent { since_ms, .. } = h {
+            answered = true;
+            if since_ms.is_some_and(|s| s < ferry_api::ha::PEER_FRESH_MS) {
+                return PeersSay::Renewed;
+            }
+        }
+    }
+    if answered {
+        PeersSay::AllLapsed
+    } else {
+        PeersSay::Nothing
+    }
+}
+
+impl crate::host::Agent {
+    /// At a lapse: fence unless every peer that answers lapsed too.
+    async fn cluster_renews_without_us(&self, peers: &[ferry_api::ha::PeerAddresses]) -> bool {
+        let me = self.cfg.name.clone();
+        let secret = self.cred.secret().to_vec();
+        let heard = futures::future::join_all(peers.iter().map(|p| {
+            let addrs: Vec<std::net::SocketAddr> =
+                p.addresses.iter().filter_map(|a| a.parse().ok()).collect();
+            let (me, secret) = (me.clone(), secret.clone());
+            async move {
+                crate::probe::alive::probe_any(&me, &secret, &p.host, &addrs)
+                    .await
+                    .0
+            }
+        }))
+        .await;
+        match judge(&heard) {
+            PeersSay::AllLapsed => {
+                tracing::warn!(
+                    "HA lease lapsed, and every peer's too: the control service is down for \
+                     all, so HA guests are kept"
+                );
+                false
+            }
+            PeersSay::Renewed | PeersSay::Nothing => true,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn renewal(ms: u64) -> LeaseRenewal {
+        LeaseRenewal {
+            ttl_ms: ms,
+            self_fence_ms: ms,
+            ha_vms: vec!["a".into()],
+            peers: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_lease_falls_due_at_its_deadline_once_and_carries_over_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = Lease::load(dir.path());
+        assert_eq!(l.view().state, "unleased");
+        assert!(l.due().is_none(), "never leased: nothing to fence");
+        l.renew(&renewal(300));
+        assert!(l.due().is_none());
+        // a restarted agent takes the deadline up
+        let again = Lease::load(dir.path());
+        assert_eq!(again.view().state, "leased");
+        assert!(again.due().is_none());
+        std::thread::sleep(Duration::from_millis(350));
+        assert_eq!(l.due().unwrap().0, vec!["a".to_string()]);
+        assert_eq!(again.due().unwrap().0, vec!["a".to_string()]);
+        assert!(
+            l.due().is_none(),
+            "a lapse held is asked again only after 2 s"
+        );
+        l.fenced(vec!["a".into()]);
+        assert!(l.due().is_none(), "fenced once per lapse");
+        assert_eq!(l.view().state, "fenced");
+        l.renew(&renewal(300));
+        assert_eq!(l.view().state, "leased");
+    }
+
+    #[test]
+    fn a_lapsed_agent_fences_unless_every_peer_lapsed_too() {
+        use crate::probe::alive::Heard;
+        let fresh = Heard::Agent {
+            state: "leased".into(),
+            since_ms: Some(800),
+        };
+        let stale = Heard::Agent {
+            state: "leased".into(),
+            since_ms: Some(6_000),
+        };
+        assert_eq!(judge(&[Heard::Silent, fresh.clone()]), PeersSay::Renewed);
+        assert_eq!(
+            judge(&[stale.clone(), Heard::AgentDown]),
+            PeersSay::AllLapsed
+        );
+        assert_eq!(judge(&[Heard::Silent, Heard::AgentDown]), PeersSay::Nothing);
+        assert_eq!(judge(&[]), PeersSay::Nothing);
+    }
+}
