@@ -480,7 +480,7 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
     let lease = agent.lease.clone();
     std::thread::Builder::new()
         .name("probe-responder".into())
-        .spawn(move || crate::probe::respond(probes, name, secret, lease))?;
+        .spawn(move || crate::probe::respond(probes, name, secret, move || lease.view()))?;
     tokio::spawn(agent.clone().watch_lease());
     tracing::info!(host = %agent.cfg.name, listen = %agent.cfg.listen, "agent serving");
     let classes = agent.classes.clone();

@@ -30,6 +30,7 @@ pub mod datapath;
 pub mod downtime;
 pub mod facts;
 pub mod failpoint;
+pub mod fence;
 pub mod grants;
 pub mod guest;
 pub mod hardware;

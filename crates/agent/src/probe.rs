@@ -117,7 +117,7 @@ pub fn respond(
     sock: std::net::UdpSocket,
     host: String,
     secret: Vec<u8>,
-    lease: std::sync::Arc<crate::lease::Lease>,
+    lease: impl Fn() -> ferry_api::ha::LeaseState,
 ) {
     use std::os::fd::AsRawFd;
     let fd = sock.as_raw_fd();
@@ -137,7 +137,7 @@ pub fn respond(
             continue;
         };
         if let Some(nonce) = alive::parse_request(&line) {
-            let v = lease.view();
+            let v = lease();
             let answer = alive::answer(&secret, &nonce, &host, &v);
             let _ = sock.send_to(answer.as_bytes(), from);
             continue;
@@ -831,22 +831,22 @@ mod tests {
         ));
     }
 
-    fn no_lease() -> std::sync::Arc<crate::lease::Lease> {
-        let dir = tempfile::tempdir().unwrap();
-        std::sync::Arc::new(crate::lease::Lease::load(dir.path()))
+    fn no_lease() -> ferry_api::ha::LeaseState {
+        ferry_api::ha::LeaseState {
+            state: "unleased".into(),
+            since_renewal_ms: None,
+            fenced_vms: vec![],
+        }
     }
 
     #[tokio::test]
     async fn a_liveness_probe_tells_an_agent_from_a_bare_kernel_and_a_forgery() {
         use alive::Heard;
-        let dir = tempfile::tempdir().unwrap();
-        let lease = std::sync::Arc::new(crate::lease::Lease::load(dir.path()));
-        lease.renew(&ferry_api::ha::LeaseRenewal {
-            ttl_ms: 5_000,
-            self_fence_ms: 5_000,
-            ha_vms: vec![],
-            peers: vec![],
-        });
+        let lease = || ferry_api::ha::LeaseState {
+            state: "leased".into(),
+            since_renewal_ms: Some(300),
+            fenced_vms: vec![],
+        };
         let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let at = sock.local_addr().unwrap();
         std::thread::spawn(move || respond(sock, "peer1".into(), b"secret".to_vec(), lease));
@@ -888,7 +888,7 @@ mod tests {
     async fn pairs_that_cover_both_hosts_are_known_before_silent_ones_time_out() {
         let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let port = sock.local_addr().unwrap().port();
-        std::thread::spawn(move || respond(sock, "peer1".into(), b"secret".to_vec(), no_lease()));
+        std::thread::spawn(move || respond(sock, "peer1".into(), b"secret".to_vec(), no_lease));
         // the peer's second address takes probes and never answers; its NIC is down
         let _quiet = std::net::UdpSocket::bind(("127.0.0.2", port)).unwrap();
         // the responder answers once its thread has set IP_PKTINFO: wait for that
@@ -943,7 +943,7 @@ mod tests {
     async fn a_probe_over_loopback_proves_the_peer_and_names_its_nic() {
         let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let port = sock.local_addr().unwrap().port();
-        std::thread::spawn(move || respond(sock, "peer1".into(), b"secret".to_vec(), no_lease()));
+        std::thread::spawn(move || respond(sock, "peer1".into(), b"secret".to_vec(), no_lease));
         let at = SocketAddr::from(([127, 0, 0, 1], port));
         let lo = ("lo", Ipv4Addr::LOCALHOST);
         let (nic, _) = probe("me", b"secret", lo, ("peer1", at)).await.unwrap();

@@ -26,8 +26,9 @@ pub const SELF_FENCE_MS: u64 = LEASE_TTL_MS;
 /// A host whose lease was not renewed for this long is suspect.
 pub const SUSPECT_MS: u64 = 3_000;
 /// The control service restarts a suspect host's VMs no earlier than this
-/// after its last renewal: the self-fence deadline and time for QEMU to die.
-pub const RESTART_AFTER_MS: u64 = SELF_FENCE_MS + 2_000;
+/// after its last renewal: the self-fence deadline (checked every 200 ms)
+/// and time for a SIGKILLed QEMU to die.
+pub const RESTART_AFTER_MS: u64 = SELF_FENCE_MS + 1_000;
 
 // the order the timings must keep, checked when built
 const _: () = {

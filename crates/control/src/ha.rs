@@ -107,7 +107,12 @@ pub fn quorum(fresh: usize, total: usize) -> bool {
 /// What the second signal says of a host whose lease lapsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
-    Failed(String),
+    /// Confirmed: its HA VMs may be fenced and restarted. `alive`: its
+    /// agent answered (an isolated host): its other VMs run on there.
+    Failed {
+        why: String,
+        alive: bool,
+    },
     Unmanaged(String),
     Wait(String),
 }
@@ -119,9 +124,10 @@ pub fn judge(probes: &[Liveness], storage_io: Option<f64>) -> Verdict {
         .find(|l| matches!(l, Liveness::Answered { .. }))
     {
         return if state == "fenced" {
-            Verdict::Failed(format!(
-                "its agent says over {address} it stopped its HA guests"
-            ))
+            Verdict::Failed {
+                why: format!("its agent says over {address} it stopped its HA guests"),
+                alive: true,
+            }
         } else {
             Verdict::Wait(format!("its agent answers over {address}, {state}"))
         };
@@ -142,7 +148,10 @@ pub fn judge(probes: &[Liveness], storage_io: Option<f64>) -> Verdict {
         Some(iops) if iops > 0.0 => Verdict::Unmanaged(format!(
             "silent on every fabric, yet its NBD flows do {iops:.0} IOPS"
         )),
-        Some(_) => Verdict::Failed("silent on every fabric and on its storage".into()),
+        Some(_) => Verdict::Failed {
+            why: "silent on every fabric and on its storage".into(),
+            alive: false,
+        },
     }
 }
 
@@ -464,7 +473,7 @@ impl Control {
             }
             let verdict = self.second_signal(host, &lapses).await;
             match verdict {
-                Verdict::Failed(why) => {
+                Verdict::Failed { why, alive } => {
                     lock(&self.ha.failing).insert(host.clone());
                     lock(&self.ha.health).insert(host.clone(), Health::Failed);
                     tracing::warn!(host, %why, "host failed: fencing and restarting its HA VMs");
@@ -476,7 +485,7 @@ impl Control {
                     let me = self.clone();
                     let (h, lapse) = (host.clone(), *lapse);
                     tokio::spawn(async move {
-                        let r = me.fail_over(&h, lapse).await;
+                        let r = me.fail_over(&h, lapse, alive).await;
                         if let Err(e) = &r {
                             tracing::warn!(host = %h, "failover: {e}; tried again next round");
                             me.log(
@@ -564,7 +573,7 @@ impl Control {
     }
 
     /// Fences `host` from its HA VMs' disks and boots them elsewhere.
-    async fn fail_over(&self, host: &str, lapse_ms: u64) -> Result<(), ApiError> {
+    async fn fail_over(&self, host: &str, lapse_ms: u64, alive: bool) -> Result<(), ApiError> {
         let t0 = Instant::now();
         let now = ferry_api::util::now_ms();
         let records = self.records().await?;
@@ -574,7 +583,10 @@ impl Control {
             if r.desired != Desired::Running || r.stopped_because.is_some() {
                 continue;
             }
-            let why = if !r.ha.enabled {
+            let why = if !r.ha.enabled && alive {
+                // an isolated host runs its other VMs on
+                continue;
+            } else if !r.ha.enabled {
                 format!("host {host} failed (HA off)")
             } else if unfenceable(&r.spec) {
                 format!(
@@ -839,7 +851,7 @@ mod tests {
     fn a_host_is_failed_only_on_a_second_signal() {
         assert!(matches!(
             judge(&[live("fenced")], Some(0.0)),
-            Verdict::Failed(_)
+            Verdict::Failed { alive: true, .. }
         ));
         // an agent that answers and has not fenced: wait for it
         assert!(matches!(
@@ -857,7 +869,7 @@ mod tests {
         // silent everywhere: its storage decides
         assert!(matches!(
             judge(&[Liveness::Silent], Some(0.0)),
-            Verdict::Failed(_)
+            Verdict::Failed { alive: false, .. }
         ));
         assert!(matches!(
             judge(&[Liveness::Silent], Some(50.0)),

@@ -834,10 +834,16 @@ impl Control {
     }
 
     async fn list_vms(&self) -> Result<Vec<VmInfo>, ApiError> {
-        let calls = self
-            .hosts
-            .values()
-            .map(|c| c.get::<Vec<VmInfo>>("/vms", AGENT_TIMEOUT));
+        // a host that missed its heartbeats gets a short wait
+        let down = lock(&self.down).clone();
+        let calls = self.hosts.iter().map(|(n, c)| {
+            let wait = if down.contains(n) {
+                HEARTBEAT_TIMEOUT
+            } else {
+                AGENT_TIMEOUT
+            };
+            c.get::<Vec<VmInfo>>("/vms", wait)
+        });
         let mut out = Vec::new();
         // an unreachable host hides its VMs; `host list` shows why
         for vms in futures::future::join_all(calls).await.into_iter().flatten() {
