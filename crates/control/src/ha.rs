@@ -622,18 +622,25 @@ impl Control {
         })
         .await?;
         // fence: no grant of these VMs to the failed host, on every node
-        for (name, r) in &restart {
+        // (all at once: nothing restarts until every one is done)
+        for (name, _) in &restart {
             lock(&self.ha.revoked).insert((name.clone(), host.to_string()));
+        }
+        let fences = restart.iter().map(|(name, r)| async move {
             let disks = r.spec.ferry_disks();
             if !disks.is_empty() {
-                self.grant(name, access::Grant::new(BTreeSet::new(), disks))
+                self.grant(name, access::Grant::new(BTreeSet::new(), disks.clone()))
                     .await?;
             }
             self.log(
                 "vm_fenced",
                 name,
-                serde_json::json!({ "host": host, "disks": r.spec.ferry_disks() }),
+                serde_json::json!({ "host": host, "disks": disks }),
             );
+            Ok::<(), ApiError>(())
+        });
+        for r in futures::future::join_all(fences).await {
+            r?;
         }
         restart.sort_by(|a, b| b.1.ha.priority.cmp(&a.1.ha.priority).then(a.0.cmp(&b.0)));
         let planned = std::sync::Mutex::new(BTreeMap::<String, u64>::new());

@@ -11,6 +11,12 @@
 //! | POST | /vms/{name}/resolve | ResolveVm |
 //! | DELETE | /vms/{name} | RemoveVm |
 //! | POST | /vms/{name}/move | MoveVm (body: `MoveRequest`), NDJSON `MigrationEvent`s; header `X-Ferry-Operation`: its operation's id |
+//! | POST | /vms/{name}/start | VmAction start (body: `ActionRequest`) → `VmInfo` |
+//! | POST | /vms/{name}/stop | VmAction stop → `Stopped` |
+//! | POST | /vms/{name}/shutdown | VmAction shutdown (`timeout_s`) → `Stopped` |
+//! | POST | /vms/{name}/reboot | VmAction reboot → `Stopped` |
+//! | POST | /vms/{name}/restart | VmAction restart → {shutdown, started} |
+//! | PUT | /vms/{name}/ha | SetVmHa (body: `HaUpdate`) → `HaPolicy` |
 //! | POST | /validate | Validate (body: `ValidateRequest`) → `ValidationReport` |
 //! | POST | /hosts/{host}/drain | Drain (body: `DrainRequest`), NDJSON `DrainEvent`s; header `X-Ferry-Operation`: its operation's id |
 //! | POST | /hosts/{host}/resume | Resume: the host takes VMs again |

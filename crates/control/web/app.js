@@ -314,7 +314,8 @@ function updateHosts(hosts) {
     if (!s) {
       s = series[h.name] = { t: [], nics: {}, plot: null, ...nicCard(h) };
     }
-    const state = h.down ? "DOWN" : h.reachable ? "up" : "unreachable";
+    const health = h.health && h.health !== "ok" ? `, ${h.health}` : "";
+    const state = (h.down ? "DOWN" : h.reachable ? "up" : "unreachable") + health;
     const info = h.info;
     s.title.innerHTML = "";
     const link = el("a", h.name);
@@ -427,8 +428,38 @@ function vmRow(v) {
     );
   };
   const actions = el("span");
-  actions.append(btn, rm);
+  actions.append(...lifecycleButtons(v), btn, rm);
   return row(null, [name, host, vmState(v), mib(v.spec.memory), sel, actions]);
+}
+
+// Start a stopped VM; stop, shut down or reboot a running one (`ferry vm start|stop|…`).
+function lifecycleButtons(v) {
+  const act = (action, label, ask) => {
+    const b = operatorButton(label, `${label} ${v.name}`);
+    b.id = `${action}-${v.name}`;
+    b.onclick = () => {
+      if (ask && !confirm(ask)) return;
+      const status = document.getElementById("vm-status");
+      status.textContent = `${v.name}: ${action}…`;
+      api("POST", `/api/v1/vms/${encodeURIComponent(v.name)}/${action}`, {}).then(
+        (r) => {
+          status.textContent = `${v.name}: ${r.how ? r.how.replace("_", " ") : action + "ed"}`;
+          refreshVms();
+        },
+        (e) => {
+          status.textContent = `${v.name}: ${action} refused: ${e.message}`;
+        },
+      );
+    };
+    return b;
+  };
+  if (v.state === "stopped") return [act("start", "Start")];
+  if (v.state === "unknown") return [];
+  return [
+    act("shutdown", "Shut down", `Ask ${v.name}'s guest to power off (stopped after 60 s)?`),
+    act("stop", "Stop", `Stop ${v.name} at once (the guest is not asked)?`),
+    act("reboot", "Reboot", `Reset ${v.name}'s guest?`),
+  ];
 }
 
 // The VMs now, not at the next push (after a change made here).
@@ -444,8 +475,10 @@ async function refreshVms() {
 
 // "paused: storage (storage1 (198.18.0.2:10809), since 12:00:01 UTC, 42s)"
 function vmState(v) {
+  const ha = v.ha && v.ha.enabled ? ` · HA ${v.ha.priority}` : "";
+  if (v.state === "stopped" && v.stopped_because) return `stopped: ${v.stopped_because}${ha}`;
   const p = v.storage_pause;
-  if (!p || p.state === "resumed") return v.state;
+  if (!p || p.state === "resumed") return v.state + ha;
   const since = new Date(p.since_ms).toISOString().slice(11, 19) + " UTC";
   const secs = Math.round(((p.until_ms || Date.now()) - p.since_ms) / 1000);
   return p.state === "paused"
