@@ -161,6 +161,16 @@ impl Qga {
         })
     }
 
+    /// Asks the guest to power itself off (`guest-shutdown`, mode
+    /// `powerdown`): the guest's own orderly shutdown. The guest agent
+    /// answers nothing when it accepts, so nothing is awaited.
+    pub async fn shutdown(&mut self) -> Result<(), QgaError> {
+        let msg = json!({"execute": "guest-shutdown", "arguments": {"mode": "powerdown"}});
+        self.wr.write_all(format!("{msg}\n").as_bytes()).await?;
+        self.wr.flush().await?;
+        Ok(())
+    }
+
     pub async fn ping(&mut self) -> Result<(), QgaError> {
         self.execute("guest-ping", Value::Null).await.map(|_| ())
     }

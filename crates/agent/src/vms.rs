@@ -260,7 +260,8 @@ impl Agent {
                 });
             }
         }
-        let (_, q) = self.running_vm(name).await?;
+        let (spec, q) = self.running_vm(name).await?;
+        let mut via = None;
         let how = match action {
             Action::Reboot => {
                 q.qmp.system_reset().await.map_err(ApiError::internal)?;
@@ -277,7 +278,23 @@ impl Agent {
                             format!("{secs} is outside 1..={MAX_SHUTDOWN_S}"),
                         ));
                     }
-                    q.qmp.system_powerdown().await.map_err(ApiError::internal)?;
+                    // the guest agent's own shutdown when it has one, else ACPI
+                    let sock = q.dir.join(crate::qemu::QGA_SOCK);
+                    let agent = match spec.guest_agent {
+                        true => match crate::qga::Qga::connect(&sock, Duration::from_secs(3)).await
+                        {
+                            Ok(mut a) => a.shutdown().await.is_ok(),
+                            Err(e) => {
+                                tracing::info!(vm = name, "guest agent: {e}; ACPI instead");
+                                false
+                            }
+                        },
+                        false => false,
+                    };
+                    if !agent {
+                        q.qmp.system_powerdown().await.map_err(ApiError::internal)?;
+                    }
+                    via = Some(if agent { "guest-agent" } else { "acpi" }.to_string());
                     let deadline = t0 + Duration::from_secs(secs);
                     while q.alive().await && std::time::Instant::now() < deadline {
                         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -313,6 +330,7 @@ impl Agent {
             vm: name.into(),
             host: self.cfg.name.clone(),
             how: how.into(),
+            via,
             took_ms: t0.elapsed().as_millis() as u64,
         })
     }

@@ -197,6 +197,13 @@ pub struct ActionRequest {
     /// Shutdown: seconds the guest has to power itself off (default 60).
     #[serde(default)]
     pub timeout_s: Option<u64>,
+    /// Start: boot it on this host instead of its placement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// Start elsewhere while its host does not answer: the admin's word
+    /// that the host is powered off (or fenced), so no copy of it runs.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub confirm_powered_off: bool,
 }
 
 pub const DEFAULT_SHUTDOWN_S: u64 = 60;
@@ -210,6 +217,10 @@ pub struct Stopped {
     /// `powered_off` (the guest turned itself off), `stopped` (QEMU was
     /// stopped: asked, or the guest did not power off in time), `reset`.
     pub how: String,
+    /// A shutdown: asked through the guest agent (`guest-agent`) or the
+    /// ACPI power button (`acpi`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub via: Option<String>,
     pub took_ms: u64,
 }
 

@@ -55,9 +55,17 @@ pub enum VmCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Boot a stopped VM on its host.
+    /// Boot a stopped VM on its host (or on --host).
     Start {
         name: String,
+        /// Boot it on this host instead of its placement.
+        #[arg(long)]
+        host: Option<String>,
+        /// Its host does not answer and is known to be powered off (or
+        /// fenced): start it elsewhere all the same (admin). If that host
+        /// ran it and came back, two copies would run.
+        #[arg(long, requires = "host")]
+        confirm_powered_off: bool,
         #[arg(long)]
         json: bool,
     },
@@ -392,9 +400,19 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             }
             Ok(0)
         }
-        VmCmd::Start { name, json } => {
+        VmCmd::Start {
+            name,
+            host,
+            confirm_powered_off,
+            json,
+        } => {
+            let req = ferry_api::ha::ActionRequest {
+                timeout_s: None,
+                host: host.clone(),
+                confirm_powered_off: *confirm_powered_off,
+            };
             let v: VmInfo = client()?
-                .post(&format!("/vms/{name}/start"), &serde_json::json!({}), T)
+                .post(&format!("/vms/{name}/start"), &req, T)
                 .await?;
             if *json {
                 print_json(&v);
@@ -432,6 +450,7 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
         } => {
             let req = ferry_api::ha::ActionRequest {
                 timeout_s: Some(*timeout),
+                ..Default::default()
             };
             let r: ferry_api::ha::Stopped = client()?
                 .post(
@@ -460,6 +479,7 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
         } => {
             let req = ferry_api::ha::ActionRequest {
                 timeout_s: Some(*timeout),
+                ..Default::default()
             };
             let r: serde_json::Value = client()?
                 .post(

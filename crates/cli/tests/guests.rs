@@ -423,6 +423,38 @@ fn a_debian_guest_moves_with_its_tcp_connection_alive() {
     );
     assert!(gap < Duration::from_secs(2), "longest gap {gap:?}");
     assert_intact_on("deb1", "host1");
+
+    // its lifecycle: a reset (the guest boots again), a shutdown its guest
+    // agent carries out, a start on the same host, a stop
+    let uptime = || {
+        guest_sh("host1", "deb1", "cut -d. -f1 /proc/uptime")
+            .trim()
+            .parse::<u64>()
+            .unwrap()
+    };
+    let before = uptime();
+    ferry_ok(&["vm", "reboot", "deb1"]);
+    let after = uptime();
+    assert!(
+        after < before,
+        "uptime {after} s after the reset, {before} s before"
+    );
+    let r = ferry_json(&["vm", "shutdown", "deb1", "--timeout", "120"]);
+    assert_eq!(r["how"], "powered_off", "{r}");
+    assert_eq!(r["via"], "guest-agent", "{r}");
+    let listed = ferry_json(&["vm", "list"]);
+    let v = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "deb1")
+        .unwrap();
+    assert_eq!(v["state"], "stopped", "{v}");
+    assert_eq!(v["desired"], "stopped", "{v}");
+    ferry_ok(&["vm", "start", "deb1"]);
+    guest_sh("host1", "deb1", "true");
+    let r = ferry_json(&["vm", "stop", "deb1"]);
+    assert_eq!(r["how"], "stopped", "{r}");
     drop(_vm);
     ferry_ok(&["disk", "rm", "deb-root"]);
     let _ = std::fs::remove_file(&data);

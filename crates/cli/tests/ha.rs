@@ -149,6 +149,27 @@ fn failed_hosts_have_their_ha_vms_run_elsewhere_never_twice() {
             .contains("host1 failed"),
         "{p}"
     );
+    // started elsewhere only on an admin's word that host1 is off
+    let out = ferry(&["vm", "start", "plain1", "--host", "host2"]);
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && text.contains("--confirm-powered-off"),
+        "{text}"
+    );
+    ferry_ok(&[
+        "vm",
+        "start",
+        "plain1",
+        "--host",
+        "host2",
+        "--confirm-powered-off",
+    ]);
+    let p = vm("plain1");
+    assert_eq!(
+        (p["state"].as_str(), p["host"].as_str()),
+        (Some("running"), Some("host2")),
+        "{p}"
+    );
     // a grant generation was raised: host1 can open nothing of ha1's now
     let access: Vec<Value> = serde_json::from_str(&curl_storage("/access")).unwrap();
     let a = access.iter().find(|a| a["vm"] == "ha1").unwrap();
@@ -184,8 +205,8 @@ fn failed_hosts_have_their_ha_vms_run_elsewhere_never_twice() {
     );
     // by the time it runs elsewhere, host2 runs no QEMU of it
     assert!(
-        qemu_pids("host2").is_empty(),
-        "host2 still runs a QEMU while ha2 runs on {to2}"
+        !qemu_pids("host2").iter().any(|p| runs_guest(*p, "ha2")),
+        "host2 still runs ha2's QEMU while ha2 runs on {to2}"
     );
     let fenced = events_of("host_failed", "host2");
     assert_eq!(fenced.len(), 1);
@@ -227,6 +248,17 @@ fn failed_hosts_have_their_ha_vms_run_elsewhere_never_twice() {
     );
     ferry_ok(&["vm", "rm", "ha2"]);
     assert!(vm("ha2").is_null());
+}
+
+/// Whether QEMU process `pid` runs guest `vm`.
+fn runs_guest(pid: i32, vm: &str) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| {
+            String::from_utf8_lossy(&c)
+                .replace('\0', " ")
+                .contains(&format!("guest={vm},"))
+        })
+        .unwrap_or(false)
 }
 
 /// The storage node's REST answer at `path`, with the control service's certificate.

@@ -590,7 +590,8 @@ impl Control {
                 format!("host {host} failed (HA off)")
             } else if unfenceable(&r.spec) {
                 format!(
-                    "host {host} failed; its drives cannot be fenced by Ferry: restart it once {host} is known to be off (`ferry vm start {name}`)"
+                    "host {host} failed; its drives cannot be fenced by Ferry: once {host} is known to be off, \
+                     `ferry vm start {name} --host HOST --confirm-powered-off` (admin)"
                 )
             } else if !r.ha.may_restart(&r.restarts, now) {
                 format!(
@@ -796,9 +797,37 @@ impl Control {
                         reason: format!("vm {name} already runs on {host}"),
                     });
                 }
-                self.refuse_draining(&record.host)?;
-                self.refuse_down(&record.host).await?;
-                let info = self.boot_on(&record.host, &record.spec).await?;
+                let to = req.host.clone().unwrap_or_else(|| record.host.clone());
+                if to != record.host && self.refuse_down(&record.host).await.is_err() {
+                    // its host does not answer: it may still run the VM
+                    if !req.confirm_powered_off {
+                        return Err(ApiError::Conflict {
+                            reason: format!(
+                                "vm {name}'s host {} does not answer and may still run it; once it is known to be \
+                                 powered off, an admin may start it elsewhere with --confirm-powered-off",
+                                record.host
+                            ),
+                        });
+                    }
+                    // its grants leave the old host for good
+                    lock(&self.ha.revoked).insert((name.to_string(), record.host.clone()));
+                    self.log(
+                        "vm_fenced",
+                        name,
+                        serde_json::json!({ "host": record.host, "by": "operator: powered off" }),
+                    );
+                }
+                self.refuse_draining(&to)?;
+                self.refuse_down(&to).await?;
+                let info = self.boot_on(&to, &record.spec).await?;
+                let (n, t) = (name.to_string(), to.clone());
+                self.change_records(move |r| {
+                    if let Some(x) = r.get_mut(&n) {
+                        x.host = t;
+                    }
+                    Ok(())
+                })
+                .await?;
                 set_desired(Desired::Running).await?;
                 serde_json::to_value(info).map_err(ApiError::internal)?
             }

@@ -183,6 +183,12 @@ impl Command {
                 None => (Operator, format!("resolve VM {name}")),
             },
             Command::RemoveVm { name } => (Operator, format!("remove VM {name}")),
+            // starting a VM away from a host that does not answer can run
+            // two copies if it is not off: an admin's word
+            Command::VmAction { name, req, .. } if req.confirm_powered_off => (
+                Admin,
+                format!("confirm VM {name}'s host is powered off and start it elsewhere"),
+            ),
             Command::VmAction { name, action, .. } => {
                 (Operator, format!("{} VM {name}", action.as_str()))
             }
@@ -836,14 +842,19 @@ impl Control {
     async fn list_vms(&self) -> Result<Vec<VmInfo>, ApiError> {
         // a host that missed its heartbeats gets a short wait
         let down = lock(&self.down).clone();
-        let calls = self.hosts.iter().map(|(n, c)| {
-            let wait = if down.contains(n) {
-                HEARTBEAT_TIMEOUT
-            } else {
-                AGENT_TIMEOUT
-            };
-            c.get::<Vec<VmInfo>>("/vms", wait)
-        });
+        // a failed host's VMs are known from their records (see `ha`)
+        let calls = self
+            .hosts
+            .iter()
+            .filter(|(n, _)| self.health_of(n) != ferry_api::ha::Health::Failed)
+            .map(|(n, c)| {
+                let wait = if down.contains(n) {
+                    HEARTBEAT_TIMEOUT
+                } else {
+                    AGENT_TIMEOUT
+                };
+                c.get::<Vec<VmInfo>>("/vms", wait)
+            });
         let mut out = Vec::new();
         // an unreachable host hides its VMs; `host list` shows why
         for vms in futures::future::join_all(calls).await.into_iter().flatten() {
