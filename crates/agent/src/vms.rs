@@ -296,10 +296,10 @@ impl Agent {
                     }
                     via = Some(if agent { "guest-agent" } else { "acpi" }.to_string());
                     let deadline = t0 + Duration::from_secs(secs);
-                    while q.alive().await && std::time::Instant::now() < deadline {
-                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    while !powered_off(&q).await && std::time::Instant::now() < deadline {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
                     }
-                    if !q.alive().await {
+                    if powered_off(&q).await {
                         how = "powered_off";
                     } else {
                         tracing::warn!(
@@ -576,6 +576,30 @@ async fn vcpu_cpu(q: &QemuVm) -> Option<Duration> {
         total += cpu_of_stat(&stat)?;
     }
     Some(total)
+}
+
+/// The guest turned itself off: QEMU exited (or is a zombie not yet
+/// reaped), reports the `shutdown` run state, or has stopped answering QMP.
+async fn powered_off(q: &QemuVm) -> bool {
+    if !q.alive().await {
+        return true;
+    }
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", q.pid)).unwrap_or_default();
+    if stat
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .trim_start()
+        .starts_with('Z')
+    {
+        return true;
+    }
+    // once asked to power off, a QMP that no longer answers is a QEMU
+    // leaving its main loop (closing its devices)
+    match q.qmp.status().await {
+        Ok(s) => s.status == "shutdown",
+        Err(_) => true,
+    }
 }
 
 /// The guest agent answers a ping and its clock moves forward.
