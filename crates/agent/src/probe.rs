@@ -84,7 +84,12 @@ fn is_token(s: &str) -> bool {
 
 /// Parses a probe request line: the nonce.
 fn parse_request(line: &str) -> Option<String> {
-    let rest = line.strip_suffix('\n')?.strip_prefix(VERSION)?;
+    request_nonce(line, VERSION)
+}
+
+/// The nonce of a request line `VERSION NONCE HOST`.
+fn request_nonce(line: &str, version: &str) -> Option<String> {
+    let rest = line.strip_suffix('\n')?.strip_prefix(version)?;
     let mut f = rest.split(' ').skip(1);
     let (nonce, host) = (f.next()?, f.next()?);
     (f.next().is_none()
@@ -199,14 +204,7 @@ pub mod alive {
     }
 
     pub fn parse_request(line: &str) -> Option<String> {
-        let rest = line.strip_suffix('\n')?.strip_prefix(ALIVE)?;
-        let mut f = rest.split(' ').skip(1);
-        let (nonce, host) = (f.next()?, f.next()?);
-        (f.next().is_none()
-            && nonce.len() == 32
-            && nonce.bytes().all(|b| b.is_ascii_hexdigit())
-            && is_token(host))
-        .then(|| nonce.to_string())
+        request_nonce(line, ALIVE)
     }
 
     pub fn answer(secret: &[u8], nonce: &str, host: &str, v: &ferry_api::ha::LeaseState) -> String {

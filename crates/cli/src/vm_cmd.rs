@@ -430,17 +430,7 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
             let r: ferry_api::ha::Stopped = client()?
                 .post(&format!("/vms/{name}/{action}"), &serde_json::json!({}), T)
                 .await?;
-            if *json {
-                print_json(&r);
-            } else {
-                println!(
-                    "vm {} on {}: {} ({} ms)",
-                    r.vm,
-                    r.host,
-                    r.how.replace('_', " "),
-                    r.took_ms
-                );
-            }
+            print_stopped(&r, *json);
             Ok(0)
         }
         VmCmd::Shutdown {
@@ -459,17 +449,7 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
                     Duration::from_secs(timeout + 30),
                 )
                 .await?;
-            if *json {
-                print_json(&r);
-            } else {
-                println!(
-                    "vm {} on {}: {} ({} ms)",
-                    r.vm,
-                    r.host,
-                    r.how.replace('_', " "),
-                    r.took_ms
-                );
-            }
+            print_stopped(&r, *json);
             Ok(0)
         }
         VmCmd::Restart {
@@ -1020,6 +1000,21 @@ pub async fn operations(cli: &Cli, id: Option<&str>, json: bool) -> anyhow::Resu
     }
     t.print();
     Ok(0)
+}
+
+/// A stop, shutdown or reboot as `--json` or a line.
+fn print_stopped(r: &ferry_api::ha::Stopped, json: bool) {
+    if json {
+        print_json(r);
+    } else {
+        println!(
+            "vm {} on {}: {} ({} ms)",
+            r.vm,
+            r.host,
+            r.how.replace('_', " "),
+            r.took_ms
+        );
+    }
 }
 
 #[cfg(test)]
