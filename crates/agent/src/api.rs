@@ -75,11 +75,18 @@ async fn list_vms(State(a): State<Arc<Agent>>) -> R<Vec<ferry_api::VmInfo>> {
     Ok(Json(a.list_vms().await))
 }
 
+/// The boot runs to its end even when the caller hangs up (a control
+/// instance that dies mid-failover): a half-made VM would hold its name
+/// and memory, with no one to finish or undo it.
 async fn create_vm(
     State(a): State<Arc<Agent>>,
     ApiJson(spec): ApiJson<VmSpec>,
 ) -> R<ferry_api::VmInfo> {
-    Ok(Json(a.create_vm(spec).await?))
+    let boot = tokio::spawn(async move { a.create_vm(spec).await });
+    let vm = boot
+        .await
+        .map_err(|e| ApiError::internal(format!("the boot's task ended: {e}")))??;
+    Ok(Json(vm))
 }
 
 /// `?after=N`: the guest's last tick on the host it came from.

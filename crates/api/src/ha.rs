@@ -321,6 +321,29 @@ pub struct VmRecord {
     pub stopped_because: Option<String>,
 }
 
+/// A leader of the control instances (etcd) that dies is replaced within
+/// this; every instance renews the agents' leases meanwhile, so no lease
+/// lapses for it.
+pub const LEADER_TTL_S: u64 = 3;
+
+/// `GET /cluster/control`: the instance that answers, and who leads.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControlStatus {
+    /// This instance (`HOSTNAME:PORT`, or its configured `instance`).
+    pub instance: String,
+    /// Whether this instance leads: it runs failovers, the storage access
+    /// sync, the policy manager and rolling drains.
+    pub leading: bool,
+    /// The leader (itself with one instance on SQLite); `None` while the
+    /// instances elect one.
+    pub leader: Option<String>,
+    /// `sqlite` (one instance) or `etcd` (shared by several).
+    pub store: String,
+    /// Since when this instance leads (Unix ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leading_since_ms: Option<u64>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -165,6 +165,13 @@ pub enum ClusterCmd {
         #[arg(long)]
         json: bool,
     },
+    /// The control instance that answers, and which instance leads (runs
+    /// failovers, the storage access sync, the policy manager, rolling
+    /// drains).
+    Control {
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
@@ -244,6 +251,29 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
             };
             return crate::rolling::run(&cli.client()?, req, *status, *stop, *json).await;
         }
+        ClusterCmd::Control { json } => {
+            let st: ferry_api::ha::ControlStatus = cli.client()?.get("/cluster/control", T).await?;
+            if *json {
+                print_json(&st);
+            } else {
+                println!(
+                    "this instance: {} ({}, {})\nleader: {}{}",
+                    st.instance,
+                    st.store,
+                    if st.leading { "leading" } else { "following" },
+                    st.leader
+                        .as_deref()
+                        .unwrap_or("none (an election is under way)"),
+                    st.leading_since_ms
+                        .map(|t| format!(
+                            " for {} s",
+                            ferry_api::util::now_ms().saturating_sub(t) / 1000
+                        ))
+                        .unwrap_or_default()
+                );
+            }
+            return Ok(0);
+        }
         _ => {}
     }
     let c = cli.client()?;
@@ -260,6 +290,7 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
         | ClusterCmd::RotateCerts { .. }
         | ClusterCmd::Revoke { .. }
         | ClusterCmd::Crl { .. }
+        | ClusterCmd::Control { .. }
         | ClusterCmd::DrainRolling { .. } => {
             unreachable!("handled above")
         }

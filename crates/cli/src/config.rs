@@ -177,6 +177,9 @@ pub struct ControlFile {
     /// Certificate directory for `etcds://` (default: the control
     /// service's own, `tls_dir`).
     pub store_tls: Option<PathBuf>,
+    /// This instance's name among several sharing etcd (default
+    /// `HOSTNAME:PORT`), as the leader key and `cluster control` show it.
+    pub instance: Option<String>,
     /// Hosts: name → agent URL.
     #[serde(default)]
     pub hosts: BTreeMap<String, String>,

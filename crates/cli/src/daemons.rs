@@ -536,15 +536,19 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => anyhow::bail!("reading the admin token {}: {e}", admin.display()),
     }
-    let control = std::sync::Arc::new(control);
-    let tls = match &pki {
-        Some(p) => Some(p.server_config(false)?),
-        None => None,
-    };
     let listen = a
         .listen
         .or(f.listen)
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7700)));
+    let instance = f.instance.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        format!("{}:{}", host.trim(), listen.port())
+    });
+    let control = std::sync::Arc::new(control.with_instance(instance));
+    let tls = match &pki {
+        Some(p) => Some(p.server_config(false)?),
+        None => None,
+    };
     ferry_control::http::serve(listen, control, tls, limits).await?;
     Ok(0)
 }

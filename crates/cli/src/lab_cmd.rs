@@ -64,6 +64,14 @@ pub enum LabCmd {
         /// Which storage node (storage1 by default).
         #[arg(long, default_value_t = 1)]
         node: u32,
+        /// Which control instance (after `lab control up --instances N`).
+        #[arg(long, default_value_t = 1)]
+        instance: u32,
+    },
+    /// Run the control service as several instances on the lab's etcd.
+    Control {
+        #[command(subcommand)]
+        action: ControlAction,
     },
     /// Build (or show) the cached guest image.
     Image {
@@ -74,6 +82,33 @@ pub enum LabCmd {
         #[arg(long)]
         debian: bool,
     },
+}
+
+#[derive(Subcommand, Clone)]
+pub enum ControlAction {
+    /// Start etcd (TLS, client certificates, on loopback) and replace the
+    /// control service with N instances sharing it (127.0.0.1:7700, :7701,
+    /// …), one of which leads. The state starts empty: the VMs' records are
+    /// taken up from the hosts' listings.
+    Up {
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=MAX_CONTROL_INSTANCES as i64))]
+        instances: u32,
+    },
+}
+
+/// Control instances a lab may run.
+const MAX_CONTROL_INSTANCES: u32 = 5;
+/// The lab's etcd, on loopback in the root namespace.
+const ETCD_CLIENT: &str = "127.0.0.1:2379";
+const ETCD_PEER: &str = "127.0.0.1:2380";
+
+/// Instance `i`'s pid and configuration name (`control`, `control2`, …).
+fn control_name(i: u32) -> String {
+    if i == 1 {
+        "control".into()
+    } else {
+        format!("control{i}")
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -153,12 +188,19 @@ pub async fn run(cli: &Cli, cmd: &LabCmd) -> anyhow::Result<i32> {
             Ok(0)
         }
         LabCmd::Status { json } => status(*json),
-        LabCmd::Restart { service, node } => {
+        LabCmd::Control {
+            action: ControlAction::Up { instances },
+        } => control_up(cli, *instances).await,
+        LabCmd::Restart {
+            service,
+            node,
+            instance,
+        } => {
             let dir = LabDir::default_path();
             dir.load_spec()?;
             let cd = dir.control_dir();
             let name = match service {
-                LabService::Control => "control".to_string(),
+                LabService::Control => control_name(*instance),
                 LabService::Storage => topology::storage_pid_name(*node),
             };
             let conf = cd.join(format!("{name}.toml"));
@@ -349,7 +391,10 @@ fn require_root() -> anyhow::Result<()> {
 /// Stops the control service and removes the lab network and state.
 pub fn down() -> Vec<String> {
     let dir = LabDir::default_path();
-    stop_pidfile(&dir.control_dir().join("control.pid"));
+    for i in 1..=MAX_CONTROL_INSTANCES {
+        stop_pidfile(&dir.control_dir().join(format!("{}.pid", control_name(i))));
+    }
+    stop_pidfile(&dir.control_dir().join("etcd.pid"));
     for i in 1..=4 {
         stop_pidfile(
             &dir.control_dir()
@@ -490,6 +535,128 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
     Ok(0)
 }
 
+/// `ferry lab control up --instances N`.
+async fn control_up(cli: &Cli, instances: u32) -> anyhow::Result<i32> {
+    let dir = LabDir::default_path();
+    dir.load_spec()?;
+    let cd = dir.control_dir();
+    let etcd_pid = cd.join("etcd.pid");
+    let etcd_runs = std::fs::read_to_string(&etcd_pid)
+        .ok()
+        .and_then(|p| p.trim().parse::<u32>().ok())
+        .is_some_and(|p| std::path::Path::new(&format!("/proc/{p}")).exists());
+    if !etcd_runs {
+        let e = |f: &str| dir.pki_path().join("etcd").join(f).display().to_string();
+        anyhow::ensure!(
+            std::path::Path::new(&e("cert.pem")).exists(),
+            "this lab has no certificate for etcd: bring it up again (`ferry lab up --replace`)"
+        );
+        let args: Vec<String> = [
+            "--name",
+            "ferry-lab",
+            "--data-dir",
+            &cd.join("etcd").display().to_string(),
+            "--cert-file",
+            &e("cert.pem"),
+            "--key-file",
+            &e("key.pem"),
+            "--trusted-ca-file",
+            &e("ca-cert.pem"),
+            "--client-cert-auth",
+            "--listen-client-urls",
+            &format!("https://{ETCD_CLIENT}"),
+            "--advertise-client-urls",
+            &format!("https://{ETCD_CLIENT}"),
+            "--listen-peer-urls",
+            &format!("http://{ETCD_PEER}"),
+            "--initial-advertise-peer-urls",
+            &format!("http://{ETCD_PEER}"),
+            "--initial-cluster",
+            &format!("ferry-lab=http://{ETCD_PEER}"),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let etcd = which_etcd()?;
+        let pid = net::spawn_daemon(None, &etcd, &args, &cd.join("etcd.log"))?;
+        std::fs::write(&etcd_pid, pid.to_string())?;
+        let t0 = std::time::Instant::now();
+        while std::net::TcpStream::connect(ETCD_CLIENT).is_err() {
+            anyhow::ensure!(
+                t0.elapsed() < Duration::from_secs(15),
+                "etcd did not start (log: {})",
+                cd.join("etcd.log").display()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let base: crate::config::ControlFile = toml::from_str(
+        &std::fs::read_to_string(cd.join("control.toml")).context("the lab's control.toml")?,
+    )?;
+    let first = base
+        .listen
+        .ok_or_else(|| anyhow::anyhow!("the lab's control.toml has no listen address"))?;
+    for i in 1..=MAX_CONTROL_INSTANCES {
+        stop_pidfile(&cd.join(format!("{}.pid", control_name(i))));
+    }
+    let mut urls = Vec::new();
+    for i in 1..=instances {
+        let name = control_name(i);
+        let mut listen = first;
+        listen.set_port(first.port() + (i - 1) as u16);
+        let conf = crate::config::ControlFile {
+            listen: Some(listen),
+            store: Some(format!("etcds://{ETCD_CLIENT}")),
+            state: None,
+            instance: Some(format!("control{i}")),
+            ..base.clone()
+        };
+        let path = write_config(&cd, &format!("{name}.toml"), &conf)?;
+        start_root_daemon(&cd, &name, &["control", "--config", &path])?;
+        urls.push(format!("https://{listen}"));
+    }
+    // every instance answers, and one leads
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut leaders = Vec::new();
+        let mut answered = 0;
+        for u in &urls {
+            let c = cli.client_at(u)?;
+            if let Ok(st) = c
+                .get::<ferry_api::ha::ControlStatus>("/cluster/control", Duration::from_secs(2))
+                .await
+            {
+                answered += 1;
+                leaders.extend(st.leader);
+            }
+        }
+        if answered == urls.len() && leaders.len() == urls.len() {
+            println!(
+                "{instances} control instances on etcd ({}), leader {}",
+                urls.join(", "),
+                leaders[0]
+            );
+            return Ok(0);
+        }
+        if tokio::time::Instant::now() > deadline {
+            anyhow::bail!(
+                "the control instances did not all answer with a leader within 30 s (logs in {})",
+                cd.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+fn which_etcd() -> anyhow::Result<std::path::PathBuf> {
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|d| d.join("etcd"))
+        .find(|p| p.exists())
+        .ok_or_else(|| anyhow::anyhow!("etcd is not installed (package etcd-server)"))
+}
+
 /// Writes a service's configuration file in `dir`; returns its path.
 fn write_config(
     dir: &std::path::Path,
@@ -561,6 +728,12 @@ fn make_pki(dir: &LabDir, spec: &LabSpec) -> anyhow::Result<()> {
             vec!["127.0.0.1".into(), "localhost".into(), mgmt.clone()],
         ),
         (Role::Admin, "admin".to_string(), vec![]),
+        // the server certificate of `lab control up`'s etcd
+        (
+            Role::Storage,
+            "etcd".to_string(),
+            vec!["127.0.0.1".into(), "localhost".into()],
+        ),
     ];
     // every node the lab may start gets its certificate
     for i in 1..=4 {

@@ -167,6 +167,11 @@ impl Cli {
     }
 
     fn client(&self) -> anyhow::Result<ferry_net::client::Client> {
+        self.client_at(&self.control)
+    }
+
+    /// A client of the control service at `url` (one of several instances).
+    fn client_at(&self, url: &str) -> anyhow::Result<ferry_net::client::Client> {
         let path = self.token_file();
         let cred = ferry_api::auth::Credential::load(&path).map_err(|e| {
             anyhow::anyhow!(
@@ -174,7 +179,7 @@ impl Cli {
                 path.display()
             )
         })?;
-        let tls = if self.control.starts_with("https://") {
+        let tls = if url.starts_with("https://") {
             let ca = self.ca_file();
             Some(ferry_net::tls::anonymous_client_config(&ca).map_err(|e| {
                 anyhow::anyhow!("cannot read the cluster CA to verify the control service: {e}")
@@ -184,7 +189,7 @@ impl Cli {
         };
         Ok(ferry_net::client::Client::new(
             "control service",
-            &self.control,
+            url,
             ferry_net::client::ClientAuth {
                 bearer: Some(cred),
                 tls,

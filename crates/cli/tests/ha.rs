@@ -251,16 +251,6 @@ fn failed_hosts_have_their_ha_vms_run_elsewhere_never_twice() {
 }
 
 /// Whether QEMU process `pid` runs guest `vm`.
-fn runs_guest(pid: i32, vm: &str) -> bool {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|c| {
-            String::from_utf8_lossy(&c)
-                .replace('\0', " ")
-                .contains(&format!("guest={vm},"))
-        })
-        .unwrap_or(false)
-}
-
 /// The storage node's REST answer at `path`, with the control service's certificate.
 fn curl_storage(path: &str) -> String {
     let pki = "/run/ferry/lab/pki";

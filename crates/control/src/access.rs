@@ -161,6 +161,27 @@ impl Control {
         std::sync::Arc::downgrade(&self.access.moving)
     }
 
+    /// Takes what the storage nodes grant now as what was pushed (an
+    /// instance taking the lead from another): the next sync changes only
+    /// what the hosts' answers call for, and a host that does not answer
+    /// keeps what it holds.
+    pub(crate) async fn adopt_grants(&self) -> Result<(), ApiError> {
+        let mut all = Grants::new();
+        for (name, c) in &self.storage {
+            let list: Vec<AccessInfo> = c.get("/access", AGENT_TIMEOUT).await.map_err(|e| {
+                ApiError::unavailable(format!("storage node {name} (its grants)"), e)
+            })?;
+            for a in list {
+                all.entry(a.vm).or_default().merge(&Grant::new(
+                    a.hosts.into_iter().collect(),
+                    a.disks.into_iter().collect(),
+                ));
+            }
+        }
+        *lock(&self.access.pushed) = all;
+        Ok(())
+    }
+
     /// One heartbeat's share: pushes the grants that changed. `asked` is
     /// when the hosts were asked for `hosts`; grants made since then stand.
     pub(crate) async fn sync_access(&self, hosts: &[HostEntry], asked: std::time::Instant) {

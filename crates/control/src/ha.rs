@@ -44,6 +44,8 @@ use crate::{access, lock, Control};
 
 /// The store's key for every VM's record.
 pub const RECORDS_KEY: &str = "vms";
+/// The store key of the (VM, host) pairs a failover revoked.
+pub const REVOKED_KEY: &str = "ha_revoked";
 /// HA restarts run at once, so storage is not stormed.
 pub const RESTARTS_AT_ONCE: usize = 2;
 const LEASE_CALL: Duration = Duration::from_millis(900);
@@ -255,7 +257,9 @@ impl Control {
 
     /// One heartbeat's share: records follow where the hosts run VMs;
     /// a VM no record knows (made before records were kept) gets one.
-    pub(crate) async fn sync_records(&self, hosts: &[HostEntry]) {
+    /// What every instance keeps of a heartbeat: the hosts, and where each
+    /// can be probed (the leases every instance renews name them).
+    pub(crate) fn note_hosts(&self, hosts: &[HostEntry]) {
         *lock(&self.ha.last_hosts) = hosts.to_vec();
         {
             let mut addrs = lock(&self.ha.probe_addrs);
@@ -270,6 +274,11 @@ impl Control {
                 }
             }
         }
+    }
+
+    /// The leader's share of a heartbeat: records follow the hosts'
+    /// listings, settled revocations go, stale copies are stopped.
+    pub(crate) async fn sync_records(&self, hosts: &[HostEntry]) {
         let mut stale = Vec::new();
         let r = self
             .change_records(|r| {
@@ -321,8 +330,15 @@ impl Control {
                 .filter(|h| h.reachable)
                 .map(|h| h.name.as_str())
                 .collect();
-            lock(&self.ha.revoked)
-                .retain(|p| !answered.contains(p.1.as_str()) || listed.contains(p));
+            let settled = {
+                let mut r = lock(&self.ha.revoked);
+                let n = r.len();
+                r.retain(|p| !answered.contains(p.1.as_str()) || listed.contains(p));
+                r.len() != n
+            };
+            if settled {
+                self.save_revoked().await;
+            }
         }
         for (vm, host) in stale {
             let Ok(c) = self.host(&host) else { continue };
@@ -348,6 +364,36 @@ impl Control {
         }
     }
 
+    /// (VM, host) pairs out of every grant from now on, kept in the store
+    /// (key `ha_revoked`) so the next leader keeps them out too.
+    async fn revoke(
+        &self,
+        pairs: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<(), ApiError> {
+        lock(&self.ha.revoked).extend(pairs);
+        let all: Vec<(String, String)> = lock(&self.ha.revoked).iter().cloned().collect();
+        self.store.put_cluster(REVOKED_KEY, &all).await
+    }
+
+    async fn save_revoked(&self) {
+        let all: Vec<(String, String)> = lock(&self.ha.revoked).iter().cloned().collect();
+        if let Err(e) = self.store.put_cluster(REVOKED_KEY, &all).await {
+            tracing::warn!("revoked grants: {e}");
+        }
+    }
+
+    /// Takes up the pairs revoked (an instance taking the lead).
+    pub(crate) async fn load_revoked(&self) {
+        match self
+            .store
+            .cluster::<Vec<(String, String)>>(REVOKED_KEY)
+            .await
+        {
+            Ok(v) => *lock(&self.ha.revoked) = v.unwrap_or_default().into_iter().collect(),
+            Err(e) => tracing::warn!("revoked grants: {e}"),
+        }
+    }
+
     /// The grant a heartbeat would give, less the pairs a failover revoked.
     pub(crate) fn without_revoked(&self, mut g: access::Grants) -> access::Grants {
         let revoked = lock(&self.ha.revoked).clone();
@@ -367,7 +413,9 @@ impl Control {
         loop {
             t.tick().await;
             self.renew_leases().await;
-            self.judge_lapses().await;
+            if self.leading() {
+                self.judge_lapses().await;
+            }
         }
     }
 
@@ -577,10 +625,40 @@ impl Control {
         let t0 = Instant::now();
         let now = ferry_api::util::now_ms();
         let records = self.records().await?;
+        // a VM a reachable host runs already (booted by a leader that died
+        // before it wrote the record) is not booted again
+        let elsewhere: BTreeMap<String, String> = self
+            .list_vms()
+            .await?
+            .into_iter()
+            .filter(|v| v.host != host)
+            .map(|v| (v.name, v.host))
+            .collect();
         let mut restart: Vec<(String, VmRecord)> = Vec::new();
         let mut stopped: Vec<(String, String)> = Vec::new();
         for (name, r) in records.iter().filter(|(_, r)| r.host == host) {
             if r.desired != Desired::Running || r.stopped_because.is_some() {
+                continue;
+            }
+            if let Some(on) = elsewhere.get(name) {
+                // booted by a leader that died before it wrote so
+                let (n, to) = (name.clone(), on.clone());
+                self.change_records(move |r| {
+                    if let Some(x) = r.get_mut(&n) {
+                        x.host = to;
+                        x.restarts.push(now);
+                        x.stopped_because = None;
+                    }
+                    Ok(())
+                })
+                .await?;
+                self.log(
+                    "ha_restart",
+                    name,
+                    serde_json::json!({ "from": host, "to": on, "priority": r.ha.priority,
+                        "found_running": true,
+                        "since_last_renewal_ms": lapse_ms + t0.elapsed().as_millis() as u64 }),
+                );
                 continue;
             }
             let why = if !r.ha.enabled && alive {
@@ -624,9 +702,12 @@ impl Control {
         .await?;
         // fence: no grant of these VMs to the failed host, on every node
         // (all at once: nothing restarts until every one is done)
-        for (name, _) in &restart {
-            lock(&self.ha.revoked).insert((name.clone(), host.to_string()));
-        }
+        self.revoke(
+            restart
+                .iter()
+                .map(|(name, _)| (name.clone(), host.to_string())),
+        )
+        .await?;
         let fences = restart.iter().map(|(name, r)| async move {
             let disks = r.spec.ferry_disks();
             if !disks.is_empty() {
@@ -674,6 +755,10 @@ impl Control {
         };
         let mut errors = Vec::new();
         for to in order {
+            if !self.still_leading().await {
+                tracing::warn!(vm = name, "no longer the leader: the next one restarts it");
+                return;
+            }
             match self.boot_on(&to, &r.spec).await {
                 Ok(_) => {
                     let now = ferry_api::util::now_ms();
@@ -810,7 +895,8 @@ impl Control {
                         });
                     }
                     // its grants leave the old host for good
-                    lock(&self.ha.revoked).insert((name.to_string(), record.host.clone()));
+                    self.revoke([(name.to_string(), record.host.clone())])
+                        .await?;
                     self.log(
                         "vm_fenced",
                         name,

@@ -47,6 +47,7 @@
 //! | PUT | /bandwidth | SetBandwidth (body: `BandwidthSetRequest`) |
 //! | GET/POST/DELETE | /cluster/rolling | RollingStatus / StartRolling (body: `RollingRequest`) / StopRolling → `RollingStatus` |
 //! | GET/PUT | /cluster | GetCluster / SetCluster (body: `ClusterSettingsUpdate`): cluster-wide settings |
+//! | GET | /cluster/control | ControlStatus: this control instance, and which instance leads (see [`crate::leader`]) |
 //! | POST | /cluster/certificates/requests | CertRequests → `[RenewalItem]`: a new key and signing request from every component (admin) |
 //! | POST | /cluster/certificates | InstallCerts (body: `[SignedCert]`) → `[InstallResult]` (admin) |
 //! | GET/PUT | /cluster/crl | GetCrl → `CrlInfo` / SetCrl (body: `CrlInstall`) → `[InstallResult]`: the revocation list, in force everywhere (admin) |
@@ -812,6 +813,10 @@ pub fn router(control: Arc<Control>) -> Router {
             ),
         )
         .route(
+            "/cluster/control",
+            get(|State(c): S| async move { run(&c, Command::ControlStatus).await }),
+        )
+        .route(
             "/cluster/certificates/requests",
             post(|State(c): S| async move { run(&c, Command::CertRequests).await }),
         )
@@ -884,7 +889,7 @@ pub async fn serve(
     control
         .secure_cookies
         .store(tls.is_some(), std::sync::atomic::Ordering::Relaxed);
-    control.resume_rolling().await;
+    let leadership = tokio::spawn(control.clone().run_leadership());
     let ha = tokio::spawn(control.clone().run_ha());
     // once a second: heartbeats of the agents, and the cluster-wide storage
     // policy manager
@@ -895,6 +900,9 @@ pub async fn serve(
             loop {
                 t.tick().await;
                 c.heartbeat().await;
+                if !c.leading() {
+                    continue;
+                }
                 if let Err(e) = c.manage_policies().await {
                     tracing::warn!("storage policy manager: {e}");
                 }
@@ -912,6 +920,7 @@ pub async fn serve(
     let r = ferry_net::server::serve_with(listener, router(control), tls, limits).await;
     manager.abort();
     ha.abort();
+    leadership.abort();
     r
 }
 

@@ -17,6 +17,7 @@ pub mod drain;
 mod drain_run;
 pub mod ha;
 pub mod http;
+pub mod leader;
 pub mod limits;
 pub mod metrics;
 pub mod operations;
@@ -121,6 +122,7 @@ pub enum Command {
     SetBandwidth(ferry_api::bandwidth::BandwidthSetRequest),
     /// Settings of the whole cluster (encrypted carriers).
     GetCluster,
+    ControlStatus,
     SetCluster(ferry_api::ClusterSettingsUpdate),
     /// Certificates renewed with the CA's key kept by an admin (see [`certs`]).
     CertRequests,
@@ -169,6 +171,7 @@ impl Command {
             Command::ConsoleTail { name, .. } => (Operator, format!("read VM {name}'s console")),
             Command::ListBandwidth => (ReadOnly, "list bandwidth classes".into()),
             Command::GetCluster => (ReadOnly, "read cluster settings".into()),
+            Command::ControlStatus => (ReadOnly, "read the control instances' leader".into()),
             Command::CreateVm(r) => (Operator, format!("create VM {}", r.spec.name)),
             // declaring a host lost can run two copies if it is not: an admin's word
             Command::ResolveVm { name, req } => match &req.target_lost {
@@ -302,6 +305,8 @@ pub struct Control {
     hooks_dir: std::path::PathBuf,
     /// VM records, leases and failovers (see [`ha`]).
     pub(crate) ha: ha::Ha,
+    /// Leadership among the instances sharing the store (see [`leader`]).
+    pub(crate) leader: leader::Leadership,
     /// Signs each move's ticket (see [`ferry_net::ticket`]); `None` under
     /// `--insecure-http`, where agents ask for none.
     tickets: Option<Arc<ferry_net::ticket::LiveSigner>>,
@@ -355,6 +360,7 @@ impl Control {
             hooks_dir: rolling::DEFAULT_HOOKS_DIR.into(),
             tickets: None,
             ha: Default::default(),
+            leader: leader::Leadership::new("control"),
             pki: None,
             crl_pushed: Default::default(),
             max_streams_per_token: limits::MAX_STREAMS_PER_TOKEN,
@@ -373,6 +379,13 @@ impl Control {
     /// Takes rolling-drain hooks from `dir` (default [`rolling::DEFAULT_HOOKS_DIR`]).
     pub fn with_hooks_dir(mut self, dir: std::path::PathBuf) -> Control {
         self.hooks_dir = dir;
+        self
+    }
+
+    /// This instance's name among several sharing a store (in the leader
+    /// key and the events it logs as leader).
+    pub fn with_instance(mut self, name: String) -> Control {
+        self.leader.me = name;
         self
     }
 
@@ -464,6 +477,11 @@ impl Control {
         }
         let asked = std::time::Instant::now();
         let hosts = self.list_hosts().await;
+        self.note_hosts(&hosts);
+        if !self.leading() {
+            // the leader writes what the heartbeat finds (see [`leader`])
+            return;
+        }
         self.sync_records(&hosts).await;
         self.align_bandwidth(&hosts).await;
         self.sync_access(&hosts, asked).await;
@@ -727,6 +745,7 @@ impl Control {
             Command::ListBandwidth => value(self.list_bandwidth().await?),
             Command::SetBandwidth(req) => value(self.set_bandwidth(req).await?),
             Command::GetCluster => value(self.cluster_settings().await?),
+            Command::ControlStatus => value(self.control_status().await?),
             Command::CertRequests => value(self.cert_requests().await?),
             Command::InstallCerts(signed) => value(self.install_certs(signed).await?),
             Command::GetCrl => value(self.crl().await?),

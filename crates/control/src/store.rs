@@ -421,6 +421,111 @@ impl Store {
     }
 }
 
+/// The key the leader of the control instances holds (etcd), under its lease.
+const LEADER: &str = "/ferry/leader";
+
+/// This instance's hold on leadership: its etcd lease, and the revision at
+/// which it made the leader key (a later holder makes it anew).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claim {
+    lease: i64,
+    revision: i64,
+}
+
+/// Leadership among the control instances sharing a store. With SQLite
+/// there is one instance, and it leads. With etcd, the leader key lives as
+/// long as its holder's lease: a holder that dies, or cannot reach etcd,
+/// loses it within the lease's time to live.
+impl Store {
+    /// Becomes the leader as `who` unless another instance is: `Ok(claim)`
+    /// won, `Err(holder)` taken (the holder's `who`).
+    pub async fn campaign(&self, who: &str, ttl_s: i64) -> Result<Result<Claim, String>, ApiError> {
+        let Backend::Etcd(c) = &self.0 else {
+            return Ok(Ok(Claim {
+                lease: 0,
+                revision: 0,
+            }));
+        };
+        use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse};
+        let mut c = c.as_ref().clone();
+        let lease = c.lease_grant(ttl_s, None).await.map_err(etcd)?.id();
+        let txn = Txn::new()
+            .when([Compare::create_revision(LEADER, CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                LEADER,
+                who,
+                Some(PutOptions::new().with_lease(lease)),
+            )])
+            .or_else([TxnOp::get(LEADER, None)]);
+        let r = c.txn(txn).await.map_err(etcd)?;
+        if r.succeeded() {
+            return Ok(Ok(Claim {
+                lease,
+                revision: r.header().map(|h| h.revision()).unwrap_or_default(),
+            }));
+        }
+        let _ = c.lease_revoke(lease).await;
+        let holder = r
+            .op_responses()
+            .into_iter()
+            .find_map(|o| match o {
+                TxnOpResponse::Get(g) => g
+                    .kvs()
+                    .first()
+                    .map(|kv| kv.value_str().unwrap_or_default().to_string()),
+                _ => None,
+            })
+            .unwrap_or_default();
+        Ok(Err(holder))
+    }
+
+    /// Keeps `claim` alive for another time to live; `Ok(false)` when it is
+    /// lost (its lease ended, or the key is another's).
+    pub async fn keep_claim(&self, claim: Claim) -> Result<bool, ApiError> {
+        let Backend::Etcd(c) = &self.0 else {
+            return Ok(true);
+        };
+        let mut c = c.as_ref().clone();
+        let (mut keeper, mut answers) = c.lease_keep_alive(claim.lease).await.map_err(etcd)?;
+        keeper.keep_alive().await.map_err(etcd)?;
+        let alive = answers
+            .message()
+            .await
+            .map_err(etcd)?
+            .is_some_and(|a| a.ttl() > 0);
+        Ok(alive && self.holds(claim).await?)
+    }
+
+    /// Whether `claim` still holds the leader key (checked at etcd).
+    pub async fn holds(&self, claim: Claim) -> Result<bool, ApiError> {
+        let Backend::Etcd(c) = &self.0 else {
+            return Ok(true);
+        };
+        let r = c.as_ref().clone().get(LEADER, None).await.map_err(etcd)?;
+        Ok(r.kvs()
+            .first()
+            .is_some_and(|kv| kv.create_revision() == claim.revision && kv.lease() == claim.lease))
+    }
+
+    /// Gives leadership up at once (a clean stop).
+    pub async fn resign(&self, claim: Claim) {
+        if let Backend::Etcd(c) = &self.0 {
+            let _ = c.as_ref().clone().lease_revoke(claim.lease).await;
+        }
+    }
+
+    /// Who leads now (`None` with etcd when nobody does).
+    pub async fn leader(&self) -> Result<Option<String>, ApiError> {
+        let Backend::Etcd(c) = &self.0 else {
+            return Ok(None);
+        };
+        let r = c.as_ref().clone().get(LEADER, None).await.map_err(etcd)?;
+        Ok(r.kvs()
+            .first()
+            .map(|kv| kv.value_str().unwrap_or_default().to_string()))
+    }
+}
+
 fn rand_u32() -> u32 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();

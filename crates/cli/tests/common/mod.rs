@@ -224,6 +224,17 @@ pub fn qemu_pids(host: &str) -> Vec<i32> {
         .collect()
 }
 
+/// Whether QEMU process `pid` runs guest `vm`.
+pub fn runs_guest(pid: i32, vm: &str) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| {
+            String::from_utf8_lossy(&c)
+                .replace('\0', " ")
+                .contains(&format!("guest={vm},"))
+        })
+        .unwrap_or(false)
+}
+
 pub fn host_info(host: &str) -> Value {
     let hosts = ferry_json(&["host", "list"]);
     hosts
