@@ -906,6 +906,13 @@ pub struct ClusterSettings {
     /// encryption off.
     #[serde(default, rename = "encrypt_carriers", skip_serializing)]
     pub legacy_encrypt_carriers: Option<bool>,
+    /// The program (a name in the control service's hooks directory) that
+    /// powers a failed host off (IPMI, Redfish): run with `FERRY_HOST` set
+    /// before an HA VM whose drives Ferry cannot fence restarts elsewhere;
+    /// exit status 0 confirms the host is off. Without one, such VMs wait
+    /// for an admin's `vm start --confirm-powered-off`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fence_hook: Option<String>,
 }
 
 impl Default for ClusterSettings {
@@ -913,6 +920,7 @@ impl Default for ClusterSettings {
         ClusterSettings {
             encryption: true,
             legacy_encrypt_carriers: None,
+            fence_hook: None,
         }
     }
 }
@@ -923,6 +931,9 @@ impl Default for ClusterSettings {
 pub struct ClusterSettingsUpdate {
     #[serde(default)]
     pub encryption: Option<bool>,
+    /// A hook's name; `""` removes the fence hook.
+    #[serde(default)]
+    pub fence_hook: Option<String>,
 }
 
 impl ClusterSettings {
@@ -930,6 +941,11 @@ impl ClusterSettings {
         ClusterSettings {
             encryption: u.encryption.unwrap_or(self.encryption),
             legacy_encrypt_carriers: None,
+            fence_hook: match u.fence_hook.as_deref() {
+                None => self.fence_hook.clone(),
+                Some("") => None,
+                Some(h) => Some(h.to_string()),
+            },
         }
     }
 }

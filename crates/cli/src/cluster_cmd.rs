@@ -123,6 +123,12 @@ pub enum ClusterCmd {
         /// fabrics the hosts trust; every move's report then says so.
         #[arg(long)]
         encryption: Option<OnOff>,
+        /// The program in the control service's hooks directory that powers
+        /// a failed host off (IPMI, Redfish; FERRY_HOST set, exit status 0 =
+        /// off), so HA VMs on drives Ferry cannot fence restart too; "" to
+        /// remove it. Takes the admin role.
+        #[arg(long, value_name = "NAME")]
+        fence_hook: Option<String>,
         #[arg(long)]
         json: bool,
     },
@@ -278,9 +284,14 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
     }
     let c = cli.client()?;
     let (s, json): (ClusterSettings, bool) = match cmd {
-        ClusterCmd::Set { encryption, json } => {
+        ClusterCmd::Set {
+            encryption,
+            fence_hook,
+            json,
+        } => {
             let u = ClusterSettingsUpdate {
                 encryption: encryption.map(|v| matches!(v, OnOff::On)),
+                fence_hook: fence_hook.clone(),
             };
             (c.put("/cluster", &u, T).await?, *json)
         }
@@ -305,6 +316,12 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
             } else {
                 "OFF (guest memory crosses the migration network in clear)"
             }
+        );
+        println!(
+            "fence hook: {}",
+            s.fence_hook.as_deref().unwrap_or(
+                "none (HA VMs on drives Ferry cannot fence wait for --confirm-powered-off)"
+            )
         );
     }
     Ok(0)

@@ -466,6 +466,12 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
         start_root_daemon(&cd, &pid, &["storage", "serve", "--config", &conf])?;
         storage_nodes.push((name, topology::storage_node_url(i)));
     }
+    let hooks = cd.join("hooks");
+    std::fs::create_dir_all(&hooks)?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&hooks, std::fs::Permissions::from_mode(0o755))?;
+    }
     let control = crate::config::ControlFile {
         listen: Some(
             cli.control
@@ -477,6 +483,8 @@ pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
         tls_dir: Some(dir.pki_path().join("control")),
         admin_token: Some(dir.admin_token_path()),
         state: Some(cd.join("state.db")),
+        // root's, empty: a test or an admin puts hooks (fence, rolling) here
+        hooks_dir: Some(hooks),
         hosts: (1..=spec.hosts)
             .map(|i| (topology::host_name(i), topology::agent_url(i)))
             .collect(),

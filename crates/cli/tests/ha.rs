@@ -2,7 +2,8 @@
 //! elsewhere (its disk fenced first) and its other VMs shown stopped; an
 //! agent killed and restarted starts no failover; a host cut from the
 //! management network stops its HA guests itself before they start
-//! elsewhere, and rejoins cleanly; `vm stop|start|reboot|shutdown`.
+//! elsewhere, and rejoins cleanly; a fence hook powers a host off before
+//! its HA VMs on a shared file restart; `vm stop|start|reboot|shutdown`.
 //!
 //! Needs root, QEMU ≥ 9 and iproute2; `#[ignore]`d, run by `scripts/run
 //! test` and CI.
@@ -75,6 +76,97 @@ fn wait_health(host: &str, want: &str, within: Duration) {
         );
         std::thread::sleep(Duration::from_millis(500));
     }
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; run with --include-ignored"]
+fn a_fence_hook_powers_a_host_off_before_its_unfenceable_vms_restart() {
+    require_lab();
+    let _g = serial();
+    lab(3, 2);
+    remove_vm("fvm");
+    // the admin's power-off program: here it pulls the lab host's cord
+    let hooks = std::path::Path::new("/run/ferry/lab/control/hooks");
+    let called = "/run/ferry/lab/control/fence-called";
+    let _ = std::fs::remove_file(called);
+    let hook = hooks.join("fence-lab");
+    std::fs::write(
+        &hook,
+        format!("#!/bin/sh\necho \"$FERRY_HOST\" >> {called}\nexec {FERRY} lab host \"$FERRY_HOST\" off\n"),
+    )
+    .unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    // a name the hooks directory does not hold is refused, naming the field
+    let out = ferry(&["cluster", "set", "--fence-hook", "no-such-hook"]);
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && text.contains("fence_hook"),
+        "{text}"
+    );
+    ferry_ok(&["cluster", "set", "--fence-hook", "fence-lab"]);
+    assert_eq!(ferry_json(&["cluster", "show"])["fence_hook"], "fence-lab");
+
+    // an HA guest on a shared file: only a power-off fences it (the
+    // workload's kernel booted as any kernel, so it may have drives)
+    let shared = std::path::Path::new("/run/ferry/lab/shared");
+    let image = ferry_ok(&["lab", "image"]);
+    let image = image
+        .split("guest image: ")
+        .nth(1)
+        .and_then(|r| r.split(" (").next())
+        .unwrap();
+    for f in ["vmlinux", "initrd.cpio"] {
+        std::fs::copy(std::path::Path::new(image).join(f), shared.join(f)).unwrap();
+    }
+    let data = shared.join("fence-vm.raw");
+    let f = std::fs::File::create(&data).unwrap();
+    f.set_len(32 << 20).unwrap();
+    ferry_ok(&[
+        "vm",
+        "create",
+        "fvm",
+        "--host",
+        "host3",
+        "--memory",
+        "256M",
+        "--kernel",
+        &shared.join("vmlinux").display().to_string(),
+        "--initrd",
+        &shared.join("initrd.cpio").display().to_string(),
+        "--append",
+        "console=ttyS0 quiet ferry.fill=0 ferry.dirty=0 ferry.verify=1 ferry.seed=41",
+        "--ha",
+        "--drive",
+        &format!("path={},format=raw", data.display()),
+    ]);
+    let _v = VmGuard("fvm");
+    let before = seq_past("host3", "fvm", 1);
+    std::thread::sleep(Duration::from_secs(2));
+
+    // host3 cut from the management network: alive, but unmanaged
+    ferry_ok(&["lab", "host", "host3", "isolate", "--network", "management"]);
+    let t0 = Instant::now();
+    let to = wait_elsewhere("fvm", "host3", Duration::from_secs(90), || {});
+    eprintln!(
+        "fvm runs on {to} {:?} after host3's management was cut",
+        t0.elapsed()
+    );
+    let said = std::fs::read_to_string(called).unwrap();
+    assert_eq!(said.trim(), "host3", "the hook was run once, for host3");
+    assert_eq!(events_of("host_powered_off", "host3").len(), 1);
+    // the hook powered host3 off: no QEMU of it there
+    assert!(qemu_pids("host3").is_empty());
+    // the guest writes its shared disk on from where it was
+    let after = seq_past(&to, "fvm", 0);
+    assert!(after > 0 && before > 0, "fvm writes its disk on {to}");
+
+    ferry_ok(&["lab", "host", "host3", "on"]);
+    wait_health("host3", "ok", Duration::from_secs(30));
+    ferry_ok(&["cluster", "set", "--fence-hook", ""]);
+    assert!(ferry_json(&["cluster", "show"])["fence_hook"].is_null());
 }
 
 #[test]

@@ -636,6 +636,8 @@ impl Control {
             .collect();
         let mut restart: Vec<(String, VmRecord)> = Vec::new();
         let mut stopped: Vec<(String, String)> = Vec::new();
+        // HA VMs whose drives only a power-off fences
+        let mut power_off: Vec<(String, VmRecord)> = Vec::new();
         for (name, r) in records.iter().filter(|(_, r)| r.host == host) {
             if r.desired != Desired::Running || r.stopped_because.is_some() {
                 continue;
@@ -666,21 +668,31 @@ impl Control {
                 continue;
             } else if !r.ha.enabled {
                 format!("host {host} failed (HA off)")
-            } else if unfenceable(&r.spec) {
-                format!(
-                    "host {host} failed; its drives cannot be fenced by Ferry: once {host} is known to be off, \
-                     `ferry vm start {name} --host HOST --confirm-powered-off` (admin)"
-                )
             } else if !r.ha.may_restart(&r.restarts, now) {
                 format!(
                     "host {host} failed; restart limit reached ({} in {} s)",
                     r.ha.restart_limit, r.ha.restart_window_s
                 )
+            } else if unfenceable(&r.spec) {
+                power_off.push((name.clone(), r.clone()));
+                continue;
             } else {
                 restart.push((name.clone(), r.clone()));
                 continue;
             };
             stopped.push((name.clone(), why));
+        }
+        if !power_off.is_empty() {
+            match self.power_off(host).await {
+                Ok(()) => restart.append(&mut power_off),
+                Err(why) => stopped.extend(power_off.into_iter().map(|(name, _)| {
+                    let how = format!(
+                        "host {host} failed; its drives cannot be fenced by Ferry ({why}): once {host} is known \
+                         to be off, `ferry vm start {name} --host HOST --confirm-powered-off` (admin)"
+                    );
+                    (name, how)
+                })),
+            }
         }
         for (name, why) in &stopped {
             self.log(
@@ -733,6 +745,33 @@ impl Control {
             futures::future::join_all(runs).await;
         }
         Ok(())
+    }
+
+    /// Has the cluster's fence hook power `host` off; `Err` says why not.
+    async fn power_off(&self, host: &str) -> Result<(), String> {
+        let hook = self
+            .cluster_settings()
+            .await
+            .map_err(|e| e.to_string())?
+            .fence_hook
+            .ok_or_else(|| "no fence hook is set".to_string())?;
+        let t0 = Instant::now();
+        match self.run_hook_for(&hook, host).await {
+            Ok(()) => {
+                tracing::warn!(host, hook, "the fence hook confirmed the host is off");
+                self.log(
+                    "host_powered_off",
+                    host,
+                    serde_json::json!({ "hook": hook, "took_ms": t0.elapsed().as_millis() as u64 }),
+                );
+                Ok(())
+            }
+            Err(why) => {
+                let why = format!("the fence hook `{hook}` did not confirm it is off: {why}");
+                self.log("fence_failed", host, serde_json::json!({ "reason": why }));
+                Err(why)
+            }
+        }
     }
 
     async fn restart_one(

@@ -751,6 +751,10 @@ impl Control {
             Command::GetCrl => value(self.crl().await?),
             Command::SetCrl(c) => value(self.set_crl(c.crl).await?),
             Command::SetCluster(u) => {
+                if let Some(h) = u.fence_hook.as_deref().filter(|h| !h.is_empty()) {
+                    rolling::resolve_hook(&self.hooks_dir, h)
+                        .map_err(|e| ApiError::invalid("fence_hook", e.to_string()))?;
+                }
                 let s = self.cluster_settings().await?.updated(&u);
                 self.store.put_cluster(CLUSTER_KEY, &s).await?;
                 self.log(

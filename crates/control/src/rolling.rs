@@ -567,14 +567,26 @@ impl Control {
             }
             last.insert(host.into(), std::time::Instant::now());
         }
-        // resolved again each time: the directory is the admin's to change
-        let program = match resolve_hook(&self.hooks_dir, hook) {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::warn!(%host, "hook: {e}");
-                return None;
+        match self.run_hook_for(hook, host).await {
+            Ok(()) => {
+                if let Err(e) = self.resume_host(host).await {
+                    tracing::warn!(%host, "resuming after the hook: {e}");
+                    return None;
+                }
+                Some(format!("the hook `{hook}` reported it healthy"))
             }
-        };
+            Err(why) => {
+                tracing::info!(%host, "hook `{hook}`: {why}");
+                None
+            }
+        }
+    }
+
+    /// Runs the hook `hook` for `host` (no shell, `FERRY_HOST` set, within
+    /// [`HOOK_TIMEOUT`]): `Ok` on exit status 0, else why not.
+    pub(crate) async fn run_hook_for(&self, hook: &str, host: &str) -> Result<(), String> {
+        // resolved again each time: the directory is the admin's to change
+        let program = resolve_hook(&self.hooks_dir, hook).map_err(|e| e.to_string())?;
         let run = tokio::process::Command::new(&program)
             .env_clear()
             .env(
@@ -589,25 +601,10 @@ impl Control {
             .kill_on_drop(true)
             .status();
         match tokio::time::timeout(HOOK_TIMEOUT, run).await {
-            Ok(Ok(s)) if s.success() => {
-                if let Err(e) = self.resume_host(host).await {
-                    tracing::warn!(%host, "resuming after the hook: {e}");
-                    return None;
-                }
-                Some(format!("the hook `{hook}` reported it healthy"))
-            }
-            Ok(Ok(s)) => {
-                tracing::info!(%host, "hook: not healthy yet ({s})");
-                None
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(%host, "hook `{hook}`: {e}");
-                None
-            }
-            Err(_) => {
-                tracing::warn!(%host, "hook `{hook}` ran over {HOOK_TIMEOUT:?}");
-                None
-            }
+            Ok(Ok(s)) if s.success() => Ok(()),
+            Ok(Ok(s)) => Err(format!("it ended with {s}")),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("it ran over {} s", HOOK_TIMEOUT.as_secs())),
         }
     }
 
