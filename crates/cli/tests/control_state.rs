@@ -328,7 +328,74 @@ fn two_control_instances_on_etcd_survive_losing_one() {
     a.ferry(&["host", "resume", "h1"]);
     let want = a.json(&["host", "list", "--json"])[0]["settings"].clone();
     assert!(!want.is_null());
+    // one of the two leads, and both say which
+    let leading = |c: &Control| c.json(&["cluster", "control", "--json"]);
+    let t0 = Instant::now();
+    let (la, lb) = loop {
+        let (la, lb) = (leading(&a), leading(&b));
+        if la["leader"].is_string() && la["leader"] == lb["leader"] {
+            break (la, lb);
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "no leader: {la} {lb}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_ne!(la["leading"], lb["leading"], "exactly one leads: {la} {lb}");
+    assert_eq!(la["store"], "etcd");
+    // a browser signed in to A is signed in to B; the store holds no token
+    let token = std::fs::read_to_string(dir.join("token")).unwrap();
+    let jar = dir.join("cookies");
+    let out = Command::new("curl")
+        .args(["-sS", "-m", "5", "-c"])
+        .arg(&jar)
+        .args(["-H", "content-type: application/json", "-d"])
+        .arg(format!("{{\"token\":\"{}\"}}", token.trim()))
+        .arg(format!("http://127.0.0.1:{}/api/v1/session", a.port))
+        .output()
+        .unwrap();
+    let body: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(body["role"], "admin", "{body}");
+    let out = Command::new("curl")
+        .args(["-sS", "-m", "5", "-b"])
+        .arg(&jar)
+        .arg(format!("http://127.0.0.1:{}/api/v1/session", b.port))
+        .output()
+        .unwrap();
+    let body: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(body["role"], "admin", "B knows A's session: {body}");
+    // everything under /ferry/, as a client with the control's certificate reads it
+    let c = |f: &str| pki.join("control").join(f).display().to_string();
+    let range = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "curl -sS --cacert {} --cert {} --key {} -d '{{\"key\":\"L2ZlcnJ5Lw==\",\"range_end\":\"L2ZlcnJ5MA==\"}}' \
+             https://127.0.0.1:{client}/v3/kv/range | python3 -c 'import sys,json,base64\n\
+for kv in json.load(sys.stdin).get(\"kvs\",[]): print(base64.b64decode(kv[\"key\"]).decode(), base64.b64decode(kv[\"value\"]).decode())'",
+            c("ca-cert.pem"),
+            c("cert.pem"),
+            c("key.pem")
+        ))
+        .output()
+        .unwrap();
+    let kept = String::from_utf8_lossy(&range.stdout);
+    assert!(
+        kept.contains("/ferry/cluster/session/") && kept.contains("csrf"),
+        "the session is in etcd: {kept}"
+    );
+    assert!(!kept.contains(token.trim()), "etcd holds the token: {kept}");
+    let a_led = la["leading"] == true;
     a.kill(); // instance A is lost
+              // B leads now (at once if it did, else within the leader's lease)
+    let t0 = Instant::now();
+    while leading(&b)["leading"] != true {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "B does not lead (A led: {a_led})"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 
     // instance B serves the same state: settings and A's events
     let t0 = Instant::now();

@@ -100,21 +100,17 @@ async fn authenticate(
         .get::<ferry_net::server::ClientAddr>()
         .map(|a| a.0.ip().to_string())
         .unwrap_or_else(|| "a client".into());
-    let bearer = match session_bearer(&c, &req) {
-        Ok(b) => b,
-        Err(e) => {
-            let path = req.uri().path().to_string();
-            tracing::warn!(%path, %source, "refused: {e}");
-            c.log_refusal(&source, &path, &e);
-            return ErrorResponse(e).into_response();
-        }
+    let (method, path) = (req.method().clone(), req.uri().path().to_string());
+    let by_session = match session_caller(&c, req.headers(), &method, &path).await {
+        Ok(Some(caller)) => Ok(caller),
+        Ok(None) => c.tokens.authenticate(
+            req.headers()
+                .get("authorization")
+                .and_then(|v| v.to_str().ok()),
+        ),
+        Err(e) => Err(e),
     };
-    let header = bearer.as_deref().or_else(|| {
-        req.headers()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-    });
-    match c.tokens.authenticate(header) {
+    match by_session {
         Ok(caller) => CALLER.scope(caller, next.run(req)).await,
         Err(e) => {
             let path = req.uri().path().to_string();
@@ -125,39 +121,38 @@ async fn authenticate(
     }
 }
 
-/// The token of the session a request's cookie names, when it has no
-/// `Authorization` header; a changing request without the session's CSRF
-/// token is refused.
-fn session_bearer(
+/// Who made a request through the browser session its cookie names, when
+/// it has no `Authorization` header; a changing request without the
+/// session's CSRF token is refused.
+async fn session_caller(
     c: &Control,
-    req: &axum::extract::Request,
-) -> Result<Option<String>, ferry_api::ApiError> {
+    headers: &axum::http::HeaderMap,
+    method: &axum::http::Method,
+    path: &str,
+) -> Result<Option<Caller>, ferry_api::ApiError> {
     use crate::sessions;
-    if req.headers().contains_key("authorization") {
+    if headers.contains_key("authorization") {
         return Ok(None);
     }
-    let Some(id) = sessions::cookie_id(req.headers()) else {
+    let Some(id) = sessions::cookie_id(headers) else {
         return Ok(None);
     };
-    let Some((bearer, csrf)) = c.sessions.get(&id) else {
+    let Some((token, csrf)) = c.sessions.get(&c.store, &id).await else {
         return Err(ferry_api::ApiError::unauthorized(
             "the session has ended: sign in again",
         ));
     };
-    let given = req
-        .headers()
+    let given = headers
         .get(sessions::CSRF_HEADER)
         .and_then(|v| v.to_str().ok());
-    if sessions::changes(req.method()) && !sessions::csrf_ok(given, &csrf) {
+    if sessions::changes(method) && !sessions::csrf_ok(given, &csrf) {
         return Err(ferry_api::ApiError::Refused {
             reason: format!(
-                "{} {} from a browser session without its CSRF token (X-Ferry-CSRF)",
-                req.method(),
-                req.uri().path()
+                "{method} {path} from a browser session without its CSRF token (X-Ferry-CSRF)"
             ),
         });
     }
-    Ok(Some(bearer))
+    c.tokens.by_hash(&token).map(Some)
 }
 
 /// `POST /api/v1/session` body.
@@ -173,6 +168,26 @@ fn session_body(caller: &Caller, csrf: &str) -> serde_json::Value {
     serde_json::json!({ "name": caller.name, "role": caller.role.as_str(), "csrf": csrf })
 }
 
+/// The session the cookie in `headers` names: (ID, who, CSRF token).
+async fn current_session(
+    c: &Control,
+    headers: &axum::http::HeaderMap,
+) -> Result<(String, Caller, String), ferry_api::ApiError> {
+    let id = crate::sessions::cookie_id(headers)
+        .ok_or_else(|| ferry_api::ApiError::unauthorized("not signed in"))?;
+    let (token, csrf) =
+        c.sessions.get(&c.store, &id).await.ok_or_else(|| {
+            ferry_api::ApiError::unauthorized("the session has ended: sign in again")
+        })?;
+    match c.tokens.by_hash(&token) {
+        Ok(caller) => Ok((id, caller, csrf)),
+        Err(e) => {
+            c.sessions.close(&c.store, &id).await;
+            Err(e)
+        }
+    }
+}
+
 /// Sign-in, the session, sign-out: outside [`authenticate`], each checks
 /// what it needs itself.
 fn session_routes(control: Arc<Control>) -> Router {
@@ -183,25 +198,17 @@ fn session_routes(control: Arc<Control>) -> Router {
         ErrorResponse(e).into_response()
     };
     let secure = |c: &Control| c.secure_cookies.load(std::sync::atomic::Ordering::Relaxed);
-    let current = move |c: &Control, headers: &HeaderMap| {
-        let id = sessions::cookie_id(headers)
-            .ok_or_else(|| ferry_api::ApiError::unauthorized("not signed in"))?;
-        let (bearer, csrf) = c.sessions.get(&id).ok_or_else(|| {
-            ferry_api::ApiError::unauthorized("the session has ended: sign in again")
-        })?;
-        let caller = c
-            .tokens
-            .authenticate(Some(&bearer))
-            .inspect_err(|_| c.sessions.close(&id))?;
-        Ok::<_, ferry_api::ApiError>((id, caller, csrf))
-    };
     Router::new()
         .route(
             &format!("{}/session", ferry_api::API_PREFIX),
             post(move |State(c): S, ApiJson(r): ApiJson<SignIn>| async move {
                 match c.tokens.authenticate(Some(&format!("Bearer {}", r.token.trim()))) {
                     Ok(caller) => {
-                        let (id, csrf) = c.sessions.open(r.token.trim());
+                        let token = ferry_api::auth::token_hash(r.token.trim());
+                        let (id, csrf) = match c.sessions.open(&c.store, &token).await {
+                            Ok(s) => s,
+                            Err(e) => return ErrorResponse(e).into_response(),
+                        };
                         c.log(
                             "session",
                             &caller.name,
@@ -217,13 +224,13 @@ fn session_routes(control: Arc<Control>) -> Router {
                 }
             })
             .get(move |State(c): S, headers: HeaderMap| async move {
-                match current(&c, &headers) {
+                match current_session(&c, &headers).await {
                     Ok((_, caller, csrf)) => Json(session_body(&caller, &csrf)).into_response(),
                     Err(e) => ErrorResponse(e).into_response(),
                 }
             })
             .delete(move |State(c): S, headers: HeaderMap| async move {
-                let (id, caller, csrf) = match current(&c, &headers) {
+                let (id, caller, csrf) = match current_session(&c, &headers).await {
                     Ok(s) => s,
                     Err(e) => return ErrorResponse(e).into_response(),
                 };
@@ -236,7 +243,7 @@ fn session_routes(control: Arc<Control>) -> Router {
                         },
                     );
                 }
-                c.sessions.close(&id);
+                c.sessions.close(&c.store, &id).await;
                 c.log("session", &caller.name, serde_json::json!({ "action": "signed out" }));
                 (
                     [(SET_COOKIE, sessions::set_cookie(None, secure(&c)))],
@@ -421,9 +428,11 @@ async fn watch_operation(
         return ErrorResponse(ferry_api::ApiError::unauthorized("no API token")).into_response();
     };
     // the role as for GET /operations/{id}, without copying its events
-    let op = match crate::permitted(&caller, &Command::GetOperation { id: id.clone() })
-        .and_then(|()| c.operation(&id))
-    {
+    let op = match crate::permitted(&caller, &Command::GetOperation { id: id.clone() }) {
+        Ok(()) => c.operation(&id).await,
+        Err(e) => Err(e),
+    };
+    let op = match op {
         Ok(op) => op,
         Err(e) => return ErrorResponse(e).into_response(),
     };

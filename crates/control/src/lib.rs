@@ -409,6 +409,7 @@ impl Control {
     /// Keeps state in `store` instead of memory, taking up what it holds.
     pub async fn with_store(mut self, store: store::Store) -> Result<Control, ApiError> {
         self.store = Arc::new(store);
+        self.operations.keep_in(self.store.clone());
         self.reload().await?;
         Ok(self)
     }
@@ -722,8 +723,8 @@ impl Control {
                     operations::drain_end,
                 )))
             }
-            Command::ListOperations => value(self.operations.list()),
-            Command::GetOperation { id } => value(self.operations.get(&id)?.snapshot()),
+            Command::ListOperations => value(self.operations.list().await),
+            Command::GetOperation { id } => value(self.operations.get(&id).await?.snapshot()),
             Command::ConsoleTail { name, bytes } => value(self.console_tail(&name, bytes).await?),
             Command::Metrics => {
                 let hosts = self.list_hosts().await;
@@ -1031,8 +1032,8 @@ impl Control {
     }
 
     /// A migration or drain kept (see [`operations`]).
-    pub(crate) fn operation(&self, id: &str) -> Result<Arc<operations::Op>, ApiError> {
-        self.operations.get(id)
+    pub(crate) async fn operation(&self, id: &str) -> Result<Arc<operations::Op>, ApiError> {
+        self.operations.get(id).await
     }
 
     async fn console_tail(&self, name: &str, bytes: u64) -> Result<ConsoleTail, ApiError> {

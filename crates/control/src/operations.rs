@@ -6,18 +6,30 @@
 //! any other — the web console's migration and drain pages
 //! (`GET /watch/operations/{id}`), a second terminal, a page reloaded halfway.
 //! A client that hangs up stops following, never the work. The newest
-//! [`KEEP`] operations are kept, in memory: a restarted control service
-//! starts with none (the event log keeps each one's result).
+//! [`KEEP`] operations are kept in memory by the instance that runs them,
+//! and in the control state (cluster keys `operation/ID`, each with its
+//! last [`STORED_EVENTS`] events, written when its state changes and at most
+//! once a second while it runs): any control instance lists and shows them,
+//! a restarted one too. An operation another instance runs is shown as it
+//! was last written; following it streams what was written and ends.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use ferry_api::util::lock;
+
+use crate::store::Store;
 use ferry_api::{Operation, OperationKind, OperationState};
 use futures::stream::{BoxStream, StreamExt};
 
 /// How many operations are kept, running or ended.
 pub const KEEP: usize = 64;
+/// Events of an operation the store keeps (its last ones; the result is last).
+pub const STORED_EVENTS: usize = 64;
+/// The store's keys of operations start so.
+const PREFIX: &str = "operation/";
+/// A running operation is written to the store at most this often.
+const SAVE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Events an operation keeps whole; past them, a progress event replaces
 /// the progress event before it (a drain of many guests over slow links
@@ -33,6 +45,8 @@ pub struct Op {
     data: Mutex<Operation>,
     /// Sent after every event and at the end.
     changed: tokio::sync::watch::Sender<()>,
+    /// Read from the store: run by another instance (or before a restart).
+    stored: bool,
 }
 
 /// Reads an event: whether it ends the operation, and how.
@@ -99,7 +113,7 @@ impl Op {
                     if let Some(ev) = d.events.get(i) {
                         return Some((ev.clone(), (op.clone(), i + 1)));
                     }
-                    if d.state != OperationState::Running {
+                    if d.state != OperationState::Running || op.stored {
                         return None;
                     }
                     op.changed.subscribe()
@@ -118,6 +132,48 @@ impl Op {
 pub struct Operations {
     ops: Mutex<VecDeque<Arc<Op>>>,
     next: std::sync::atomic::AtomicU64,
+    /// Where they are written for every instance (see the module's text).
+    store: std::sync::OnceLock<Arc<Store>>,
+}
+
+/// What the store keeps of `op`: its last [`STORED_EVENTS`] events.
+fn stored(op: &Op) -> Operation {
+    let mut o = op.snapshot();
+    let cut = o.events.len().saturating_sub(STORED_EVENTS);
+    o.events.drain(..cut);
+    o
+}
+
+async fn save(store: &Store, op: &Op) {
+    let o = stored(op);
+    if let Err(e) = store.put_cluster(&format!("{PREFIX}{}", o.id), &o).await {
+        tracing::warn!("operation {}: {e}", o.id);
+    }
+}
+
+/// Drops the oldest ended operations from the store past [`KEEP`].
+async fn prune(store: &Store) -> Result<(), ferry_api::ApiError> {
+    let mut all: Vec<(String, Operation)> = store
+        .cluster_under(PREFIX)
+        .await?
+        .into_iter()
+        .filter_map(|(k, v)| Some((k, serde_json::from_str(&v).ok()?)))
+        .collect();
+    if all.len() <= KEEP {
+        return Ok(());
+    }
+    all.sort_by_key(|(_, o)| o.started_ms);
+    let mut extra = all.len() - KEEP;
+    for (k, o) in &all {
+        if extra == 0 {
+            break;
+        }
+        if o.state != OperationState::Running {
+            store.delete_cluster(k).await?;
+            extra -= 1;
+        }
+    }
+    Ok(())
 }
 
 /// What an operation is, before it starts.
@@ -130,6 +186,12 @@ pub struct Start {
 }
 
 impl Operations {
+    /// Writes the operations to `store` as well, and reads there those this
+    /// instance does not run.
+    pub fn keep_in(&self, store: Arc<Store>) {
+        let _ = self.store.set(store);
+    }
+
     /// Runs `events` to its end in its own task, keeping each (after
     /// `each` has seen it: metrics, the event log).
     pub fn start(
@@ -146,8 +208,9 @@ impl Operations {
         };
         let op = Arc::new(Op {
             data: Mutex::new(Operation {
-                // unique across restarts of the control service: its start time
-                id: format!("{kind}-{started_ms}-{n}"),
+                // unique across restarts of the control service (its start
+                // time) and across instances (a random tail)
+                id: format!("{kind}-{started_ms}-{n}-{:04x}", rand::random::<u16>()),
                 kind: s.kind,
                 subject: s.subject,
                 source: s.source,
@@ -160,6 +223,7 @@ impl Operations {
                 events: Vec::new(),
             }),
             changed: tokio::sync::watch::channel(()).0,
+            stored: false,
         });
         {
             let mut ops = lock(&self.ops);
@@ -176,26 +240,77 @@ impl Operations {
             }
         }
         let runner = op.clone();
+        let store = self.store.get().cloned();
         tokio::spawn(async move {
+            let mut saved: Option<(std::time::Instant, OperationState)> = None;
+            if let Some(st) = &store {
+                save(st, &runner).await;
+                saved = Some((std::time::Instant::now(), OperationState::Running));
+            }
             while let Some(ev) = events.next().await {
                 runner.push(ev, end_of);
+                if let (Some(st), Some((at, state))) = (&store, saved) {
+                    let now = lock(&runner.data).state;
+                    if now != state || at.elapsed() >= SAVE_EVERY {
+                        save(st, &runner).await;
+                        saved = Some((std::time::Instant::now(), now));
+                    }
+                }
             }
             runner.finish();
+            if let Some(st) = &store {
+                save(st, &runner).await;
+                if let Err(e) = prune(st).await {
+                    tracing::warn!("operations: {e}");
+                }
+            }
         });
         op
     }
 
-    /// Every operation kept, newest first, without their events.
-    pub fn list(&self) -> Vec<Operation> {
-        lock(&self.ops).iter().rev().map(|o| o.summary()).collect()
+    /// Every operation kept here or in the store, newest first, without
+    /// their events.
+    pub async fn list(&self) -> Vec<Operation> {
+        let mut out: Vec<Operation> = lock(&self.ops).iter().rev().map(|o| o.summary()).collect();
+        if let Some(st) = self.store.get() {
+            match st.cluster_under(PREFIX).await {
+                Ok(kv) => {
+                    for (_, v) in kv {
+                        let Ok(mut o) = serde_json::from_str::<Operation>(&v) else {
+                            continue;
+                        };
+                        if !out.iter().any(|x| x.id == o.id) {
+                            o.events.clear();
+                            out.push(o);
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!("operations: {e}"),
+            }
+        }
+        // stable: this instance's own in the order they started
+        out.sort_by_key(|o| std::cmp::Reverse(o.started_ms));
+        out.truncate(KEEP.max(lock(&self.ops).len()));
+        out
     }
 
-    pub fn get(&self, id: &str) -> Result<Arc<Op>, ferry_api::ApiError> {
-        lock(&self.ops)
+    pub async fn get(&self, id: &str) -> Result<Arc<Op>, ferry_api::ApiError> {
+        let here = lock(&self.ops)
             .iter()
             .find(|o| lock(&o.data).id == id)
-            .cloned()
-            .ok_or_else(|| ferry_api::ApiError::not_found("operation", id))
+            .cloned();
+        if let Some(op) = here {
+            return Ok(op);
+        }
+        let missing = || ferry_api::ApiError::not_found("operation", id);
+        let st = self.store.get().ok_or_else(missing)?;
+        let key = format!("{PREFIX}{id}");
+        let o: Operation = st.cluster(&key).await?.ok_or_else(missing)?;
+        Ok(Arc::new(Op {
+            data: Mutex::new(o),
+            changed: tokio::sync::watch::channel(()).0,
+            stored: true,
+        }))
     }
 }
 
@@ -264,7 +379,11 @@ mod tests {
         assert!(s.ended_ms.is_some());
         // events after the end are kept, the state stays
         drop(tx);
-        assert_eq!(ops.list()[0].events.len(), 0, "the list leaves events out");
+        assert_eq!(
+            ops.list().await[0].events.len(),
+            0,
+            "the list leaves events out"
+        );
     }
 
     #[tokio::test]
@@ -281,7 +400,7 @@ mod tests {
         let _: Vec<_> = op.clone().follow(0).collect().await;
         assert_eq!(op.snapshot().state, OperationState::Completed);
         assert!(matches!(
-            ops.get("nothing"),
+            ops.get("nothing").await,
             Err(ferry_api::ApiError::NotFound { .. })
         ));
     }
@@ -319,10 +438,43 @@ mod tests {
             let _: Vec<_> = op.clone().follow(0).collect().await;
             ids.push(op.id());
         }
-        let kept = ops.list();
+        let kept = ops.list().await;
         assert_eq!(kept.len(), KEEP);
         assert_eq!(kept[0].id, *ids.last().unwrap(), "newest first");
-        assert!(ops.get(&ids[0]).is_err());
-        assert!(ops.get(&ids[5]).is_ok());
+        assert!(ops.get(&ids[0]).await.is_err());
+        assert!(ops.get(&ids[5]).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn another_instance_on_the_store_lists_and_shows_an_operation() {
+        let store = Arc::new(Store::in_memory());
+        let (a, b) = (Operations::default(), Operations::default());
+        a.keep_in(store.clone());
+        b.keep_in(store.clone());
+        let evs: Vec<_> = (0..STORED_EVENTS + 10)
+            .map(|i| json!({"event": "progress", "n": i}))
+            .chain([json!({"event": "completed"})])
+            .collect();
+        let op = start(&a, evs);
+        let _: Vec<_> = op.clone().follow(0).collect().await;
+        // written once it ended
+        let t0 = std::time::Instant::now();
+        let seen = loop {
+            if let Ok(o) = b.get(&op.id()).await {
+                if o.snapshot().state == OperationState::Completed {
+                    break o;
+                }
+            }
+            assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        };
+        let s = seen.snapshot();
+        assert_eq!(s.events.len(), STORED_EVENTS, "the last events are kept");
+        assert_eq!(s.events.last().unwrap()["event"], "completed");
+        assert_eq!(s.event_count, STORED_EVENTS + 11);
+        // followed from another instance: what was written, then the end
+        let streamed: Vec<_> = seen.follow(0).collect().await;
+        assert_eq!(streamed.len(), STORED_EVENTS);
+        assert_eq!(b.list().await[0].id, op.id());
     }
 }

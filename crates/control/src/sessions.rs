@@ -17,14 +17,27 @@
 //! a browser send the cookie — `SameSite=Strict` already stops that — but
 //! never read or set that header); without it the request is refused
 //! (403), as is one whose role may not do what it asks. A session ends
-//! after [`IDLE`] unused, at sign-out, or when the control service
-//! restarts (sessions live in its memory only: with several control
-//! instances a browser signs in to the one it talks to).
+//! after [`IDLE`] unused, or at sign-out.
+//!
+//! Sessions live in the control state (cluster keys `session/H`, H the
+//! SHA-256 of the ID; the value holds the token's SHA-256, never the token,
+//! the CSRF token and when it was last used), so with several control
+//! instances a browser signed in to one is signed in to all, and a control
+//! restart signs nobody out. Each instance caches what it read, and reads
+//! again at most [`RECHECK`] later, so a sign-out on one instance ends the
+//! session on the others within that.
 //! `Secure` is left out only under `--insecure-http`, where there is no
 //! TLS for the browser to require.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
+
+use ferry_api::auth::token_hash;
+use ferry_api::util::now_ms;
+use ferry_api::ApiError;
+use serde::{Deserialize, Serialize};
+
+use crate::store::Store;
 
 /// The cookie's name.
 pub const COOKIE: &str = "ferry_session";
@@ -32,19 +45,33 @@ pub const COOKIE: &str = "ferry_session";
 pub const CSRF_HEADER: &str = "x-ferry-csrf";
 /// A session unused this long ends.
 pub const IDLE: Duration = Duration::from_secs(8 * 3600);
-/// At most this many sessions are kept; the least recently used go first.
+/// A cached session is read from the store again after this.
+pub const RECHECK: Duration = Duration::from_secs(1);
+/// Its last use is written to the store at most this often.
+const TOUCH_EVERY: Duration = Duration::from_secs(60);
+/// At most this many sessions are cached; the least recently used go first.
 const MAX: usize = 4096;
+/// The store's keys of sessions start so.
+const PREFIX: &str = "session/";
 
-struct Session {
-    /// The `Authorization` value of the token it was opened with.
-    bearer: String,
+/// One session as the store keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Stored {
+    /// SHA-256 of the API token it was opened with.
+    token: String,
     csrf: String,
-    used: Instant,
+    used_ms: u64,
 }
 
-/// The open sessions, by ID.
+struct Cached {
+    s: Stored,
+    /// When the store was last read (or written) for it.
+    checked: Instant,
+}
+
+/// The sessions this instance has seen, by ID.
 #[derive(Default)]
-pub struct Sessions(std::sync::Mutex<HashMap<String, Session>>);
+pub struct Sessions(std::sync::Mutex<HashMap<String, Cached>>);
 
 fn random_hex() -> String {
     rand::random::<[u8; 16]>()
@@ -53,14 +80,37 @@ fn random_hex() -> String {
         .collect()
 }
 
+fn key(id: &str) -> String {
+    format!("{PREFIX}{}", token_hash(id))
+}
+
+fn idle(used_ms: u64) -> bool {
+    now_ms().saturating_sub(used_ms) >= IDLE.as_millis() as u64
+}
+
 impl Sessions {
-    /// Opens a session for `token` (already checked); returns (ID, CSRF).
-    pub fn open(&self, token: &str) -> (String, String) {
+    /// Opens a session for the token of SHA-256 `token` (already checked);
+    /// returns (ID, CSRF). Sessions idle too long are dropped from the store.
+    pub async fn open(&self, store: &Store, token: &str) -> Result<(String, String), ApiError> {
         let (id, csrf) = (random_hex(), random_hex());
+        let s = Stored {
+            token: token.to_string(),
+            csrf: csrf.clone(),
+            used_ms: now_ms(),
+        };
+        store.put_cluster(&key(&id), &s).await?;
+        for (k, v) in store.cluster_under(PREFIX).await? {
+            let old = serde_json::from_str::<Stored>(&v).map_or(true, |o| idle(o.used_ms));
+            if old {
+                store.delete_cluster(&k).await?;
+            }
+        }
         let mut m = ferry_api::util::lock(&self.0);
-        m.retain(|_, s| s.used.elapsed() < IDLE);
         while m.len() >= MAX {
-            let oldest = m.iter().min_by_key(|(_, s)| s.used).map(|(k, _)| k.clone());
+            let oldest = m
+                .iter()
+                .min_by_key(|(_, c)| c.s.used_ms)
+                .map(|(k, _)| k.clone());
             match oldest {
                 Some(k) => m.remove(&k),
                 None => break,
@@ -68,29 +118,57 @@ impl Sessions {
         }
         m.insert(
             id.clone(),
-            Session {
-                bearer: format!("Bearer {token}"),
-                csrf: csrf.clone(),
-                used: Instant::now(),
+            Cached {
+                s,
+                checked: Instant::now(),
             },
         );
-        (id, csrf)
+        Ok((id, csrf))
     }
 
-    /// The session `id`'s (bearer, CSRF), if it is open; marks it used.
-    pub fn get(&self, id: &str) -> Option<(String, String)> {
-        let mut m = ferry_api::util::lock(&self.0);
-        let s = m.get_mut(id)?;
-        if s.used.elapsed() >= IDLE {
-            m.remove(id);
+    /// The session `id`'s (token SHA-256, CSRF), if it is open; marks it used.
+    pub async fn get(&self, store: &Store, id: &str) -> Option<(String, String)> {
+        let cached = {
+            let m = ferry_api::util::lock(&self.0);
+            m.get(id)
+                .filter(|c| c.checked.elapsed() < RECHECK)
+                .map(|c| (c.s.clone(), c.checked))
+        };
+        let fresh = cached.as_ref().map(|c| c.1);
+        let mut s = match cached {
+            Some((s, _)) => s,
+            // not seen here, or seen a while ago: the store says
+            _ => match store.cluster::<Stored>(&key(id)).await {
+                Ok(Some(s)) => s,
+                Ok(None) | Err(_) => {
+                    ferry_api::util::lock(&self.0).remove(id);
+                    return None;
+                }
+            },
+        };
+        if idle(s.used_ms) {
+            self.close(store, id).await;
             return None;
         }
-        s.used = Instant::now();
-        Some((s.bearer.clone(), s.csrf.clone()))
+        let now = now_ms();
+        if now.saturating_sub(s.used_ms) >= TOUCH_EVERY.as_millis() as u64 {
+            s.used_ms = now;
+            if let Err(e) = store.put_cluster(&key(id), &s).await {
+                tracing::warn!("session: {e}");
+            }
+        }
+        let out = (s.token.clone(), s.csrf.clone());
+        let mut m = ferry_api::util::lock(&self.0);
+        let checked = fresh.unwrap_or_else(Instant::now);
+        m.insert(id.to_string(), Cached { s, checked });
+        Some(out)
     }
 
-    pub fn close(&self, id: &str) {
+    pub async fn close(&self, store: &Store, id: &str) {
         ferry_api::util::lock(&self.0).remove(id);
+        if let Err(e) = store.delete_cluster(&key(id)).await {
+            tracing::warn!("session: {e}");
+        }
     }
 }
 
@@ -142,16 +220,45 @@ pub fn csrf_ok(given: Option<&str>, want: &str) -> bool {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_session_keeps_its_token_and_csrf_until_closed() {
-        let s = Sessions::default();
-        let (id, csrf) = s.open("ferry_abc");
+    #[tokio::test]
+    async fn a_session_keeps_its_token_and_csrf_until_closed_on_any_instance() {
+        let store = Store::in_memory();
+        let (one, two) = (Sessions::default(), Sessions::default());
+        let (id, csrf) = one.open(&store, "hash-of-the-token").await.unwrap();
         assert_eq!(id.len(), 32);
         assert_ne!(id, csrf);
-        assert_eq!(s.get(&id), Some(("Bearer ferry_abc".into(), csrf.clone())));
-        assert_eq!(s.get("0123456789abcdef0123456789abcdef"), None);
-        s.close(&id);
-        assert_eq!(s.get(&id), None);
+        let want = Some(("hash-of-the-token".to_string(), csrf.clone()));
+        assert_eq!(one.get(&store, &id).await, want);
+        // another instance on the same store knows it
+        assert_eq!(two.get(&store, &id).await, want);
+        assert_eq!(
+            one.get(&store, "0123456789abcdef0123456789abcdef").await,
+            None
+        );
+        // the store holds neither the ID nor a token
+        let kept = store.cluster_under(PREFIX).await.unwrap();
+        assert_eq!(kept.len(), 1);
+        assert!(!kept[0].0.contains(&id) && !kept[0].1.contains(&id));
+        // signed out on one: ended on the other once it reads again
+        one.close(&store, &id).await;
+        assert_eq!(one.get(&store, &id).await, None);
+        tokio::time::sleep(RECHECK).await;
+        assert_eq!(two.get(&store, &id).await, None);
+    }
+
+    #[tokio::test]
+    async fn an_idle_session_ends_and_is_dropped_from_the_store() {
+        let store = Store::in_memory();
+        let s = Sessions::default();
+        let (id, _) = s.open(&store, "t").await.unwrap();
+        let old = Stored {
+            token: "t".into(),
+            csrf: "c".into(),
+            used_ms: now_ms() - IDLE.as_millis() as u64 - 1,
+        };
+        store.put_cluster(&key(&id), &old).await.unwrap();
+        assert_eq!(Sessions::default().get(&store, &id).await, None);
+        assert!(store.cluster_under(PREFIX).await.unwrap().is_empty());
     }
 
     #[test]

@@ -283,6 +283,46 @@ impl Store {
         }
     }
 
+    /// Every cluster key under `prefix` with its JSON value.
+    pub async fn cluster_under(&self, prefix: &str) -> Result<Vec<(String, String)>, ApiError> {
+        match &self.0 {
+            Backend::Sqlite(m) => {
+                let c = Self::sql(m);
+                let mut st = c
+                    .prepare("SELECT key, value FROM cluster WHERE substr(key, 1, length(?1)) = ?1")
+                    .map_err(db)?;
+                let rows = st
+                    .query_map(params![prefix], |r| Ok((r.get(0)?, r.get(1)?)))
+                    .map_err(db)?;
+                rows.collect::<Result<_, _>>().map_err(db)
+            }
+            Backend::Etcd(c) => Ok(Self::etcd_prefix(
+                c,
+                &format!("{CLUSTER}{prefix}"),
+                etcd_client::GetOptions::new(),
+            )
+            .await?
+            .into_iter()
+            .filter_map(|(k, v, _)| Some((k.strip_prefix(CLUSTER)?.to_string(), v)))
+            .collect()),
+        }
+    }
+
+    pub async fn delete_cluster(&self, key: &str) -> Result<(), ApiError> {
+        match &self.0 {
+            Backend::Sqlite(m) => Self::sql(m)
+                .execute("DELETE FROM cluster WHERE key = ?1", params![key])
+                .map(|_| ())
+                .map_err(db),
+            Backend::Etcd(c) => c
+                .clone()
+                .delete(format!("{CLUSTER}{key}"), None)
+                .await
+                .map(|_| ())
+                .map_err(etcd),
+        }
+    }
+
     pub async fn settings(&self) -> Result<BTreeMap<String, HostSettings>, ApiError> {
         let rows: Vec<(String, String)> = match &self.0 {
             Backend::Sqlite(m) => {

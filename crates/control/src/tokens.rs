@@ -89,7 +89,12 @@ impl Tokens {
         let secret = header
             .and_then(|h| h.strip_prefix("Bearer "))
             .ok_or_else(|| ApiError::unauthorized("no API token (Authorization: Bearer)"))?;
-        let hash = token_hash(secret);
+        self.by_hash(&token_hash(secret))
+    }
+
+    /// Who the token of SHA-256 `hash` belongs to (a browser session's),
+    /// or why it is refused.
+    pub fn by_hash(&self, hash: &str) -> Result<Caller, ApiError> {
         let tokens = ferry_api::util::lock(&self.by_name);
         let rec = tokens
             .values()

@@ -681,7 +681,7 @@ async function showOperation(id) {
   if (!op) {
     title.textContent = `No operation ${id}`;
     document.getElementById("move-status").textContent =
-      "The control service keeps its 64 newest operations since it started; the event log has the results of older ones.";
+      "The control instances keep the 64 newest operations (each with its last 64 events when another instance runs it); the event log has the results of older ones.";
     return;
   }
   const view = op.kind === "migration" ? migrationView(op) : drainView(op);
