@@ -16,6 +16,16 @@ Faults (NAME):
                     guests write to their disks over NBD
   mgmt-cut          the management link between the control service and the
                     target agent cut for 5 s during a drain
+  host-power-off    host1 powered off under two HA guests writing their
+                    disks (bench/ha.py's trial, two guests)
+  host-isolate      host1 cut from the management network under them
+  leader-kill       host1 powered off with the control service run as three
+                    instances on etcd, the leader SIGKILLed once it judged
+                    host1 failed; the next leader finishes the failover
+For the host faults a guest counts as completed when it runs on exactly one
+other host with its disk written there, and is lost otherwise; a double
+writer (a disk error, a second QEMU, a disk open from two hosts) is an
+integrity error.
 
 After each trial every guest must run on exactly one host (after `vm
 resolve` where a move was left in doubt) and pass its check (QEMU running,
@@ -349,6 +359,52 @@ def storage_restart(lab, trial):
     return res
 
 
+HA_GUESTS = ["hab1", "hab2"]
+
+
+def ha_failover(lab, trial, fault, during=None):
+    """bench/ha.py's trial with two HA guests on host1; `during`, if given,
+    runs alongside it (from the fault on)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import ha
+    ha.GUESTS = HA_GUESTS
+    side = threading.Thread(target=during, daemon=True) if during else None
+    if side:
+        side.start()
+    times, lost, doubles = ha.trial(fault)
+    if side:
+        side.join(timeout=120)
+    for d in doubles:
+        print(f"  {d}", flush=True)
+    res = []
+    for g in HA_GUESTS:
+        double = any(d.startswith(f"{g}:") for d in doubles)
+        where = None if g in lost else "elsewhere"
+        res.append((g, "host1", "elsewhere", where, not double, 0))
+    return res
+
+
+def leader_kill(lab, trial):
+    ferry("lab", "control", "up", "--instances", "3")
+
+    def kill_leader():
+        t0 = time.time()
+        while time.time() - t0 < 60:
+            evs = fj("--control", "https://127.0.0.1:7701", "events", "--limit", "200")
+            if any(e["kind"] == "host_failed" and e["subject"] == "host1" and e["at_ms"] / 1000 > t0 - 1
+                   for e in evs):
+                break
+            time.sleep(0.2)
+        leader = fj("--control", "https://127.0.0.1:7701", "cluster", "control")["leader"]
+        n = int(leader.removeprefix("control"))
+        kill_pidfile(f"{LAB}/control/control{'' if n == 1 else n}.pid")
+        print(f"  leader {leader} killed", flush=True)
+        time.sleep(1)
+        ferry("lab", "restart", "control", "--instance", str(n))
+
+    return ha_failover(lab, trial, "power-off", during=kill_leader)
+
+
 def disk_line(vm):
     """(seq, errors, peers) of the newest FERRY-DISK line on the VM's console."""
     best = None
@@ -393,6 +449,10 @@ FAULTS = {
     "postcopy-cut": postcopy_cut,
     "storage-restart": storage_restart,
     "mgmt-cut": mgmt_cut,
+    "host-power-off": lambda lab, t: ha_failover(lab, t, "power-off"),
+    "host-isolate": lambda lab, t: ha_failover(lab, t, "isolation"),
+    # last: it leaves the control service as three instances on etcd
+    "leader-kill": leader_kill,
 }
 
 
