@@ -738,12 +738,18 @@ impl Control {
         }
         restart.sort_by(|a, b| b.1.ha.priority.cmp(&a.1.ha.priority).then(a.0.cmp(&b.0)));
         let planned = std::sync::Mutex::new(BTreeMap::<String, u64>::new());
-        for chunk in restart.chunks(RESTARTS_AT_ONCE) {
-            let runs = chunk
-                .iter()
-                .map(|(name, r)| self.restart_one(name, r, host, &planned, lapse_ms, t0));
-            futures::future::join_all(runs).await;
-        }
+        // by priority, the next boot starting as soon as one of those
+        // running ends (the semaphore is first come, first served)
+        let slots = tokio::sync::Semaphore::new(RESTARTS_AT_ONCE);
+        let runs = restart.iter().map(|(name, r)| {
+            let slots = &slots;
+            let planned = &planned;
+            async move {
+                let _slot = slots.acquire().await;
+                self.restart_one(name, r, host, planned, lapse_ms, t0).await
+            }
+        });
+        futures::future::join_all(runs).await;
         Ok(())
     }
 
