@@ -43,13 +43,7 @@ fn leader_seen_by(port: u16, within: Duration) -> u16 {
 }
 
 fn events(port: u16, kind: &str, subject: &str) -> Vec<Value> {
-    at(port, &["events", "--limit", "2000"])
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["kind"] == kind && e["subject"] == subject)
-        .cloned()
-        .collect()
+    events_matching(&["--control", &url(port)], kind, subject)
 }
 
 #[test]

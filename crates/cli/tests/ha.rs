@@ -38,13 +38,7 @@ fn health(host: &str) -> String {
 }
 
 fn events_of(kind: &str, subject: &str) -> Vec<Value> {
-    ferry_json(&["events", "--limit", "2000"])
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["kind"] == kind && e["subject"] == subject)
-        .cloned()
-        .collect()
+    events_matching(&[], kind, subject)
 }
 
 /// Waits until `name` runs on a host other than `from`; returns that host.

@@ -224,6 +224,20 @@ pub fn qemu_pids(host: &str) -> Vec<i32> {
         .collect()
 }
 
+/// The events of `kind` about `subject` (of the newest 2000), asked with
+/// `ferry PREFIX… events` (`--control URL` for one control instance).
+pub fn events_matching(prefix: &[&str], kind: &str, subject: &str) -> Vec<Value> {
+    let mut args = prefix.to_vec();
+    args.extend(["events", "--limit", "2000"]);
+    ferry_json(&args)
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e["kind"] == kind && e["subject"] == subject)
+        .cloned()
+        .collect()
+}
+
 /// Whether QEMU process `pid` runs guest `vm`.
 pub fn runs_guest(pid: i32, vm: &str) -> bool {
     std::fs::read(format!("/proc/{pid}/cmdline"))
