@@ -254,7 +254,7 @@ fn a_rolling_drain_hook_runs_no_shell_and_is_an_admins() {
         "reboot-all",
     ]));
     assert!(
-        e.contains("reboot-all") && e.contains("/etc/ferry/hooks"),
+        e.contains("reboot-all") && e.contains("/run/ferry/lab/control/hooks"),
         "{e}"
     );
     std::thread::sleep(Duration::from_secs(4));
