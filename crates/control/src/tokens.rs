@@ -192,14 +192,26 @@ impl Tokens {
         if ferry_api::util::lock(&self.by_name).contains_key(BOOTSTRAP_NAME) {
             return Ok(false);
         }
-        self.create(
-            store,
-            BOOTSTRAP_NAME,
-            TokenRole::Admin,
-            Some(secret.trim().into()),
-        )
-        .await?;
-        Ok(true)
+        let made = self
+            .create(
+                store,
+                BOOTSTRAP_NAME,
+                TokenRole::Admin,
+                Some(secret.trim().into()),
+            )
+            .await;
+        match made {
+            Ok(_) => Ok(true),
+            // another instance sharing the store made it meanwhile
+            Err(e) => {
+                self.reload(store).await?;
+                if ferry_api::util::lock(&self.by_name).contains_key(BOOTSTRAP_NAME) {
+                    Ok(false)
+                } else {
+                    Err(e)
+                }
+            }
+        }
     }
 }
 
