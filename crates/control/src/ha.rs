@@ -337,7 +337,9 @@ impl Control {
                 r.len() != n
             };
             if settled {
-                self.save_revoked().await;
+                if let Err(e) = self.save_revoked().await {
+                    tracing::warn!("revoked grants: {e}");
+                }
             }
         }
         for (vm, host) in stale {
@@ -371,15 +373,12 @@ impl Control {
         pairs: impl IntoIterator<Item = (String, String)>,
     ) -> Result<(), ApiError> {
         lock(&self.ha.revoked).extend(pairs);
-        let all: Vec<(String, String)> = lock(&self.ha.revoked).iter().cloned().collect();
-        self.store.put_cluster(REVOKED_KEY, &all).await
+        self.save_revoked().await
     }
 
-    async fn save_revoked(&self) {
+    async fn save_revoked(&self) -> Result<(), ApiError> {
         let all: Vec<(String, String)> = lock(&self.ha.revoked).iter().cloned().collect();
-        if let Err(e) = self.store.put_cluster(REVOKED_KEY, &all).await {
-            tracing::warn!("revoked grants: {e}");
-        }
+        self.store.put_cluster(REVOKED_KEY, &all).await
     }
 
     /// Takes up the pairs revoked (an instance taking the lead).
@@ -644,23 +643,8 @@ impl Control {
             }
             if let Some(on) = elsewhere.get(name) {
                 // booted by a leader that died before it wrote so
-                let (n, to) = (name.clone(), on.clone());
-                self.change_records(move |r| {
-                    if let Some(x) = r.get_mut(&n) {
-                        x.host = to;
-                        x.restarts.push(now);
-                        x.stopped_because = None;
-                    }
-                    Ok(())
-                })
-                .await?;
-                self.log(
-                    "ha_restart",
-                    name,
-                    serde_json::json!({ "from": host, "to": on, "priority": r.ha.priority,
-                        "found_running": true,
-                        "since_last_renewal_ms": lapse_ms + t0.elapsed().as_millis() as u64 }),
-                );
+                let since = lapse_ms + t0.elapsed().as_millis() as u64;
+                self.restarted(name, r, host, on, since, true).await?;
                 continue;
             }
             let why = if !r.ha.enabled && alive {
@@ -753,6 +737,41 @@ impl Control {
         Ok(())
     }
 
+    /// `name` runs on `to` since a failover of `from`: its record says so
+    /// (a restart counted for its limit), and an `ha_restart` event, which
+    /// is logged even when the record cannot be written.
+    async fn restarted(
+        &self,
+        name: &str,
+        r: &VmRecord,
+        from: &str,
+        to: &str,
+        since_last_renewal_ms: u64,
+        found_running: bool,
+    ) -> Result<(), ApiError> {
+        let now = ferry_api::util::now_ms();
+        let (n, t) = (name.to_string(), to.to_string());
+        let written = self
+            .change_records(move |recs| {
+                if let Some(x) = recs.get_mut(&n) {
+                    x.host = t;
+                    x.restarts.push(now);
+                    x.stopped_because = None;
+                }
+                Ok(())
+            })
+            .await;
+        tracing::warn!(vm = name, from, to, found_running, "HA restart");
+        let mut detail = serde_json::json!({ "from": from, "to": to, "priority": r.ha.priority,
+            "since_last_renewal_ms": since_last_renewal_ms });
+        if found_running {
+            // booted by an earlier leader that died before it wrote so
+            detail["found_running"] = true.into();
+        }
+        self.log("ha_restart", name, detail);
+        written
+    }
+
     /// Has the cluster's fence hook power `host` off; `Err` says why not.
     async fn power_off(&self, host: &str) -> Result<(), String> {
         let hook = self
@@ -806,25 +825,10 @@ impl Control {
             }
             match self.boot_on(&to, &r.spec).await {
                 Ok(_) => {
-                    let now = ferry_api::util::now_ms();
-                    let (n, t) = (name.to_string(), to.clone());
-                    let _ = self
-                        .change_records(move |recs| {
-                            if let Some(x) = recs.get_mut(&n) {
-                                x.host = t;
-                                x.restarts.push(now);
-                                x.stopped_because = None;
-                            }
-                            Ok(())
-                        })
-                        .await;
-                    tracing::warn!(vm = name, from, to = %to, "HA restart");
-                    self.log(
-                        "ha_restart",
-                        name,
-                        serde_json::json!({ "from": from, "to": to, "priority": r.ha.priority,
-                            "since_last_renewal_ms": lapse_ms + t0.elapsed().as_millis() as u64 }),
-                    );
+                    let since = lapse_ms + t0.elapsed().as_millis() as u64;
+                    if let Err(e) = self.restarted(name, r, from, &to, since, false).await {
+                        tracing::warn!(vm = name, "VM record: {e}");
+                    }
                     return;
                 }
                 Err(e) => errors.push(format!("{to}: {e}")),
