@@ -19,7 +19,7 @@ use crate::ApiError;
 /// The control service renews each agent's lease this often.
 pub const LEASE_RENEW_MS: u64 = 1_000;
 /// A lease is granted for this long from each renewal.
-pub const LEASE_TTL_MS: u64 = 5_000;
+pub const LEASE_TTL_MS: u64 = 4_000;
 /// An agent whose lease was not renewed for this long stops its HA guests
 /// itself: by then the cluster may restart them elsewhere.
 pub const SELF_FENCE_MS: u64 = LEASE_TTL_MS;
