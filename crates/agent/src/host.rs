@@ -271,6 +271,9 @@ impl Agent {
             memory_total: self.cfg.memory,
             memory_reserved: reserved,
             memory_free: self.cfg.memory.saturating_sub(reserved),
+            cpus: std::thread::available_parallelism()
+                .map(|n| n.get() as u32)
+                .unwrap_or(1),
             nics: self.nics(),
             vms,
             bandwidth: ferry_api::util::lock(&self.classes).policy().clone(),

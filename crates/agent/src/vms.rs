@@ -160,6 +160,7 @@ impl Agent {
             desired: None,
             ha: None,
             stopped_because: None,
+            usage: qemu.and_then(|q| usage_of(q.pid)),
         }
     }
 
@@ -416,6 +417,26 @@ pub const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// Waits until the guest workload prints its first tick (it has filled its
 /// memory and runs), so a created VM is ready to check or move.
+/// What process `pid` has used: CPU time from `/proc/PID/stat` (fields 14
+/// and 15, in clock ticks), resident memory from `/proc/PID/statm`.
+pub fn usage_of(pid: u32) -> Option<ferry_api::VmUsage> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // the command may hold spaces and parentheses: fields follow the last ')'
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf reads a constant of the running system
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: as above
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as u64;
+    Some(ferry_api::VmUsage {
+        cpu_ms: ticks * 1000 / hz,
+        rss: pages * page,
+    })
+}
+
 async fn wait_workload(
     guest: &dyn GuestCheck,
     vm: &QemuVm,

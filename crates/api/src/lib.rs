@@ -24,6 +24,7 @@ pub mod error;
 pub mod grants;
 pub mod ha;
 pub mod hardware;
+pub mod placement;
 pub mod rolling;
 pub mod size;
 pub mod storage;

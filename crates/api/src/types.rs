@@ -65,6 +65,9 @@ pub struct HostInfo {
     pub memory_total: u64,
     pub memory_reserved: u64,
     pub memory_free: u64,
+    /// CPUs the host has (0 from an agent that does not say).
+    #[serde(default)]
+    pub cpus: u32,
     pub nics: Vec<NicInfo>,
     pub vms: Vec<VmInfo>,
     /// The bandwidth policy this host enforces.
@@ -440,6 +443,8 @@ pub fn validate_name(field: &str, name: &str) -> Result<(), ApiError> {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VmCreateRequest {
+    /// Where it runs; empty: where the placement engine puts it.
+    #[serde(default)]
     pub host: String,
     pub spec: VmSpec,
     /// Restarted elsewhere when its host fails (see [`crate::ha`]).
@@ -488,6 +493,18 @@ pub struct VmInfo {
     /// Why it is stopped when its owner did not ask.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stopped_because: Option<String>,
+    /// What its QEMU has used, read from the process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<VmUsage>,
+}
+
+/// What a VM's QEMU process has used: the placement engine's load.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmUsage {
+    /// CPU time since it started (user and system), ms.
+    pub cpu_ms: u64,
+    /// Resident memory, bytes.
+    pub rss: u64,
 }
 
 /// What confines a VM's QEMU, read from its process.
@@ -913,6 +930,27 @@ pub struct ClusterSettings {
     /// for an admin's `vm start --confirm-powered-off`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fence_hook: Option<String>,
+    /// The balancer runs by itself (see the placement module): the leader
+    /// plans every `balance_every_s`; a spread over the threshold at
+    /// three checks running starts the moves (a strict rule broken, at
+    /// once); a VM it moved stays put for its cooldown.
+    #[serde(default)]
+    pub balance_auto: bool,
+    /// The spread of host load left alone, in percent.
+    #[serde(default = "default_balance_threshold")]
+    pub balance_threshold_pct: u32,
+    /// Seconds between the automatic balancer's checks.
+    #[serde(default = "default_balance_every")]
+    pub balance_every_s: u64,
+}
+
+/// The placement module's default threshold (0.10), in percent.
+fn default_balance_threshold() -> u32 {
+    10
+}
+
+fn default_balance_every() -> u64 {
+    60
 }
 
 impl Default for ClusterSettings {
@@ -921,6 +959,9 @@ impl Default for ClusterSettings {
             encryption: true,
             legacy_encrypt_carriers: None,
             fence_hook: None,
+            balance_auto: false,
+            balance_threshold_pct: default_balance_threshold(),
+            balance_every_s: default_balance_every(),
         }
     }
 }
@@ -934,6 +975,34 @@ pub struct ClusterSettingsUpdate {
     /// A hook's name; `""` removes the fence hook.
     #[serde(default)]
     pub fence_hook: Option<String>,
+    #[serde(default)]
+    pub balance_auto: Option<bool>,
+    #[serde(default)]
+    pub balance_threshold_pct: Option<u32>,
+    #[serde(default)]
+    pub balance_every_s: Option<u64>,
+}
+
+impl ClusterSettingsUpdate {
+    /// Names the first value out of range.
+    pub fn validate(&self) -> Result<(), ApiError> {
+        if self.balance_threshold_pct.is_some_and(|p| p > 100) {
+            return Err(ApiError::invalid(
+                "balance_threshold_pct",
+                "must be 0..100 (percent of host load)",
+            ));
+        }
+        if self
+            .balance_every_s
+            .is_some_and(|s| !(1..=86_400).contains(&s))
+        {
+            return Err(ApiError::invalid(
+                "balance_every_s",
+                "must be 1..86400 seconds",
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl ClusterSettings {
@@ -946,6 +1015,11 @@ impl ClusterSettings {
                 Some("") => None,
                 Some(h) => Some(h.to_string()),
             },
+            balance_auto: u.balance_auto.unwrap_or(self.balance_auto),
+            balance_threshold_pct: u
+                .balance_threshold_pct
+                .unwrap_or(self.balance_threshold_pct),
+            balance_every_s: u.balance_every_s.unwrap_or(self.balance_every_s),
         }
     }
 }

@@ -129,6 +129,18 @@ pub enum ClusterCmd {
         /// remove it. Takes the admin role.
         #[arg(long, value_name = "NAME")]
         fence_hook: Option<String>,
+        /// `auto`: the balancer runs by itself (the leader checks every
+        /// --balance-every seconds and moves once the spread stayed over
+        /// the threshold three checks running; a VM it moved stays put 15
+        /// minutes, then twice as long after each move, up to 6 hours).
+        #[arg(long)]
+        balance: Option<AutoOff>,
+        /// The spread of host load the balancer leaves alone, percent (default 10).
+        #[arg(long, value_name = "PCT")]
+        balance_threshold: Option<u32>,
+        /// Seconds between the automatic balancer's checks (default 60).
+        #[arg(long, value_name = "S")]
+        balance_every: Option<u64>,
         #[arg(long)]
         json: bool,
     },
@@ -175,6 +187,20 @@ pub enum ClusterCmd {
     /// failovers, the storage access sync, the policy manager, rolling
     /// drains).
     Control {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Even out the hosts' load (CPU and memory): the plan, each move with
+    /// its predicted bytes, time and benefit, best benefit per byte first;
+    /// then its moves, one at a time, unless --dry-run.
+    Balance {
+        /// Show the plan only.
+        #[arg(long)]
+        dry_run: bool,
+        /// The spread of host load (standard deviation, 0-1) left alone
+        /// (default 0.10).
+        #[arg(long)]
+        threshold: Option<f64>,
         #[arg(long)]
         json: bool,
     },
@@ -257,6 +283,11 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
             };
             return crate::rolling::run(&cli.client()?, req, *status, *stop, *json).await;
         }
+        ClusterCmd::Balance {
+            dry_run,
+            threshold,
+            json,
+        } => return crate::placement_cmd::balance(cli, *dry_run, *threshold, *json).await,
         ClusterCmd::Control { json } => {
             let st: ferry_api::ha::ControlStatus = cli.client()?.get("/cluster/control", T).await?;
             if *json {
@@ -287,12 +318,28 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
         ClusterCmd::Set {
             encryption,
             fence_hook,
+            balance,
+            balance_threshold,
+            balance_every,
             json,
         } => {
             let u = ClusterSettingsUpdate {
                 encryption: encryption.map(|v| matches!(v, OnOff::On)),
                 fence_hook: fence_hook.clone(),
+                balance_auto: balance.map(|b| matches!(b, AutoOff::Auto)),
+                balance_threshold_pct: *balance_threshold,
+                balance_every_s: *balance_every,
             };
+            // a value out of range is named before the cluster is asked
+            u.validate().map_err(|e| {
+                rename_field(
+                    e,
+                    &[
+                        ("balance_threshold_pct", "--balance-threshold"),
+                        ("balance_every_s", "--balance-every"),
+                    ],
+                )
+            })?;
             (c.put("/cluster", &u, T).await?, *json)
         }
         ClusterCmd::Show { json } => (c.get("/cluster", T).await?, *json),
@@ -302,6 +349,7 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
         | ClusterCmd::Revoke { .. }
         | ClusterCmd::Crl { .. }
         | ClusterCmd::Control { .. }
+        | ClusterCmd::Balance { .. }
         | ClusterCmd::DrainRolling { .. } => {
             unreachable!("handled above")
         }
@@ -323,8 +371,39 @@ pub async fn run(cli: &Cli, cmd: &ClusterCmd) -> anyhow::Result<i32> {
                 "none (HA VMs on drives Ferry cannot fence wait for --confirm-powered-off)"
             )
         );
+        println!(
+            "balancer: {} (threshold {}%, every {} s)",
+            if s.balance_auto {
+                "auto"
+            } else {
+                "off (ferry cluster balance)"
+            },
+            s.balance_threshold_pct,
+            s.balance_every_s
+        );
     }
     Ok(0)
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum AutoOff {
+    Auto,
+    Off,
+}
+
+/// The error with the API's field name replaced by the flag's.
+fn rename_field(e: ferry_api::ApiError, names: &[(&str, &str)]) -> ferry_api::ApiError {
+    match e {
+        ferry_api::ApiError::InvalidArgument { field, reason } => {
+            let field = names
+                .iter()
+                .find(|(api, _)| *api == field)
+                .map(|(_, flag)| flag.to_string())
+                .unwrap_or(field);
+            ferry_api::ApiError::InvalidArgument { field, reason }
+        }
+        e => e,
+    }
 }
 
 /// One `--host NAME=ADDRESS`: the name and the agent's URL.

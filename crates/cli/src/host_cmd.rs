@@ -24,6 +24,14 @@ pub enum HostCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Set (key=value) or remove (--unset KEY) a host's labels, which host
+    /// groups select by.
+    Label {
+        host: String,
+        labels: Vec<String>,
+        #[arg(long)]
+        unset: Vec<String>,
+    },
     /// Move every VM off a host (it takes no new VMs until `ferry host resume`).
     Drain {
         host: String,
@@ -79,6 +87,11 @@ pub async fn run_host(cli: &Cli, cmd: &HostCmd) -> anyhow::Result<i32> {
     // as in run_vm: arguments first, then the credential
     let client = || cli.client();
     match cmd {
+        HostCmd::Label {
+            host,
+            labels,
+            unset,
+        } => crate::placement_cmd::label(cli, host, labels, unset).await,
         HostCmd::Drain {
             host,
             to,

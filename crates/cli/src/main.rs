@@ -14,6 +14,7 @@ mod demo;
 mod host_cmd;
 mod lab_cmd;
 mod output;
+mod placement_cmd;
 mod rolling;
 mod storage_cmd;
 mod token_cmd;
@@ -77,6 +78,12 @@ enum Cmd {
     /// API tokens for the control service, each with a role (admin only).
     #[command(subcommand)]
     Token(token_cmd::TokenCmd),
+    /// Placement rules: VMs together or apart, in or out of host groups.
+    #[command(subcommand)]
+    Rule(placement_cmd::RuleCmd),
+    /// Host groups for placement rules: hosts by name or label.
+    #[command(subcommand)]
+    Group(placement_cmd::GroupCmd),
     /// The control service's event log: migrations, drains, hosts down and up, storage changes.
     Events {
         #[arg(long, default_value_t = 50)]
@@ -254,6 +261,8 @@ fn main() {
             Cmd::Bandwidth(c) => bandwidth_cmd::run(&cli, c).await,
             Cmd::Cluster(c) => cluster_cmd::run(&cli, c).await,
             Cmd::Token(c) => token_cmd::run(&cli, c).await,
+            Cmd::Rule(c) => placement_cmd::run_rule(&cli, c).await,
+            Cmd::Group(c) => placement_cmd::run_group(&cli, c).await,
             Cmd::Events { limit, json } => vm_cmd::events(&cli, *limit, *json).await,
             Cmd::Operations { id, json } => vm_cmd::operations(&cli, id.as_deref(), *json).await,
             Cmd::Demo(a) => demo::run(&cli, a).await,

@@ -24,8 +24,10 @@ pub enum VmCmd {
     /// user's VM from `--spec FILE` and hardware flags.
     Create {
         name: String,
+        /// The host to run it on; without it, the placement engine picks
+        /// one (the placement rules, then the most free memory).
         #[arg(long)]
-        host: String,
+        host: Option<String>,
         /// Guest memory (e.g. 1G); required unless the spec file gives it.
         #[arg(long)]
         memory: Option<String>,
@@ -376,7 +378,7 @@ pub async fn run_vm(cli: &Cli, cmd: &VmCmd) -> anyhow::Result<i32> {
                 .post(
                     "/vms",
                     &VmCreateRequest {
-                        host: host.clone(),
+                        host: host.clone().unwrap_or_default(),
                         spec,
                         ha: ha.then(|| ferry_api::ha::HaPolicy {
                             enabled: true,

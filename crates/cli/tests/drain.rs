@@ -310,3 +310,238 @@ fn a_rolling_drain_of_three_hosts_survives_a_control_restart() {
         assert_eq!(c["errors"], 0, "{c}");
     }
 }
+
+/// `ferry host drain HOST --json`: its events and exit status.
+fn drain_events(host: &str) -> (Vec<Value>, Option<i32>) {
+    let out = ferry(&["host", "drain", host, "--option", "tcp", "--json"]);
+    let events = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    (events, out.status.code())
+}
+
+/// Placement rules hold where Ferry places VMs: a drain keeps two
+/// anti-affine VMs apart (the drained one skips the host with the most
+/// free memory, which runs its partner); a strict host rule that leaves a VM
+/// only the drained host makes the drain refuse to move it, naming the rule;
+/// a rule contradicting another is refused, naming both; a VM made without
+/// --host goes where its rules allow; the balancer's dry run plans without
+/// moving anything.
+#[test]
+#[ignore = "needs root, QEMU and the lab (scripts/run test)"]
+fn placement_rules_hold_through_a_drain() {
+    require_lab();
+    let _g = serial();
+    lab(3, 2);
+    for r in ["apart", "pin", "bad", "fresh-apart"] {
+        ferry(&["rule", "rm", r]);
+    }
+    ferry(&["group", "rm", "only1"]);
+    let _a1 = VmGuard::create("pa1", "host1", "256M", "32M");
+    let _a2 = VmGuard::create("pa2", "host2", "256M", "32M");
+    let _p1 = VmGuard::create("pp1", "host1", "256M", "32M");
+    // host3 has less memory free than host2: by memory alone pa1 would go to host2
+    let _f3 = VmGuard::create("pfill3", "host3", "1G", "32M");
+    ferry_ok(&[
+        "rule",
+        "create",
+        "apart",
+        "--anti-affinity",
+        "--vms",
+        "pa1,pa2",
+    ]);
+    ferry_ok(&["group", "create", "only1", "--hosts", "host1"]);
+    ferry_ok(&[
+        "rule",
+        "create",
+        "pin",
+        "--host-affinity",
+        "only1",
+        "--vms",
+        "pp1",
+    ]);
+
+    // contradicting rules are refused, naming both
+    let out = ferry(&["rule", "create", "bad", "--affinity", "--vms", "pa2,pa1"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("rule bad") && err.contains("rule apart"),
+        "{err}"
+    );
+    // a bad rule is named before any cluster is asked
+    let out = ferry(&["rule", "create", "x", "--anti-affinity", "--vms", "pa1"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at least two VMs"));
+
+    let rules = ferry_json(&["rule", "list"]);
+    assert_eq!(rules["rules"].as_array().unwrap().len(), 2, "{rules}");
+    assert!(rules["broken"].as_array().unwrap().is_empty(), "{rules}");
+
+    let (events, code) = drain_events("host1");
+    let plan = events.iter().find(|e| e["event"] == "plan").unwrap();
+    let moves = plan["moves"].as_array().unwrap();
+    assert_eq!(moves.len(), 1, "{plan}");
+    assert_eq!(moves[0]["vm"], "pa1");
+    assert_eq!(
+        moves[0]["to"], "host3",
+        "pa1 must not join pa2 on host2: {plan}"
+    );
+    let refused = plan["unplaceable"].as_array().unwrap();
+    assert_eq!(refused.len(), 1, "{plan}");
+    assert_eq!(refused[0]["vm"], "pp1");
+    let why = refused[0]["reason"].as_str().unwrap();
+    assert!(
+        why.contains("strict host-affinity rule pin")
+            && why.contains("host2")
+            && why.contains("host3"),
+        "{why}"
+    );
+    // one VM stayed: exit status 1
+    assert_eq!(code, Some(1));
+    assert_intact_on("pa1", "host3");
+    assert_intact_on("pp1", "host1");
+
+    // a moved VM may not be moved back beside its partner by hand either
+    let out = ferry(&["vm", "move", "pa1", "--to", "host2"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("anti-affinity rule apart"),
+        "{out:?}"
+    );
+
+    // a new VM without --host: host1 drains, host2 runs pa2, which it must avoid
+    ferry_ok(&[
+        "rule",
+        "create",
+        "fresh-apart",
+        "--anti-affinity",
+        "--vms",
+        "pfresh,pa2",
+    ]);
+    remove_vm("pfresh");
+    let _fresh = VmGuard("pfresh");
+    let v = ferry_json(&[
+        "vm", "create", "pfresh", "--memory", "256M", "--fill", "32M",
+    ]);
+    assert_eq!(v["host"], "host3", "{v}");
+
+    // the balancer's plan keeps the rules and moves nothing on a dry run
+    let plan = ferry_json(&["cluster", "balance", "--dry-run", "--threshold", "0"]);
+    assert_eq!(plan["started"], false, "{plan}");
+    assert!(plan["spread_before"].as_f64().is_some(), "{plan}");
+    for m in plan["moves"].as_array().unwrap() {
+        let to_host2 = m["to"] == "host2";
+        assert!(
+            !(to_host2 && (m["vm"] == "pa1" || m["vm"] == "pfresh")),
+            "{plan}"
+        );
+        assert_ne!(m["vm"], "pp1", "{plan}");
+    }
+    assert_intact_on("pa1", "host3");
+
+    ferry_ok(&["host", "resume", "host1"]);
+    for r in ["apart", "pin", "fresh-apart"] {
+        ferry_ok(&["rule", "rm", r]);
+    }
+    ferry_ok(&["group", "rm", "only1"]);
+}
+
+/// Where `vm list` says a VM runs.
+fn vm_host(name: &str) -> String {
+    let list = ferry_json(&["vm", "list"]);
+    list.as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == name)
+        .and_then(|v| v["host"].as_str())
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Events of `kind` in the control service's log, newest 500.
+fn events_of(kind: &str) -> Vec<Value> {
+    let v = ferry_json(&["events", "--limit", "500"]);
+    v.as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == kind)
+        .cloned()
+        .collect()
+}
+
+/// The automatic balancer: host1 carries three 1 GiB guests and the other
+/// hosts none; with `cluster set --balance auto` the leader moves some off
+/// once the spread held over the threshold three checks running, the
+/// guests intact, and then stays still.
+#[test]
+#[ignore = "needs root, QEMU and the lab (scripts/run test)"]
+fn the_automatic_balancer_settles_and_stays_still() {
+    require_lab();
+    let _g = serial();
+    lab(3, 2);
+    ferry(&["host", "resume", "host1"]);
+    ferry_ok(&["cluster", "set", "--balance", "off"]);
+    let _b1 = VmGuard::create("bal1", "host1", "1G", "64M");
+    let _b2 = VmGuard::create("bal2", "host1", "1G", "64M");
+    let _b3 = VmGuard::create("bal3", "host1", "1G", "64M");
+    let plan = ferry_json(&["cluster", "balance", "--dry-run"]);
+    assert!(plan["spread_before"].as_f64().unwrap() > 0.10, "{plan}");
+    assert!(!plan["moves"].as_array().unwrap().is_empty(), "{plan}");
+    // a bad setting is named
+    let out = ferry(&["cluster", "set", "--balance-threshold", "150"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--balance-threshold"));
+
+    let done_before = events_of("balance_done").len();
+    let t0 = std::time::Instant::now();
+    let enabled_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    ferry_ok(&[
+        "cluster",
+        "set",
+        "--balance",
+        "auto",
+        "--balance-every",
+        "2",
+    ]);
+    while events_of("balance_done").len() == done_before {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(180),
+            "no automatic balance within 180 s"
+        );
+        std::thread::sleep(std::time::Duration::from_secs(2));
+    }
+    // it held three checks (2 s apart) before moving
+    let auto = events_of("balance_auto");
+    let started = auto.last().expect("a balance_auto event");
+    let waited = started["at_ms"].as_u64().unwrap() - enabled_ms;
+    assert!(waited >= 3_900, "moved {waited} ms after it was turned on");
+    let moved: Vec<Value> = events_of("balance_move")
+        .into_iter()
+        .filter(|e| e["detail"]["auto"] == true)
+        .collect();
+    assert!(!moved.is_empty(), "no balance_move event");
+    for m in &moved {
+        let vm = m["subject"].as_str().unwrap();
+        assert_eq!(m["detail"]["from"], "host1", "{m}");
+        assert_intact_on(vm, m["detail"]["to"].as_str().unwrap());
+    }
+    let on_host1 = ["bal1", "bal2", "bal3"]
+        .iter()
+        .filter(|v| vm_host(v) == "host1")
+        .count();
+    assert!(on_host1 < 3, "nothing left host1");
+
+    // settled: no further move over six more checks
+    std::thread::sleep(std::time::Duration::from_secs(12));
+    let later: Vec<Value> = events_of("balance_move")
+        .into_iter()
+        .filter(|e| e["detail"]["auto"] == true)
+        .collect();
+    assert_eq!(later.len(), moved.len(), "it went on moving: {later:?}");
+    ferry_ok(&["cluster", "set", "--balance", "off"]);
+}

@@ -52,7 +52,41 @@ impl Control {
             .filter(|v| v.state != "incoming")
             .map(|v| (v.name.clone(), v.spec.memory))
             .collect();
-        let (moves, unplaceable) = drain::plan(&vms, &mut targets);
+        // the placement engine's plan: every rule kept, the most free memory
+        let cluster = self.cluster_of(&entries, self.placement_config().await?);
+        let names: Vec<String> = vms.iter().map(|v| v.0.clone()).collect();
+        let allowed: Vec<String> = targets.iter().map(|t| t.0.clone()).collect();
+        let (planned, refused) = crate::placement::Engine::new(&cluster)
+            .place(&names, &|h| allowed.iter().any(|a| a == h));
+        let memory_of = |vm: &str| vms.iter().find(|v| v.0 == vm).map(|v| v.1).unwrap_or(0);
+        let mut soft_breaks = Vec::new();
+        let moves: Vec<PlannedMove> = planned
+            .into_iter()
+            .map(|p| {
+                let memory = memory_of(&p.vm);
+                if let Some(t) = targets.iter_mut().find(|t| t.0 == p.to) {
+                    t.1 = t.1.saturating_sub(memory + drain::VM_OVERHEAD);
+                }
+                for b in &p.breaks {
+                    soft_breaks.push(DrainEvent::Warning {
+                        message: format!("{} goes to {} breaking {b}", p.vm, p.to),
+                    });
+                }
+                PlannedMove {
+                    vm: p.vm,
+                    memory,
+                    to: p.to,
+                }
+            })
+            .collect();
+        let unplaceable: Vec<Unplaceable> = refused
+            .into_iter()
+            .map(|r| Unplaceable {
+                memory: memory_of(&r.vm),
+                reason: format!("no target keeps its rules and has room: {r}"),
+                vm: r.vm,
+            })
+            .collect();
         let limit_setting = req
             .max_parallel
             .or_else(|| {
@@ -78,7 +112,7 @@ impl Control {
                 .collect()
         };
         let (tx, rx) = tokio::sync::mpsc::channel::<DrainEvent>(256);
-        for w in warnings {
+        for w in warnings.into_iter().chain(soft_breaks) {
             let _ = tx.send(w).await;
         }
         let me = self.clone();
@@ -275,13 +309,21 @@ impl Control {
                         t.1 += need;
                     }
                     tried.push(m.to.clone());
-                    let next = (attempt < drain::MAX_ATTEMPTS)
-                        .then(|| drain::pick(&targets, need, &tried))
-                        .flatten();
+                    let next = if attempt < drain::MAX_ATTEMPTS {
+                        let left: Vec<String> = targets
+                            .iter()
+                            .filter(|t| !tried.contains(&t.0))
+                            .map(|t| t.0.clone())
+                            .collect();
+                        self.place_again(&m.vm, &left).await
+                    } else {
+                        None
+                    };
                     match next {
-                        Some(i) => {
-                            targets[i].1 -= need;
-                            let to = targets[i].0.clone();
+                        Some(to) => {
+                            if let Some(t) = targets.iter_mut().find(|t| t.0 == to) {
+                                t.1 = t.1.saturating_sub(need);
+                            }
                             let _ = tx
                                 .send(DrainEvent::Retry {
                                     vm: m.vm.clone(),

@@ -79,6 +79,9 @@ pub fn unfenceable(spec: &VmSpec) -> bool {
         .any(|d| d.path.is_some() || (d.local.is_some() && !spec.is_workload()))
 }
 
+/// A restart placed during a failover: (VM, host, memory).
+type Planned = (String, String, u64);
+
 /// Where to boot `spec` among `hosts` (healthy, not draining, reachable),
 /// most free memory first, counting what was already placed (`planned`).
 pub fn candidates(
@@ -224,6 +227,7 @@ impl Control {
                 desired: Some(r.desired),
                 ha: Some(r.ha.clone()),
                 stopped_because: r.stopped_because.clone(),
+                usage: None,
             });
         }
         out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -261,6 +265,7 @@ impl Control {
     /// can be probed (the leases every instance renews name them).
     pub(crate) fn note_hosts(&self, hosts: &[HostEntry]) {
         *lock(&self.ha.last_hosts) = hosts.to_vec();
+        self.note_usage(hosts);
         {
             let mut addrs = lock(&self.ha.probe_addrs);
             for h in hosts {
@@ -721,7 +726,7 @@ impl Control {
             r?;
         }
         restart.sort_by(|a, b| b.1.ha.priority.cmp(&a.1.ha.priority).then(a.0.cmp(&b.0)));
-        let planned = std::sync::Mutex::new(BTreeMap::<String, u64>::new());
+        let planned = std::sync::Mutex::new(Vec::<Planned>::new());
         // by priority, the next boot starting as soon as one of those
         // running ends (the semaphore is first come, first served)
         let slots = tokio::sync::Semaphore::new(RESTARTS_AT_ONCE);
@@ -804,18 +809,56 @@ impl Control {
         name: &str,
         r: &VmRecord,
         from: &str,
-        planned: &std::sync::Mutex<BTreeMap<String, u64>>,
+        planned: &std::sync::Mutex<Vec<Planned>>,
         lapse_ms: u64,
         t0: Instant,
     ) {
         let hosts = lock(&self.ha.last_hosts).clone();
+        let config = match self.placement_config().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(
+                    vm = name,
+                    "placement rules: {e}; restarting by memory alone"
+                );
+                Default::default()
+            }
+        };
         let order = {
             let mut p = lock(planned);
-            let c = candidates(&hosts, &r.spec, from, &p);
-            if let Some(first) = c.first() {
-                *p.entry(first.clone()).or_default() += r.spec.memory;
+            let memory: BTreeMap<String, u64> = p.iter().fold(BTreeMap::new(), |mut m, x| {
+                *m.entry(x.1.clone()).or_default() += x.2;
+                m
+            });
+            let fit = candidates(&hosts, &r.spec, from, &memory);
+            // the placement engine orders them, keeping every strict rule,
+            // counting the restarts placed before this one
+            let mut c = self.cluster_of(&hosts, config);
+            for h in &mut c.hosts {
+                h.free = h
+                    .free
+                    .saturating_sub(memory.get(&h.name).copied().unwrap_or(0));
             }
-            c
+            c.vms
+                .retain(|v| v.name != name && !p.iter().any(|x| x.0 == v.name));
+            for (vm, host, mem) in p.iter() {
+                c.vms.push(crate::placement::Vm::placed(vm, host, *mem));
+            }
+            c.vms
+                .push(crate::placement::Vm::placed(name, "", r.spec.memory));
+            let ranked = crate::placement::ranked(&c, name, &|h| fit.iter().any(|f| f == h));
+            if let Some(first) = ranked.as_ref().ok().and_then(|o| o.first()) {
+                p.push((name.to_string(), first.clone(), r.spec.memory));
+            }
+            ranked
+        };
+        let order = match order {
+            Ok(o) => o,
+            Err(refusal) => {
+                let why = format!("no surviving host keeps its rules and has room: {refusal}");
+                self.restart_failed(name, from, why).await;
+                return;
+            }
         };
         let mut errors = Vec::new();
         for to in order {
@@ -839,6 +882,11 @@ impl Control {
         } else {
             errors.join("; ")
         };
+        self.restart_failed(name, from, why).await;
+    }
+
+    /// Records and logs a VM left stopped: no host could boot it.
+    async fn restart_failed(&self, name: &str, from: &str, why: String) {
         self.log(
             "ha_restart_failed",
             name,

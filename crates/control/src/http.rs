@@ -51,6 +51,13 @@
 //! | POST | /cluster/certificates/requests | CertRequests → `[RenewalItem]`: a new key and signing request from every component (admin) |
 //! | POST | /cluster/certificates | InstallCerts (body: `[SignedCert]`) → `[InstallResult]` (admin) |
 //! | GET/PUT | /cluster/crl | GetCrl → `CrlInfo` / SetCrl (body: `CrlInstall`) → `[InstallResult]`: the revocation list, in force everywhere (admin) |
+//! | GET | /placement | GetPlacement → `PlacementStatus`: rules, host groups, labels, and the strict rules broken now |
+//! | POST | /placement/rules | CreateRule (body: `Rule`) → `PlacementConfig`; refused naming the conflict when it cannot be met |
+//! | DELETE | /placement/rules/{name} | RemoveRule |
+//! | POST | /placement/groups | SetGroup (body: `HostGroup`) → `PlacementConfig` |
+//! | DELETE | /placement/groups/{name} | RemoveGroup |
+//! | PUT | /hosts/{host}/labels | SetLabels (body: `LabelUpdate`) → the host's labels |
+//! | POST | /cluster/balance | Balance (body: `BalanceRequest`) → `BalancePlan`; its moves run unless `dry_run` |
 //! | GET | /events | Events (query `limit`, default 100): the event log, oldest first |
 //! | GET | /tokens | ListTokens |
 //! | POST | /tokens | CreateToken (body: `TokenCreateRequest`) → `TokenCreated` (the secret, this once) |
@@ -858,6 +865,56 @@ pub fn router(control: Arc<Control>) -> Router {
             get(|State(c): S| async move { run(&c, Command::ListTokens).await }).post(
                 |State(c): S, ApiJson(r): ApiJson<ferry_api::auth::TokenCreateRequest>| async move {
                     run(&c, Command::CreateToken(r)).await
+                },
+            ),
+        )
+        .route(
+            "/placement",
+            get(|State(c): S| async move { run(&c, Command::GetPlacement).await }),
+        )
+        .route(
+            "/placement/rules",
+            post(
+                |State(c): S, ApiJson(r): ApiJson<ferry_api::placement::Rule>| async move {
+                    run(&c, Command::CreateRule(r)).await
+                },
+            ),
+        )
+        .route(
+            "/placement/rules/{name}",
+            axum::routing::delete(|State(c): S, Path(name): Path<String>| async move {
+                run(&c, Command::RemoveRule { name }).await
+            }),
+        )
+        .route(
+            "/placement/groups",
+            post(
+                |State(c): S, ApiJson(g): ApiJson<ferry_api::placement::HostGroup>| async move {
+                    run(&c, Command::SetGroup(g)).await
+                },
+            ),
+        )
+        .route(
+            "/placement/groups/{name}",
+            axum::routing::delete(|State(c): S, Path(name): Path<String>| async move {
+                run(&c, Command::RemoveGroup { name }).await
+            }),
+        )
+        .route(
+            "/hosts/{host}/labels",
+            axum::routing::put(
+                |State(c): S,
+                 Path(host): Path<String>,
+                 ApiJson(update): ApiJson<ferry_api::placement::LabelUpdate>| async move {
+                    run(&c, Command::SetLabels { host, update }).await
+                },
+            ),
+        )
+        .route(
+            "/cluster/balance",
+            post(
+                |State(c): S, ApiJson(r): ApiJson<ferry_api::placement::BalanceRequest>| async move {
+                    run(&c, Command::Balance(r)).await
                 },
             ),
         )

@@ -21,6 +21,8 @@ pub mod leader;
 pub mod limits;
 pub mod metrics;
 pub mod operations;
+pub mod placement;
+mod placement_run;
 pub mod policy_manager;
 mod resilience;
 pub mod rolling;
@@ -136,6 +138,22 @@ pub enum Command {
     RevokeToken {
         name: String,
     },
+    /// Placement rules, host groups and labels (see [`placement_run`]).
+    GetPlacement,
+    CreateRule(ferry_api::placement::Rule),
+    RemoveRule {
+        name: String,
+    },
+    SetGroup(ferry_api::placement::HostGroup),
+    RemoveGroup {
+        name: String,
+    },
+    SetLabels {
+        host: String,
+        update: ferry_api::placement::LabelUpdate,
+    },
+    /// The balancer: a plan, run unless a dry run.
+    Balance(ferry_api::placement::BalanceRequest),
 }
 
 /// Whether `caller`'s role may run `cmd`: `Forbidden` naming the role
@@ -225,6 +243,14 @@ impl Command {
             Command::ListTokens => (Admin, "list tokens".into()),
             Command::CreateToken(r) => (Admin, format!("create token {}", r.name)),
             Command::RevokeToken { name } => (Admin, format!("revoke token {name}")),
+            Command::GetPlacement => (ReadOnly, "read placement rules".into()),
+            Command::CreateRule(r) => (Operator, format!("create rule {}", r.name)),
+            Command::RemoveRule { name } => (Operator, format!("remove rule {name}")),
+            Command::SetGroup(g) => (Operator, format!("set host group {}", g.name)),
+            Command::RemoveGroup { name } => (Operator, format!("remove host group {name}")),
+            Command::SetLabels { host, .. } => (Operator, format!("label host {host}")),
+            Command::Balance(r) if r.dry_run => (ReadOnly, "plan a balance".into()),
+            Command::Balance(_) => (Operator, "balance the cluster".into()),
         }
     }
 }
@@ -307,6 +333,10 @@ pub struct Control {
     pub(crate) ha: ha::Ha,
     /// Leadership among the instances sharing the store (see [`leader`]).
     pub(crate) leader: leader::Leadership,
+    /// Each VM's CPU use, for the placement engine (see [`placement_run`]).
+    pub(crate) usage: std::sync::Mutex<placement_run::Usage>,
+    /// The balancer's state: one run at a time, hysteresis, cooldowns.
+    pub(crate) balancer: std::sync::Mutex<placement_run::Balancer>,
     /// Signs each move's ticket (see [`ferry_net::ticket`]); `None` under
     /// `--insecure-http`, where agents ask for none.
     tickets: Option<Arc<ferry_net::ticket::LiveSigner>>,
@@ -361,6 +391,8 @@ impl Control {
             tickets: None,
             ha: Default::default(),
             leader: leader::Leadership::new("control"),
+            usage: Default::default(),
+            balancer: Default::default(),
             pki: None,
             crl_pushed: Default::default(),
             max_streams_per_token: limits::MAX_STREAMS_PER_TOKEN,
@@ -487,6 +519,7 @@ impl Control {
         self.align_bandwidth(&hosts).await;
         self.sync_access(&hosts, asked).await;
         self.resume_rolling().await;
+        self.auto_balance(&hosts).await;
         self.log_pauses(&hosts);
         self.warn_expiring(&hosts);
         for s in self
@@ -653,6 +686,13 @@ impl Control {
                 self.log("token", &name, serde_json::json!({ "revoked": t }));
                 value(t)
             }
+            Command::GetPlacement => value(self.placement_status().await?),
+            Command::CreateRule(r) => value(self.create_rule(r).await?),
+            Command::RemoveRule { name } => value(self.remove_rule(&name).await?),
+            Command::SetGroup(g) => value(self.create_group(g).await?),
+            Command::RemoveGroup { name } => value(self.remove_group(&name).await?),
+            Command::SetLabels { host, update } => value(self.set_labels(&host, update).await?),
+            Command::Balance(r) => value(self.balance(r).await?),
             Command::ListHosts => value(self.list_hosts().await),
             Command::ListVms => value(self.list_all_vms().await?),
             Command::CreateVm(req) => value(self.create_vm(*req).await?),
@@ -752,6 +792,7 @@ impl Control {
             Command::GetCrl => value(self.crl().await?),
             Command::SetCrl(c) => value(self.set_crl(c.crl).await?),
             Command::SetCluster(u) => {
+                u.validate()?;
                 if let Some(h) = u.fence_hook.as_deref().filter(|h| !h.is_empty()) {
                     rolling::resolve_hook(&self.hooks_dir, h)
                         .map_err(|e| ApiError::invalid("fence_hook", e.to_string()))?;
@@ -945,6 +986,24 @@ impl Control {
                 d.validate(i)?;
             }
         }
+        // the placement engine's choice, or its check of the host named
+        let named = (!req.host.is_empty()).then(|| req.host.clone());
+        if let Some(h) = &named {
+            self.host(h)?;
+            self.refuse_draining(h)?;
+            self.refuse_down(h).await?;
+        }
+        let placed = self
+            .place_new(&req.spec.name, req.spec.memory, named.as_deref())
+            .await?;
+        req.host = placed.to.clone();
+        if !placed.breaks.is_empty() {
+            self.log(
+                "placement",
+                &req.spec.name,
+                serde_json::json!({ "host": req.host, "breaks": placed.breaks }),
+            );
+        }
         let agent = self.host(&req.host)?;
         self.refuse_draining(&req.host)?;
         self.refuse_down(&req.host).await?;
@@ -1092,6 +1151,9 @@ impl Control {
         self.refuse_down(&req.to).await?;
         let (source, info) = self.locate(name).await?;
         refuse_storage_paused(&info)?;
+        if source != req.to {
+            self.check_move(name, &req.to).await?;
+        }
         if source == req.to {
             return Err(ApiError::invalid(
                 "to",
