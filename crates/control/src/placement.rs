@@ -895,12 +895,14 @@ pub fn place_one(
 }
 
 /// Whether every VM of the cluster could be placed, from scratch, on the
-/// hosts that take VMs under `config`: the feasibility check of a new
+/// cluster's hosts (draining and down ones too) under `config`: the feasibility check of a new
 /// rule. The refusal names the VM left without a host and why.
 pub fn feasible(cluster: &Cluster) -> Result<(), Refusal> {
     let mut scratch = cluster.clone();
+    // every host the cluster has: one draining or down now is back later
     for h in &mut scratch.hosts {
         h.free = h.total;
+        h.takes_vms = true;
     }
     let names: Vec<String> = scratch
         .vms
