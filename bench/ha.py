@@ -81,7 +81,16 @@ def health(host):
 def cleanup():
     for g in GUESTS:
         ferry("vm", "rm", g, check=False)
-        ferry("disk", "rm", f"{g}-disk", check=False)
+    # a disk is removed once its last NBD connection has closed
+    t0 = time.time()
+    left = [f"{g}-disk" for g in GUESTS]
+    while left:
+        left = [d for d in left if ferry("disk", "rm", d, check=False).returncode != 0
+                and any(x["name"] == d for x in fj("disk", "list"))]
+        if left and time.time() - t0 > 30:
+            raise RuntimeError(f"disks not removed within 30 s: {left}")
+        if left:
+            time.sleep(1)
 
 
 def setup():

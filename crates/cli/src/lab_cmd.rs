@@ -401,9 +401,44 @@ pub fn down() -> Vec<String> {
                 .join(format!("{}.pid", topology::storage_pid_name(i))),
         );
     }
+    // a service whose pidfile a second `lab up` overwrote still holds its
+    // port: any ferry or etcd process started on this lab's files goes too
+    stop_strays(&dir.0);
     let removed = net::destroy();
     let _ = std::fs::remove_dir_all(&dir.0);
     removed
+}
+
+/// SIGKILLs every `ferry` or `etcd` process whose command line names a
+/// file under `root` (the lab's control services, storage nodes, agents
+/// and etcd, whatever their pidfiles say).
+fn stop_strays(root: &std::path::Path) {
+    let root = root.to_string_lossy().to_string();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    let me = std::process::id() as i32;
+    for p in procs.flatten() {
+        let Ok(pid) = p.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(p.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmd
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).to_string())
+            .collect();
+        let prog = args
+            .first()
+            .map(|a| a.rsplit('/').next().unwrap_or(""))
+            .unwrap_or("");
+        let ours =
+            (prog == "ferry" || prog == "etcd") && args.iter().skip(1).any(|a| a.contains(&root));
+        if ours && pid != me {
+            stop_pid(pid);
+        }
+    }
 }
 
 pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
@@ -699,6 +734,12 @@ fn stop_pidfile(path: &std::path::Path) {
     else {
         return;
     };
+    stop_pid(pid);
+    let _ = std::fs::remove_file(path);
+}
+
+/// SIGKILLs `pid` and waits (at most 10 s) until it is gone.
+fn stop_pid(pid: i32) {
     // SAFETY: kill(2) with a pid and a signal has no memory effects.
     unsafe { libc::kill(pid, libc::SIGKILL) };
     let alive = || {
@@ -716,7 +757,6 @@ fn stop_pidfile(path: &std::path::Path) {
     while alive() && std::time::Instant::now() < until {
         std::thread::sleep(Duration::from_millis(20));
     }
-    let _ = std::fs::remove_file(path);
 }
 
 /// The lab's certificates, as `ferry cluster init` and `issue-cert` make

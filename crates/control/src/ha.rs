@@ -46,6 +46,9 @@ use crate::{access, lock, Control};
 pub const RECORDS_KEY: &str = "vms";
 /// The store key of the (VM, host) pairs a failover revoked.
 pub const REVOKED_KEY: &str = "ha_revoked";
+/// Store key of each host's probe addresses: a leader that never saw a
+/// host answer (it started after the host failed) probes it there.
+pub const PROBE_ADDRS_KEY: &str = "ha_probe_addrs";
 /// HA restarts run at once, so storage is not stormed.
 pub const RESTARTS_AT_ONCE: usize = 2;
 const LEASE_CALL: Duration = Duration::from_millis(900);
@@ -66,6 +69,8 @@ pub struct Ha {
     /// Each host's probe addresses on its fabrics (`IP:PORT`), as it last
     /// answered: a host that stopped answering is probed where it was.
     probe_addrs: std::sync::Mutex<BTreeMap<String, Vec<String>>>,
+    /// `probe_addrs` as last written to the store.
+    saved_addrs: std::sync::Mutex<BTreeMap<String, Vec<String>>>,
     /// Failovers under way.
     failing: std::sync::Mutex<BTreeSet<String>>,
     /// Events said once per state (unmanaged hosts, held restarts).
@@ -384,6 +389,38 @@ impl Control {
     async fn save_revoked(&self) -> Result<(), ApiError> {
         let all: Vec<(String, String)> = lock(&self.ha.revoked).iter().cloned().collect();
         self.store.put_cluster(REVOKED_KEY, &all).await
+    }
+
+    /// Writes the hosts' probe addresses to the store when they changed
+    /// (the leader, each heartbeat).
+    pub(crate) async fn save_probe_addrs(&self) {
+        let now = lock(&self.ha.probe_addrs).clone();
+        if *lock(&self.ha.saved_addrs) == now {
+            return;
+        }
+        match self.store.put_cluster(PROBE_ADDRS_KEY, &now).await {
+            Ok(()) => *lock(&self.ha.saved_addrs) = now,
+            Err(e) => tracing::warn!("probe addresses: {e}"),
+        }
+    }
+
+    /// Takes up the probe addresses of hosts this instance never saw
+    /// answer (an instance taking the lead).
+    pub(crate) async fn load_probe_addrs(&self) {
+        match self
+            .store
+            .cluster::<BTreeMap<String, Vec<String>>>(PROBE_ADDRS_KEY)
+            .await
+        {
+            Ok(Some(saved)) => {
+                let mut a = lock(&self.ha.probe_addrs);
+                for (host, addrs) in saved {
+                    a.entry(host).or_insert(addrs);
+                }
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!("probe addresses: {e}"),
+        }
     }
 
     /// Takes up the pairs revoked (an instance taking the lead).
@@ -1064,6 +1101,22 @@ mod tests {
             state: state.into(),
             address: "198.18.1.12:7801".into(),
         }
+    }
+
+    /// A leader that never saw a host answer takes its probe addresses
+    /// from the store, and keeps what it saw itself.
+    #[tokio::test]
+    async fn probe_addresses_outlive_the_instance_that_saw_them() {
+        let c = Control::new(Vec::new(), Default::default());
+        let seen = vec!["198.18.1.11:7801".to_string()];
+        lock(&c.ha.probe_addrs).insert("host1".into(), seen.clone());
+        c.save_probe_addrs().await;
+        lock(&c.ha.probe_addrs).clear();
+        lock(&c.ha.probe_addrs).insert("host2".into(), vec!["own".into()]);
+        c.load_probe_addrs().await;
+        let a = lock(&c.ha.probe_addrs).clone();
+        assert_eq!(a.get("host1"), Some(&seen));
+        assert_eq!(a.get("host2"), Some(&vec!["own".to_string()]));
     }
 
     #[test]

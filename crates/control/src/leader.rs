@@ -130,6 +130,9 @@ impl Control {
             return;
         }
         self.load_revoked().await;
+        // a host that failed before this instance started is probed where
+        // the leader before it saw it
+        self.load_probe_addrs().await;
         let since = ferry_api::util::now_ms();
         *lock(&self.leader.held) = Some((claim, since));
         if self.store.shared() {

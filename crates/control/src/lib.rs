@@ -516,6 +516,7 @@ impl Control {
             return;
         }
         self.sync_records(&hosts).await;
+        self.save_probe_addrs().await;
         self.align_bandwidth(&hosts).await;
         self.sync_access(&hosts, asked).await;
         self.resume_rolling().await;

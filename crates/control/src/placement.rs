@@ -278,6 +278,24 @@ impl<'a> Engine<'a> {
         f
     }
 
+    /// Why `vi` may not go to `hi`, in words: each strict rule broken, the
+    /// memory short.
+    fn reasons(&self, f: &Fit, vi: usize, hi: usize) -> Vec<String> {
+        let mut why: Vec<String> = f
+            .strict
+            .iter()
+            .map(|&ri| self.conflict(ri, vi, hi))
+            .collect();
+        if let Some((need, free)) = f.short {
+            why.push(format!(
+                "needs {} of memory, {} free",
+                human_bytes(need),
+                human_bytes(free.max(0) as u64)
+            ));
+        }
+        why
+    }
+
     /// Why rule `ri` is broken for `vi` on `hi`, in words.
     fn conflict(&self, ri: usize, vi: usize, hi: usize) -> String {
         let r = &self.cluster.config.rules[ri];
@@ -331,19 +349,7 @@ impl<'a> Engine<'a> {
             if !allowed(hi) {
                 continue;
             }
-            let f = self.fit(vi, hi, pending);
-            let mut why: Vec<String> = f
-                .strict
-                .iter()
-                .map(|&ri| self.conflict(ri, vi, hi))
-                .collect();
-            if let Some((need, free)) = f.short {
-                why.push(format!(
-                    "needs {} of memory, {} free",
-                    human_bytes(need),
-                    human_bytes(free.max(0) as u64)
-                ));
-            }
+            let why = self.reasons(&self.fit(vi, hi, pending), vi, hi);
             if !why.is_empty() {
                 conflicts.push(format!("{}: {}", h.name, why.join(", ")));
             }
@@ -542,18 +548,7 @@ impl<'a> Engine<'a> {
                 }
                 let f = self.fit(v, hi, &none);
                 if !f.allowed() {
-                    let mut w: Vec<String> = f
-                        .strict
-                        .iter()
-                        .map(|&ri| self.conflict(ri, v, hi))
-                        .collect();
-                    if let Some((need, free)) = f.short {
-                        w.push(format!(
-                            "needs {} of memory, {} free",
-                            human_bytes(need),
-                            human_bytes(free.max(0) as u64)
-                        ));
-                    }
+                    let w = self.reasons(&f, v, hi);
                     why = Some(format!("{}: {}", self.cluster.vms[v].name, w.join(", ")));
                     break;
                 }

@@ -146,7 +146,7 @@ function signedIn(s) {
     document.querySelector(`#${t} tbody`).innerHTML = "";
   stopEditing();
   // the page's fixed controls, for this user's role (rows draw their own)
-  for (const id of ["policy-create", "disk-create", "vm-create-btn", "validate", "vm-move", "rolling-start", "rolling-stop"])
+  for (const id of ["policy-create", "disk-create", "vm-create-btn", "validate", "vm-move", "rolling-start", "rolling-stop", "rule-add", "balance-run"])
     mayOperate(document.getElementById(id));
   for (const id of ["host-drain", "host-resume", "host-validate"]) mayOperate(document.getElementById(id));
   for (const id of ["bw-set", "cluster-save", "host-save"]) mayAdminister(document.getElementById(id));
@@ -1345,10 +1345,67 @@ async function refreshCluster() {
     if (!document.getElementById("cluster-form").contains(document.activeElement))
       document.getElementById("cluster-encrypt").checked = settings.encryption;
     updateRolling(rolling);
+    updateRules(await get("/api/v1/placement"));
   } catch (e) {
     showError(e);
   }
 }
+
+// The placement rules, each removable by an operator, and the strict
+// rules VMs break where they run now.
+function updateRules(p) {
+  const tb = document.querySelector("#rules tbody");
+  tb.innerHTML = "";
+  for (const r of p.rules) {
+    const del = operatorButton("Remove", `Remove rule ${r.name}`);
+    del.id = "rule-remove-" + r.name;
+    del.onclick = () =>
+      api("DELETE", `/api/v1/placement/rules/${encodeURIComponent(r.name)}`).then(refreshCluster, (e) => status("rule-status", e.message));
+    row(tb, [r.name, r.kind, r.kind === "exclude" ? "-" : r.strict ? "strict" : "soft", r.group || "-", r.vms.join(", "), del]);
+  }
+  if (!p.rules.length) row(tb, ["no rules", "", "", "", "", ""]);
+  document.getElementById("rules-broken").textContent = p.broken.length ? "Broken now: " + p.broken.join("; ") : "";
+}
+
+function showPlan(p) {
+  const tb = document.querySelector("#balance-moves tbody");
+  tb.innerHTML = "";
+  for (const m of p.moves)
+    row(tb, [m.vm, m.from, m.to, mib(m.bytes), m.seconds.toFixed(0) + " s", m.mends ? "mends " + m.mends : m.benefit.toFixed(3)]);
+  document.getElementById("balance-state").textContent =
+    `Spread of host load ${p.spread_before.toFixed(3)} → ${p.spread_after.toFixed(3)} (threshold ${p.threshold.toFixed(2)}), ` +
+    `${p.moves.length} move(s): ${p.why}` + (p.started ? ". Started, one at a time (see Events)." : "");
+}
+
+document.getElementById("rule-form").onsubmit = async (ev) => {
+  ev.preventDefault();
+  const kind = field("rule-kind");
+  const rule = { name: field("rule-name"), kind, vms: field("rule-vms").split(",").map((v) => v.trim()).filter(Boolean),
+                 strict: !document.getElementById("rule-soft").checked };
+  if (kind === "host-affinity" || kind === "host-anti-affinity") rule.group = field("rule-group");
+  try {
+    await api("POST", "/api/v1/placement/rules", rule);
+    status("rule-status", `rule ${rule.name} made`);
+    refreshCluster();
+  } catch (e) {
+    status("rule-status", `not made: ${e.message}`);
+  }
+};
+
+document.getElementById("balance-plan").onclick = () =>
+  api("POST", "/api/v1/cluster/balance", { dry_run: true })
+    .then((r) => r.json())
+    .then(showPlan, (e) => status("balance-status", e.message));
+
+document.getElementById("balance-form").onsubmit = async (ev) => {
+  ev.preventDefault();
+  if (!confirm("Move VMs to even out the hosts' load?")) return;
+  try {
+    showPlan(await (await api("POST", "/api/v1/cluster/balance", {})).json());
+  } catch (e) {
+    status("balance-status", e.message);
+  }
+};
 
 function updateRolling(r) {
   const state = document.getElementById("rolling-state");
