@@ -23,10 +23,10 @@ after, moves, bytes moved (QEMU's count from each move's report) and time.
 
 Needs the lab (root, QEMU >= 9); uses target/debug/ferry (FERRY_BIN).
 """
-import argparse, json, os, statistics, subprocess, sys, time
+import argparse, json, statistics, sys, time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
+# the same `ferry` runner as the HA bench (FERRY_BIN, errors raised)
+from ha import ferry, fj
 THRESHOLD = 0.10
 # name, host, memory, fill, dirty rate: busy large, quiet large, and smaller ones
 GUESTS = [
@@ -40,17 +40,6 @@ GUESTS = [
     ("bg8", "host2", "256M", "64M", "256K"),
     ("bg9", "host3", "256M", "64M", "256K"),
 ]
-
-
-def ferry(*args, check=True, timeout=600):
-    r = subprocess.run([FERRY, *args], capture_output=True, text=True, timeout=timeout)
-    if check and r.returncode != 0:
-        raise RuntimeError(f"ferry {' '.join(args)}: {r.stderr.strip()}")
-    return r
-
-
-def fj(*args):
-    return json.loads(ferry(*args, "--json").stdout)
 
 
 def cleanup():

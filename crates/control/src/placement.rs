@@ -230,32 +230,11 @@ impl<'a> Engine<'a> {
         }
     }
 
-    /// Memory VM `vi` needs on a host: its own, and, when it is the first
-    /// of a strict affinity rule to be placed, its unplaced partners' too.
-    fn need(&self, vi: usize, pending: &[bool]) -> u64 {
-        let mut need = self.cluster.vms[vi].memory;
-        let rules = &self.cluster.config.rules;
-        for &ri in &self.rules_of[vi] {
-            let r = &rules[ri];
-            if r.strict && r.kind == RuleKind::Affinity && self.others(ri, vi, 0).1 == 0 {
-                for v in &r.vms {
-                    if let Some(o) = self.vm(v) {
-                        if o != vi && self.at[o].is_none() && pending.get(o) == Some(&true) {
-                            need += self.cluster.vms[o].memory;
-                        }
-                    }
-                }
-            }
-        }
-        need
-    }
-
-    fn fit(&self, vi: usize, hi: usize, pending: &[bool]) -> Fit {
-        self.fit_needing(vi, hi, self.need(vi, pending))
-    }
-
-    /// [`Self::fit`] with the memory it needs already known.
-    fn fit_needing(&self, vi: usize, hi: usize, need: u64) -> Fit {
+    /// Whether `vi` may go to `hi`: the rules it would break there, and the
+    /// memory short. (VMs kept together are placed as one group, each
+    /// checked in turn: see [`Self::best_for_group`].)
+    fn fit(&self, vi: usize, hi: usize) -> Fit {
+        let need = self.cluster.vms[vi].memory;
         let mut f = Fit::default();
         for &ri in &self.rules_of[vi] {
             if !self.keeps(ri, vi, hi) {
@@ -343,13 +322,13 @@ impl<'a> Engine<'a> {
         }
     }
 
-    fn refusal(&self, vi: usize, allowed: &dyn Fn(usize) -> bool, pending: &[bool]) -> Refusal {
+    fn refusal(&self, vi: usize, allowed: &dyn Fn(usize) -> bool) -> Refusal {
         let mut conflicts = Vec::new();
         for (hi, h) in self.cluster.hosts.iter().enumerate() {
             if !allowed(hi) {
                 continue;
             }
-            let why = self.reasons(&self.fit(vi, hi, pending), vi, hi);
+            let why = self.reasons(&self.fit(vi, hi), vi, hi);
             if !why.is_empty() {
                 conflicts.push(format!("{}: {}", h.name, why.join(", ")));
             }
@@ -367,10 +346,9 @@ impl<'a> Engine<'a> {
         &self,
         vi: usize,
         allowed: &dyn Fn(usize) -> bool,
-        pending: &[bool],
     ) -> Result<(usize, Vec<usize>), Refusal> {
         let mut best: Option<(usize, i64, usize, Vec<usize>)> = None;
-        let need = self.need(vi, pending);
+        let need = self.cluster.vms[vi].memory;
         for (hi, h) in self.cluster.hosts.iter().enumerate() {
             // the memory first: the cheapest check, and the one most refuse on
             if !h.takes_vms
@@ -380,7 +358,7 @@ impl<'a> Engine<'a> {
             {
                 continue;
             }
-            let f = self.fit_needing(vi, hi, need);
+            let f = self.fit(vi, hi);
             if !f.allowed() {
                 continue;
             }
@@ -389,13 +367,8 @@ impl<'a> Engine<'a> {
                 best = Some((f.soft.len(), -self.free[hi], hi, f.soft));
             }
         }
-        best.map(|(_, _, hi, soft)| (hi, soft)).ok_or_else(|| {
-            self.refusal(
-                vi,
-                &|hi| self.cluster.hosts[hi].takes_vms && allowed(hi),
-                pending,
-            )
-        })
+        best.map(|(_, _, hi, soft)| (hi, soft))
+            .ok_or_else(|| self.refusal(vi, &|hi| self.cluster.hosts[hi].takes_vms && allowed(hi)))
     }
 
     fn breaks(&self, vi: usize, hi: usize, soft: &[usize]) -> Vec<String> {
@@ -466,7 +439,7 @@ impl<'a> Engine<'a> {
                 pending[g] = false;
             }
             let res = if group.len() == 1 {
-                self.best(vi, &|hi| ok[hi] && Some(hi) != from[vi], &pending)
+                self.best(vi, &|hi| ok[hi] && Some(hi) != from[vi])
                     .map(|(hi, soft)| vec![(vi, hi, soft)])
             } else {
                 self.best_for_group(&group, &ok, &from)
@@ -534,7 +507,6 @@ impl<'a> Engine<'a> {
         ok: &[bool],
         from: &[Option<usize>],
     ) -> Result<Vec<Placed>, Refusal> {
-        let none = vec![false; self.cluster.vms.len()];
         let mut best: Option<((usize, i64), Vec<Placed>)> = None;
         let mut conflicts = Vec::new();
         for (hi, _) in ok.iter().enumerate().filter(|(_, ok)| **ok) {
@@ -546,7 +518,7 @@ impl<'a> Engine<'a> {
                     why = Some(format!("{} runs there already", self.cluster.vms[v].name));
                     break;
                 }
-                let f = self.fit(v, hi, &none);
+                let f = self.fit(v, hi);
                 if !f.allowed() {
                     let w = self.reasons(&f, v, hi);
                     why = Some(format!("{}: {}", self.cluster.vms[v].name, w.join(", ")));
@@ -654,7 +626,6 @@ impl<'a> Engine<'a> {
             .collect();
         let mut moved = vec![false; self.cluster.vms.len()];
         let mut moves = Vec::new();
-        let none = vec![false; self.cluster.vms.len()];
         // first, VMs that break a strict rule where they run (a rule made
         // since) go where they keep it
         for vi in 0..self.cluster.vms.len() {
@@ -674,7 +645,7 @@ impl<'a> Engine<'a> {
             let Some(bytes) = move_bytes(v, link_bps) else {
                 continue;
             };
-            let Ok((to, _)) = self.best(vi, &|hi| hi != from, &none) else {
+            let Ok((to, _)) = self.best(vi, &|hi| hi != from) else {
                 continue;
             };
             let before = self.spread();
@@ -729,7 +700,7 @@ impl<'a> Engine<'a> {
                     if to == from {
                         continue;
                     }
-                    let f = self.fit(vi, to, &none);
+                    let f = self.fit(vi, to);
                     // a soft rule kept where it runs stays kept
                     let soft_now = self.rules_of[vi]
                         .iter()
@@ -846,23 +817,20 @@ pub fn ranked(
             conflicts: vec![format!("VM {vm} is not in the cluster state")],
         });
     };
-    let none = vec![false; cluster.vms.len()];
     let mut ok: Vec<(usize, i64, usize)> = cluster
         .hosts
         .iter()
         .enumerate()
         .filter(|(hi, h)| h.takes_vms && allowed(&h.name) && e.at[vi] != Some(*hi))
         .filter_map(|(hi, _)| {
-            let f = e.fit(vi, hi, &none);
+            let f = e.fit(vi, hi);
             f.allowed().then_some((f.soft.len(), -e.free[hi], hi))
         })
         .collect();
     if ok.is_empty() {
-        return Err(e.refusal(
-            vi,
-            &|hi| cluster.hosts[hi].takes_vms && allowed(&cluster.hosts[hi].name),
-            &none,
-        ));
+        return Err(e.refusal(vi, &|hi| {
+            cluster.hosts[hi].takes_vms && allowed(&cluster.hosts[hi].name)
+        }));
     }
     ok.sort();
     Ok(ok

@@ -69,7 +69,7 @@ pub struct Usage {
 impl Usage {
     /// Notes the CPU time each VM's QEMU has used, as listed now.
     pub fn note(&mut self, now: u64, hosts: &[HostEntry]) {
-        let mut seen = Vec::new();
+        let mut seen = std::collections::HashSet::new();
         for v in hosts
             .iter()
             .filter_map(|h| h.info.as_ref())
@@ -85,9 +85,9 @@ impl Usage {
             while q.len() > 2 && q.front().is_some_and(|&(t, _)| now - t > USAGE_WINDOW_MS) {
                 q.pop_front();
             }
-            seen.push(v.name.clone());
+            seen.insert(v.name.as_str());
         }
-        self.samples.retain(|k, _| seen.contains(k));
+        self.samples.retain(|k, _| seen.contains(k.as_str()));
     }
 
     /// Cores a VM used over the window (0 until two samples).
@@ -193,14 +193,7 @@ impl Control {
         }
         let mut c = self.cluster_of(&self.list_hosts().await, config);
         c.vms.retain(|v| v.name != name);
-        c.vms.push(placement::Vm {
-            name: name.into(),
-            host: None,
-            memory: memory + crate::drain::VM_OVERHEAD,
-            cpu: 0.0,
-            resident: memory,
-            dirty: 0.0,
-        });
+        c.vms.push(placement::Vm::placed(name, "", memory));
         if let Some(h) = host {
             // the host the caller named, whatever its memory says (the
             // agent checks that): only the rules are the engine's here
