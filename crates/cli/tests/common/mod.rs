@@ -208,7 +208,7 @@ pub fn move_vm(name: &str, to: &str, option: &str) -> Value {
     serde_json::from_str(last).expect("final event")
 }
 
-/// PIDs of QEMU processes in a host's namespace.
+/// PIDs of the guest QEMUs in a host's namespace.
 pub fn qemu_pids(host: &str) -> Vec<i32> {
     let out = Command::new("ip")
         .args(["netns", "pids", host])
@@ -220,6 +220,12 @@ pub fn qemu_pids(host: &str) -> Vec<i32> {
         .filter(|p| {
             std::fs::read_to_string(format!("/proc/{p}/comm"))
                 .is_ok_and(|c| c.trim() == "qemu-system-x86")
+        })
+        // a guest's QEMU, not the agent's short-lived probes of what QEMU
+        // can do (run when an agent starts)
+        .filter(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains("guest="))
         })
         .collect()
 }

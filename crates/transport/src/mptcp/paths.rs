@@ -26,6 +26,7 @@
 //! (`due_rejoins`) has the NIC join every connection again. Each removal and
 //! each re-join is a [`PathChange`] the agent reports.
 
+use ferry_api::util::now_ms;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -382,6 +383,7 @@ impl Spliced {
                         "removed",
                         "the subflow closed (the peer withdrew its address, or the kernel gave up on it)"
                             .to_string(),
+                        now_ms(),
                     ));
                 }
                 if !running && was != Some(false) {
@@ -395,13 +397,16 @@ impl Spliced {
                         had = true;
                         drop_subflow(nic, sf);
                     }
+                    // removed when its subflows are gone; the endpoint's
+                    // withdrawal (for joins to come) is after
+                    let at = now_ms();
                     if let Err(e) = withdraw(*addr) {
                         tracing::warn!(%nic, error = %e, "withdrawing the MPTCP endpoint failed");
                     }
                     st.withdrawn = true;
                     if had || was == Some(true) {
                         st.removed = true;
-                        changes.push((nic.clone(), "removed", why.to_string()));
+                        changes.push((nic.clone(), "removed", why.to_string(), at));
                     }
                     continue;
                 }
@@ -423,7 +428,7 @@ impl Spliced {
                     } else {
                         "subflow joined again"
                     };
-                    changes.push((nic.clone(), "re-added", why.to_string()));
+                    changes.push((nic.clone(), "re-added", why.to_string(), now_ms()));
                 }
                 if !source || !running {
                     continue;
@@ -435,7 +440,12 @@ impl Spliced {
                         if silent_among(sf, &others) {
                             drop_subflow(nic, sf);
                             if !std::mem::replace(&mut st.removed, true) {
-                                changes.push((nic.clone(), "removed", silence_reason(sf)));
+                                changes.push((
+                                    nic.clone(),
+                                    "removed",
+                                    silence_reason(sf),
+                                    now_ms(),
+                                ));
                             }
                         }
                     }
@@ -445,9 +455,8 @@ impl Spliced {
         if changes.is_empty() {
             return;
         }
-        let at = ferry_api::util::now_ms();
         let mut log = lock(&self.inner.changes);
-        for (nic, action, reason) in changes {
+        for (nic, action, reason, at) in changes {
             tracing::info!(%nic, action, %reason, side, "MPTCP path");
             log.push(PathChange {
                 at_unix_ms: at,
