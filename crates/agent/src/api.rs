@@ -509,6 +509,8 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
             tracing::warn!(error = %e, "cannot ask QEMU for its CPU models");
         }
     });
+    let sampler = agent.clone();
+    tokio::spawn(async move { sampler.sample_dirty_rates().await });
     let watcher = agent.clone();
     tokio::spawn(async move {
         // guests waiting for their storage: paused, resumed, stopped

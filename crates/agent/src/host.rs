@@ -168,6 +168,9 @@ pub struct Facts {
     pub(crate) cpus: tokio::sync::OnceCell<Result<Arc<crate::hardware::CpuCatalog>, String>>,
     /// The host's idle CPU share over the last second.
     pub idle: IdleGauge,
+    /// Each guest's dirty page rate as last measured, bytes/s (see
+    /// [`crate::vms`]'s sampler).
+    pub dirty: std::sync::Mutex<std::collections::HashMap<String, u64>>,
 }
 
 impl Agent {
@@ -275,6 +278,7 @@ impl Agent {
                 .map(|n| n.get() as u32)
                 .unwrap_or(1),
             nics: self.nics(),
+            nic_rate: self.cfg.nic_rate,
             vms,
             bandwidth: ferry_api::util::lock(&self.classes).policy().clone(),
             probe_port: self.cfg.probe_port,

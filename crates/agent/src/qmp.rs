@@ -342,6 +342,52 @@ struct BlockdevMirror {
 qmp_command!(BlockdevMirror, "blockdev-mirror", qapi::Empty);
 
 #[derive(Serialize)]
+struct QueryBlockstats {}
+qmp_command!(QueryBlockstats, "query-blockstats", Vec<BlockStatsEntry>);
+
+/// One device's I/O counters (`query-blockstats`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct BlockStatsEntry {
+    pub stats: BlockStats,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct BlockStats {
+    #[serde(default)]
+    pub rd_bytes: u64,
+    #[serde(default)]
+    pub wr_bytes: u64,
+}
+
+/// `calc-dirty-rate` in page-sampling mode: hashes of sampled guest pages
+/// compared over `calc-time` ms (no dirty logging, so it costs the guest
+/// nothing).
+#[derive(Serialize)]
+#[serde(rename_all = "kebab-case")]
+struct CalcDirtyRate {
+    calc_time: u64,
+    calc_time_unit: &'static str,
+    /// Pages sampled per GiB of guest memory.
+    sample_pages: u64,
+}
+qmp_command!(CalcDirtyRate, "calc-dirty-rate", qapi::Empty);
+
+#[derive(Serialize)]
+struct QueryDirtyRate {}
+qmp_command!(QueryDirtyRate, "query-dirty-rate", DirtyRateInfo);
+
+/// The last `calc-dirty-rate`'s result.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct DirtyRateInfo {
+    /// `unstarted`, `measuring` or `measured`.
+    pub status: String,
+    /// MiB/s, once measured.
+    #[serde(default)]
+    pub dirty_rate: Option<i64>,
+}
+
+#[derive(Serialize)]
 struct QueryBlockJobs {}
 qmp_command!(QueryBlockJobs, "query-block-jobs", Vec<BlockJobInfo>);
 
@@ -694,6 +740,39 @@ impl Qmp {
     /// Every block device and its I/O status.
     pub async fn query_block(&self) -> Result<Vec<BlockInfo>, QmpError> {
         self.call(QueryBlock {}, DEFAULT_DEADLINE).await
+    }
+
+    /// Bytes read and written by every block device since QEMU started.
+    pub async fn block_io_bytes(&self) -> Result<u64, QmpError> {
+        let stats = self.call(QueryBlockstats {}, DEFAULT_DEADLINE).await?;
+        Ok(stats
+            .iter()
+            .map(|s| s.stats.rd_bytes + s.stats.wr_bytes)
+            .sum())
+    }
+
+    /// Starts measuring the guest's dirty page rate over `ms`.
+    pub async fn calc_dirty_rate(&self, ms: u64) -> Result<(), QmpError> {
+        self.call(
+            CalcDirtyRate {
+                calc_time: ms,
+                calc_time_unit: "millisecond",
+                // QEMU's default, 512, sees a 256 MiB guest through 128 pages
+                sample_pages: 4_096,
+            },
+            DEFAULT_DEADLINE,
+        )
+        .await
+        .map(drop)
+    }
+
+    /// The last measured dirty page rate, bytes/s (`None` while measuring).
+    pub async fn dirty_rate(&self) -> Result<Option<u64>, QmpError> {
+        let r = self.call(QueryDirtyRate {}, DEFAULT_DEADLINE).await?;
+        Ok(match (r.status.as_str(), r.dirty_rate) {
+            ("measured", Some(mib)) => Some(mib.max(0) as u64 * (1 << 20)),
+            _ => None,
+        })
     }
 
     /// Adds a block node given whole as JSON.

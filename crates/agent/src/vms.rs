@@ -160,7 +160,54 @@ impl Agent {
             desired: None,
             ha: None,
             stopped_because: None,
-            usage: qemu.and_then(|q| usage_of(q.pid)),
+            usage: match qemu {
+                Some(q) => self.usage(spec, q).await,
+                None => None,
+            },
+        }
+    }
+
+    /// What `q` has used: its process's CPU time and memory, its guest's
+    /// NIC and disk bytes, its last measured dirty rate.
+    async fn usage(&self, spec: &VmSpec, q: &QemuVm) -> Option<ferry_api::VmUsage> {
+        let mut u = usage_of(q.pid)?;
+        let taps: u64 = (0..spec.nics.len())
+            .map(|i| tap_bytes(&crate::qemu::tap_name(&spec.name, i)))
+            .sum();
+        u.io_bytes = taps + q.qmp.block_io_bytes().await.unwrap_or(0);
+        u.dirty_bps = ferry_api::util::lock(&self.facts.dirty)
+            .get(&spec.name)
+            .copied();
+        Some(u)
+    }
+
+    /// Measures each running guest's dirty page rate, one guest at a time,
+    /// every [`ferry_api::DIRTY_SAMPLE_EVERY_S`] s: QEMU's page sampling
+    /// over one second. A guest being moved is left alone (its rate is the
+    /// migration's own business then).
+    pub async fn sample_dirty_rates(&self) {
+        let every = Duration::from_secs(ferry_api::DIRTY_SAMPLE_EVERY_S);
+        loop {
+            tokio::time::sleep(every).await;
+            let running: Vec<(String, Arc<QemuVm>)> = {
+                let st = self.state.lock().await;
+                st.vms
+                    .iter()
+                    .filter(|(_, s)| matches!(s.role, Role::Running) && !s.migrating)
+                    .filter_map(|(n, s)| Some((n.clone(), s.qemu.clone()?)))
+                    .collect()
+            };
+            let names: Vec<&String> = running.iter().map(|(n, _)| n).collect();
+            ferry_api::util::lock(&self.facts.dirty).retain(|k, _| names.contains(&k));
+            for (name, q) in running {
+                if q.qmp.calc_dirty_rate(1_000).await.is_err() {
+                    continue;
+                }
+                tokio::time::sleep(Duration::from_millis(1_200)).await;
+                if let Ok(Some(bps)) = q.qmp.dirty_rate().await {
+                    ferry_api::util::lock(&self.facts.dirty).insert(name, bps);
+                }
+            }
         }
     }
 
@@ -412,6 +459,20 @@ impl Agent {
     }
 }
 
+/// Bytes a tap carried both ways (0 for one that is not there).
+fn tap_bytes(tap: &str) -> u64 {
+    ["rx_bytes", "tx_bytes"]
+        .iter()
+        .filter_map(|f| {
+            std::fs::read_to_string(format!("/sys/class/net/{tap}/statistics/{f}"))
+                .ok()?
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
 /// Time a new guest has to boot and fill its memory.
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 
@@ -434,6 +495,8 @@ pub fn usage_of(pid: u32) -> Option<ferry_api::VmUsage> {
     Some(ferry_api::VmUsage {
         cpu_ms: ticks * 1000 / hz,
         rss: pages * page,
+        io_bytes: 0,
+        dirty_bps: None,
     })
 }
 

@@ -407,6 +407,10 @@ pub struct HostLoad {
     pub host: String,
     pub cpu: f64,
     pub memory: f64,
+    /// Its guests' NIC and disk traffic over its NICs' capacity (0 when
+    /// the capacity is not known).
+    #[serde(default)]
+    pub net: f64,
     pub load: f64,
 }
 

@@ -69,6 +69,9 @@ pub struct HostInfo {
     #[serde(default)]
     pub cpus: u32,
     pub nics: Vec<NicInfo>,
+    /// The rate each NIC is rated at, bit/s (the agent's `nic_rate`), when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nic_rate: Option<u64>,
     pub vms: Vec<VmInfo>,
     /// The bandwidth policy this host enforces.
     #[serde(default)]
@@ -505,7 +508,18 @@ pub struct VmUsage {
     pub cpu_ms: u64,
     /// Resident memory, bytes.
     pub rss: u64,
+    /// Bytes its guest NICs and disks carried since it started (taps'
+    /// rx + tx, block devices' reads + writes): traffic that moves with it.
+    #[serde(default)]
+    pub io_bytes: u64,
+    /// Its guest's dirty page rate as QEMU last measured it, bytes/s
+    /// (sampled every [`DIRTY_SAMPLE_EVERY_S`] s; absent before the first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dirty_bps: Option<u64>,
 }
+
+/// How often an agent measures each guest's dirty page rate.
+pub const DIRTY_SAMPLE_EVERY_S: u64 = 30;
 
 /// What confines a VM's QEMU, read from its process.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -544,4 +544,35 @@ fn the_automatic_balancer_settles_and_stays_still() {
         .collect();
     assert_eq!(later.len(), moved.len(), "it went on moving: {later:?}");
     ferry_ok(&["cluster", "set", "--balance", "off"]);
+
+    // what the balancer weighs a move by: QEMU's measured dirty rate (the
+    // guests dirty 8 MiB/s), sampled every 30 s by the guest's agent
+    let stayed = ["bal1", "bal2", "bal3"]
+        .into_iter()
+        .find(|v| vm_host(v) == "host1")
+        .expect("a guest stayed on host1");
+    let t0 = std::time::Instant::now();
+    let dirty = loop {
+        let list = ferry_json(&["vm", "list"]);
+        let v = list
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == stayed)
+            .cloned()
+            .unwrap();
+        if let Some(d) = v["usage"]["dirty_bps"].as_u64() {
+            assert!(v["usage"]["io_bytes"].as_u64().is_some(), "{v}");
+            break d;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(75),
+            "no dirty rate measured for {stayed}: {v}"
+        );
+        std::thread::sleep(std::time::Duration::from_secs(2));
+    };
+    assert!(
+        dirty > 0 && dirty < 32 << 20,
+        "{stayed} dirties 8 MiB/s; QEMU measured {dirty} B/s"
+    );
 }

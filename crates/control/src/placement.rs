@@ -37,6 +37,8 @@ pub struct Host {
     /// Memory VMs may take in all, bytes.
     pub total: u64,
     pub cpus: u32,
+    /// Bytes/s its NICs carry in all (0: not known, its NIC load not counted).
+    pub net_bps: f64,
     /// Healthy, not draining, answering: it may be given VMs.
     pub takes_vms: bool,
 }
@@ -52,6 +54,8 @@ pub struct Vm {
     pub memory: u64,
     /// vCPU time it used over the window, in cores.
     pub cpu: f64,
+    /// Bytes/s its guest NICs and disks carried over the window.
+    pub net: f64,
     /// Guest memory a move copies at least, bytes.
     pub resident: u64,
     /// Bytes/s it dirties.
@@ -98,6 +102,7 @@ pub struct Engine<'a> {
     at: Vec<Option<usize>>,
     free: Vec<i64>,
     cpu: Vec<f64>,
+    net: Vec<f64>,
     /// Rules of each VM (indices into `config.rules`).
     rules_of: Vec<Vec<usize>>,
     /// Per rule, per host: its VMs there.
@@ -161,6 +166,7 @@ impl<'a> Engine<'a> {
             at: vec![None; cluster.vms.len()],
             free: cluster.hosts.iter().map(|h| h.free as i64).collect(),
             cpu: vec![0.0; cluster.hosts.len()],
+            net: vec![0.0; cluster.hosts.len()],
             rules_of,
             on: vec![Counts::new(); rules.len()],
             in_group,
@@ -170,6 +176,7 @@ impl<'a> Engine<'a> {
                 // already counted in the host's free memory
                 e.at[vi] = Some(*hi);
                 e.cpu[*hi] += v.cpu;
+                e.net[*hi] += v.net;
                 for &ri in &e.rules_of[vi] {
                     *e.on[ri].entry(*hi).or_default() += 1;
                 }
@@ -188,6 +195,7 @@ impl<'a> Engine<'a> {
         self.at[vi] = Some(hi);
         self.free[hi] -= v.memory as i64;
         self.cpu[hi] += v.cpu;
+        self.net[hi] += v.net;
         for &ri in &self.rules_of[vi] {
             *self.on[ri].entry(hi).or_default() += 1;
         }
@@ -198,6 +206,7 @@ impl<'a> Engine<'a> {
             let v = &self.cluster.vms[vi];
             self.free[hi] += v.memory as i64;
             self.cpu[hi] -= v.cpu;
+            self.net[hi] -= v.net;
             for &ri in &self.rules_of[vi] {
                 if let Some(n) = self.on[ri].get_mut(&hi) {
                     *n -= 1;
@@ -565,37 +574,56 @@ impl<'a> Engine<'a> {
             .collect()
     }
 
-    /// Each host's load: its VMs' CPU over its cores, its memory used over
-    /// its total, and the larger of the two.
-    fn loads(&self) -> Vec<(usize, f64, f64)> {
+    /// Host `hi`'s use with `v` added (`sign` 1) or taken away (−1) or as
+    /// it is (0): its VMs' CPU over its cores, its memory used over its
+    /// total, its VMs' traffic over its NICs.
+    fn use_of(&self, hi: usize, v: Option<&Vm>, sign: f64) -> (f64, f64, f64) {
+        let h = &self.cluster.hosts[hi];
+        let (cpu, mem, net) = v.map_or((0.0, 0.0, 0.0), |v| {
+            (v.cpu * sign, v.memory as f64 * sign, v.net * sign)
+        });
+        let used = (h.total as i64 - self.free[hi]).max(0) as f64 + mem;
+        (
+            (self.cpu[hi] + cpu) / h.cpus.max(1) as f64,
+            used.max(0.0) / h.total.max(1) as f64,
+            if h.net_bps > 0.0 {
+                ((self.net[hi] + net) / h.net_bps).max(0.0)
+            } else {
+                0.0
+            },
+        )
+    }
+
+    /// Each host that takes VMs, with its load.
+    fn loads(&self) -> Vec<(usize, f64)> {
         self.cluster
             .hosts
             .iter()
             .enumerate()
             .filter(|(_, h)| h.takes_vms && h.total > 0)
-            .map(|(hi, h)| {
-                let cpu = self.cpu[hi] / h.cpus.max(1) as f64;
-                let mem = (h.total as i64 - self.free[hi]).max(0) as f64 / h.total as f64;
-                (hi, cpu, mem)
-            })
+            .map(|(hi, _)| (hi, load(self.use_of(hi, None, 0.0))))
             .collect()
     }
 
     fn host_loads(&self) -> Vec<HostLoad> {
         self.loads()
             .into_iter()
-            .map(|(hi, cpu, memory)| HostLoad {
-                host: self.cluster.hosts[hi].name.clone(),
-                cpu,
-                memory,
-                load: load(cpu, memory),
+            .map(|(hi, load)| {
+                let (cpu, memory, net) = self.use_of(hi, None, 0.0);
+                HostLoad {
+                    host: self.cluster.hosts[hi].name.clone(),
+                    cpu,
+                    memory,
+                    net,
+                    load,
+                }
             })
             .collect()
     }
 
     /// The standard deviation of the hosts' loads.
     pub fn spread(&self) -> f64 {
-        let l: Vec<f64> = self.loads().iter().map(|&(_, c, m)| load(c, m)).collect();
+        let l: Vec<f64> = self.loads().iter().map(|&(_, l)| l).collect();
         stddev(&l)
     }
 
@@ -677,7 +705,7 @@ impl<'a> Engine<'a> {
             }
             let pos: HashMap<usize, usize> =
                 loads.iter().enumerate().map(|(k, l)| (l.0, k)).collect();
-            let vals: Vec<f64> = loads.iter().map(|&(_, c, m)| load(c, m)).collect();
+            let vals: Vec<f64> = loads.iter().map(|&(_, l)| l).collect();
             let sum: f64 = vals.iter().sum();
             let sumsq: f64 = vals.iter().map(|x| x * x).sum();
             let mut best: Option<(f64, usize, usize, f64, u64)> = None;
@@ -690,13 +718,8 @@ impl<'a> Engine<'a> {
                     continue;
                 };
                 let Some(&pf) = pos.get(&from) else { continue };
-                let hf = &self.cluster.hosts[from];
-                let from_after = load(
-                    (self.cpu[from] - v.cpu) / hf.cpus.max(1) as f64,
-                    (hf.total as i64 - self.free[from] - v.memory as i64).max(0) as f64
-                        / hf.total as f64,
-                );
-                for (pt, &(to, _, _)) in loads.iter().enumerate() {
+                let from_after = load(self.use_of(from, Some(v), -1.0));
+                for (pt, &(to, _)) in loads.iter().enumerate() {
                     if to == from {
                         continue;
                     }
@@ -711,12 +734,7 @@ impl<'a> Engine<'a> {
                     if !f.allowed() || f.soft.len() > soft_now {
                         continue;
                     }
-                    let ht = &self.cluster.hosts[to];
-                    let to_after = load(
-                        (self.cpu[to] + v.cpu) / ht.cpus.max(1) as f64,
-                        (ht.total as i64 - self.free[to] + v.memory as i64).max(0) as f64
-                            / ht.total as f64,
-                    );
+                    let to_after = load(self.use_of(to, Some(v), 1.0));
                     let s2 = sum - vals[pf] - vals[pt] + from_after + to_after;
                     let q2 = sumsq - vals[pf].powi(2) - vals[pt].powi(2)
                         + from_after.powi(2)
@@ -765,9 +783,9 @@ impl<'a> Engine<'a> {
     }
 }
 
-/// A host's load from its CPU and memory use (each 0–1): the larger.
-pub fn load(cpu: f64, memory: f64) -> f64 {
-    cpu.max(memory)
+/// A host's load from its CPU, memory and NIC use (each 0–1): the largest.
+pub fn load((cpu, memory, net): (f64, f64, f64)) -> f64 {
+    cpu.max(memory).max(net)
 }
 
 pub fn stddev(xs: &[f64]) -> f64 {
@@ -796,6 +814,7 @@ impl Vm {
             host: (!host.is_empty()).then(|| host.to_string()),
             memory: memory + crate::drain::VM_OVERHEAD,
             cpu: 0.0,
+            net: 0.0,
             resident: memory,
             dirty: 0.0,
         }
@@ -944,6 +963,7 @@ pub mod scale {
                 free: 64 * g,
                 total: 64 * g,
                 cpus: 16,
+                net_bps: 2.5e9,
                 takes_vms: true,
             })
             .collect();
@@ -966,6 +986,7 @@ pub mod scale {
                     host: None,
                     memory: mem,
                     cpu: (next() % 100) as f64 / 50.0,
+                    net: (next() % 20) as f64 * 1e6,
                     resident: mem / 2,
                     dirty: (next() % 50) as f64 * 1e6,
                 }
@@ -1020,6 +1041,7 @@ mod tests {
             free,
             total: 8 * G,
             cpus: 2,
+            net_bps: 0.0,
             takes_vms: true,
         }
     }
@@ -1030,6 +1052,7 @@ mod tests {
             host: host.map(str::to_string),
             memory,
             cpu: 0.1,
+            net: 0.0,
             resident: memory / 2,
             dirty: 0.0,
         }
@@ -1209,6 +1232,34 @@ mod tests {
     }
 
     #[test]
+    fn a_host_busy_on_its_nics_sheds_a_chatty_vm_not_a_quiet_one() {
+        // memory and CPU even; h1's guests fill 90% of its NICs
+        let mut hosts = vec![host("h1", 6 * G), host("h2", 6 * G)];
+        for h in &mut hosts {
+            h.net_bps = 125e6;
+        }
+        let mut chatty = vm("chatty", Some("h1"), G);
+        chatty.net = 60e6;
+        let mut chatty2 = vm("chatty2", Some("h1"), G);
+        chatty2.net = 52e6;
+        let quiet = vm("quiet", Some("h2"), 2 * G);
+        let c = Cluster {
+            hosts,
+            vms: vec![chatty, chatty2, quiet],
+            config: PlacementConfig::default(),
+        };
+        let mut e = Engine::new(&c);
+        let before = e.host_loads();
+        assert!((before[0].net - 0.896).abs() < 1e-9, "{before:?}");
+        assert_eq!(before[0].load, before[0].net, "NIC use is h1's load");
+        let plan = e.balance(0.1, 125e6, &|_| false, 10);
+        assert_eq!(plan.moves.len(), 1, "{plan:?}");
+        assert!(plan.moves[0].vm.starts_with("chatty"), "{plan:?}");
+        assert_eq!(plan.moves[0].to, "h2");
+        assert!(plan.spread_after < plan.spread_before / 2.0, "{plan:?}");
+    }
+
+    #[test]
     fn an_excluded_vm_is_never_balanced() {
         let c = Cluster {
             hosts: vec![host("h1", 3 * G), host("h2", 8 * G)],
@@ -1248,6 +1299,7 @@ mod tests {
                             free: gb * G,
                             total: 12 * G,
                             cpus: 2,
+                            net_bps: 125e6,
                             takes_vms: *takes || i == 0,
                         })
                         .collect();
@@ -1259,6 +1311,7 @@ mod tests {
                             host: (*h < nh).then(|| format!("h{h}")),
                             memory: mem * G / 2,
                             cpu: *cpu as f64 / 100.0,
+                            net: *cpu as f64 * 1e5,
                             resident: mem * G / 4,
                             dirty: *dirty as f64 * 1e6,
                         })

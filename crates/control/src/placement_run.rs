@@ -35,6 +35,28 @@ pub const USAGE_WINDOW_MS: u64 = 60_000;
 /// What the balancer assumes a move gets of the links when no host says
 /// more: 1 Gbit/s.
 pub const DEFAULT_LINK_BPS: f64 = 125e6;
+/// What a live migration gets of a host's links, bytes/s: its up NICs at
+/// their rate, under the live-migration class's hard cap (percent of each
+/// NIC, or a rate for the whole host); [`DEFAULT_LINK_BPS`] when the host
+/// does not say its NICs' rate.
+pub fn move_bps(info: &ferry_api::HostInfo) -> f64 {
+    use ferry_api::bandwidth::{Cap, TrafficClass};
+    let Some(rate) = info.nic_rate.filter(|r| *r > 0) else {
+        return DEFAULT_LINK_BPS;
+    };
+    let up = info.nics.iter().filter(|n| n.up).count().max(1) as f64;
+    let all = rate as f64 / 8.0 * up;
+    match info
+        .bandwidth
+        .get(TrafficClass::LiveMigration)
+        .and_then(|c| c.max)
+    {
+        Some(Cap::Percent(p)) => all * p as f64 / 100.0,
+        Some(Cap::BitsPerSec(b)) => all.min(b as f64 / 8.0),
+        None => all,
+    }
+}
+
 /// Moves one balance plans at most.
 pub const MAX_BALANCE_MOVES: usize = 16;
 
@@ -60,10 +82,11 @@ impl Balancer {
     }
 }
 
-/// Per VM: (when, its QEMU's CPU time, ms) over the window.
+/// Per VM: (when, its QEMU's CPU time in ms, its guest's NIC and disk
+/// bytes) over the window.
 #[derive(Default)]
 pub struct Usage {
-    samples: HashMap<String, VecDeque<(u64, u64)>>,
+    samples: HashMap<String, VecDeque<(u64, u64, u64)>>,
 }
 
 impl Usage {
@@ -78,11 +101,16 @@ impl Usage {
             let Some(u) = &v.usage else { continue };
             let q = self.samples.entry(v.name.clone()).or_default();
             // a VM restarted or moved starts its count again
-            if q.back().is_some_and(|&(_, c)| c > u.cpu_ms) {
+            if q.back()
+                .is_some_and(|&(_, c, io)| c > u.cpu_ms || io > u.io_bytes)
+            {
                 q.clear();
             }
-            q.push_back((now, u.cpu_ms));
-            while q.len() > 2 && q.front().is_some_and(|&(t, _)| now - t > USAGE_WINDOW_MS) {
+            q.push_back((now, u.cpu_ms, u.io_bytes));
+            while q.len() > 2
+                && q.front()
+                    .is_some_and(|&(t, _, _)| now - t > USAGE_WINDOW_MS)
+            {
                 q.pop_front();
             }
             seen.insert(v.name.as_str());
@@ -90,19 +118,21 @@ impl Usage {
         self.samples.retain(|k, _| seen.contains(k.as_str()));
     }
 
-    /// Cores a VM used over the window (0 until two samples).
-    pub fn cores(&self, vm: &str) -> f64 {
+    /// (cores, bytes/s of guest traffic) a VM used over the window (0
+    /// until two samples).
+    pub fn rates(&self, vm: &str) -> (f64, f64) {
         match self.samples.get(vm) {
             Some(q) if q.len() >= 2 => {
-                let (t0, c0) = q[0];
-                let (t1, c1) = q[q.len() - 1];
+                let (t0, c0, io0) = q[0];
+                let (t1, c1, io1) = q[q.len() - 1];
                 if t1 > t0 {
-                    (c1 - c0) as f64 / (t1 - t0) as f64
+                    let ms = (t1 - t0) as f64;
+                    ((c1 - c0) as f64 / ms, (io1 - io0) as f64 * 1000.0 / ms)
                 } else {
-                    0.0
+                    (0.0, 0.0)
                 }
             }
-            _ => 0.0,
+            _ => (0.0, 0.0),
         }
     }
 }
@@ -144,6 +174,7 @@ impl Control {
                 free: info.memory_free,
                 total: info.memory_total,
                 cpus: info.cpus.max(1),
+                net_bps: info.nic_rate.unwrap_or(0) as f64 / 8.0 * info.nics.len() as f64,
                 takes_vms: e.reachable
                     && !e.down
                     && !e.draining
@@ -151,17 +182,25 @@ impl Control {
                     && e.health == Health::Ok,
             });
             for v in &info.vms {
+                let (cpu, net) = usage.rates(&v.name);
                 c.vms.push(placement::Vm {
                     name: v.name.clone(),
                     host: Some(e.name.clone()),
                     memory: v.spec.memory + crate::drain::VM_OVERHEAD,
-                    cpu: usage.cores(&v.name),
+                    cpu,
+                    net,
                     resident: v
                         .usage
                         .as_ref()
                         .map(|u| u.rss.min(v.spec.memory))
                         .unwrap_or(v.spec.memory),
-                    dirty: 0.0,
+                    // as QEMU measured it; a workload guest's own figure
+                    // until the first sample
+                    dirty: v
+                        .usage
+                        .as_ref()
+                        .and_then(|u| u.dirty_bps)
+                        .unwrap_or(v.spec.dirty_rate) as f64,
                 });
             }
         }
@@ -372,6 +411,13 @@ impl Control {
         if req.dry_run || plan.moves.is_empty() {
             return Ok(plan);
         }
+        if let Some(why) = self.drain_running() {
+            return Err(ApiError::Conflict {
+                reason: format!(
+                    "{why}; balance once it is done (its moves take the migration budget)"
+                ),
+            });
+        }
         if !self.claim_balancer() {
             return Err(ApiError::Conflict {
                 reason: "a balance is running (ferry events shows its moves)".into(),
@@ -406,12 +452,32 @@ impl Control {
             .chain(cooling)
             .collect();
         let c = self.cluster_of(entries, config);
+        // the slowest host's share: a move's time is bounded by its ends
+        let link_bps = entries
+            .iter()
+            .filter_map(|e| e.info.as_ref())
+            .map(move_bps)
+            .fold(f64::INFINITY, f64::min);
+        let link_bps = if link_bps.is_finite() {
+            link_bps
+        } else {
+            DEFAULT_LINK_BPS
+        };
         Ok(Engine::new(&c).balance(
             threshold,
-            DEFAULT_LINK_BPS,
+            link_bps,
             &|vm| busy.iter().any(|b| b == vm),
             MAX_BALANCE_MOVES,
         ))
+    }
+
+    /// A drain running, which owns the hosts' migration budget (its limit
+    /// per host, tuned as it goes): the balancer waits for it.
+    fn drain_running(&self) -> Option<String> {
+        let draining = lock(&self.draining);
+        let mut hosts: Vec<&String> = draining.iter().collect();
+        hosts.sort();
+        hosts.first().map(|h| format!("{h} is draining"))
     }
 
     /// Takes the balancer for one run; false if one runs.
@@ -426,7 +492,13 @@ impl Control {
         let me = self.clone();
         tokio::spawn(async move {
             let (mut done, mut bytes) = (0usize, 0u64);
+            let mut stopped = None;
             for m in moves {
+                // a drain begun meanwhile takes the migration budget
+                if let Some(why) = me.drain_running() {
+                    stopped = Some(why);
+                    break;
+                }
                 match me.balance_move(&m.vm, &m.to).await {
                     Ok(b) => {
                         done += 1;
@@ -452,7 +524,7 @@ impl Control {
             me.log(
                 "balance_done",
                 "cluster",
-                serde_json::json!({ "moved": done, "bytes": bytes, "auto": auto }),
+                serde_json::json!({ "moved": done, "bytes": bytes, "auto": auto, "stopped": stopped }),
             );
         });
     }
@@ -473,6 +545,11 @@ impl Control {
                 return;
             }
             if b.running || now < b.next_ms {
+                return;
+            }
+            if self.drain_running().is_some() {
+                // checks count again from zero once the drain is done
+                b.over = 0;
                 return;
             }
             b.next_ms = now + s.balance_every_s * 1000;
@@ -543,9 +620,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn usage_is_cores_over_the_window_and_restarts_with_the_vm() {
+    fn usage_is_rates_over_the_window_and_restarts_with_the_vm() {
         let mut u = Usage::default();
-        let entry = |cpu_ms: u64| {
+        let entry = |cpu_ms: u64, io_bytes: u64| {
             let mut info: ferry_api::HostInfo = serde_json::from_value(serde_json::json!({
                 "name": "h1", "agent_url": "", "memory_total": 0, "memory_reserved": 0,
                 "memory_free": 0, "nics": [], "vms": []
@@ -556,7 +633,12 @@ mod tests {
                 "state": "running", "pid": null, "accel": "tcg"
             }))
             .unwrap();
-            v.usage = Some(ferry_api::VmUsage { cpu_ms, rss: 0 });
+            v.usage = Some(ferry_api::VmUsage {
+                cpu_ms,
+                rss: 0,
+                io_bytes,
+                dirty_bps: None,
+            });
             info.vms.push(v);
             HostEntry {
                 name: "h1".into(),
@@ -571,15 +653,47 @@ mod tests {
                 health: Health::Ok,
             }
         };
-        u.note(0, &[entry(0)]);
-        assert_eq!(u.cores("a"), 0.0);
-        u.note(10_000, &[entry(5_000)]);
-        assert!((u.cores("a") - 0.5).abs() < 1e-9);
+        u.note(0, &[entry(0, 0)]);
+        assert_eq!(u.rates("a"), (0.0, 0.0));
+        u.note(10_000, &[entry(5_000, 50_000_000)]);
+        let (cores, bps) = u.rates("a");
+        assert!((cores - 0.5).abs() < 1e-9);
+        assert!((bps - 5e6).abs() < 1e-3);
         // restarted: its count starts again
-        u.note(20_000, &[entry(100)]);
-        assert_eq!(u.cores("a"), 0.0);
+        u.note(20_000, &[entry(100, 10)]);
+        assert_eq!(u.rates("a"), (0.0, 0.0));
         u.note(30_000, &[]);
-        assert_eq!(u.cores("a"), 0.0);
+        assert_eq!(u.rates("a"), (0.0, 0.0));
+    }
+
+    #[test]
+    fn a_move_gets_the_up_nics_under_the_migration_cap() {
+        let mut info: ferry_api::HostInfo = serde_json::from_value(serde_json::json!({
+            "name": "h1", "agent_url": "", "memory_total": 0, "memory_reserved": 0,
+            "memory_free": 0, "vms": [],
+            "nics": [
+                {"name": "n1", "fabric": 1, "address": "", "mtu": 1500, "up": true, "tx_bytes": 0, "rx_bytes": 0},
+                {"name": "n2", "fabric": 2, "address": "", "mtu": 1500, "up": false, "tx_bytes": 0, "rx_bytes": 0}
+            ]
+        }))
+        .unwrap();
+        assert_eq!(move_bps(&info), DEFAULT_LINK_BPS, "no rate said");
+        info.nic_rate = Some(800_000_000);
+        assert_eq!(move_bps(&info), 100e6, "one NIC up of two");
+        info.nics[1].up = true;
+        assert_eq!(move_bps(&info), 200e6);
+        use ferry_api::bandwidth::{BandwidthPolicy, Cap, ClassLimits, TrafficClass};
+        let capped = |max| BandwidthPolicy {
+            classes: vec![ClassLimits {
+                class: TrafficClass::LiveMigration,
+                max: Some(max),
+                min_pct: 0,
+            }],
+        };
+        info.bandwidth = capped(Cap::Percent(50));
+        assert_eq!(move_bps(&info), 100e6, "half of each NIC");
+        info.bandwidth = capped(Cap::BitsPerSec(400_000_000));
+        assert_eq!(move_bps(&info), 50e6, "a rate for the whole host");
     }
 
     #[test]

@@ -160,7 +160,28 @@ pub fn down_now(st: &RollingStatus, view: &[HostView], except: Option<&str>) -> 
     out.into_iter().collect()
 }
 
-pub fn next(st: &RollingStatus, view: &[HostView]) -> Next {
+/// What of `host`'s VMs no host of `to` can take, with why: (VM, reason).
+pub type LeftOver<'a> = &'a dyn Fn(&str, &[String]) -> Vec<(String, String)>;
+
+/// [`LeftOver`] by memory alone (the most free first), no rules.
+pub fn by_memory(view: &[HostView]) -> impl Fn(&str, &[String]) -> Vec<(String, String)> + '_ {
+    move |host, to| {
+        let Some(me) = view.iter().find(|v| v.name == host) else {
+            return Vec::new();
+        };
+        let mut t: Vec<(String, u64)> = view
+            .iter()
+            .filter(|v| to.contains(&v.name))
+            .map(|v| (v.name.clone(), v.memory_free))
+            .collect();
+        let (_, left) = drain::plan(&me.vms, &mut t);
+        left.into_iter().map(|u| (u.vm, u.reason)).collect()
+    }
+}
+
+/// The next step of a rolling drain; `left_over` says what of a host's
+/// VMs the others cannot take (the placement engine, with the rules).
+pub fn next(st: &RollingStatus, view: &[HostView], left_over: LeftOver) -> Next {
     if st.hosts.iter().all(|h| h.phase == Phase::Done) {
         return Next::Finished;
     }
@@ -191,12 +212,8 @@ pub fn next(st: &RollingStatus, view: &[HostView]) -> Next {
             && !phase(&v.name).is_some_and(Phase::down)
     };
     let fits = |hosts: &[&HostView]| {
-        let mut t: Vec<(String, u64)> = hosts
-            .iter()
-            .map(|v| (v.name.clone(), v.memory_free))
-            .collect();
-        let (_, left) = drain::plan(&me.vms, &mut t);
-        left
+        let to: Vec<String> = hosts.iter().map(|v| v.name.clone()).collect();
+        left_over(&cand.host, &to)
     };
     let done: Vec<&HostView> = view
         .iter()
@@ -219,7 +236,7 @@ pub fn next(st: &RollingStatus, view: &[HostView]) -> Next {
     }
     let why = left
         .iter()
-        .map(|u| format!("{}: {}", u.vm, u.reason))
+        .map(|(vm, reason)| format!("{vm}: {reason}"))
         .collect::<Vec<_>>()
         .join("; ");
     if down.is_empty() {
@@ -462,7 +479,32 @@ impl Control {
             _ => return true,
         };
         let down = down_now(&st, &view, None).len() as u32;
-        let decision = next(&st, &view);
+        // the placement engine's word, the rules kept, as a drain would place
+        let cluster = match self.placement_config().await {
+            Ok(config) => self.cluster_of(&entries, config),
+            Err(e) => {
+                tracing::warn!("rolling drain: the placement rules: {e}");
+                return true;
+            }
+        };
+        let left_over = |host: &str, to: &[String]| {
+            let names: Vec<String> = cluster
+                .vms
+                .iter()
+                .filter(|v| v.host.as_deref() == Some(host))
+                .map(|v| v.name.clone())
+                .collect();
+            let (_, refused) = crate::placement::Engine::new(&cluster)
+                .place(&names, &|h| to.iter().any(|t| t == h));
+            refused
+                .into_iter()
+                .map(|r| {
+                    let why = format!("no host keeps its rules and has room: {r}");
+                    (r.vm, why)
+                })
+                .collect()
+        };
+        let decision = next(&st, &view, &left_over);
         let r = self
             .update_rolling(|s| {
                 s.most_down = s.most_down.max(down);
@@ -802,7 +844,7 @@ mod tests {
         ];
         let st = status(&[("h1", Pending), ("h2", Pending), ("h3", Pending)], 1);
         assert_eq!(
-            next(&st, &v),
+            next(&st, &v, &by_memory(&v)),
             Next::Start {
                 host: "h1".into(),
                 to: vec!["h2".into(), "h3".into()]
@@ -810,11 +852,11 @@ mod tests {
         );
         // h1 in maintenance: nothing else starts with max 1 down
         let st = status(&[("h1", Maintenance), ("h2", Pending), ("h3", Pending)], 1);
-        assert!(matches!(next(&st, &v), Next::Wait(w) if w.contains("h1")));
+        assert!(matches!(next(&st, &v, &by_memory(&v)), Next::Wait(w) if w.contains("h1")));
         // with 2 allowed, h2 goes, onto h3 only
         let st2 = status(&[("h1", Maintenance), ("h2", Pending), ("h3", Pending)], 2);
         assert_eq!(
-            next(&st2, &v),
+            next(&st2, &v, &by_memory(&v)),
             Next::Start {
                 host: "h2".into(),
                 to: vec!["h3".into()]
@@ -823,14 +865,38 @@ mod tests {
         // h1 done: h2's VMs go to h1 alone (no second move for them)
         let st = status(&[("h1", Done), ("h2", Pending), ("h3", Pending)], 1);
         assert_eq!(
-            next(&st, &v),
+            next(&st, &v, &by_memory(&v)),
             Next::Start {
                 host: "h2".into(),
                 to: vec!["h1".into()]
             }
         );
         let st = status(&[("h1", Done), ("h2", Done), ("h3", Done)], 1);
-        assert_eq!(next(&st, &v), Next::Finished);
+        assert_eq!(next(&st, &v, &by_memory(&v)), Next::Finished);
+    }
+
+    #[test]
+    fn a_host_whose_vms_a_rule_keeps_is_blocked_naming_the_rule() {
+        use Phase::*;
+        let v = vec![view("h1", 4 * G, &[("db", G)]), view("h2", 4 * G, &[])];
+        let st = status(&[("h1", Pending), ("h2", Pending)], 1);
+        // what the engine says of a VM whose strict host rule names h1 alone
+        let asked = std::cell::RefCell::new(Vec::new());
+        let pinned = |host: &str, to: &[String]| {
+            asked.borrow_mut().push((host.to_string(), to.to_vec()));
+            vec![(
+                "db".to_string(),
+                "h2: strict host-affinity rule pin".to_string(),
+            )]
+        };
+        assert!(
+            matches!(next(&st, &v, &pinned), Next::Blocked { host, reason }
+            if host == "h1" && reason.contains("db: h2: strict host-affinity rule pin"))
+        );
+        assert_eq!(
+            asked.borrow()[0],
+            ("h1".to_string(), vec!["h2".to_string()])
+        );
     }
 
     #[test]
@@ -843,17 +909,19 @@ mod tests {
         ];
         v[2].down = true;
         let st = status(&[("h1", Pending), ("h2", Pending)], 1);
-        assert!(matches!(next(&st, &v), Next::Wait(w) if w.contains("h3")));
+        assert!(matches!(next(&st, &v, &by_memory(&v)), Next::Wait(w) if w.contains("h3")));
         v[2].down = false;
         v[1].draining = true;
-        assert!(matches!(next(&st, &v), Next::Wait(w) if w.contains("h2")));
+        assert!(matches!(next(&st, &v, &by_memory(&v)), Next::Wait(w) if w.contains("h2")));
         v[1].draining = false;
         // a VM larger than any other host's free memory: the run fails
         // before the host is touched, naming the VM
         let v = vec![view("h1", 4 * G, &[("big", 3 * G)]), view("h2", 2 * G, &[])];
         let st = status(&[("h1", Pending), ("h2", Pending)], 1);
-        assert!(matches!(next(&st, &v), Next::Blocked { host, reason }
-            if host == "h1" && reason.contains("big")));
+        assert!(
+            matches!(next(&st, &v, &by_memory(&v)), Next::Blocked { host, reason }
+            if host == "h1" && reason.contains("big"))
+        );
         // the done host is full: the pending ones take the rest
         let v = vec![
             view("h1", G / 2, &[]),
@@ -862,7 +930,7 @@ mod tests {
         ];
         let st = status(&[("h1", Done), ("h2", Pending), ("h3", Pending)], 1);
         assert_eq!(
-            next(&st, &v),
+            next(&st, &v, &by_memory(&v)),
             Next::Start {
                 host: "h2".into(),
                 to: vec!["h1".into(), "h3".into()]
