@@ -146,7 +146,7 @@ function signedIn(s) {
     document.querySelector(`#${t} tbody`).innerHTML = "";
   stopEditing();
   // the page's fixed controls, for this user's role (rows draw their own)
-  for (const id of ["policy-create", "disk-create", "vm-create-btn", "validate", "vm-move", "rolling-start", "rolling-stop", "rule-add", "balance-run"])
+  for (const id of ["policy-create", "disk-create", "vm-create-btn", "validate", "vm-move", "rolling-start", "rolling-stop", "rule-add", "group-add", "label-save", "balance-run"])
     mayOperate(document.getElementById(id));
   for (const id of ["host-drain", "host-resume", "host-validate"]) mayOperate(document.getElementById(id));
   for (const id of ["bw-set", "cluster-save", "host-save"]) mayAdminister(document.getElementById(id));
@@ -1365,7 +1365,65 @@ function updateRules(p) {
   }
   if (!p.rules.length) row(tb, ["no rules", "", "", "", "", ""]);
   document.getElementById("rules-broken").textContent = p.broken.length ? "Broken now: " + p.broken.join("; ") : "";
+  const labels = p.labels || {};
+  const kv = (m) => Object.entries(m || {}).map(([k, v]) => `${k}=${v}`).join(", ") || "-";
+  const gb = document.querySelector("#groups tbody");
+  gb.innerHTML = "";
+  for (const g of p.groups || []) {
+    // members now: named hosts, and hosts carrying every label of the group
+    const byLabel = Object.entries(labels)
+      .filter(([, l]) => Object.keys(g.labels || {}).length && Object.entries(g.labels).every(([k, v]) => l[k] === v))
+      .map(([h]) => h);
+    const members = [...new Set([...(g.hosts || []), ...byLabel])].sort();
+    const del = operatorButton("Remove", `Remove host group ${g.name}`);
+    del.id = "group-remove-" + g.name;
+    del.onclick = () =>
+      api("DELETE", `/api/v1/placement/groups/${encodeURIComponent(g.name)}`).then(refreshCluster, (e) => status("group-status", e.message));
+    row(gb, [g.name, (g.hosts || []).join(", ") || "-", kv(g.labels), members.join(", ") || "none", del]);
+  }
+  if (!(p.groups || []).length) row(gb, ["no groups", "", "", "", ""]);
+  const lb = document.querySelector("#host-labels tbody");
+  lb.innerHTML = "";
+  for (const [h, l] of Object.entries(labels)) row(lb, [h, kv(l)]);
+  if (!Object.keys(labels).length) row(lb, ["no labels", ""]);
 }
+
+// `k=v,k2=v2` as a map; an entry without `=` is named
+function pairs(text, what) {
+  const out = {};
+  for (const p of text.split(",").map((x) => x.trim()).filter(Boolean)) {
+    const i = p.indexOf("=");
+    if (i < 1) throw new Error(`${what}: '${p}' is not key=value`);
+    out[p.slice(0, i).trim()] = p.slice(i + 1).trim();
+  }
+  return out;
+}
+
+document.getElementById("group-form").onsubmit = async (ev) => {
+  ev.preventDefault();
+  try {
+    const g = { name: field("group-name"), hosts: field("group-hosts").split(",").map((h) => h.trim()).filter(Boolean),
+                labels: pairs(field("group-labels"), "labels") };
+    await api("POST", "/api/v1/placement/groups", g);
+    status("group-status", `group ${g.name} saved`);
+    refreshCluster();
+  } catch (e) {
+    status("group-status", `not saved: ${e.message}`);
+  }
+};
+
+document.getElementById("label-form").onsubmit = async (ev) => {
+  ev.preventDefault();
+  try {
+    const host = field("label-host");
+    const u = { set: pairs(field("label-set"), "set"), unset: field("label-unset").split(",").map((k) => k.trim()).filter(Boolean) };
+    await api("PUT", `/api/v1/hosts/${encodeURIComponent(host)}/labels`, u);
+    status("label-status", `${host} labelled`);
+    refreshCluster();
+  } catch (e) {
+    status("label-status", `not labelled: ${e.message}`);
+  }
+};
 
 function showPlan(p) {
   const tb = document.querySelector("#balance-moves tbody");
