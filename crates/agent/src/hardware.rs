@@ -38,6 +38,8 @@ pub struct CpuCatalog {
     pub expansions: BTreeMap<String, Expansion>,
     /// The machine types QEMU here knows (`query-machines`, aliases too).
     pub machines: Vec<String>,
+    /// Machine type (and alias) → the most vCPUs QEMU gives it (`cpu-max`).
+    pub cpu_max: BTreeMap<String, u32>,
 }
 
 /// A real-mode firmware image (64 KiB, code at the reset vector): writes
@@ -176,7 +178,41 @@ pub async fn probe_cpus(binary: &str, accel: &str) -> Result<CpuCatalog, String>
     let n = 2 + HOST_DEPENDENT_MODELS.len();
     let mut cat = catalog_of(&answers[1], &answers[2..n])?;
     cat.machines = machines_of(&answers[n])?;
+    cat.cpu_max = cpu_max_of(&answers[n]);
     Ok(cat)
+}
+
+/// Reads `query-machines`' `cpu-max` per name and alias.
+pub fn cpu_max_of(answer: &Value) -> BTreeMap<String, u32> {
+    let mut out = BTreeMap::new();
+    for m in answer
+        .get("return")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        let Some(max) = m.get("cpu-max").and_then(Value::as_u64) else {
+            continue;
+        };
+        for n in [m.get("name"), m.get("alias")].into_iter().flatten() {
+            if let Some(n) = n.as_str() {
+                out.insert(n.to_string(), max.min(u32::MAX as u64) as u32);
+            }
+        }
+    }
+    out
+}
+
+/// What keeps `spec`'s vCPUs from running on `cat`'s QEMU: more than its
+/// machine type's `cpu-max`.
+pub fn vcpu_problem(cat: &CpuCatalog, spec: &ferry_api::VmSpec) -> Option<String> {
+    let max = *cat.cpu_max.get(&spec.machine)?;
+    (spec.vcpus > max).then(|| {
+        format!(
+            "{} vCPUs on machine {} (QEMU here gives it at most {max})",
+            spec.vcpus, spec.machine
+        )
+    })
 }
 
 /// Reads `query-machines`: every name and alias.
@@ -447,6 +483,23 @@ mod tests {
             vec!["none", "pc-q35-10.0", "pc-q35-9.2", "q35"]
         );
         assert!(machines_of(&serde_json::json!({"error": {}})).is_err());
+        let max = cpu_max_of(&a);
+        assert_eq!(max.get("q35"), Some(&4096));
+        assert_eq!(max.get("pc-q35-10.0"), Some(&4096));
+        assert_eq!(max.get("pc-q35-9.2"), None);
+        let cat = CpuCatalog {
+            cpu_max: max,
+            ..Default::default()
+        };
+        let mut spec = ferry_api::VmSpec::workload("big", 256 << 30, 0, 0);
+        spec.vcpus = 64;
+        assert_eq!(vcpu_problem(&cat, &spec), None);
+        spec.vcpus = 5000;
+        let why = vcpu_problem(&cat, &spec).unwrap();
+        assert!(
+            why.contains("5000 vCPUs on machine q35") && why.contains("at most 4096"),
+            "{why}"
+        );
     }
 
     #[test]

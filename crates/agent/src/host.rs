@@ -240,12 +240,15 @@ impl Agent {
         }
         let mut missing = crate::hardware::missing_here(spec, &self.cfg.qemu.ovmf);
         match catalog {
-            Ok(cat) => missing.extend(crate::hardware::cpu_problem(
-                &cat,
-                self.cfg.cpu_models.as_deref(),
-                &spec.cpu,
-                source,
-            )),
+            Ok(cat) => {
+                missing.extend(crate::hardware::cpu_problem(
+                    &cat,
+                    self.cfg.cpu_models.as_deref(),
+                    &spec.cpu,
+                    source,
+                ));
+                missing.extend(crate::hardware::vcpu_problem(&cat, spec));
+            }
             Err(e) => missing.push(format!("CPU model {} (cannot ask QEMU: {e})", spec.cpu)),
         }
         if missing.is_empty() {

@@ -266,8 +266,14 @@ fn default_vcpus() -> u32 {
 pub const MIN_VM_MEMORY: u64 = 128 << 20;
 /// Memory the guest kernel and initramfs keep for themselves; the fill must leave it.
 pub const GUEST_OVERHEAD: u64 = 128 << 20;
-/// Largest guest the lab accepts.
-pub const MAX_VM_MEMORY: u64 = 64 << 30;
+/// Largest guest a spec may ask for: QEMU's x86-64 guests address 2^46
+/// bytes at most without 5-level paging. What a host takes is its own
+/// memory budget (its agent refuses a VM that does not fit, naming both).
+pub const MAX_VM_MEMORY: u64 = 64 << 40;
+/// Most vCPUs a spec may ask for: the largest `cpu-max` of QEMU's x86
+/// machine types. A host's QEMU refuses more than its machine type's
+/// `cpu-max` (its agent says so before anything starts).
+pub const MAX_VCPUS: u32 = 4096;
 
 /// How a VM uses a Ferry disk ([`VmSpec::disk_use`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -377,7 +383,7 @@ impl VmSpec {
         if self.memory < MIN_VM_MEMORY || self.memory > MAX_VM_MEMORY {
             return Err(ApiError::invalid(
                 "memory",
-                format!("{} bytes is outside 128M..64G", self.memory),
+                format!("{} bytes is outside 128M..64T", self.memory),
             ));
         }
         if !self.memory.is_multiple_of(1 << 20) {
@@ -398,8 +404,11 @@ impl VmSpec {
                 "rates above 4G/s are not supported",
             ));
         }
-        if self.vcpus == 0 || self.vcpus > 16 {
-            return Err(ApiError::invalid("vcpus", "must be 1..16"));
+        if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
+            return Err(ApiError::invalid(
+                "vcpus",
+                format!("must be 1..{MAX_VCPUS} (a host's QEMU may take fewer, and says so)"),
+            ));
         }
         Ok(())
     }

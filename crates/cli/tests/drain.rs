@@ -576,3 +576,55 @@ fn the_automatic_balancer_settles_and_stays_still() {
         "{stayed} dirties 8 MiB/s; QEMU measured {dirty} B/s"
     );
 }
+
+/// A big VM is judged by the host, not by a constant: a 256 GiB, 64-vCPU
+/// spec passes the spec's checks and is refused by host1 for its memory
+/// alone; more vCPUs than QEMU's `cpu-max` for the machine type is refused
+/// naming both, before anything starts.
+#[test]
+#[ignore = "needs root, QEMU and the lab (scripts/run test)"]
+fn a_big_vm_is_refused_by_its_host_not_by_a_constant() {
+    require_lab();
+    let _g = serial();
+    lab(3, 2);
+    remove_vm("big1");
+    let out = ferry(&[
+        "vm", "create", "big1", "--host", "host1", "--memory", "256G", "--vcpus", "64",
+    ]);
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("Host host1 has")
+            && text.contains(&format!("{} needed", (256u64 << 30) + (64 << 20))),
+        "{text}"
+    );
+    let out = ferry(&[
+        "vm",
+        "create",
+        "big1",
+        "--host",
+        "host1",
+        "--memory",
+        "512M",
+        "--vcpus",
+        "300",
+        "--machine",
+        "pc-q35-8.0",
+    ]);
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("300 vCPUs on machine pc-q35-8.0") && text.contains("at most 288"),
+        "{text}"
+    );
+    assert!(qemu_pids("host1").iter().all(|p| !runs_guest(*p, "big1")));
+    // the spec's own bound, named
+    let out = ferry(&[
+        "vm", "create", "big1", "--host", "host1", "--memory", "512M", "--vcpus", "5000",
+    ]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("vcpus"),
+        "{out:?}"
+    );
+    remove_vm("big1");
+}
