@@ -708,10 +708,24 @@ impl<'a> Engine<'a> {
             let vals: Vec<f64> = loads.iter().map(|&(_, l)| l).collect();
             let sum: f64 = vals.iter().sum();
             let sumsq: f64 = vals.iter().map(|x| x * x).sum();
+            // candidates: VMs of the hosts over the mean, toward the least
+            // loaded hosts ([`BALANCE_TARGETS`] of them); a move that lowers
+            // the spread much takes load from above the mean to below it
+            let mean = sum / n;
+            let mut targets: Vec<(usize, usize)> = loads
+                .iter()
+                .enumerate()
+                .map(|(k, &(hi, _))| (k, hi))
+                .collect();
+            targets.sort_by(|a, b| vals[a.0].total_cmp(&vals[b.0]).then(a.1.cmp(&b.1)));
+            targets.truncate(BALANCE_TARGETS);
             let mut best: Option<(f64, usize, usize, f64, u64)> = None;
             for (vi, v) in self.cluster.vms.iter().enumerate() {
                 let Some(from) = self.at[vi] else { continue };
                 if excluded[vi] || moved[vi] {
+                    continue;
+                }
+                if pos.get(&from).is_none_or(|&k| vals[k] <= mean) {
                     continue;
                 }
                 let Some(bytes) = move_bytes(v, link_bps) else {
@@ -719,7 +733,7 @@ impl<'a> Engine<'a> {
                 };
                 let Some(&pf) = pos.get(&from) else { continue };
                 let from_after = load(self.use_of(from, Some(v), -1.0));
-                for (pt, &(to, _)) in loads.iter().enumerate() {
+                for &(pt, to) in &targets {
                     if to == from {
                         continue;
                     }
@@ -782,6 +796,10 @@ impl<'a> Engine<'a> {
         }
     }
 }
+
+/// Hosts a balance step tries as targets: the least loaded. All of them
+/// on a cluster of up to this many.
+pub const BALANCE_TARGETS: usize = 32;
 
 /// A host's load from its CPU, memory and NIC use (each 0–1): the largest.
 pub fn load((cpu, memory, net): (f64, f64, f64)) -> f64 {
