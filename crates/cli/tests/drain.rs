@@ -553,14 +553,7 @@ fn the_automatic_balancer_settles_and_stays_still() {
         .expect("a guest stayed on host1");
     let t0 = std::time::Instant::now();
     let dirty = loop {
-        let list = ferry_json(&["vm", "list"]);
-        let v = list
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|v| v["name"] == stayed)
-            .cloned()
-            .unwrap();
+        let v = vm_entries(stayed).remove(0);
         if let Some(d) = v["usage"]["dirty_bps"].as_u64() {
             assert!(v["usage"]["io_bytes"].as_u64().is_some(), "{v}");
             break d;
