@@ -1425,6 +1425,13 @@ impl CpuReport {
     }
 }
 
+/// One part of a guest's downtime ([`MigrationReport::downtime_parts`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DowntimePart {
+    pub part: String,
+    pub ms: u64,
+}
+
 /// The final report of a completed migration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MigrationReport {
@@ -1465,6 +1472,14 @@ pub struct MigrationReport {
     pub downtime_limit_ms: u64,
     #[serde(default)]
     pub downtime_reason: String,
+    /// The guest's downtime in its parts, in order: `qemu` (QEMU's
+    /// blackout, its pause to its last byte), then the switch-over on the
+    /// source's clock: `tick` (the source guest's last counter read),
+    /// `ready` (READY answered: the target loaded everything), `record` (the
+    /// commit written and fsynced), `run` (RUN answered: the target runs
+    /// it). Empty after a post-copy, whose target ran at the commit.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub downtime_parts: Vec<DowntimePart>,
     pub bytes_transferred: u64,
     /// Average bytes per second over `transfer_ms`.
     pub throughput: f64,

@@ -25,6 +25,14 @@ fn vm_with_1gib_filled_moves_host1_host2_three_times_intact() {
             assert_eq!((r["from"].as_str(), r["to"].as_str()), (Some(at), Some(to)));
             let downtime = r["downtime_ms"].as_u64().expect("downtime_ms");
             assert!(downtime < 1000, "downtime {downtime} ms");
+            // the guest's downtime in its parts: QEMU's blackout first, then
+            // the switch-over's steps, within what the guest saw
+            let parts = r["downtime_parts"].as_array().expect("downtime_parts");
+            let names: Vec<&str> = parts.iter().map(|p| p["part"].as_str().unwrap()).collect();
+            assert_eq!(names, ["qemu", "tick", "ready", "record", "run"], "{r}");
+            assert_eq!(parts[0]["ms"].as_u64(), Some(downtime), "{r}");
+            let sum: u64 = parts.iter().map(|p| p["ms"].as_u64().unwrap()).sum();
+            assert!(sum <= r["guest_downtime_ms"].as_u64().unwrap(), "{r}");
             assert!(r["bytes_transferred"].as_u64().unwrap() >= 1 << 30, "{r}");
             // at least a GiB moved at no more than the 1 Gbit/s line rate
             let (total_ms, throughput) = (

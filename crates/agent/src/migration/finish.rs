@@ -5,8 +5,8 @@
 use std::time::{Duration, Instant};
 
 use ferry_api::{
-    CarrierReport, CheckResult, CpuReport, IncomingStatus, MigrationEvent, MigrationReport,
-    QemuCodecReport,
+    CarrierReport, CheckResult, CpuReport, DowntimePart, IncomingStatus, MigrationEvent,
+    MigrationReport, QemuCodecReport,
 };
 
 use super::sequence::Outcome;
@@ -496,6 +496,17 @@ impl Move<'_> {
             guest_downtime_ms,
             max_downtime_ms: self.chosen().conv.max_downtime_ms,
             downtime_limit_ms: stream.dplan.limit_ms,
+            downtime_parts: if self.committed {
+                Vec::new()
+            } else {
+                std::iter::once(("qemu", info.downtime.unwrap_or(0)))
+                    .chain(self.end.switch_parts.iter().copied())
+                    .map(|(part, ms)| DowntimePart {
+                        part: part.into(),
+                        ms,
+                    })
+                    .collect()
+            },
             downtime_reason: if self.committed {
                 "post-copy: the guest ran on the target at the commit".into()
             } else if w.copy.pausing() {
