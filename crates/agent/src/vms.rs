@@ -200,7 +200,14 @@ impl Agent {
             let names: Vec<&String> = running.iter().map(|(n, _)| n).collect();
             ferry_api::util::lock(&self.facts.dirty).retain(|k, _| names.contains(&k));
             for (name, q) in running {
-                if q.qmp.calc_dirty_rate(1_000).await.is_err() {
+                // never during a migration, on either side: a post-copy
+                // target's pages may not be there yet, and hashing one
+                // waits for it (QMP with it)
+                let settled = match q.qmp.query_migrate().await {
+                    Ok(m) => settled_migration(m.status.as_deref()),
+                    Err(_) => false,
+                };
+                if !settled || q.qmp.calc_dirty_rate(1_000).await.is_err() {
                     continue;
                 }
                 tokio::time::sleep(Duration::from_millis(1_200)).await;
@@ -459,6 +466,16 @@ impl Agent {
     }
 }
 
+/// Whether QEMU's migration state (`query-migrate`'s status, on a source
+/// or a target) leaves its guest memory whole and still: no migration, or
+/// one that ended.
+fn settled_migration(status: Option<&str>) -> bool {
+    matches!(
+        status,
+        None | Some("none" | "completed" | "cancelled" | "failed")
+    )
+}
+
 /// Bytes a tap carried both ways (0 for one that is not there).
 fn tap_bytes(tap: &str) -> u64 {
     ["rx_bytes", "tx_bytes"]
@@ -706,6 +723,31 @@ async fn ask_guest_agent(q: &QemuVm, wait: Duration) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dirty_rates_are_sampled_only_outside_a_migration() {
+        for quiet in [
+            None,
+            Some("none"),
+            Some("completed"),
+            Some("cancelled"),
+            Some("failed"),
+        ] {
+            assert!(settled_migration(quiet), "{quiet:?}");
+        }
+        for busy in [
+            "setup",
+            "active",
+            "device",
+            "postcopy-active",
+            "postcopy-paused",
+            "postcopy-recover",
+            "pre-switchover",
+            "wait-unplug",
+        ] {
+            assert!(!settled_migration(Some(busy)), "{busy}");
+        }
+    }
 
     #[test]
     fn a_counter_advances_past_the_first_tick_seen_or_the_sources_last() {
