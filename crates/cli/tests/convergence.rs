@@ -415,7 +415,33 @@ fn postcopy_whose_stream_is_reset_and_whose_paths_are_down_20_s_recovers_with_ev
     );
     // it completed only after the paths returned: nothing moved meanwhile
     assert!(restored.elapsed() < Duration::from_secs(120));
-    assert_intact_on("busy6", "host2");
+    // every page arrived: no integrity error, and the guest runs on. A vCPU
+    // that faulted on a page just before the cut waited the whole 20 s for
+    // it, which the guest's kernel may report as a soft lockup (its
+    // threshold is 20 s): what any guest would see of such an outage, and
+    // the only problem allowed here
+    let t = Instant::now();
+    let c = loop {
+        let c = check("busy6");
+        if c["advancing"] == true || t.elapsed() > Duration::from_secs(30) {
+            break c;
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    };
+    assert_eq!(c["host"], "host2", "{c}");
+    assert_eq!(
+        (&c["running"], &c["advancing"]),
+        (&Value::Bool(true), &Value::Bool(true)),
+        "{c}"
+    );
+    assert_eq!(c["errors"], 0, "{c}");
+    let problems = c["problems"].as_array().unwrap();
+    assert!(
+        problems
+            .iter()
+            .all(|p| p.as_str().unwrap().contains("soft lockup")),
+        "{c}"
+    );
     assert!(qemu_pids("host1").is_empty(), "the source QEMU is left");
 }
 
