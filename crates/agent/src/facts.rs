@@ -68,7 +68,7 @@ pub fn cpu_ticks(stat: &str) -> Option<(u64, u64)> {
     Some((all - v[3] - v[4], all))
 }
 
-fn read_u64(path: PathBuf) -> u64 {
+pub(crate) fn read_u64(path: PathBuf) -> u64 {
     std::fs::read_to_string(path)
         .ok()
         .and_then(|s| s.trim().parse().ok())

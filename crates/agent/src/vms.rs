@@ -478,16 +478,9 @@ fn settled_migration(status: Option<&str>) -> bool {
 
 /// Bytes a tap carried both ways (0 for one that is not there).
 fn tap_bytes(tap: &str) -> u64 {
-    ["rx_bytes", "tx_bytes"]
-        .iter()
-        .filter_map(|f| {
-            std::fs::read_to_string(format!("/sys/class/net/{tap}/statistics/{f}"))
-                .ok()?
-                .trim()
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
+    let sys = std::path::Path::new("/sys/class/net").join(tap);
+    crate::facts::read_u64(sys.join("statistics/rx_bytes"))
+        + crate::facts::read_u64(sys.join("statistics/tx_bytes"))
 }
 
 /// Time a new guest has to boot and fill its memory.

@@ -594,28 +594,34 @@ impl<'a> Engine<'a> {
         )
     }
 
-    /// Each host that takes VMs, with its load.
-    fn loads(&self) -> Vec<(usize, f64)> {
+    /// The hosts that take VMs.
+    fn takers(&self) -> impl Iterator<Item = usize> + '_ {
         self.cluster
             .hosts
             .iter()
             .enumerate()
             .filter(|(_, h)| h.takes_vms && h.total > 0)
-            .map(|(hi, _)| (hi, load(self.use_of(hi, None, 0.0))))
+            .map(|(hi, _)| hi)
+    }
+
+    /// Each host that takes VMs, with its load.
+    fn loads(&self) -> Vec<(usize, f64)> {
+        self.takers()
+            .map(|hi| (hi, load(self.use_of(hi, None, 0.0))))
             .collect()
     }
 
     fn host_loads(&self) -> Vec<HostLoad> {
-        self.loads()
-            .into_iter()
-            .map(|(hi, load)| {
-                let (cpu, memory, net) = self.use_of(hi, None, 0.0);
+        self.takers()
+            .map(|hi| {
+                let used = self.use_of(hi, None, 0.0);
+                let (cpu, memory, net) = used;
                 HostLoad {
                     host: self.cluster.hosts[hi].name.clone(),
                     cpu,
                     memory,
                     net,
-                    load,
+                    load: load(used),
                 }
             })
             .collect()
