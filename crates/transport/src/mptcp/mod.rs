@@ -108,24 +108,19 @@ const CHUNK: usize = 1 << 20;
 const BATCH: usize = 128 << 10;
 const BATCH_WAIT_MS: i32 = 2;
 
-/// Which directions of a stream splice (bit 0: toward the network, bit 1:
-/// from it); the others copy through user space, and from the network they
-/// read in batches ([`BATCH`]). See [`set_splice`].
-static SPLICE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(SPLICE_DEFAULT);
-const SPLICE_TO_NET: u8 = 1;
-const SPLICE_FROM_NET: u8 = 2;
-const SPLICE_DEFAULT: u8 = SPLICE_TO_NET;
+/// Whether streams splice toward the network (else they copy through user
+/// space). See [`set_splice`].
+static SPLICE_TO_NET: AtomicBool = AtomicBool::new(true);
 
-/// Sets which directions of every stream of this process splice:
-/// `(toward the network, from the network)`; toward it by default. Splicing
-/// spares the agent's copy through user space, but MPTCP's send path still
-/// copies what it is handed into its own pages, so the saving is small.
-/// From the network, copying wins: it reads in batches ([`BATCH`]), where a
-/// splice wakes for every few segments. `examples/splice_gain.rs` measures
-/// each combination (BENCHMARKS.md).
-pub fn set_splice(to_net: bool, from_net: bool) {
-    let v = if to_net { SPLICE_TO_NET } else { 0 } | if from_net { SPLICE_FROM_NET } else { 0 };
-    SPLICE.store(v, Ordering::Relaxed);
+/// Sets whether every stream of this process splices toward the network (by
+/// default it does). Splicing spares the agent's copy through user space,
+/// but MPTCP's send path still copies what it is handed into its own pages,
+/// so the saving is small. From the network, bytes are always copied: read
+/// in batches ([`BATCH`]) into a queue the agent holds for QEMU
+/// ([`pump::pump_from_net`]). `examples/splice_gain.rs` measures both
+/// (BENCHMARKS.md).
+pub fn set_splice(to_net: bool) {
+    SPLICE_TO_NET.store(to_net, Ordering::Relaxed);
 }
 
 /// One QEMU connection carried by one MPTCP connection.
@@ -528,20 +523,21 @@ impl Spliced {
         };
         let epoch = self.inner.epoch;
         // toward the peer: local → net; from the peer: net → local
-        for (from, to, flow, toward) in [
-            (local.as_raw_fd(), s.net.as_raw_fd(), s.out.clone(), true),
-            (s.net.as_raw_fd(), local.as_raw_fd(), s.back.clone(), false),
-        ] {
+        for toward in [true, false] {
             let me = self.clone();
-            let keep = (s.net.clone(), local.clone(), s.open.clone());
-            let bit = if toward {
-                SPLICE_TO_NET
+            let (net, local, open) = (s.net.clone(), local.clone(), s.open.clone());
+            let flow = if toward {
+                s.out.clone()
             } else {
-                SPLICE_FROM_NET
+                s.back.clone()
             };
-            let splice_it = SPLICE.load(Ordering::Relaxed) & bit != 0;
+            let splice_it = SPLICE_TO_NET.load(Ordering::Relaxed);
             std::thread::spawn(move || {
-                let r = pump(from, to, &flow, epoch, splice_it, !toward);
+                let r = if toward {
+                    pump(local.as_raw_fd(), net.as_raw_fd(), &flow, epoch, splice_it)
+                } else {
+                    pump_from_net(net.clone(), local.as_raw_fd(), &flow, epoch, FROM_NET_QUEUE)
+                };
                 if let Err(e) = r {
                     if !me.inner.closed.load(Ordering::Relaxed) {
                         let dir = if toward { "sending" } else { "receiving" };
@@ -549,9 +545,15 @@ impl Spliced {
                     }
                 }
                 if !toward {
-                    keep.2.store(false, Ordering::Relaxed);
+                    open.store(false, Ordering::Relaxed);
+                    tracing::info!(
+                        stream = index,
+                        bytes = flow.bytes.load(Ordering::Relaxed),
+                        peak_queued = flow.queued_peak.load(Ordering::Relaxed),
+                        "MPTCP stream received to its end"
+                    );
                 }
-                drop(keep);
+                drop((net, local));
             });
         }
         self.push_stream(s);
