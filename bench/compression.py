@@ -21,7 +21,11 @@ Every guest is checked intact on the target (its workload's own verification: 0 
 errors).
 
     sudo python3 bench/compression.py [--memory 768M] [--fill 512M] [--rates 200mbit,1gbit,10gbit]
-        [--rounds 3] [--qemu-channels 2] [--zstd-level 1]
+        [--rounds 3] [--qemu-channels 2] [--zstd-level 1] [--nics 2] [--cpus split]
+        [--contenders "qemu tcp,qemu zstd,ferry compression,ferry auto"]
+
+--cpus gives each lab host CPUs of its own (`ferry lab up --cpus`); the QEMUs by hand run on
+their host's too. --nics 1 measures `auto` over one NIC pair.
 """
 import argparse, json, os, re, statistics, subprocess, sys, time
 
@@ -116,7 +120,7 @@ def qemu_move(kind, contender, a, prepare=None):
     return {"secs": secs, "wire": wire, "cpu": used, "codecs": "", "downtime": downtime}
 
 
-CONTENDERS = ("qemu tcp", "qemu zstd", "ferry compression")
+CONTENDERS = ("qemu tcp", "qemu zstd", "ferry compression", "ferry auto")
 
 
 def guest_options(ap):
@@ -135,18 +139,22 @@ def main():
     ap.add_argument("--kinds", default="compressible,random")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--nics", default="2")
+    ap.add_argument("--cpus", default=None, help="`ferry lab up --cpus`: split, or host1=0,host2=1")
     a = ap.parse_args()
     contenders = a.contenders.split(",")
     gib = size(a.memory) / (1 << 30)
     rows = []
     for rate in a.rates.split(","):
-        ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", rate)
+        ferry("lab", "up", "--replace", "--hosts", "2", "--nics", a.nics, "--rate", rate,
+              *(["--cpus", a.cpus] if a.cpus else []))
         for kind in a.kinds.split(","):
             runs = {c: [] for c in contenders}
             for rnd in range(a.rounds):
                 order = contenders[rnd % len(contenders):] + contenders[:rnd % len(contenders)]
                 for c in order:
-                    r = ferry_move(kind, a) if c == "ferry compression" else qemu_move(kind, c, a)
+                    r = (ferry_move(kind, a, c.split()[1]) if c.startswith("ferry ")
+                         else qemu_move(kind, c, a))
                     runs[c].append(r)
                     print(f"{rate} {kind} round {rnd + 1} {c}: {r['secs']:.2f} s, {r['wire'] / 2**20:.1f} MiB "
                           f"on the wire, {r['cpu']:.2f} CPU-s, guest downtime {r['downtime']} ms {r['codecs']}",

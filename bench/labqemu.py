@@ -178,14 +178,24 @@ class Qmp:
                 raise RuntimeError(f"{command}: {msg['error']}")
 
 
+def host_cpus(host):
+    """The CPUs `ferry lab up --cpus` gave `host` (a CPU list), or None when it shares the machine's."""
+    st = json.loads(ferry("lab", "status", "--json"))
+    return next((a.get("cpus") for a in st["agents"] if a["host"] == host), None)
+
+
 def qemu(ns, d, img, mem, fill, dirty, incoming, compressible=False):
-    """Starts QEMU in namespace `ns` (`ip netns exec` execs it: the pid is QEMU's)."""
+    """Starts QEMU in namespace `ns` (`ip netns exec` execs it: the pid is QEMU's), on the CPUs
+    the lab gave that host when it was brought up with --cpus (as the agent's QEMUs are), so a
+    QEMU by hand borrows no other host's core either."""
     os.makedirs(d, exist_ok=True)
     # the agent's own argument builder: the baseline runs the very QEMU a Ferry move runs
     spec = {"name": "bench", "memory": mem, "fill": fill, "dirty_rate": dirty, "verify_rate": 32 << 20, "seed": 1,
             "compressible": compressible}
     built = ferry("qemu-args", "--spec", json.dumps(spec), "--dir", d, *(["--incoming"] if incoming else []))
-    args = ["ip", "netns", "exec", ns, *json.loads(built)]
+    cpus = host_cpus(ns)
+    pin = ["taskset", "-c", cpus] if cpus else []
+    args = ["ip", "netns", "exec", ns, *pin, *json.loads(built)]
     p = subprocess.Popen(args, stderr=open(f"{d}/qemu.log", "w"))
     q = Qmp(f"{d}/qmp.sock")
     if not incoming:

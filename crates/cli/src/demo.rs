@@ -53,6 +53,7 @@ pub async fn run(cli: &Cli, a: &DemoArgs) -> anyhow::Result<i32> {
         mtu: 1500,
         host_memory: "6G".into(),
         storage_nodes: 1,
+        cpus: None,
         replace: true,
         json: false,
     };

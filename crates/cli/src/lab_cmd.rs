@@ -171,6 +171,11 @@ pub struct UpArgs {
     /// Storage nodes (storage1, storage2, …) on the management bridge.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4))]
     pub storage_nodes: u32,
+    /// Give each host CPUs of its own: `split` shares the machine's out
+    /// evenly, or `host1=0,host2=1` names them. A host's agent, its QEMUs and
+    /// their threads run only there (a cpuset cgroup, v1 or v2).
+    #[arg(long)]
+    pub cpus: Option<String>,
     /// Remove a lab that is already up first.
     #[arg(long)]
     pub replace: bool,
@@ -263,8 +268,13 @@ pub async fn run(cli: &Cli, cmd: &LabCmd) -> anyhow::Result<i32> {
                 for h in spec.host_names() {
                     let hd = dir.host_dir(&h);
                     let args = ["lab".to_string(), "team-monitor".into(), h.clone()];
-                    let pid =
-                        net::spawn_daemon(Some(&h), &exe, &args, &hd.join("team-monitor.log"))?;
+                    let pid = net::spawn_daemon(
+                        Some(&h),
+                        &exe,
+                        &args,
+                        &hd.join("team-monitor.log"),
+                        None,
+                    )?;
                     std::fs::write(hd.join(MONITOR_PID), pid.to_string())?;
                 }
                 println!(
@@ -404,7 +414,8 @@ pub fn down() -> Vec<String> {
     // a service whose pidfile a second `lab up` overwrote still holds its
     // port: any ferry or etcd process started on this lab's files goes too
     stop_strays(&dir.0);
-    let removed = net::destroy();
+    let mut removed = net::destroy();
+    removed.extend(ferry_lab::cpuset::remove_all());
     let _ = std::fs::remove_dir_all(&dir.0);
     removed
 }
@@ -443,14 +454,18 @@ fn stop_strays(root: &std::path::Path) {
 
 pub async fn up(cli: &Cli, a: &UpArgs) -> anyhow::Result<i32> {
     let dir = LabDir::default_path();
-    let spec = LabSpec {
+    let mut spec = LabSpec {
         hosts: a.hosts,
         nics: a.nics,
         rate: a.rate.clone(),
         mtu: a.mtu,
         host_memory: ferry_api::size::parse_size("--host-memory", &a.host_memory)?,
+        cpus: Default::default(),
     };
     spec.validate()?;
+    if let Some(c) = &a.cpus {
+        spec.cpus = ferry_lab::cpuset::plan(c, &spec.host_names(), &ferry_lab::cpuset::online()?)?;
+    }
     if dir.spec_path().exists() {
         if !a.replace {
             return Err(ferry_lab::LabError::AlreadyUp.into());
@@ -621,7 +636,7 @@ async fn control_up(cli: &Cli, instances: u32) -> anyhow::Result<i32> {
         .map(|s| s.to_string())
         .collect();
         let etcd = which_etcd()?;
-        let pid = net::spawn_daemon(None, &etcd, &args, &cd.join("etcd.log"))?;
+        let pid = net::spawn_daemon(None, &etcd, &args, &cd.join("etcd.log"), None)?;
         std::fs::write(&etcd_pid, pid.to_string())?;
         let t0 = std::time::Instant::now();
         while std::net::TcpStream::connect(ETCD_CLIENT).is_err() {
@@ -717,7 +732,7 @@ fn write_config(
 fn start_root_daemon(dir: &std::path::Path, name: &str, args: &[&str]) -> anyhow::Result<()> {
     let exe = std::env::current_exe()?;
     let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-    let pid = net::spawn_daemon(None, &exe, &args, &dir.join(format!("{name}.log")))?;
+    let pid = net::spawn_daemon(None, &exe, &args, &dir.join(format!("{name}.log")), None)?;
     std::fs::write(dir.join(format!("{name}.pid")), pid.to_string())?;
     Ok(())
 }
@@ -861,7 +876,21 @@ fn start_agent(dir: &LabDir, spec: &LabSpec, i: u32) -> anyhow::Result<()> {
     }
     let conf = write_config(&hd, "agent.toml", &merged)?;
     let args = vec!["agent".to_string(), "--config".to_string(), conf];
-    let pid = net::spawn_daemon(Some(&h), &exe, &args, &hd.join("agent.log"))?;
+    // its own CPUs, when the lab was asked for them: QEMUs it starts are born there
+    let join = match spec.cpus.get(&h) {
+        Some(cpus) => Some(
+            ferry_lab::cpuset::group(&h, cpus)
+                .with_context(|| format!("confining {h} to CPUs {cpus}"))?,
+        ),
+        None => None,
+    };
+    let pid = net::spawn_daemon(
+        Some(&h),
+        &exe,
+        &args,
+        &hd.join("agent.log"),
+        join.as_deref(),
+    )?;
     std::fs::write(hd.join("agent.pid"), pid.to_string())?;
     Ok(())
 }
@@ -870,21 +899,25 @@ fn status(json: bool) -> anyhow::Result<i32> {
     let dir = LabDir::default_path();
     let spec = dir.load_spec()?;
     let links = net::status(&spec);
-    let agents: Vec<(String, bool)> = spec
+    // per host: whether its agent runs, and the CPUs it may run on
+    let agents: Vec<(String, bool, Option<String>)> = spec
         .host_names()
         .into_iter()
         .map(|h| {
-            let alive = std::fs::read_to_string(dir.host_dir(&h).join("agent.pid"))
+            let pid = std::fs::read_to_string(dir.host_dir(&h).join("agent.pid"))
                 .ok()
-                .is_some_and(|p| std::path::Path::new(&format!("/proc/{}", p.trim())).exists());
-            (h, alive)
+                .and_then(|p| p.trim().parse::<u32>().ok());
+            let alive = pid.is_some_and(|p| std::path::Path::new(&format!("/proc/{p}")).exists());
+            (h, alive, pid.and_then(ferry_lab::cpuset::allowed))
         })
         .collect();
     if json {
         print_json(&serde_json::json!({
             "spec": spec,
             "links": links,
-            "agents": agents.iter().map(|(h, a)| serde_json::json!({"host": h, "running": a})).collect::<Vec<_>>(),
+            "agents": agents.iter().map(|(h, a, c)| serde_json::json!({
+                "host": h, "running": a, "cpus": spec.cpus.get(h), "cpus_allowed": c,
+            })).collect::<Vec<_>>(),
         }));
         return Ok(0);
     }
@@ -892,15 +925,17 @@ fn status(json: bool) -> anyhow::Result<i32> {
         "lab: {} hosts × {} NICs, {} per NIC, MTU {}",
         spec.hosts, spec.nics, spec.rate, spec.mtu
     );
+    for (h, cpus) in &spec.cpus {
+        println!("{h}: CPUs {cpus} (its agent, its QEMUs and their threads)");
+    }
     let mut t = Table::new(&[
         "HOST", "AGENT", "NIC", "FABRIC", "ADDRESS", "MTU", "STATE", "TX", "RX",
     ]);
     for l in &links {
-        let agent =
-            agents
-                .iter()
-                .find(|(h, _)| *h == l.host)
-                .map(|(_, a)| if *a { "running" } else { "DOWN" });
+        let agent = agents
+            .iter()
+            .find(|(h, _, _)| *h == l.host)
+            .map(|(_, a, _)| if *a { "running" } else { "DOWN" });
         t.row(vec![
             l.host.clone(),
             agent.unwrap_or("?").into(),

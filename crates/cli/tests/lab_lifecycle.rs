@@ -34,6 +34,8 @@ fn lab_up_status_link_cut_and_down() {
         "500mbit",
         "--mtu",
         "9000",
+        "--cpus",
+        "split",
     ]);
     // a second `lab up` without --replace is refused
     let out = ferry(&["lab", "up"]);
@@ -51,6 +53,54 @@ fn lab_up_status_link_cut_and_down() {
     let agents = st["agents"].as_array().unwrap();
     assert_eq!(agents.len(), 2, "one agent per host: {st}");
     assert!(agents.iter().all(|a| a["running"] == true), "{st}");
+    // --cpus split: each agent runs only on its host's CPUs, which the
+    // other host's do not include (on a machine of at least two)
+    let cpus = |h: &str| {
+        let a = agents.iter().find(|a| a["host"] == h).unwrap();
+        assert_eq!(
+            a["cpus_allowed"], a["cpus"],
+            "{h}'s agent runs outside its CPUs: {st}"
+        );
+        ferry_lab::cpuset::parse_list(a["cpus"].as_str().unwrap()).unwrap()
+    };
+    let (c1, c2) = (cpus("host1"), cpus("host2"));
+    if ferry_lab::cpuset::online().unwrap().len() >= 2 {
+        assert!(c1.iter().all(|c| !c2.contains(c)), "hosts share CPUs: {st}");
+    }
+    // and so do its QEMUs, every thread of them
+    ferry_ok(&[
+        "vm", "create", "pin1", "--host", "host2", "--memory", "256M",
+    ]);
+    let pids = qemu_pids("host2");
+    assert_eq!(pids.len(), 1, "one guest QEMU on host2");
+    let tasks = std::fs::read_dir(format!("/proc/{}/task", pids[0])).unwrap();
+    let mut n = 0;
+    for t in tasks.flatten() {
+        let tid: u32 = t.file_name().to_string_lossy().parse().unwrap();
+        let allowed = ferry_lab::cpuset::allowed(tid).unwrap_or_default();
+        let allowed = ferry_lab::cpuset::parse_list(&allowed).unwrap();
+        assert!(
+            allowed.iter().all(|c| c2.contains(c)),
+            "QEMU thread {tid} may run on {allowed:?}, outside host2's {c2:?}"
+        );
+        n += 1;
+    }
+    assert!(n > 1, "QEMU has threads");
+    ferry_ok(&["vm", "rm", "pin1"]);
+    // a wrong --cpus is refused, naming what was wrong, and leaves the lab as it is
+    let out = ferry(&[
+        "lab",
+        "up",
+        "--replace",
+        "--hosts",
+        "2",
+        "--cpus",
+        "host9=0",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("host9"), "{err}");
+    assert!(ferry_json(&["lab", "status"])["agents"][0]["running"] == true);
     // shaped: tbf at 500mbit on the host side of each NIC
     let tc = std::process::Command::new("ip")
         .args(["netns", "exec", "host1", "tc", "qdisc", "show", "dev"])

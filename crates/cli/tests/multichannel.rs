@@ -371,6 +371,7 @@ fn compression_shrinks_what_compresses_and_leaves_the_rest() {
         fn drop(&mut self) {
             ferry(&["lab", "rate", "host1", "nic1", "1gbit"]);
             ferry(&["lab", "rate", "host2", "nic1", "1gbit"]);
+            ferry(&["lab", "link", "host1", "nic2", "up"]);
         }
     }
     let _restore = Restore;
@@ -439,6 +440,25 @@ fn compression_shrinks_what_compresses_and_leaves_the_rest() {
         "compressible memory went uncompressed: {r}"
     );
     assert_intact_on("cz1", "host1");
+
+    // auto over one NIC pair (host1's second link down): it samples the
+    // memory as over several, and compresses what compresses
+    ferry_ok(&["lab", "link", "host1", "nic2", "down"]);
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let (r, skeleton) = move_explained("cz1", "host2", "auto");
+    ferry_ok(&["lab", "link", "host1", "nic2", "up"]);
+    assert_eq!(r["event"], "completed", "{r}");
+    assert!(
+        skeleton.contains("auto: one NIC pair, and a memory sample compresses to"),
+        "auto over one NIC pair chose for another reason: {skeleton}"
+    );
+    assert_eq!(r["option"], "compression", "{r}");
+    assert_eq!(r["carriers"].as_array().unwrap().len(), 1, "one NIC: {r}");
+    assert!(
+        r["qemu_codec"].is_object() || r["compression_ratio"].as_f64().unwrap_or(1.0) > 1.2,
+        "compressible memory went uncompressed over one NIC: {r}"
+    );
+    assert_intact_on("cz1", "host2");
 
     // half of its memory never written: zero pages
     remove_vm("cz2");

@@ -6,11 +6,13 @@
 //! - [`image`]: builds the guest (Debian kernel + busybox initramfs + workload) and caches it.
 //! - [`cpio`]: the newc archive writer the initramfs is made with.
 //! - [`console`]: reads the guest workload's serial console lines.
+//! - [`cpuset`]: hosts with CPUs of their own (`ferry lab up --cpus`).
 //!
 //! Every host namespace runs one agent (`ferry agent`), started by `ferry lab up`.
 
 pub mod console;
 pub mod cpio;
+pub mod cpuset;
 pub mod debian;
 pub mod image;
 pub mod monitor;

@@ -436,12 +436,15 @@ impl LabDir {
 }
 
 /// Starts `exe args…` detached (own session), inside namespace `ns` if given,
-/// with stdout and stderr appended to `log`. Returns its pid.
+/// with stdout and stderr appended to `log`, and in the cgroup whose
+/// `cgroup.procs` file is `join` if given (before it runs: whatever it
+/// starts is born there too). Returns its pid.
 pub fn spawn_daemon(
     ns: Option<&str>,
     exe: &Path,
     args: &[String],
     log: &Path,
+    join: Option<&Path>,
 ) -> Result<u32, LabError> {
     use std::os::unix::process::CommandExt;
     let logf = std::fs::OpenOptions::new()
@@ -462,10 +465,41 @@ pub fn spawn_daemon(
         .stdin(std::process::Stdio::null())
         .stdout(logf)
         .stderr(logf2);
-    // SAFETY: setsid() is async-signal-safe and touches no memory of the parent.
+    let join = join
+        .map(|p| {
+            std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
+                .map_err(|_| LabError::Invalid(format!("{} has a NUL byte", p.display())))
+        })
+        .transpose()?;
+    // SAFETY: setsid, getpid, open, write and close are async-signal-safe;
+    // the path was made before the fork and the digits go to the stack.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             libc::setsid();
+            if let Some(procs) = &join {
+                let mut digits = [0u8; 12];
+                let mut at = digits.len();
+                let mut pid = libc::getpid() as u32;
+                loop {
+                    at -= 1;
+                    digits[at] = b'0' + (pid % 10) as u8;
+                    pid /= 10;
+                    if pid == 0 {
+                        break;
+                    }
+                }
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let n = digits.len() - at;
+                let w = libc::write(fd, digits[at..].as_ptr().cast(), n);
+                let e = std::io::Error::last_os_error();
+                libc::close(fd);
+                if w != n as isize {
+                    return Err(e);
+                }
+            }
             Ok(())
         });
     }

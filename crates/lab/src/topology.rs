@@ -16,6 +16,8 @@
 //! commands `ferry lab link|mtu|rate HOST NIC`, which also take `nicK`)
 //! knows the plan.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::LabError;
@@ -37,6 +39,10 @@ pub struct LabSpec {
     pub mtu: u32,
     /// Memory each host offers to VMs, bytes.
     pub host_memory: u64,
+    /// CPUs each host's agent and QEMUs are confined to (a kernel CPU
+    /// list per host name); hosts not listed share the machine's.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub cpus: BTreeMap<String, String>,
 }
 
 impl LabSpec {
@@ -237,6 +243,7 @@ mod tests {
             rate: "1gbit".into(),
             mtu: 1500,
             host_memory: 4 << 30,
+            cpus: BTreeMap::new(),
         }
     }
 

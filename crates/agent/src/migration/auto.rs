@@ -5,8 +5,8 @@ use ferry_api::MigrationOption;
 
 use crate::qemu::QemuVm;
 
-/// `auto` over more than one NIC pair reads this many chunks of guest
-/// memory, spread evenly over it, to judge whether it compresses.
+/// `auto` reads this many chunks of guest memory, spread evenly over it, to
+/// judge whether it compresses.
 const SAMPLE_CHUNKS: u64 = 32;
 const SAMPLE_CHUNK: u64 = 128 << 10;
 /// A sample that LZ4 shrinks to this share or less counts as compressible.
@@ -36,6 +36,45 @@ fn spare_cpus(idle: f64, cpus: usize) -> f64 {
 /// least [`RELAY_MARGIN`] × what relaying `link_bits` per second costs.
 pub(super) fn relay_fits(idle: f64, cpus: usize, link_bits: u64) -> bool {
     link_bits > 0 && idle * cpus as f64 >= gib_per_s(link_bits) * RELAY_CPU_S_PER_GIB * RELAY_MARGIN
+}
+
+/// What `auto` picks over one NIC pair, and why: `compression` when a
+/// memory sample compresses to [`AUTO_COMPRESSES`] or less (`ratio`) and
+/// more than the [`MIN_IDLE`] share of the CPU is idle (`idle`); else `tcp`,
+/// QEMU's own stream. There is nothing to spread over, so the question is
+/// only whether compressing pays: on a compressible guest over a 300 Mbit/s
+/// link, `tcp` took 21.6 s where `compression` took 1.54 s (BENCHMARKS.md).
+/// Memory that does not compress (or a sample of zero pages only, which
+/// QEMU sends as a flag each) goes as it is, without a relay. What
+/// `compression` then does with the link and the spare CPU (QEMU's zstd,
+/// Ferry's frames, or QEMU's own channels when the link is faster than the
+/// spare CPU compresses) it decides itself.
+///
+/// [`MIN_IDLE`]: ferry_transport::compress::MIN_IDLE
+pub(super) fn auto_one_pair(ratio: Option<f64>, idle: Option<f64>) -> (MigrationOption, String) {
+    let shown = ratio.map_or("all zero".to_string(), |r| format!("{r:.2}"));
+    let idle_pct = idle.map_or(0.0, |i| i * 100.0);
+    let min_idle = ferry_transport::compress::MIN_IDLE;
+    match (ratio, idle) {
+        (Some(r), Some(i)) if r <= AUTO_COMPRESSES && i >= min_idle => (
+            MigrationOption::Compression,
+            format!(
+                "one NIC pair, and a memory sample compresses to {shown} with the CPU \
+                 {idle_pct:.0}% idle: compressed"
+            ),
+        ),
+        (Some(r), _) if r <= AUTO_COMPRESSES => (
+            MigrationOption::Tcp,
+            format!(
+                "one NIC pair: QEMU's own stream; a memory sample compresses to {shown} but \
+                 the CPU is only {idle_pct:.0}% idle, too little to compress"
+            ),
+        ),
+        _ => (
+            MigrationOption::Tcp,
+            format!("one NIC pair: QEMU's own stream; a memory sample compresses to {shown} only"),
+        ),
+    }
 }
 
 /// What `auto` picks over more than one NIC pair, and why.
@@ -285,6 +324,23 @@ pub(super) async fn sample_memory(vm: &QemuVm, memory: u64) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_over_one_nic_pair_compresses_only_what_compresses_with_cpu_to_spare() {
+        let (o, why) = auto_one_pair(Some(0.06), Some(0.9));
+        assert_eq!(o, MigrationOption::Compression, "{why}");
+        assert!(why.contains("compresses to 0.06"), "{why}");
+        // random memory: QEMU's own stream, whatever the CPU
+        assert_eq!(auto_one_pair(Some(1.0), Some(0.9)).0, MigrationOption::Tcp);
+        // a sample of zero pages: QEMU sends each as a flag
+        assert_eq!(auto_one_pair(None, Some(0.9)).0, MigrationOption::Tcp);
+        // compressible, but the CPU is busy: compressing would slow the move
+        let (o, why) = auto_one_pair(Some(0.06), Some(0.1));
+        assert_eq!(o, MigrationOption::Tcp);
+        assert!(why.contains("too little to compress"), "{why}");
+        // no idle figure: no compression on a guess
+        assert_eq!(auto_one_pair(Some(0.06), None).0, MigrationOption::Tcp);
+    }
 
     #[test]
     fn qemu_compresses_memory_that_compresses_while_the_cpu_is_idle() {

@@ -14,7 +14,9 @@ use ferry_api::{
 };
 use ferry_net::client::Client;
 
-use super::auto::{auto_choice, own_channels, qemu_compresses, relay_fits, sample_memory};
+use super::auto::{
+    auto_choice, auto_one_pair, own_channels, qemu_compresses, relay_fits, sample_memory,
+};
 use super::sequence::{self, Action, OnDisk, Outcome, Step};
 use super::{
     carrier_pairs, cpus, disks, fail, nic_tx, own_endpoint, tcp_uri, Events, Failure, Plan,
@@ -425,6 +427,15 @@ impl<'a> Move<'a> {
                     .map(|_| link_bits);
                 let (o, why) = auto_choice(mptcp, req.encryption, ratio, idle, relay_room);
                 (o, sampled, format!("; auto: {why}"))
+            }
+            // one NIC pair: compress when that pays, else QEMU's own stream
+            MigrationOption::Auto if paths.len() == 1 => {
+                let s = (
+                    sample_memory(self.vm, self.spec.memory).await,
+                    agent.idle_now().await,
+                );
+                let (o, why) = auto_one_pair(s.0, s.1);
+                (o, Some(s), format!("; auto: {why}"))
             }
             MigrationOption::Auto => (MigrationOption::Tcp, None, String::new()),
             o => (o, None, String::new()),
