@@ -222,6 +222,7 @@ fn read_into(
 ) -> std::io::Result<()> {
     let (m, cv) = q;
     let batched = set_rcvlowat(fd, BATCH);
+    let mut spare: Option<Vec<u8>> = None;
     loop {
         {
             let mut g = lock(m);
@@ -232,7 +233,7 @@ fn read_into(
                 return Ok(());
             }
         }
-        let mut buf = vec![0u8; READ_BUF];
+        let mut buf = spare.take().unwrap_or_else(|| vec![0u8; READ_BUF]);
         let n = if batched {
             recv_batch(fd, &mut buf)?
         } else {
@@ -242,7 +243,16 @@ fn read_into(
         if n == 0 {
             return Ok(());
         }
-        buf.truncate(n);
+        // what the queue holds stays within twice the bytes it counts: a
+        // short read is copied out and its buffer read into again
+        let buf = if n < READ_BUF / 2 {
+            let part = buf[..n].to_vec();
+            spare = Some(buf);
+            part
+        } else {
+            buf.truncate(n);
+            buf
+        };
         let mut g = lock(m);
         g.bytes += n;
         g.bufs.push_back(buf);
