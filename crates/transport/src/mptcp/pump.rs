@@ -12,7 +12,7 @@ use crate::session::set_rcvlowat;
 /// Bytes one stream may hold in the agent on their way from the network to
 /// QEMU ([`pump_from_net`]). Measured: relaying 1 GiB guests over 4 multifd
 /// channels, a channel's queue peaked at 44–150 MiB in most moves and at
-/// 260 MiB once (28 moves); with 64 MiB, 2 moves in 16 still stalled.
+/// 260 MiB once (12 moves); with 64 MiB, 2 moves in 16 still stalled.
 pub(super) const FROM_NET_QUEUE: usize = 256 << 20;
 /// Bytes read or copied per call.
 const READ_BUF: usize = 256 << 10;
