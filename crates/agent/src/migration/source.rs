@@ -342,7 +342,7 @@ impl<'a> Move<'a> {
         {
             let (ratio, idle) = match sampled {
                 Some(s) => s,
-                None => (sample_memory(vm, spec.memory).await, agent.idle_now().await),
+                None => self.sample().await,
             };
             sampled = Some((ratio, idle));
             let (level, why) = qemu_compresses(ratio, idle, cpus(), compression_link);
@@ -397,6 +397,15 @@ impl<'a> Move<'a> {
         Ok(Outcome::Planned { disks })
     }
 
+    /// What `auto` and compression judge by: how a sample of the guest's
+    /// memory compresses, and the host's idle CPU share.
+    async fn sample(&self) -> (Option<f64>, Option<f64>) {
+        (
+            sample_memory(self.vm, self.spec.memory).await,
+            self.agent.idle_now().await,
+        )
+    }
+
     /// The option a move takes (auto's choice with its reason), and the
     /// memory sample and idle CPU when it read them.
     async fn choose_option(
@@ -409,10 +418,7 @@ impl<'a> Move<'a> {
                 let mptcp = ferry_transport::mptcp::available();
                 let mut sampled = None;
                 let (ratio, idle) = if mptcp && !req.encryption {
-                    let s = (
-                        sample_memory(self.vm, self.spec.memory).await,
-                        agent.idle_now().await,
-                    );
+                    let s = self.sample().await;
                     sampled = Some(s);
                     s
                 } else {
@@ -430,10 +436,7 @@ impl<'a> Move<'a> {
             }
             // one NIC pair: compress when that pays, else QEMU's own stream
             MigrationOption::Auto if paths.len() == 1 => {
-                let s = (
-                    sample_memory(self.vm, self.spec.memory).await,
-                    agent.idle_now().await,
-                );
+                let s = self.sample().await;
                 let (o, why) = auto_one_pair(s.0, s.1);
                 (o, Some(s), format!("; auto: {why}"))
             }
