@@ -6,7 +6,7 @@
 //!
 //! | point | where |
 //! |---|---|
-//! | `target-at-ready` | target, asked whether the memory has arrived, before answering |
+//! | `target-at-ready` | target, asked whether the memory has arrived, when it has, before answering |
 //! | `target-before-run` | target, told to run, before it writes Running |
 //! | `source-after-commit` | source, right after its Committed record is on disk |
 //! | `source-start-postcopy` | source, in place of asking QEMU to switch to post-copy |

@@ -465,6 +465,16 @@ qmp_command!(SystemReset, "system_reset", qapi::Empty);
 pub struct Qmp {
     svc: Service,
     events: tokio::task::JoinHandle<()>,
+    migration: tokio::sync::watch::Receiver<MigrationSeen>,
+}
+
+/// The last `MIGRATION` event QEMU sent (with the `events` capability on),
+/// and how many it has sent: a waiter wakes on the next one instead of
+/// sleeping out a poll interval.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MigrationSeen {
+    pub count: u64,
+    pub status: String,
 }
 
 impl Drop for Qmp {
@@ -474,6 +484,39 @@ impl Drop for Qmp {
 }
 
 const DEFAULT_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Reads QEMU's messages (replies go to their callers) and publishes each
+/// `MIGRATION` event; ends with the session.
+async fn follow_events(
+    events: qapi::futures::QapiEvents<QmpStreamTokio<tokio::io::ReadHalf<UnixStream>>>,
+    tx: tokio::sync::watch::Sender<MigrationSeen>,
+) {
+    use futures::StreamExt as _;
+    // the service's end then ends this stream too
+    if events.release().is_err() {
+        return;
+    }
+    let mut events = Box::pin(events);
+    while let Some(e) = events.next().await {
+        match e {
+            Ok(qapi::qmp::Event::MIGRATION { data, .. }) => {
+                let status = serde_json::to_value(data.status)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string))
+                    .unwrap_or_default();
+                tx.send_modify(|m| {
+                    m.count += 1;
+                    m.status = status;
+                });
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!(error = %e, "QMP stream ended");
+                break;
+            }
+        }
+    }
+}
 
 impl Qmp {
     /// Connects to QEMU's QMP socket, retrying until `wait` has passed (QEMU
@@ -488,8 +531,14 @@ impl Qmp {
             };
             match tokio::time::timeout(Duration::from_secs(5), attempt).await {
                 Ok(Ok(stream)) => {
-                    let (svc, events) = stream.spawn_tokio();
-                    return Ok(Qmp { svc, events });
+                    let (svc, events) = stream.into_parts();
+                    let (tx, migration) = tokio::sync::watch::channel(MigrationSeen::default());
+                    let events = tokio::spawn(follow_events(events, tx));
+                    return Ok(Qmp {
+                        svc,
+                        events,
+                        migration,
+                    });
                 }
                 Ok(Err(e)) if tokio::time::Instant::now() >= deadline => {
                     return Err(QmpError::Connect {
@@ -539,6 +588,11 @@ impl Qmp {
 
     pub async fn status(&self) -> Result<StatusInfo, QmpError> {
         self.call(QueryStatus {}, DEFAULT_DEADLINE).await
+    }
+
+    /// QEMU's `MIGRATION` events as they come (see [`MigrationSeen`]).
+    pub fn migration_events(&self) -> tokio::sync::watch::Receiver<MigrationSeen> {
+        self.migration.clone()
     }
 
     pub async fn query_migrate(&self) -> Result<MigrationInfo, QmpError> {
@@ -1091,6 +1145,58 @@ mod tests {
             .await
             .unwrap();
         assert!(s.running);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A QMP server that answers every command and, after each
+    /// `migrate-set-capabilities`, sends a `MIGRATION` event before the reply.
+    async fn eventful_qemu(path: std::path::PathBuf) {
+        let l = tokio::net::UnixListener::bind(&path).unwrap();
+        let (s, _) = l.accept().await.unwrap();
+        let (r, mut w) = s.into_split();
+        let mut lines = BufReader::new(r).lines();
+        w.write_all(b"{\"QMP\": {\"version\": {\"qemu\": {\"micro\": 0, \"minor\": 0, \"major\": 10}, \"package\": \"\"}, \"capabilities\": []}}\n")
+            .await
+            .unwrap();
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.contains("migrate-set-capabilities") {
+                w.write_all(b"{\"event\": \"MIGRATION\", \"data\": {\"status\": \"completed\"}, \"timestamp\": {\"seconds\": 1, \"microseconds\": 2}}\n")
+                    .await
+                    .unwrap();
+            }
+            let reply = if line.contains("query-status") {
+                "{\"return\": {\"status\": \"paused\", \"running\": false}}\n"
+            } else {
+                "{\"return\": {}}\n"
+            };
+            w.write_all(reply.as_bytes()).await.unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn migration_events_wake_their_waiters_and_replies_still_arrive() {
+        let dir = std::env::temp_dir().join(format!("ferry-qmp-ev-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("qmp.sock");
+        tokio::spawn(eventful_qemu(path.clone()));
+        let q = Qmp::connect(&path, Duration::from_secs(5)).await.unwrap();
+        let mut ev = q.migration_events();
+        assert_eq!(ev.borrow().count, 0);
+        q.set_capabilities(&[("events", true)]).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(5), ev.changed())
+            .await
+            .expect("no MIGRATION event reached the waiter")
+            .unwrap();
+        assert_eq!(
+            *ev.borrow(),
+            MigrationSeen {
+                count: 1,
+                status: "completed".into()
+            }
+        );
+        // the event before its reply took nothing from the next command
+        assert!(!q.status().await.unwrap().running);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

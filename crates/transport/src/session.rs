@@ -134,7 +134,7 @@ pub(crate) fn set_rcvlowat(fd: std::os::fd::RawFd, bytes: usize) -> bool {
 /// keeps only what keeps the link busy.
 pub const NOTSENT_LOWAT: usize = 128 << 10;
 
-pub(crate) fn set_notsent_lowat(fd: std::os::fd::RawFd, bytes: usize) -> bool {
+pub fn set_notsent_lowat(fd: std::os::fd::RawFd, bytes: usize) -> bool {
     set_int(fd, libc::IPPROTO_TCP, libc::TCP_NOTSENT_LOWAT, bytes)
 }
 

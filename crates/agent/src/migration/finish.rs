@@ -143,15 +143,24 @@ impl Move<'_> {
     /// Both guests are paused, the source since the blackout, the target
     /// since it started (-S): has the target loaded everything?
     pub(super) async fn ready(&mut self) -> Result<Outcome, Failure> {
-        let ready: IncomingStatus = self
-            .target
-            .post(
-                &format!("/incoming/{}/ready", self.id),
-                &serde_json::json!({}),
-                Duration::from_secs(40),
-            )
-            .await
-            .map_err(|e| fail("commit", format!("the target is not ready: {e}")))?;
+        // READY was most likely asked in the last pass already
+        let early = self.watch.as_mut().and_then(|w| w.early_ready.take());
+        let answered = match early {
+            Some(e) => e.answer().await.ok(),
+            None => None,
+        };
+        let ready: IncomingStatus = match answered {
+            Some(st) => st,
+            None => self
+                .target
+                .post(
+                    &format!("/incoming/{}/ready", self.id),
+                    &serde_json::json!({}),
+                    Duration::from_secs(40),
+                )
+                .await
+                .map_err(|e| fail("commit", format!("the target is not ready: {e}")))?,
+        };
         self.end.ready = Some(ready);
         let t_tick = self.end.t_tick.expect("the Tick step ran");
         let t_completed = self.end.t_completed.expect("the Tick step ran");

@@ -22,10 +22,10 @@ use crate::host::{error_chain, Agent, Role};
 use crate::qemu::{self, QemuVm};
 use crate::qmp::MigrationParameters;
 
-/// How often READY asks the paused skeleton whether it has loaded everything:
-/// the guest is in blackout, and every millisecond between its load and the
-/// answer is downtime.
-const READY_POLL: Duration = Duration::from_millis(2);
+/// How often READY asks the skeleton whether it has loaded everything when
+/// no `MIGRATION` event woke it first (QEMU's completion event answers READY
+/// at once: in the blackout every millisecond is downtime).
+const READY_POLL: Duration = Duration::from_millis(20);
 
 /// The send buffer of the target's connections to QEMU when QEMU compressed
 /// the stream (the kernel doubles it): what waits there is acknowledged and
@@ -165,12 +165,11 @@ impl Agent {
     ) -> Result<String, ApiError> {
         let datapath = QemuTcp;
         let qerr = |e: crate::qmp::QmpError| ApiError::internal(error_chain(&e));
-        if req.postcopy {
-            vm.qmp
-                .set_capabilities(&[("postcopy-ram", true)])
-                .await
-                .map_err(qerr)?;
-        }
+        // READY wakes on QEMU's completion rather than polling for it
+        vm.qmp
+            .set_capabilities(&[("events", true), ("postcopy-ram", req.postcopy)])
+            .await
+            .map_err(qerr)?;
         if req.qemu_channels {
             // QEMU's own multifd channels, straight from the source's QEMU
             expect_channels(&vm.qmp, req.qemu_zstd.is_some())
@@ -225,7 +224,11 @@ impl Agent {
                 .map_err(qerr)?;
         } else {
             vm.qmp
-                .set_capabilities(&[("multifd", false), ("postcopy-ram", req.postcopy)])
+                .set_capabilities(&[
+                    ("events", true),
+                    ("multifd", false),
+                    ("postcopy-ram", req.postcopy),
+                ])
                 .await
                 .map_err(qerr)?;
         }
@@ -619,11 +622,9 @@ impl Agent {
         let q = q.ok_or_else(|| ApiError::Conflict {
             reason: "skeleton QEMU is still starting".into(),
         })?;
-        if crate::failpoint::hit("target-at-ready") == Some(crate::failpoint::Action::KillQemu) {
-            q.kill().await;
-        }
         let deadline = Instant::now() + Duration::from_secs(30);
         let t0 = Instant::now();
+        let mut events = q.qmp.migration_events();
         loop {
             if !q.alive().await {
                 return Err(ApiError::internal(
@@ -642,6 +643,15 @@ impl Agent {
                     // -S makes this impossible; say so loudly rather than commit on it
                     return Err(ApiError::internal(
                         "the target guest runs before the commit (QEMU started without -S?)",
+                    ));
+                }
+                (Some("completed"), _)
+                    if crate::failpoint::hit("target-at-ready")
+                        == Some(crate::failpoint::Action::KillQemu) =>
+                {
+                    q.kill().await;
+                    return Err(ApiError::internal(
+                        "the target QEMU exited before the commit",
                     ));
                 }
                 (Some("completed"), Some(s)) => {
@@ -665,7 +675,14 @@ impl Agent {
                     s.map(|s| s.status).unwrap_or_else(|| "unreachable".into())
                 )))
                 }
-                _ => tokio::time::sleep(READY_POLL).await,
+                _ => {
+                    // QEMU's MIGRATION event wakes this at once; the poll
+                    // is the fallback
+                    let woke = tokio::time::timeout(READY_POLL, events.changed()).await;
+                    if matches!(woke, Ok(Err(_))) {
+                        tokio::time::sleep(READY_POLL).await;
+                    }
+                }
             }
         }
     }
@@ -700,7 +717,8 @@ impl Agent {
                     ApiError::internal(format!("starting the guest: {}", error_chain(&e)))
                 })?;
                 // switches learn the guest's MACs on this host's port now
-                // rather than when the guest next sends
+                // rather than when the guest next sends (behind the answer:
+                // the guest runs, and the source is waiting)
                 let has_nics = self
                     .state
                     .lock()
@@ -709,15 +727,24 @@ impl Agent {
                     .get(&name)
                     .is_some_and(|s| !s.spec.nics.is_empty());
                 if has_nics {
-                    if let Err(e) = q.qmp.announce_self(crate::qmp::ANNOUNCE).await {
-                        tracing::warn!(vm = %name, error = %error_chain(&e), "announce-self failed");
-                    }
+                    let (q, name) = (q.clone(), name.clone());
+                    tokio::spawn(async move {
+                        if let Err(e) = q.qmp.announce_self(crate::qmp::ANNOUNCE).await {
+                            tracing::warn!(vm = %name, error = %error_chain(&e), "announce-self failed");
+                        }
+                    });
                 }
                 self.adopt(&name, id, q.clone()).await;
                 tracing::info!(vm = %name, migration = id, "committed by {source}: the guest runs here");
-                let mut st = self.incoming_status(id).await?;
-                st.cpu_ms = cpu_ms;
-                Ok(st)
+                // what was just done, said without asking QEMU and the
+                // journal again
+                Ok(IncomingStatus {
+                    migration_id: id.into(),
+                    qemu_status: "running".into(),
+                    qemu_alive: true,
+                    cpu_ms,
+                    phase: phase_name(Some(TargetPhase::Running)),
+                })
             }
             TargetAction::AnswerRunning => {
                 // make sure it runs (a `cont` may have been lost with a crash)
@@ -1021,7 +1048,7 @@ pub const ASK_AFTER: Duration = Duration::from_secs(10);
 /// The skeleton's QEMU expects the source's multifd channels (over Ferry's
 /// carriers or straight from the source's QEMU), zstd-compressed if `zstd`.
 async fn expect_channels(qmp: &crate::qmp::Qmp, zstd: bool) -> Result<(), crate::qmp::QmpError> {
-    qmp.set_capabilities(&[("multifd", true), ("postcopy-ram", false)])
+    qmp.set_capabilities(&[("events", true), ("multifd", true), ("postcopy-ram", false)])
         .await?;
     qmp.set_parameters(MigrationParameters {
         multifd_channels: Some(MULTIFD_CHANNELS),

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Two builds of Ferry's agents against each other on the switch-over: guest-seen downtime and its parts.
+
+One lab (two hosts, --nics NIC pairs shaped to --rate, CPUs split with --cpus), one idle
+workload guest moved back and forth. Per round, each build's agents are started on both hosts
+(`ferry lab restart-agent`; the guest outlives them), the order alternating, and the guest is
+moved --moves times under them. Per build: p50 / p95 / p99 / max of the report's
+`guest_downtime_ms` (the source's pause to RUN answered), the median of each of its
+`downtime_parts` (qemu, tick, ready, record, run), and the median transfer (`migrate` to the
+target running) and total times. The guest is
+checked intact at the end.
+
+    sudo python3 bench/switchover_ab.py --old OLD_BIN --new NEW_BIN [--rounds 5] [--moves 10]
+        [--rate 1gbit] [--nics 1] [--cpus split] [--memory 512M --fill 256M] [--option tcp]
+
+OLD_BIN and NEW_BIN must be copies outside target/ (a running agent holds its binary).
+"""
+import argparse, json, os, statistics, subprocess, sys
+
+from compression_ab import agents_from
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def run(binary, *args, check=True):
+    r = subprocess.run([binary, *args], capture_output=True, text=True)
+    if check and r.returncode:
+        sys.exit(f"ferry {' '.join(args)}: {r.stderr.strip()}")
+    return r
+
+
+def where(binary, vm):
+    for v in json.loads(run(binary, "vm", "list", "--json").stdout):
+        if v["name"] == vm and v["state"] != "incoming":
+            return v["host"]
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old", required=True)
+    ap.add_argument("--new", required=True)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--moves", type=int, default=10)
+    ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--nics", default="1")
+    ap.add_argument("--cpus", default="split")
+    ap.add_argument("--memory", default="512M")
+    ap.add_argument("--fill", default="256M")
+    ap.add_argument("--option", default="tcp")
+    a = ap.parse_args()
+    builds = {"old": a.old, "new": a.new}
+    for name, b in builds.items():
+        if not os.access(b, os.X_OK):
+            sys.exit(f"--{name} {b}: not an executable")
+    up = ["lab", "up", "--replace", "--hosts", "2", "--nics", a.nics, "--rate", a.rate]
+    if a.cpus:
+        up += ["--cpus", a.cpus]
+    run(a.new, *up)
+    run(a.new, "vm", "create", "sw", "--host", "host1", "--memory", a.memory, "--fill", a.fill)
+    got = {b: [] for b in builds}
+    names = list(builds)
+    for rnd in range(a.rounds):
+        for b in names[rnd % 2:] + names[:rnd % 2]:
+            agents_from(builds[b])
+            for i in range(a.moves):
+                to = "host2" if where(a.new, "sw") == "host1" else "host1"
+                out = run(a.new, "vm", "move", "sw", "--to", to, "--option", a.option, "--json",
+                          check=False)
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                if r.get("event") != "completed":
+                    sys.exit(f"{b}: move failed: {r}")
+                got[b].append(r)
+                parts = " ".join(f"{p['part']} {p['ms']}" for p in r.get("downtime_parts", []))
+                print(f"round {rnd + 1} {b} #{i + 1}: guest {r['guest_downtime_ms']} ms ({parts}), "
+                      f"total {r['total_ms']} ms", file=sys.stderr, flush=True)
+    c = json.loads(run(a.new, "vm", "check", "sw", "--json", check=False).stdout or "{}")
+    intact = "intact" if c.get("intact") and c.get("advancing") else "NOT INTACT"
+    run(a.new, "vm", "rm", "sw", check=False)
+    part_names = ["qemu", "tick", "ready", "record", "run"]
+    print(f"\n{a.rounds} rounds x {a.moves} moves per build, {a.nics} NIC pair(s) at {a.rate}, "
+          f"--cpus {a.cpus or 'shared'}, {a.memory} guest ({a.fill} filled, idle), "
+          f"--option {a.option}; guest {intact}\n")
+    print("| build | moves | guest downtime p50 / p95 / p99 / max ms | "
+          + " | ".join(f"{p} p50" for p in part_names) + " | transfer p50 s | total p50 s |")
+    print("|---|---|---|" + "---|" * len(part_names) + "---|---|")
+    for b, rs in got.items():
+        g = [r["guest_downtime_ms"] for r in rs]
+        parts = {p: [] for p in part_names}
+        for r in rs:
+            for p in r.get("downtime_parts", []):
+                if p["part"] in parts:
+                    parts[p["part"]].append(p["ms"])
+        cols = " | ".join(f"{statistics.median(v):.0f}" if v else "-" for v in parts.values())
+        tot = statistics.median(r["total_ms"] for r in rs) / 1000
+        xfer = statistics.median(r["transfer_ms"] for r in rs) / 1000
+        print(f"| {b} | {len(rs)} | {pct(g, 50)} / {pct(g, 95)} / {pct(g, 99)} / {max(g)} | {cols} | "
+              f"{xfer:.2f} | {tot:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
