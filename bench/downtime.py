@@ -11,6 +11,7 @@ QEMU's `downtime_ms`, moves over their requested maximum, median total time.
 The guest is checked intact at the end of each configuration.
 
     sudo python3 bench/downtime.py [--rate 1gbit] [--moves 20] [--memory 256M --fill 128M]
+        [--nics 1,2] [--loads 0,0.1,0.5] [--cpus split]
 """
 import argparse, json, os, statistics, subprocess, sys
 
@@ -46,13 +47,17 @@ def main():
     ap.add_argument("--fill", default="128M")
     ap.add_argument("--nics", default="1,2")
     ap.add_argument("--loads", default="0,0.1,0.5", help="dirty rate as shares of one link's rate")
+    ap.add_argument("--cpus", default="", help="ferry lab up --cpus (e.g. split): hosts with CPUs of their own")
     a = ap.parse_args()
     link = rate_bytes(a.rate)
     contenders = [("auto", []), ("100ms", ["--max-downtime", "100ms"])]
     limit = {"auto": 300, "100ms": 100}
     rows = []
     for nics in a.nics.split(","):
-        if ferry("lab", "up", "--replace", "--hosts", "2", "--nics", nics, "--rate", a.rate).returncode:
+        up = ["lab", "up", "--replace", "--hosts", "2", "--nics", nics, "--rate", a.rate]
+        if a.cpus:
+            up += ["--cpus", a.cpus]
+        if ferry(*up).returncode:
             sys.exit("lab up failed")
         for load in (float(x) for x in a.loads.split(",")):
             dirty = f"{int(link * load / 2**20)}M" if load else "0"
