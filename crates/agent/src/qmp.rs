@@ -1104,9 +1104,10 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
-    /// A QMP server that answers every command in order, the first
-    /// `query-status` only after `late`.
-    async fn slow_qemu(path: std::path::PathBuf, late: Duration) {
+    /// A QMP server that answers every command in order: `query-status`
+    /// with `running`, its first answer only after `late`; with `events`,
+    /// a `MIGRATION` event before each `migrate-set-capabilities`' reply.
+    async fn fake_qemu(path: std::path::PathBuf, late: Duration, running: bool, events: bool) {
         let l = tokio::net::UnixListener::bind(&path).unwrap();
         let (s, _) = l.accept().await.unwrap();
         let (r, mut w) = s.into_split();
@@ -1116,14 +1117,22 @@ mod tests {
             .unwrap();
         let mut first = true;
         while let Ok(Some(line)) = lines.next_line().await {
+            if events && line.contains("migrate-set-capabilities") {
+                w.write_all(b"{\"event\": \"MIGRATION\", \"data\": {\"status\": \"completed\"}, \"timestamp\": {\"seconds\": 1, \"microseconds\": 2}}\n")
+                    .await
+                    .unwrap();
+            }
             let reply = if line.contains("query-status") {
                 if first {
                     first = false;
                     tokio::time::sleep(late).await;
                 }
-                "{\"return\": {\"status\": \"running\", \"running\": true}}\n"
+                format!(
+                    "{{\"return\": {{\"status\": \"{}\", \"running\": {running}}}}}\n",
+                    if running { "running" } else { "paused" }
+                )
             } else {
-                "{\"return\": {}}\n"
+                "{\"return\": {}}\n".to_string()
             };
             w.write_all(reply.as_bytes()).await.unwrap();
         }
@@ -1135,7 +1144,12 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("qmp.sock");
-        tokio::spawn(slow_qemu(path.clone(), Duration::from_millis(600)));
+        tokio::spawn(fake_qemu(
+            path.clone(),
+            Duration::from_millis(600),
+            true,
+            false,
+        ));
         let q = Qmp::connect(&path, Duration::from_secs(5)).await.unwrap();
         let r = q.call(QueryStatus {}, Duration::from_millis(100)).await;
         assert!(matches!(r, Err(QmpError::Timeout { .. })), "{r:?}");
@@ -1148,38 +1162,13 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// A QMP server that answers every command and, after each
-    /// `migrate-set-capabilities`, sends a `MIGRATION` event before the reply.
-    async fn eventful_qemu(path: std::path::PathBuf) {
-        let l = tokio::net::UnixListener::bind(&path).unwrap();
-        let (s, _) = l.accept().await.unwrap();
-        let (r, mut w) = s.into_split();
-        let mut lines = BufReader::new(r).lines();
-        w.write_all(b"{\"QMP\": {\"version\": {\"qemu\": {\"micro\": 0, \"minor\": 0, \"major\": 10}, \"package\": \"\"}, \"capabilities\": []}}\n")
-            .await
-            .unwrap();
-        while let Ok(Some(line)) = lines.next_line().await {
-            if line.contains("migrate-set-capabilities") {
-                w.write_all(b"{\"event\": \"MIGRATION\", \"data\": {\"status\": \"completed\"}, \"timestamp\": {\"seconds\": 1, \"microseconds\": 2}}\n")
-                    .await
-                    .unwrap();
-            }
-            let reply = if line.contains("query-status") {
-                "{\"return\": {\"status\": \"paused\", \"running\": false}}\n"
-            } else {
-                "{\"return\": {}}\n"
-            };
-            w.write_all(reply.as_bytes()).await.unwrap();
-        }
-    }
-
     #[tokio::test]
     async fn migration_events_wake_their_waiters_and_replies_still_arrive() {
         let dir = std::env::temp_dir().join(format!("ferry-qmp-ev-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("qmp.sock");
-        tokio::spawn(eventful_qemu(path.clone()));
+        tokio::spawn(fake_qemu(path.clone(), Duration::ZERO, false, true));
         let q = Qmp::connect(&path, Duration::from_secs(5)).await.unwrap();
         let mut ev = q.migration_events();
         assert_eq!(ev.borrow().count, 0);

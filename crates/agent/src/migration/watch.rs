@@ -867,7 +867,6 @@ impl Move<'_> {
     }
 }
 
-/// The URI QEMU migrates to and the connection step's text.
 /// Remaining bytes below which QEMU's dialled stream keeps few unsent bytes:
 /// the autotuned queue (megabytes) has drained well before QEMU completes
 /// (16 MiB is ~130 ms of a 1 Gbit/s link, ~13 ms of 10 Gbit/s).
@@ -885,6 +884,7 @@ fn dial_for_qemu(uri: &str) -> std::io::Result<std::net::TcpStream> {
     std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
 }
 
+/// The URI QEMU migrates to and the connection step's text.
 async fn stream_target(
     plan: &Plan,
     handoff: bool,
