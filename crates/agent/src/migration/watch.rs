@@ -942,3 +942,47 @@ async fn stream_target(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    #[test]
+    fn only_a_tcp_uri_is_dialled_and_its_unsent_bytes_can_be_cut() {
+        for bad in [
+            "exec:cat /etc/shadow",
+            "unix:/run/x.sock",
+            "tcp:nowhere",
+            "tcp:1.2.3.4",
+        ] {
+            let e = dial_for_qemu(bad).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{bad}: {e}");
+        }
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = dial_for_qemu(&format!("tcp:{}", l.local_addr().unwrap())).unwrap();
+        let (peer, _) = l.accept().unwrap();
+        assert_eq!(peer.peer_addr().unwrap(), s.local_addr().unwrap());
+        // what the watch sets near the end, as the kernel then has it
+        let want = ferry_transport::session::NOTSENT_LOWAT;
+        assert!(ferry_transport::session::set_notsent_lowat(
+            s.as_raw_fd(),
+            want
+        ));
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: `s` is an open socket; `v` and `len` outlive the call.
+        let rc = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_NOTSENT_LOWAT,
+                (&mut v as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(rc, 0);
+        assert_eq!(v as usize, want);
+    }
+}
