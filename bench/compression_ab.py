@@ -48,6 +48,15 @@ def agents_from(binary, hosts=("host1", "host2"), control=False):
     time.sleep(1)
 
 
+def builds_of(a):
+    """--old and --new, each checked to be an executable."""
+    builds = {"old": a.old, "new": a.new}
+    for name, b in builds.items():
+        if not os.access(b, os.X_OK):
+            sys.exit(f"--{name} {b}: not an executable")
+    return builds
+
+
 def main():
     ap = argparse.ArgumentParser()
     compression.guest_options(ap)
@@ -58,10 +67,7 @@ def main():
     ap.add_argument("--kind", default="random", choices=["random", "compressible"])
     ap.add_argument("--encrypt", action="store_true")
     a = ap.parse_args()
-    builds = {"old": a.old, "new": a.new}
-    for name, b in builds.items():
-        if not os.access(b, os.X_OK):
-            sys.exit(f"--{name} {b}: not an executable")
+    builds = builds_of(a)
     subprocess.run([a.new, "lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate],
                    check=True, capture_output=True)
     if a.encrypt:

@@ -15,14 +15,10 @@ checked intact at the end.
 
 OLD_BIN and NEW_BIN must be copies outside target/ (a running agent holds its binary).
 """
-import argparse, json, os, statistics, subprocess, sys
+import argparse, json, statistics, subprocess, sys
 
-from compression_ab import agents_from
-
-
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+from compression_ab import agents_from, builds_of
+from downtime import pct
 
 
 def run(binary, *args, check=True):
@@ -52,10 +48,7 @@ def main():
     ap.add_argument("--fill", default="256M")
     ap.add_argument("--option", default="tcp")
     a = ap.parse_args()
-    builds = {"old": a.old, "new": a.new}
-    for name, b in builds.items():
-        if not os.access(b, os.X_OK):
-            sys.exit(f"--{name} {b}: not an executable")
+    builds = builds_of(a)
     up = ["lab", "up", "--replace", "--hosts", "2", "--nics", a.nics, "--rate", a.rate]
     if a.cpus:
         up += ["--cpus", a.cpus]

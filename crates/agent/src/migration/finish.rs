@@ -151,13 +151,7 @@ impl Move<'_> {
         };
         let ready: IncomingStatus = match answered {
             Some(st) => st,
-            None => self
-                .target
-                .post(
-                    &format!("/incoming/{}/ready", self.id),
-                    &serde_json::json!({}),
-                    Duration::from_secs(40),
-                )
+            None => super::watch::ask_ready(&self.target, self.id)
                 .await
                 .map_err(|e| fail("commit", format!("the target is not ready: {e}")))?,
         };

@@ -83,14 +83,25 @@ pub(super) struct Watch {
 /// looks; a move that ends another way drops (and aborts) it.
 pub(super) struct EarlyReady(tokio::task::JoinHandle<Result<IncomingStatus, String>>);
 
+/// READY (`POST /incoming/ID/ready`): has the target loaded everything?
+pub(super) async fn ask_ready(
+    target: &ferry_net::client::Client,
+    id: &str,
+) -> Result<IncomingStatus, ferry_api::ApiError> {
+    target
+        .post(
+            &format!("/incoming/{id}/ready"),
+            &serde_json::json!({}),
+            Duration::from_secs(40),
+        )
+        .await
+}
+
 impl EarlyReady {
     fn ask(target: &ferry_net::client::Client, id: &str) -> EarlyReady {
-        let (target, path) = (target.clone(), format!("/incoming/{id}/ready"));
+        let (target, id) = (target.clone(), id.to_string());
         EarlyReady(tokio::spawn(async move {
-            target
-                .post(&path, &serde_json::json!({}), Duration::from_secs(40))
-                .await
-                .map_err(|e| e.to_string())
+            ask_ready(&target, &id).await.map_err(|e| e.to_string())
         }))
     }
 
