@@ -11,7 +11,7 @@ handed-off socket, `compression` and `multichannel` Ferry's carriers, whose rela
 Prints every run and the medians per (build, option).
 
     sudo python3 bench/agent_cpu.py [--options tcp,mptcp,compression] [--rounds 3] [--rate 1gbit]
-        [--kind compressible] [--bins BIN[,BIN2…]] [the guest options of bench/compression.py]
+        [--kind compressible] [--bins BIN[,BIN2…]] [--cpus split] [the guest options of bench/compression.py]
 
 --bins: Ferry builds to compare (copies outside target/, as for bench/compression_ab.py); the
 first also brings the lab up. Default: $FERRY_BIN. --with-control: the control service restarts
@@ -41,6 +41,7 @@ def main():
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--kind", default="compressible", choices=["random", "compressible"])
     ap.add_argument("--bins", default=labqemu.FERRY)
+    ap.add_argument("--cpus", default=None, help="`ferry lab up --cpus`: split, or host1=0,host2=1")
     ap.add_argument("--with-control", action="store_true",
                     help="restart the control service from each build too (needed when the builds' "
                          "control service and agents must match)")
@@ -49,7 +50,8 @@ def main():
     for b in bins:
         if not os.access(b, os.X_OK):
             sys.exit(f"--bins: {b} is not an executable")
-    subprocess.run([bins[0], "lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate],
+    subprocess.run([bins[0], "lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate,
+                    *(["--cpus", a.cpus] if a.cpus else [])],
                    check=True, capture_output=True)
     pairs = [(b, o) for b in bins for o in a.options.split(",")]
     runs = {p: [] for p in pairs}

@@ -380,6 +380,10 @@ impl JournalError {
 #[derive(Debug, Clone)]
 pub struct Journal {
     dir: PathBuf,
+    /// The migrations whose source record is `committed`, as this process
+    /// wrote them (None until a first full read): what the settler asks
+    /// for every 2 s, without reading every record kept for a week.
+    committed: std::sync::Arc<std::sync::Mutex<Option<std::collections::BTreeSet<String>>>>,
 }
 
 pub fn now_secs() -> u64 {
@@ -393,6 +397,7 @@ impl Journal {
     pub fn new(state_dir: &Path) -> Journal {
         Journal {
             dir: state_dir.join("migrations"),
+            committed: Default::default(),
         }
     }
 
@@ -423,7 +428,46 @@ impl Journal {
         std::fs::File::open(&self.dir)
             .and_then(|d| d.sync_all())
             .map_err(io(&self.dir))?;
+        if let Side::Source(phase) = rec.side {
+            self.note_committed(&rec.migration_id, phase == SourcePhase::Committed);
+        }
         Ok(())
+    }
+
+    /// Keeps the index of committed source records in step with a write
+    /// or a removal.
+    fn note_committed(&self, id: &str, committed: bool) {
+        if let Some(set) = ferry_api::util::lock(&self.committed).as_mut() {
+            if committed {
+                set.insert(id.to_string());
+            } else {
+                set.remove(id);
+            }
+        }
+    }
+
+    /// Every source record in its `committed` phase: the full read once,
+    /// then only those records (the index follows this process's writes).
+    pub fn committed_sources(&self) -> Vec<Record> {
+        let known = ferry_api::util::lock(&self.committed).clone();
+        let ids = match known {
+            Some(ids) => ids,
+            None => {
+                let recs: Vec<Record> = self
+                    .all()
+                    .0
+                    .into_iter()
+                    .filter(|r| r.side == Side::Source(SourcePhase::Committed))
+                    .collect();
+                let ids = recs.iter().map(|r| r.migration_id.clone()).collect();
+                *ferry_api::util::lock(&self.committed) = Some(ids);
+                return recs;
+            }
+        };
+        ids.iter()
+            .filter_map(|id| self.read(id, true).ok().flatten())
+            .filter(|r| r.side == Side::Source(SourcePhase::Committed))
+            .collect()
     }
 
     /// Moves the record of migration `id` on `side`'s side to `side`'s phase
@@ -508,6 +552,9 @@ impl Journal {
     /// Removes one record.
     pub fn forget(&self, r: &Record) {
         let _ = std::fs::remove_file(self.path(&r.migration_id, &r.side));
+        if matches!(r.side, Side::Source(_)) {
+            self.note_committed(&r.migration_id, false);
+        }
     }
 }
 
@@ -522,6 +569,56 @@ pub fn target_may_forget(source: Option<SourceAnswer>) -> bool {
 mod tests {
     use super::*;
     use std::collections::{BTreeSet, HashSet, VecDeque};
+
+    #[test]
+    #[allow(clippy::unwrap_used)] // a panic is the failure report
+    fn the_settlers_index_follows_writes_removals_and_a_first_full_read() {
+        let dir = std::env::temp_dir().join(format!("ferry-journal-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let rec = |id: &str, side| Record {
+            migration_id: id.into(),
+            vm: "vm".into(),
+            peer: "host2".into(),
+            peer_url: "https://198.18.0.12:7800".into(),
+            side,
+            updated: 0,
+            sealed: false,
+        };
+        let ids = |j: &Journal| -> Vec<String> {
+            j.committed_sources()
+                .into_iter()
+                .map(|r| r.migration_id)
+                .collect()
+        };
+        let earlier = Journal::new(&dir);
+        earlier
+            .write(&rec("a", Side::Source(SourcePhase::Committed)))
+            .unwrap();
+        earlier
+            .write(&rec("b", Side::Source(SourcePhase::Done)))
+            .unwrap();
+        earlier
+            .write(&rec("c", Side::Target(TargetPhase::Running)))
+            .unwrap();
+        // a restarted agent: the first question reads every record
+        let j = Journal::new(&dir);
+        assert_eq!(ids(&j), ["a"]);
+        j.write(&rec("d", Side::Source(SourcePhase::Committed)))
+            .unwrap();
+        assert_eq!(ids(&j), ["a", "d"]);
+        j.update("a", Side::Source(SourcePhase::Done)).unwrap();
+        assert_eq!(ids(&j), ["d"]);
+        j.forget(&rec("d", Side::Source(SourcePhase::Committed)));
+        assert!(ids(&j).is_empty());
+        // a record changed behind the index is not taken for committed
+        j.write(&rec("e", Side::Source(SourcePhase::Committed)))
+            .unwrap();
+        earlier
+            .write(&rec("e", Side::Source(SourcePhase::Aborted)))
+            .unwrap();
+        assert!(ids(&j).is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn source_decisions() {

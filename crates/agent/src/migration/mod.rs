@@ -187,11 +187,11 @@ fn progress_event(
     started: Instant,
     rate: f64,
     plan: &Plan,
-    (tx_before, nics): (&BTreeMap<String, u64>, &crate::NicSelection),
+    tx_before: &BTreeMap<String, u64>,
     phase: &str,
 ) -> MigrationEvent {
     let (nic_tx_bytes, carriers_up) = match plan {
-        Plan::Tcp { .. } => (delta(tx_before, &nic_tx(nics)), None),
+        Plan::Tcp { .. } => (tx_since(tx_before), None),
         Plan::Multichannel { session, .. } => {
             let st = session.stats();
             (carrier_bytes(&st), Some(st.healthy))
@@ -334,10 +334,20 @@ async fn poll_target(
 /// Multifd channels per multichannel migration (streams over the carriers).
 pub const MULTIFD_CHANNELS: u64 = 4;
 
-fn delta(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> BTreeMap<String, u64> {
-    after
+/// Bytes each NIC of `before` sent since then: one sysfs read per NIC,
+/// polled through the move (no address dump; the NICs were chosen at the
+/// start).
+fn tx_since(before: &BTreeMap<String, u64>) -> BTreeMap<String, u64> {
+    before
         .iter()
-        .map(|(n, a)| (n.clone(), a.saturating_sub(*before.get(n).unwrap_or(a))))
+        .map(|(n, b)| {
+            let now = crate::facts::read_u64(
+                std::path::Path::new("/sys/class/net")
+                    .join(n)
+                    .join("statistics/tx_bytes"),
+            );
+            (n.clone(), now.saturating_sub(*b))
+        })
         .collect()
 }
 

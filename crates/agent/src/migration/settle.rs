@@ -485,9 +485,8 @@ impl Agent {
     /// Run every 2 s: committed migrations no live move is finishing (their
     /// RUN's answer was lost, or this agent restarted) are settled.
     pub async fn settle_committed(&self) {
-        for rec in self.moves.journal.all().0 {
-            if rec.side == Side::Source(SourcePhase::Committed) && !self.is_live(&rec.migration_id)
-            {
+        for rec in self.moves.journal.committed_sources() {
+            if !self.is_live(&rec.migration_id) {
                 self.settle_once(&rec).await;
             }
         }

@@ -18,9 +18,7 @@ use super::auto::{
     auto_choice, auto_one_pair, own_channels, qemu_compresses, relay_fits, sample_memory,
 };
 use super::sequence::{self, Action, OnDisk, Outcome, Step};
-use super::{
-    carrier_pairs, cpus, disks, fail, nic_tx, own_endpoint, tcp_uri, Events, Failure, Plan,
-};
+use super::{carrier_pairs, cpus, disks, fail, own_endpoint, tcp_uri, Events, Failure, Plan};
 use crate::commit::{Record, Side, SourcePhase};
 use crate::host::{error_chain, Agent};
 use crate::qemu::QemuVm;
@@ -711,7 +709,7 @@ impl<'a> Move<'a> {
     /// The bytes QEMU sent per NIC since the stream started (TCP plans).
     pub fn tx_since_start(&self) -> BTreeMap<String, u64> {
         let before = &self.stream.as_ref().expect("the Stream step ran").tx_before;
-        super::delta(before, &nic_tx(&self.agent.cfg.nics))
+        super::tx_since(before)
     }
 }
 

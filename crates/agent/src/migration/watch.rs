@@ -627,7 +627,7 @@ impl Move<'_> {
             self.started,
             path_rate,
             self.plan_ref(),
-            (&self.streaming().tx_before, &self.agent.cfg.nics),
+            &self.streaming().tx_before,
             "postcopy",
         );
         self.ev.send(p).await;
