@@ -41,6 +41,8 @@ pub(super) struct Watch {
     last_sample: (Instant, u64),
     target_failures: u32,
     last_target_poll: Instant,
+    /// When the last progress event went (see [`PROGRESS_EVERY`]).
+    last_progress: Option<Instant>,
     /// copy, iterate, blackout: each said once.
     seen: (bool, bool, bool),
     carriers_up_seen: Option<usize>,
@@ -139,6 +141,7 @@ impl Watch {
             last_sample: (now, 0),
             target_failures: 0,
             last_target_poll: now,
+            last_progress: None,
             seen: (false, false, false),
             carriers_up_seen: None,
             run_answer: None,
@@ -704,8 +707,10 @@ impl Move<'_> {
         let dt = (now - w.last_sample.0).as_secs_f64().max(1e-3);
         let throughput = ram.transferred.saturating_sub(w.last_sample.1) as f64 / dt;
         w.last_sample = (now, ram.transferred);
+        let due = w.last_progress.is_none_or(|t| now - t >= PROGRESS_EVERY);
         let (nic_tx_bytes, carriers_up) = match self.plan_ref() {
-            Plan::Tcp { .. } => (self.tx_since_start(), None),
+            Plan::Tcp { .. } if due => (self.tx_since_start(), None),
+            Plan::Tcp { .. } => (BTreeMap::new(), None),
             Plan::Multichannel { session, .. } => {
                 if let Some(why) = session.failure() {
                     return Err(fail("copy", format!("transport: {why}")));
@@ -723,6 +728,10 @@ impl Move<'_> {
             }
         };
         self.carrier_loss(carriers_up, throughput).await;
+        if !due {
+            return Ok(());
+        }
+        self.watching().last_progress = Some(now);
         let mut p = self.precopy_progress(info, throughput);
         // the mirrors keep the copies in step meanwhile; one that fails
         // ends the move (the guest keeps its own disks)
@@ -877,6 +886,12 @@ impl Move<'_> {
         }
     }
 }
+
+/// The least time between two pre-copy progress events: the watch looks
+/// at QEMU every 10–100 ms, and an event per look (each one serialized,
+/// written to every listener and forwarded by the control service) was
+/// most of what a move's progress cost the agents.
+const PROGRESS_EVERY: Duration = Duration::from_millis(250);
 
 /// Remaining bytes below which QEMU's dialled stream keeps few unsent bytes:
 /// the autotuned queue (megabytes) has drained well before QEMU completes
