@@ -5,11 +5,15 @@ Both run in one lab, on the same link (one NIC shaped to --rate), with the same
 guest (kernel, initramfs, workload, memory, fill, dirty rate) and the same QEMU
 parameters (max-bandwidth unlimited, downtime-limit 300 ms). Reported per run:
 total time, QEMU's migration time, downtime, bytes, throughput, and
-QEMU time / (bytes / link rate). Needs root and a built ferry binary.
+QEMU time / (bytes / link rate). Ferry's move is timed three ways: to the guest running on
+the target (the report's `running_ms`, what QEMU's by-hand time measures), to the end of its final
+check (`total_ms`), and the `ferry vm move` command's wall clock. The contenders alternate, the
+first in turn. --cpus gives each lab host CPUs of its own, the QEMUs by hand pinned the same way.
+Medians. Needs root and a built ferry binary.
 
-    sudo python3 bench/migrate_vs_qemu.py [--runs 3] [--memory 1G] [--fill 768M]
+    sudo python3 bench/migrate_vs_qemu.py [--runs 3] [--memory 1G] [--fill 768M] [--cpus split]
 """
-import argparse, json, subprocess, sys, time
+import argparse, json, statistics, subprocess, sys, time
 
 from labqemu import ferry, lab_addr, qemu, run_target, size, wait_migration, wait_ready
 
@@ -42,47 +46,62 @@ def main():
     ap.add_argument("--fill", default="768M")
     ap.add_argument("--dirty-rate", default="8M")
     ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--cpus", default=None, help="`ferry lab up --cpus`: split, or host1=0,host2=1")
     a = ap.parse_args()
     rate_bps = float(a.rate.replace("gbit", "e9").replace("mbit", "e6"))
     mem, fill, dirty = size(a.memory), size(a.fill), size(a.dirty_rate)
-    ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "1", "--rate", a.rate)
+    ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "1", "--rate", a.rate,
+          *(["--cpus", a.cpus] if a.cpus else []))
     img = ferry("lab", "image").split("guest image: ")[1].split(" ")[0]
     rows = []
-    # Ferry
     ferry("vm", "create", "bench", "--host", "host1", "--memory", a.memory, "--fill", a.fill, "--dirty-rate", a.dirty_rate)
     ferry("vm", "check", "bench")
-    hosts = ["host2", "host1"]
-    for i in range(a.runs):
-        r = json.loads(ferry("vm", "move", "bench", "--to", hosts[i % 2], "--json").strip().splitlines()[-1])
-        assert r["event"] == "completed", r
-        rows.append(("ferry", r["total_ms"], r["qemu_total_ms"], r["downtime_ms"], r["bytes_transferred"]))
-    ferry("vm", "rm", "bench")
-    # QEMU by hand over QMP, same link
     src = qemu("host1", "/run/ferry/bench/host1", img, mem, fill, dirty, False)
     wait_ready("/run/ferry/bench/host1/console.log")
     time.sleep(2)
     addrs = {h: lab_addr(h, 1) for h in ("host1", "host2")}
+    hosts = ["host2", "host1"]
     at = "host1"
-    for i in range(a.runs):
+
+    def by_ferry(i):
+        t0 = time.time()
+        r = json.loads(ferry("vm", "move", "bench", "--to", hosts[i % 2], "--json").strip().splitlines()[-1])
+        wall = (time.time() - t0) * 1000
+        assert r["event"] == "completed", r
+        rows.append(("ferry", i, r["running_ms"], r["total_ms"], wall, r["qemu_total_ms"], r["downtime_ms"],
+                     r["bytes_transferred"]))
+
+    def by_hand(i):
+        nonlocal src, at
         to = hosts[i % 2]
         src, m = direct_run(img, at, to, addrs[to], mem, fill, dirty, src)
-        rows.append(("qemu-direct", m["total_ms"], m["qemu_total_ms"], m["downtime_ms"], m["bytes"]))
+        rows.append(("qemu-direct", i, m["total_ms"], m["total_ms"], m["total_ms"], m["qemu_total_ms"],
+                     m["downtime_ms"], m["bytes"]))
         at = to
-        time.sleep(2)
+
+    # the contenders alternate, the first of each round in turn
+    for i in range(a.runs):
+        for f in ((by_ferry, by_hand) if i % 2 == 0 else (by_hand, by_ferry)):
+            f(i)
+            time.sleep(2)
     src[1].cmd("quit")
-    print(f"| path | run | total s | QEMU s | downtime ms | moved MiB | Mbit/s | QEMU time ÷ (bytes ÷ {a.rate}) |")
-    print("|---|---|---|---|---|---|---|---|")
-    sums = {}
-    for n, (who, total, qt, down, b) in enumerate(rows):
-        ideal = b * 8 / rate_bps * 1000
-        ratio = qt / ideal
-        sums.setdefault(who, []).append((total, qt, down, ratio))
-        print(f"| {who} | {n % a.runs + 1} | {total / 1000:.2f} | {qt / 1000:.2f} | {down} | {b / 2**20:.0f} | {b * 8 / qt / 1000:.0f} | {ratio:.3f} |")
-    f = [sum(x) / len(x) for x in zip(*sums["ferry"])]
-    q = [sum(x) / len(x) for x in zip(*sums["qemu-direct"])]
-    print(f"\nmeans: ferry total {f[0]/1000:.2f} s, QEMU time {f[1]/1000:.2f} s, downtime {f[2]:.0f} ms, ratio {f[3]:.3f}")
-    print(f"       direct total {q[0]/1000:.2f} s, QEMU time {q[1]/1000:.2f} s, downtime {q[2]:.0f} ms, ratio {q[3]:.3f}")
-    print(f"ferry ÷ direct: total {f[0]/q[0]:.2f}, QEMU time {f[1]/q[1]:.2f}")
+    ferry("vm", "rm", "bench")
+    print(f"| path | run | to running s | total s | command s | QEMU s | downtime ms | moved MiB | Mbit/s | "
+          f"QEMU time ÷ (bytes ÷ {a.rate}) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    med = {}
+    for who, i, running, total, wall, qt, down, b in rows:
+        ratio = qt / (b * 8 / rate_bps * 1000)
+        med.setdefault(who, []).append((running, total, wall, qt, down))
+        print(f"| {who} | {i + 1} | {running / 1000:.2f} | {total / 1000:.2f} | {wall / 1000:.2f} | {qt / 1000:.2f} | "
+              f"{down} | {b / 2**20:.0f} | {b * 8 / qt / 1000:.0f} | {ratio:.3f} |")
+    f = [statistics.median(x) for x in zip(*med["ferry"])]
+    q = [statistics.median(x) for x in zip(*med["qemu-direct"])]
+    print(f"\nmedians: ferry to running {f[0]/1000:.2f} s (total {f[1]/1000:.2f}, command {f[2]/1000:.2f}), "
+          f"QEMU time {f[3]/1000:.2f} s, downtime {f[4]:.0f} ms")
+    print(f"         direct to running {q[0]/1000:.2f} s, QEMU time {q[3]/1000:.2f} s, downtime {q[4]:.0f} ms")
+    print(f"ferry ÷ direct: to running {f[0]/q[0]:.3f}, total {f[1]/q[1]:.3f}, command {f[2]/q[2]:.3f}, "
+          f"QEMU time {f[3]/q[3]:.3f}")
     ferry("lab", "down")
 
 

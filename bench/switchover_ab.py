@@ -12,6 +12,7 @@ checked intact at the end.
 
     sudo python3 bench/switchover_ab.py --old OLD_BIN --new NEW_BIN [--rounds 5] [--moves 10]
         [--rate 1gbit] [--nics 1] [--cpus split] [--memory 512M --fill 256M] [--option tcp]
+        [--compressible]
 
 OLD_BIN and NEW_BIN must be copies outside target/ (a running agent holds its binary).
 """
@@ -47,13 +48,16 @@ def main():
     ap.add_argument("--memory", default="512M")
     ap.add_argument("--fill", default="256M")
     ap.add_argument("--option", default="tcp")
+    ap.add_argument("--compressible", action="store_true",
+                    help="the guest's memory compresses (~7x), as `vm create --compressible`")
     a = ap.parse_args()
     builds = builds_of(a)
     up = ["lab", "up", "--replace", "--hosts", "2", "--nics", a.nics, "--rate", a.rate]
     if a.cpus:
         up += ["--cpus", a.cpus]
     run(a.new, *up)
-    run(a.new, "vm", "create", "sw", "--host", "host1", "--memory", a.memory, "--fill", a.fill)
+    run(a.new, "vm", "create", "sw", "--host", "host1", "--memory", a.memory, "--fill", a.fill,
+        *(["--compressible"] if a.compressible else []))
     got = {b: [] for b in builds}
     names = list(builds)
     for rnd in range(a.rounds):
@@ -75,7 +79,7 @@ def main():
     run(a.new, "vm", "rm", "sw", check=False)
     part_names = ["qemu", "tick", "ready", "record", "run"]
     print(f"\n{a.rounds} rounds x {a.moves} moves per build, {a.nics} NIC pair(s) at {a.rate}, "
-          f"--cpus {a.cpus or 'shared'}, {a.memory} guest ({a.fill} filled, idle), "
+          f"--cpus {a.cpus or 'shared'}, {a.memory} guest ({a.fill} filled{', compressible' if a.compressible else ''}, idle), "
           f"--option {a.option}; guest {intact}\n")
     print("| build | moves | guest downtime p50 / p95 / p99 / max ms | "
           + " | ".join(f"{p} p50" for p in part_names) + " | transfer p50 s | total p50 s |")
