@@ -154,6 +154,9 @@ pub const MAX_PAYLOAD: usize = 256 << 10;
 /// target not yet taken when the session has stream windows (see "Stream
 /// windows"): with QEMU's pages loading at ~500 MB/s, ~8 ms of loading.
 pub const STREAM_WINDOW: u64 = 4 << 20;
+/// The narrowest a source may make a stream's window for the end of a
+/// migration (`Session::set_stream_window`).
+pub const MIN_STREAM_WINDOW: u64 = 256 << 10;
 pub const MAX_CARRIERS: u8 = 16;
 pub const MAX_STREAMS: u16 = 64;
 pub const HEARTBEAT: Duration = Duration::from_millis(100);

@@ -291,6 +291,9 @@ struct Inner {
     windows: AtomicBool,
     /// Source: what one stream byte stands for once loaded (f64 bits).
     expansion: AtomicU64,
+    /// Source: each stream's window, counted expanded ([`STREAM_WINDOW`]
+    /// until the agent narrows it for the end of a migration).
+    stream_window: AtomicU64,
     /// Source: each stream's bytes the target's local reader has taken.
     taken: Mutex<HashMap<u16, u64>>,
     window_moved: Notify,
@@ -370,6 +373,7 @@ impl Session {
                 compressor: Default::default(),
                 windows: AtomicBool::new(false),
                 expansion: AtomicU64::new(1f64.to_bits()),
+                stream_window: AtomicU64::new(STREAM_WINDOW),
                 taken: Mutex::new(HashMap::new()),
                 window_moved: Notify::new(),
                 local_sndbuf: AtomicUsize::new(0),
@@ -464,6 +468,19 @@ impl Session {
         self.inner.windows.store(on, Ordering::Relaxed);
     }
 
+    /// Source: each stream's window from now on, counted expanded (at
+    /// least [`MIN_STREAM_WINDOW`], at most [`STREAM_WINDOW`]). What a
+    /// window holds when the source QEMU completes is still to load on the
+    /// target while the guest is paused: the agent narrows it for the last
+    /// pass, when the link no longer needs the depth.
+    pub fn set_stream_window(&self, bytes: u64) {
+        self.inner.stream_window.store(
+            bytes.clamp(MIN_STREAM_WINDOW, STREAM_WINDOW),
+            Ordering::Relaxed,
+        );
+        self.inner.window_moved.notify_waiters();
+    }
+
     /// Source: each stream byte stands for `x` bytes once the target has
     /// loaded it (QEMU compressed its pages `x`×); windows count bytes so
     /// expanded. Clamped to 1..=[`MAX_EXPANSION`].
@@ -503,11 +520,12 @@ impl Session {
             let moved = self.inner.window_moved.notified();
             let taken = lock(&self.inner.taken).get(&id).copied().unwrap_or(0);
             let x = f64::from_bits(self.inner.expansion.load(Ordering::Relaxed));
+            let window = self.inner.stream_window.load(Ordering::Relaxed) as f64;
             let out = read.saturating_sub(taken) as f64 * x;
-            let room = ((STREAM_WINDOW as f64 - out).max(0.0) / x) as usize;
+            let room = ((window - out).max(0.0) / x) as usize;
             // a quarter of the window free (or a whole frame's worth): reads
             // stay large, not a few KiB each time the target takes a few
-            let enough = ((STREAM_WINDOW as f64 / 4.0 / x) as usize).clamp(MIN_READ, MAX_PAYLOAD);
+            let enough = ((window / 4.0 / x) as usize).clamp(MIN_READ, MAX_PAYLOAD);
             if room >= enough {
                 return room.min(MAX_PAYLOAD);
             }

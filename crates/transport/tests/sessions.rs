@@ -478,17 +478,32 @@ async fn a_source_sealing_when_the_target_does_not_is_refused() {
 /// no further than its window (counted expanded) across the carriers, while
 /// another stream of the same session flows to its end; once read, the held
 /// stream arrives whole. Without windows the same stream crosses whole into
-/// the target's buffer (what the check tells apart).
+/// the target's buffer (what the check tells apart). A window narrowed for
+/// the end of a migration holds the stream to the narrower bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_windows_keep_each_stream_within_what_the_target_took() {
     const LEN: usize = 4 << 20;
     const EXPANSION: f64 = 16.0;
-    let window = (ferry_transport::protocol::STREAM_WINDOW as f64 / EXPANSION) as u64;
-    for windows in [true, false] {
-        let p = pair(if windows { "windows" } else { "no-windows" }, 1, SECRET).await;
+    const NARROW: u64 = 1 << 20;
+    for (windows, narrowed) in [(true, false), (true, true), (false, false)] {
+        let full = if narrowed {
+            NARROW
+        } else {
+            ferry_transport::protocol::STREAM_WINDOW
+        };
+        let window = (full as f64 / EXPANSION) as u64;
+        let name = match (windows, narrowed) {
+            (true, false) => "windows",
+            (true, true) => "narrowed",
+            _ => "no-windows",
+        };
+        let p = pair(name, 1, SECRET).await;
         p.source.set_windows(windows);
         p.target.set_windows(windows);
         p.source.set_expansion(EXPANSION);
+        if narrowed {
+            p.source.set_stream_window(NARROW);
+        }
         p.target.set_local_send_buffer(16 << 10);
         wait_healthy(&p.source, 1).await;
         let senders: Vec<_> = [1u8, 2].iter().map(|s| send_stream(&p, *s, LEN)).collect();
@@ -525,7 +540,7 @@ async fn stream_windows_keep_each_stream_within_what_the_target_took() {
             // the window, plus what the unread socket took and one read
             assert!(
                 crossed <= window + (128 << 10),
-                "stream 2 crossed {crossed} bytes, window {window}"
+                "{name}: stream 2 crossed {crossed} bytes, window {window}"
             );
         } else {
             assert!(crossed >= LEN as u64 * 3 / 4, "without windows: {crossed}");

@@ -43,6 +43,9 @@ pub(super) struct Watch {
     last_target_poll: Instant,
     /// When the last progress event went (see [`PROGRESS_EVERY`]).
     last_progress: Option<Instant>,
+    /// The carriers' stream windows narrowed for the last pass (see
+    /// [`END_STREAM_WINDOW`]).
+    window_narrowed: bool,
     /// copy, iterate, blackout: each said once.
     seen: (bool, bool, bool),
     carriers_up_seen: Option<usize>,
@@ -142,6 +145,7 @@ impl Watch {
             target_failures: 0,
             last_target_poll: now,
             last_progress: None,
+            window_narrowed: false,
             seen: (false, false, false),
             carriers_up_seen: None,
             run_answer: None,
@@ -411,6 +415,16 @@ impl Move<'_> {
                 .is_some_and(|r| r.remaining <= END_NEAR_BYTES),
             _ => false,
         };
+        if near_end && !self.watching().window_narrowed {
+            if let Plan::Multichannel {
+                session: ferry_transport::Carriers::Ferry(s),
+                ..
+            } = self.plan_ref()
+            {
+                s.set_stream_window(END_STREAM_WINDOW);
+            }
+            self.watching().window_narrowed = true;
+        }
         let w = self.watching();
         let remaining = info.ram.as_ref().map_or(0, |r| r.remaining);
         if near_end && (remaining <= LOWAT_FROM || info.status.as_deref() == Some("device")) {
@@ -892,6 +906,14 @@ impl Move<'_> {
 /// written to every listener and forwarded by the control service) was
 /// most of what a move's progress cost the agents.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);
+
+/// Each stream's window over Ferry's carriers in the last pass, counted
+/// expanded: what the windows hold when QEMU completes is loaded on the
+/// target while the guest is paused. Over the move they are 4 MiB each
+/// (`STREAM_WINDOW`): with QEMU's zstd inside and four multifd channels,
+/// ~16 MiB of pages to decompress and load, tens of milliseconds on a
+/// target core shared with the guest.
+const END_STREAM_WINDOW: u64 = 1 << 20;
 
 /// Remaining bytes below which QEMU's dialled stream keeps few unsent bytes:
 /// the autotuned queue (megabytes) has drained well before QEMU completes
