@@ -64,6 +64,7 @@ def one(kind, spec, a):
     return {"total": r["total_ms"] / 1000, "transfer": r["transfer_ms"] / 1000,
             "total_per_gib": r["total_ms"] / 1000 / filled,
             "transfer_per_gib": r["transfer_ms"] / 1000 / filled,
+            "transfer_per_moved": r["transfer_ms"] / 1000 / (r["bytes_transferred"] / GIB),
             "bytes": r["bytes_transferred"], "path": r["data_path"],
             "src_peak": peak[0] / 1024, "dst_peak": peak[1] / 1024,
             "src_start": start[0] / 1024, "dst_start": start[1] / 1024}
@@ -104,15 +105,17 @@ def main():
            for k, rs in runs.items()}
     print(f"\n{a.rounds} rounds, {a.nics} NIC pair(s) at {a.rate}, --cpus {a.cpus}, --option {a.option}\n")
     print("| guest | total s | transfer s | total s per filled GiB | transfer s per filled GiB | "
-          "QEMU GiB | source agent peak MiB | target agent peak MiB |")
-    print("|---|---|---|---|---|---|---|---|")
+          "QEMU GiB | transfer s per GiB QEMU moved | source agent peak MiB | target agent peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for k, m in med.items():
         print(f"| {k} ({','.join(guests[k])}) | {m['total']:.2f} | {m['transfer']:.2f} | "
               f"{m['total_per_gib']:.2f} | {m['transfer_per_gib']:.2f} | {m['bytes'] / GIB:.2f} | "
+              f"{m['transfer_per_moved']:.2f} | "
               f"{m['src_peak']:.0f} | {m['dst_peak']:.0f} |")
     b, s = med["big"], med["small"]
     print(f"| big ÷ small | | | {b['total_per_gib'] / s['total_per_gib']:.2f} | "
           f"{b['transfer_per_gib'] / s['transfer_per_gib']:.2f} | | "
+          f"{b['transfer_per_moved'] / s['transfer_per_moved']:.2f} | "
           f"{b['src_peak'] / s['src_peak']:.2f} | {b['dst_peak'] / s['dst_peak']:.2f} |")
 
 

@@ -100,7 +100,9 @@
 //! down; a lost or late WINDOW is superseded by the next. The source reads
 //! no more of a stream from its local end while what it has read and the
 //! target has not taken, counted expanded (each byte × what it stands for
-//! once loaded: QEMU compressed its pages), is [`STREAM_WINDOW`] or more.
+//! once loaded: QEMU compressed its pages), is [`STREAM_WINDOW`] or more
+//! (a source may narrow it, down to [`MIN_STREAM_WINDOW`], for the end of
+//! a migration; the target sees no difference).
 //! Each stream has its own window, so one stream its reader is not reading
 //! (QEMU's multifd channels wait for each other at sync points) never holds
 //! back another. Without the agreement no WINDOW is sent; a WINDOW from the
