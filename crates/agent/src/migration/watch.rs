@@ -903,16 +903,16 @@ impl Move<'_> {
 
 /// The least time between two pre-copy progress events: the watch looks
 /// at QEMU every 10–100 ms, and an event per look (each one serialized,
-/// written to every listener and forwarded by the control service) was
-/// most of what a move's progress cost the agents.
+/// written over TLS to every listener and forwarded by the control
+/// service) cost the agents more than the looks themselves.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);
 
 /// Each stream's window over Ferry's carriers in the last pass, counted
 /// expanded: what the windows hold when QEMU completes is loaded on the
 /// target while the guest is paused. Over the move they are 4 MiB each
 /// (`STREAM_WINDOW`): with QEMU's zstd inside and four multifd channels,
-/// ~16 MiB of pages to decompress and load, tens of milliseconds on a
-/// target core shared with the guest.
+/// up to ~16 MiB of pages to decompress and load, tens of milliseconds
+/// whenever the target's core is busy with anything else.
 const END_STREAM_WINDOW: u64 = 1 << 20;
 
 /// Remaining bytes below which QEMU's dialled stream keeps few unsent bytes:
