@@ -16,21 +16,14 @@ bytes, and each agent's peak and starting resident memory; then big ÷ small.
 A guest is MEMORY,FILL,VCPUS. The workload guest's untouched memory is zero pages, which QEMU
 sends as a flag each; its kernel's page tables for memory (64 bytes per 4 KiB page) are filled too.
 """
-import argparse, json, os, statistics, subprocess, sys, time
+import argparse, json, statistics, sys, time
 
 import labqemu
 from compression_ab import agents_from
+from downtime import ferry as attempt
+from labqemu import ferry
 
-FERRY = labqemu.FERRY
-LAB = "/run/ferry/lab"
 GIB = 1 << 30
-
-
-def ferry(*args, check=True):
-    r = subprocess.run([FERRY, *args], capture_output=True, text=True)
-    if check and r.returncode:
-        sys.exit(f"ferry {' '.join(args)}: {r.stderr.strip()}")
-    return r
 
 
 def memory_kib(pid, field):
@@ -44,16 +37,16 @@ def memory_kib(pid, field):
 def one(kind, spec, a):
     """`spec` = (memory, fill, vcpus): created on host1, agents restarted, moved to host2."""
     memory, fill, vcpus = spec
-    ferry("vm", "rm", "big", check=False)
+    attempt("vm", "rm", "big")
     ferry("vm", "create", "big", "--host", "host1", "--memory", memory, "--fill", fill,
           "--vcpus", vcpus)
-    agents_from(FERRY)
+    agents_from(labqemu.FERRY)
     time.sleep(3)
     pids = labqemu.agent_pids(("host1", "host2"))
     start = [memory_kib(p, "VmRSS") for p in pids]
-    out = ferry("vm", "move", "big", "--to", "host2", "--option", a.option, "--json", check=False)
+    out = attempt("vm", "move", "big", "--to", "host2", "--option", a.option, "--json")
     peak = [memory_kib(p, "VmHWM") for p in pids]
-    ferry("vm", "rm", "big", check=False)
+    attempt("vm", "rm", "big")
     try:
         r = json.loads(out.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
@@ -100,7 +93,7 @@ def main():
                   f"{r['bytes'] / GIB:.2f} GiB by QEMU over {r['path']}; agents' peak "
                   f"{r['src_peak']:.0f} / {r['dst_peak']:.0f} MiB (from {r['src_start']:.0f} / "
                   f"{r['dst_start']:.0f})", flush=True)
-    ferry("lab", "down", check=False)
+    attempt("lab", "down")
     med = {k: {f: statistics.median(r[f] for r in rs) for f in rs[0] if f != "path"}
            for k, rs in runs.items()}
     print(f"\n{a.rounds} rounds, {a.nics} NIC pair(s) at {a.rate}, --cpus {a.cpus}, --option {a.option}\n")

@@ -449,24 +449,33 @@ impl Journal {
     /// Every source record in its `committed` phase: the full read once,
     /// then only those records (the index follows this process's writes).
     pub fn committed_sources(&self) -> Vec<Record> {
-        let known = ferry_api::util::lock(&self.committed).clone();
-        let ids = match known {
-            Some(ids) => ids,
-            None => {
-                let recs: Vec<Record> = self
-                    .all()
-                    .0
-                    .into_iter()
-                    .filter(|r| r.side == Side::Source(SourcePhase::Committed))
-                    .collect();
-                let ids = recs.iter().map(|r| r.migration_id.clone()).collect();
-                *ferry_api::util::lock(&self.committed) = Some(ids);
-                return recs;
-            }
+        let committed = |r: &Record| r.side == Side::Source(SourcePhase::Committed);
+        // the index exists before the full read, so a commit written
+        // meanwhile is noted by the write itself, not lost between the two
+        let first = {
+            let mut index = ferry_api::util::lock(&self.committed);
+            let first = index.is_none();
+            index.get_or_insert_with(Default::default);
+            first
         };
+        if first {
+            let found: Vec<String> = self
+                .all()
+                .0
+                .into_iter()
+                .filter(committed)
+                .map(|r| r.migration_id)
+                .collect();
+            ferry_api::util::lock(&self.committed)
+                .get_or_insert_with(Default::default)
+                .extend(found);
+        }
+        let ids = ferry_api::util::lock(&self.committed)
+            .clone()
+            .unwrap_or_default();
         ids.iter()
             .filter_map(|id| self.read(id, true).ok().flatten())
-            .filter(|r| r.side == Side::Source(SourcePhase::Committed))
+            .filter(committed)
             .collect()
     }
 
