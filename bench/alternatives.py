@@ -50,6 +50,7 @@ the kernel closes it or the move ends.
 import argparse, json, os, subprocess, sys, threading, time
 
 from labqemu import FERRY, Cpu, ferry, nic_tx, lab_addr, lab_nic, qemu, rate, run_target, size, wait_ready
+import labqemu  # noqa: E402
 
 HOSTS = ("host1", "host2")
 def nic1_addr(host):
@@ -294,10 +295,11 @@ def main():
                     help="runs of each cut case of the paths that survive a cut")
     ap.add_argument("--restore-after", type=float, default=3.0,
                     help="restore the cut NIC this many seconds after the cut, mid-move")
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     link = rate(a.rate)
     cut_bytes = int(size(a.fill) * 0.4)
-    ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate, "--mtu", a.mtu)
+    ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate, "--mtu", a.mtu, *labqemu.cpus_flag(a))
     img = ferry("lab", "image").split("guest image: ")[1].split(" ")[0]
     rows = []
     # Ferry: there and back, the way back with a cut

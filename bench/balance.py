@@ -27,6 +27,7 @@ import argparse, json, statistics, sys, time
 
 # the same `ferry` runner as the HA bench (FERRY_BIN, errors raised)
 from ha import ferry, fj
+import labqemu  # noqa: E402
 THRESHOLD = 0.10
 # name, host, memory, fill, dirty rate: busy large, quiet large, and smaller ones
 # (a filled guest keeps 256M for its kernel: at 1G, 128M left panics it)
@@ -136,8 +137,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warm", type=int, default=20)
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
-    ferry("lab", "up", "--replace", "--hosts", "3", "--nics", "2", "--host-memory", "6G")
+    ferry("lab", "up", "--replace", "--hosts", "3", "--nics", "2", "--host-memory", "6G", *labqemu.cpus_flag(a))
     ferry("cluster", "set", "--balance", "off")
     rows = []
     for r in range(a.rounds):

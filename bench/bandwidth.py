@@ -16,6 +16,7 @@ list`, sampled each second while fio runs), drain time.
 import argparse, json, os, subprocess, sys, threading, time
 
 from labqemu import lab_addr, lab_nic
+import labqemu  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
@@ -54,7 +55,7 @@ def lm_rate_nic1():
 
 
 def scenario(a, classes, cut):
-    ferry("lab", "up", "--replace", "--hosts", "3", "--nics", "2", "--rate", a.rate)
+    ferry("lab", "up", "--replace", "--hosts", "3", "--nics", "2", "--rate", a.rate, *labqemu.cpus_flag(a))
     nbd = subprocess.Popen(["ip", "netns", "exec", "host2", "nbdkit", "-f", "-p", "10809", "-i", lab_addr("host2", 1),
                             "memory", "4G"])
     if classes:
@@ -114,6 +115,7 @@ def main():
     ap.add_argument("--fio-secs", type=int, default=10)
     ap.add_argument("--only", help="run one scenario: none, classes, none-cut, classes-cut")
     ap.add_argument("--events", help="append each drain's NDJSON events to this file")
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     rate = float(a.rate.replace("gbit", "e9").replace("mbit", "e6"))
     rows = []

@@ -20,6 +20,7 @@ agents), and for `auto` the choice with its reason (from the skeleton step).
 import argparse, json, os, subprocess, sys
 
 from labqemu import FERRY, ferry, rate
+import labqemu  # noqa: E402
 
 
 def move(vm, to, option):
@@ -45,9 +46,10 @@ def main():
     ap.add_argument("--rate", default="500mbit")
     ap.add_argument("--memory", default="1280M")
     ap.add_argument("--fill", default="1G")
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     link = rate(a.rate)
-    ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate)
+    ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate, *labqemu.cpus_flag(a))
     rows = []
     at = "host1"
     for case, compressible, busy in (("idle", False, False), ("compressible", True, False),

@@ -66,9 +66,10 @@ def main():
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--kind", default="random", choices=["random", "compressible"])
     ap.add_argument("--encrypt", action="store_true")
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     builds = builds_of(a)
-    subprocess.run([a.new, "lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate],
+    subprocess.run([a.new, "lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate, *labqemu.cpus_flag(a)],
                    check=True, capture_output=True)
     if a.encrypt:
         subprocess.run([a.new, "cluster", "set", "--encrypt-carriers", "on"], check=True,

@@ -20,6 +20,7 @@ import argparse, subprocess, threading, time
 
 import compression
 from labqemu import FERRY, agent_pids, lab_nic
+import labqemu  # noqa: E402
 
 
 class Wire:
@@ -68,8 +69,9 @@ def main():
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--kind", default="random", choices=["random", "compressible"])
     ap.add_argument("--curve-ms", type=int, default=400)
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
-    subprocess.run([FERRY, "lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate],
+    subprocess.run([FERRY, "lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate, *labqemu.cpus_flag(a)],
                    check=True, capture_output=True)
     agent = agent_pids(["host1"])[0]
     nic = lab_nic("host1", "nic1")

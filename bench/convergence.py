@@ -10,6 +10,7 @@ phase reached, highest vCPU throttle.
     sudo python3 bench/convergence.py [--rate 200mbit] [--timeout-per-gib 120]
 """
 import argparse, json, os, subprocess, sys
+import labqemu  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
@@ -24,9 +25,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rate", default="200mbit")
     ap.add_argument("--timeout-per-gib", default="120")
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     rate = float(a.rate.replace("gbit", "e9").replace("mbit", "e6")) / 8  # bytes/s
-    if ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "1", "--rate", a.rate).returncode:
+    if ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "1", "--rate", a.rate, *labqemu.cpus_flag(a)).returncode:
         sys.exit("lab up failed")
     print(f"| dirty rate (of {a.rate}) | policy | outcome | total s | downtime ms | phase | max throttle % |")
     print("|---|---|---|---|---|---|---|")

@@ -29,6 +29,7 @@ import argparse, statistics, sys, time
 
 import alternatives as alt
 from labqemu import ferry, rate, size
+import labqemu  # noqa: E402
 
 
 def main():
@@ -39,9 +40,10 @@ def main():
     ap.add_argument("--fill", default="1G")
     ap.add_argument("--dirty-rate", default="8M")
     ap.add_argument("--stall", type=float, default=20.0)
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     link = rate(a.rate)
-    ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate)
+    ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate, *labqemu.cpus_flag(a))
     img = ferry("lab", "image").split("guest image: ")[1].split(" ")[0]
     out = ferry("lab", "team", "mptcp")
     a.team = dict(l.split(": migrate to ") for l in out.strip().splitlines() if ": migrate to " in l)

@@ -26,6 +26,7 @@ Needs the lab (root, QEMU >= 9, iproute2), nbdcopy, and a built ferry
 import argparse, json, os, statistics, subprocess, sys, time
 
 from labqemu import ferry, rate, size
+import labqemu  # noqa: E402
 
 LAB = "/run/ferry/lab"
 DISK, COPY, VM = "bench-move", "bench-copy", "bmv"
@@ -91,9 +92,10 @@ def main():
     ap.add_argument("--disk", default="1G")
     ap.add_argument("--rate", default="400mbit")
     ap.add_argument("--rounds", type=int, default=3)
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     nbytes, bps = size(a.disk), rate(a.rate)
-    ferry("lab", "up", "--replace", "--hosts", "1", "--nics", "1", "--storage-nodes", "2", "--host-memory", "2G")
+    ferry("lab", "up", "--replace", "--hosts", "1", "--nics", "1", "--storage-nodes", "2", "--host-memory", "2G", *labqemu.cpus_flag(a))
     ferry("disk", "create", DISK, "--size", a.disk, "--node", "storage1")
     fill("storage1", DISK, nbytes)
     ferry("disk", "create", COPY + "-src", "--size", a.disk, "--node", "storage1")

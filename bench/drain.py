@@ -13,6 +13,7 @@ auto chose. --options runs each limit once per option, alternating.
                                 [--limits 1,2,4,8,auto] [--options auto,mptcp]
 """
 import argparse, json, os, subprocess, sys
+import labqemu  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
@@ -41,12 +42,13 @@ def main():
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--limits", default="1,2,4,8,auto")
     ap.add_argument("--options", default="auto")
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     rate = float(a.rate.replace("gbit", "e9").replace("mbit", "e6"))
     rows = []
     for limit in a.limits.split(","):
         for option in a.options.split(","):
-            ferry("lab", "up", "--replace", "--hosts", "3", "--nics", "2", "--rate", a.rate)
+            ferry("lab", "up", "--replace", "--hosts", "3", "--nics", "2", "--rate", a.rate, *labqemu.cpus_flag(a))
             procs = [subprocess.Popen([FERRY, "vm", "create", f"dr{i}", "--host", "host1", "--memory", a.memory,
                                        "--fill", a.fill, "--dirty-rate", "4M"], stdout=subprocess.DEVNULL)
                      for i in range(a.vms)]

@@ -20,6 +20,7 @@ import argparse, os, statistics, subprocess
 
 import compression
 from labqemu import ferry
+import labqemu  # noqa: E402
 
 OPTIONS = ("tcp", "multichannel", "mptcp")
 
@@ -73,10 +74,11 @@ def main():
     ap.add_argument("--rates", default="400mbit,1gbit")
     ap.add_argument("--kinds", default="compressible,random")
     ap.add_argument("--rounds", type=int, default=3)
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     results = {}
     for rate in a.rates.split(","):
-        ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", rate, "--host-memory", "4G")
+        ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", rate, "--host-memory", "4G", *labqemu.cpus_flag(a))
         for kind in a.kinds.split(","):
             cs = contenders()
             for rnd in range(a.rounds):

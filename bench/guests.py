@@ -11,6 +11,8 @@ every run. Needs root, a built ferry and `ferry lab image --debian`.
 """
 import argparse, json, os, statistics, subprocess, sys, tempfile, time
 
+import labqemu
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
 GUEST = "198.19.250.100"
@@ -60,8 +62,9 @@ def main():
     ap.add_argument("--rate", default="500mbit")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--option", default="multichannel")
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
-    ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate)
+    ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate, *labqemu.cpus_flag(a))
     img = [l.split(": ", 1)[1].split(" (")[0] for l in ferry("lab", "image", "--debian").splitlines()
            if l.startswith("debian guest: ")][0]
     ferry("disk", "import", "bench-root", f"{img}/disk.img")

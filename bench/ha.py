@@ -30,6 +30,7 @@ Needs the lab (root, QEMU >= 9, iproute2); uses target/debug/ferry
 (FERRY_BIN to override). A trial takes about 40 s.
 """
 import argparse, json, os, subprocess, sys, time
+import labqemu  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
@@ -181,8 +182,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--only", default="power-off,isolation")
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
-    ferry("lab", "up", "--replace", "--hosts", "3", "--nics", "2")
+    ferry("lab", "up", "--replace", "--hosts", "3", "--nics", "2", *labqemu.cpus_flag(a))
     time.sleep(3)
     result = {}
     for fault in a.only.split(","):

@@ -219,3 +219,15 @@ def wait_ready(console):
             return
         time.sleep(0.1)
     sys.exit("guest did not start its workload")
+
+
+def add_cpus_option(ap):
+    """`--cpus` for a bench that brings a lab up: each lab host's agent and QEMUs (and a QEMU by
+    hand started with `qemu`, which reads the lab's sets) on CPUs of its own."""
+    ap.add_argument("--cpus", default="",
+                    help="`ferry lab up --cpus`: split, or host1=0,host2=1 (default: hosts share the machine's CPUs)")
+
+
+def cpus_flag(a):
+    """The `ferry lab up` arguments for a bench's `--cpus`."""
+    return ["--cpus", a.cpus] if a.cpus else []

@@ -12,6 +12,7 @@ the same for every option that uses multifd). Needs root and a built ferry.
 import argparse, json, os, subprocess, sys, time
 
 from labqemu import lab_nic
+import labqemu  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
@@ -88,12 +89,13 @@ def main():
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--memory", default="1280M")
     ap.add_argument("--fill", default="1G")
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     RATE = float(a.rate.replace("gbit", "e9").replace("mbit", "e6"))
     print(f"| run | option | NICs | transfer s | MiB | Mbit/s | ÷ (NICs × {a.rate}) | downtime + switch-over ms | agents' CPU s/GiB | MiB per NIC |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for nics in (1, 2, 3):
-        ferry("lab", "up", "--replace", "--hosts", "2", "--nics", str(nics), "--rate", a.rate)
+        ferry("lab", "up", "--replace", "--hosts", "2", "--nics", str(nics), "--rate", a.rate, *labqemu.cpus_flag(a))
         ferry("vm", "create", "mb", "--host", "host1", "--memory", a.memory, "--fill", a.fill, "--dirty-rate", "8M")
         if nics == 1:
             row("QEMU tcp, one NIC", 1, move("mb", "tcp"))

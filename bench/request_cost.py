@@ -16,6 +16,7 @@ build to the first.
 the lab up (2 hosts × 1 NIC).
 """
 import argparse, http.client, ssl, statistics, subprocess, sys, time
+import labqemu  # noqa: E402
 
 LAB = "/run/ferry/lab"
 
@@ -80,9 +81,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--connections", type=int, default=100)
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     bins = a.bins.split(",")
-    run(bins[0], "lab", "up", "--replace", "--hosts", "2", "--nics", "1")
+    run(bins[0], "lab", "up", "--replace", "--hosts", "2", "--nics", "1", *labqemu.cpus_flag(a))
     token = open(f"{LAB}/admin.token").read().strip()
     ctx = context()
     got = {b: {"keep-alive": [], "new-conn": []} for b in bins}

@@ -28,6 +28,7 @@ Needs the lab (root, QEMU >= 9, iproute2) and a built ferry
 import argparse, json, os, statistics, subprocess, sys, time
 
 from labqemu import Qmp, ferry, lab_addr, rate, size, wait_ready
+import labqemu  # noqa: E402
 
 LAB = "/run/ferry/lab"
 BENCH = "/run/ferry/bench"
@@ -167,12 +168,13 @@ def main():
     ap.add_argument("--rate", default="250mbit")
     ap.add_argument("--disk", default="2G")
     ap.add_argument("--rounds", type=int, default=3)
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     disk = size(a.disk)
     template(disk)
     rows = []
     for n in [int(x) for x in a.nics.split(",")]:
-        ferry("lab", "up", "--replace", "--hosts", "2", "--nics", str(n), "--rate", a.rate)
+        ferry("lab", "up", "--replace", "--hosts", "2", "--nics", str(n), "--rate", a.rate, *labqemu.cpus_flag(a))
         ferry("lab", "image")
         line = n * rate(a.rate)
         for rnd in range(a.rounds):

@@ -45,7 +45,7 @@ def wait_port(port, timeout=10):
 
 
 class Ferry:
-    def __init__(self, work, backing_dir, capacity=0):
+    def __init__(self, work, backing_dir, capacity=0, extra=()):
         self.dir = tempfile.mkdtemp(prefix="ferry-bench-", dir=backing_dir)
         self.nbd, self.api = free_port(), free_port()
         tok = os.path.join(work, "token")
@@ -54,7 +54,7 @@ class Ferry:
         self.p = subprocess.Popen([FERRY, "storage", "serve", "--dir", self.dir,
                                    "--nbd-listen", f"127.0.0.1:{self.nbd}", "--api-listen", f"127.0.0.1:{self.api}",
                                    "--token-file", tok, "--capacity-iops", str(capacity),
-                                   "--insecure-http"],
+                                   "--insecure-http", *extra],
                                   stderr=subprocess.DEVNULL)
         wait_port(self.api)
 

@@ -24,6 +24,7 @@ Needs the lab (root, QEMU >= 9, iproute2); uses target/debug/ferry
 (FERRY_BIN to override). About 20 s + 2 × the outage per trial.
 """
 import argparse, json, os, signal, statistics, subprocess, sys, time
+import labqemu  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
@@ -116,9 +117,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--outages", default="2,4,8,15,30")
     ap.add_argument("--rounds", type=int, default=3)
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     outages = [float(x) for x in a.outages.split(",")]
-    ferry("lab", "up", "--hosts", "1", "--nics", "1", "--replace")
+    ferry("lab", "up", "--hosts", "1", "--nics", "1", "--replace", *labqemu.cpus_flag(a))
     ferry("vm", "rm", VM, check=False)
     ferry("disk", "rm", DISK, check=False)
     ferry("vm", "create", VM, "--host", "host1", "--memory", "256M", "--fill", "64M", "--seed", "5")

@@ -7,7 +7,9 @@
 use std::sync::{Arc, OnceLock};
 
 use ferry_storage::export::Export;
-use ferry_storage::nbd::server::{serve_connection, Attachment, Catalog, Peer, Refusal};
+use ferry_storage::nbd::server::{
+    serve_connection, Attachment, Catalog, NbdLimits, Peer, Refusal,
+};
 use ferry_storage::qos::{Config, Scheduler, Ticket};
 use libfuzzer_sys::fuzz_target;
 use tokio::io::AsyncWriteExt;
@@ -67,7 +69,12 @@ fuzz_target!(|data: &[u8]| {
         let cat = catalog();
         let (mut client, server) = tokio::io::duplex(1 << 16);
         let peer = "127.0.0.1:1".parse().expect("addr");
-        let task = tokio::spawn(serve_connection(server, peer, cat.clone(), Default::default()));
+        // structured replies on: their error chunks are fuzzed too
+        let limits = NbdLimits {
+            structured_replies: true,
+            ..Default::default()
+        };
+        let task = tokio::spawn(serve_connection(server, peer, cat.clone(), limits));
         // an odd first byte fuzzes the handshake from its first byte; an even
         // one sends a valid handshake (structured replies, GO to "d") first,
         // so the rest reaches the transmission phase

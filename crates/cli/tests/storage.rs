@@ -66,6 +66,8 @@ struct Node {
     token: String,
     capacity: u64,
     name: String,
+    /// More arguments to `ferry storage serve` (such as `--config FILE`).
+    extra: Vec<String>,
     child: Option<Child>,
 }
 
@@ -83,6 +85,7 @@ impl Node {
             token,
             capacity,
             name: "storage1".into(),
+            extra: Vec::new(),
             child: None,
         };
         n.spawn();
@@ -111,6 +114,7 @@ impl Node {
                 // NBD over TLS is tested in the lab (tests/security.rs)
                 "--insecure-http",
             ])
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -231,6 +235,8 @@ fn libnbd_qemu_and_fio_read_and_write_disks() {
     assert_eq!(e["can_fua"], true);
     assert_eq!(e["block_size_maximum"], 32 << 20);
     assert_eq!(info["protocol"], "newstyle-fixed");
+    // simple replies unless configured (nbd_limits.structured_replies)
+    assert_eq!(info["structured"], false, "{info}");
 
     // nbdcopy, four connections, both ways
     let data: Vec<u8> = (0..64u32 << 20)
@@ -411,6 +417,79 @@ impl Raw {
         let mut b = [0u8; 1];
         matches!(self.0.read(&mut b), Ok(0) | Err(_))
     }
+}
+
+#[test]
+#[ignore = "needs nbdinfo, nbdcopy, qemu-io and fio; scripts/run test runs it with --include-ignored"]
+fn structured_replies_when_configured_carry_reads_to_libnbd_and_qemu() {
+    require_tools();
+    let mut node = Node::start("structured", 0);
+    node.kill();
+    let conf = node.dir.join("storage.toml");
+    std::fs::write(&conf, "[nbd_limits]\nstructured_replies = true\n").unwrap();
+    node.extra = vec!["--config".into(), conf.display().to_string()];
+    node.spawn();
+    node.disk("d", 8 << 20, false);
+    let info: Value = serde_json::from_str(&run("nbdinfo", &["--json", &node.uri("d")])).unwrap();
+    assert_eq!(info["structured"], true, "{info}");
+    // QEMU's client reads patterns back through structured replies
+    let q = run(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            &node.uri("d"),
+            "-c",
+            "write -P 0x5c 64k 1M",
+            "-c",
+            "read -P 0x5c 64k 1M",
+            "-c",
+            "read -P 0 0 64k",
+        ],
+    );
+    assert!(!q.contains("Pattern verification failed"), "{q}");
+    // libnbd's, over two connections, byte for byte
+    let out = node.dir.join("out.bin");
+    run(
+        "nbdcopy",
+        &[
+            "--connections=2",
+            &node.uri("d"),
+            &out.display().to_string(),
+        ],
+    );
+    let got = std::fs::read(&out).unwrap();
+    assert!(got[..64 << 10].iter().all(|b| *b == 0));
+    assert!(got[64 << 10..(64 << 10) + (1 << 20)]
+        .iter()
+        .all(|b| *b == 0x5c));
+    // a value of the wrong type is refused at start, naming the key
+    node.kill();
+    std::fs::write(&conf, "[nbd_limits]\nstructured_replies = \"yes\"\n").unwrap();
+    let mut child = Command::new(FERRY)
+        .args(["storage", "serve", "--config"])
+        .arg(&conf)
+        .args(["--dir", &node.dir.join("node").display().to_string()])
+        .args(["--nbd-listen", "127.0.0.1:0", "--api-listen", "127.0.0.1:0"])
+        .arg("--insecure-http")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > Duration::from_secs(10) {
+            let _ = child.kill();
+            panic!("a node with a bad structured_replies started");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("structured_replies"),
+        "{err}"
+    );
 }
 
 #[test]
