@@ -485,10 +485,112 @@ impl Drop for Qmp {
 
 const DEFAULT_DEADLINE: Duration = Duration::from_secs(10);
 
+/// QEMU's side of a QMP session with every event this build's schema
+/// (`qapi-qmp`) does not know taken out, line by line. The `qapi` stream
+/// decodes each line into the events it knows, and one line it cannot
+/// decode ends the stream (tokio-util's `Framed` stops after a decode
+/// error): one new event from a newer QEMU would leave every later
+/// command without its reply. An unknown event is logged and dropped; the
+/// greeting, replies and known events pass unchanged.
+pub struct KnownMessages<R> {
+    inner: R,
+    /// bytes read but not yet a whole line
+    partial: Vec<u8>,
+    /// whole lines that passed, not yet handed on
+    out: Vec<u8>,
+    at: usize,
+    eof: bool,
+}
+
+impl<R> KnownMessages<R> {
+    pub fn new(inner: R) -> Self {
+        KnownMessages {
+            inner,
+            partial: Vec::new(),
+            out: Vec::new(),
+            at: 0,
+            eof: false,
+        }
+    }
+
+    /// Moves the whole lines of `partial` to `out`, leaving out the events
+    /// this build does not know.
+    fn sift(&mut self) {
+        let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else {
+            return;
+        };
+        let rest = self.partial.split_off(end + 1);
+        let lines = std::mem::replace(&mut self.partial, rest);
+        for line in lines.split_inclusive(|b| *b == b'\n') {
+            if let Some(name) = unknown_event(line) {
+                tracing::debug!(event = %name, "QMP event this build does not know: left out");
+                continue;
+            }
+            self.out.extend_from_slice(line);
+        }
+    }
+}
+
+/// The name of an event `line` carries that `qapi-qmp` cannot decode; `None`
+/// for anything else (a reply, a known event, the greeting, a line that is
+/// not JSON: those are the `qapi` stream's to judge).
+fn unknown_event(line: &[u8]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(line).ok()?;
+    let name = v.get("event")?.as_str().unwrap_or("?").to_string();
+    match serde_json::from_value::<qapi::qmp::QmpMessageAny>(v) {
+        Ok(_) => None,
+        Err(_) => Some(name),
+    }
+}
+
+impl<R: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for KnownMessages<R> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        loop {
+            if this.at < this.out.len() {
+                let n = buf.remaining().min(this.out.len() - this.at);
+                buf.put_slice(&this.out[this.at..this.at + n]);
+                this.at += n;
+                if this.at == this.out.len() {
+                    this.out.clear();
+                    this.at = 0;
+                }
+                return Poll::Ready(Ok(()));
+            }
+            if this.eof {
+                // what is left without a newline goes as it is
+                this.out = std::mem::take(&mut this.partial);
+                if this.out.is_empty() {
+                    return Poll::Ready(Ok(()));
+                }
+                continue;
+            }
+            let mut chunk = [0u8; 8192];
+            let mut rb = tokio::io::ReadBuf::new(&mut chunk);
+            match std::pin::Pin::new(&mut this.inner).poll_read(cx, &mut rb) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Ready(Ok(())) if rb.filled().is_empty() => this.eof = true,
+                Poll::Ready(Ok(())) => {
+                    this.partial.extend_from_slice(rb.filled());
+                    this.sift();
+                }
+            }
+        }
+    }
+}
+
 /// Reads QEMU's messages (replies go to their callers) and publishes each
 /// `MIGRATION` event; ends with the session.
 async fn follow_events(
-    events: qapi::futures::QapiEvents<QmpStreamTokio<tokio::io::ReadHalf<UnixStream>>>,
+    events: qapi::futures::QapiEvents<
+        QmpStreamTokio<KnownMessages<tokio::io::ReadHalf<UnixStream>>>,
+    >,
     tx: tokio::sync::watch::Sender<MigrationSeen>,
 ) {
     use futures::StreamExt as _;
@@ -526,7 +628,8 @@ impl Qmp {
         let shown = path.display().to_string();
         loop {
             let attempt = async {
-                let neg = QmpStreamTokio::open_uds(path).await?;
+                let (r, w) = tokio::io::split(UnixStream::connect(path).await?);
+                let neg = QmpStreamTokio::open_split(KnownMessages::new(r), w).await?;
                 neg.negotiate().await
             };
             match tokio::time::timeout(Duration::from_secs(5), attempt).await {
@@ -1106,7 +1209,8 @@ mod tests {
 
     /// A QMP server that answers every command in order: `query-status`
     /// with `running`, its first answer only after `late`; with `events`,
-    /// a `MIGRATION` event before each `migrate-set-capabilities`' reply.
+    /// an event unknown to `qapi-qmp` and a `MIGRATION` event before each
+    /// `migrate-set-capabilities`' reply.
     async fn fake_qemu(path: std::path::PathBuf, late: Duration, running: bool, events: bool) {
         let l = tokio::net::UnixListener::bind(&path).unwrap();
         let (s, _) = l.accept().await.unwrap();
@@ -1118,6 +1222,10 @@ mod tests {
         let mut first = true;
         while let Ok(Some(line)) = lines.next_line().await {
             if events && line.contains("migrate-set-capabilities") {
+                // an event no schema of this build knows (a newer QEMU's), then one it does
+                w.write_all(b"{\"event\": \"FERRY_TEST_NEWER_QEMU\", \"data\": {\"x\": 1}, \"timestamp\": {\"seconds\": 1, \"microseconds\": 1}}\n")
+                    .await
+                    .unwrap();
                 w.write_all(b"{\"event\": \"MIGRATION\", \"data\": {\"status\": \"completed\"}, \"timestamp\": {\"seconds\": 1, \"microseconds\": 2}}\n")
                     .await
                     .unwrap();
@@ -1163,6 +1271,30 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn unknown_events_are_left_out_and_lines_split_anywhere_pass_whole() {
+        use tokio::io::AsyncReadExt;
+        let greeting = "{\"QMP\": {\"version\": {\"qemu\": {\"micro\": 0, \"minor\": 0, \"major\": 10}, \"package\": \"\"}, \"capabilities\": []}}\n";
+        let unknown = "{\"event\": \"FERRY_TEST_NEWER_QEMU\", \"data\": {}, \"timestamp\": {\"seconds\": 1, \"microseconds\": 1}}\n";
+        let reply = "{\"return\": {}, \"id\": 3}\n";
+        let known = "{\"event\": \"STOP\", \"timestamp\": {\"seconds\": 1, \"microseconds\": 2}}\n";
+        let text = format!("{greeting}{unknown}{reply}{unknown}{known}not json, no newline");
+        let (mut w, r) = tokio::io::duplex(64);
+        let sent = text.clone();
+        let writer = tokio::spawn(async move {
+            for c in sent.as_bytes().chunks(7) {
+                w.write_all(c).await.unwrap();
+            }
+        });
+        let mut got = String::new();
+        KnownMessages::new(r)
+            .read_to_string(&mut got)
+            .await
+            .unwrap();
+        writer.await.unwrap();
+        assert_eq!(got, format!("{greeting}{reply}{known}not json, no newline"));
+    }
+
+    #[tokio::test]
     async fn migration_events_wake_their_waiters_and_replies_still_arrive() {
         let dir = std::env::temp_dir().join(format!("ferry-qmp-ev-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -1184,7 +1316,9 @@ mod tests {
                 status: "completed".into()
             }
         );
-        // the event before its reply took nothing from the next command
+        // the events before its reply (one unknown to this build) took
+        // nothing from the next command, and the session goes on
+        assert!(!q.status().await.unwrap().running);
         assert!(!q.status().await.unwrap().running);
         let _ = std::fs::remove_dir_all(&dir);
     }
