@@ -11,19 +11,27 @@ use ferry_api::NicInfo;
 /// The host's idle CPU share over the last second, kept by a sampler (see
 /// [`IdleGauge::run`]) so a move's `auto` reads it at once instead of
 /// watching the CPUs for a while first, and a drain's `GET /bandwidth`
-/// (`cpu_busy`) reads the same second.
+/// (`cpu_busy`) reads the same second. It counts the CPUs this agent may run
+/// on (its affinity: the host's cpuset when the host is given CPUs of its
+/// own), the same set the choosers count as the host's CPUs: on a machine
+/// that two hosts share, one host's idle core is not the other's to spend.
 #[derive(Default)]
-pub struct IdleGauge(std::sync::Mutex<std::collections::VecDeque<(u64, u64)>>);
+pub struct IdleGauge {
+    samples: std::sync::Mutex<std::collections::VecDeque<(u64, u64)>>,
+    /// the CPUs counted; `None`: every CPU (the `cpu` line)
+    cpus: std::sync::OnceLock<Option<Vec<usize>>>,
+}
 
 impl IdleGauge {
     /// Samples kept: the window is `(KEEP - 1) × EVERY`.
     const KEEP: usize = 5;
     const EVERY: Duration = Duration::from_millis(250);
 
-    /// Takes one sample of `/proc/stat`'s `cpu` line.
+    /// Takes one sample of `/proc/stat`.
     pub fn sample(&self, stat: &str) {
-        if let Some(t) = cpu_ticks(stat) {
-            let mut q = ferry_api::util::lock(&self.0);
+        let cpus = self.cpus.get_or_init(|| own_cpus(stat));
+        if let Some(t) = cpu_ticks_of(stat, cpus.as_deref()) {
+            let mut q = ferry_api::util::lock(&self.samples);
             q.push_back(t);
             while q.len() > Self::KEEP {
                 q.pop_front();
@@ -34,7 +42,7 @@ impl IdleGauge {
     /// Idle share between the oldest and newest sample kept; `None` before
     /// two samples (or if no time passed).
     pub fn idle(&self) -> Option<f64> {
-        let q = ferry_api::util::lock(&self.0);
+        let q = ferry_api::util::lock(&self.samples);
         let (a, b) = (q.front()?, q.back()?);
         let all = b.1.saturating_sub(a.1);
         (all > 0).then(|| 1.0 - b.0.saturating_sub(a.0) as f64 / all as f64)
@@ -51,10 +59,61 @@ impl IdleGauge {
     }
 }
 
+/// The CPUs this process may run on, when that is fewer than the CPUs
+/// `stat` lists; `None` when it may run on all of them (or its affinity
+/// cannot be read).
+fn own_cpus(stat: &str) -> Option<Vec<usize>> {
+    // SAFETY: `cpu_set_t` is plain bits, zero is a valid value, and
+    // sched_getaffinity writes at most the size it is given.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    if r != 0 {
+        return None;
+    }
+    let listed = stat
+        .lines()
+        .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
+        .count();
+    // SAFETY: CPU_ISSET reads the set within CPU_SETSIZE.
+    let own: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+        .filter(|&i| unsafe { libc::CPU_ISSET(i, &set) })
+        .collect();
+    (!own.is_empty() && own.len() < listed).then_some(own)
+}
+
 /// (busy, total) jiffies of the `cpu` line of `/proc/stat`: idle and iowait
 /// are not busy.
 pub fn cpu_ticks(stat: &str) -> Option<(u64, u64)> {
-    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    cpu_ticks_of(stat, None)
+}
+
+/// (busy, total) jiffies of the CPUs `cpus` (their `cpuN` lines, summed), or
+/// of every CPU (the `cpu` line) with `None`.
+pub fn cpu_ticks_of(stat: &str, cpus: Option<&[usize]>) -> Option<(u64, u64)> {
+    let Some(cpus) = cpus else {
+        return ticks_of_line(stat.lines().find(|l| l.starts_with("cpu "))?);
+    };
+    let mut sum: Option<(u64, u64)> = None;
+    for line in stat.lines() {
+        let Some(n) = line
+            .strip_prefix("cpu")
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|n| n.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        if cpus.contains(&n) {
+            if let Some((b, a)) = ticks_of_line(line) {
+                let (sb, sa) = sum.unwrap_or((0, 0));
+                sum = Some((sb + b, sa + a));
+            }
+        }
+    }
+    sum
+}
+
+/// (busy, total) of one `cpu…` line.
+fn ticks_of_line(line: &str) -> Option<(u64, u64)> {
     let v: Vec<u64> = line
         .split_whitespace()
         .skip(1)
@@ -344,6 +403,37 @@ mod cpu_tests {
         assert_eq!(cpu_ticks(stat), Some((160, 1000)));
         assert_eq!(cpu_ticks("cpu0 1 2 3 4 5\n"), None);
         assert_eq!(cpu_ticks("cpu  1 2\n"), None);
+    }
+
+    #[test]
+    fn a_host_with_cpus_of_its_own_gauges_only_those() {
+        // two CPUs: cpu0 (another host's) busy, cpu1 (this one's) idle
+        let stat = |t: u64| {
+            format!(
+                "cpu  {} 0 0 {} 0 0 0 0\ncpu0 {t} 0 0 0 0 0 0 0\ncpu1 0 0 0 {t} 0 0 0 0\n",
+                t, t
+            )
+        };
+        assert_eq!(cpu_ticks_of(&stat(10), Some(&[1])), Some((0, 10)));
+        assert_eq!(cpu_ticks_of(&stat(10), Some(&[0, 1])), Some((10, 20)));
+        assert_eq!(cpu_ticks_of(&stat(10), Some(&[7])), None);
+        let own = IdleGauge::default();
+        own.cpus.set(Some(vec![1])).unwrap();
+        let all = IdleGauge::default();
+        all.cpus.set(None).unwrap();
+        for t in [100, 200] {
+            own.sample(&stat(t));
+            all.sample(&stat(t));
+        }
+        assert_eq!(own.idle(), Some(1.0));
+        assert_eq!(all.idle(), Some(0.5));
+        // this process's own affinity: every CPU the test may run on is one
+        // /proc/stat lists
+        let stat = std::fs::read_to_string("/proc/stat").unwrap();
+        if let Some(cpus) = own_cpus(&stat) {
+            assert!(!cpus.is_empty());
+            assert!(cpu_ticks_of(&stat, Some(&cpus)).is_some());
+        }
     }
 
     #[test]
