@@ -32,6 +32,12 @@ import argparse, json, os, re, statistics, subprocess, sys, time
 from labqemu import FERRY, Cpu, agents_spend, ferry, lab_addr, nic_tx, qemu, run_target, size, wait_migration, wait_ready
 
 
+def lab_tx(a):
+    """Bytes every migration NIC of host1 has transmitted (all --nics of them: `auto` spreads a
+    move over several, QEMU by hand uses nic1)."""
+    return sum(nic_tx("host1", f"nic{k}") for k in range(1, int(getattr(a, "nics", 2)) + 1))
+
+
 def console_errors(path):
     """The workload's last reported integrity error count, and whether it still ticks."""
     ticks = re.findall(r"FERRY tick=(\d+) .* errors=(\d+)", open(path, errors="replace").read())
@@ -46,10 +52,10 @@ def ferry_move(kind, a, option="compression"):
     ferry("vm", "create", "cb", "--host", "host1", "--memory", a.memory, "--fill", a.fill,
           "--dirty-rate", a.dirty_rate, *extra)
     time.sleep(2)
-    tx0 = nic_tx("host1", "nic1")
+    tx0 = lab_tx(a)
     out, agents, switches = agents_spend(lambda: subprocess.run(
         [FERRY, "vm", "move", "cb", "--to", "host2", "--option", option, "--json"], capture_output=True, text=True))
-    wire = nic_tx("host1", "nic1") - tx0
+    wire = lab_tx(a) - tx0
     subprocess.run([FERRY, "vm", "rm", "cb"], capture_output=True)
     try:
         r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -94,7 +100,7 @@ def qemu_move(kind, contender, a, prepare=None):
     addr = {"transport": "socket", "type": "inet", "host": lab_addr("host2", 1), "port": "0"}
     dq.cmd("migrate-incoming", channels=[{"channel-type": "main", "addr": dict(addr)}])
     port = dq.cmd("query-migrate")["socket-address"][0]["port"]
-    cpu, tx0 = Cpu(), nic_tx("host1", "nic1")
+    cpu, tx0 = Cpu(), lab_tx(a)
     t0 = time.time()
     sq.cmd("migrate", channels=[{"channel-type": "main", "addr": dict(addr, port=str(port))}])
     info = wait_migration(sq, 0.02, cpu.sample)
@@ -106,7 +112,7 @@ def qemu_move(kind, contender, a, prepare=None):
     # (QEMU's completion less its downtime, QEMU's clock started at `migrate`)
     # until the target runs
     downtime = round(secs * 1000 - (info["total-time"] - info["downtime"]))
-    used, wire = cpu.total(), nic_tx("host1", "nic1") - tx0
+    used, wire = cpu.total(), lab_tx(a) - tx0
     time.sleep(1.5)
     errors, ticks = console_errors(f"{dst_d}/console.log")
     for p, q in ((sp, sq), (dp, dq)):
