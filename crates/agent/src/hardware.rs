@@ -119,31 +119,17 @@ fn runs_probe(binary: &str, accel: &str) -> bool {
     ok
 }
 
-/// The CPU-model probe's scheduling priority (`nice`): the lowest.
-const PROBE_NICE: libc::c_int = 19;
-
-/// Asks a QEMU with no machine what CPU models it can run here, at the
-/// lowest CPU priority.
+/// Asks a QEMU with no machine what CPU models it can run here.
 pub async fn probe_cpus(binary: &str, accel: &str) -> Result<CpuCatalog, String> {
-    let mut cmd = tokio::process::Command::new(binary);
-    cmd.args(["-machine", "none", "-accel", accel, "-nodefaults"])
+    let mut child = tokio::process::Command::new(binary)
+        .args(["-machine", "none", "-accel", accel, "-nodefaults"])
         .args(["-display", "none", "-qmp", "stdio"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
-        .kill_on_drop(true);
-    // The probe runs when the agent starts, which may be the moment a
-    // migration arrives (an upgraded agent, a drain begun at once): it
-    // yields the CPU to the guests and to the switch-over.
-    // SAFETY: between fork and exec only setpriority, async-signal-safe, on
-    // the child itself.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::setpriority(libc::PRIO_PROCESS as _, 0, PROBE_NICE);
-            Ok(())
-        });
-    }
-    let mut child = cmd.spawn().map_err(|e| format!("starting {binary}: {e}"))?;
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("starting {binary}: {e}"))?;
     let mut stdin = child.stdin.take().ok_or("no stdin")?;
     let mut lines = BufReader::new(child.stdout.take().ok_or("no stdout")?).lines();
     let talk = async {
