@@ -40,7 +40,8 @@ pub(super) fn relay_fits(idle: f64, cpus: usize, link_bits: u64) -> bool {
 
 /// What `auto` picks over one NIC pair, and why: `compression` when a
 /// memory sample compresses to [`AUTO_COMPRESSES`] or less (`ratio`) and
-/// more than the [`MIN_IDLE`] share of the CPU is idle (`idle`); else `tcp`,
+/// more than the [`MIN_IDLE`] share of the CPU is idle (`idle`), or to
+/// [`BUSY_COMPRESSES`] or less however busy the CPU; else `tcp`,
 /// QEMU's own stream. There is nothing to spread over, so the question is
 /// only whether compressing pays: on a compressible guest over a 300 Mbit/s
 /// link, `tcp` took 21.6 s where `compression` took 1.54 s (BENCHMARKS.md).
@@ -61,6 +62,14 @@ pub(super) fn auto_one_pair(ratio: Option<f64>, idle: Option<f64>) -> (Migration
             format!(
                 "one NIC pair, and a memory sample compresses to {shown} with the CPU \
                  {idle_pct:.0}% idle: compressed"
+            ),
+        ),
+        (Some(r), _) if r <= BUSY_COMPRESSES => (
+            MigrationOption::Compression,
+            format!(
+                "one NIC pair, and a memory sample compresses to {shown}: compressed although \
+                 the CPU is only {idle_pct:.0}% idle, since that costs less CPU than carrying \
+                 the pages as they are"
             ),
         ),
         (Some(r), _) if r <= AUTO_COMPRESSES => (
@@ -355,11 +364,20 @@ mod tests {
         // a sample of zero pages: QEMU sends each as a flag
         assert_eq!(auto_one_pair(None, Some(0.9)).0, MigrationOption::Tcp);
         // compressible, but the CPU is busy: compressing would slow the move
-        let (o, why) = auto_one_pair(Some(0.06), Some(0.1));
+        let (o, why) = auto_one_pair(Some(0.6), Some(0.1));
         assert_eq!(o, MigrationOption::Tcp);
         assert!(why.contains("too little to compress"), "{why}");
         // no idle figure: no compression on a guess
-        assert_eq!(auto_one_pair(Some(0.06), None).0, MigrationOption::Tcp);
+        assert_eq!(auto_one_pair(Some(0.6), None).0, MigrationOption::Tcp);
+        // ... unless it compresses so well that compressing costs less CPU
+        // than carrying it as it is, busy or not
+        let (o, why) = auto_one_pair(Some(0.06), Some(0.1));
+        assert_eq!(o, MigrationOption::Compression, "{why}");
+        assert!(why.contains("less CPU"), "{why}");
+        assert_eq!(
+            auto_one_pair(Some(0.06), None).0,
+            MigrationOption::Compression
+        );
     }
 
     #[test]
