@@ -9,7 +9,7 @@ depending on the codec; `random`: every word differs), --rounds rounds; in each 
 contender moves a fresh guest host1 → host2, the contenders' order rotating from round to
 round. Reported per contender: the median transfer time (QMP `migrate` → target guest
 running; for Ferry the move report's `transfer_ms`, the same span), bytes that left host1's
-NIC, and CPU-seconds per GiB of guest memory moved (every QEMU and agent on both hosts,
+migration NICs (all --nics of them), and CPU-seconds per GiB of guest memory moved (every QEMU and agent on both hosts,
 sampled from /proc over the move; for Ferry the report's own `cpu`), and each contender's
 time ÷ QEMU zstd's; the downtime each guest saw (from the source pausing to the target
 running: for Ferry the report's `guest_downtime_ms`, counted the same way by hand — QEMU
