@@ -41,7 +41,7 @@ def main():
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--kind", default="compressible", choices=["random", "compressible"])
     ap.add_argument("--bins", default=labqemu.FERRY)
-    ap.add_argument("--cpus", default=None, help="`ferry lab up --cpus`: split, or host1=0,host2=1")
+    labqemu.add_cpus_option(ap)
     ap.add_argument("--with-control", action="store_true",
                     help="restart the control service from each build too (needed when the builds' "
                          "control service and agents must match)")
@@ -51,7 +51,7 @@ def main():
         if not os.access(b, os.X_OK):
             sys.exit(f"--bins: {b} is not an executable")
     subprocess.run([bins[0], "lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate,
-                    *(["--cpus", a.cpus] if a.cpus else [])],
+                    *labqemu.cpus_flag(a)],
                    check=True, capture_output=True)
     pairs = [(b, o) for b in bins for o in a.options.split(",")]
     runs = {p: [] for p in pairs}

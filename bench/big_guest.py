@@ -68,7 +68,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--nics", default="1")
-    ap.add_argument("--cpus", default="split")
+    labqemu.add_cpus_option(ap, default="split")
     ap.add_argument("--option", default="auto")
     ap.add_argument("--big", default="16G,2G,4")
     ap.add_argument("--small", default="1G,512M,1")
@@ -81,7 +81,7 @@ def main():
             sys.exit(f"--{kind}: MEMORY,FILL,VCPUS, not {getattr(a, kind)!r}")
         guests[kind] = spec
     ferry("lab", "up", "--replace", "--hosts", "2", "--nics", a.nics, "--rate", a.rate,
-          "--cpus", a.cpus, "--host-memory", a.host_memory)
+          *labqemu.cpus_flag(a), "--host-memory", a.host_memory)
     runs = {k: [] for k in guests}
     for rnd in range(a.rounds):
         order = list(guests) if rnd % 2 == 0 else list(reversed(guests))

@@ -29,6 +29,8 @@ their host's too. --nics 1 measures `auto` over one NIC pair.
 """
 import argparse, json, os, re, statistics, subprocess, sys, time
 
+import labqemu
+
 from labqemu import FERRY, Cpu, agents_spend, ferry, lab_addr, nic_tx, qemu, run_target, size, wait_migration, wait_ready
 
 
@@ -146,14 +148,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--nics", default="2")
-    ap.add_argument("--cpus", default=None, help="`ferry lab up --cpus`: split, or host1=0,host2=1")
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     contenders = a.contenders.split(",")
     gib = size(a.memory) / (1 << 30)
     rows = []
     for rate in a.rates.split(","):
         ferry("lab", "up", "--replace", "--hosts", "2", "--nics", a.nics, "--rate", rate,
-              *(["--cpus", a.cpus] if a.cpus else []))
+              *labqemu.cpus_flag(a))
         for kind in a.kinds.split(","):
             runs = {c: [] for c in contenders}
             for rnd in range(a.rounds):

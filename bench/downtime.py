@@ -15,6 +15,8 @@ The guest is checked intact at the end of each configuration.
 """
 import argparse, json, os, statistics, subprocess, sys
 
+import labqemu
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
 
@@ -47,16 +49,14 @@ def main():
     ap.add_argument("--fill", default="128M")
     ap.add_argument("--nics", default="1,2")
     ap.add_argument("--loads", default="0,0.1,0.5", help="dirty rate as shares of one link's rate")
-    ap.add_argument("--cpus", default="", help="ferry lab up --cpus (e.g. split): hosts with CPUs of their own")
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     link = rate_bytes(a.rate)
     contenders = [("auto", []), ("100ms", ["--max-downtime", "100ms"])]
     limit = {"auto": 300, "100ms": 100}
     rows = []
     for nics in a.nics.split(","):
-        up = ["lab", "up", "--replace", "--hosts", "2", "--nics", nics, "--rate", a.rate]
-        if a.cpus:
-            up += ["--cpus", a.cpus]
+        up = ["lab", "up", "--replace", "--hosts", "2", "--nics", nics, "--rate", a.rate, *labqemu.cpus_flag(a)]
         if ferry(*up).returncode:
             sys.exit("lab up failed")
         for load in (float(x) for x in a.loads.split(",")):

@@ -221,10 +221,10 @@ def wait_ready(console):
     sys.exit("guest did not start its workload")
 
 
-def add_cpus_option(ap):
+def add_cpus_option(ap, default=""):
     """`--cpus` for a bench that brings a lab up: each lab host's agent and QEMUs (and a QEMU by
     hand started with `qemu`, which reads the lab's sets) on CPUs of its own."""
-    ap.add_argument("--cpus", default="",
+    ap.add_argument("--cpus", default=default,
                     help="`ferry lab up --cpus`: split, or host1=0,host2=1 (default: hosts share the machine's CPUs)")
 
 

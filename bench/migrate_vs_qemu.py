@@ -15,6 +15,8 @@ Medians. Needs root and a built ferry binary.
 """
 import argparse, json, statistics, subprocess, sys, time
 
+import labqemu
+
 from labqemu import ferry, lab_addr, qemu, run_target, size, wait_migration, wait_ready
 
 
@@ -46,12 +48,12 @@ def main():
     ap.add_argument("--fill", default="768M")
     ap.add_argument("--dirty-rate", default="8M")
     ap.add_argument("--rate", default="1gbit")
-    ap.add_argument("--cpus", default=None, help="`ferry lab up --cpus`: split, or host1=0,host2=1")
+    labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     rate_bps = float(a.rate.replace("gbit", "e9").replace("mbit", "e6"))
     mem, fill, dirty = size(a.memory), size(a.fill), size(a.dirty_rate)
     ferry("lab", "up", "--replace", "--hosts", "2", "--nics", "1", "--rate", a.rate,
-          *(["--cpus", a.cpus] if a.cpus else []))
+          *labqemu.cpus_flag(a))
     img = ferry("lab", "image").split("guest image: ")[1].split(" ")[0]
     rows = []
     ferry("vm", "create", "bench", "--host", "host1", "--memory", a.memory, "--fill", a.fill, "--dirty-rate", a.dirty_rate)

@@ -24,16 +24,8 @@ override; built if missing).
 import argparse, json, os, resource, statistics, subprocess, sys, tempfile, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from labqemu import cpu_seconds  # noqa: E402
 from storage import FERRY, ROOT, SIZE, Ferry, free_port, wait_port  # noqa: E402
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid):
-    """A process's utime + stime, in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def fio(targets, engine, a):
@@ -76,9 +68,9 @@ def run(kind, backing, work, a):
                              stderr=subprocess.DEVNULL)
         wait_port(port)
         uri, pid, stop = f"nbd://127.0.0.1:{port}/d", p.pid, lambda: (p.kill(), p.wait())
-    c0, t0 = cpu_s(pid), time.time()
+    c0, t0 = cpu_seconds(pid), time.time()
     iops, fcpu = fio([uri, uri], "nbd", a)
-    cpu, wall = cpu_s(pid) - c0, time.time() - t0
+    cpu, wall = cpu_seconds(pid) - c0, time.time() - t0
     stop()
     share = a.runtime / wall
     return iops, cpu * share / (iops * a.runtime) * 1e6, fcpu * share / (iops * a.runtime) * 1e6

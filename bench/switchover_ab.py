@@ -18,6 +18,8 @@ OLD_BIN and NEW_BIN must be copies outside target/ (a running agent holds its bi
 """
 import argparse, json, statistics, subprocess, sys
 
+import labqemu
+
 from compression_ab import agents_from, builds_of
 from downtime import pct
 
@@ -44,7 +46,7 @@ def main():
     ap.add_argument("--moves", type=int, default=10)
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--nics", default="1")
-    ap.add_argument("--cpus", default="split")
+    labqemu.add_cpus_option(ap, default="split")
     ap.add_argument("--memory", default="512M")
     ap.add_argument("--fill", default="256M")
     ap.add_argument("--option", default="tcp")
@@ -52,9 +54,7 @@ def main():
                     help="the guest's memory compresses (~7x), as `vm create --compressible`")
     a = ap.parse_args()
     builds = builds_of(a)
-    up = ["lab", "up", "--replace", "--hosts", "2", "--nics", a.nics, "--rate", a.rate]
-    if a.cpus:
-        up += ["--cpus", a.cpus]
+    up = ["lab", "up", "--replace", "--hosts", "2", "--nics", a.nics, "--rate", a.rate, *labqemu.cpus_flag(a)]
     run(a.new, *up)
     run(a.new, "vm", "create", "sw", "--host", "host1", "--memory", a.memory, "--fill", a.fill,
         *(["--compressible"] if a.compressible else []))

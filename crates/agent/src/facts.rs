@@ -70,10 +70,7 @@ fn own_cpus(stat: &str) -> Option<Vec<usize>> {
     if r != 0 {
         return None;
     }
-    let listed = stat
-        .lines()
-        .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
-        .count();
+    let listed = stat.lines().filter_map(cpu_number).count();
     // SAFETY: CPU_ISSET reads the set within CPU_SETSIZE.
     let own: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
         .filter(|&i| unsafe { libc::CPU_ISSET(i, &set) })
@@ -81,28 +78,26 @@ fn own_cpus(stat: &str) -> Option<Vec<usize>> {
     (!own.is_empty() && own.len() < listed).then_some(own)
 }
 
-/// (busy, total) jiffies of the `cpu` line of `/proc/stat`: idle and iowait
-/// are not busy.
-pub fn cpu_ticks(stat: &str) -> Option<(u64, u64)> {
-    cpu_ticks_of(stat, None)
+/// N of a `/proc/stat` line `cpuN …`; `None` for any other line (the
+/// all-CPU `cpu` line among them).
+fn cpu_number(line: &str) -> Option<usize> {
+    // `cpu  100 …` (all CPUs): what follows `cpu` is a space, not N
+    line.strip_prefix("cpu")?
+        .split(char::is_whitespace)
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// (busy, total) jiffies of the CPUs `cpus` (their `cpuN` lines, summed), or
-/// of every CPU (the `cpu` line) with `None`.
+/// of every CPU (the `cpu` line) with `None`: idle and iowait are not busy.
 pub fn cpu_ticks_of(stat: &str, cpus: Option<&[usize]>) -> Option<(u64, u64)> {
     let Some(cpus) = cpus else {
         return ticks_of_line(stat.lines().find(|l| l.starts_with("cpu "))?);
     };
     let mut sum: Option<(u64, u64)> = None;
     for line in stat.lines() {
-        let Some(n) = line
-            .strip_prefix("cpu")
-            .and_then(|r| r.split_whitespace().next())
-            .and_then(|n| n.parse::<usize>().ok())
-        else {
-            continue;
-        };
-        if cpus.contains(&n) {
+        if cpu_number(line).is_some_and(|n| cpus.contains(&n)) {
             if let Some((b, a)) = ticks_of_line(line) {
                 let (sb, sa) = sum.unwrap_or((0, 0));
                 sum = Some((sb + b, sa + a));
@@ -400,9 +395,9 @@ mod cpu_tests {
     #[test]
     fn cpu_ticks_count_idle_and_iowait_as_not_busy() {
         let stat = "cpu  100 5 50 800 40 3 2 0 0 0\ncpu0 50 2 25 400 20 1 1 0 0 0\nintr 1\n";
-        assert_eq!(cpu_ticks(stat), Some((160, 1000)));
-        assert_eq!(cpu_ticks("cpu0 1 2 3 4 5\n"), None);
-        assert_eq!(cpu_ticks("cpu  1 2\n"), None);
+        assert_eq!(cpu_ticks_of(stat, None), Some((160, 1000)));
+        assert_eq!(cpu_ticks_of("cpu0 1 2 3 4 5\n", None), None);
+        assert_eq!(cpu_ticks_of("cpu  1 2\n", None), None);
     }
 
     #[test]
@@ -417,6 +412,10 @@ mod cpu_tests {
         assert_eq!(cpu_ticks_of(&stat(10), Some(&[1])), Some((0, 10)));
         assert_eq!(cpu_ticks_of(&stat(10), Some(&[0, 1])), Some((10, 20)));
         assert_eq!(cpu_ticks_of(&stat(10), Some(&[7])), None);
+        // the all-CPU line's first figure is not a CPU's number
+        assert_eq!(cpu_ticks_of(&stat(10), Some(&[10])), None);
+        assert_eq!(cpu_number("cpu  10 0 0 10"), None);
+        assert_eq!(cpu_number("cpu12 1 2"), Some(12));
         let own = IdleGauge::default();
         own.cpus.set(Some(vec![1])).unwrap();
         let all = IdleGauge::default();

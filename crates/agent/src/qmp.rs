@@ -535,6 +535,10 @@ impl<R> KnownMessages<R> {
 /// for anything else (a reply, a known event, the greeting, a line that is
 /// not JSON: those are the `qapi` stream's to judge).
 fn unknown_event(line: &[u8]) -> Option<String> {
+    // a reply (most lines: the watch's `query-migrate`) is not parsed twice
+    if !line.windows(7).any(|w| w == b"\"event\"") {
+        return None;
+    }
     let v: serde_json::Value = serde_json::from_slice(line).ok()?;
     let name = v.get("event")?.as_str().unwrap_or("?").to_string();
     match serde_json::from_value::<qapi::qmp::QmpMessageAny>(v) {
