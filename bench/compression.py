@@ -22,7 +22,12 @@ errors).
 
     sudo python3 bench/compression.py [--memory 768M] [--fill 512M] [--rates 200mbit,1gbit,10gbit]
         [--rounds 3] [--qemu-channels 2] [--zstd-level 1] [--nics 2] [--cpus split]
-        [--contenders "qemu tcp,qemu zstd,ferry compression,ferry auto"]
+        [--contenders "qemu tcp,qemu zstd,ferry compression,ferry auto"] [--encryption on|off]
+
+`qemu zstd tls` (not run by default) is QEMU's multifd + zstd with QEMU's own TLS (a pre-shared
+key) on every channel: with it among the contenders and Ferry's moves encrypted (the cluster's
+default; --encryption off turns it off for the run), Ferry's ratio is taken against it, the
+like-for-like contender; otherwise against QEMU's zstd in clear.
 
 --cpus gives each lab host CPUs of its own (`ferry lab up --cpus`); the QEMUs by hand run on
 their host's too. --nics 1 measures `auto` over one NIC pair.
@@ -78,9 +83,26 @@ def ferry_move(kind, a, option="compression"):
             "switches": switches}
 
 
-def qemu_move(kind, contender, a, prepare=None):
-    """A QEMU started by hand on host1 migrated to a new one on host2: `tcp` or multifd + zstd;
-    `prepare(source_qmp, target_qmp)`, when given, sets up more before the migration."""
+def qemu_tls(sq, dq):
+    """QEMU's own TLS on a migration by hand: `tls-creds-psk` with a fresh pre-shared key, the
+    source the client and the target the server."""
+    psk = "/run/ferry/bench/qemu-psk"
+    subprocess.run(["rm", "-rf", psk])
+    os.makedirs(psk, mode=0o700)
+    with open(f"{psk}/keys.psk", "w") as f:
+        f.write("ferry:" + os.urandom(32).hex() + "\n")
+    for q, end in ((sq, "client"), (dq, "server")):
+        creds = {"qom-type": "tls-creds-psk", "id": "tls0", "endpoint": end, "dir": psk}
+        if end == "client":
+            creds["username"] = "ferry"
+        q.cmd("object-add", **creds)
+        q.cmd("migrate-set-parameters", **{"tls-creds": "tls0"})
+
+
+def qemu_move(kind, contender, a):
+    """A QEMU started by hand on host1 migrated to a new one on host2: `tcp` or multifd + zstd
+    (`qemu zstd`); a contender whose name ends in ` tls` (`qemu zstd tls`, `qemu tls`) with QEMU's
+    own TLS on every channel."""
     src_d, dst_d = "/run/ferry/bench/cb-src", "/run/ferry/bench/cb-dst"
     subprocess.run(["rm", "-rf", src_d, dst_d])
     comp = kind == "compressible"
@@ -89,15 +111,15 @@ def qemu_move(kind, contender, a, prepare=None):
     wait_ready(f"{src_d}/console.log")
     time.sleep(2)
     dp, dq = qemu("host2", dst_d, None, mem, fill, dirty, True, comp)
-    zstd = contender == "qemu zstd"
+    zstd = contender.startswith("qemu zstd")
     for q in (sq, dq):
         q.cmd("migrate-set-capabilities", capabilities=[{"capability": "multifd", "state": zstd}])
         if zstd:
             q.cmd("migrate-set-parameters", **{"multifd-channels": a.qemu_channels,
                                                 "multifd-compression": "zstd",
                                                 "multifd-zstd-level": a.zstd_level})
-    if prepare:
-        prepare(sq, dq)
+    if contender.endswith(" tls"):
+        qemu_tls(sq, dq)
     sq.cmd("migrate-set-parameters", **{"max-bandwidth": 100 << 30, "downtime-limit": 300})
     addr = {"transport": "socket", "type": "inet", "host": lab_addr("host2", 1), "port": "0"}
     dq.cmd("migrate-incoming", channels=[{"channel-type": "main", "addr": dict(addr)}])
@@ -129,6 +151,7 @@ def qemu_move(kind, contender, a, prepare=None):
 
 
 CONTENDERS = ("qemu tcp", "qemu zstd", "ferry compression", "ferry auto")
+KNOWN = CONTENDERS + ("qemu zstd tls",)
 
 
 def guest_options(ap):
@@ -148,14 +171,23 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--nics", default="2")
+    ap.add_argument("--encryption", choices=("on", "off"), default="on",
+                    help="the cluster's encryption for Ferry's moves (`ferry cluster set --encryption`)")
     labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     contenders = a.contenders.split(",")
+    for c in contenders:
+        if c not in KNOWN:
+            ap.error(f"--contenders: unknown contender {c!r} (known: {', '.join(KNOWN)})")
+    # Ferry's like-for-like QEMU: zstd with TLS when Ferry's moves are encrypted and that
+    # contender runs, zstd in clear otherwise
+    base_of = "qemu zstd tls" if a.encryption == "on" and "qemu zstd tls" in contenders else "qemu zstd"
     gib = size(a.memory) / (1 << 30)
     rows = []
     for rate in a.rates.split(","):
         ferry("lab", "up", "--replace", "--hosts", "2", "--nics", a.nics, "--rate", rate,
               *labqemu.cpus_flag(a))
+        ferry("cluster", "set", "--encryption", a.encryption)
         for kind in a.kinds.split(","):
             runs = {c: [] for c in contenders}
             for rnd in range(a.rounds):
@@ -168,14 +200,16 @@ def main():
                           f"on the wire, {r['cpu']:.2f} CPU-s, guest downtime {r['downtime']} ms {r['codecs']}",
                           file=sys.stderr, flush=True)
             med = {c: statistics.median(x["secs"] for x in runs[c]) for c in contenders}
-            base = med.get("qemu zstd")
             for c in contenders:
+                # QEMU by hand ÷ QEMU zstd in clear; Ferry ÷ its like-for-like
+                base = med.get("qemu zstd" if c.startswith("qemu") else base_of)
                 rows.append((rate, kind, c, med[c], [x["secs"] for x in runs[c]],
                              statistics.median(x["wire"] for x in runs[c]) / 2**20,
                              statistics.median(x["cpu"] for x in runs[c]) / gib,
                              med[c] / base if base else None, runs[c][-1]["codecs"],
                              [x["downtime"] for x in runs[c] if x["downtime"] is not None]))
     ferry("lab", "down")
+    print(f"# Ferry's moves: encryption {a.encryption}; Ferry's ratio is ÷ {base_of}, QEMU's ÷ qemu zstd")
     print("| link | memory | contender | median s | every run s | MiB on the wire | CPU s/GiB | ÷ QEMU zstd "
           "| guest downtime ms | codecs (last run) |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -10,10 +10,11 @@ killed and started again from that build (`ferry lab restart-agent`; guests outl
 and every guest is removed after its move). Prints every run and the medians.
 
     sudo python3 bench/compression_ab.py --old OLD_BIN --new NEW_BIN [--rounds 4]
-        [--rate 1gbit] [--kind random] [--encrypt] [the guest options of bench/compression.py]
+        [--rate 1gbit] [--kind random] [--encryption on|off] [the guest options of bench/compression.py]
 
---encrypt turns the cluster's `encrypt_carriers` on: every Ferry frame sealed (QEMU by hand
-stays in clear; it has no such option on multifd). Each run's CPU seconds are printed beside
+--encryption sets the cluster's `encryption` for Ferry's moves (on, the default: Ferry's frames
+sealed, QEMU's own channels in TLS); QEMU by hand matches it: multifd + zstd with its own TLS
+(`qemu zstd tls`) when on, in clear when off. Each run's CPU seconds are printed beside
 its time: for Ferry both agents' and QEMUs' (the move report's), for QEMU by hand both QEMUs';
 for Ferry also both agents' own, in brackets (from /proc, over the `ferry vm move`: the relay,
 the move's control work and the CLI's requests it serves).
@@ -65,22 +66,22 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--kind", default="random", choices=["random", "compressible"])
-    ap.add_argument("--encrypt", action="store_true")
+    ap.add_argument("--encryption", choices=("on", "off"), default="on")
     labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     builds = builds_of(a)
     subprocess.run([a.new, "lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate, *labqemu.cpus_flag(a)],
                    check=True, capture_output=True)
-    if a.encrypt:
-        subprocess.run([a.new, "cluster", "set", "--encrypt-carriers", "on"], check=True,
-                       capture_output=True)
-    runs = {"qemu zstd": [], "old": [], "new": []}
+    subprocess.run([a.new, "cluster", "set", "--encryption", a.encryption], check=True,
+                   capture_output=True)
+    qemu = "qemu zstd tls" if a.encryption == "on" else "qemu zstd"
+    runs = {qemu: [], "old": [], "new": []}
     cpu = {c: [] for c in runs}
     agents = {c: [] for c in runs}
     names = list(runs)
     for rnd in range(a.rounds):
         for c in names[rnd % 3:] + names[:rnd % 3]:
-            if c == "qemu zstd":
+            if c == qemu:
                 r = compression.qemu_move(a.kind, c, a)
                 relay = ""
             else:
@@ -95,11 +96,11 @@ def main():
             print(f"round {rnd + 1} {c}: {r['secs']:.3f} s, {r['cpu']:.2f} CPU-s{relay}, "
                   f"guest downtime {r['downtime']} ms {r['codecs']}", flush=True)
     subprocess.run([a.new, "lab", "down"], capture_output=True)
-    base = statistics.median(runs["qemu zstd"])
+    base = statistics.median(runs[qemu])
     for c in names:
         m = statistics.median(runs[c])
         relay = f" (both agents {statistics.median(agents[c]):.3f})" if agents[c] else ""
-        print(f"{c}: median {m:.3f} s ({m / base:.3f} × QEMU zstd), "
+        print(f"{c}: median {m:.3f} s ({m / base:.3f} × {qemu}), "
               f"{statistics.median(cpu[c]):.2f} CPU-s{relay}; every run "
               + ", ".join(f"{x:.3f} s {y:.2f} CPU-s" for x, y in zip(runs[c], cpu[c])))
 

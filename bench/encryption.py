@@ -16,7 +16,7 @@ and the ratios.
     sudo python3 bench/encryption.py [--rates 400mbit,1gbit] [--kinds compressible,random]
         [--rounds 3] [--memory 512M] [--fill 384M]
 """
-import argparse, os, statistics, subprocess
+import argparse, statistics
 
 import compression
 from labqemu import ferry
@@ -32,21 +32,7 @@ def set_encryption(on):
 def qemu_tls_move(kind, a):
     """QEMU started by hand on host1, migrated with its own TLS (a pre-shared key) to a new one
     on host2 (bench/compression.py's QEMU by hand, one stream)."""
-    psk = "/run/ferry/bench/enc-psk"
-    subprocess.run(["rm", "-rf", psk])
-    os.makedirs(psk, mode=0o700)
-    with open(f"{psk}/keys.psk", "w") as f:
-        f.write("ferry:" + os.urandom(32).hex() + "\n")
-
-    def tls(sq, dq):
-        for q, end in ((sq, "client"), (dq, "server")):
-            creds = {"qom-type": "tls-creds-psk", "id": "tls0", "endpoint": end, "dir": psk}
-            if end == "client":
-                creds["username"] = "ferry"
-            q.cmd("object-add", **creds)
-            q.cmd("migrate-set-parameters", **{"tls-creds": "tls0"})
-
-    return compression.qemu_move(kind, "qemu tls", a, tls)["secs"]
+    return compression.qemu_move(kind, "qemu tls", a)["secs"]
 
 
 def contenders():
