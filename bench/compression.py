@@ -210,7 +210,7 @@ def main():
                              [x["downtime"] for x in runs[c] if x["downtime"] is not None]))
     ferry("lab", "down")
     print(f"# Ferry's moves: encryption {a.encryption}; Ferry's ratio is ÷ {base_of}, QEMU's ÷ qemu zstd")
-    print("| link | memory | contender | median s | every run s | MiB on the wire | CPU s/GiB | ÷ QEMU zstd "
+    print("| link | memory | contender | median s | every run s | MiB on the wire | CPU s/GiB | ÷ QEMU (above) "
           "| guest downtime ms | codecs (last run) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for rate, kind, c, m, every, wire, cpu, ratio, codecs, downs in rows:
