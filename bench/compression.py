@@ -11,7 +11,7 @@ round. Reported per contender: the median transfer time (QMP `migrate` → targe
 running; for Ferry the move report's `transfer_ms`, the same span), bytes that left host1's
 migration NICs (all --nics of them), and CPU-seconds per GiB of guest memory moved (every QEMU and agent on both hosts,
 sampled from /proc over the move; for Ferry the report's own `cpu`), and each contender's
-time ÷ QEMU zstd's; the downtime each guest saw (from the source pausing to the target
+time ÷ QEMU zstd's (Ferry's ÷ `qemu zstd tls`'s when that runs and Ferry encrypts); the downtime each guest saw (from the source pausing to the target
 running: for Ferry the report's `guest_downtime_ms`, counted the same way by hand — QEMU
 by hand switches over as soon as the rest fits its 300 ms `downtime-limit`, Ferry's
 default `--max-downtime auto` copies on for the smallest blackout); for Ferry how it compressed
