@@ -83,6 +83,11 @@ def ferry_move(kind, a, option="compression"):
             "switches": switches}
 
 
+def set_encryption(on):
+    """The cluster's `encryption` for Ferry's moves from now on."""
+    ferry("cluster", "set", "--encryption", "on" if on else "off")
+
+
 def qemu_tls(sq, dq):
     """QEMU's own TLS on a migration by hand: `tls-creds-psk` with a fresh pre-shared key, the
     source the client and the target the server."""
@@ -187,7 +192,7 @@ def main():
     for rate in a.rates.split(","):
         ferry("lab", "up", "--replace", "--hosts", "2", "--nics", a.nics, "--rate", rate,
               *labqemu.cpus_flag(a))
-        ferry("cluster", "set", "--encryption", a.encryption)
+        set_encryption(a.encryption == "on")
         for kind in a.kinds.split(","):
             runs = {c: [] for c in contenders}
             for rnd in range(a.rounds):

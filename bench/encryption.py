@@ -25,10 +25,6 @@ import labqemu  # noqa: E402
 OPTIONS = ("tcp", "multichannel", "mptcp")
 
 
-def set_encryption(on):
-    ferry("cluster", "set", "--encryption", "on" if on else "off")
-
-
 def qemu_tls_move(kind, a):
     """QEMU started by hand on host1, migrated with its own TLS (a pre-shared key) to a new one
     on host2 (bench/compression.py's QEMU by hand, one stream)."""
@@ -44,7 +40,7 @@ def run(contender, kind, a):
     option, enc = contender
     if option == "qemu-tls":
         return qemu_tls_move(kind, a), "qemu by hand, TLS"
-    set_encryption(enc)
+    compression.set_encryption(enc)
     r = compression.ferry_move(kind, a, option)
     return r["secs"], r["path"]
 
@@ -73,7 +69,7 @@ def main():
                     secs, path = run(c, kind, a)
                     results.setdefault((rate, kind, name(c)), []).append(secs)
                     print(f"{rate} {kind} round {rnd + 1}: {name(c):24} {secs:6.2f} s  ({path})", flush=True)
-        set_encryption(True)
+        compression.set_encryption(True)
     print("\nmedians (s) and ratios, every run above:")
     for rate in a.rates.split(","):
         for kind in a.kinds.split(","):
