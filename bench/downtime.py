@@ -75,9 +75,10 @@ def main():
                     if r.get("event") != "completed":
                         sys.exit(f"move failed: {r}")
                     got[name].append(r)
-                    print(f"  nics={nics} load={load:.0%} {name} #{i + 1}: guest {r['guest_downtime_ms']} ms, "
-                          f"QEMU {r['downtime_ms']} ms, limit {r['downtime_limit_ms']} ms, {r['option']}, "
-                          f"{r['total_ms']} ms total", file=sys.stderr, flush=True)
+                    parts = " ".join(f"{p['part']} {p['ms']}" for p in r.get("downtime_parts", []))
+                    print(f"  nics={nics} load={load:.0%} {name} #{i + 1}: guest {r['guest_downtime_ms']} ms "
+                          f"({parts}), QEMU {r['downtime_ms']} ms, limit {r['downtime_limit_ms']} ms, "
+                          f"{r['option']}, {r['total_ms']} ms total", file=sys.stderr, flush=True)
             c = json.loads(ferry("vm", "check", "dt", "--json").stdout or "{}")
             intact = "intact" if c.get("intact") and c.get("advancing") else "NOT INTACT"
             for name, _ in contenders:

@@ -5,8 +5,10 @@ Ferry's NBD with TLS vs nbdkit with TLS. Everything on loopback.
 NBD: one 256 MiB file on tmpfs served in turn by Ferry with TLS (the lab's
 default: STARTTLS required, a client certificate), Ferry in clear, and
 nbdkit with TLS (--tls=require --tls-verify-peer, the same certificates);
-fio's nbd engine (libnbd; `nbds://…?tls-certificates=`) runs 4K random reads
-at queue depth 32 over 2 connections. Reported per round: IOPS, and the
+fio's nbd engine (libnbd; `nbds://…?tls-certificates=`) runs 4K (--bs) random
+reads at queue depth 32 over 2 connections. --baseline BIN adds another build's
+storage node with TLS as a contender (a change measured against the build
+without it). Reported per round: IOPS, and the
 server's CPU seconds per million I/Os (/proc/PID/stat); then medians and the
 ratios Ferry TLS ÷ Ferry clear and Ferry TLS ÷ nbdkit TLS. The contenders
 alternate within each round.
@@ -16,7 +18,7 @@ hosts), `GET /api/v1/events?limit=1` with an admin token: the median latency
 of 300 requests on one kept-alive connection, and of 100 requests each on a
 new connection (a CLI invocation's case: TCP + TLS handshake each time).
 
-    python3 bench/tls.py [--runtime 8] [--rounds 3]
+    python3 bench/tls.py [--runtime 8] [--rounds 3] [--bs 4k] [--baseline OLD_BIN]
 
 Needs fio, libnbd-bin, nbdkit; uses target/release/ferry (FERRY_BIN to
 override).
@@ -54,10 +56,10 @@ def nbd_home(work, etc):
     os.chmod(work, 0o755)
 
 
-def fio(uri, runtime):
-    """4K random reads, depth 32, 2 connections: total IOPS and I/Os."""
+def fio(uri, runtime, bs="4k"):
+    """Random reads of `bs`, depth 32, 2 connections: total IOPS and I/Os."""
     args = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "env", f"HOME={NBD_HOME}",
-            "fio", "--ioengine=nbd", "--rw=randread", "--bs=4k", "--iodepth=32", f"--size={SIZE}",
+            "fio", "--ioengine=nbd", "--rw=randread", f"--bs={bs}", "--iodepth=32", f"--size={SIZE}",
             "--time_based", f"--runtime={runtime}", "--output-format=json", "--norandommap",
             "--name=j0", f"--uri={uri}", "--name=j1", f"--uri={uri}"]
     out = subprocess.run(args, capture_output=True, text=True)
@@ -81,13 +83,13 @@ def certs(work):
 class Node:
     """A Ferry storage node with (`tls`) or without TLS, one disk `d`."""
 
-    def __init__(self, work, etc, tls, backing):
+    def __init__(self, work, etc, tls, backing, binary=None):
         self.dir = tempfile.mkdtemp(prefix="ferry-tls-", dir="/dev/shm")
         self.nbd, self.api = free_port(), free_port()
         tok = os.path.join(work, "token")
         with open(tok, "w") as f:
             f.write(TOKEN)
-        cmd = [FERRY, "storage", "serve", "--dir", self.dir, "--nbd-listen", f"127.0.0.1:{self.nbd}",
+        cmd = [binary or FERRY, "storage", "serve", "--dir", self.dir, "--nbd-listen", f"127.0.0.1:{self.nbd}",
                "--api-listen", f"127.0.0.1:{self.api}", "--token-file", tok]
         cmd += ["--tls-dir", os.path.join(etc, "pki", "storage")] if tls else ["--insecure-http"]
         self.p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -131,11 +133,14 @@ class Nbdkit:
         self.p.wait()
 
 
-def nbd_round(kind, work, etc, backing, runtime):
-    s = Nbdkit(etc, backing) if kind == "nbdkit-tls" else Node(work, etc, kind == "ferry-tls", backing)
+def nbd_round(kind, work, etc, backing, runtime, bs="4k", baseline=None):
+    if kind == "nbdkit-tls":
+        s = Nbdkit(etc, backing)
+    else:
+        s = Node(work, etc, kind != "ferry-clear", backing, baseline if kind == "baseline-tls" else None)
     try:
         c0 = cpu_seconds(s.p.pid)
-        iops, ios = fio(s.uri, runtime)
+        iops, ios = fio(s.uri, runtime, bs)
         cpu = cpu_seconds(s.p.pid) - c0
     finally:
         s.stop()
@@ -184,6 +189,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runtime", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bs", default="4k", help="fio's block size for the NBD reads")
+    ap.add_argument("--baseline", help="another build's ferry binary: its storage node with TLS as a contender")
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="ferry-bench-tls-")
     etc = certs(work)
@@ -192,21 +199,23 @@ def main():
     subprocess.run(["dd", "if=/dev/urandom", f"of={backing}", "bs=1M", f"count={SIZE >> 20}"],
                    check=True, capture_output=True)
     os.chmod(backing, 0o644)
-    kinds = ["ferry-tls", "ferry-clear", "nbdkit-tls"]
+    kinds = ["ferry-tls", "ferry-clear", "nbdkit-tls"] + (["baseline-tls"] if a.baseline else [])
     res = {k: [] for k in kinds}
     try:
         for r in range(a.rounds):
-            order = kinds[r % 3:] + kinds[:r % 3]
+            order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
             for k in order:
-                iops, cpu = nbd_round(k, work, etc, backing, a.runtime)
+                iops, cpu = nbd_round(k, work, etc, backing, a.runtime, a.bs, a.baseline)
                 res[k].append((iops, cpu))
                 print(f"round {r + 1} {k:12} {iops:9.0f} IOPS  {cpu:6.1f} CPU-s per million I/Os", flush=True)
         med = {k: (statistics.median(i for i, _ in v), statistics.median(c for _, c in v)) for k, v in res.items()}
-        print("\nNBD 4K random read, depth 32 x 2 connections, medians:")
+        print(f"\nNBD {a.bs} random read, depth 32 x 2 connections, medians:")
         for k in kinds:
             print(f"  {k:12} {med[k][0]:9.0f} IOPS  {med[k][1]:6.1f} CPU-s per million I/Os")
         print(f"  Ferry TLS / Ferry clear: {med['ferry-tls'][0] / med['ferry-clear'][0]:.2f} (IOPS)")
         print(f"  Ferry TLS / nbdkit TLS:  {med['ferry-tls'][0] / med['nbdkit-tls'][0]:.2f} (IOPS)")
+        if a.baseline:
+            print(f"  Ferry TLS / baseline TLS ({a.baseline}): {med['ferry-tls'][0] / med['baseline-tls'][0]:.2f} (IOPS)")
         lat = {}
         for r in range(a.rounds):
             for tls in ((True, False) if r % 2 == 0 else (False, True)):

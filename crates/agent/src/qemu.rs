@@ -560,28 +560,6 @@ fn device_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path) -> Vec<String> {
     a
 }
 
-/// The GnuTLS priority of QEMU's TLS (the disks' NBD connections and the
-/// migration channels) on this host: AES-GCM before ChaCha20-Poly1305 where
-/// the CPU has AES and carry-less multiply instructions, else `None` (QEMU's
-/// default). On a virtual CPU with AES-NI, QEMU's default (GnuTLS 3.7)
-/// negotiated ChaCha20-Poly1305 and took 2.2 × the CPU of AES-GCM to receive
-/// the same migration (BENCHMARKS, "QEMU's TLS: AES-GCM and DH parameters").
-/// ChaCha20 stays offered, last.
-pub fn tls_priority() -> Option<&'static str> {
-    #[cfg(target_arch = "x86_64")]
-    let fast_aes = std::arch::is_x86_feature_detected!("aes")
-        && std::arch::is_x86_feature_detected!("pclmulqdq");
-    #[cfg(target_arch = "aarch64")]
-    let fast_aes = std::arch::is_aarch64_feature_detected!("aes")
-        && std::arch::is_aarch64_feature_detected!("pmull");
-    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    let fast_aes = false;
-    fast_aes.then_some(AES_FIRST)
-}
-
-/// AES-GCM first, ChaCha20-Poly1305 moved to the end (GnuTLS priority syntax).
-pub const AES_FIRST: &str = "NORMAL:-CHACHA20-POLY1305:+CHACHA20-POLY1305";
-
 /// The QEMU arguments for a VM; identical on source and target but for
 /// `-incoming`. QEMU starts paused (`-S`): a new VM runs once its taps are
 /// on their bridges, a skeleton on the commit's RUN.
@@ -617,13 +595,10 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
             Some(_) => (dir.join(NBD_TLS_DIR), ",sanity-check=off"),
             None => (t.clone(), ""),
         };
-        let priority = tls_priority()
-            .map(|p| format!(",priority={p}"))
-            .unwrap_or_default();
         a.extend([
             "-object".to_string(),
             format!(
-                "tls-creds-x509,id={NBD_TLS},dir={},endpoint=client,verify-peer=on{check}{priority}",
+                "tls-creds-x509,id={NBD_TLS},dir={},endpoint=client,verify-peer=on{check}",
                 t.display()
             ),
         ]);
@@ -1050,35 +1025,6 @@ mod tests {
         assert_eq!(&dst[..src.len()], &src[..]);
         assert_eq!(&dst[src.len()..], ["-incoming", "defer"]);
         assert_eq!(src.last().unwrap(), "-S");
-    }
-
-    #[test]
-    fn qemus_tls_puts_aes_gcm_first_exactly_where_the_cpu_has_aes() {
-        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-        let flags: Vec<&str> = cpuinfo
-            .lines()
-            .find(|l| l.starts_with("flags") || l.starts_with("Features"))
-            .map(|l| l.split_whitespace().collect())
-            .unwrap_or_default();
-        let has = |f: &str| flags.contains(&f);
-        let fast = (has("aes") && has("pclmulqdq")) || (has("aes") && has("pmull"));
-        assert_eq!(tls_priority().is_some(), fast, "flags: {flags:?}");
-        let c = QemuConfig {
-            tls_dir: Some("/pki".into()),
-            ..cfg()
-        };
-        let args = qemu_args(&c, &spec(), Path::new("/d"), false);
-        let creds = args
-            .iter()
-            .find(|a| a.starts_with("tls-creds-x509,"))
-            .unwrap();
-        assert_eq!(
-            creds.ends_with(&format!(",priority={AES_FIRST}")),
-            fast,
-            "{creds}"
-        );
-        // GnuTLS syntax: nothing a QEMU option would split on
-        assert!(!AES_FIRST.contains(','));
     }
 
     #[test]
