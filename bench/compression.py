@@ -95,6 +95,27 @@ def cpu_has_aes():
     return "aes" in flags and ("pclmulqdq" in flags or "pmull" in flags)
 
 
+AES_FIRST = "NORMAL:-CHACHA20-POLY1305:+CHACHA20-POLY1305"
+
+
+def write_dh_params(d):
+    """RFC 7919 `ffdhe2048` as `dh-params.pem` in a QEMU TLS server's directory: QEMU then does
+    not search for a prime of its own at `object-add`."""
+    subprocess.run(["openssl", "genpkey", "-genparam", "-algorithm", "DH", "-pkeyopt", "group:ffdhe2048",
+                    "-out", f"{d}/dh-params.pem"], check=True)
+
+
+def psk_creds(end, d, priority=None):
+    """QEMU's `tls-creds-psk` object for `end` (client or server) over the key directory `d`,
+    with a GnuTLS `priority` when given."""
+    creds = {"qom-type": "tls-creds-psk", "id": "tls0", "endpoint": end, "dir": d}
+    if end == "client":
+        creds["username"] = "ferry"
+    if priority:
+        creds["priority"] = priority
+    return creds
+
+
 def qemu_tls(sq, dq):
     """QEMU's own TLS on a migration by hand: `tls-creds-psk` with a fresh pre-shared key, the
     source the client and the target the server, set up as Ferry's agents set up theirs (what a
@@ -105,15 +126,10 @@ def qemu_tls(sq, dq):
     os.makedirs(psk, mode=0o700)
     with open(f"{psk}/keys.psk", "w") as f:
         f.write("ferry:" + os.urandom(32).hex() + "\n")
-    subprocess.run(["openssl", "genpkey", "-genparam", "-algorithm", "DH", "-pkeyopt", "group:ffdhe2048",
-                    "-out", f"{psk}/dh-params.pem"], check=True)
+    write_dh_params(psk)
+    priority = AES_FIRST if cpu_has_aes() else None
     for q, end in ((sq, "client"), (dq, "server")):
-        creds = {"qom-type": "tls-creds-psk", "id": "tls0", "endpoint": end, "dir": psk}
-        if end == "client":
-            creds["username"] = "ferry"
-        if cpu_has_aes():
-            creds["priority"] = "NORMAL:-CHACHA20-POLY1305:+CHACHA20-POLY1305"
-        q.cmd("object-add", **creds)
+        q.cmd("object-add", **psk_creds(end, psk, priority))
         q.cmd("migrate-set-parameters", **{"tls-creds": "tls0"})
 
 

@@ -21,11 +21,10 @@ target and the source QEMU over the migration.
 """
 import argparse, os, statistics, subprocess, time
 
-from compression import cpu_has_aes
+from compression import AES_FIRST, cpu_has_aes, psk_creds, write_dh_params
 from labqemu import Qmp, cpu_seconds, size
 
 WORK = "/run/ferry/bench/qemu-tls-cost"
-AES_FIRST = "NORMAL:-CHACHA20-POLY1305:+CHACHA20-POLY1305"
 PORT = 5599
 
 
@@ -51,18 +50,13 @@ def one(contender, mem):
         with open(f"{d}/keys.psk", "w") as f:
             f.write(key)
     if contender != "default":
-        subprocess.run(["openssl", "genpkey", "-genparam", "-algorithm", "DH", "-pkeyopt", "group:ffdhe2048",
-                        "-out", f"{dirs['server']}/dh-params.pem"], check=True)
+        write_dh_params(dirs["server"])
     tp, tq = start("target", mem, "1", True)
     sp, sq = start("source", mem, "0", False)
     try:
         took = {}
         for q, end in ((tq, "server"), (sq, "client")):
-            creds = {"qom-type": "tls-creds-psk", "id": "tls0", "endpoint": end, "dir": dirs[end]}
-            if end == "client":
-                creds["username"] = "ferry"
-            if contender == "dh+aes":
-                creds["priority"] = AES_FIRST
+            creds = psk_creds(end, dirs[end], AES_FIRST if contender == "dh+aes" else None)
             t0 = time.time()
             q.cmd("object-add", **creds)
             took[end] = time.time() - t0
