@@ -10,6 +10,10 @@ Contenders, alternated in every round:
   nbdkit  nbdkit's file plugin over NBD (the same fio engine), structured
           replies on (its default)
   nbdkit-no-sr  the same with --no-sr (simple replies, as Ferry by default)
+  baseline  with --baseline OLD_BIN: another build's storage node, as `ferry`
+          (a change measured against the build without it, in the same rounds)
+--contenders picks some of them (default: all but baseline, which is added
+when --baseline is given).
 Reported: the median IOPS of each, Ferry ÷ local and Ferry ÷ nbdkit, the CPU
 each server spent per million I/Os (its own utime + stime, from /proc) and
 what fio itself spent (its children's rusage). fio's own CPU per I/O sets a
@@ -17,6 +21,7 @@ floor for any NBD server on these cores: with a server that cost nothing, fio
 could at most do (CPUs ÷ fio's CPU per I/O).
 
     python3 bench/nbd_near.py [--runtime 10] [--rounds 3] [--bs 8k] [--depth 16]
+        [--contenders local,ferry,...] [--baseline OLD_BIN]
 
 Needs fio, libnbd-bin, nbdkit; uses target/release/ferry (FERRY_BIN to
 override; built if missing).
@@ -26,6 +31,9 @@ import argparse, json, os, resource, statistics, subprocess, sys, tempfile, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from labqemu import cpu_seconds  # noqa: E402
 from storage import FERRY, ROOT, SIZE, Ferry, free_port, wait_port  # noqa: E402
+
+
+ALL = ("local", "ferry", "ferry-sr", "nbdkit", "nbdkit-no-sr", "baseline")
 
 
 def fio(targets, engine, a):
@@ -51,14 +59,14 @@ def run(kind, backing, work, a):
         t0 = time.time()
         iops, fcpu = fio([backing, backing], "io_uring", a)
         return iops, None, fcpu * (a.runtime / (time.time() - t0)) / (iops * a.runtime) * 1e6
-    if kind in ("ferry", "ferry-sr"):
+    if kind in ("ferry", "ferry-sr", "baseline"):
         extra = ()
         if kind == "ferry-sr":
             conf = os.path.join(work, "storage-sr.toml")
             with open(conf, "w") as c:
                 c.write("[nbd_limits]\nstructured_replies = true\n")
             extra = ("--config", conf)
-        f = Ferry(work, os.path.dirname(backing), extra=extra)
+        f = Ferry(work, os.path.dirname(backing), extra=extra, binary=a.baseline if kind == "baseline" else FERRY)
         f.disk("d", fill_from=backing)
         uri, pid, stop = f.uri("d"), f.p.pid, f.stop
     else:
@@ -82,14 +90,19 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bs", default="8k")
     ap.add_argument("--depth", type=int, default=16)
+    ap.add_argument("--contenders", default="local,ferry,ferry-sr,nbdkit,nbdkit-no-sr")
+    ap.add_argument("--baseline", help="another build of ferry, run as the contender `baseline`")
     a = ap.parse_args()
+    kinds = tuple(a.contenders.split(",")) + (("baseline",) if a.baseline else ())
+    bad = [k for k in kinds if k not in ALL]
+    if bad or "ferry" not in kinds:
+        sys.exit(f"--contenders: {','.join(bad) or 'ferry is missing'} (known: {','.join(ALL)}; ferry is needed)")
     if not os.path.exists(FERRY):
         subprocess.run(["cargo", "build", "--release", "-p", "ferry-cli"], cwd=ROOT, check=True)
     work = tempfile.mkdtemp(prefix="ferry-bench-")
     backing = os.path.join("/dev/shm", f"ferry-near-{os.getpid()}.img")
     subprocess.run(["dd", "if=/dev/urandom", f"of={backing}", "bs=1M", f"count={SIZE >> 20}", "status=none"],
                    check=True)
-    kinds = ("local", "ferry", "ferry-sr", "nbdkit", "nbdkit-no-sr")
     got = {k: [] for k in kinds}
     cpu = {k: [] for k in kinds}
     fcpu = {k: [] for k in kinds}
@@ -118,11 +131,10 @@ def main():
         fm = statistics.median(fcpu[k])
         print(f"| {k} | {med[k]:.0f} | {', '.join(f'{x:.0f}' for x in got[k])} | {c} | {fm:.2f} "
               f"| {ncpu / fm * 1e6:.0f} |")
-    print(f"\nFerry ÷ local io_uring: {med['ferry'] / med['local']:.2f}; "
-          f"Ferry ÷ nbdkit: {med['ferry'] / med['nbdkit']:.2f}; "
-          f"Ferry ÷ nbdkit --no-sr: {med['ferry'] / med['nbdkit-no-sr']:.2f}; "
-          f"Ferry ÷ Ferry with structured replies: {med['ferry'] / med['ferry-sr']:.2f}; "
-          f"Ferry ÷ its fio floor: {med['ferry'] / (ncpu / statistics.median(fcpu['ferry']) * 1e6):.2f}")
+    names = {"local": "local io_uring", "nbdkit": "nbdkit", "nbdkit-no-sr": "nbdkit --no-sr",
+             "ferry-sr": "Ferry with structured replies", "baseline": f"the baseline ({a.baseline})"}
+    print("\n" + "; ".join(f"Ferry ÷ {names[k]}: {med['ferry'] / med[k]:.2f}" for k in kinds if k != "ferry")
+          + f"; Ferry ÷ its fio floor: {med['ferry'] / (ncpu / statistics.median(fcpu['ferry']) * 1e6):.2f}")
 
 
 if __name__ == "__main__":

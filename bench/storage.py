@@ -45,13 +45,13 @@ def wait_port(port, timeout=10):
 
 
 class Ferry:
-    def __init__(self, work, backing_dir, capacity=0, extra=()):
+    def __init__(self, work, backing_dir, capacity=0, extra=(), binary=None):
         self.dir = tempfile.mkdtemp(prefix="ferry-bench-", dir=backing_dir)
         self.nbd, self.api = free_port(), free_port()
         tok = os.path.join(work, "token")
         with open(tok, "w") as f:
             f.write(TOKEN)
-        self.p = subprocess.Popen([FERRY, "storage", "serve", "--dir", self.dir,
+        self.p = subprocess.Popen([binary or FERRY, "storage", "serve", "--dir", self.dir,
                                    "--nbd-listen", f"127.0.0.1:{self.nbd}", "--api-listen", f"127.0.0.1:{self.api}",
                                    "--token-file", tok, "--capacity-iops", str(capacity),
                                    "--insecure-http", *extra],

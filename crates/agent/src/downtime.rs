@@ -20,6 +20,7 @@
 //! path allow.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
 
 /// QEMU's limit where `auto` starts, ms.
 pub const AUTO_FLOOR_MS: u64 = 5;
@@ -34,6 +35,18 @@ pub const FIRST_SWITCHOVER_MS: u64 = 50;
 pub const MARGIN: f64 = 0.9;
 /// Switch-overs remembered per target.
 const REMEMBERED: usize = 5;
+
+/// A maximum, not an aim: a plain pre-copy move whose source has been
+/// paused this long (QEMU still sending, or the target not yet loaded) is
+/// given up before the commit, and the guest resumes on the source: its
+/// downtime stays under `max_ms` even when QEMU overshoots past every
+/// figure learned. What is kept back is the time resuming takes (the
+/// abort's record, QEMU's cancel, `cont`): a tenth of the maximum, 5 to 30
+/// ms.
+pub fn pause_deadline(max_ms: u64) -> Duration {
+    let reserve = (max_ms / 10).clamp(5, 30);
+    Duration::from_millis(max_ms.saturating_sub(reserve).max(max_ms / 2))
+}
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct DowntimePlan {
@@ -167,6 +180,19 @@ impl Learned {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_pause_deadline_keeps_room_to_resume_under_the_maximum() {
+        assert_eq!(pause_deadline(300), Duration::from_millis(270));
+        assert_eq!(pause_deadline(100), Duration::from_millis(90));
+        assert_eq!(pause_deadline(1000), Duration::from_millis(970));
+        // the smallest maximum accepted: half of it, never nothing
+        assert_eq!(pause_deadline(10), Duration::from_millis(5));
+        for max in ferry_api::DOWNTIME_RANGE_MS.step_by(7) {
+            let d = pause_deadline(max).as_millis() as u64;
+            assert!(d < max && d >= max / 2, "{max}: {d}");
+        }
+    }
 
     #[test]
     fn a_fixed_target_leaves_room_for_the_switch_over() {

@@ -656,9 +656,11 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
         ]);
     }
     a.extend(device_args(cfg, spec, dir));
-    // every run-state change goes to qemu.log ("vm_state_notify running 1"):
-    // the record of whether, and when, a guest's vCPUs ran on this host
+    // every run-state change goes to qemu.log ("vm_state_notify running 1"),
+    // stamped with the wall clock: the record of whether, and when, a
+    // guest's vCPUs ran on this host
     a.extend(["-trace".to_string(), "enable=vm_state_notify".to_string()]);
+    a.extend(["-msg".to_string(), "timestamp=on".to_string()]);
     a.push("-S".to_string());
     if incoming {
         // a skeleton stays paused after the memory has arrived: its vCPUs

@@ -260,3 +260,104 @@ fn resolve_target_lost_after_the_target_host_is_gone_resumes_the_guest_on_the_so
     let log = std::fs::read_to_string(format!("{LAB}/host1/agent.log")).unwrap();
     assert!(log.contains("the operator declared the target lost"));
 }
+
+/// The wall-clock times (s) in a QEMU log's run-state lines (`-msg
+/// timestamp=on`: `PID@SECONDS.MICROS:vm_state_notify running …`) whose
+/// text contains `what`.
+fn run_state_times(log: &Path, what: &str) -> Vec<f64> {
+    let text =
+        std::fs::read_to_string(log).unwrap_or_else(|e| panic!("reading {}: {e}", log.display()));
+    text.lines()
+        .filter(|l| l.contains(what))
+        .filter_map(|l| {
+            let (_, rest) = l.split_once('@')?;
+            rest.split_once(':')?.0.parse().ok()
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
+fn a_switch_over_past_the_maximum_is_given_up_and_the_guest_resumes_within_it() {
+    require_lab();
+    let _g = serial();
+    lab(3, 2);
+    // the target agent freezes when asked READY, its QEMU loaded: the
+    // switch-over cannot end, however the move was planned
+    let armed = Armed::at("host2", "target-at-ready=stop");
+    let pid = std::fs::read_to_string(format!("{LAB}/host2/agent.pid")).unwrap();
+    let pid = pid.trim().to_string();
+    let cont = || {
+        let _ = Command::new("kill").args(["-CONT", &pid]).status();
+    };
+    struct Thaw<F: Fn()>(F);
+    impl<F: Fn()> Drop for Thaw<F> {
+        fn drop(&mut self) {
+            (self.0)()
+        }
+    }
+    let _thaw = Thaw(cont);
+    let _vm = VmGuard::create("cp6", "host1", "384M", "256M");
+    let out = ferry(&[
+        "vm",
+        "move",
+        "cp6",
+        "--to",
+        "host2",
+        "--option",
+        "tcp",
+        "--max-downtime",
+        "200ms",
+        "--json",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let r: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(r["event"], "failed", "{r}");
+    assert_eq!(r["error"]["step"], "blackout", "{r}");
+    assert_eq!(r["error"]["running_on"], "host1", "{r}");
+    let why = r["error"]["reason"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("host2 had not loaded everything") && why.contains("at most 200 ms"),
+        "{r}"
+    );
+    // QEMU's own clock: paused for the switch-over, running again within
+    // the maximum asked
+    let log = PathBuf::from(format!("{LAB}/host1/vms/cp6/qemu.log"));
+    let paused = run_state_times(&log, "running 0 reason 7 (finish-migrate)");
+    let ran = run_state_times(&log, "vm_state_notify running 1");
+    assert_eq!((paused.len(), ran.len()), (1, 2), "{}", log.display());
+    let blackout_ms = (ran[1] - paused[0]) * 1000.0;
+    assert!(
+        blackout_ms > 0.0 && blackout_ms <= 200.0,
+        "the guest was paused {blackout_ms:.1} ms"
+    );
+    assert_intact_on("cp6", "host1");
+    // the target thaws: it hears the move was given up and drops its
+    // skeleton, which never ran
+    cont();
+    let t0 = std::time::Instant::now();
+    let skeleton = loop {
+        let left: Vec<_> = std::fs::read_dir(format!("{LAB}/host2/vms"))
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        if !left
+            .iter()
+            .any(|n| n.to_string_lossy().starts_with("cp6.in-"))
+        {
+            break one_file(&format!("{LAB}/host2/log"), "cp6.", ".target.qemu.log");
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the skeleton stayed: {left:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!(
+        runs_in(&skeleton),
+        0,
+        "the target ran: {}",
+        skeleton.display()
+    );
+    assert_eq!(vm_entries("cp6").len(), 1, "{:?}", vm_entries("cp6"));
+    drop(armed);
+}

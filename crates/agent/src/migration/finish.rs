@@ -145,15 +145,27 @@ impl Move<'_> {
     pub(super) async fn ready(&mut self) -> Result<Outcome, Failure> {
         // READY was most likely asked in the last pass already
         let early = self.watch.as_mut().and_then(|w| w.early_ready.take());
-        let answered = match early {
-            Some(e) => e.answer().await.ok(),
-            None => None,
-        };
-        let ready: IncomingStatus = match answered {
-            Some(st) => st,
-            None => super::watch::ask_ready(&self.target, self.id)
-                .await
-                .map_err(|e| fail("commit", format!("the target is not ready: {e}")))?,
+        // no later than the pause's deadline: past it the guest resumes here
+        let left = self.pause_left().unwrap_or(Duration::MAX);
+        let asked = tokio::time::timeout(left, async {
+            let answered = match early {
+                Some(e) => e.answer().await.ok(),
+                None => None,
+            };
+            match answered {
+                Some(st) => Ok(st),
+                None => super::watch::ask_ready(&self.target, self.id)
+                    .await
+                    .map_err(|e| fail("commit", format!("the target is not ready: {e}"))),
+            }
+        })
+        .await;
+        let ready: IncomingStatus = match asked {
+            Ok(r) => r?,
+            Err(_) => {
+                let what = format!("{} had not loaded everything", self.req.target);
+                return Err(self.overrun(&what));
+            }
         };
         self.end.ready = Some(ready);
         let t_tick = self.end.t_tick.expect("the Tick step ran");

@@ -689,10 +689,10 @@ impl Agent {
         f
     }
 
-    /// Before the commit: records Aborted, cancels QEMU's migration, tells
-    /// the target to discard its skeleton (which never ran: it waits paused
-    /// for a RUN that will not come, and asks this host if nobody tells it),
-    /// and makes sure the guest runs here again.
+    /// Before the commit: records Aborted, cancels QEMU's migration, makes
+    /// sure the guest runs here again, then tells the target to discard its
+    /// skeleton (which never ran: it waits paused for a RUN that will not
+    /// come, and asks this host if nobody tells it).
     async fn roll_back(
         &self,
         id: &str,
@@ -722,7 +722,8 @@ impl Agent {
         if let Some(s) = session {
             s.close();
         }
-        for _ in 0..40 {
+        // looked at often: a guest paused for the blackout waits on this
+        for _ in 0..500 {
             match qmp.query_migrate().await.ok().and_then(|i| i.status) {
                 Some(s)
                     if s == "active"
@@ -731,18 +732,20 @@ impl Agent {
                         || s == "setup"
                         || s == "pre-switchover" =>
                 {
-                    tokio::time::sleep(Duration::from_millis(250)).await
+                    tokio::time::sleep(Duration::from_millis(20)).await
                 }
                 _ => break,
             }
         }
+        // the guest first: the skeleton never runs without RUN, which
+        // comes only after a Committed record
+        resume_guest(vm).await;
         if let Err(e) = target
             .delete::<serde_json::Value>(&format!("/incoming/{id}"), Duration::from_secs(5))
             .await
         {
             tracing::warn!(error = %e, "could not tell the target to discard its skeleton; it will ask");
         }
-        resume_guest(vm).await;
     }
 }
 

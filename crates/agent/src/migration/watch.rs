@@ -67,6 +67,9 @@ pub(super) struct Watch {
     rates: String,
     /// QEMU's figures when it completed.
     pub info: Option<MigrationInfo>,
+    /// When this agent first saw QEMU's source paused (`device`): the
+    /// start of the guest's blackout, which [`Move::pause_left`] bounds.
+    pub paused_at: Option<Instant>,
     /// QEMU's `MIGRATION` events: a state change ends a poll's wait.
     events: tokio::sync::watch::Receiver<crate::qmp::MigrationSeen>,
     /// READY, asked of the target as the last pass began (see
@@ -161,6 +164,7 @@ impl Watch {
             path_rate: 0.0,
             rates: String::new(),
             info: None,
+            paused_at: None,
             events,
             early_ready: None,
             dialled,
@@ -360,6 +364,9 @@ impl Move<'_> {
                 }
                 _ => {}
             }
+            if status == "device" && self.pause_left() == Some(Duration::ZERO) {
+                return Err(self.overrun("QEMU was still sending the last pass"));
+            }
             if let Some(wanted) = self.decide(&info).await? {
                 return Ok(wanted);
             }
@@ -369,6 +376,68 @@ impl Move<'_> {
                 self.precopy_tick(&info).await?;
             }
         }
+    }
+
+    /// How much longer the source's guest may stay paused before the move
+    /// is given up ([`crate::downtime::pause_deadline`]); `None` where no
+    /// such bound applies: not paused yet, committed, post-copy, a
+    /// mirrored move's drives, or a pause-and-copy the policy chose.
+    pub(super) fn pause_left(&self) -> Option<Duration> {
+        let w = self.watch.as_ref()?;
+        let since = self.paused_since()?;
+        let plain = !self.committed
+            && !self.chosen().conv.postcopy
+            && self.mirror.is_none()
+            && !w.copy.pausing()
+            && !w.copy.in_postcopy();
+        if !plain {
+            return None;
+        }
+        let deadline = crate::downtime::pause_deadline(self.chosen().conv.max_downtime_ms);
+        Some(deadline.saturating_sub(since.elapsed()))
+    }
+
+    /// When the source's guest was paused for the blackout, if it was.
+    fn paused_since(&self) -> Option<Instant> {
+        let w = self.watch.as_ref()?;
+        w.paused_at.or_else(|| {
+            // QEMU paused and completed between two looks: its own figure
+            let info = w.info.as_ref()?;
+            let done = self.end.t_completed?;
+            done.checked_sub(Duration::from_millis(info.downtime?))
+        })
+    }
+
+    /// The switch-over would run past the maximum asked: the move is given
+    /// up before the commit (the rollback resumes the guest here), and
+    /// the next move to that target plans for QEMU's overshoot.
+    pub(super) fn overrun(&mut self, what: &str) -> Failure {
+        let max = self.chosen().conv.max_downtime_ms;
+        let paused = self
+            .paused_since()
+            .map_or(0, |t| t.elapsed().as_millis() as u64);
+        if let Some(st) = self.stream.as_ref() {
+            let qemu_ms = self
+                .watch
+                .as_ref()
+                .and_then(|w| w.info.as_ref())
+                .and_then(|i| i.downtime)
+                .unwrap_or(paused);
+            self.agent.moves.switchovers.record(
+                &self.req.target,
+                paused.saturating_sub(qemu_ms),
+                qemu_ms,
+                st.dplan.limit_ms,
+            );
+        }
+        fail(
+            "blackout",
+            format!(
+                "{what} {paused} ms into the blackout, and the guest may be paused at most {max} ms \
+                 (--max-downtime): the move is given up before the commit and the guest resumes on {}",
+                self.agent.cfg.name
+            ),
+        )
     }
 
     /// A broken stream: before the commit a failed copy, after it (post-copy)
@@ -403,7 +472,12 @@ impl Move<'_> {
                 self.follow_qemu_ratio(&info);
             }
             let st = info.status.as_deref().unwrap_or_default();
-            if !near_end || asked.elapsed() >= POLL || !matches!(st, "active" | "device") {
+            if st == "device" && self.watching().paused_at.is_none() {
+                self.watching().paused_at = Some(Instant::now());
+            }
+            let overrun = st == "device" && self.pause_left() == Some(Duration::ZERO);
+            if !near_end || overrun || asked.elapsed() >= POLL || !matches!(st, "active" | "device")
+            {
                 break info;
             }
         };
