@@ -13,7 +13,7 @@ source; not in the other columns), median total time.
 The guest is checked intact at the end of each configuration.
 
     sudo python3 bench/downtime.py [--rate 1gbit] [--moves 20] [--memory 256M --fill 128M]
-        [--nics 1,2] [--loads 0,0.1,0.5] [--cpus split]
+        [--nics 1,2] [--loads 0,0.1,0.5] [--cpus split] [--contenders auto,100ms]
 """
 import argparse, json, os, statistics, subprocess, sys
 
@@ -51,10 +51,13 @@ def main():
     ap.add_argument("--fill", default="128M")
     ap.add_argument("--nics", default="1,2")
     ap.add_argument("--loads", default="0,0.1,0.5", help="dirty rate as shares of one link's rate")
+    ap.add_argument("--contenders", default="auto,100ms", help="auto, 100ms or both")
     labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     link = rate_bytes(a.rate)
-    contenders = [("auto", []), ("100ms", ["--max-downtime", "100ms"])]
+    contenders = [c for c in [("auto", []), ("100ms", ["--max-downtime", "100ms"])] if c[0] in a.contenders.split(",")]
+    if not contenders:
+        sys.exit(f"--contenders: none of {a.contenders} (auto, 100ms)")
     limit = {"auto": 300, "100ms": 100}
     rows = []
     for nics in a.nics.split(","):

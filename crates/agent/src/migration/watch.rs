@@ -380,7 +380,7 @@ impl Move<'_> {
 
     /// How much longer the source's guest may stay paused before the move
     /// is given up ([`crate::downtime::pause_deadline`]); `None` where no
-    /// such bound applies: not paused yet, committed, post-copy, a
+    /// such bound applies: not paused yet, committed, post-copy allowed, a
     /// mirrored move's drives, or a pause-and-copy the policy chose.
     pub(super) fn pause_left(&self) -> Option<Duration> {
         let w = self.watch.as_ref()?;
