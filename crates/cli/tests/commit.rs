@@ -327,6 +327,7 @@ fn a_switch_over_past_the_maximum_is_given_up_and_the_guest_resumes_within_it() 
     let ran = run_state_times(&log, "vm_state_notify running 1");
     assert_eq!((paused.len(), ran.len()), (1, 2), "{}", log.display());
     let blackout_ms = (ran[1] - paused[0]) * 1000.0;
+    eprintln!("the source QEMU's guest was paused {blackout_ms:.1} ms");
     assert!(
         blackout_ms > 0.0 && blackout_ms <= 200.0,
         "the guest was paused {blackout_ms:.1} ms"
@@ -360,4 +361,88 @@ fn a_switch_over_past_the_maximum_is_given_up_and_the_guest_resumes_within_it() 
     );
     assert_eq!(vm_entries("cp6").len(), 1, "{:?}", vm_entries("cp6"));
     drop(armed);
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
+fn a_last_pass_held_past_the_maximum_is_cut_and_the_guest_resumes_within_it() {
+    require_lab();
+    let _g = serial();
+    lab(3, 2);
+    remove_vm("cp7");
+    ferry_ok(&[
+        "vm",
+        "create",
+        "cp7",
+        "--host",
+        "host1",
+        "--memory",
+        "384M",
+        "--fill",
+        "256M",
+        "--dirty-rate",
+        "30M",
+    ]);
+    let _vm = VmGuard("cp7");
+    struct Links;
+    impl Drop for Links {
+        fn drop(&mut self) {
+            for nic in ["nic1", "nic2"] {
+                ferry(&["lab", "link", "host1", nic, "up"]);
+            }
+        }
+    }
+    let _links = Links;
+    // a maximum of 3 s: QEMU stops the guest right after its first pass,
+    // with tens of MB left to send
+    let mv = Command::new(FERRY)
+        .args([
+            "vm",
+            "move",
+            "cp7",
+            "--to",
+            "host2",
+            "--option",
+            "tcp",
+            "--max-downtime",
+            "3s",
+            "--json",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // the moment QEMU pauses the guest (its own log), the migration links
+    // go down: its last pass cannot end
+    let log = PathBuf::from(format!("{LAB}/host1/vms/cp7/qemu.log"));
+    let t0 = std::time::Instant::now();
+    while run_state_times(&log, "running 0 reason 7 (finish-migrate)").is_empty() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "QEMU never paused");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    for nic in ["nic1", "nic2"] {
+        ferry_ok(&["lab", "link", "host1", nic, "down"]);
+    }
+    let out = mv.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let r: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(r["event"], "failed", "{r}");
+    assert_eq!(r["error"]["step"], "blackout", "{r}");
+    assert_eq!(r["error"]["running_on"], "host1", "{r}");
+    let why = r["error"]["reason"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("QEMU was still sending the last pass") && why.contains("at most 3000 ms"),
+        "{r}"
+    );
+    let paused = run_state_times(&log, "running 0 reason 7 (finish-migrate)");
+    let ran = run_state_times(&log, "vm_state_notify running 1");
+    assert_eq!((paused.len(), ran.len()), (1, 2), "{}", log.display());
+    let blackout_ms = (ran[1] - paused[0]) * 1000.0;
+    eprintln!("the source QEMU's guest was paused {blackout_ms:.1} ms");
+    assert!(
+        blackout_ms > 0.0 && blackout_ms <= 3000.0,
+        "the guest was paused {blackout_ms:.1} ms"
+    );
+    drop(_links);
+    assert_intact_on("cp7", "host1");
+    assert_eq!(vm_entries("cp7").len(), 1, "{:?}", vm_entries("cp7"));
 }

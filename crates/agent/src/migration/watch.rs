@@ -83,6 +83,9 @@ pub(super) struct Watch {
     /// ~40 ms downtime); cut for the whole move, the stream was 19% slower,
     /// as QEMU's thread must refill it every millisecond.
     dialled: Option<std::net::TcpStream>,
+    /// The same socket once its unsent bytes are cut, kept to shut it under
+    /// QEMU when a switch-over runs past its maximum ([`Move::overrun`]).
+    cut: Option<std::net::TcpStream>,
 }
 
 /// READY sent to the target while the source is still in its last pass:
@@ -168,6 +171,7 @@ impl Watch {
             events,
             early_ready: None,
             dialled,
+            cut: None,
         }
     }
 }
@@ -412,6 +416,17 @@ impl Move<'_> {
     /// up before the commit (the rollback resumes the guest here), and
     /// the next move to that target plans for QEMU's overshoot.
     pub(super) fn overrun(&mut self, what: &str) -> Failure {
+        // QEMU's last pass ends now: its stream is shut under it (it holds
+        // its big lock while it writes, so a cancel would wait for the
+        // pass); it fails and resumes the guest itself
+        if let Some(w) = self.watch.as_mut() {
+            if let Some(s) = w.cut.take().or_else(|| w.dialled.take()) {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        if let Plan::Multichannel { session, .. } = self.plan_ref() {
+            session.close();
+        }
         let max = self.chosen().conv.max_downtime_ms;
         let paused = self
             .paused_since()
@@ -463,7 +478,22 @@ impl Move<'_> {
             if let Ok(Err(_)) = tokio::time::timeout(wait, events.changed()).await {
                 tokio::time::sleep(wait).await;
             }
-            let info = match self.vm.qmp.query_migrate().await {
+            // QEMU's event says when it paused the guest: its last pass runs
+            // under QEMU's big lock, so `query-migrate` gets no answer until
+            // that pass is over, however long it takes
+            let w = self.watching();
+            if w.paused_at.is_none() && w.events.borrow().status == "device" {
+                w.paused_at = Some(Instant::now());
+            }
+            let asked_qemu = self.vm.qmp.query_migrate();
+            let answer = match self.pause_left() {
+                Some(left) => match tokio::time::timeout(left, asked_qemu).await {
+                    Ok(a) => a,
+                    Err(_) => return Err(self.overrun("QEMU was still sending the last pass")),
+                },
+                None => asked_qemu.await,
+            };
+            let info = match answer {
                 Ok(i) => i,
                 Err(e) if self.committed => return Err(lost(error_chain(&e))),
                 Err(e) => return Err(fail("copy", error_chain(&e))),
@@ -507,6 +537,7 @@ impl Move<'_> {
                     std::os::fd::AsRawFd::as_raw_fd(&s),
                     ferry_transport::session::NOTSENT_LOWAT,
                 );
+                w.cut = Some(s);
             }
         }
         w.near_end = near_end;
