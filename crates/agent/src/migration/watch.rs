@@ -384,12 +384,15 @@ impl Move<'_> {
 
     /// How much longer the source's guest may stay paused before the move
     /// is given up ([`crate::downtime::pause_deadline`]); `None` where no
-    /// such bound applies: not paused yet, committed, post-copy allowed, a
-    /// mirrored move's drives, or a pause-and-copy the policy chose.
+    /// such bound applies: no maximum asked (`auto` aims low and completes,
+    /// saying so if it overran), not paused yet, committed, post-copy
+    /// allowed, a mirrored move's drives, or a pause-and-copy the policy
+    /// chose.
     pub(super) fn pause_left(&self) -> Option<Duration> {
         let w = self.watch.as_ref()?;
         let since = self.paused_since()?;
-        let plain = !self.committed
+        let plain = !self.chosen().conv.downtime_auto
+            && !self.committed
             && !self.chosen().conv.postcopy
             && self.mirror.is_none()
             && !w.copy.pausing()
