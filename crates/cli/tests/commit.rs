@@ -20,6 +20,27 @@ use std::time::Duration;
 
 use common::*;
 
+/// A host's agent, sent SIGCONT when this is dropped: whatever a test does
+/// after freezing it (a `stop` fail point), the agent is not left frozen.
+struct Thaw(String);
+
+impl Thaw {
+    fn of(host: &str) -> Thaw {
+        let pid = std::fs::read_to_string(format!("{LAB}/{host}/agent.pid")).unwrap();
+        Thaw(pid.trim().to_string())
+    }
+
+    fn now(&self) {
+        let _ = Command::new("kill").args(["-CONT", &self.0]).status();
+    }
+}
+
+impl Drop for Thaw {
+    fn drop(&mut self) {
+        self.now()
+    }
+}
+
 #[test]
 #[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn target_qemu_killed_before_the_commit_resumes_the_source_and_the_target_never_ran() {
@@ -53,19 +74,7 @@ fn target_agent_frozen_at_run_leaves_the_move_in_doubt_and_sigcont_settles_it_on
     restart_agent_with("host2", "target-before-run=stop");
     let _vm = VmGuard::create("cp2", "host1", "384M", "256M");
     let r = move_vm("cp2", "host2", "tcp");
-    let pid = std::fs::read_to_string(format!("{LAB}/host2/agent.pid")).unwrap();
-    let pid = pid.trim().to_string();
-    let cont = || {
-        let _ = Command::new("kill").args(["-CONT", &pid]).status();
-    };
-    // whatever happens below, the agent is not left frozen
-    struct Thaw<F: Fn()>(F);
-    impl<F: Fn()> Drop for Thaw<F> {
-        fn drop(&mut self) {
-            (self.0)()
-        }
-    }
-    let _thaw = Thaw(cont);
+    let thaw = Thaw::of("host2");
     assert_eq!(r["event"], "failed", "{r}");
     assert_eq!(r["error"]["code"], "migration_in_doubt", "{r}");
     // shown in doubt; neither copy runs
@@ -87,7 +96,7 @@ fn target_agent_frozen_at_run_leaves_the_move_in_doubt_and_sigcont_settles_it_on
     assert_eq!(out.status.code(), Some(1), "resolve while frozen");
     assert!(String::from_utf8_lossy(&out.stdout).contains("still in doubt"));
     // the target thaws: it finishes RUN, the source learns it and stops its copy
-    cont();
+    thaw.now();
     wait_settled_on("cp2", "host2", "host1", Duration::from_secs(60));
     let source_log = one_file(&format!("{LAB}/host1/log"), "cp2.", ".source.qemu.log");
     assert_eq!(runs_in(&source_log), 1, "the source resumed");
@@ -276,6 +285,31 @@ fn run_state_times(log: &Path, what: &str) -> Vec<f64> {
         .collect()
 }
 
+/// How long a source QEMU that booted, paused once for a switch-over and
+/// ran again kept its guest paused, ms, by its own log.
+fn paused_once_ms(log: &Path) -> f64 {
+    let paused = run_state_times(log, "running 0 reason 7 (finish-migrate)");
+    let ran = run_state_times(log, "vm_state_notify running 1");
+    assert_eq!((paused.len(), ran.len()), (1, 2), "{}", log.display());
+    let ms = (ran[1] - paused[0]) * 1000.0;
+    eprintln!("the source QEMU's guest was paused {ms:.1} ms");
+    ms
+}
+
+/// The last event of a `vm move --json` that was given up in its blackout:
+/// failed at step `blackout`, the guest still on `host`; its reason.
+fn given_up_on(out: &std::process::Output, host: &str) -> String {
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let r: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(r["event"], "failed", "{r}");
+    assert_eq!(r["error"]["step"], "blackout", "{r}");
+    assert_eq!(r["error"]["running_on"], host, "{r}");
+    r["error"]["reason"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
 #[test]
 #[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn a_switch_over_past_the_maximum_is_given_up_and_the_guest_resumes_within_it() {
@@ -285,18 +319,7 @@ fn a_switch_over_past_the_maximum_is_given_up_and_the_guest_resumes_within_it() 
     // the target agent freezes when asked READY, its QEMU loaded: the
     // switch-over cannot end, however the move was planned
     let armed = Armed::at("host2", "target-at-ready=stop");
-    let pid = std::fs::read_to_string(format!("{LAB}/host2/agent.pid")).unwrap();
-    let pid = pid.trim().to_string();
-    let cont = || {
-        let _ = Command::new("kill").args(["-CONT", &pid]).status();
-    };
-    struct Thaw<F: Fn()>(F);
-    impl<F: Fn()> Drop for Thaw<F> {
-        fn drop(&mut self) {
-            (self.0)()
-        }
-    }
-    let _thaw = Thaw(cont);
+    let thaw = Thaw::of("host2");
     let _vm = VmGuard::create("cp6", "host1", "384M", "256M");
     let out = ferry(&[
         "vm",
@@ -310,24 +333,15 @@ fn a_switch_over_past_the_maximum_is_given_up_and_the_guest_resumes_within_it() 
         "200ms",
         "--json",
     ]);
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let r: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
-    assert_eq!(r["event"], "failed", "{r}");
-    assert_eq!(r["error"]["step"], "blackout", "{r}");
-    assert_eq!(r["error"]["running_on"], "host1", "{r}");
-    let why = r["error"]["reason"].as_str().unwrap_or_default();
+    let why = given_up_on(&out, "host1");
     assert!(
         why.contains("host2 had not loaded everything") && why.contains("at most 200 ms"),
-        "{r}"
+        "{why}"
     );
     // QEMU's own clock: paused for the switch-over, running again within
     // the maximum asked
     let log = PathBuf::from(format!("{LAB}/host1/vms/cp6/qemu.log"));
-    let paused = run_state_times(&log, "running 0 reason 7 (finish-migrate)");
-    let ran = run_state_times(&log, "vm_state_notify running 1");
-    assert_eq!((paused.len(), ran.len()), (1, 2), "{}", log.display());
-    let blackout_ms = (ran[1] - paused[0]) * 1000.0;
-    eprintln!("the source QEMU's guest was paused {blackout_ms:.1} ms");
+    let blackout_ms = paused_once_ms(&log);
     assert!(
         blackout_ms > 0.0 && blackout_ms <= 200.0,
         "the guest was paused {blackout_ms:.1} ms"
@@ -335,7 +349,7 @@ fn a_switch_over_past_the_maximum_is_given_up_and_the_guest_resumes_within_it() 
     assert_intact_on("cp6", "host1");
     // the target thaws: it hears the move was given up and drops its
     // skeleton, which never ran
-    cont();
+    thaw.now();
     let t0 = std::time::Instant::now();
     let skeleton = loop {
         let left: Vec<_> = std::fs::read_dir(format!("{LAB}/host2/vms"))
@@ -423,21 +437,12 @@ fn a_last_pass_held_past_the_maximum_is_cut_and_the_guest_resumes_within_it() {
         ferry_ok(&["lab", "link", "host1", nic, "down"]);
     }
     let out = mv.wait_with_output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let r: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
-    assert_eq!(r["event"], "failed", "{r}");
-    assert_eq!(r["error"]["step"], "blackout", "{r}");
-    assert_eq!(r["error"]["running_on"], "host1", "{r}");
-    let why = r["error"]["reason"].as_str().unwrap_or_default();
+    let why = given_up_on(&out, "host1");
     assert!(
         why.contains("QEMU was still sending the last pass") && why.contains("at most 3000 ms"),
-        "{r}"
+        "{why}"
     );
-    let paused = run_state_times(&log, "running 0 reason 7 (finish-migrate)");
-    let ran = run_state_times(&log, "vm_state_notify running 1");
-    assert_eq!((paused.len(), ran.len()), (1, 2), "{}", log.display());
-    let blackout_ms = (ran[1] - paused[0]) * 1000.0;
-    eprintln!("the source QEMU's guest was paused {blackout_ms:.1} ms");
+    let blackout_ms = paused_once_ms(&log);
     assert!(
         blackout_ms > 0.0 && blackout_ms <= 3000.0,
         "the guest was paused {blackout_ms:.1} ms"
