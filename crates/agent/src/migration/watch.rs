@@ -69,7 +69,7 @@ pub(super) struct Watch {
     pub info: Option<MigrationInfo>,
     /// When this agent first saw QEMU's source paused (`device`): the
     /// start of the guest's blackout, which [`Move::pause_left`] bounds.
-    pub paused_at: Option<Instant>,
+    paused_at: Option<Instant>,
     /// QEMU's `MIGRATION` events: a state change ends a poll's wait.
     events: tokio::sync::watch::Receiver<crate::qmp::MigrationSeen>,
     /// READY, asked of the target as the last pass began (see
@@ -368,9 +368,6 @@ impl Move<'_> {
                 }
                 _ => {}
             }
-            if status == "device" && self.pause_left() == Some(Duration::ZERO) {
-                return Err(self.overrun("QEMU was still sending the last pass"));
-            }
             if let Some(wanted) = self.decide(&info).await? {
                 return Ok(wanted);
             }
@@ -485,8 +482,8 @@ impl Move<'_> {
             // under QEMU's big lock, so `query-migrate` gets no answer until
             // that pass is over, however long it takes
             let w = self.watching();
-            if w.paused_at.is_none() && w.events.borrow().status == "device" {
-                w.paused_at = Some(Instant::now());
+            if w.events.borrow().status == "device" {
+                w.paused_at.get_or_insert_with(Instant::now);
             }
             let asked_qemu = self.vm.qmp.query_migrate();
             let answer = match self.pause_left() {
@@ -505,12 +502,13 @@ impl Move<'_> {
                 self.follow_qemu_ratio(&info);
             }
             let st = info.status.as_deref().unwrap_or_default();
-            if st == "device" && self.watching().paused_at.is_none() {
-                self.watching().paused_at = Some(Instant::now());
+            if st == "device" {
+                self.watching().paused_at.get_or_insert_with(Instant::now);
+                if self.pause_left() == Some(Duration::ZERO) {
+                    return Err(self.overrun("QEMU was still sending the last pass"));
+                }
             }
-            let overrun = st == "device" && self.pause_left() == Some(Duration::ZERO);
-            if !near_end || overrun || asked.elapsed() >= POLL || !matches!(st, "active" | "device")
-            {
+            if !near_end || asked.elapsed() >= POLL || !matches!(st, "active" | "device") {
                 break info;
             }
         };
