@@ -70,14 +70,18 @@ fn armed() -> &'static Mutex<BTreeMap<String, Action>> {
 pub fn hit(name: &str) -> Option<Action> {
     let action = ferry_api::util::lock(armed()).remove(name)?;
     tracing::warn!(point = name, ?action, "failpoint fired");
+    // raised on this thread, not sent to the process: a signal sent with
+    // kill(2) may be taken by another thread while this one runs on past the
+    // point (a READY answered after `stop` fired); raised here, this thread
+    // goes no further, and the signal stops or ends every thread
     match action {
-        // SAFETY: raising a signal on this process has no memory effects.
+        // SAFETY: raising a signal on this thread has no memory effects.
         Action::Stop => unsafe {
-            libc::kill(libc::getpid(), libc::SIGSTOP);
+            libc::raise(libc::SIGSTOP);
         },
         // SAFETY: as above; SIGKILL ends the process at once, like a crash.
         Action::Exit => unsafe {
-            libc::kill(libc::getpid(), libc::SIGKILL);
+            libc::raise(libc::SIGKILL);
         },
         Action::KillQemu | Action::Fail => {}
     }
