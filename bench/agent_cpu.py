@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What the two agents themselves spend on one move, per data path: CPU seconds and context
-switches of both agents' processes (every thread; not their QEMUs), read from /proc just before
-and just after `ferry vm move`, beside the move's transfer time.
+switches of both agents' processes (every thread; not their QEMUs; CPU from the scheduler's
+per-thread clock, in ns), read from /proc just before and just after `ferry vm move`, beside the
+move's transfer time. --idle N also measures both agents over N quiet seconds (heartbeats only).
 
 A 2-host × 2-NIC lab shaped to --rate; per round, every (build, option) pair moves a fresh guest
 host1 → host2, the pairs' order rotating from round to round; before each move both hosts' agents
@@ -11,13 +12,14 @@ handed-off socket, `compression` and `multichannel` Ferry's carriers, whose rela
 Prints every run and the medians per (build, option).
 
     sudo python3 bench/agent_cpu.py [--options tcp,mptcp,compression] [--rounds 3] [--rate 1gbit]
-        [--kind compressible] [--bins BIN[,BIN2…]] [--cpus split] [the guest options of bench/compression.py]
+        [--kind compressible] [--bins BIN[,BIN2…]] [--cpus split] [--idle SECONDS]
+        [the guest options of bench/compression.py]
 
 --bins: Ferry builds to compare (copies outside target/, as for bench/compression_ab.py); the
 first also brings the lab up. Default: $FERRY_BIN. --with-control: the control service restarts
 from each build too.
 """
-import argparse, os, statistics, subprocess, sys
+import argparse, os, statistics, subprocess, sys, time
 
 import compression
 import labqemu
@@ -42,6 +44,9 @@ def main():
     ap.add_argument("--kind", default="compressible", choices=["random", "compressible"])
     ap.add_argument("--bins", default=labqemu.FERRY)
     labqemu.add_cpus_option(ap)
+    ap.add_argument("--idle", type=float, default=0,
+                    help="also measure both agents over this many seconds with nothing asked of "
+                         "them but the control service's heartbeats, after each build's restart")
     ap.add_argument("--with-control", action="store_true",
                     help="restart the control service from each build too (needed when the builds' "
                          "control service and agents must match)")
@@ -55,22 +60,34 @@ def main():
                    check=True, capture_output=True)
     pairs = [(b, o) for b in bins for o in a.options.split(",")]
     runs = {p: [] for p in pairs}
+    idle = {p: [] for p in pairs}
     for rnd in range(a.rounds):
         for b, o in pairs[rnd % len(pairs):] + pairs[:rnd % len(pairs)]:
             agents_from(b, control=a.with_control)
+            if a.idle:
+                time.sleep(2)  # past the restart's own start-up work
+                _, cpu, sw = labqemu.agents_spend(lambda: time.sleep(a.idle))
+                idle[(b, o)].append((sum(cpu) / a.idle * 1000, sw / a.idle))
+                print(f"round {rnd + 1} {b} idle: {idle[(b, o)][-1][0]:.2f} ms of CPU per s (both agents), "
+                      f"{idle[(b, o)][-1][1]:.0f} context switches per s", flush=True)
             r = move(b, o, a)
             runs[(b, o)].append(r)
-            print(f"round {rnd + 1} {b} {o}: {r['ms']} ms ({r['path']}), agents {r['src'] + r['dst']:.2f} "
-                  f"CPU-s (source {r['src']:.2f}, target {r['dst']:.2f}), {r['switches']} context switches",
+            print(f"round {rnd + 1} {b} {o}: {r['ms']} ms ({r['path']}), agents {r['src'] + r['dst']:.3f} "
+                  f"CPU-s (source {r['src']:.3f}, target {r['dst']:.3f}), {r['switches']} context switches",
                   flush=True)
     subprocess.run([bins[0], "lab", "down"], capture_output=True)
-    print("| build | option | transfer ms | agents CPU-s | source | target | context switches |")
-    print("|---|---|---|---|---|---|---|")
+    print("| build | option | transfer ms | agents CPU-s | source | target | context switches |"
+          + (" idle ms of CPU per s | idle switches per s |" if a.idle else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if a.idle else ""))
     for (b, o), rs in runs.items():
         med = lambda k: statistics.median(r[k] for r in rs)
         both = statistics.median(r["src"] + r["dst"] for r in rs)
-        print(f"| {os.path.basename(b)} | {o} | {med('ms'):.0f} | {both:.2f} | {med('src'):.2f} | "
-              f"{med('dst'):.2f} | {med('switches'):.0f} |")
+        row = (f"| {os.path.basename(b)} | {o} | {med('ms'):.0f} | {both:.3f} | {med('src'):.3f} | "
+               f"{med('dst'):.3f} | {med('switches'):.0f} |")
+        if a.idle:
+            row += (f" {statistics.median(i[0] for i in idle[(b, o)]):.2f} |"
+                    f" {statistics.median(i[1] for i in idle[(b, o)]):.0f} |")
+        print(row)
 
 
 if __name__ == "__main__":

@@ -495,6 +495,9 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
         // bandwidth classes follow NICs going down and up, and rates
         loop {
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            if ferry_api::util::lock(&classes).is_idle() {
+                continue; // no policy: not worth a hand-off to the blocking pool
+            }
             let c = classes.clone();
             let _ =
                 tokio::task::spawn_blocking(move || ferry_api::util::lock(&c).reconcile()).await;

@@ -168,6 +168,11 @@ impl Classes {
         &self.policy
     }
 
+    /// Nothing for [`Classes::reconcile`] to do until the policy changes.
+    pub fn is_idle(&self) -> bool {
+        self.idle
+    }
+
     pub fn set_policy(&mut self, p: BandwidthPolicy) {
         if p != self.policy {
             self.policy = p;

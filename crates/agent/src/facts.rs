@@ -48,15 +48,25 @@ impl IdleGauge {
         (all > 0).then(|| 1.0 - b.0.saturating_sub(a.0) as f64 / all as f64)
     }
 
-    /// Samples every [`Self::EVERY`] until the process ends.
+    /// Samples every [`Self::EVERY`] until the process ends. `/proc/stat`
+    /// is read in place: it never waits for a device, and a hand-off to the
+    /// blocking pool would cost more wake-ups than the read.
     pub async fn run(&self) {
         loop {
-            if let Ok(s) = tokio::fs::read_to_string("/proc/stat").await {
+            if let Ok(s) = std::fs::read_to_string("/proc/stat") {
                 self.sample(&s);
             }
             tokio::time::sleep(Self::EVERY).await;
         }
     }
+}
+
+/// The CPUs this agent may use (its affinity and its cgroup's quota), read
+/// once: the host's CPU set is given when the agent starts, and reading it
+/// again is five files per heartbeat.
+pub fn host_cpus() -> usize {
+    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// The CPUs this process may run on, when that is fewer than the CPUs

@@ -11,7 +11,8 @@ impl crate::host::Agent {
     /// (QEMU killed: what the cluster restarts elsewhere must not run here).
     pub async fn watch_lease(self: Arc<Self>) {
         loop {
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            // woken at the deadline itself, not by polling for it
+            tokio::time::sleep(self.lease.until_due(Duration::from_secs(1))).await;
             let Some((vms, peers)) = self.lease.due() else {
                 continue;
             };

@@ -277,9 +277,7 @@ impl Agent {
             memory_total: self.cfg.memory,
             memory_reserved: reserved,
             memory_free: self.cfg.memory.saturating_sub(reserved),
-            cpus: std::thread::available_parallelism()
-                .map(|n| n.get() as u32)
-                .unwrap_or(1),
+            cpus: host_cpus() as u32,
             nics: self.nics(),
             nic_rate: self.cfg.nic_rate,
             vms,

@@ -157,6 +157,24 @@ impl Lease {
         Some((g.ha_vms.clone(), g.peers.clone()))
     }
 
+    /// How long until [`Lease::due`] may next say yes: the self-fence
+    /// deadline (or the end of a held lapse's pause), at most `most` away
+    /// (a lease taken or renewed meanwhile only moves the deadline later).
+    pub(crate) fn until_due(&self, most: Duration) -> Duration {
+        let g = lock(&self.inner);
+        if self.state.load(Ordering::SeqCst) != LEASED {
+            return most;
+        }
+        let Some(renewed) = g.renewed else {
+            return most;
+        };
+        let mut at = renewed + g.self_fence;
+        if let Some(held) = g.held {
+            at = at.max(held + Duration::from_secs(2));
+        }
+        at.saturating_duration_since(Instant::now()).min(most)
+    }
+
     pub(crate) fn fenced(&self, vms: Vec<String>) {
         let mut g = lock(&self.inner);
         g.fenced_vms = vms;
@@ -201,5 +219,32 @@ mod tests {
         assert_eq!(l.view().state, "fenced");
         l.renew(&renewal(300));
         assert_eq!(l.view().state, "leased");
+    }
+
+    #[test]
+    fn the_fence_watch_sleeps_until_the_deadline_and_no_longer() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = Lease::load(dir.path());
+        let most = Duration::from_secs(1);
+        assert_eq!(l.until_due(most), most, "never leased: nothing falls due");
+        l.renew(&renewal(300));
+        let d = l.until_due(most);
+        assert!(
+            d > Duration::from_millis(250) && d <= Duration::from_millis(300),
+            "{d:?}"
+        );
+        assert_eq!(
+            l.until_due(Duration::from_millis(100)),
+            Duration::from_millis(100)
+        );
+        std::thread::sleep(Duration::from_millis(320));
+        assert_eq!(l.until_due(most), Duration::ZERO, "due now");
+        assert!(l.due().is_some());
+        // a lapse held: asked again 2 s later, not before
+        let d = l.until_due(Duration::from_secs(5));
+        assert!(
+            d > Duration::from_millis(1900) && d <= Duration::from_secs(2),
+            "{d:?}"
+        );
     }
 }

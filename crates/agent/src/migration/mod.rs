@@ -57,7 +57,7 @@ use target::answer_of;
 
 /// This host's CPUs.
 fn cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    crate::facts::host_cpus()
 }
 
 /// Consecutive failed polls of the target agent before giving up on it.
