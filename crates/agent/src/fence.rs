@@ -7,12 +7,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 impl crate::host::Agent {
-    /// Checks the lease every 200 ms; past its deadline, stops the HA VMs
+    /// Looks at the lease at its deadline, after each renewal and at least
+    /// once a second; past its deadline, stops the HA VMs
     /// (QEMU killed: what the cluster restarts elsewhere must not run here).
     pub async fn watch_lease(self: Arc<Self>) {
         loop {
-            // woken at the deadline itself, not by polling for it
-            tokio::time::sleep(self.lease.until_due(Duration::from_secs(1))).await;
+            // woken at the deadline itself, not by polling for it; a renewal
+            // (which may set a nearer self-fence) wakes it to look again
+            let wait = self.lease.until_due(Duration::from_secs(1));
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = self.lease.renewed.notified() => continue,
+            }
             let Some((vms, peers)) = self.lease.due() else {
                 continue;
             };

@@ -62,6 +62,9 @@ pub struct Lease {
     /// Shared with the probe responder's thread.
     pub state: Arc<AtomicU8>,
     file: PathBuf,
+    /// Woken by each renewal, so the fence watch sleeps on a deadline that
+    /// is never older than the last renewal (see [`Lease::until_due`]).
+    pub(crate) renewed: tokio::sync::Notify,
 }
 
 impl Lease {
@@ -97,6 +100,7 @@ impl Lease {
             inner: Mutex::new(inner),
             state,
             file,
+            renewed: tokio::sync::Notify::new(),
         }
     }
 
@@ -119,6 +123,7 @@ impl Lease {
         };
         g.persisted = Some(p.clone());
         drop(g);
+        self.renewed.notify_one();
         if let Ok(b) = serde_json::to_vec(&p) {
             let tmp = self.file.with_extension("json.tmp");
             if std::fs::write(&tmp, b)
@@ -158,8 +163,8 @@ impl Lease {
     }
 
     /// How long until [`Lease::due`] may next say yes: the self-fence
-    /// deadline (or the end of a held lapse's pause), at most `most` away
-    /// (a lease taken or renewed meanwhile only moves the deadline later).
+    /// deadline (or the end of a held lapse's pause), at most `most` away.
+    /// A renewal meanwhile wakes the watch through [`Lease::renewed`].
     pub(crate) fn until_due(&self, most: Duration) -> Duration {
         let g = lock(&self.inner);
         if self.state.load(Ordering::SeqCst) != LEASED {
