@@ -234,8 +234,10 @@ mod tests {
         assert_eq!(l.until_due(most), most, "never leased: nothing falls due");
         l.renew(&renewal(300));
         let d = l.until_due(most);
+        // the deadline, not the most (a loaded machine may take a while
+        // between the renewal and the look)
         assert!(
-            d > Duration::from_millis(250) && d <= Duration::from_millis(300),
+            d > Duration::from_millis(100) && d <= Duration::from_millis(300),
             "{d:?}"
         );
         assert_eq!(
@@ -248,7 +250,7 @@ mod tests {
         // a lapse held: asked again 2 s later, not before
         let d = l.until_due(Duration::from_secs(5));
         assert!(
-            d > Duration::from_millis(1900) && d <= Duration::from_secs(2),
+            d > Duration::from_millis(1500) && d <= Duration::from_secs(2),
             "{d:?}"
         );
     }
