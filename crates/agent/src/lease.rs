@@ -35,6 +35,10 @@ pub fn state_name(s: u8) -> &'static str {
     }
 }
 
+/// How long a lapse that peers held (the cluster still renews without
+/// this host) waits before they are asked again.
+const HELD_FOR: Duration = Duration::from_secs(2);
+
 /// The lease as written to `lease.json`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 struct Persisted {
@@ -155,7 +159,7 @@ impl Lease {
         if renewed.elapsed() < g.self_fence {
             return None;
         }
-        if g.held.is_some_and(|t| t.elapsed() < Duration::from_secs(2)) {
+        if g.held.is_some_and(|t| t.elapsed() < HELD_FOR) {
             return None;
         }
         g.held = Some(Instant::now());
@@ -175,7 +179,7 @@ impl Lease {
         };
         let mut at = renewed + g.self_fence;
         if let Some(held) = g.held {
-            at = at.max(held + Duration::from_secs(2));
+            at = at.max(held + HELD_FOR);
         }
         at.saturating_duration_since(Instant::now()).min(most)
     }
