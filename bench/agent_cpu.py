@@ -35,6 +35,12 @@ def move(binary, option, a):
             "switches": r["switches"], "path": r["path"]}
 
 
+def label(b, bins):
+    """A build's name in the table: its file's name, or its path where two builds share one."""
+    name = os.path.basename(b)
+    return b if sum(os.path.basename(x) == name for x in bins) > 1 else name
+
+
 def main():
     ap = argparse.ArgumentParser()
     compression.guest_options(ap)
@@ -82,7 +88,7 @@ def main():
     for (b, o), rs in runs.items():
         med = lambda k: statistics.median(r[k] for r in rs)
         both = statistics.median(r["src"] + r["dst"] for r in rs)
-        row = (f"| {os.path.basename(b)} | {o} | {med('ms'):.0f} | {both:.3f} | {med('src'):.3f} | "
+        row = (f"| {label(b, bins)} | {o} | {med('ms'):.0f} | {both:.3f} | {med('src'):.3f} | "
                f"{med('dst'):.3f} | {med('switches'):.0f} |")
         if a.idle:
             row += (f" {statistics.median(i[0] for i in idle[(b, o)]):.2f} |"

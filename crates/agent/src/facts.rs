@@ -50,13 +50,38 @@ impl IdleGauge {
 
     /// Samples every [`Self::EVERY`] until the process ends. `/proc/stat`
     /// is read in place: it never waits for a device, and a hand-off to the
-    /// blocking pool would cost more wake-ups than the read.
+    /// blocking pool would cost more wake-ups than the read. It stays open:
+    /// each read from offset 0 renders it anew.
     pub async fn run(&self) {
+        let stat = std::fs::File::open("/proc/stat");
+        let mut buf = Vec::new();
         loop {
-            if let Ok(s) = std::fs::read_to_string("/proc/stat") {
-                self.sample(&s);
+            let text = match &stat {
+                Ok(f) => read_whole(f, &mut buf).ok(),
+                Err(_) => std::fs::read("/proc/stat").ok().map(|b| {
+                    buf = b;
+                    &buf[..]
+                }),
+            };
+            if let Some(s) = text.and_then(|t| std::str::from_utf8(t).ok()) {
+                self.sample(s);
             }
             tokio::time::sleep(Self::EVERY).await;
+        }
+    }
+}
+
+/// All of an open file's text, read from offset 0 into `buf`.
+fn read_whole<'a>(f: &std::fs::File, buf: &'a mut Vec<u8>) -> std::io::Result<&'a [u8]> {
+    use std::os::unix::fs::FileExt as _;
+    buf.clear();
+    loop {
+        let at = buf.len();
+        buf.resize(at + 16384, 0);
+        let n = f.read_at(&mut buf[at..], at as u64)?;
+        buf.truncate(at + n);
+        if n == 0 {
+            return Ok(&buf[..]);
         }
     }
 }
@@ -132,11 +157,42 @@ fn ticks_of_line(line: &str) -> Option<(u64, u64)> {
     Some((all - v[3] - v[4], all))
 }
 
+/// A number in a `/sys` attribute (a NIC's MTU, carrier, byte counters);
+/// 0 when there is none.
 pub(crate) fn read_u64(path: PathBuf) -> u64 {
-    std::fs::read_to_string(path)
-        .ok()
+    read_attribute(path)
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or(0)
+}
+
+/// `/sys` attribute files kept open. Each read from offset 0 renders the
+/// value anew, and a heartbeat and each progress event read four per NIC:
+/// opening them was most of what that cost.
+static ATTRIBUTES: std::sync::Mutex<std::collections::BTreeMap<PathBuf, std::fs::File>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+/// Files kept open at most (the VMs' tap devices come and go).
+const ATTRIBUTES_OPEN: usize = 256;
+
+/// An attribute's text, from its open file, or opened now: a file whose
+/// read fails (its interface removed, perhaps another of the same name
+/// since) is opened again.
+fn read_attribute(path: PathBuf) -> Option<String> {
+    use std::os::unix::fs::FileExt as _;
+    let mut buf = [0u8; 64];
+    let mut open = ferry_api::util::lock(&ATTRIBUTES);
+    if let Some(f) = open.get(&path) {
+        if let Ok(n) = f.read_at(&mut buf, 0) {
+            return Some(String::from_utf8_lossy(&buf[..n]).into_owned());
+        }
+        open.remove(&path);
+    }
+    let f = std::fs::File::open(&path).ok()?;
+    let n = f.read_at(&mut buf, 0).ok()?;
+    if open.len() >= ATTRIBUTES_OPEN {
+        open.clear();
+    }
+    open.insert(path, f);
+    Some(String::from_utf8_lossy(&buf[..n]).into_owned())
 }
 
 /// An IPv4 network, `10.10.0.0/24`.
@@ -312,8 +368,51 @@ pub fn interface_address(name: &str) -> Option<std::net::Ipv4Addr> {
         .map(|(_, ip, _)| ip)
 }
 
-/// Every interface with an IPv4 address, with its first one and its prefix length.
+/// The interfaces' IPv4 addresses as last read, and a `NETLINK_ROUTE`
+/// socket that hears every link and address change: read again only after
+/// one (a heartbeat a second asked the kernel for every link and address).
+struct Addresses {
+    /// Opened at the first read, before it, so no change falls between.
+    changes: Option<ferry_transport::mptcp::paths::LinkEvents>,
+    opened: bool,
+    read: Option<Vec<(String, std::net::Ipv4Addr, u8)>>,
+}
+
+impl Addresses {
+    const fn new() -> Addresses {
+        Addresses {
+            changes: None,
+            opened: false,
+            read: None,
+        }
+    }
+
+    fn get(&mut self) -> Vec<(String, std::net::Ipv4Addr, u8)> {
+        if !self.opened {
+            self.opened = true;
+            self.changes = ferry_transport::mptcp::paths::LinkEvents::open().ok();
+        }
+        // no socket to hear changes with: the kernel is asked each time
+        let Some(changes) = &self.changes else {
+            return read_ipv4_addrs();
+        };
+        if changes.changed() || self.read.is_none() {
+            self.read = Some(read_ipv4_addrs());
+        }
+        self.read.clone().unwrap_or_default()
+    }
+}
+
+static ADDRESSES: std::sync::Mutex<Addresses> = std::sync::Mutex::new(Addresses::new());
+
+/// Every interface with an IPv4 address, with its first one and its prefix
+/// length; as last read while nothing changed (see [`Addresses`]).
 fn ipv4_addrs() -> Vec<(String, std::net::Ipv4Addr, u8)> {
+    ferry_api::util::lock(&ADDRESSES).get()
+}
+
+/// Every interface with an IPv4 address, as the kernel has them now.
+fn read_ipv4_addrs() -> Vec<(String, std::net::Ipv4Addr, u8)> {
     let mut out: Vec<(String, std::net::Ipv4Addr, u8)> = Vec::new();
     let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: on success `list` heads a list getifaddrs allocated; it is read
@@ -401,6 +500,53 @@ pub fn cpu_of_stat(stat: &str) -> Option<Duration> {
 #[cfg(test)]
 mod cpu_tests {
     use super::*;
+
+    #[test]
+    fn an_attribute_kept_open_is_read_anew_and_a_vanished_one_reads_zero() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("tx_bytes");
+        std::fs::write(&f, "1500\n").unwrap();
+        assert_eq!(read_u64(f.clone()), 1500);
+        // the same file, its value changed in place: the open file reads it
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&f)
+            .and_then(|mut w| std::io::Write::write_all(&mut w, b"9000\n"))
+            .unwrap();
+        assert_eq!(read_u64(f.clone()), 9000);
+        assert_eq!(read_u64(dir.path().join("missing")), 0);
+        // a real attribute, read twice through its open file
+        let lo = PathBuf::from("/sys/class/net/lo/mtu");
+        if lo.exists() {
+            let mtu = read_u64(lo.clone());
+            assert!(mtu > 0);
+            assert_eq!(read_u64(lo), mtu);
+        }
+    }
+
+    #[test]
+    fn an_open_file_is_read_whole_from_its_start_each_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("big");
+        let text: String = (0..5000).map(|i| format!("line {i}\n")).collect();
+        std::fs::write(&p, &text).unwrap();
+        let f = std::fs::File::open(&p).unwrap();
+        let mut buf = Vec::new();
+        assert_eq!(read_whole(&f, &mut buf).unwrap(), text.as_bytes());
+        assert_eq!(
+            read_whole(&f, &mut buf).unwrap(),
+            text.as_bytes(),
+            "again, whole"
+        );
+        let stat = std::fs::File::open("/proc/stat").unwrap();
+        for _ in 0..2 {
+            let s = std::str::from_utf8(read_whole(&stat, &mut buf).unwrap()).unwrap();
+            assert!(
+                cpu_ticks_of(s, None).is_some(),
+                "/proc/stat rendered anew: {s:.80}"
+            );
+        }
+    }
 
     #[test]
     fn cpu_ticks_count_idle_and_iowait_as_not_busy() {
@@ -493,6 +639,53 @@ mod cpu_tests {
                 .any(|(n, ip, p)| n == "lo" && *ip == std::net::Ipv4Addr::LOCALHOST && *p == 8),
             "lo with 127.0.0.1 missing from {all:?}"
         );
+    }
+
+    #[test]
+    #[ignore = "needs root: a network namespace of its own"]
+    fn an_address_added_or_removed_is_seen_at_the_next_read() {
+        std::thread::spawn(|| {
+            // this thread only (and what it starts) in a namespace of its own
+            // SAFETY: unshare(2) with a flag; it changes only this thread.
+            let r = unsafe { libc::unshare(libc::CLONE_NEWNET) };
+            assert_eq!(
+                r,
+                0,
+                "unshare(CLONE_NEWNET): {} (root needed)",
+                std::io::Error::last_os_error()
+            );
+            let ip = |args: &[&str]| {
+                let out = std::process::Command::new("ip")
+                    .args(args)
+                    .output()
+                    .unwrap();
+                assert!(out.status.success(), "ip {args:?}: {out:?}");
+            };
+            let named = |all: &[(String, std::net::Ipv4Addr, u8)], n: &str| {
+                all.iter()
+                    .find(|a| a.0 == n)
+                    .map(|a| (a.1.to_string(), a.2))
+            };
+            let mut a = Addresses::new();
+            assert_eq!(named(&a.get(), "ft0"), None);
+            ip(&["link", "add", "ft0", "type", "veth", "peer", "name", "ft1"]);
+            ip(&["addr", "add", "198.18.250.1/30", "dev", "ft0"]);
+            assert_eq!(
+                named(&a.get(), "ft0"),
+                Some(("198.18.250.1".to_string(), 30))
+            );
+            assert_eq!(named(&a.get(), "ft0").unwrap().1, 30, "unchanged: as read");
+            ip(&["addr", "del", "198.18.250.1/30", "dev", "ft0"]);
+            ip(&["addr", "add", "198.18.250.5/31", "dev", "ft0"]);
+            assert_eq!(
+                named(&a.get(), "ft0"),
+                Some(("198.18.250.5".to_string(), 31))
+            );
+            ip(&["link", "del", "ft0"]);
+            assert_eq!(named(&a.get(), "ft0"), None);
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]

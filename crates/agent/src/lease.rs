@@ -9,9 +9,13 @@
 //!
 //! The fencing itself is [`crate::fence`]'s.
 //!
-//! The lease survives an agent restart: each renewal writes its deadline
-//! (wall clock) and VMs to `STATE_DIR/lease.json`, and a restarted agent
-//! takes them up, so a restart neither forgets a deadline nor fences early.
+//! The lease survives an agent restart: a renewal writes its deadline (wall
+//! clock) and VMs to `STATE_DIR/lease.json`, and a restarted agent takes
+//! them up, so a restart neither forgets a deadline nor fences early. A
+//! renewal that changes nothing but the deadline sets the file's
+//! modification time to its own instant instead (one `utimensat`, no new
+//! file); the deadline taken up is the later of the one written and that
+//! instant plus the self-fence time.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -58,7 +62,44 @@ struct Inner {
     peers: Vec<ferry_api::ha::PeerAddresses>,
     /// When peers were last asked at a lapse that was held.
     held: Option<Instant>,
+    /// What `lease.json` holds, as last written or taken up.
     persisted: Option<Persisted>,
+}
+
+impl Persisted {
+    /// The same lease but for its deadline.
+    fn same_but_deadline(&self, other: &Persisted) -> bool {
+        (self.self_fence_ms, &self.ha_vms, &self.peers)
+            == (other.self_fence_ms, &other.ha_vms, &other.peers)
+    }
+}
+
+/// Sets `file`'s modification time to `at_ms` (Unix ms), the file itself
+/// untouched.
+fn set_mtime(file: &std::path::Path, at_ms: u64) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let path = std::ffi::CString::new(file.as_os_str().as_bytes())?;
+    let at = libc::timespec {
+        tv_sec: (at_ms / 1000) as libc::time_t,
+        tv_nsec: ((at_ms % 1000) * 1_000_000) as libc::c_long,
+    };
+    let omit = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: libc::UTIME_OMIT,
+    };
+    // SAFETY: `path` is NUL-terminated and both timespecs live across the call.
+    let r = unsafe { libc::utimensat(libc::AT_FDCWD, path.as_ptr(), [omit, at].as_ptr(), 0) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// `file`'s modification time, Unix ms.
+fn mtime_ms(file: &std::path::Path) -> Option<u64> {
+    let t = std::fs::metadata(file).ok()?.modified().ok()?;
+    Some(t.duration_since(std::time::UNIX_EPOCH).ok()?.as_millis() as u64)
 }
 
 pub struct Lease {
@@ -77,7 +118,14 @@ impl Lease {
         let file = state_dir.join("lease.json");
         let found: Option<Persisted> = std::fs::read(&file)
             .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok());
+            .and_then(|b| serde_json::from_slice::<Persisted>(&b).ok())
+            .map(|mut p| {
+                // renewals that changed nothing else set the file's time
+                if let Some(m) = mtime_ms(&file) {
+                    p.fence_at_ms = p.fence_at_ms.max(m + p.self_fence_ms);
+                }
+                p
+            });
         let mut inner = Inner {
             renewed: None,
             self_fence: Duration::from_millis(ferry_api::ha::SELF_FENCE_MS),
@@ -125,9 +173,17 @@ impl Lease {
             ha_vms: r.ha_vms.clone(),
             peers: r.peers.clone(),
         };
+        let unchanged = g
+            .persisted
+            .as_ref()
+            .is_some_and(|old| old.same_but_deadline(&p));
         g.persisted = Some(p.clone());
         drop(g);
         self.renewed.notify_one();
+        // the file's time is the renewal's instant; a missing file is written
+        if unchanged && set_mtime(&self.file, p.fence_at_ms - p.self_fence_ms).is_ok() {
+            return;
+        }
         if let Ok(b) = serde_json::to_vec(&p) {
             let tmp = self.file.with_extension("json.tmp");
             if std::fs::write(&tmp, b)
@@ -228,6 +284,35 @@ mod tests {
         assert_eq!(l.view().state, "fenced");
         l.renew(&renewal(300));
         assert_eq!(l.view().state, "leased");
+    }
+
+    #[test]
+    fn a_renewal_of_the_same_lease_moves_the_file_time_and_a_restart_takes_it_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("lease.json");
+        let l = Lease::load(dir.path());
+        l.renew(&renewal(3000));
+        let written = std::fs::read(&file).unwrap();
+        std::thread::sleep(Duration::from_millis(1000));
+        l.renew(&renewal(3000));
+        assert_eq!(
+            std::fs::read(&file).unwrap(),
+            written,
+            "only the deadline changed: the file is not written again"
+        );
+        // past the first renewal's deadline, well before the second's
+        std::thread::sleep(Duration::from_millis(2300));
+        let again = Lease::load(dir.path());
+        assert_eq!(again.view().state, "leased");
+        assert!(
+            again.due().is_none(),
+            "a restarted agent takes up the last renewal's deadline, not the first's"
+        );
+        let mut changed = renewal(3000);
+        changed.ha_vms.push("b".into());
+        l.renew(&changed);
+        let now = String::from_utf8(std::fs::read(&file).unwrap()).unwrap();
+        assert!(now.contains("\"b\""), "a changed lease is written: {now}");
     }
 
     #[test]

@@ -66,11 +66,12 @@ pub const TARGET_POLL_FAILURES: u32 = 2;
 /// iteration switches over whatever remains.
 const PAUSE_DOWNTIME_MS: u64 = 2_000_000;
 const POLL: Duration = Duration::from_millis(100);
-/// How often QEMU is asked once the end is near.
-const END_POLL: Duration = Duration::from_millis(10);
-/// Bytes left from which the end is near (an idle guest switches over as
-/// its first pass ends: polled at `POLL`, up to 100 ms of its blackout
-/// would pass before the commit even began).
+/// What the downtime plan leaves between QEMU's completion and the
+/// commit's start: its `MIGRATION` event, one `query-migrate`, and the
+/// scheduling of both on a busy host.
+const COMMIT_SLACK: Duration = Duration::from_millis(10);
+/// Bytes left from which the end is near: the carriers' windows narrow,
+/// the low-water mark is set, and READY is asked early.
 const END_NEAR_BYTES: u64 = 64 << 20;
 
 struct Failure {

@@ -12,7 +12,7 @@ use super::sequence::Outcome;
 use super::source::Move;
 use super::{
     carrier_bytes, copy_loop, data_path_of, fail, lost, nic_tx, poll_target, progress_event,
-    Failure, Plan, END_NEAR_BYTES, END_POLL, MULTIFD_CHANNELS, PAUSE_DOWNTIME_MS, POLL,
+    Failure, Plan, COMMIT_SLACK, END_NEAR_BYTES, MULTIFD_CHANNELS, PAUSE_DOWNTIME_MS, POLL,
     POSTCOPY_PAUSED_LIMIT, POSTCOPY_STALL_LIMIT, RECOVER_EVERY,
 };
 use crate::commit::{Record, Side, SourcePhase, TargetAnswer};
@@ -56,7 +56,6 @@ pub(super) struct Watch {
     last_recover: Instant,
     recover_failed: Option<String>,
     postcopy_moved: (Instant, u64),
-    near_end: bool,
     paths_seen: usize,
     /// QEMU's send threads' CPU while it compresses (they end with the
     /// migration, so the last reading while they ran is kept).
@@ -160,7 +159,6 @@ impl Watch {
             last_recover: now - RECOVER_EVERY,
             recover_failed: None,
             postcopy_moved: (now, 0),
-            near_end: false,
             paths_seen: 0,
             qemu_send_cpu: Duration::ZERO,
             qemu_ratio_from: (0, 0),
@@ -229,7 +227,7 @@ impl Move<'_> {
         let dplan = crate::downtime::DowntimePlan::new(
             conv.max_downtime_ms,
             conv.downtime_auto && !conv.postcopy && !mirrored,
-            switchover + END_POLL.as_millis() as u64,
+            switchover + COMMIT_SLACK.as_millis() as u64,
             overshoot,
         );
         qmp.set_parameters(MigrationParameters {
@@ -465,53 +463,44 @@ impl Move<'_> {
         }
     }
 
-    /// QEMU's `query-migrate`: every `POLL`, and near the end (the last
-    /// pass, or QEMU paused) every `END_POLL`, and at once when QEMU sends
-    /// a `MIGRATION` event, so the commit follows its completion at once.
+    /// QEMU's `query-migrate`: every `POLL`, and at once when QEMU sends a
+    /// `MIGRATION` event (paused, completed, failed), so the commit follows
+    /// its completion at once. Near the end nothing is polled faster: each
+    /// state change the end brings is an event.
     async fn poll_qemu(&mut self) -> Result<MigrationInfo, Failure> {
-        let asked = Instant::now();
-        let info = loop {
-            let near_end = self.watching().near_end;
-            // a MIGRATION event (QEMU paused, completed, failed) ends the wait
-            let wait = if near_end { END_POLL } else { POLL };
-            let events = &mut self.watching().events;
-            if let Ok(Err(_)) = tokio::time::timeout(wait, events.changed()).await {
-                tokio::time::sleep(wait).await;
-            }
-            // QEMU's event says when it paused the guest: its last pass runs
-            // under QEMU's big lock, so `query-migrate` gets no answer until
-            // that pass is over, however long it takes
-            let w = self.watching();
-            if w.events.borrow().status == "device" {
-                w.paused_at.get_or_insert_with(Instant::now);
-            }
-            let asked_qemu = self.vm.qmp.query_migrate();
-            let answer = match self.pause_left() {
-                Some(left) => match tokio::time::timeout(left, asked_qemu).await {
-                    Ok(a) => a,
-                    Err(_) => return Err(self.overrun("QEMU was still sending the last pass")),
-                },
-                None => asked_qemu.await,
-            };
-            let info = match answer {
-                Ok(i) => i,
-                Err(e) if self.committed => return Err(lost(error_chain(&e))),
-                Err(e) => return Err(fail("copy", error_chain(&e))),
-            };
-            if self.streaming().qemu_zstd.is_some() {
-                self.follow_qemu_ratio(&info);
-            }
-            let st = info.status.as_deref().unwrap_or_default();
-            if st == "device" {
-                self.watching().paused_at.get_or_insert_with(Instant::now);
-                if self.pause_left() == Some(Duration::ZERO) {
-                    return Err(self.overrun("QEMU was still sending the last pass"));
-                }
-            }
-            if !near_end || asked.elapsed() >= POLL || !matches!(st, "active" | "device") {
-                break info;
-            }
+        let events = &mut self.watching().events;
+        if let Ok(Err(_)) = tokio::time::timeout(POLL, events.changed()).await {
+            tokio::time::sleep(POLL).await;
+        }
+        // QEMU's event says when it paused the guest: its last pass runs
+        // under QEMU's big lock, so `query-migrate` gets no answer until
+        // that pass is over, however long it takes
+        let w = self.watching();
+        if w.events.borrow().status == "device" {
+            w.paused_at.get_or_insert_with(Instant::now);
+        }
+        let asked_qemu = self.vm.qmp.query_migrate();
+        let answer = match self.pause_left() {
+            Some(left) => match tokio::time::timeout(left, asked_qemu).await {
+                Ok(a) => a,
+                Err(_) => return Err(self.overrun("QEMU was still sending the last pass")),
+            },
+            None => asked_qemu.await,
         };
+        let info = match answer {
+            Ok(i) => i,
+            Err(e) if self.committed => return Err(lost(error_chain(&e))),
+            Err(e) => return Err(fail("copy", error_chain(&e))),
+        };
+        if self.streaming().qemu_zstd.is_some() {
+            self.follow_qemu_ratio(&info);
+        }
+        if info.status.as_deref() == Some("device") {
+            self.watching().paused_at.get_or_insert_with(Instant::now);
+            if self.pause_left() == Some(Duration::ZERO) {
+                return Err(self.overrun("QEMU was still sending the last pass"));
+            }
+        }
         let near_end = match info.status.as_deref() {
             Some("device") => true,
             Some("active") => info
@@ -541,7 +530,6 @@ impl Move<'_> {
                 w.cut = Some(s);
             }
         }
-        w.near_end = near_end;
         // the last pass of a plain pre-copy: READY goes now (post-copy
         // commits before the target has everything; a mirrored move's
         // target waits for the mirrors' end)
@@ -1008,7 +996,7 @@ impl Move<'_> {
 }
 
 /// The least time between two pre-copy progress events: the watch looks
-/// at QEMU every 10–100 ms, and an event per look (each one serialized,
+/// at QEMU every 100 ms and on each of its events, and an event per look (each one serialized,
 /// written over TLS to every listener and forwarded by the control
 /// service) cost the agents more than the looks themselves.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);

@@ -249,6 +249,37 @@ impl LinkEvents {
     }
 }
 
+impl LinkEvents {
+    /// Whether anything arrived since the last look, without waiting: any
+    /// message, or messages the kernel dropped (`ENOBUFS`); each is read.
+    pub fn changed(&self) -> bool {
+        let mut any = false;
+        let mut buf = [0u8; 8192];
+        loop {
+            // SAFETY: buf is valid for its length.
+            let n = unsafe {
+                libc::recv(
+                    self.fd.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n > 0 {
+                any = true;
+                continue;
+            }
+            match std::io::Error::last_os_error().raw_os_error() {
+                Some(libc::EINTR) if n < 0 => continue,
+                Some(libc::EAGAIN) if n < 0 => return any,
+                // ENOBUFS: changes were lost, so something changed
+                _ if n < 0 => any = true,
+                _ => return any,
+            }
+        }
+    }
+}
+
 /// Destroys one subflow of this host, `local` → `remote`: `SOCK_DESTROY`
 /// through `ss -K` on its exact addresses and ports, so that no other socket
 /// of the NIC (a carrier, an NBD connection) is touched. The kernel aborts
