@@ -582,8 +582,9 @@ mod tests {
     #[test]
     #[allow(clippy::unwrap_used)] // a panic is the failure report
     fn the_settlers_index_follows_writes_removals_and_a_first_full_read() {
-        let dir = std::env::temp_dir().join(format!("ferry-journal-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        // a directory of its own: the tests of this module run side by side
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let rec = |id: &str, side| Record {
             migration_id: id.into(),
             vm: "vm".into(),
@@ -626,7 +627,6 @@ mod tests {
             .write(&rec("e", Side::Source(SourcePhase::Aborted)))
             .unwrap();
         assert!(ids(&j).is_empty());
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -1365,7 +1365,8 @@ mod tests {
 
     #[test]
     fn journal_round_trips_and_replaces_atomically() {
-        let dir = std::env::temp_dir().join(format!("ferry-journal-{}", std::process::id()));
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let j = Journal::new(&dir);
         let mut r = Record {
             migration_id: "abc".into(),
@@ -1409,6 +1410,5 @@ mod tests {
             "{}",
             errs[0]
         );
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

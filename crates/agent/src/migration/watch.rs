@@ -468,9 +468,11 @@ impl Move<'_> {
     /// its completion at once. Near the end nothing is polled faster: each
     /// state change the end brings is an event.
     async fn poll_qemu(&mut self) -> Result<MigrationInfo, Failure> {
+        // a paused guest's deadline is looked at when it comes, not after it
+        let wait = self.pause_left().map_or(POLL, |left| left.min(POLL));
         let events = &mut self.watching().events;
-        if let Ok(Err(_)) = tokio::time::timeout(POLL, events.changed()).await {
-            tokio::time::sleep(POLL).await;
+        if let Ok(Err(_)) = tokio::time::timeout(wait, events.changed()).await {
+            tokio::time::sleep(wait).await;
         }
         // QEMU's event says when it paused the guest: its last pass runs
         // under QEMU's big lock, so `query-migrate` gets no answer until

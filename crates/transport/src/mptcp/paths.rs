@@ -228,54 +228,46 @@ impl LinkEvents {
         }
         let mut out = Vec::new();
         let mut buf = vec![0u8; 64 << 10];
-        loop {
-            // SAFETY: buf is valid for its length.
-            let n = unsafe {
-                libc::recv(
-                    self.fd.as_raw_fd(),
-                    buf.as_mut_ptr().cast(),
-                    buf.len(),
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            if n <= 0 {
-                // drained, or the kernel dropped messages (ENOBUFS): sysfs,
-                // read on every wake, still has the state
-                break;
-            }
-            out.extend(parse_messages(&buf[..n as usize]));
+        // until drained, or the kernel dropped messages (ENOBUFS): sysfs,
+        // read on every wake, still has the state
+        while let Ok(n @ 1..) = self.recv_now(&mut buf) {
+            out.extend(parse_messages(&buf[..n]));
         }
         out
     }
-}
 
-impl LinkEvents {
     /// Whether anything arrived since the last look, without waiting: any
     /// message, or messages the kernel dropped (`ENOBUFS`); each is read.
     pub fn changed(&self) -> bool {
         let mut any = false;
         let mut buf = [0u8; 8192];
         loop {
-            // SAFETY: buf is valid for its length.
-            let n = unsafe {
-                libc::recv(
-                    self.fd.as_raw_fd(),
-                    buf.as_mut_ptr().cast(),
-                    buf.len(),
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            if n > 0 {
-                any = true;
-                continue;
-            }
-            match std::io::Error::last_os_error().raw_os_error() {
-                Some(libc::EINTR) if n < 0 => continue,
-                Some(libc::EAGAIN) if n < 0 => return any,
+            match self.recv_now(&mut buf) {
+                Ok(0) => return any,
+                Ok(_) => any = true,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return any,
                 // ENOBUFS: changes were lost, so something changed
-                _ if n < 0 => any = true,
-                _ => return any,
+                Err(_) => any = true,
             }
+        }
+    }
+
+    /// One datagram, if one is queued.
+    fn recv_now(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        // SAFETY: buf is valid for its length.
+        let n = unsafe {
+            libc::recv(
+                self.fd.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
         }
     }
 }
