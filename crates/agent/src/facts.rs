@@ -502,7 +502,7 @@ mod cpu_tests {
     use super::*;
 
     #[test]
-    fn an_attribute_kept_open_is_read_anew_and_a_vanished_one_reads_zero() {
+    fn an_attribute_kept_open_is_read_anew_and_a_missing_one_reads_zero() {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("tx_bytes");
         std::fs::write(&f, "1500\n").unwrap();
