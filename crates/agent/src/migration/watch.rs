@@ -998,9 +998,9 @@ impl Move<'_> {
 }
 
 /// The least time between two pre-copy progress events: the watch looks
-/// at QEMU every 100 ms and on each of its events, and an event per look (each one serialized,
-/// written over TLS to every listener and forwarded by the control
-/// service) cost the agents more than the looks themselves.
+/// at QEMU every 100 ms and on each of its events, and an event per look
+/// (each one serialized, written over TLS to every listener and forwarded
+/// by the control service) cost the agents more than the looks themselves.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);
 
 /// Each stream's window over Ferry's carriers in the last pass, counted
