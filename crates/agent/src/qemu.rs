@@ -243,6 +243,9 @@ pub struct QemuVm {
     pub owner: Option<(u32, u32)>,
     /// Its cgroup (below each controller's root), when confined.
     cgroup: Option<PathBuf>,
+    /// Its uid and seccomp filtering as read once they were final (see
+    /// [`QemuVm::confinement`]).
+    confined: std::sync::OnceLock<(u32, bool)>,
 }
 
 /// What a VM's directory says about it (`vm.json`).
@@ -409,6 +412,7 @@ pub async fn adopt(dir: &Path) -> Result<(VmRecord, QemuVm), QemuError> {
         child: tokio::sync::Mutex::new(None),
         owner: rec.owner,
         cgroup: rec.cgroup.clone(),
+        confined: Default::default(),
     };
     Ok((rec, vm))
 }
@@ -817,10 +821,29 @@ pub async fn launch(
         child: tokio::sync::Mutex::new(Some(child)),
         owner: record.owner,
         cgroup: record.cgroup,
+        confined: Default::default(),
     })
 }
 
 impl QemuVm {
+    /// The uid QEMU runs as and whether seccomp filters it
+    /// ([`crate::confine::is_confined`]); `None` once it has exited. A
+    /// process that is not root and filtered stays so (a filter is never
+    /// lifted, and it cannot regain uid 0), so that answer is read from
+    /// `/proc/PID/status` once; any other is read again each time.
+    pub fn confinement(&self) -> Option<(u32, bool)> {
+        if let Some(c) = self.confined.get() {
+            return std::path::Path::new(&format!("/proc/{}", self.pid))
+                .exists()
+                .then_some(*c);
+        }
+        let c = crate::confine::is_confined(self.pid)?;
+        if c.0 != 0 && c.1 {
+            let _ = self.confined.set(c);
+        }
+        Some(c)
+    }
+
     /// Lets this VM's QEMU connect to the unix socket at `path`, which the
     /// agent listens on (a migration's or a disk copy's local end).
     pub fn give_socket(&self, path: &Path) -> Result<(), String> {

@@ -149,7 +149,7 @@ impl Agent {
             storage_pause,
             migrating: false,
             confinement: qemu.and_then(|q| {
-                let (uid, seccomp) = crate::confine::is_confined(q.pid)?;
+                let (uid, seccomp) = q.confinement()?;
                 Some(ferry_api::VmConfinement {
                     uid,
                     seccomp,

@@ -517,6 +517,10 @@ struct Loaded {
     lenient: Arc<dyn ClientCertVerifier>,
     server: Arc<dyn ServerCertVerifier>,
     crl_number: Option<u64>,
+    /// The certificate's expiry and serial, read once (each heartbeat's
+    /// answer reports them).
+    expires_ms: Option<u64>,
+    serial: Option<String>,
     stamp: Stamp,
 }
 
@@ -599,6 +603,8 @@ impl Loaded {
                 .build()
                 .map_err(config_err)?;
         let loaded = Loaded {
+            expires_ms: expires_ms(&chain[0]),
+            serial: serial_of(&chain[0]),
             strict: client(false)?,
             lenient: client(true)?,
             server,
@@ -725,12 +731,12 @@ impl Pki {
 
     /// When this component's own certificate stops being valid (Unix ms).
     pub fn expires_ms(&self) -> Option<u64> {
-        expires_ms(self.now().chain.first()?)
+        self.now().expires_ms
     }
 
     /// This component's certificate's serial number, hex.
     pub fn serial(&self) -> Option<String> {
-        serial_of(self.now().chain.first()?)
+        self.now().serial.clone()
     }
 
     /// The number of the revocation list in force, if any.

@@ -39,6 +39,8 @@ pub(super) struct Watch {
     rounds: convergence::Rounds,
     pub max_throttle: u64,
     last_sample: (Instant, u64),
+    /// The wait before the next look at QEMU (see [`Move::next_look`]).
+    next_look: Duration,
     target_failures: u32,
     last_target_poll: Instant,
     /// When the last progress event went (see [`PROGRESS_EVERY`]).
@@ -147,6 +149,7 @@ impl Watch {
             rounds: Default::default(),
             max_throttle: 0,
             last_sample: (now, 0),
+            next_look: POLL,
             target_failures: 0,
             last_target_poll: now,
             last_progress: None,
@@ -463,13 +466,16 @@ impl Move<'_> {
         }
     }
 
-    /// QEMU's `query-migrate`: every `POLL`, and at once when QEMU sends a
+    /// QEMU's `query-migrate`: every `POLL` (less often while the end is
+    /// far, see [`Move::next_look`]), and at once when QEMU sends a
     /// `MIGRATION` event (paused, completed, failed), so the commit follows
     /// its completion at once. Near the end nothing is polled faster: each
     /// state change the end brings is an event.
     async fn poll_qemu(&mut self) -> Result<MigrationInfo, Failure> {
         // a paused guest's deadline is looked at when it comes, not after it
-        let wait = self.pause_left().map_or(POLL, |left| left.min(POLL));
+        // one wait each: a look that is not pre-copy's sets none
+        let next = std::mem::replace(&mut self.watching().next_look, POLL);
+        let wait = self.pause_left().map_or(next, |left| left.min(POLL));
         let events = &mut self.watching().events;
         if let Ok(Err(_)) = tokio::time::timeout(wait, events.changed()).await {
             tokio::time::sleep(wait).await;
@@ -817,6 +823,9 @@ impl Move<'_> {
         let dt = (now - w.last_sample.0).as_secs_f64().max(1e-3);
         let throughput = ram.transferred.saturating_sub(w.last_sample.1) as f64 / dt;
         w.last_sample = (now, ram.transferred);
+        let tcp = matches!(self.plan_ref(), Plan::Tcp { .. });
+        self.watching().next_look = next_look(tcp, &status, ram.remaining, throughput);
+        let w = self.watching();
         let due = w.last_progress.is_none_or(|t| now - t >= PROGRESS_EVERY);
         let (nic_tx_bytes, carriers_up) = match self.plan_ref() {
             Plan::Tcp { .. } if due => (self.tx_since_start(), None),
@@ -997,6 +1006,28 @@ impl Move<'_> {
     }
 }
 
+/// The longest wait between two looks at QEMU while the end is far: one
+/// look per progress event. A look is a `query-migrate` (QEMU's reply,
+/// ~1 KiB of JSON, decoded twice by the QMP stream) and the copy loop's
+/// decision on it; at 100 ms they were most of the source agent's CPU over
+/// a move, and far from the end nothing they decide is urgent.
+const FAR_LOOK: Duration = PROGRESS_EVERY;
+
+/// When to look at QEMU next, after a look in pre-copy: every [`POLL`],
+/// except on QEMU's one TCP stream while the end is far, where the wait
+/// grows to half the time the copy needs to come within
+/// [`END_NEAR_BYTES`] at its last throughput, up to [`FAR_LOOK`]. The end
+/// is then still seen within one `POLL` of its start (the low-water mark
+/// and the early READY), and QEMU's events end any wait. Ferry's carriers
+/// and the MPTCP socket keep `POLL`: each look also watches their paths.
+fn next_look(tcp: bool, status: &str, remaining: u64, throughput: f64) -> Duration {
+    if !tcp || status != "active" || remaining <= END_NEAR_BYTES || throughput <= 0.0 {
+        return POLL;
+    }
+    let to_near = (remaining - END_NEAR_BYTES) as f64 / throughput;
+    Duration::from_secs_f64(to_near / 2.0).clamp(POLL, FAR_LOOK)
+}
+
 /// The least time between two pre-copy progress events: the watch looks
 /// at QEMU every 100 ms and on each of its events, and an event per look
 /// (each one serialized, written over TLS to every listener and forwarded
@@ -1092,6 +1123,25 @@ mod tests {
     #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
     use super::*;
     use std::os::fd::AsRawFd;
+
+    #[test]
+    fn looks_at_qemu_thin_out_only_on_one_tcp_stream_far_from_its_end() {
+        // bytes per second
+        let gbit = 125e6;
+        // 400 MiB left at 1 Gbit/s: ~2.8 s to the end's start, one look a progress event
+        assert_eq!(next_look(true, "active", 400 << 20, gbit), FAR_LOOK);
+        // 80 MiB left: the end (64 MiB) is ~134 ms away, half of it is below POLL
+        assert_eq!(next_look(true, "active", 80 << 20, gbit), POLL);
+        // 100 MiB left: ~302 ms away, looked at again in half of that
+        let w = next_look(true, "active", 100 << 20, gbit);
+        assert!(w > POLL && w < FAR_LOOK, "{w:?}");
+        assert_eq!(next_look(true, "active", END_NEAR_BYTES, gbit), POLL);
+        // the carriers' paths, another state, no throughput yet: every POLL
+        assert_eq!(next_look(false, "active", 400 << 20, gbit), POLL);
+        assert_eq!(next_look(true, "setup", 400 << 20, gbit), POLL);
+        assert_eq!(next_look(true, "device", 400 << 20, gbit), POLL);
+        assert_eq!(next_look(true, "active", 400 << 20, 0.0), POLL);
+    }
 
     #[test]
     fn only_a_tcp_uri_is_dialled_and_its_unsent_bytes_can_be_cut() {
