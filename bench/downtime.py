@@ -13,7 +13,7 @@ source; not in the other columns), median total time.
 The guest is checked intact at the end of each configuration.
 
     sudo python3 bench/downtime.py [--rate 1gbit] [--moves 20] [--memory 256M --fill 128M]
-        [--nics 1,2] [--loads 0,0.1,0.5] [--cpus split] [--contenders auto,100ms]
+        [--nics 1,2] [--loads 0,0.1,0.5] [--cpus split] [--contenders auto,100ms] [--option tcp]
 """
 import argparse, json, os, statistics, subprocess, sys
 
@@ -52,6 +52,8 @@ def main():
     ap.add_argument("--nics", default="1,2")
     ap.add_argument("--loads", default="0,0.1,0.5", help="dirty rate as shares of one link's rate")
     ap.add_argument("--contenders", default="auto,100ms", help="auto, 100ms or both")
+    ap.add_argument("--option", help="every move with `--option OPTION` (tcp, mptcp, compression…); "
+                                     "default: none (the cluster's default, auto)")
     labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     link = rate_bytes(a.rate)
@@ -76,7 +78,8 @@ def main():
             for i in range(a.moves):
                 for name, flags in contenders:
                     to = "host2" if where("dt") == "host1" else "host1"
-                    out = ferry("vm", "move", "dt", "--to", to, "--json", *flags)
+                    option = ["--option", a.option] if a.option else []
+                    out = ferry("vm", "move", "dt", "--to", to, "--json", *option, *flags)
                     r = json.loads(out.stdout.strip().splitlines()[-1])
                     err = r.get("error") or {}
                     if r.get("event") == "failed" and err.get("step") == "blackout" \

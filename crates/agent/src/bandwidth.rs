@@ -31,7 +31,7 @@ impl Agent {
             tokio::task::spawn_blocking(move || ferry_api::util::lock(&classes).status(&host))
                 .await
                 .map_err(ApiError::internal)?;
-        b.cpu_busy = self.facts.idle.idle().map(|i| 1.0 - i);
+        b.cpu_busy = self.facts.idle.idle_now().map(|i| 1.0 - i);
         Ok(b)
     }
 }

@@ -8,79 +8,119 @@ use std::time::Duration;
 
 use ferry_api::NicInfo;
 
-/// The host's idle CPU share over the last second, kept by a sampler (see
-/// [`IdleGauge::run`]) so a move's `auto` reads it at once instead of
+/// The host's idle CPU share over about the last second, kept by a sampler
+/// (see [`IdleGauge::run`]) so a move's `auto` reads it at once instead of
 /// watching the CPUs for a while first, and a drain's `GET /bandwidth`
 /// (`cpu_busy`) reads the same second. It counts the CPUs this agent may run
 /// on (its affinity: the host's cpuset when the host is given CPUs of its
 /// own), the same set the choosers count as the host's CPUs: on a machine
 /// that two hosts share, one host's idle core is not the other's to spend.
+///
+/// The sampler reads `/proc/stat` once a second; a reader takes one more
+/// sample as it reads ([`IdleGauge::idle_now`]), so what it gets ends now
+/// and spans [`IdleGauge::WINDOW`] or a little more. (Four samples a second
+/// kept the same window's end within 250 ms, and each rendering of
+/// `/proc/stat` with its interrupt counters was a tenth of an idle agent's
+/// CPU.)
 #[derive(Default)]
 pub struct IdleGauge {
-    samples: std::sync::Mutex<std::collections::VecDeque<(u64, u64)>>,
+    /// (when, idle ticks, all ticks)
+    samples: std::sync::Mutex<std::collections::VecDeque<(std::time::Instant, u64, u64)>>,
     /// the CPUs counted; `None`: every CPU (the `cpu` line)
     cpus: std::sync::OnceLock<Option<Vec<usize>>>,
+    /// `/proc/stat`, kept open, and the buffer its text is read into
+    stat: std::sync::Mutex<Option<(std::fs::File, Vec<u8>)>>,
 }
 
 impl IdleGauge {
-    /// Samples kept: the window is `(KEEP - 1) × EVERY`.
-    const KEEP: usize = 5;
-    const EVERY: Duration = Duration::from_millis(250);
+    /// The least span the idle share is taken over.
+    const WINDOW: Duration = Duration::from_millis(750);
+    /// Samples older than this (the newest two aside) are dropped.
+    const KEEP_FOR: Duration = Duration::from_secs(3);
+    const EVERY: Duration = Duration::from_secs(1);
 
-    /// Takes one sample of `/proc/stat`.
+    /// Takes one sample of `/proc/stat`'s text.
     pub fn sample(&self, stat: &str) {
+        self.sample_at(stat, std::time::Instant::now());
+    }
+
+    fn sample_at(&self, stat: &str, at: std::time::Instant) {
         let cpus = self.cpus.get_or_init(|| own_cpus(stat));
-        if let Some(t) = cpu_ticks_of(stat, cpus.as_deref()) {
+        if let Some((idle, all)) = cpu_ticks_of(stat, cpus.as_deref()) {
             let mut q = ferry_api::util::lock(&self.samples);
-            q.push_back(t);
-            while q.len() > Self::KEEP {
+            q.push_back((at, idle, all));
+            while q.len() > 2 && q.front().is_some_and(|f| at - f.0 > Self::KEEP_FOR) {
                 q.pop_front();
             }
         }
     }
 
-    /// Idle share between the oldest and newest sample kept; `None` before
-    /// two samples (or if no time passed).
+    /// Idle share from the newest sample back to the newest one at least
+    /// [`Self::WINDOW`] older (the oldest if none is); `None` before two
+    /// samples (or if no time passed).
     pub fn idle(&self) -> Option<f64> {
         let q = ferry_api::util::lock(&self.samples);
-        let (a, b) = (q.front()?, q.back()?);
-        let all = b.1.saturating_sub(a.1);
-        (all > 0).then(|| 1.0 - b.0.saturating_sub(a.0) as f64 / all as f64)
+        let b = q.back()?;
+        let a = q
+            .iter()
+            .rev()
+            .find(|a| b.0 - a.0 >= Self::WINDOW)
+            .or(q.front())?;
+        let all = b.2.saturating_sub(a.2);
+        (all > 0).then(|| 1.0 - b.1.saturating_sub(a.1) as f64 / all as f64)
     }
 
-    /// Samples every [`Self::EVERY`] until the process ends. `/proc/stat`
-    /// is read in place: it never waits for a device, and a hand-off to the
-    /// blocking pool would cost more wake-ups than the read. It stays open:
-    /// each read from offset 0 renders it anew.
+    /// [`Self::idle`] with a sample taken now.
+    pub fn idle_now(&self) -> Option<f64> {
+        self.read();
+        self.idle()
+    }
+
+    /// Reads `/proc/stat` and samples it. It is read in place: it never
+    /// waits for a device, and a hand-off to the blocking pool would cost
+    /// more wake-ups than the read. It stays open: each read from offset 0
+    /// renders it anew.
+    fn read(&self) {
+        let mut kept = ferry_api::util::lock(&self.stat);
+        if kept.is_none() {
+            *kept = std::fs::File::open("/proc/stat")
+                .ok()
+                .map(|f| (f, Vec::new()));
+        }
+        let Some((f, buf)) = kept.as_mut() else {
+            return;
+        };
+        if let Some(s) = read_whole(f, buf)
+            .ok()
+            .and_then(|t| std::str::from_utf8(t).ok())
+        {
+            self.sample(s);
+        }
+    }
+
+    /// Samples every [`Self::EVERY`] until the process ends.
     pub async fn run(&self) {
-        let stat = std::fs::File::open("/proc/stat");
-        let mut buf = Vec::new();
         loop {
-            let text = match &stat {
-                Ok(f) => read_whole(f, &mut buf).ok(),
-                Err(_) => std::fs::read("/proc/stat").ok().map(|b| {
-                    buf = b;
-                    &buf[..]
-                }),
-            };
-            if let Some(s) = text.and_then(|t| std::str::from_utf8(t).ok()) {
-                self.sample(s);
-            }
+            self.read();
             tokio::time::sleep(Self::EVERY).await;
         }
     }
 }
 
-/// All of an open file's text, read from offset 0 into `buf`.
+/// All of an open `/proc` file's text, read from offset 0 into `buf`. A
+/// read that returns less than asked is the end: `/proc` renders a file
+/// whole and hands out what fits, and a read past the start renders it
+/// again to find its place (a final empty read doubled the cost).
 fn read_whole<'a>(f: &std::fs::File, buf: &'a mut Vec<u8>) -> std::io::Result<&'a [u8]> {
     use std::os::unix::fs::FileExt as _;
+    const CHUNK: usize = 16384;
     buf.clear();
     loop {
         let at = buf.len();
-        buf.resize(at + 16384, 0);
+        buf.resize(at + CHUNK, 0);
         let n = f.read_at(&mut buf[at..], at as u64)?;
         buf.truncate(at + n);
-        if n == 0 {
+        if n < CHUNK {
             return Ok(&buf[..]);
         }
     }
@@ -592,21 +632,41 @@ mod cpu_tests {
     }
 
     #[test]
-    fn the_idle_gauge_keeps_the_last_second() {
+    fn the_idle_gauge_takes_the_last_window_back_from_its_newest_sample() {
         let g = IdleGauge::default();
         let stat = |user: u64, idle: u64| format!("cpu  {user} 0 0 {idle} 0 0 0 0\n");
+        let t0 = std::time::Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
         assert_eq!(g.idle(), None, "no sample yet");
-        g.sample(&stat(0, 0));
+        g.sample_at(&stat(0, 0), at(0));
         assert_eq!(g.idle(), None, "one sample is no interval");
-        // busy for a while, then idle: only the last KEEP samples count
-        g.sample(&stat(100, 0));
+        // busy for a second
+        g.sample_at(&stat(100, 0), at(1000));
         assert_eq!(g.idle(), Some(0.0));
-        for i in 1..=IdleGauge::KEEP as u64 {
-            g.sample(&stat(100 + i * 25, i * 75));
-        }
-        assert_eq!(g.idle(), Some(0.75));
-        g.sample("garbage");
-        assert_eq!(g.idle(), Some(0.75), "an unreadable sample is skipped");
+        // then idle: a sample 400 ms later is too close to the last one, so
+        // the share runs back to the one before (1400 ms: 100 busy, 40 idle)
+        g.sample_at(&stat(100, 40), at(1400));
+        assert_eq!(g.idle(), Some(40.0 / 140.0));
+        // 800 ms after the second: from it only, all idle
+        g.sample_at(&stat(100, 80), at(1800));
+        assert_eq!(g.idle(), Some(1.0));
+        g.sample_at("garbage", at(1900));
+        assert_eq!(g.idle(), Some(1.0), "an unreadable sample is skipped");
+        // old samples go, the newest two stay
+        g.sample_at(&stat(100, 500), at(9000));
+        assert_eq!(ferry_api::util::lock(&g.samples).len(), 2);
+        assert_eq!(g.idle(), Some(1.0));
+    }
+
+    #[test]
+    fn the_idle_gauge_reads_the_host_now() {
+        let g = IdleGauge::default();
+        g.read();
+        // ten ticks of every CPU at 100 Hz
+        std::thread::sleep(Duration::from_millis(100));
+        let i = g.idle_now().unwrap();
+        assert!((0.0..=1.0).contains(&i), "{i}");
+        assert_eq!(ferry_api::util::lock(&g.samples).len(), 2);
     }
 
     #[test]

@@ -598,7 +598,7 @@ impl Agent {
     /// The idle CPU share: the last second's, or (an agent just started)
     /// watched now for 300 ms.
     async fn idle_now(&self) -> Option<f64> {
-        match self.facts.idle.idle() {
+        match self.facts.idle.idle_now() {
             Some(i) => Some(i),
             None => tokio::task::spawn_blocking(|| {
                 ferry_transport::compress::idle_share(Duration::from_millis(300))

@@ -39,7 +39,9 @@ pub(super) struct Watch {
     rounds: convergence::Rounds,
     pub max_throttle: u64,
     last_sample: (Instant, u64),
-    /// The wait before the next look at QEMU (see [`Move::next_look`]).
+    /// QEMU's bytes left at the last look.
+    last_remaining: u64,
+    /// The wait before the next look at QEMU (see [`next_look`]).
     next_look: Duration,
     target_failures: u32,
     last_target_poll: Instant,
@@ -149,6 +151,7 @@ impl Watch {
             rounds: Default::default(),
             max_throttle: 0,
             last_sample: (now, 0),
+            last_remaining: 0,
             next_look: POLL,
             target_failures: 0,
             last_target_poll: now,
@@ -467,7 +470,7 @@ impl Move<'_> {
     }
 
     /// QEMU's `query-migrate`: every `POLL` (less often while the end is
-    /// far, see [`Move::next_look`]), and at once when QEMU sends a
+    /// far, see [`next_look`]), and at once when QEMU sends a
     /// `MIGRATION` event (paused, completed, failed), so the commit follows
     /// its completion at once. Near the end nothing is polled faster: each
     /// state change the end brings is an event.
@@ -822,9 +825,13 @@ impl Move<'_> {
         let w = self.watching();
         let dt = (now - w.last_sample.0).as_secs_f64().max(1e-3);
         let throughput = ram.transferred.saturating_sub(w.last_sample.1) as f64 / dt;
+        // the end nears faster than bytes go where pages are zero (a few
+        // bytes each): the faster of the two rates
+        let nearing = w.last_remaining.saturating_sub(ram.remaining) as f64 / dt;
         w.last_sample = (now, ram.transferred);
+        w.last_remaining = ram.remaining;
         let tcp = matches!(self.plan_ref(), Plan::Tcp { .. });
-        self.watching().next_look = next_look(tcp, &status, ram.remaining, throughput);
+        self.watching().next_look = next_look(tcp, &status, ram.remaining, throughput.max(nearing));
         let w = self.watching();
         let due = w.last_progress.is_none_or(|t| now - t >= PROGRESS_EVERY);
         let (nic_tx_bytes, carriers_up) = match self.plan_ref() {
@@ -1016,15 +1023,16 @@ const FAR_LOOK: Duration = PROGRESS_EVERY;
 /// When to look at QEMU next, after a look in pre-copy: every [`POLL`],
 /// except on QEMU's one TCP stream while the end is far, where the wait
 /// grows to half the time the copy needs to come within
-/// [`END_NEAR_BYTES`] at its last throughput, up to [`FAR_LOOK`]. The end
+/// [`END_NEAR_BYTES`] at `rate` (bytes left per second: the faster of
+/// what went and what the bytes left fell by), up to [`FAR_LOOK`]. The end
 /// is then still seen within one `POLL` of its start (the low-water mark
 /// and the early READY), and QEMU's events end any wait. Ferry's carriers
 /// and the MPTCP socket keep `POLL`: each look also watches their paths.
-fn next_look(tcp: bool, status: &str, remaining: u64, throughput: f64) -> Duration {
-    if !tcp || status != "active" || remaining <= END_NEAR_BYTES || throughput <= 0.0 {
+fn next_look(tcp: bool, status: &str, remaining: u64, rate: f64) -> Duration {
+    if !tcp || status != "active" || remaining <= END_NEAR_BYTES || rate <= 0.0 {
         return POLL;
     }
-    let to_near = (remaining - END_NEAR_BYTES) as f64 / throughput;
+    let to_near = (remaining - END_NEAR_BYTES) as f64 / rate;
     Duration::from_secs_f64(to_near / 2.0).clamp(POLL, FAR_LOOK)
 }
 
