@@ -568,6 +568,25 @@ fn device_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path) -> Vec<String> {
 /// `-incoming`. QEMU starts paused (`-S`): a new VM runs once its taps are
 /// on their bridges, a skeleton on the commit's RUN.
 pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) -> Vec<String> {
+    args_with(cfg, spec, dir, incoming, None)
+}
+
+/// Where the agent's QEMU finds its QMP socket, listening: the agent binds
+/// `qmp.sock` and hands QEMU the socket at this descriptor, so the agent
+/// connects at once (QEMU greets once it is up) instead of trying every
+/// few milliseconds until QEMU has made the socket; later connections (an
+/// agent restarted) use the path as before.
+const QMP_FD: std::os::fd::RawFd = crate::confine::TAP_FD - 1;
+
+/// [`qemu_args`], with QMP on a listening socket QEMU is handed at
+/// `qmp_fd` (see [`QMP_FD`]) when given.
+fn args_with(
+    cfg: &QemuConfig,
+    spec: &VmSpec,
+    dir: &Path,
+    incoming: bool,
+    qmp_fd: Option<std::os::fd::RawFd>,
+) -> Vec<String> {
     let p = |name: &str| dir.join(name).display().to_string();
     let mut a: Vec<String> = [
         "-name",
@@ -617,8 +636,6 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
             &format!("file,id=con0,path={},append=on", p("console.log")),
             "-serial",
             "chardev:con0",
-            "-qmp",
-            &format!("unix:{},server=on,wait=off", p("qmp.sock")),
             "-pidfile",
             &p("qemu.pid"),
             // a second monitor for handing QEMU a socket (see `qmp::hand_socket`)
@@ -633,6 +650,19 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
         .iter()
         .map(|s| s.to_string()),
     );
+    a.extend(match qmp_fd {
+        Some(fd) => [
+            "-chardev".to_string(),
+            format!("socket,id=ferry-qmp,fd={fd},server=on,wait=off"),
+            "-mon".to_string(),
+            "chardev=ferry-qmp,mode=control".to_string(),
+        ]
+        .to_vec(),
+        None => vec![
+            "-qmp".to_string(),
+            format!("unix:{},server=on,wait=off", p("qmp.sock")),
+        ],
+    });
     // hot-plug ports for disks (native PCIe hot-plug: the guest has no ACPI hot-plug)
     a.extend([
         "-global".to_string(),
@@ -953,8 +983,16 @@ fn spawn(
     )>,
 ) -> Result<(tokio::process::Child, VmRecord), QemuError> {
     use std::os::fd::AsRawFd;
+    let qmp_path = dir.join("qmp.sock");
+    let _ = std::fs::remove_file(&qmp_path);
+    let qmp =
+        std::os::unix::net::UnixListener::bind(&qmp_path).map_err(|source| QemuError::Spawn {
+            binary: format!("{} (its QMP socket {})", cfg.binary, qmp_path.display()),
+            source,
+        })?;
+    let qmp_fd = qmp.as_raw_fd();
     let mut cmd = tokio::process::Command::new(&cfg.binary);
-    cmd.args(qemu_args(cfg, spec, dir, incoming))
+    cmd.args(args_with(cfg, spec, dir, incoming, Some(QMP_FD)))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log);
@@ -974,6 +1012,9 @@ fn spawn(
     unsafe {
         cmd.pre_exec(move || {
             libc::setsid();
+            if libc::dup2(qmp_fd, QMP_FD) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
             for (i, fd) in taps.iter().enumerate() {
                 // dup2 leaves the new descriptor without close-on-exec
                 if libc::dup2(*fd, crate::confine::TAP_FD + i as i32) < 0 {
@@ -995,6 +1036,8 @@ fn spawn(
         binary: cfg.binary.clone(),
         source,
     })?;
+    // QEMU holds its copy
+    drop(qmp);
     let pid = child.id().unwrap_or(0);
     let cgroup = confined.map(|(c, ..)| c.cgroup.join(&spec.name));
     if let Some(g) = &cgroup {
@@ -1040,6 +1083,27 @@ mod tests {
             seed: 7,
             ..VmSpec::workload("vm1", 1 << 30, 768 << 20, 20 << 20)
         }
+    }
+
+    #[test]
+    fn the_agents_qemu_gets_its_qmp_socket_handed_and_a_hand_run_one_its_path() {
+        let d = Path::new("/d");
+        let handed = args_with(&cfg(), &spec(), d, false, Some(QMP_FD)).join(" ");
+        assert!(
+            handed.contains(&format!(
+                "-chardev socket,id=ferry-qmp,fd={QMP_FD},server=on,wait=off -mon chardev=ferry-qmp,mode=control"
+            )),
+            "{handed}"
+        );
+        assert!(!handed.contains(" -qmp "), "{handed}");
+        let by_hand = qemu_args(&cfg(), &spec(), d, false).join(" ");
+        assert!(
+            by_hand.contains("-qmp unix:/d/qmp.sock,server=on,wait=off"),
+            "{by_hand}"
+        );
+        assert!(!by_hand.contains("ferry-qmp"), "{by_hand}");
+        // the descriptor is none of the taps'
+        assert!(QMP_FD < crate::confine::TAP_FD && QMP_FD > 2);
     }
 
     #[test]
