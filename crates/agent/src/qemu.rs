@@ -577,6 +577,8 @@ pub fn qemu_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path, incoming: bool) ->
 /// few milliseconds until QEMU has made the socket; later connections (an
 /// agent restarted) use the path as before.
 const QMP_FD: std::os::fd::RawFd = crate::confine::TAP_FD - 1;
+// neither stdio nor a tap's
+const _: () = assert!(QMP_FD > 2 && QMP_FD < crate::confine::TAP_FD);
 
 /// [`qemu_args`], with QMP on a listening socket QEMU is handed at
 /// `qmp_fd` (see [`QMP_FD`]) when given.
@@ -1102,8 +1104,6 @@ mod tests {
             "{by_hand}"
         );
         assert!(!by_hand.contains("ferry-qmp"), "{by_hand}");
-        // the descriptor is none of the taps'
-        assert!(QMP_FD < crate::confine::TAP_FD && QMP_FD > 2);
     }
 
     #[test]
