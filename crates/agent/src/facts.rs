@@ -18,10 +18,10 @@ use ferry_api::NicInfo;
 ///
 /// The sampler reads `/proc/stat` once a second; a reader takes one more
 /// sample as it reads ([`IdleGauge::idle_now`]), so what it gets ends now
-/// and spans [`IdleGauge::WINDOW`] or a little more. (Four samples a second
-/// kept the same window's end within 250 ms, and each rendering of
-/// `/proc/stat` with its interrupt counters was a tenth of an idle agent's
-/// CPU.)
+/// and spans [`IdleGauge::WINDOW`] or a little more. (Four samples a
+/// second, each rendering `/proc/stat` with every interrupt's counters
+/// twice, were two fifths of an idle pair of agents' CPU: 3.4 → 2.0 ms
+/// per second in `bench/agent_cpu.py`.)
 #[derive(Default)]
 pub struct IdleGauge {
     /// (when, idle ticks, all ticks)

@@ -1016,8 +1016,9 @@ impl Move<'_> {
 /// The longest wait between two looks at QEMU while the end is far: one
 /// look per progress event. A look is a `query-migrate` (QEMU's reply,
 /// ~1 KiB of JSON, decoded twice by the QMP stream) and the copy loop's
-/// decision on it; at 100 ms they were most of the source agent's CPU over
-/// a move, and far from the end nothing they decide is urgent.
+/// decision on it; at 100 ms they and their wake-ups were a sixth of the
+/// source agent's CPU over a move, and far from the end nothing they
+/// decide is urgent.
 const FAR_LOOK: Duration = PROGRESS_EVERY;
 
 /// When to look at QEMU next, after a look in pre-copy: every [`POLL`],
@@ -1037,7 +1038,8 @@ fn next_look(tcp: bool, status: &str, remaining: u64, rate: f64) -> Duration {
 }
 
 /// The least time between two pre-copy progress events: the watch looks
-/// at QEMU every 100 ms and on each of its events, and an event per look
+/// at QEMU every 100 ms (less often while a TCP stream's end is far, see
+/// [`next_look`]) and on each of its events, and an event per look
 /// (each one serialized, written over TLS to every listener and forwarded
 /// by the control service) cost the agents more than the looks themselves.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);
