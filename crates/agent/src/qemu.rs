@@ -984,14 +984,25 @@ fn spawn(
         Vec<std::os::fd::OwnedFd>,
     )>,
 ) -> Result<(tokio::process::Child, VmRecord), QemuError> {
-    use std::os::fd::AsRawFd;
+    use std::os::fd::{AsFd, AsRawFd};
     let qmp_path = dir.join("qmp.sock");
     let _ = std::fs::remove_file(&qmp_path);
-    let qmp =
-        std::os::unix::net::UnixListener::bind(&qmp_path).map_err(|source| QemuError::Spawn {
-            binary: format!("{} (its QMP socket {})", cfg.binary, qmp_path.display()),
+    let setup = |what: String| {
+        move |source| QemuError::Spawn {
+            binary: format!("{} ({what})", cfg.binary),
             source,
-        })?;
+        }
+    };
+    let qmp = std::os::unix::net::UnixListener::bind(&qmp_path)
+        .map_err(setup(format!("its QMP socket {}", qmp_path.display())))?;
+    // each descriptor the child puts at a fixed number is first copied
+    // above those numbers: no dup2 there overwrites one still to be placed
+    let qmp = above_placed(qmp.as_fd()).map_err(setup("its QMP socket's copy".into()))?;
+    let taps: Vec<std::os::fd::OwnedFd> = confined
+        .map(|(_, _, t)| t.iter().map(|f| above_placed(f.as_fd())).collect())
+        .transpose()
+        .map_err(setup("its taps' copies".into()))?
+        .unwrap_or_default();
     let qmp_fd = qmp.as_raw_fd();
     let mut cmd = tokio::process::Command::new(&cfg.binary);
     cmd.args(args_with(cfg, spec, dir, incoming, Some(QMP_FD)))
@@ -1003,9 +1014,7 @@ fn spawn(
         Some(_) => crate::confine::device_groups(),
         None => Vec::new(),
     };
-    let taps: Vec<i32> = confined
-        .map(|(_, _, t)| t.iter().map(|f| f.as_raw_fd()).collect())
-        .unwrap_or_default();
+    let tap_fds: Vec<i32> = taps.iter().map(|f| f.as_raw_fd()).collect();
     // its own session: a signal to the agent's process group (a terminal's
     // ^C, a service manager stopping the agent) never reaches the guest;
     // confined, its taps at their numbers and its own user
@@ -1014,11 +1023,11 @@ fn spawn(
     unsafe {
         cmd.pre_exec(move || {
             libc::setsid();
+            // dup2 leaves the new descriptor without close-on-exec
             if libc::dup2(qmp_fd, QMP_FD) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            for (i, fd) in taps.iter().enumerate() {
-                // dup2 leaves the new descriptor without close-on-exec
+            for (i, fd) in tap_fds.iter().enumerate() {
                 if libc::dup2(*fd, crate::confine::TAP_FD + i as i32) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -1038,8 +1047,8 @@ fn spawn(
         binary: cfg.binary.clone(),
         source,
     })?;
-    // QEMU holds its copy
-    drop(qmp);
+    // QEMU holds its copies
+    drop((qmp, taps));
     let pid = child.id().unwrap_or(0);
     let cgroup = confined.map(|(c, ..)| c.cgroup.join(&spec.name));
     if let Some(g) = &cgroup {
@@ -1062,9 +1071,45 @@ fn spawn(
     Ok((child, record))
 }
 
+/// The least number [`above_placed`] copies a descriptor to: above
+/// [`QMP_FD`] and every tap's (a VM takes at most 4 NICs).
+const PLACED_BELOW: std::os::fd::RawFd = crate::confine::TAP_FD + 150;
+const _: () = assert!(QMP_FD < PLACED_BELOW);
+
+/// A copy of `fd` at [`PLACED_BELOW`] or above (closed on exec), so that
+/// placing QEMU's descriptors at their numbers in the child never
+/// overwrites one still to be placed: the agent's own descriptors may be
+/// anywhere, a tap's at 99 or 101 among them.
+fn above_placed(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: fcntl(F_DUPFD_CLOEXEC) makes a new descriptor of a valid one
+    // this process holds; the new one is owned by nothing else.
+    let n = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, PLACED_BELOW) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: as above, `n` is a new descriptor owned here alone
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(n) })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn descriptors_to_place_are_copied_above_every_placed_number() {
+        use std::os::fd::{AsFd, AsRawFd};
+        let f = std::fs::File::open("/proc/self/stat").unwrap();
+        let c = above_placed(f.as_fd()).unwrap();
+        assert!(c.as_raw_fd() >= PLACED_BELOW && f.as_raw_fd() < PLACED_BELOW);
+        // the same file, closed on exec
+        // SAFETY: F_GETFD on a descriptor held by `c`
+        let flags = unsafe { libc::fcntl(c.as_raw_fd(), libc::F_GETFD) };
+        assert_eq!(flags & libc::FD_CLOEXEC, libc::FD_CLOEXEC);
+        let ino = |fd: i32| std::fs::metadata(format!("/proc/self/fd/{fd}")).unwrap();
+        use std::os::unix::fs::MetadataExt as _;
+        assert_eq!(ino(c.as_raw_fd()).ino(), ino(f.as_raw_fd()).ino());
+    }
 
     fn cfg() -> QemuConfig {
         QemuConfig {
