@@ -33,8 +33,12 @@ pub struct IdleGauge {
 }
 
 impl IdleGauge {
-    /// The least span the idle share is taken over.
+    /// The span the idle share is taken over, at least.
     const WINDOW: Duration = Duration::from_millis(750);
+    /// Below this no share is given (an agent just started: two samples
+    /// milliseconds apart would be a tick or two): the sampler's old
+    /// interval, the shortest span it ever gave.
+    const SHORTEST: Duration = Duration::from_millis(250);
     /// Samples older than this (the newest two aside) are dropped.
     const KEEP_FOR: Duration = Duration::from_secs(3);
     const EVERY: Duration = Duration::from_secs(1);
@@ -56,8 +60,8 @@ impl IdleGauge {
     }
 
     /// Idle share from the newest sample back to the newest one at least
-    /// [`Self::WINDOW`] older (the oldest if none is); `None` before two
-    /// samples (or if no time passed).
+    /// [`Self::WINDOW`] older (the oldest if none is); `None` when that
+    /// spans less than [`Self::SHORTEST`] (or no tick passed).
     pub fn idle(&self) -> Option<f64> {
         let q = ferry_api::util::lock(&self.samples);
         let b = q.back()?;
@@ -65,7 +69,8 @@ impl IdleGauge {
             .iter()
             .rev()
             .find(|a| b.0 - a.0 >= Self::WINDOW)
-            .or(q.front())?;
+            .or(q.front())
+            .filter(|a| b.0 - a.0 >= Self::SHORTEST)?;
         let all = b.2.saturating_sub(a.2);
         (all > 0).then(|| 1.0 - b.1.saturating_sub(a.1) as f64 / all as f64)
     }
@@ -616,9 +621,12 @@ mod cpu_tests {
         own.cpus.set(Some(vec![1])).unwrap();
         let all = IdleGauge::default();
         all.cpus.set(None).unwrap();
+        let t0 = std::time::Instant::now();
         for t in [100, 200] {
-            own.sample(&stat(t));
-            all.sample(&stat(t));
+            // a second apart
+            let at = t0 + Duration::from_millis(t * 10);
+            own.sample_at(&stat(t), at);
+            all.sample_at(&stat(t), at);
         }
         assert_eq!(own.idle(), Some(1.0));
         assert_eq!(all.idle(), Some(0.5));
@@ -640,6 +648,10 @@ mod cpu_tests {
         assert_eq!(g.idle(), None, "no sample yet");
         g.sample_at(&stat(0, 0), at(0));
         assert_eq!(g.idle(), None, "one sample is no interval");
+        let short = IdleGauge::default();
+        short.sample_at(&stat(0, 0), at(0));
+        short.sample_at(&stat(1, 9), at(100));
+        assert_eq!(short.idle(), None, "100 ms is too short a span");
         // busy for a second
         g.sample_at(&stat(100, 0), at(1000));
         assert_eq!(g.idle(), Some(0.0));
@@ -662,8 +674,8 @@ mod cpu_tests {
     fn the_idle_gauge_reads_the_host_now() {
         let g = IdleGauge::default();
         g.read();
-        // ten ticks of every CPU at 100 Hz
-        std::thread::sleep(Duration::from_millis(100));
+        // past the shortest span: thirty ticks of every CPU at 100 Hz
+        std::thread::sleep(Duration::from_millis(300));
         let i = g.idle_now().unwrap();
         assert!((0.0..=1.0).contains(&i), "{i}");
         assert_eq!(ferry_api::util::lock(&g.samples).len(), 2);
