@@ -43,11 +43,7 @@ impl IdleGauge {
     const KEEP_FOR: Duration = Duration::from_secs(3);
     const EVERY: Duration = Duration::from_secs(1);
 
-    /// Takes one sample of `/proc/stat`'s text.
-    pub fn sample(&self, stat: &str) {
-        self.sample_at(stat, std::time::Instant::now());
-    }
-
+    /// Takes one sample of `/proc/stat`'s text, read `at`.
     fn sample_at(&self, stat: &str, at: std::time::Instant) {
         let cpus = self.cpus.get_or_init(|| own_cpus(stat));
         if let Some((idle, all)) = cpu_ticks_of(stat, cpus.as_deref()) {
@@ -99,7 +95,7 @@ impl IdleGauge {
             .ok()
             .and_then(|t| std::str::from_utf8(t).ok())
         {
-            self.sample(s);
+            self.sample_at(s, std::time::Instant::now());
         }
     }
 

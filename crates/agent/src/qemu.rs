@@ -993,11 +993,12 @@ fn spawn(
             source,
         }
     };
-    let qmp = std::os::unix::net::UnixListener::bind(&qmp_path)
-        .map_err(setup(format!("its QMP socket {}", qmp_path.display())))?;
     // each descriptor the child puts at a fixed number is first copied
     // above those numbers: no dup2 there overwrites one still to be placed
-    let qmp = above_placed(qmp.as_fd()).map_err(setup("its QMP socket's copy".into()))?;
+    // (the listener bound here is closed as soon as it is copied)
+    let qmp = std::os::unix::net::UnixListener::bind(&qmp_path)
+        .and_then(|l| above_placed(l.as_fd()))
+        .map_err(setup(format!("its QMP socket {}", qmp_path.display())))?;
     let taps: Vec<std::os::fd::OwnedFd> = confined
         .map(|(_, _, t)| t.iter().map(|f| above_placed(f.as_fd())).collect())
         .transpose()

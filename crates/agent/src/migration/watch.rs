@@ -38,9 +38,8 @@ pub(super) struct Watch {
     pub timeout: Duration,
     rounds: convergence::Rounds,
     pub max_throttle: u64,
-    last_sample: (Instant, u64),
-    /// QEMU's bytes left at the last look.
-    last_remaining: u64,
+    /// The last look's time, QEMU's bytes sent and its bytes left then.
+    last_sample: (Instant, u64, u64),
     /// The wait before the next look at QEMU (see [`next_look`]).
     next_look: Duration,
     target_failures: u32,
@@ -150,8 +149,7 @@ impl Watch {
             copy: copy_loop::CopyLoop::new(policy, now),
             rounds: Default::default(),
             max_throttle: 0,
-            last_sample: (now, 0),
-            last_remaining: 0,
+            last_sample: (now, 0, 0),
             next_look: POLL,
             target_failures: 0,
             last_target_poll: now,
@@ -827,9 +825,8 @@ impl Move<'_> {
         let throughput = ram.transferred.saturating_sub(w.last_sample.1) as f64 / dt;
         // the end nears faster than bytes go where pages are zero (a few
         // bytes each): the faster of the two rates
-        let nearing = w.last_remaining.saturating_sub(ram.remaining) as f64 / dt;
-        w.last_sample = (now, ram.transferred);
-        w.last_remaining = ram.remaining;
+        let nearing = w.last_sample.2.saturating_sub(ram.remaining) as f64 / dt;
+        w.last_sample = (now, ram.transferred, ram.remaining);
         let tcp = matches!(self.plan_ref(), Plan::Tcp { .. });
         self.watching().next_look = next_look(tcp, &status, ram.remaining, throughput.max(nearing));
         let w = self.watching();
