@@ -606,8 +606,9 @@ pub async fn check(
             };
             vcpu_ms.is_some_and(|ms| ms > 0)
         };
-        let done = advanced || !state.problems.is_empty();
-        if done || tokio::time::Instant::now() >= deadline {
+        // a problem on the console does not end the check: a guest that
+        // reported a soft lockup may run on, and `advancing` says whether it does
+        if advanced || tokio::time::Instant::now() >= deadline {
             break;
         }
         tokio::time::sleep(CHECK_POLL).await;
