@@ -486,8 +486,6 @@ fn tap_bytes(tap: &str) -> u64 {
 /// Time a new guest has to boot and fill its memory.
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 
-/// Waits until the guest workload prints its first tick (it has filled its
-/// memory and runs), so a created VM is ready to check or move.
 /// What process `pid` has used: CPU time from `/proc/PID/stat` (fields 14
 /// and 15, in clock ticks), resident memory from `/proc/PID/statm`.
 pub fn usage_of(pid: u32) -> Option<ferry_api::VmUsage> {
@@ -510,6 +508,8 @@ pub fn usage_of(pid: u32) -> Option<ferry_api::VmUsage> {
     })
 }
 
+/// Waits until the guest workload prints its first tick (it has filled its
+/// memory and runs), so a created VM is ready to check or move.
 async fn wait_workload(
     guest: &dyn GuestCheck,
     vm: &QemuVm,
