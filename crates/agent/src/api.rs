@@ -494,7 +494,7 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
     tokio::spawn(async move {
         // bandwidth classes follow NICs going down and up, and rates
         loop {
-            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            crate::facts::tick(std::time::Duration::from_secs(1)).await;
             if ferry_api::util::lock(&classes).is_idle() {
                 continue; // no policy: not worth a hand-off to the blocking pool
             }
@@ -518,14 +518,14 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
     tokio::spawn(async move {
         // guests waiting for their storage: paused, resumed, stopped
         loop {
-            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            crate::facts::tick(std::time::Duration::from_secs(1)).await;
             watcher.watch_storage().await;
         }
     });
     let reaper = agent.clone();
     tokio::spawn(async move {
         loop {
-            tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+            crate::facts::tick(std::time::Duration::from_secs(2)).await;
             reaper.reap_incoming().await;
             reaper.settle_committed().await;
             reaper.rotate_consoles().await;

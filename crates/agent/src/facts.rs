@@ -99,13 +99,32 @@ impl IdleGauge {
         }
     }
 
-    /// Samples every [`Self::EVERY`] until the process ends.
+    /// Samples every [`Self::EVERY`] (on the agent's [`tick`] grid) until
+    /// the process ends.
     pub async fn run(&self) {
         loop {
             self.read();
-            tokio::time::sleep(Self::EVERY).await;
+            tick(Self::EVERY).await;
         }
     }
+}
+
+/// Waits for the next multiple of `every` since the agent's first tick:
+/// the agent's periodic work (the idle gauge, the storage and bandwidth
+/// watchers, the reaper, dirty-rate sampling) wakes on one grid, so work of
+/// the same period shares one wake-up of the runtime instead of one each
+/// at phases of its own.
+pub async fn tick(every: Duration) {
+    static EPOCH: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(tokio::time::Instant::now);
+    tokio::time::sleep_until(epoch + next_on_grid(epoch.elapsed(), every)).await;
+}
+
+/// The first multiple of `every` after `since` (`every` at least 1 ms).
+fn next_on_grid(since: Duration, every: Duration) -> Duration {
+    let step = every.max(Duration::from_millis(1)).as_nanos();
+    let n = since.as_nanos() / step + 1;
+    Duration::from_nanos(u64::try_from(n * step).unwrap_or(u64::MAX))
 }
 
 /// All of an open `/proc` file's text, read from offset 0 into `buf`. A
@@ -541,6 +560,37 @@ pub fn cpu_of_stat(stat: &str) -> Option<Duration> {
 #[cfg(test)]
 mod cpu_tests {
     use super::*;
+
+    #[test]
+    fn periodic_work_of_one_period_lands_on_the_same_instants() {
+        let s = Duration::from_secs;
+        let ms = Duration::from_millis;
+        // whenever in a second two loops of 1 s ask, they wake together
+        assert_eq!(next_on_grid(ms(30), s(1)), s(1));
+        assert_eq!(next_on_grid(ms(970), s(1)), s(1));
+        // on a grid instant itself: the next one, never now
+        assert_eq!(next_on_grid(s(3), s(1)), s(4));
+        // a 2 s loop wakes on every other instant of the 1 s loops
+        assert_eq!(next_on_grid(ms(2500), s(2)), s(4));
+        assert_eq!(next_on_grid(ms(2500), s(1)), s(3));
+        // no zero period
+        assert_eq!(next_on_grid(Duration::ZERO, Duration::ZERO), ms(1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn two_ticks_asked_apart_end_together() {
+        tick(Duration::from_secs(1)).await;
+        let a = tokio::spawn(async {
+            tick(Duration::from_secs(1)).await;
+            tokio::time::Instant::now()
+        });
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let b = tokio::spawn(async {
+            tick(Duration::from_secs(1)).await;
+            tokio::time::Instant::now()
+        });
+        assert_eq!(a.await.unwrap(), b.await.unwrap());
+    }
 
     #[test]
     fn an_attribute_kept_open_is_read_anew_and_a_missing_one_reads_zero() {

@@ -14,9 +14,18 @@ impl crate::host::Agent {
         loop {
             // woken at the deadline itself, not by polling for it; a renewal
             // (which may set a nearer self-fence) wakes it to look again
-            let wait = self.lease.until_due(Duration::from_secs(1));
+            let most = Duration::from_secs(1);
+            let wait = self.lease.until_due(most);
+            // the once-a-second look wakes with the agent's other periodic work
+            let look = async {
+                if wait >= most {
+                    crate::facts::tick(most).await
+                } else {
+                    tokio::time::sleep(wait).await
+                }
+            };
             tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
+                _ = look => {}
                 _ = self.lease.renewed.notified() => continue,
             }
             let Some((vms, peers)) = self.lease.due() else {

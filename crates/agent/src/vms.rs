@@ -188,7 +188,7 @@ impl Agent {
     pub async fn sample_dirty_rates(&self) {
         let every = Duration::from_secs(ferry_api::DIRTY_SAMPLE_EVERY_S);
         loop {
-            tokio::time::sleep(every).await;
+            crate::facts::tick(every).await;
             let running: Vec<(String, Arc<QemuVm>)> = {
                 let st = self.state.lock().await;
                 st.vms
