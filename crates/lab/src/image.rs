@@ -60,17 +60,63 @@ pub(crate) fn fnv1a(parts: &[&[u8]]) -> u64 {
 }
 
 /// The kernel package the guest uses: `FERRY_GUEST_KERNEL_PKG` or what
-/// `linux-image-amd64` depends on.
+/// `linux-image-amd64` depends on. Asking apt costs about a second of CPU
+/// (it loads its whole package cache), and every `lab up` and agent start
+/// needs the answer: it is kept in the cache directory beside the images,
+/// with the time apt's package lists last changed, and asked again only
+/// when they have.
 pub fn kernel_package() -> Result<String, LabError> {
     if let Ok(p) = std::env::var("FERRY_GUEST_KERNEL_PKG") {
         return Ok(p);
     }
+    let memo = crate::cache_dir().join("guest").join("kernel-package");
+    let lists = lists_changed();
+    if let Some(pkg) = lists.as_deref().and_then(|l| {
+        let kept = std::fs::read_to_string(&memo).ok()?;
+        remembered(&kept, l)
+    }) {
+        return Ok(pkg);
+    }
     let out = run("apt-cache", &["depends", "linux-image-amd64"])?;
+    let pkg = depended_kernel(&out)
+        .ok_or_else(|| LabError::Image("apt-cache knows no linux-image-amd64 dependency".into()))?;
+    if let Some(l) = lists {
+        // a cache that cannot be written is asked again next time
+        let _ = std::fs::create_dir_all(memo.parent().unwrap_or(Path::new("/")))
+            .and_then(|()| std::fs::write(&memo, format!("{l} {pkg}\n")));
+    }
+    Ok(pkg)
+}
+
+/// The kernel package in `apt-cache depends linux-image-amd64`'s answer.
+fn depended_kernel(out: &str) -> Option<String> {
     out.lines()
         .filter_map(|l| l.trim().strip_prefix("Depends: "))
         .find(|p| p.starts_with("linux-image-"))
         .map(str::to_string)
-        .ok_or_else(|| LabError::Image("apt-cache knows no linux-image-amd64 dependency".into()))
+}
+
+/// When apt's package lists last changed (`apt update` replaces files in
+/// the directory), in ns; `None` when it cannot be told.
+fn lists_changed() -> Option<String> {
+    let m = std::fs::metadata("/var/lib/apt/lists")
+        .ok()?
+        .modified()
+        .ok()?;
+    Some(
+        m.duration_since(std::time::UNIX_EPOCH)
+            .ok()?
+            .as_nanos()
+            .to_string(),
+    )
+}
+
+/// The package a memo `kept` ("LISTS PACKAGE") names, if it was written
+/// when the lists were last changed at `lists`.
+fn remembered(kept: &str, lists: &str) -> Option<String> {
+    let (when, pkg) = kept.trim().split_once(' ')?;
+    (when == lists && pkg.starts_with("linux-image-") && !pkg.contains(char::is_whitespace))
+        .then(|| pkg.to_string())
 }
 
 fn image_dir(pkg: &str) -> PathBuf {
@@ -347,6 +393,27 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("outside"));
+    }
+
+    #[test]
+    fn the_kernel_package_is_remembered_only_for_the_lists_it_was_asked_of() {
+        let answer = "linux-image-amd64\n  Depends: linux-image-6.1.0-44-amd64\n";
+        assert_eq!(
+            depended_kernel(answer).as_deref(),
+            Some("linux-image-6.1.0-44-amd64")
+        );
+        assert_eq!(depended_kernel("linux-image-amd64\n"), None);
+        let kept = "1764700000123456789 linux-image-6.1.0-44-amd64\n";
+        assert_eq!(
+            remembered(kept, "1764700000123456789").as_deref(),
+            Some("linux-image-6.1.0-44-amd64")
+        );
+        // apt's lists changed since: asked again
+        assert_eq!(remembered(kept, "1764700000999999999"), None);
+        // not a kernel package, or not one word: asked again
+        assert_eq!(remembered("1 bash", "1"), None);
+        assert_eq!(remembered("1 linux-image-x; rm -rf /", "1"), None);
+        assert_eq!(remembered("", "1"), None);
     }
 
     #[test]
