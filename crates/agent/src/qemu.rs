@@ -425,9 +425,13 @@ pub async fn kill_recorded(dir: &Path) {
     }
 }
 
+/// The workload guest's kernel command line. `cryptomgr.notests`: the
+/// kernel skips its crypto algorithms' self-tests at boot, which this guest
+/// never relies on; under TCG they are a quarter of its boot (2.45 s to its
+/// first tick without, 1.8 s with).
 fn kernel_cmdline(spec: &VmSpec) -> String {
     format!(
-        "console=ttyS0 quiet ferry.fill={} ferry.dirty={} ferry.verify={} ferry.seed={}{}",
+        "console=ttyS0 quiet cryptomgr.notests ferry.fill={} ferry.dirty={} ferry.verify={} ferry.seed={}{}",
         spec.fill,
         spec.dirty_rate,
         spec.verify_rate,
@@ -1217,7 +1221,9 @@ mod tests {
         let a = qemu_args(&cfg(), &spec(), Path::new("/d"), false);
         let line = &a[a.iter().position(|x| x == "-append").unwrap() + 1];
         assert!(
-            line.contains("ferry.fill=805306368") && line.contains("ferry.seed=7"),
+            line.contains("ferry.fill=805306368")
+                && line.contains("ferry.seed=7")
+                && line.contains("cryptomgr.notests"),
             "{line}"
         );
         assert!(a.contains(&"1024M".to_string()));

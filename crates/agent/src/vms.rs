@@ -530,9 +530,13 @@ async fn wait_workload(
         if tokio::time::Instant::now() > deadline {
             return Err(format!("no workload tick within {} s", timeout.as_secs()));
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(BOOT_POLL).await;
     }
 }
+
+/// How often a booting guest's console is looked at for its first tick: a
+/// create returns that much later at most.
+const BOOT_POLL: Duration = Duration::from_millis(50);
 
 /// How often the check looks at the guest again: a move's report (and a
 /// drain's end) waits for it.

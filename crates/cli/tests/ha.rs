@@ -131,7 +131,7 @@ fn a_fence_hook_powers_a_host_off_before_its_unfenceable_vms_restart() {
         "--initrd",
         &shared.join("initrd.cpio").display().to_string(),
         "--append",
-        "console=ttyS0 quiet ferry.fill=0 ferry.dirty=0 ferry.verify=1 ferry.seed=41",
+        "console=ttyS0 quiet cryptomgr.notests ferry.fill=0 ferry.dirty=0 ferry.verify=1 ferry.seed=41",
         "--ha",
         "--drive",
         &format!("path={},format=raw", data.display()),
