@@ -81,9 +81,13 @@ pub fn kernel_package() -> Result<String, LabError> {
     let pkg = depended_kernel(&out)
         .ok_or_else(|| LabError::Image("apt-cache knows no linux-image-amd64 dependency".into()))?;
     if let Some(l) = lists {
-        // a cache that cannot be written is asked again next time
+        // written whole then renamed: another lab command never reads half
+        // of it; one that cannot be written is asked again next time
+        let tmp = memo.with_extension(format!("{}", std::process::id()));
         let _ = std::fs::create_dir_all(memo.parent().unwrap_or(Path::new("/")))
-            .and_then(|()| std::fs::write(&memo, format!("{l} {pkg}\n")));
+            .and_then(|()| std::fs::write(&tmp, format!("{l} {pkg}\n")))
+            .and_then(|()| std::fs::rename(&tmp, &memo));
+        let _ = std::fs::remove_file(&tmp);
     }
     Ok(pkg)
 }
@@ -114,7 +118,8 @@ fn lists_changed() -> Option<String> {
 /// The package a memo `kept` ("LISTS PACKAGE") names, if it was written
 /// when the lists were last changed at `lists`.
 fn remembered(kept: &str, lists: &str) -> Option<String> {
-    let (when, pkg) = kept.trim().split_once(' ')?;
+    // a memo is one whole line
+    let (when, pkg) = kept.strip_suffix('\n')?.split_once(' ')?;
     (when == lists && pkg.starts_with("linux-image-") && !pkg.contains(char::is_whitespace))
         .then(|| pkg.to_string())
 }
@@ -414,6 +419,8 @@ mod tests {
         assert_eq!(remembered("1 bash", "1"), None);
         assert_eq!(remembered("1 linux-image-x; rm -rf /", "1"), None);
         assert_eq!(remembered("", "1"), None);
+        // cut short: not a whole line
+        assert_eq!(remembered("1 linux-image-6.1", "1"), None);
     }
 
     #[test]
