@@ -57,6 +57,11 @@ pub struct Access {
     /// When each VM's grant was last pushed by [`Control::grant`].
     granted_at: std::sync::Mutex<BTreeMap<String, std::time::Instant>>,
     moving: std::sync::Arc<Moving>,
+    /// Held by a heartbeat's sync from its first look at what was pushed
+    /// to its last push, and by every grant: a grant made while a heartbeat
+    /// works out what to take away (from hosts asked before the grant) must
+    /// not be taken away by that heartbeat's push landing after it.
+    sync: tokio::sync::Mutex<()>,
 }
 
 /// The grants the hosts' answers call for: each VM to every reachable host
@@ -109,6 +114,12 @@ impl Control {
     /// which disks; an unreachable node fails it (a VM must not start
     /// without its disks).
     pub(crate) async fn grant(&self, vm: &str, grant: Grant) -> Result<(), ApiError> {
+        let _sync = self.access.sync.lock().await;
+        self.push_grant(vm, grant).await
+    }
+
+    /// [`Self::grant`] with the sync lock held by the caller.
+    async fn push_grant(&self, vm: &str, grant: Grant) -> Result<(), ApiError> {
         let req = AccessRequest {
             hosts: grant.hosts.iter().cloned().collect(),
             disks: grant.disks.iter().cloned().collect(),
@@ -188,6 +199,8 @@ impl Control {
         if self.storage.is_empty() {
             return;
         }
+        // no grant lands between what this works out and what it pushes
+        let _sync = self.access.sync.lock().await;
         let before = lock(&self.access.pushed).clone();
         let keep = {
             let mut at = lock(&self.access.granted_at);
@@ -199,7 +212,7 @@ impl Control {
         for vm in vms {
             let w = want.get(vm).cloned().unwrap_or_default();
             if before.get(vm) != Some(&w) || (w.hosts.is_empty() && before.contains_key(vm)) {
-                if let Err(e) = self.grant(vm, w).await {
+                if let Err(e) = self.push_grant(vm, w).await {
                     tracing::warn!("NBD access of {vm}: {e}");
                 }
             }
