@@ -28,6 +28,25 @@ import labqemu
 from faults import LAB, kill_pidfile
 
 
+def stop_pidfile(path):
+    """SIGKILLs the daemon a pid file names and waits (10 s at most) until it has exited with
+    every thread: its leader a zombie is not enough, the others may still hold its sockets."""
+    try:
+        pid = int(open(path).read().strip())
+    except (OSError, ValueError):
+        return
+    kill_pidfile(path)
+    until = time.time() + 10
+    while time.time() < until:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            if state == "Z" and len(os.listdir(f"/proc/{pid}/task")) <= 1:
+                return
+        except (OSError, IndexError):
+            return
+        time.sleep(0.02)
+
+
 def agents_from(binary, hosts=("host1", "host2"), control=False):
     """Restarts every lab agent from `binary`, and with `control` the control service and the
     first storage node too (builds whose services must match, as with move tickets)."""
@@ -37,6 +56,10 @@ def agents_from(binary, hosts=("host1", "host2"), control=False):
     for h in hosts:
         subprocess.run([binary, "lab", "restart-agent", h], check=True, capture_output=True)
     if control:
+        # stopped here, whatever the build's own `lab restart` waits for: a
+        # successor started while the old threads still hold its sockets fails
+        for name in ("storage", "control"):
+            stop_pidfile(f"{LAB}/control/{name}.pid")
         # the storage node too (a storage node takes only the grants of its own build)
         subprocess.run([binary, "lab", "restart", "storage"], capture_output=True)
         subprocess.run([binary, "lab", "restart", "control"], check=True, capture_output=True)

@@ -58,7 +58,8 @@ pub enum LabCmd {
         action: HostPower,
     },
     /// Start the control service, or a storage node, again (killed with
-    /// SIGKILL first if it runs), on the same configuration and state.
+    /// SIGKILL first if it runs), on the same configuration and state;
+    /// done when it takes connections again.
     Restart {
         service: LabService,
         /// Which storage node (storage1 by default).
@@ -222,6 +223,7 @@ pub async fn run(cli: &Cli, cmd: &LabCmd) -> anyhow::Result<i32> {
                     start_root_daemon(&cd, &name, &["storage", "serve", "--config", &conf])?
                 }
             }
+            wait_listening(&cd, &name, &conf).await?;
             println!("{name} restarted");
             Ok(0)
         }
@@ -737,6 +739,30 @@ fn start_root_daemon(dir: &std::path::Path, name: &str, args: &[&str]) -> anyhow
     Ok(())
 }
 
+/// Waits (at most 15 s) until every address a service's configuration file
+/// tells it to listen on (`listen`, `api_listen`, `nbd_listen`) takes
+/// connections: a restart is done when the service answers, and a
+/// successor that could not start says so here, naming its log.
+async fn wait_listening(dir: &std::path::Path, name: &str, conf: &str) -> anyhow::Result<()> {
+    let file: toml::Table = toml::from_str(&std::fs::read_to_string(conf)?)?;
+    let addrs: Vec<std::net::SocketAddr> = ["listen", "api_listen", "nbd_listen"]
+        .iter()
+        .filter_map(|k| file.get(*k)?.as_str()?.parse().ok())
+        .collect();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    for a in addrs {
+        while tokio::net::TcpStream::connect(a).await.is_err() {
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "{name} does not take connections on {a} after its restart (log: {})",
+                dir.join(format!("{name}.log")).display()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    Ok(())
+}
+
 /// A host's active-backup monitor's pid file, in its host directory.
 const MONITOR_PID: &str = "team-monitor.pid";
 
@@ -753,20 +779,26 @@ fn stop_pidfile(path: &std::path::Path) {
     let _ = std::fs::remove_file(path);
 }
 
-/// SIGKILLs `pid` and waits (at most 10 s) until it is gone.
+/// SIGKILLs `pid` and waits (at most 10 s) until it is gone: exited, or a
+/// zombie whose threads have all exited. A multi-threaded daemon's leader
+/// is a zombie as soon as its own thread exits, while the others may still
+/// be tearing down, holding the process's files (its listening sockets):
+/// a successor started then fails to bind them.
 fn stop_pid(pid: i32) {
     // SAFETY: kill(2) with a pid and a signal has no memory effects.
     unsafe { libc::kill(pid, libc::SIGKILL) };
     let alive = || {
-        std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|s| {
-                !s.rsplit(')')
-                    .next()
-                    .unwrap_or("")
-                    .trim_start()
-                    .starts_with('Z')
-            })
-            .unwrap_or(false)
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            return false;
+        };
+        let zombie = stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z');
+        let threads = std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count());
+        !zombie || threads > 1
     };
     let until = std::time::Instant::now() + Duration::from_secs(10);
     while alive() && std::time::Instant::now() < until {
