@@ -298,7 +298,12 @@ pub const LOAD_CPU_S_PER_GIB: f64 = 3.5;
 /// agents' relay takes (QEMU → agent → carrier → agent → QEMU) is one the
 /// hosts do not spend loading. Not for memory QEMU compresses: its
 /// compressed pages outrun the target's loading, and only Ferry's stream
-/// windows keep that backlog (the switch-over's wait) small.
+/// windows keep that backlog (the switch-over's wait) small. Not for a
+/// move that is `encrypted` either: QEMU's channels would then seal every
+/// page in QEMU's TLS, one channel per thread, which on hosts of one core
+/// each took 3.12 s where Ferry's sealed carriers took 2.50 s for the same
+/// random memory (BENCHMARKS.md, "Compression's own channels in clear
+/// only").
 ///
 /// [`MIN_IDLE`]: ferry_transport::compress::MIN_IDLE
 pub(super) fn own_channels(
@@ -306,9 +311,10 @@ pub(super) fn own_channels(
     idle: Option<f64>,
     cpus: usize,
     link_bits: u64,
+    encrypted: bool,
 ) -> Option<String> {
     let idle = idle?;
-    if link_bits == 0 {
+    if link_bits == 0 || encrypted {
         return None;
     }
     let gib = (1u64 << 30) as f64;
@@ -479,21 +485,37 @@ mod tests {
         // recorded at the start of moves in the lab: random memory (1.0),
         // 90% idle on 2 CPUs: 1.4 CPUs spare load ~3.4 Gbit/s of pages
         let unshaped = 10_000_000_000;
-        let why = own_channels(Some(1.0), Some(0.9), 2, unshaped).expect("unshaped: QEMU's own");
+        let why =
+            own_channels(Some(1.0), Some(0.9), 2, unshaped, false).expect("unshaped: QEMU's own");
         assert!(
             why.contains("1.00") && why.contains("10000 Mbit/s") && why.contains("90% idle"),
             "{why}"
         );
         // a link the spare CPU keeps up with: Ferry's carriers and frames
-        assert_eq!(own_channels(Some(1.0), Some(0.9), 2, 1_000_000_000), None);
-        assert_eq!(own_channels(Some(1.0), Some(0.9), 2, 200_000_000), None);
+        assert_eq!(
+            own_channels(Some(1.0), Some(0.9), 2, 1_000_000_000, false),
+            None
+        );
+        assert_eq!(
+            own_channels(Some(1.0), Some(0.9), 2, 200_000_000, false),
+            None
+        );
         // many CPUs keep up with 10 Gbit/s
-        assert_eq!(own_channels(Some(1.0), Some(0.9), 16, unshaped), None);
+        assert_eq!(
+            own_channels(Some(1.0), Some(0.9), 16, unshaped, false),
+            None
+        );
         // no spare CPU at all: even 1 Gbit/s is more than it loads
-        assert!(own_channels(Some(1.0), Some(0.15), 2, 1_000_000_000).is_some());
+        assert!(own_channels(Some(1.0), Some(0.15), 2, 1_000_000_000, false).is_some());
         // nothing measured: no guess
-        assert_eq!(own_channels(Some(1.0), None, 2, unshaped), None);
-        assert_eq!(own_channels(Some(1.0), Some(0.9), 2, 0), None);
+        assert_eq!(own_channels(Some(1.0), None, 2, unshaped, false), None);
+        assert_eq!(own_channels(Some(1.0), Some(0.9), 2, 0, false), None);
+        // an encrypted move keeps Ferry's sealed carriers: QEMU's TLS is dearer
+        assert_eq!(own_channels(Some(1.0), Some(0.9), 2, unshaped, true), None);
+        assert_eq!(
+            own_channels(Some(1.0), Some(0.15), 2, 1_000_000_000, true),
+            None
+        );
     }
 
     #[test]

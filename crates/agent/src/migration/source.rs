@@ -360,7 +360,7 @@ impl<'a> Move<'a> {
                     && copies.is_empty()
                     && takes(ferry_api::FEATURE_QEMU_CHANNELS) =>
             {
-                match own_channels(ratio, idle, cpus(), compression_link) {
+                match own_channels(ratio, idle, cpus(), compression_link, req.encryption) {
                     Some(why) => {
                         notes.push_str(&format!("; {why}"));
                         true
