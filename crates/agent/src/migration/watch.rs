@@ -1039,9 +1039,10 @@ fn next_look(tcp: bool, status: &str, remaining: u64, rate: f64) -> Duration {
 /// [`next_look`]) and on each of its events, and an event per look
 /// (each one serialized, written over TLS to every listener and forwarded
 /// by the control service) cost the agents more than the looks themselves.
-/// Two a second keep a progress bar moving; four cost the source agent
-/// more than its looks at QEMU did (BENCHMARKS.md, "Two progress events a
-/// second").
+/// Two a second keep a progress bar moving; four, each after its own look
+/// at QEMU, were most of the source agent's work between a move's start and
+/// its end, and halving both took a fifth off the agents' CPU per move
+/// (BENCHMARKS.md, "Two progress events a second").
 const PROGRESS_EVERY: Duration = Duration::from_millis(500);
 
 /// Each stream's window over Ferry's carriers in the last pass, counted
