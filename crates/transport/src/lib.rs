@@ -56,6 +56,26 @@ impl Carriers {
             Carriers::Mptcp(s) => s.path_changes(),
         }
     }
+    /// Why nothing moves, as far as the carriers can tell: how many are up
+    /// and, for kernel MPTCP, each open stream's subflows (for a move that
+    /// fails on a stall, so that its report says which path held it).
+    pub fn stall_detail(&self) -> String {
+        let st = self.stats();
+        let up = if st.healthy == 0 {
+            format!("every carrier is down ({} carriers)", self.kind())
+        } else {
+            format!(
+                "{} of {} {} carriers up, yet nothing moved",
+                st.healthy,
+                st.carriers.len(),
+                self.kind()
+            )
+        };
+        match self {
+            Carriers::Ferry(_) => up,
+            Carriers::Mptcp(s) => format!("{up}; {}", s.subflow_summary()),
+        }
+    }
     pub fn failure(&self) -> Option<String> {
         match self {
             Carriers::Ferry(s) => s.failure(),

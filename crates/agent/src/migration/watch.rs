@@ -684,9 +684,7 @@ impl Move<'_> {
             copy_loop::Action::Stalled => {
                 let path = match self.plan_ref() {
                     Plan::Tcp { nic, .. } => format!("the data path over {nic} is down"),
-                    Plan::Multichannel { session, .. } => {
-                        format!("every carrier is down ({} carriers)", session.kind())
-                    }
+                    Plan::Multichannel { session, .. } => session.stall_detail(),
                 };
                 Err(fail(
                     "copy",

@@ -645,6 +645,43 @@ impl Spliced {
         Reading { flows, links }
     }
 
+    /// Every open stream's subflows, one line: local → remote address,
+    /// segments outstanding, ms since the last ACK and since the last send,
+    /// the retransmission timeout and its backoff.
+    pub fn subflow_summary(&self) -> String {
+        let flows = self.open_flows();
+        if flows.is_empty() {
+            return "no stream open".into();
+        }
+        flows
+            .iter()
+            .map(|(i, sfs)| {
+                let each: Vec<String> = sfs
+                    .iter()
+                    .map(|sf| {
+                        format!(
+                            "{} → {} unacked {} last ACK {} ms, sent {} ms, rto {} ms × 2^{}",
+                            sf.local,
+                            sf.remote,
+                            sf.unacked,
+                            sf.last_ack_ms,
+                            sf.last_sent_ms,
+                            sf.rto_us / 1000,
+                            sf.backoff
+                        )
+                    })
+                    .collect();
+                let each = if each.is_empty() {
+                    "no subflow".to_string()
+                } else {
+                    each.join(", ")
+                };
+                format!("stream {i}: {each}")
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
     /// The subflows of every open stream, by stream index.
     fn open_flows(&self) -> Vec<(u16, Vec<Subflow>)> {
         lock(&self.inner.streams)
