@@ -27,7 +27,9 @@ errors).
 `qemu zstd tls` (not run by default) is QEMU's multifd + zstd with QEMU's own TLS (a pre-shared
 key) on every channel: with it among the contenders and Ferry's moves encrypted (the cluster's
 default; --encryption off turns it off for the run), Ferry's ratio is taken against it, the
-like-for-like contender; otherwise against QEMU's zstd in clear.
+like-for-like contender; otherwise against QEMU's zstd in clear. `ferry tcp` (not run by default
+either) is Ferry's `tcp` option, QEMU's one stream: what `auto` took over one NIC pair before it
+learned to seal on its own carriers.
 
 --cpus gives each lab host CPUs of its own (`ferry lab up --cpus`); the QEMUs by hand run on
 their host's too. --nics 1 measures `auto` over one NIC pair.
@@ -185,7 +187,7 @@ def qemu_move(kind, contender, a):
 
 
 CONTENDERS = ("qemu tcp", "qemu zstd", "ferry compression", "ferry auto")
-KNOWN = CONTENDERS + ("qemu zstd tls",)
+KNOWN = CONTENDERS + ("qemu zstd tls", "ferry tcp")
 
 
 def guest_options(ap):

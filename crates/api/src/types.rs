@@ -891,8 +891,10 @@ pub enum MigrationOption {
     #[serde(rename = "mptcp-relay")]
     MptcpRelay,
     /// More than one NIC pair healthy: multichannel (frames compressed
-    /// when that wins) for a guest whose memory compresses, else mptcp
-    /// (the source reads a sample of the guest's memory). One pair: tcp.
+    /// when that wins), sealed when the move is encrypted; in clear,
+    /// multichannel for a guest whose memory compresses, else mptcp (the
+    /// source reads a sample of the guest's memory). One pair: compression
+    /// when the sample compresses or the move is encrypted, else tcp.
     #[default]
     Auto,
 }

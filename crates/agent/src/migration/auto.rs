@@ -51,8 +51,19 @@ pub(super) fn relay_fits(idle: f64, cpus: usize, link_bits: u64) -> bool {
 /// Ferry's frames, or QEMU's own channels when the link is faster than the
 /// spare CPU compresses) it decides itself.
 ///
+/// An encrypted move (`encrypted`, the cluster's default) never takes
+/// `tcp`: QEMU's TLS seals its one stream in QEMU's one migration thread,
+/// where Ferry's carriers seal each connection in parallel. Over one NIC
+/// pair with random memory on pinned hosts, `tcp` took 1.09 × (1 Gbit/s)
+/// and 1.16 × (unshaped) QEMU's multifd + zstd with TLS, where the sealed
+/// carriers of `compression` took 1.01 × and 0.82 × (BENCHMARKS.md).
+///
 /// [`MIN_IDLE`]: ferry_transport::compress::MIN_IDLE
-pub(super) fn auto_one_pair(ratio: Option<f64>, idle: Option<f64>) -> (MigrationOption, String) {
+pub(super) fn auto_one_pair(
+    ratio: Option<f64>,
+    idle: Option<f64>,
+    encrypted: bool,
+) -> (MigrationOption, String) {
     let shown = ratio.map_or("all zero".to_string(), |r| format!("{r:.2}"));
     let idle_pct = idle.map_or(0.0, |i| i * 100.0);
     let min_idle = ferry_transport::compress::MIN_IDLE;
@@ -70,6 +81,14 @@ pub(super) fn auto_one_pair(ratio: Option<f64>, idle: Option<f64>) -> (Migration
                 "one NIC pair, and a memory sample compresses to {shown}: compressed although \
                  the CPU is only {idle_pct:.0}% idle, since that costs less CPU than carrying \
                  the pages as they are"
+            ),
+        ),
+        _ if encrypted => (
+            MigrationOption::Compression,
+            format!(
+                "one NIC pair, encrypted: Ferry's sealed carriers (a memory sample compresses \
+                 to {shown} with the CPU {idle_pct:.0}% idle; frames compressed only where that \
+                 wins), since QEMU's TLS would seal its one stream in one thread"
             ),
         ),
         (Some(r), _) if r <= AUTO_COMPRESSES => (
@@ -362,28 +381,50 @@ mod tests {
 
     #[test]
     fn auto_over_one_nic_pair_compresses_only_what_compresses_with_cpu_to_spare() {
-        let (o, why) = auto_one_pair(Some(0.06), Some(0.9));
+        let (o, why) = auto_one_pair(Some(0.06), Some(0.9), false);
         assert_eq!(o, MigrationOption::Compression, "{why}");
         assert!(why.contains("compresses to 0.06"), "{why}");
         // random memory: QEMU's own stream, whatever the CPU
-        assert_eq!(auto_one_pair(Some(1.0), Some(0.9)).0, MigrationOption::Tcp);
+        assert_eq!(
+            auto_one_pair(Some(1.0), Some(0.9), false).0,
+            MigrationOption::Tcp
+        );
         // a sample of zero pages: QEMU sends each as a flag
-        assert_eq!(auto_one_pair(None, Some(0.9)).0, MigrationOption::Tcp);
+        assert_eq!(
+            auto_one_pair(None, Some(0.9), false).0,
+            MigrationOption::Tcp
+        );
         // compressible, but the CPU is busy: compressing would slow the move
-        let (o, why) = auto_one_pair(Some(0.6), Some(0.1));
+        let (o, why) = auto_one_pair(Some(0.6), Some(0.1), false);
         assert_eq!(o, MigrationOption::Tcp);
         assert!(why.contains("too little to compress"), "{why}");
         // no idle figure: no compression on a guess
-        assert_eq!(auto_one_pair(Some(0.6), None).0, MigrationOption::Tcp);
+        assert_eq!(
+            auto_one_pair(Some(0.6), None, false).0,
+            MigrationOption::Tcp
+        );
         // ... unless it compresses so well that compressing costs less CPU
         // than carrying it as it is, busy or not
-        let (o, why) = auto_one_pair(Some(0.06), Some(0.1));
+        let (o, why) = auto_one_pair(Some(0.06), Some(0.1), false);
         assert_eq!(o, MigrationOption::Compression, "{why}");
         assert!(why.contains("less CPU"), "{why}");
         assert_eq!(
-            auto_one_pair(Some(0.06), None).0,
+            auto_one_pair(Some(0.06), None, false).0,
             MigrationOption::Compression
         );
+        // encrypted: never QEMU's TLS on its one stream, whatever the memory
+        for (ratio, idle) in [
+            (Some(1.0), Some(0.9)),
+            (None, Some(0.9)),
+            (Some(0.6), Some(0.1)),
+        ] {
+            let (o, why) = auto_one_pair(ratio, idle, true);
+            assert_eq!(o, MigrationOption::Compression, "{ratio:?} {idle:?}: {why}");
+            assert!(why.contains("sealed carriers"), "{why}");
+        }
+        // what compresses keeps its own reason
+        let (_, why) = auto_one_pair(Some(0.06), Some(0.9), true);
+        assert!(why.contains("compresses to 0.06 with the CPU"), "{why}");
     }
 
     #[test]

@@ -433,9 +433,10 @@ impl<'a> Move<'a> {
                 (o, sampled, format!("; auto: {why}"))
             }
             // one NIC pair: compress when that pays, else QEMU's own stream
+            // (in clear; sealed carriers when encrypted)
             MigrationOption::Auto if paths.len() == 1 => {
                 let s = self.sample().await;
-                let (o, why) = auto_one_pair(s.0, s.1);
+                let (o, why) = auto_one_pair(s.0, s.1, req.encryption);
                 (o, Some(s), format!("; auto: {why}"))
             }
             MigrationOption::Auto => (MigrationOption::Tcp, None, String::new()),
