@@ -3,7 +3,7 @@
 //! The source compresses DATA frames only while the link is the bottleneck
 //! (frames wait for a carrier, or did within [`LINK_BOUND_FOR`], or the
 //! compression under way keeps the raw rate above what the link carries)
-//! and CPU is spare (more than the [`MIN_IDLE`] share of all CPUs idle,
+//! and CPU is spare (more than the [`MIN_IDLE`] share of the host's CPUs idle,
 //! counting what compressing takes now). Then, per frame, it picks the
 //! codec ([`choose`]) that delivers the most raw bytes per second of wall
 //! time: for each of none, LZ4 and zstd at levels -1, 1 and 3, the least of
@@ -100,31 +100,25 @@ pub fn sample_ratio(sample: &[u8]) -> Option<f64> {
     Some(packed as f64 / raw as f64)
 }
 
-/// Idle share of all CPUs over `over`, from `/proc/stat`.
+/// Idle share of this host's CPUs ([`cpu_times`]) over `over`.
 pub fn idle_share(over: Duration) -> Option<f64> {
     let a = cpu_times()?;
     std::thread::sleep(over);
     idle_between(a, cpu_times()?)
 }
 
-/// Idle share of all CPUs between two [`cpu_times`] samples.
+/// Idle share between two [`cpu_times`] samples.
 fn idle_between(a: (u64, u64), b: (u64, u64)) -> Option<f64> {
     let total = b.1.saturating_sub(a.1);
     (total > 0).then(|| b.0.saturating_sub(a.0) as f64 / total as f64)
 }
 
-/// `(idle, total)` CPU time of all CPUs since boot, in clock ticks (`/proc/stat`).
+/// `(idle, total)` CPU time since boot, in clock ticks, of the CPUs this
+/// process may run on ([`crate::cpu::own_ticks`]): the host's own when it
+/// has CPUs of its own, as [`Compressor`]'s CPU count (this process's
+/// available parallelism) is.
 pub(crate) fn cpu_times() -> Option<(u64, u64)> {
-    let s = std::fs::read_to_string("/proc/stat").ok()?;
-    let line = s.lines().next()?;
-    let v: Vec<u64> = line
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    // user nice system idle iowait irq softirq steal
-    let idle = v.get(3)? + v.get(4).copied().unwrap_or(0);
-    Some((idle, v.iter().take(8).sum()))
+    crate::cpu::own_ticks().map(|(busy, all)| (all - busy, all))
 }
 
 /// One frame in this many, while compression is on, is compressed with
@@ -362,7 +356,7 @@ struct State {
     wire_rate: f64,
     /// Raw bytes per second offered over the last window.
     raw_rate: f64,
-    /// Idle share of all CPUs over the last window.
+    /// Idle share of this host's CPUs over the last window.
     idle: f64,
     /// CPUs' worth spent compressing over the last window.
     own_cores: f64,

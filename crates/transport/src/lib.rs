@@ -15,6 +15,7 @@
 //!   stream, spliced, its subflows managed by Ferry.
 
 pub mod compress;
+pub mod cpu;
 pub mod mptcp;
 pub mod protocol;
 pub mod seal;
