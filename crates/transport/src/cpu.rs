@@ -26,7 +26,7 @@ pub fn own_cpus(stat: &str) -> Option<Vec<usize>> {
 
 /// N of a `/proc/stat` line `cpuN …`; `None` for any other line (the
 /// all-CPU `cpu` line among them).
-pub fn cpu_number(line: &str) -> Option<usize> {
+fn cpu_number(line: &str) -> Option<usize> {
     // `cpu  100 …` (all CPUs): what follows `cpu` is a space, not N
     line.strip_prefix("cpu")?
         .split(char::is_whitespace)

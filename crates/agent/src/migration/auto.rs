@@ -54,9 +54,9 @@ pub(super) fn relay_fits(idle: f64, cpus: usize, link_bits: u64) -> bool {
 /// An encrypted move (`encrypted`, the cluster's default) never takes
 /// `tcp`: QEMU's TLS seals its one stream in QEMU's one migration thread,
 /// where Ferry's carriers seal each connection in parallel. Over one NIC
-/// pair with random memory on pinned hosts, `tcp` took 1.09 × (1 Gbit/s)
-/// and 1.16 × (unshaped) QEMU's multifd + zstd with TLS, where the sealed
-/// carriers of `compression` took 1.01 × and 0.82 × (BENCHMARKS.md).
+/// pair with random memory on pinned hosts, the sealed carriers took 0.93 ×
+/// (1 Gbit/s) and 0.69 × (unshaped) `tcp`'s time, and 1.00 × and 1.06 ×
+/// QEMU's multifd + zstd with TLS (BENCHMARKS.md, "One NIC pair, encrypted").
 ///
 /// [`MIN_IDLE`]: ferry_transport::compress::MIN_IDLE
 pub(super) fn auto_one_pair(
