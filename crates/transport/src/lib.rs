@@ -61,7 +61,13 @@ impl Carriers {
     /// and, for kernel MPTCP, each open stream's subflows (for a move that
     /// fails on a stall, so that its report says which path held it).
     pub fn stall_detail(&self) -> String {
-        let st = self.stats();
+        let (st, subflows) = match self {
+            Carriers::Ferry(s) => (s.stats(), None),
+            Carriers::Mptcp(s) => {
+                let (st, described) = s.stall_view();
+                (st, Some(described))
+            }
+        };
         let up = if st.healthy == 0 {
             format!("every carrier is down ({} carriers)", self.kind())
         } else {
@@ -72,9 +78,9 @@ impl Carriers {
                 self.kind()
             )
         };
-        match self {
-            Carriers::Ferry(_) => up,
-            Carriers::Mptcp(s) => format!("{up}; {}", s.subflow_summary()),
+        match subflows {
+            None => up,
+            Some(described) => format!("{up}; {described}"),
         }
     }
     pub fn failure(&self) -> Option<String> {

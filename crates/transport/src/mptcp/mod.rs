@@ -645,29 +645,27 @@ impl Spliced {
         Reading { flows, links }
     }
 
-    /// Every open stream's subflows, one line: local → remote address,
-    /// segments outstanding, ms since the last ACK and since the last send,
-    /// the retransmission timeout and its backoff.
-    pub fn subflow_summary(&self) -> String {
-        let flows = self.open_flows();
-        if flows.is_empty() {
-            return "no stream open".into();
+    /// [`Spliced::stats`] and every open stream's subflows described, from
+    /// one reading: local → remote address, then what a silent subflow's
+    /// removal reports ([`paths::silence_reason`]) and ms since its last send.
+    pub fn stall_view(&self) -> (SessionStats, String) {
+        let r = self.read();
+        if r.flows.is_empty() {
+            return (self.stats_of(&r), "no stream open".into());
         }
-        flows
+        let described = r
+            .flows
             .iter()
             .map(|(i, sfs)| {
                 let each: Vec<String> = sfs
                     .iter()
                     .map(|sf| {
                         format!(
-                            "{} → {} unacked {} last ACK {} ms, sent {} ms, rto {} ms × 2^{}",
+                            "{} → {}: {}, last sent {} ms ago",
                             sf.local,
                             sf.remote,
-                            sf.unacked,
-                            sf.last_ack_ms,
-                            sf.last_sent_ms,
-                            sf.rto_us / 1000,
-                            sf.backoff
+                            paths::silence_reason(sf),
+                            sf.last_sent_ms
                         )
                     })
                     .collect();
@@ -679,7 +677,8 @@ impl Spliced {
                 format!("stream {i}: {each}")
             })
             .collect::<Vec<_>>()
-            .join("; ")
+            .join("; ");
+        (self.stats_of(&r), described)
     }
 
     /// The subflows of every open stream, by stream index.
@@ -917,6 +916,41 @@ mod tests {
         let nics = vec![("lo".to_string(), lo)];
         let (t, port) = Spliced::target([7; 16], &secret(), nics, Deliver::Relay(qemu)).unwrap();
         (dir, rx, t, lo, port)
+    }
+
+    #[test]
+    fn a_stall_view_names_each_open_streams_subflows() {
+        let (dir, _rx, _t, lo, port) = loopback_target();
+        let nics = vec![("lo".to_string(), lo)];
+        let out = dir.path().join("out.sock");
+        let s = Spliced::source(
+            [7; 16],
+            &secret(),
+            out.clone(),
+            lo,
+            SocketAddr::new(lo, port),
+            nics,
+        )
+        .unwrap();
+        assert_eq!(s.stall_view().1, "no stream open");
+        let mut c = UnixStream::connect(&out).unwrap();
+        c.write_all(&[5u8; 4096]).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut view = s.stall_view();
+        while !view.1.contains(" → ") && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            view = s.stall_view();
+        }
+        let (stats, described) = view;
+        assert!(
+            described.starts_with("stream 0: 127.0.0.1:")
+                && described.contains(&format!(" → 127.0.0.1:{port}: no ACK for "))
+                && described.contains("segments outstanding")
+                && described.contains("ms ago"),
+            "{described}"
+        );
+        assert_eq!(stats.carriers.len(), 1, "{stats:?}");
+        s.close();
     }
 
     #[test]
