@@ -918,11 +918,11 @@ mod tests {
         (dir, rx, t, lo, port)
     }
 
-    #[test]
-    fn a_stall_view_names_each_open_streams_subflows() {
-        let (dir, _rx, _t, lo, port) = loopback_target();
+    /// The source session of [`loopback_target`]'s session, and the socket
+    /// its QEMU stand-ins connect to (in `dir`).
+    fn loopback_source(dir: &std::path::Path, lo: IpAddr, port: u16) -> (Spliced, PathBuf) {
+        let out = dir.join("out.sock");
         let nics = vec![("lo".to_string(), lo)];
-        let out = dir.path().join("out.sock");
         let s = Spliced::source(
             [7; 16],
             &secret(),
@@ -932,6 +932,13 @@ mod tests {
             nics,
         )
         .unwrap();
+        (s, out)
+    }
+
+    #[test]
+    fn a_stall_view_names_each_open_streams_subflows() {
+        let (dir, _rx, _t, lo, port) = loopback_target();
+        let (s, out) = loopback_source(dir.path(), lo, port);
         assert_eq!(s.stall_view().1, "no stream open");
         let mut c = UnixStream::connect(&out).unwrap();
         c.write_all(&[5u8; 4096]).unwrap();
@@ -956,17 +963,7 @@ mod tests {
     #[test]
     fn streams_cross_intact_both_ways_over_loopback() {
         let (dir, rx, t, lo, port) = loopback_target();
-        let nics = vec![("lo".to_string(), lo)];
-        let out = dir.path().join("out.sock");
-        let s = Spliced::source(
-            [7; 16],
-            &secret(),
-            out.clone(),
-            lo,
-            SocketAddr::new(lo, port),
-            nics,
-        )
-        .unwrap();
+        let (s, out) = loopback_source(dir.path(), lo, port);
         let data: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
         let mut threads = Vec::new();
         for k in 0..3u8 {
