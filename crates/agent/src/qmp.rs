@@ -9,7 +9,7 @@
 use std::io::{ErrorKind, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use qapi::futures::{QapiService, QmpStreamTokio};
 use serde::{Deserialize, Serialize};
@@ -475,6 +475,30 @@ pub struct Qmp {
 pub struct MigrationSeen {
     pub count: u64,
     pub status: String,
+    /// When QEMU sent it, by QEMU's own clock (the event's `timestamp`,
+    /// the host's wall clock): what a waiter woken late still dates it by.
+    pub sent: Option<std::time::SystemTime>,
+}
+
+impl MigrationSeen {
+    /// The moment, on this process's monotonic clock, QEMU sent the last
+    /// event: `now` less the event's age by the wall clock. An age that is
+    /// negative or of seconds (the wall clock stepped) counts as none.
+    pub fn sent_instant(&self, now: Instant) -> Instant {
+        let age = self
+            .sent
+            .and_then(|t| std::time::SystemTime::now().duration_since(t).ok())
+            .filter(|a| *a < Duration::from_secs(2))
+            .unwrap_or_default();
+        now.checked_sub(age).unwrap_or(now)
+    }
+}
+
+/// An event's `timestamp` (`{"seconds", "microseconds"}` since the epoch).
+fn event_time(t: &qapi::Timestamp) -> Option<std::time::SystemTime> {
+    let v = serde_json::to_value(t).ok()?;
+    let us = v["seconds"].as_u64()?.checked_mul(1_000_000)? + v["microseconds"].as_u64()?;
+    std::time::SystemTime::UNIX_EPOCH.checked_add(Duration::from_micros(us))
 }
 
 impl Drop for Qmp {
@@ -605,14 +629,16 @@ async fn follow_events(
     let mut events = Box::pin(events);
     while let Some(e) = events.next().await {
         match e {
-            Ok(qapi::qmp::Event::MIGRATION { data, .. }) => {
+            Ok(qapi::qmp::Event::MIGRATION { data, timestamp }) => {
                 let status = serde_json::to_value(data.status)
                     .ok()
                     .and_then(|v| v.as_str().map(str::to_string))
                     .unwrap_or_default();
+                let sent = event_time(&timestamp);
                 tx.send_modify(|m| {
                     m.count += 1;
                     m.status = status;
+                    m.sent = sent;
                 });
             }
             Ok(_) => {}
@@ -1317,7 +1343,8 @@ mod tests {
             *ev.borrow(),
             MigrationSeen {
                 count: 1,
-                status: "completed".into()
+                status: "completed".into(),
+                sent: Some(std::time::UNIX_EPOCH + Duration::from_micros(1_000_002)),
             }
         );
         // the events before its reply (one unknown to this build) took
@@ -1380,6 +1407,37 @@ mod tests {
             }
             (names, got)
         })
+    }
+
+    /// A pause event read late is dated by QEMU's clock; a wall clock that
+    /// stepped (an event from the future, or seconds old) dates it now.
+    #[test]
+    fn an_event_read_late_is_dated_when_qemu_sent_it() {
+        let now = Instant::now();
+        let wall = std::time::SystemTime::now();
+        let seen = |sent| MigrationSeen {
+            count: 1,
+            status: "device".into(),
+            sent,
+        };
+        let late = now - seen(Some(wall - Duration::from_millis(300))).sent_instant(now);
+        assert!(
+            late >= Duration::from_millis(300) && late < Duration::from_millis(400),
+            "{late:?}"
+        );
+        for sent in [
+            None,
+            Some(wall + Duration::from_secs(1)),
+            Some(wall - Duration::from_secs(3600)),
+        ] {
+            assert_eq!(seen(sent).sent_instant(now), now, "{sent:?}");
+        }
+        let t: qapi::Timestamp =
+            serde_json::from_str(r#"{"seconds": 1796323418, "microseconds": 795805}"#).unwrap();
+        assert_eq!(
+            event_time(&t),
+            Some(std::time::UNIX_EPOCH + Duration::from_micros(1_796_323_418_795_805))
+        );
     }
 
     #[test]

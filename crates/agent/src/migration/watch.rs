@@ -484,9 +484,13 @@ impl Move<'_> {
         // QEMU's event says when it paused the guest: its last pass runs
         // under QEMU's big lock, so `query-migrate` gets no answer until
         // that pass is over, however long it takes
+        // dated by QEMU's own clock: an agent woken late (a busy host) still
+        // counts the blackout from the guest's pause, not from its own look
         let w = self.watching();
-        if w.events.borrow().status == "device" {
-            w.paused_at.get_or_insert_with(Instant::now);
+        let seen = w.events.borrow().clone();
+        if seen.status == "device" {
+            w.paused_at
+                .get_or_insert_with(|| seen.sent_instant(Instant::now()));
         }
         let asked_qemu = self.vm.qmp.query_migrate();
         let answer = match self.pause_left() {
