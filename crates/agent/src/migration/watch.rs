@@ -483,9 +483,9 @@ impl Move<'_> {
         }
         // QEMU's event says when it paused the guest: its last pass runs
         // under QEMU's big lock, so `query-migrate` gets no answer until
-        // that pass is over, however long it takes
-        // dated by QEMU's own clock: an agent woken late (a busy host) still
-        // counts the blackout from the guest's pause, not from its own look
+        // that pass is over, however long it takes. The pause is dated by
+        // the event's own time, so that an agent woken late (a busy host)
+        // still counts the blackout from the guest's pause
         let w = self.watching();
         let seen = w.events.borrow().clone();
         if seen.status == "device" {
