@@ -487,10 +487,12 @@ impl Move<'_> {
         // the event's own time, so that an agent woken late (a busy host)
         // still counts the blackout from the guest's pause
         let w = self.watching();
-        let seen = w.events.borrow().clone();
-        if seen.status == "device" {
-            w.paused_at
-                .get_or_insert_with(|| seen.sent_instant(Instant::now()));
+        {
+            let seen = w.events.borrow();
+            if seen.status == "device" {
+                w.paused_at
+                    .get_or_insert_with(|| seen.sent_instant(Instant::now()));
+            }
         }
         let asked_qemu = self.vm.qmp.query_migrate();
         let answer = match self.pause_left() {
