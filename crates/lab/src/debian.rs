@@ -77,8 +77,32 @@ pub fn cached() -> Option<DebianImage> {
     (img.disk.exists() && img.kernel.exists() && img.initrd.exists()).then_some(img)
 }
 
+/// An exclusive `flock` on `path` (created if missing), held until the
+/// returned file is dropped.
+fn build_lock(path: &std::path::Path) -> Result<std::fs::File, LabError> {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(|e| LabError::io(path, e))?;
+    loop {
+        // SAFETY: flock on a descriptor this File owns; no memory is involved.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            return Ok(f);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(LabError::io(path, e));
+        }
+    }
+}
+
 /// Returns the cached image, building it first if needed (about a minute;
-/// needs root, mmdebstrap and Debian's archive through apt).
+/// needs root, mmdebstrap and Debian's archive through apt). A second
+/// caller while a build is under way (`scripts/run test` builds it beside
+/// the lab tests) waits for that build and takes its image.
 pub fn ensure(rebuild: bool) -> Result<DebianImage, LabError> {
     if !rebuild {
         if let Some(img) = cached() {
@@ -87,6 +111,12 @@ pub fn ensure(rebuild: bool) -> Result<DebianImage, LabError> {
     }
     let dir = image_dir();
     std::fs::create_dir_all(&dir).map_err(|e| LabError::io(&dir, e))?;
+    let _lock = build_lock(&dir.join("build.lock"))?;
+    if !rebuild {
+        if let Some(img) = cached() {
+            return Ok(img);
+        }
+    }
     let script = dir.join("debian-image.sh");
     std::fs::write(&script, SCRIPT).map_err(|e| LabError::io(&script, e))?;
     let out = std::process::Command::new("bash")
@@ -118,4 +148,35 @@ pub fn ensure(rebuild: bool) -> Result<DebianImage, LabError> {
         )));
     }
     cached().ok_or_else(|| LabError::Image(format!("{} made no image", script.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    #[test]
+    fn a_second_builder_waits_for_the_first() {
+        let path = std::env::temp_dir().join(format!("ferry-build-lock-{}", std::process::id()));
+        let first = build_lock(&path).unwrap();
+        let got = Arc::new(AtomicBool::new(false));
+        let second = {
+            let (path, got) = (path.clone(), got.clone());
+            std::thread::spawn(move || {
+                let _l = build_lock(&path).unwrap();
+                got.store(true, Ordering::SeqCst);
+            })
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            !got.load(Ordering::SeqCst),
+            "took the lock while it was held"
+        );
+        drop(first);
+        second.join().unwrap();
+        assert!(got.load(Ordering::SeqCst));
+        std::fs::remove_file(&path).unwrap();
+    }
 }
