@@ -17,6 +17,10 @@ use tokio::io::AsyncWriteExt;
 struct One {
     export: Arc<Export>,
     sched: Arc<Scheduler>,
+    /// The export's file, its name unlinked as soon as it was opened: the
+    /// size is checked through it, and nothing is left in /tmp when the
+    /// fuzzer exits (libFuzzer runs no destructors)
+    file: std::fs::File,
 }
 
 struct Att(Arc<Export>, Arc<Scheduler>);
@@ -46,15 +50,18 @@ impl Catalog for One {
     }
 }
 
-fn catalog() -> Arc<dyn Catalog> {
+fn catalog() -> Arc<One> {
     static C: OnceLock<Arc<One>> = OnceLock::new();
     C.get_or_init(|| {
         let p = std::env::temp_dir().join(format!("ferry-fuzz-{}.img", std::process::id()));
         let _ = std::fs::remove_file(&p);
         let export = Arc::new(Export::create("d", &p, 1 << 20, false).expect("export file"));
+        let file = std::fs::File::open(&p).expect("the export's file");
+        std::fs::remove_file(&p).expect("unlinking the export's file");
         Arc::new(One {
             export,
             sched: Scheduler::new(Config::default()),
+            file,
         })
     })
     .clone()
@@ -66,7 +73,7 @@ fuzz_target!(|data: &[u8]| {
         .build()
         .expect("runtime");
     rt.block_on(async {
-        let cat = catalog();
+        let one = catalog();
         let (mut client, server) = tokio::io::duplex(1 << 16);
         let peer = "127.0.0.1:1".parse().expect("addr");
         // structured replies on: their error chunks are fuzzed too
@@ -74,7 +81,7 @@ fuzz_target!(|data: &[u8]| {
             structured_replies: true,
             ..Default::default()
         };
-        let task = tokio::spawn(serve_connection(server, peer, cat.clone(), limits));
+        let task = tokio::spawn(serve_connection(server, peer, one.clone(), limits));
         // an odd first byte fuzzes the handshake from its first byte; an even
         // one sends a valid handshake (structured replies, GO to "d") first,
         // so the rest reaches the transmission phase
@@ -86,7 +93,8 @@ fuzz_target!(|data: &[u8]| {
         }
         drop(client);
         let _ = tokio::time::timeout(std::time::Duration::from_secs(5), task).await;
-        assert!(std::fs::metadata(&cat_path()).map(|m| m.len()).unwrap_or(1 << 20) == 1 << 20);
+        let len = one.file.metadata().expect("the export's size").len();
+        assert_eq!(len, 1 << 20, "a session changed the export's size");
     });
 });
 
@@ -103,8 +111,4 @@ fn valid_handshake() -> Vec<u8> {
     v.extend(option(8, &[]));
     v.extend(option(7, &[0, 0, 0, 1, b'd', 0, 0]));
     v
-}
-
-fn cat_path() -> std::path::PathBuf {
-    std::env::temp_dir().join(format!("ferry-fuzz-{}.img", std::process::id()))
 }
