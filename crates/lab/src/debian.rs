@@ -104,11 +104,6 @@ fn build_lock(path: &std::path::Path) -> Result<std::fs::File, LabError> {
 /// caller while a build is under way (`scripts/run test` builds it beside
 /// the lab tests) waits for that build and takes its image.
 pub fn ensure(rebuild: bool) -> Result<DebianImage, LabError> {
-    if !rebuild {
-        if let Some(img) = cached() {
-            return Ok(img);
-        }
-    }
     let dir = image_dir();
     std::fs::create_dir_all(&dir).map_err(|e| LabError::io(&dir, e))?;
     let _lock = build_lock(&dir.join("build.lock"))?;
