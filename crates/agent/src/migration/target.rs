@@ -23,9 +23,12 @@ use crate::qemu::{self, QemuVm};
 use crate::qmp::MigrationParameters;
 
 /// How often READY asks the skeleton whether it has loaded everything when
-/// no `MIGRATION` event woke it first (QEMU's completion event answers READY
-/// at once: in the blackout every millisecond is downtime).
-const READY_POLL: Duration = Duration::from_millis(20);
+/// no `MIGRATION` event woke it first. QEMU's completion event answers READY
+/// at once (in the blackout every millisecond is downtime); this look is only
+/// the fallback for an event that never comes, so it is rare: a look costs
+/// the agent two QMP round trips (BENCHMARKS.md, "READY woken by QEMU's
+/// events").
+const READY_POLL: Duration = Duration::from_millis(250);
 
 /// The send buffer of the target's connections to QEMU when QEMU compressed
 /// the stream (the kernel doubles it): what waits there is acknowledged and
@@ -632,7 +635,12 @@ impl Agent {
                 ));
             }
             let mig = q.qmp.query_migrate().await.ok().and_then(|i| i.status);
-            let run = q.qmp.status().await.ok();
+            // the guest's own state matters once QEMU says it has loaded
+            // everything (before that, started with -S, it cannot run)
+            let run = match mig.as_deref() {
+                Some("completed") => q.qmp.status().await.ok(),
+                _ => None,
+            };
             match (mig.as_deref(), run) {
                 (Some("failed"), _) => {
                     return Err(ApiError::internal(
@@ -668,12 +676,11 @@ impl Agent {
                         phase: phase_name(Some(TargetPhase::Waiting)),
                     });
                 }
-                (m, s) if Instant::now() > deadline => {
+                (m, _) if Instant::now() > deadline => {
                     return Err(ApiError::internal(format!(
-                    "the target has not loaded the migration after 30 s (migration {}, guest {})",
-                    m.unwrap_or("unknown"),
-                    s.map(|s| s.status).unwrap_or_else(|| "unreachable".into())
-                )))
+                        "the target has not loaded the migration after 30 s (migration {})",
+                        m.unwrap_or("unknown")
+                    )))
                 }
                 _ => {
                     // QEMU's MIGRATION event wakes this at once; the poll
