@@ -25,9 +25,9 @@ use crate::qmp::MigrationParameters;
 /// How often READY asks the skeleton whether it has loaded everything when
 /// no `MIGRATION` event woke it first. QEMU's completion event answers READY
 /// at once (in the blackout every millisecond is downtime); this look is only
-/// the fallback for an event that never comes, so it is rare: a look costs
-/// the agent two QMP round trips (BENCHMARKS.md, "READY woken by QEMU's
-/// events").
+/// the fallback for an event that never comes, so it is rare: each look is
+/// a QMP round trip with its task and wake-up (BENCHMARKS.md, "READY woken
+/// by QEMU's events").
 const READY_POLL: Duration = Duration::from_millis(250);
 
 /// The send buffer of the target's connections to QEMU when QEMU compressed
