@@ -25,7 +25,11 @@
 //! 3. A RUN whose answer is lost leaves the migration **in doubt**: the source
 //!    stays paused and asks the target until one of them answers.
 //! 4. A waiting target asks the source; Committed or Done → it runs, Aborted
-//!    or unknown → it discards, no answer → it waits (in doubt).
+//!    or unknown → it discards, no answer → it waits (in doubt). It runs
+//!    only a skeleton whose QEMU holds the guest ([`skeleton_holds_guest`]):
+//!    a post-copy's commit is recorded before QEMU switches, and a skeleton
+//!    asked in between, or whose source's QEMU never switched, waits for
+//!    RUN or for the source's settling to discard it.
 //!
 //! This module holds the decisions only ([`source_next`], [`target_next`]) and
 //! the journal that persists them; the agent performs the actions. The tests
@@ -281,6 +285,16 @@ pub fn target_next(phase: TargetPhase, ev: TargetEvent) -> (TargetPhase, TargetA
         (P::Discarded, E::Run) => (P::Discarded, A::AnswerNeverRan),
         (P::Discarded, _) => (P::Discarded, A::None),
     }
+}
+
+/// Whether a skeleton whose QEMU's incoming migration is in `status` (its
+/// `query-migrate`) holds the guest: QEMU completed the load, or switched to
+/// post-copy (the device state loaded, pages follow on demand). Any other
+/// status (`setup`, `active`: pre-copy's pages still arriving; unknown: no
+/// answer) is a skeleton that cannot run the guest, whatever the source
+/// recorded: a source's Committed then does not make it run (rule 4).
+pub fn skeleton_holds_guest(status: Option<&str>) -> bool {
+    matches!(status, Some(s) if s == "completed" || s.starts_with("postcopy"))
 }
 
 /// The answer a target gives about a migration, from its phase (None: no record).
@@ -578,6 +592,22 @@ pub fn target_may_forget(source: Option<SourceAnswer>) -> bool {
 mod tests {
     use super::*;
     use std::collections::{BTreeSet, HashSet, VecDeque};
+
+    #[test]
+    fn only_a_skeleton_with_the_guest_runs_on_the_sources_commit() {
+        for s in [
+            "completed",
+            "postcopy-active",
+            "postcopy-paused",
+            "postcopy-recover",
+        ] {
+            assert!(skeleton_holds_guest(Some(s)), "{s}");
+        }
+        for s in ["none", "setup", "active", "failed", "cancelled"] {
+            assert!(!skeleton_holds_guest(Some(s)), "{s}");
+        }
+        assert!(!skeleton_holds_guest(None), "QEMU's status unknown");
+    }
 
     #[test]
     #[allow(clippy::unwrap_used)] // a panic is the failure report

@@ -15,7 +15,9 @@
 //! Actions: `stop` (SIGSTOP to the whole agent: frozen until SIGCONT), `exit`
 //! (SIGKILL to the agent: a crash), `kill-qemu` (the caller kills the VM's
 //! QEMU), `fail` (the caller fails the step as if what it asked for was
-//! refused). Each point fires once per process.
+//! refused), `delay` (the caller waits [`DELAY`] there, the agent answering
+//! meanwhile: a window for the other side's questions). Each point fires
+//! once per process.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
@@ -26,7 +28,13 @@ pub enum Action {
     Exit,
     KillQemu,
     Fail,
+    Delay,
 }
+
+/// How long a `delay` holds its caller: past a waiting skeleton's first
+/// question to its source (`ASK_AFTER` plus the reaper's period), whatever
+/// the skeleton's age when the point fires.
+pub const DELAY: std::time::Duration = std::time::Duration::from_secs(13);
 
 fn parse(spec: &str) -> Result<BTreeMap<String, Action>, String> {
     let mut out = BTreeMap::new();
@@ -39,9 +47,10 @@ fn parse(spec: &str) -> Result<BTreeMap<String, Action>, String> {
             "exit" => Action::Exit,
             "kill-qemu" => Action::KillQemu,
             "fail" => Action::Fail,
+            "delay" => Action::Delay,
             a => {
                 return Err(format!(
-                "FERRY_FAILPOINTS: unknown action {a:?} for {point} (stop, exit, kill-qemu, fail)"
+                "FERRY_FAILPOINTS: unknown action {a:?} for {point} (stop, exit, kill-qemu, fail, delay)"
             ))
             }
         };
@@ -66,7 +75,8 @@ fn armed() -> &'static Mutex<BTreeMap<String, Action>> {
 }
 
 /// Fires point `name` if it is armed: `stop` and `exit` act on this process
-/// here; `kill-qemu` and `fail` are returned for the caller to carry out.
+/// here; `kill-qemu`, `fail` and `delay` are returned for the caller to
+/// carry out.
 pub fn hit(name: &str) -> Option<Action> {
     let action = ferry_api::util::lock(armed()).remove(name)?;
     tracing::warn!(point = name, ?action, "failpoint fired");
@@ -83,9 +93,17 @@ pub fn hit(name: &str) -> Option<Action> {
         Action::Exit => unsafe {
             libc::raise(libc::SIGKILL);
         },
-        Action::KillQemu | Action::Fail => {}
+        Action::KillQemu | Action::Fail | Action::Delay => {}
     }
     Some(action)
+}
+
+/// [`hit`] at a point whose caller has nothing to refuse: a `delay` waits
+/// here; `fail` and `kill-qemu` do nothing.
+pub async fn pass(name: &str) {
+    if hit(name) == Some(Action::Delay) {
+        tokio::time::sleep(DELAY).await;
+    }
 }
 
 #[cfg(test)]
@@ -100,6 +118,10 @@ mod tests {
         assert_eq!(
             parse("source-start-postcopy=fail").unwrap()["source-start-postcopy"],
             Action::Fail
+        );
+        assert_eq!(
+            parse("source-after-commit=delay").unwrap()["source-after-commit"],
+            Action::Delay
         );
         assert!(parse("").unwrap().is_empty());
         assert!(parse("x").unwrap_err().contains("\"x\""));

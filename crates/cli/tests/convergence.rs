@@ -488,7 +488,12 @@ fn refused_postcopy_discards_the_skeleton_and_the_source_runs_on() {
     require_lab();
     let _g = serial();
     lab_at(3, 2, RATE);
-    let _armed = Armed::at("host1", "source-start-postcopy=fail");
+    // the commit is held past the waiting skeleton's question to its source,
+    // which must not make the skeleton run: QEMU never switches
+    let _armed = Armed::at(
+        "host1",
+        "source-after-commit=delay,source-start-postcopy=fail",
+    );
     let _vm = busy("busy8");
     let (r, _) = move_busy("busy8", "host2", POSTCOPY_TCP, || {});
     assert_eq!(r["event"], "failed", "{r}");
@@ -502,4 +507,12 @@ fn refused_postcopy_discards_the_skeleton_and_the_source_runs_on() {
     assert!(qemu_pids("host2").is_empty(), "skeleton left on host2");
     let skeleton = one_file(&format!("{LAB}/host2/log"), "busy8.", ".target.qemu.log");
     assert_eq!(runs_in(&skeleton), 0, "the skeleton ran");
+    let log = std::fs::read_to_string(format!("{LAB}/host2/agent.log")).unwrap();
+    assert!(
+        log.lines().any(|l| l.contains("busy8")
+            && l.contains(
+                "the source committed, but this skeleton's QEMU does not hold the guest"
+            )),
+        "the skeleton did not ask its source while the commit was held"
+    );
 }

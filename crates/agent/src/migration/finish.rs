@@ -71,7 +71,7 @@ impl Move<'_> {
                 ),
             )
             .await;
-        crate::failpoint::hit("source-after-commit");
+        crate::failpoint::pass("source-after-commit").await;
         Ok(Outcome::Done)
     }
 
@@ -199,7 +199,7 @@ impl Move<'_> {
                 ),
             )
             .await;
-        crate::failpoint::hit("source-after-commit");
+        crate::failpoint::pass("source-after-commit").await;
         Ok(Outcome::Done)
     }
 

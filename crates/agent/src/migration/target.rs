@@ -1015,6 +1015,30 @@ impl Agent {
     /// Asks the source of a waiting skeleton what it recorded, and acts on it.
     pub(super) async fn ask_source(&self, name: &str, id: &str, source_url: &str) -> String {
         let said = self.source_said(source_url, id).await;
+        if matches!(said, Some(SourceAnswer::Committed | SourceAnswer::Done)) {
+            // a post-copy's commit comes before QEMU's switch: a skeleton
+            // asked in between has pre-copy's pages only (rule 4)
+            let q = self
+                .state
+                .lock()
+                .await
+                .vms
+                .get(name)
+                .and_then(|s| s.qemu.clone());
+            let status = match q {
+                Some(q) => q.qmp.query_migrate().await.ok().and_then(|i| i.status),
+                None => None,
+            };
+            if !crate::commit::skeleton_holds_guest(status.as_deref()) {
+                let why = format!(
+                    "the source committed, but this skeleton's QEMU does not hold the guest \
+                     (incoming {}): it waits for RUN, or for the source to discard it",
+                    status.as_deref().unwrap_or("unknown")
+                );
+                tracing::warn!(vm = %name, migration = id, "{why}");
+                return why;
+            }
+        }
         let (_, action) = target_next(TargetPhase::Waiting, TargetEvent::SourceSaid(said));
         match action {
             TargetAction::RecordAndRun => match self.run_incoming(id).await {
