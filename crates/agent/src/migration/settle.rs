@@ -319,7 +319,8 @@ impl Agent {
         )
     }
 
-    async fn slot_qemu(&self, vm: &str) -> Option<Arc<QemuVm>> {
+    /// The QEMU in VM `vm`'s slot here: a running guest's, or a skeleton's.
+    pub(super) async fn slot_qemu(&self, vm: &str) -> Option<Arc<QemuVm>> {
         self.state
             .lock()
             .await

@@ -1018,14 +1018,7 @@ impl Agent {
         if matches!(said, Some(SourceAnswer::Committed | SourceAnswer::Done)) {
             // a post-copy's commit comes before QEMU's switch: a skeleton
             // asked in between has pre-copy's pages only (rule 4)
-            let q = self
-                .state
-                .lock()
-                .await
-                .vms
-                .get(name)
-                .and_then(|s| s.qemu.clone());
-            let status = match q {
+            let status = match self.slot_qemu(name).await {
                 Some(q) => q.qmp.query_migrate().await.ok().and_then(|i| i.status),
                 None => None,
             };
