@@ -975,14 +975,6 @@ pub async fn serve(
             }
         })
     };
-    // HTTP/2 offered to browsers: the web console's event streams and
-    // requests share one connection (over HTTP/1.1 a browser opens at most
-    // six to a server, and each event stream holds one)
-    let tls = tls.map(|t| {
-        let mut c = (*t).clone();
-        c.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-        Arc::new(c)
-    });
     let r = ferry_net::server::serve_with(listener, router(control), tls, limits).await;
     manager.abort();
     ha.abort();

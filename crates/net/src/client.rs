@@ -33,7 +33,7 @@ impl ClientAuth {
         Ok(match pki {
             Some(p) => ClientAuth {
                 bearer: None,
-                tls: Some(p.client_config()?),
+                tls: Some(p.http_client_config()?),
             },
             None => ClientAuth {
                 bearer: Some(cred.clone()),

@@ -201,6 +201,14 @@ pub struct Limits {
     pub max_header_bytes: usize,
     /// The largest JSON request body, bytes (`max_body_bytes`).
     pub max_body_bytes: usize,
+    /// A TLS connection takes no new request after this long
+    /// (`max_connection_age_secs`): its requests under way finish, and the
+    /// client's next one comes over a new handshake, where the revocation
+    /// list in force is checked. Components keep one HTTP/2 connection to
+    /// each peer busy for as long as both run; this bounds how long a
+    /// certificate revoked meanwhile keeps one.
+    #[serde(rename = "max_connection_age_secs", with = "secs")]
+    pub max_connection_age: std::time::Duration,
 }
 
 impl Default for Limits {
@@ -211,6 +219,7 @@ impl Default for Limits {
             header_timeout: std::time::Duration::from_secs(30),
             max_header_bytes: 64 << 10,
             max_body_bytes: MAX_BODY,
+            max_connection_age: std::time::Duration::from_secs(120),
         }
     }
 }
@@ -224,6 +233,11 @@ impl Limits {
         floor("header_timeout_secs", self.header_timeout.as_secs(), 1)?;
         floor("max_header_bytes", self.max_header_bytes as u64, 4096)?;
         floor("max_body_bytes", self.max_body_bytes as u64, 64 << 10)?;
+        floor(
+            "max_connection_age_secs",
+            self.max_connection_age.as_secs(),
+            1,
+        )?;
         if self.per_client > self.max_connections {
             return Err(ApiError::invalid(
                 "limits.max_connections_per_client",
@@ -428,9 +442,23 @@ pub async fn serve_with(
                 .max_header_list_size(limits.max_header_bytes as u32)
                 .keep_alive_interval(limits.header_timeout)
                 .keep_alive_timeout(std::time::Duration::from_secs(20));
-            let r = b
-                .serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(stream), hyper_svc)
-                .await;
+            let conn =
+                b.serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(stream), hyper_svc);
+            tokio::pin!(conn);
+            let aged = tokio::time::sleep(limits.max_connection_age);
+            tokio::pin!(aged);
+            let mut closing = false;
+            let r = loop {
+                tokio::select! {
+                    r = conn.as_mut() => break r,
+                    _ = &mut aged, if !closing => {
+                        // HTTP/2: GOAWAY, streams under way run to their end;
+                        // HTTP/1.1: closed after the request under way
+                        closing = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+            };
             if let Err(e) = r {
                 tracing::debug!(%peer, "connection: {e}");
             }
