@@ -132,6 +132,8 @@ pub struct Agent {
     pub tickets: Option<ferry_net::ticket::TicketVerifier>,
     /// How this agent calls peers.
     pub client_auth: ferry_net::client::ClientAuth,
+    /// One client per peer agent, by URL (see [`Agent::peer`]).
+    peers: std::sync::Mutex<std::collections::HashMap<String, ferry_net::client::Client>>,
     pub state: tokio::sync::Mutex<HostState>,
     pub sinks: crate::validate::Sinks,
     /// Bandwidth classes on this host's NICs.
@@ -174,6 +176,22 @@ pub struct Facts {
 }
 
 impl Agent {
+    /// The client for peer agent `name` at `url`, made once: every move to
+    /// or from that peer, a waiting skeleton's questions and a settling's
+    /// share its HTTP/2 connection rather than each paying a TLS handshake.
+    pub fn peer(&self, name: &str, url: &str) -> ferry_net::client::Client {
+        ferry_api::util::lock(&self.peers)
+            .entry(url.to_string())
+            .or_insert_with(|| {
+                ferry_net::client::Client::new(
+                    &format!("agent {name}"),
+                    url,
+                    self.client_auth.clone(),
+                )
+            })
+            .clone()
+    }
+
     pub fn new(
         cfg: AgentConfig,
         cred: ferry_api::auth::Credential,
@@ -189,6 +207,7 @@ impl Agent {
             pki,
             tickets,
             client_auth,
+            peers: Default::default(),
             guest,
             facts: Default::default(),
             lease: Arc::new(crate::lease::Lease::load(&cfg.state_dir)),

@@ -75,11 +75,7 @@ impl Agent {
             .into_iter()
             .filter(|p| p.name != self.cfg.name)
             .map(|p| async move {
-                let c = ferry_net::client::Client::new(
-                    &format!("agent {}", p.name),
-                    &p.url,
-                    self.client_auth.clone(),
-                );
+                let c = self.peer(&p.name, &p.url);
                 match c.get::<HostInfo>("/host", Duration::from_secs(5)).await {
                     Ok(info) => {
                         self.probe_now(&info, self.nics()).await;

@@ -146,7 +146,9 @@ impl Agent {
     /// `running` one only once its source says it is done with it.
     pub async fn forget_settled(&self) {
         for rec in self.moves.journal.prune(PRUNE_AFTER_SECS) {
-            let said = self.source_said(&rec.peer_url, &rec.migration_id).await;
+            let said = self
+                .source_said((&rec.peer, &rec.peer_url), &rec.migration_id)
+                .await;
             if target_may_forget(said) {
                 self.moves.journal.forget(&rec);
             }

@@ -312,11 +312,7 @@ impl Agent {
 
     /// A client for the other agent of migration record `rec`.
     fn peer_client(&self, rec: &Record) -> Client {
-        Client::new(
-            &format!("agent {}", rec.peer),
-            &rec.peer_url,
-            self.client_auth.clone(),
-        )
+        self.peer(&rec.peer, &rec.peer_url)
     }
 
     /// The QEMU in VM `vm`'s slot here: a running guest's, or a skeleton's.
@@ -520,14 +516,15 @@ impl Agent {
             st.vms.get(vm).and_then(|s| match &s.role {
                 Role::Incoming {
                     migration_id,
+                    source,
                     source_url,
                     ..
-                } => Some((migration_id.clone(), source_url.clone())),
+                } => Some((migration_id.clone(), source.clone(), source_url.clone())),
                 _ => None,
             })
         };
-        if let Some((id, source_url)) = waiting {
-            let detail = self.ask_source(vm, &id, &source_url).await;
+        if let Some((id, source, source_url)) = waiting {
+            let detail = self.ask_source(vm, &id, (&source, &source_url)).await;
             let now = self
                 .incoming_status(&id)
                 .await

@@ -78,11 +78,7 @@ impl<'a> Move<'a> {
         ev: &'a Events,
         started: Instant,
     ) -> Move<'a> {
-        let target = Client::new(
-            &format!("agent {}", req.target),
-            &req.target_url,
-            agent.client_auth.clone(),
-        );
+        let target = agent.peer(&req.target, &req.target_url);
         Move {
             agent,
             id,

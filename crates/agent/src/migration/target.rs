@@ -10,7 +10,6 @@ use ferry_api::{
     ApiError, CarrierEndpoint, IncomingReply, IncomingRequest, IncomingStatus, MigrationOption,
     RecoverReply, SourceStatus,
 };
-use ferry_net::client::Client;
 
 use super::MULTIFD_CHANNELS;
 use crate::commit::{
@@ -965,6 +964,7 @@ impl Agent {
                 .filter_map(|(n, s)| match &s.role {
                     Role::Incoming {
                         migration_id,
+                        source,
                         source_url,
                         since,
                         ..
@@ -972,14 +972,14 @@ impl Agent {
                         n.clone(),
                         migration_id.clone(),
                         s.qemu.clone(),
-                        source_url.clone(),
+                        (source.clone(), source_url.clone()),
                         *since,
                     )),
                     _ => None,
                 })
                 .collect()
         };
-        for (name, id, q, source_url, since) in waiting {
+        for (name, id, q, source, since) in waiting {
             if let Some(q) = &q {
                 if !q.alive().await {
                     if target_next(TargetPhase::Waiting, TargetEvent::QemuGone).1
@@ -990,18 +990,18 @@ impl Agent {
                     continue;
                 }
             }
-            if since.elapsed() < ASK_AFTER || source_url.is_empty() {
+            if since.elapsed() < ASK_AFTER || source.1.is_empty() {
                 continue;
             }
             let agent = self.clone();
-            tokio::spawn(async move { agent.ask_source(&name, &id, &source_url).await });
+            tokio::spawn(async move { agent.ask_source(&name, &id, (&source.0, &source.1)).await });
         }
     }
 
-    /// What the source at `source_url` recorded of migration `id` (None: no
-    /// answer; `unknown`: it has no record).
-    pub async fn source_said(&self, source_url: &str, id: &str) -> Option<SourceAnswer> {
-        let client = Client::new("source agent", source_url, self.client_auth.clone());
+    /// What the source agent `(name, URL)` recorded of migration `id`
+    /// (None: no answer; `unknown`: it has no record).
+    pub async fn source_said(&self, source: (&str, &str), id: &str) -> Option<SourceAnswer> {
+        let client = self.peer(source.0, source.1);
         match client
             .get::<SourceStatus>(&format!("/migrations/{id}"), Duration::from_secs(2))
             .await
@@ -1013,8 +1013,8 @@ impl Agent {
     }
 
     /// Asks the source of a waiting skeleton what it recorded, and acts on it.
-    pub(super) async fn ask_source(&self, name: &str, id: &str, source_url: &str) -> String {
-        let said = self.source_said(source_url, id).await;
+    pub(super) async fn ask_source(&self, name: &str, id: &str, source: (&str, &str)) -> String {
+        let said = self.source_said(source, id).await;
         if matches!(said, Some(SourceAnswer::Committed | SourceAnswer::Done)) {
             // a post-copy's commit comes before QEMU's switch: a skeleton
             // asked in between has pre-copy's pages only (rule 4)
@@ -1043,8 +1043,10 @@ impl Agent {
                 "the source did not commit: the skeleton is discarded".into()
             }
             TargetAction::AskLater => {
-                let why =
-                    format!("the source ({source_url}) does not answer; the skeleton stays paused");
+                let why = format!(
+                    "the source ({}) does not answer; the skeleton stays paused",
+                    source.1
+                );
                 if let Some(s) = self.state.lock().await.vms.get_mut(name) {
                     if s.doubt.is_none() {
                         tracing::warn!(vm = %name, migration = id, "in doubt: {why}");
@@ -1063,8 +1065,15 @@ impl Agent {
     }
 }
 
-/// A skeleton as the reaper sees it: VM, migration id, QEMU, source URL, since.
-type Waiting = (String, String, Option<Arc<QemuVm>>, String, Instant);
+/// A skeleton as the reaper sees it: VM, migration id, QEMU, source agent
+/// (name, URL), since.
+type Waiting = (
+    String,
+    String,
+    Option<Arc<QemuVm>>,
+    (String, String),
+    Instant,
+);
 
 /// A waiting skeleton asks its source after this long.
 pub const ASK_AFTER: Duration = Duration::from_secs(10);
