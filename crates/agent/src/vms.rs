@@ -160,9 +160,12 @@ impl Agent {
             desired: None,
             ha: None,
             stopped_because: None,
-            usage: match qemu {
-                Some(q) => self.usage(spec, q).await,
-                None => None,
+            // a skeleton's QEMU is not the guest yet: its CPU and bytes
+            // are the move's, and listed under the guest's name beside the
+            // source's they would restart the balancer's count each beat
+            usage: match (role, qemu) {
+                (Role::Running, Some(q)) => self.usage(spec, q).await,
+                _ => None,
             },
         }
     }

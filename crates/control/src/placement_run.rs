@@ -98,7 +98,10 @@ impl Usage {
             .filter_map(|h| h.info.as_ref())
             .flat_map(|i| &i.vms)
         {
-            let Some(u) = &v.usage else { continue };
+            // a move's skeleton is not the guest: only its source counts
+            let Some(u) = v.usage.as_ref().filter(|_| v.state != "incoming") else {
+                continue;
+            };
             let q = self.samples.entry(v.name.clone()).or_default();
             // a VM restarted or moved starts its count again
             if q.back()
@@ -619,40 +622,44 @@ impl Control {
 mod tests {
     use super::*;
 
+    /// Host `host` listing VM `a` in `state`, its QEMU having used
+    /// `cpu_ms` and moved `io_bytes`.
+    fn listed(host: &str, state: &str, cpu_ms: u64, io_bytes: u64) -> HostEntry {
+        let mut info: ferry_api::HostInfo = serde_json::from_value(serde_json::json!({
+            "name": host, "agent_url": "", "memory_total": 0, "memory_reserved": 0,
+            "memory_free": 0, "nics": [], "vms": []
+        }))
+        .unwrap();
+        let mut v: ferry_api::VmInfo = serde_json::from_value(serde_json::json!({
+            "name": "a", "host": host, "spec": ferry_api::VmSpec::workload("a", 1 << 30, 0, 0),
+            "state": state, "pid": null, "accel": "tcg"
+        }))
+        .unwrap();
+        v.usage = Some(ferry_api::VmUsage {
+            cpu_ms,
+            rss: 0,
+            io_bytes,
+            dirty_bps: None,
+        });
+        info.vms.push(v);
+        HostEntry {
+            name: host.into(),
+            agent_url: String::new(),
+            reachable: true,
+            down: false,
+            last_heartbeat_ms: None,
+            draining: false,
+            settings: None,
+            error: None,
+            info: Some(info),
+            health: Health::Ok,
+        }
+    }
+
     #[test]
     fn usage_is_rates_over_the_window_and_restarts_with_the_vm() {
         let mut u = Usage::default();
-        let entry = |cpu_ms: u64, io_bytes: u64| {
-            let mut info: ferry_api::HostInfo = serde_json::from_value(serde_json::json!({
-                "name": "h1", "agent_url": "", "memory_total": 0, "memory_reserved": 0,
-                "memory_free": 0, "nics": [], "vms": []
-            }))
-            .unwrap();
-            let mut v: ferry_api::VmInfo = serde_json::from_value(serde_json::json!({
-                "name": "a", "host": "h1", "spec": ferry_api::VmSpec::workload("a", 1 << 30, 0, 0),
-                "state": "running", "pid": null, "accel": "tcg"
-            }))
-            .unwrap();
-            v.usage = Some(ferry_api::VmUsage {
-                cpu_ms,
-                rss: 0,
-                io_bytes,
-                dirty_bps: None,
-            });
-            info.vms.push(v);
-            HostEntry {
-                name: "h1".into(),
-                agent_url: String::new(),
-                reachable: true,
-                down: false,
-                last_heartbeat_ms: None,
-                draining: false,
-                settings: None,
-                error: None,
-                info: Some(info),
-                health: Health::Ok,
-            }
-        };
+        let entry = |cpu_ms, io_bytes| listed("h1", "running", cpu_ms, io_bytes);
         u.note(0, &[entry(0, 0)]);
         assert_eq!(u.rates("a"), (0.0, 0.0));
         u.note(10_000, &[entry(5_000, 50_000_000)]);
@@ -664,6 +671,22 @@ mod tests {
         assert_eq!(u.rates("a"), (0.0, 0.0));
         u.note(30_000, &[]);
         assert_eq!(u.rates("a"), (0.0, 0.0));
+    }
+
+    #[test]
+    fn a_moving_vms_skeleton_does_not_restart_its_count() {
+        let mut u = Usage::default();
+        // the source's QEMU has run long; the target's skeleton has just begun
+        let beat = |t: u64| {
+            [
+                listed("h1", "running", 5_000 + t / 2, 0),
+                listed("h2", "incoming", t / 100, 0),
+            ]
+        };
+        u.note(0, &beat(0));
+        u.note(10_000, &beat(10_000));
+        let (cores, _) = u.rates("a");
+        assert!((cores - 0.5).abs() < 1e-9, "the source's rate: {cores}");
     }
 
     #[test]
