@@ -56,6 +56,12 @@ impl Client {
     pub fn new(peer: &str, base: &str, auth: ClientAuth) -> Self {
         let mut b = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(3))
+            // an HTTP/2 connection kept to a peer that vanished (its host
+            // cut off, no FIN) is found dead and dropped, so the next request
+            // connects afresh rather than timing out on it
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .http2_keep_alive_timeout(Duration::from_secs(5))
+            .http2_keep_alive_while_idle(true)
             .no_proxy();
         if let Some(tls) = &auth.tls {
             b = b.use_preconfigured_tls((**tls).clone()).https_only(true);
