@@ -132,8 +132,8 @@ pub struct Agent {
     pub tickets: Option<ferry_net::ticket::TicketVerifier>,
     /// How this agent calls peers.
     pub client_auth: ferry_net::client::ClientAuth,
-    /// One client per peer agent, by URL (see [`Agent::peer`]).
-    peers: std::sync::Mutex<std::collections::HashMap<String, ferry_net::client::Client>>,
+    /// One client per peer agent, by (name, URL) (see [`Agent::peer`]).
+    peers: std::sync::Mutex<std::collections::HashMap<(String, String), ferry_net::client::Client>>,
     pub state: tokio::sync::Mutex<HostState>,
     pub sinks: crate::validate::Sinks,
     /// Bandwidth classes on this host's NICs.
@@ -181,7 +181,7 @@ impl Agent {
     /// share its HTTP/2 connection rather than each paying a TLS handshake.
     pub fn peer(&self, name: &str, url: &str) -> ferry_net::client::Client {
         ferry_api::util::lock(&self.peers)
-            .entry(url.to_string())
+            .entry((name.to_string(), url.to_string()))
             .or_insert_with(|| {
                 ferry_net::client::Client::new(
                     &format!("agent {name}"),
