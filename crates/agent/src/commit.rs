@@ -26,10 +26,11 @@
 //!    stays paused and asks the target until one of them answers.
 //! 4. A waiting target asks the source; Committed or Done → it runs, Aborted
 //!    or unknown → it discards, no answer → it waits (in doubt). It runs
-//!    only a skeleton whose QEMU holds the guest ([`skeleton_holds_guest`]):
-//!    a post-copy's commit is recorded before QEMU switches, and a skeleton
-//!    asked in between, or whose source's QEMU never switched, waits for
-//!    RUN or for the source's settling to discard it.
+//!    only a skeleton whose QEMU holds the guest ([`skeleton_holds_guest`],
+//!    the event's `holds_guest`): a post-copy's commit is recorded before
+//!    QEMU switches, and a skeleton asked in between, or whose source's QEMU
+//!    never switched, waits for RUN or for the source's settling to discard
+//!    it ([`TargetAction::AwaitGuest`]).
 //!
 //! This module holds the decisions only ([`source_next`], [`target_next`]) and
 //! the journal that persists them; the agent performs the actions. The tests
@@ -240,8 +241,13 @@ pub enum TargetEvent {
     Run,
     /// The source says it rolled back: discard.
     Abort,
-    /// The source answered a question (None: no answer).
-    SourceSaid(Option<SourceAnswer>),
+    /// The source answered a question (`said` None: no answer);
+    /// `holds_guest`: this skeleton's QEMU holds the guest
+    /// ([`skeleton_holds_guest`]), asked when the source says it committed.
+    SourceSaid {
+        said: Option<SourceAnswer>,
+        holds_guest: bool,
+    },
     /// The skeleton's QEMU is gone (it exited, was killed, or died with a
     /// restarted agent).
     QemuGone,
@@ -262,6 +268,10 @@ pub enum TargetAction {
     RefuseAbort,
     /// In doubt: stay paused, ask the source again later.
     AskLater,
+    /// The source committed, but this skeleton's QEMU does not hold the
+    /// guest (a post-copy's record comes before QEMU's switch): stay paused
+    /// for RUN, or for the source's settling to discard it (rule 4).
+    AwaitGuest,
 }
 
 /// The target's decision table.
@@ -271,14 +281,38 @@ pub fn target_next(phase: TargetPhase, ev: TargetEvent) -> (TargetPhase, TargetA
     use TargetEvent as E;
     use TargetPhase as P;
     match (phase, ev) {
-        (P::Waiting, E::Run | E::SourceSaid(Some(S::Committed | S::Done))) => {
-            (P::Running, A::RecordAndRun)
-        }
-        (P::Waiting, E::Abort | E::QemuGone | E::SourceSaid(Some(S::Aborted | S::Unknown))) => {
-            (P::Discarded, A::Discard)
-        }
-        (P::Waiting, E::SourceSaid(Some(S::Copying))) => (P::Waiting, A::None),
-        (P::Waiting, E::SourceSaid(None)) => (P::Waiting, A::AskLater),
+        (
+            P::Waiting,
+            E::Run
+            | E::SourceSaid {
+                said: Some(S::Committed | S::Done),
+                holds_guest: true,
+            },
+        ) => (P::Running, A::RecordAndRun),
+        (
+            P::Waiting,
+            E::SourceSaid {
+                said: Some(S::Committed | S::Done),
+                holds_guest: false,
+            },
+        ) => (P::Waiting, A::AwaitGuest),
+        (
+            P::Waiting,
+            E::Abort
+            | E::QemuGone
+            | E::SourceSaid {
+                said: Some(S::Aborted | S::Unknown),
+                ..
+            },
+        ) => (P::Discarded, A::Discard),
+        (
+            P::Waiting,
+            E::SourceSaid {
+                said: Some(S::Copying),
+                ..
+            },
+        ) => (P::Waiting, A::None),
+        (P::Waiting, E::SourceSaid { said: None, .. }) => (P::Waiting, A::AskLater),
         (P::Running, E::Run) => (P::Running, A::AnswerRunning),
         (P::Running, E::Abort) => (P::Running, A::RefuseAbort),
         (P::Running, _) => (P::Running, A::None),
@@ -704,6 +738,14 @@ mod tests {
         }
     }
 
+    /// The source's answer `a`, heard by a skeleton that holds the guest.
+    fn said(a: Option<SourceAnswer>) -> TargetEvent {
+        TargetEvent::SourceSaid {
+            said: a,
+            holds_guest: true,
+        }
+    }
+
     #[test]
     fn target_decisions() {
         use SourceAnswer as S;
@@ -714,37 +756,36 @@ mod tests {
             (P::Waiting, E::Run, P::Running, A::RecordAndRun),
             (
                 P::Waiting,
-                E::SourceSaid(Some(S::Committed)),
+                said(Some(S::Committed)),
                 P::Running,
                 A::RecordAndRun,
             ),
-            (
-                P::Waiting,
-                E::SourceSaid(Some(S::Done)),
-                P::Running,
-                A::RecordAndRun,
-            ),
+            (P::Waiting, said(Some(S::Done)), P::Running, A::RecordAndRun),
             (P::Waiting, E::Abort, P::Discarded, A::Discard),
             (P::Waiting, E::QemuGone, P::Discarded, A::Discard),
+            (P::Waiting, said(Some(S::Aborted)), P::Discarded, A::Discard),
+            (P::Waiting, said(Some(S::Unknown)), P::Discarded, A::Discard),
+            (P::Waiting, said(Some(S::Copying)), P::Waiting, A::None),
+            (P::Waiting, said(None), P::Waiting, A::AskLater),
+            // rule 4: committed, but this skeleton's QEMU has not the guest
             (
                 P::Waiting,
-                E::SourceSaid(Some(S::Aborted)),
+                E::SourceSaid {
+                    said: Some(S::Committed),
+                    holds_guest: false,
+                },
+                P::Waiting,
+                A::AwaitGuest,
+            ),
+            (
+                P::Waiting,
+                E::SourceSaid {
+                    said: Some(S::Aborted),
+                    holds_guest: false,
+                },
                 P::Discarded,
                 A::Discard,
             ),
-            (
-                P::Waiting,
-                E::SourceSaid(Some(S::Unknown)),
-                P::Discarded,
-                A::Discard,
-            ),
-            (
-                P::Waiting,
-                E::SourceSaid(Some(S::Copying)),
-                P::Waiting,
-                A::None,
-            ),
-            (P::Waiting, E::SourceSaid(None), P::Waiting, A::AskLater),
             (P::Running, E::Run, P::Running, A::AnswerRunning),
             (P::Running, E::Abort, P::Running, A::RefuseAbort),
             (P::Discarded, E::Run, P::Discarded, A::AnswerNeverRan),
@@ -856,7 +897,7 @@ mod tests {
                     self.net.insert(Msg::TargetSaid(TargetAnswer::NeverRan));
                 }
                 TargetAction::RefuseAbort | TargetAction::None => {}
-                TargetAction::AskLater => {}
+                TargetAction::AskLater | TargetAction::AwaitGuest => {}
             }
         }
 
@@ -874,7 +915,9 @@ mod tests {
                 Msg::AskSource => {
                     self.net.insert(Msg::SourceSaid(self.s.into()));
                 }
-                Msg::SourceSaid(a) => self.target_on(TargetEvent::SourceSaid(Some(a))),
+                // pre-copy: the source commits only after READY found the
+                // skeleton loaded, so one told Committed holds the guest
+                Msg::SourceSaid(a) => self.target_on(said(Some(a))),
             }
         }
 
@@ -902,7 +945,7 @@ mod tests {
                 push(&|w| {
                     w.net.insert(Msg::AskSource);
                 });
-                push(&|w| w.target_on(TargetEvent::SourceSaid(None)));
+                push(&|w| w.target_on(said(None)));
             }
             // each message delivered, or lost
             for m in &self.net {
@@ -1079,13 +1122,39 @@ mod tests {
             }
         }
 
+        /// The skeleton's QEMU holds the guest: post-copy switched, or
+        /// pre-copy completed.
+        fn has_state(&self) -> bool {
+            matches!(self.mig, Mig::Post { .. } | Mig::Completed)
+                || (self.mig == Mig::Quit && self.target_whole)
+        }
+
         /// RUN reaches the target: it runs once it holds the device state.
         fn run(&mut self) {
-            let has_state = matches!(self.mig, Mig::Post { .. } | Mig::Completed)
-                || (self.mig == Mig::Quit && self.target_whole);
-            if self.t == Some(TargetPhase::Waiting) && self.target_qemu && has_state {
+            if self.t == Some(TargetPhase::Waiting) && self.target_qemu && self.has_state() {
                 self.t = Some(TargetPhase::Running);
                 self.target_ran = true;
+            }
+        }
+
+        /// The waiting skeleton asks its source and acts on the answer, as
+        /// the target's decision table says (rule 4).
+        fn skeleton_asks(&mut self) {
+            let e = TargetEvent::SourceSaid {
+                said: Some(self.s.into()),
+                holds_guest: self.has_state(),
+            };
+            let (p, a) = target_next(TargetPhase::Waiting, e);
+            match a {
+                TargetAction::RecordAndRun => {
+                    self.t = Some(p);
+                    self.target_ran = true;
+                }
+                TargetAction::Discard => {
+                    self.t = Some(p);
+                    self.target_qemu = false;
+                }
+                _ => {}
             }
         }
 
@@ -1237,6 +1306,10 @@ mod tests {
                 });
             }
             push(&|w| w.t_readable = !w.t_readable);
+            // a skeleton waiting long asks its source, at any moment
+            if self.t == Some(TargetPhase::Waiting) && self.target_qemu {
+                push(&|w| w.skeleton_asks());
+            }
             if self.t == Some(TargetPhase::Waiting) && self.target_qemu {
                 push(&|w| {
                     w.target_qemu = false;

@@ -1015,24 +1015,22 @@ impl Agent {
     /// Asks the source of a waiting skeleton what it recorded, and acts on it.
     pub(super) async fn ask_source(&self, name: &str, id: &str, source: (&str, &str)) -> String {
         let said = self.source_said(source, id).await;
-        if matches!(said, Some(SourceAnswer::Committed | SourceAnswer::Done)) {
-            // a post-copy's commit comes before QEMU's switch: a skeleton
-            // asked in between has pre-copy's pages only (rule 4)
-            let status = match self.slot_qemu(name).await {
-                Some(q) => q.qmp.query_migrate().await.ok().and_then(|i| i.status),
-                None => None,
-            };
-            if !crate::commit::skeleton_holds_guest(status.as_deref()) {
-                let why = format!(
-                    "the source committed, but this skeleton's QEMU does not hold the guest \
-                     (incoming {}): it waits for RUN, or for the source to discard it",
-                    status.as_deref().unwrap_or("unknown")
-                );
-                tracing::warn!(vm = %name, migration = id, "{why}");
-                return why;
+        // whether this skeleton holds the guest matters only once the
+        // source says it committed: its QEMU is asked then only
+        let status = match said {
+            Some(SourceAnswer::Committed | SourceAnswer::Done) => {
+                match self.slot_qemu(name).await {
+                    Some(q) => q.qmp.query_migrate().await.ok().and_then(|i| i.status),
+                    None => None,
+                }
             }
-        }
-        let (_, action) = target_next(TargetPhase::Waiting, TargetEvent::SourceSaid(said));
+            _ => None,
+        };
+        let holds_guest = crate::commit::skeleton_holds_guest(status.as_deref());
+        let (_, action) = target_next(
+            TargetPhase::Waiting,
+            TargetEvent::SourceSaid { said, holds_guest },
+        );
         match action {
             TargetAction::RecordAndRun => match self.run_incoming(id).await {
                 Ok(_) => "the source had committed: the guest runs here".into(),
@@ -1041,6 +1039,15 @@ impl Agent {
             TargetAction::Discard => {
                 self.discard(name).await;
                 "the source did not commit: the skeleton is discarded".into()
+            }
+            TargetAction::AwaitGuest => {
+                let why = format!(
+                    "the source committed, but this skeleton's QEMU does not hold the guest \
+                     (incoming {}): it waits for RUN, or for the source to discard it",
+                    status.as_deref().unwrap_or("unknown")
+                );
+                tracing::warn!(vm = %name, migration = id, "{why}");
+                why
             }
             TargetAction::AskLater => {
                 let why = format!(
