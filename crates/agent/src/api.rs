@@ -533,7 +533,7 @@ pub async fn serve(agent: Arc<Agent>) -> std::io::Result<()> {
     });
     let tls = match &agent.pki {
         Some(p) => Some(
-            p.server_config(true)
+            p.server_tls(true)
                 .map_err(|e| std::io::Error::other(e.to_string()))?,
         ),
         None => None,

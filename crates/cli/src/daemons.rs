@@ -546,7 +546,7 @@ pub async fn control(a: &ControlArgs) -> anyhow::Result<i32> {
     });
     let control = std::sync::Arc::new(control.with_instance(instance));
     let tls = match &pki {
-        Some(p) => Some(p.server_config(false)?),
+        Some(p) => Some(p.server_tls(false)?),
         None => None,
     };
     ferry_control::http::serve(listen, control, tls, limits).await?;

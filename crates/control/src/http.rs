@@ -947,7 +947,7 @@ pub fn router(control: Arc<Control>) -> Router {
 pub async fn serve(
     listen: std::net::SocketAddr,
     control: Arc<Control>,
-    tls: Option<Arc<ferry_net::tls::ServerConfig>>,
+    tls: Option<ferry_net::server::ServerTls>,
     limits: ferry_net::server::Limits,
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await?;

@@ -350,6 +350,37 @@ impl Drop for Slot {
     }
 }
 
+/// What a TLS server serves with: its configuration and, from a
+/// [`crate::tls::Pki`], word of each change to the certificate or the
+/// revocation list in force, upon which every open connection takes no new
+/// request (those under way finish): the client's next request comes over a
+/// handshake against what is in force now, so a certificate revoked loses
+/// the connections it kept at once, not only at their age.
+#[derive(Clone)]
+pub struct ServerTls {
+    pub config: std::sync::Arc<rustls::ServerConfig>,
+    pub changes: Option<tokio::sync::watch::Receiver<u64>>,
+}
+
+impl From<std::sync::Arc<rustls::ServerConfig>> for ServerTls {
+    fn from(config: std::sync::Arc<rustls::ServerConfig>) -> Self {
+        ServerTls {
+            config,
+            changes: None,
+        }
+    }
+}
+
+/// Waits for the next change told on `changes` (forever without one).
+async fn changed(changes: &mut Option<tokio::sync::watch::Receiver<u64>>) {
+    if let Some(rx) = changes {
+        if rx.changed().await.is_ok() {
+            return;
+        }
+    }
+    std::future::pending().await
+}
+
 /// Serves `router` on `listener` until the process ends: over TLS with
 /// `tls` (each request carrying the client certificate's [`PeerCert`]),
 /// or plain HTTP when `tls` is `None` (`--insecure-http`). A connection
@@ -360,7 +391,13 @@ pub async fn serve(
     router: axum::Router,
     tls: Option<std::sync::Arc<rustls::ServerConfig>>,
 ) -> std::io::Result<()> {
-    serve_with(listener, router, tls, Limits::default()).await
+    serve_with(
+        listener,
+        router,
+        tls.map(ServerTls::from),
+        Limits::default(),
+    )
+    .await
 }
 
 /// [`serve`] with these `limits`: a connection past them is closed at
@@ -368,7 +405,7 @@ pub async fn serve(
 pub async fn serve_with(
     listener: tokio::net::TcpListener,
     router: axum::Router,
-    tls: Option<std::sync::Arc<rustls::ServerConfig>>,
+    tls: Option<ServerTls>,
     limits: Limits,
 ) -> std::io::Result<()> {
     let router = router
@@ -377,7 +414,7 @@ pub async fn serve_with(
     let Some(tls) = tls else {
         return axum::serve(listener, router).await;
     };
-    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls.config);
     let table = ConnectionTable::new(limits.max_connections, limits.per_client);
     let mut last_said = std::time::Instant::now() - std::time::Duration::from_secs(2);
     loop {
@@ -402,6 +439,12 @@ pub async fn serve_with(
             }
         };
         let (acceptor, router) = (acceptor.clone(), router.clone());
+        // a connection ends at a change of what is in force after its
+        // handshake, not at one before it
+        let mut changes = tls.changes.clone();
+        if let Some(rx) = &mut changes {
+            rx.mark_unchanged();
+        }
         tokio::spawn(async move {
             let _slot = slot;
             let _ = tcp.set_nodelay(true);
@@ -451,9 +494,13 @@ pub async fn serve_with(
             let r = loop {
                 tokio::select! {
                     r = conn.as_mut() => break r,
+                    // HTTP/2: GOAWAY, streams under way run to their end;
+                    // HTTP/1.1: closed after the request under way
                     _ = &mut aged, if !closing => {
-                        // HTTP/2: GOAWAY, streams under way run to their end;
-                        // HTTP/1.1: closed after the request under way
+                        closing = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                    _ = changed(&mut changes), if !closing => {
                         closing = true;
                         conn.as_mut().graceful_shutdown();
                     }

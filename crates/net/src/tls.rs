@@ -523,6 +523,8 @@ struct Live {
     /// The key of a signing request not yet answered ([`Pki::signing_request`]).
     pending: std::sync::Mutex<Option<String>>,
     generation: std::sync::atomic::AtomicU64,
+    /// The generation, told to servers ([`Pki::changes`]).
+    changed: tokio::sync::watch::Sender<u64>,
 }
 
 /// One reading of the directory.
@@ -686,6 +688,7 @@ impl Pki {
                 current: std::sync::RwLock::new(Arc::new(loaded)),
                 pending: std::sync::Mutex::new(None),
                 generation: Default::default(),
+                changed: tokio::sync::watch::Sender::new(0),
             }),
         })
     }
@@ -715,9 +718,12 @@ impl Pki {
             )));
         }
         *self.live.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(loaded);
-        self.live
+        let generation = self
+            .live
             .generation
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        self.live.changed.send_replace(generation);
         Ok(true)
     }
 
@@ -741,6 +747,26 @@ impl Pki {
                 }
             }
         });
+    }
+
+    /// Told each reading that took effect (a renewed certificate, a new
+    /// revocation list): a server then lets every open connection end, so
+    /// each client's next request is a handshake against what is now in
+    /// force ([`crate::server::serve_with`]).
+    pub fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.live.changed.subscribe()
+    }
+
+    /// TLS for an HTTPS server ([`Pki::server_config`]) whose connections
+    /// end when this certificate or the revocation list in force changes.
+    pub fn server_tls(
+        &self,
+        require_client_cert: bool,
+    ) -> Result<crate::server::ServerTls, TlsError> {
+        Ok(crate::server::ServerTls {
+            config: self.server_config(require_client_cert)?,
+            changes: Some(self.changes()),
+        })
     }
 
     /// Counts the readings that took effect: a holder of something derived

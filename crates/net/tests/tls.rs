@@ -389,17 +389,12 @@ async fn a_vms_nbd_certificate_names_the_vm_and_the_host_whose_agent_signed_it()
     let _ = std::fs::remove_dir_all(&d);
 }
 
-/// Components speak HTTP/2 to one another over one kept connection; a
-/// connection takes no new request past `max_connection_age`, so the
-/// client's next one is a new handshake, and a certificate revoked in the
-/// meantime loses the connection it had.
-#[tokio::test]
-async fn a_kept_connection_is_http2_and_a_revoked_certificate_loses_it_with_age() {
-    let d = std::env::temp_dir().join(format!("ferry-tls-age-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    let ca = Authority::create(&d.join("ca"), "test").unwrap();
-    let agent1 = issue(&ca, &d, Role::Agent, "host1");
-    let control = issue(&ca, &d, Role::Control, "control");
+/// Serves `GET /api/v1/version` (the request's HTTP version) to the
+/// control role with `tls` and `limits`.
+async fn version_server(
+    tls: ferry_net::server::ServerTls,
+    limits: ferry_net::server::Limits,
+) -> String {
     let app =
         axum::Router::new()
             .route(
@@ -414,34 +409,75 @@ async fn a_kept_connection_is_http2_and_a_revoked_certificate_loses_it_with_age(
             ));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("https://127.0.0.1:{}", l.local_addr().unwrap().port());
+    tokio::spawn(ferry_net::server::serve_with(l, app, Some(tls), limits));
+    url
+}
+
+/// A client kept by component `p`, asking `url` for its HTTP version.
+fn kept(p: &Pki, url: &str) -> Client {
+    let auth =
+        ClientAuth::component(Some(p), &ferry_api::auth::Credential::from_secret("x")).unwrap();
+    Client::new("agent host1", url, auth)
+}
+
+async fn version(c: &Client) -> Result<String, ferry_api::ApiError> {
+    c.get::<String>("/version", Duration::from_secs(5)).await
+}
+
+/// Components speak HTTP/2 to one another over one kept connection; a
+/// connection takes no new request past `max_connection_age`, so the
+/// client's next one is a new handshake, and a certificate revoked in the
+/// meantime loses the connection it had (here with no word of the change).
+#[tokio::test]
+async fn a_kept_connection_is_http2_and_a_revoked_certificate_loses_it_with_age() {
+    let d = std::env::temp_dir().join(format!("ferry-tls-age-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    let ca = Authority::create(&d.join("ca"), "test").unwrap();
+    let agent1 = issue(&ca, &d, Role::Agent, "host1");
+    let control = issue(&ca, &d, Role::Control, "control");
     let limits = ferry_net::server::Limits {
         max_connection_age: Duration::from_secs(1),
         ..Default::default()
     };
-    tokio::spawn(ferry_net::server::serve_with(
-        l,
-        app,
-        Some(agent1.server_config(true).unwrap()),
-        limits,
-    ));
-    let auth = ClientAuth::component(
-        Some(&control),
-        &ferry_api::auth::Credential::from_secret("x"),
-    )
-    .unwrap();
-    let kept = Client::new("agent host1", &url, auth);
-    let version = || kept.get::<String>("/version", Duration::from_secs(5));
-    assert_eq!(version().await.unwrap(), "HTTP/2.0");
+    let url = version_server(agent1.server_config(true).unwrap().into(), limits).await;
+    let c = kept(&control, &url);
+    assert_eq!(version(&c).await.unwrap(), "HTTP/2.0");
     // past its age the connection is replaced without the caller noticing
     tokio::time::sleep(Duration::from_millis(1_500)).await;
-    assert_eq!(version().await.unwrap(), "HTTP/2.0");
+    assert_eq!(version(&c).await.unwrap(), "HTTP/2.0");
     // revoked: the kept client is refused once its connection has aged
     let crl = ca
         .revocation_list(1, &[unhex(&control.serial().unwrap())])
         .unwrap();
     agent1.install_crl(&crl).unwrap();
     tokio::time::sleep(Duration::from_millis(1_500)).await;
-    let e = version().await.unwrap_err();
+    let e = version(&c).await.unwrap_err();
     assert!(matches!(e, ferry_api::ApiError::Unavailable { .. }), "{e}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A server told of a new revocation list ends its open connections at
+/// once: a revoked client's next request is refused, long before the
+/// connection's age; another client is served on.
+#[tokio::test]
+async fn a_revocation_ends_the_kept_connections_at_once() {
+    let d = std::env::temp_dir().join(format!("ferry-tls-crl-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    let ca = Authority::create(&d.join("ca"), "test").unwrap();
+    let agent1 = issue(&ca, &d, Role::Agent, "host1");
+    let revoked = issue(&ca, &d, Role::Control, "control");
+    let other = issue(&ca, &d, Role::Control, "control2");
+    let url = version_server(agent1.server_tls(true).unwrap(), Default::default()).await;
+    let (a, b) = (kept(&revoked, &url), kept(&other, &url));
+    assert_eq!(version(&a).await.unwrap(), "HTTP/2.0");
+    assert_eq!(version(&b).await.unwrap(), "HTTP/2.0");
+    let crl = ca
+        .revocation_list(1, &[unhex(&revoked.serial().unwrap())])
+        .unwrap();
+    agent1.install_crl(&crl).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let e = version(&a).await.unwrap_err();
+    assert!(matches!(e, ferry_api::ApiError::Unavailable { .. }), "{e}");
+    assert_eq!(version(&b).await.unwrap(), "HTTP/2.0");
     let _ = std::fs::remove_dir_all(&d);
 }

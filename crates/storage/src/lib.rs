@@ -61,7 +61,7 @@ pub async fn serve(
     let (extra, tls) = match pki {
         Some(p) => (
             ferry_net::server::pki_routes(p.clone()),
-            Some(p.server_config(true).map_err(std::io::Error::other)?),
+            Some(p.server_tls(true).map_err(std::io::Error::other)?),
         ),
         None => (axum::Router::new(), None),
     };
