@@ -188,7 +188,9 @@ pub struct ClientAddr(pub std::net::SocketAddr);
 pub struct Limits {
     /// Connections open at once, from everyone (`max_connections`).
     pub max_connections: usize,
-    /// Connections open at once from one address (`max_connections_per_client`).
+    /// Connections open at once from one address (`max_connections_per_client`);
+    /// and, apart, HTTP/2 requests under way from one address, since one
+    /// connection carries many ([`ConnectionTable::admit_stream`]).
     #[serde(rename = "max_connections_per_client")]
     pub per_client: usize,
     /// A request's head (request line and headers) must arrive within this,
@@ -281,15 +283,18 @@ mod secs {
 #[derive(Debug, Clone, Copy)]
 pub struct BodyLimit(pub usize);
 
-/// Open connections per client address; a [`Slot`] gives one back.
+/// Open connections per client address, and HTTP/2 requests under way
+/// per client address; a [`Slot`] gives one back.
 #[derive(Default)]
 struct Connections {
     total: usize,
     per: std::collections::HashMap<std::net::IpAddr, usize>,
+    streams: std::collections::HashMap<std::net::IpAddr, usize>,
 }
 
 /// Connections a server holds open, per client address and in all: the
 /// TLS servers' ([`serve_with`]) and the storage node's NBD.
+#[derive(Clone)]
 pub struct ConnectionTable {
     table: std::sync::Arc<std::sync::Mutex<Connections>>,
     max_connections: usize,
@@ -327,27 +332,105 @@ impl ConnectionTable {
         Ok(Slot {
             table: self.table.clone(),
             ip,
+            stream: false,
+        })
+    }
+
+    /// A slot for one more HTTP/2 request under way from `ip`, or why not.
+    /// One HTTP/2 connection carries many requests at once; counted here
+    /// against `per_client` as connections are, a client's streams hold
+    /// no more of the server than its connections could.
+    pub fn admit_stream(&self, ip: std::net::IpAddr) -> Result<Slot, ApiError> {
+        let mut t = ferry_api::util::lock(&self.table);
+        let mine = t.streams.entry(ip).or_default();
+        if *mine >= self.per_client {
+            return Err(ApiError::TooMany {
+                what: format!("HTTP/2 requests under way from {ip}"),
+                limit: self.per_client as u64,
+                setting: "max_connections_per_client".into(),
+            });
+        }
+        *mine += 1;
+        Ok(Slot {
+            table: self.table.clone(),
+            ip,
+            stream: true,
         })
     }
 }
 
-/// One open connection; dropping it gives it back.
+/// One open connection, or one HTTP/2 request under way; dropping it
+/// gives it back.
 pub struct Slot {
     table: std::sync::Arc<std::sync::Mutex<Connections>>,
     ip: std::net::IpAddr,
+    stream: bool,
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         let mut t = ferry_api::util::lock(&self.table);
-        t.total = t.total.saturating_sub(1);
-        if let Some(n) = t.per.get_mut(&self.ip) {
+        let per = if self.stream {
+            &mut t.streams
+        } else {
+            t.total = t.total.saturating_sub(1);
+            &mut t.per
+        };
+        if let Some(n) = per.get_mut(&self.ip) {
             *n -= 1;
             if *n == 0 {
-                t.per.remove(&self.ip);
+                per.remove(&self.ip);
             }
         }
     }
+}
+
+/// A response body that holds its request's [`Slot`] until it is sent
+/// whole or dropped (an event stream's slot lasts as long as the stream).
+struct Held {
+    body: axum::body::Body,
+    _slot: Slot,
+}
+
+impl axum::body::HttpBody for Held {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, axum::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// Counts each HTTP/2 request from `ip` in `table` while it is under way
+/// (its response body included), refusing one past the client's limit
+/// with 429. An HTTP/1.1 connection carries one request at a time, so its
+/// connection's slot is the bound.
+async fn one_stream(
+    State((table, ip)): State<(ConnectionTable, std::net::IpAddr)>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    if req.version() != axum::http::Version::HTTP_2 {
+        return next.run(req).await;
+    }
+    let slot = match table.admit_stream(ip) {
+        Ok(s) => s,
+        Err(e) => return ErrorResponse(e).into_response(),
+    };
+    next.run(req)
+        .await
+        .map(|body| axum::body::Body::new(Held { body, _slot: slot }))
 }
 
 /// What a TLS server serves with: its configuration and, from a
@@ -438,7 +521,11 @@ pub async fn serve_with(
                 continue;
             }
         };
-        let (acceptor, router) = (acceptor.clone(), router.clone());
+        let router = router.clone().layer(axum::middleware::from_fn_with_state(
+            (table.clone(), peer.ip()),
+            one_stream,
+        ));
+        let acceptor = acceptor.clone();
         // a connection ends at a change of what is in force after its
         // handshake, not at one before it
         let mut changes = tls.changes.clone();

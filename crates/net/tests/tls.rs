@@ -481,3 +481,75 @@ async fn a_revocation_ends_the_kept_connections_at_once() {
     assert_eq!(version(&b).await.unwrap(), "HTTP/2.0");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// One HTTP/2 connection carries many requests at once. A client's
+/// requests under way count against `max_connections_per_client` as its
+/// connections do, so one connection holds no more of a server than that
+/// many connections could: one more request is refused with 429, naming
+/// the limit, and the client is served again once one ends.
+#[tokio::test]
+async fn one_http2_connection_holds_no_more_requests_than_the_clients_connections_may() {
+    let d = std::env::temp_dir().join(format!("ferry-tls-streams-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    let ca = Authority::create(&d.join("ca"), "test").unwrap();
+    let agent1 = issue(&ca, &d, Role::Agent, "host1");
+    let control = issue(&ca, &d, Role::Control, "control");
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let under_way = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (g, u) = (gate.clone(), under_way.clone());
+    let app =
+        axum::Router::new()
+            .route(
+                "/api/v1/hold",
+                get(move || {
+                    let (g, u) = (g.clone(), u.clone());
+                    async move {
+                        u.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        let _permit = g.acquire().await;
+                        axum::Json("held".to_string())
+                    }
+                }),
+            )
+            .route(
+                "/api/v1/version",
+                get(|req: axum::extract::Request| async move {
+                    axum::Json(format!("{:?}", req.version()))
+                }),
+            );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("https://127.0.0.1:{}", l.local_addr().unwrap().port());
+    let limits = ferry_net::server::Limits {
+        per_client: 4,
+        ..Default::default()
+    };
+    let tls = agent1.server_config(true).unwrap().into();
+    tokio::spawn(ferry_net::server::serve_with(l, app, Some(tls), limits));
+    let c = kept(&control, &url);
+    assert_eq!(version(&c).await.unwrap(), "HTTP/2.0");
+    let held: Vec<_> = (0..4)
+        .map(|_| {
+            let c = c.clone();
+            tokio::spawn(async move { c.get::<String>("/hold", Duration::from_secs(10)).await })
+        })
+        .collect();
+    let t0 = std::time::Instant::now();
+    while under_way.load(std::sync::atomic::Ordering::SeqCst) < 4 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the 4 requests never got under way"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    match version(&c).await {
+        Err(ferry_api::ApiError::TooMany { limit, setting, .. }) => {
+            assert_eq!((limit, setting.as_str()), (4, "max_connections_per_client"))
+        }
+        other => panic!("a fifth request under way was not refused: {other:?}"),
+    }
+    gate.add_permits(4);
+    for h in held {
+        assert_eq!(h.await.unwrap().unwrap(), "held");
+    }
+    assert_eq!(version(&c).await.unwrap(), "HTTP/2.0");
+    let _ = std::fs::remove_dir_all(&d);
+}
