@@ -385,11 +385,53 @@ impl Drop for Slot {
     }
 }
 
-/// A response body that holds its request's [`Slot`] until it is sent
-/// whole or dropped (an event stream's slot lasts as long as the stream).
+/// A request's body, shared: the handler reads it through one clone, its
+/// response ([`Held`]) keeps another.
+#[derive(Clone)]
+struct SharedBody(std::sync::Arc<std::sync::Mutex<axum::body::Body>>);
+
+impl axum::body::HttpBody for SharedBody {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, axum::Error>>> {
+        std::pin::Pin::new(&mut *ferry_api::util::lock(&self.0)).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        ferry_api::util::lock(&self.0).is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        ferry_api::util::lock(&self.0).size_hint()
+    }
+}
+
+/// How long a response waits, once whole, for the rest of a request body
+/// its handler did not read ([`Held`]).
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// An HTTP/2 response body that holds its request's [`Slot`] until it is
+/// sent whole or dropped (an event stream's slot lasts as long as the
+/// stream), and that ends its stream only once the request has ended too.
+///
+/// A handler may answer before the request's body has come (a 401 or 403
+/// given by the authentication layer). Ended then, the stream is reset
+/// under a client still sending, and some clients (curl) lose the answer
+/// to a stream error. So the rest of the body is taken and thrown away
+/// first: at most the body limit's worth, for at most [`DRAIN_TIME`];
+/// past either, the stream ends anyway.
 struct Held {
     body: axum::body::Body,
-    _slot: Slot,
+    _slot: Option<Slot>,
+    request: SharedBody,
+    /// Bytes of the request body still to be taken before giving up.
+    drain_left: usize,
+    /// Set once the response is whole: when draining gives up.
+    drain_until: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl axum::body::HttpBody for Held {
@@ -400,11 +442,37 @@ impl axum::body::HttpBody for Held {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, axum::Error>>> {
-        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+        use std::task::Poll;
+        if self.drain_until.is_none() {
+            match std::pin::Pin::new(&mut self.body).poll_frame(cx) {
+                Poll::Ready(None) => {
+                    self.drain_until = Some(Box::pin(tokio::time::sleep(DRAIN_TIME)));
+                }
+                other => return other,
+            }
+        }
+        loop {
+            if let Some(until) = self.drain_until.as_mut() {
+                if std::future::Future::poll(until.as_mut(), cx).is_ready() {
+                    return Poll::Ready(None);
+                }
+            }
+            match std::pin::Pin::new(&mut self.request).poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(f))) => {
+                    let n = f.data_ref().map_or(0, |d| d.len());
+                    if n > self.drain_left {
+                        return Poll::Ready(None);
+                    }
+                    self.drain_left -= n;
+                }
+                Poll::Ready(_) => return Poll::Ready(None),
+            }
+        }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.body.is_end_stream() && self.request.is_end_stream()
     }
 
     fn size_hint(&self) -> hyper::body::SizeHint {
@@ -412,25 +480,36 @@ impl axum::body::HttpBody for Held {
     }
 }
 
-/// Counts each HTTP/2 request from `ip` in `table` while it is under way
-/// (its response body included), refusing one past the client's limit
-/// with 429. An HTTP/1.1 connection carries one request at a time, so its
-/// connection's slot is the bound.
+/// Each HTTP/2 request: counted from `ip` in `table` while it is under way
+/// (its response body included), refused past the client's limit with 429
+/// (an HTTP/1.1 connection carries one request at a time, so its
+/// connection's slot is the bound), and its stream ended only after the
+/// request's ([`Held`]); `body_limit` is [`Limits::max_body_bytes`].
 async fn one_stream(
-    State((table, ip)): State<(ConnectionTable, std::net::IpAddr)>,
+    State((table, ip, body_limit)): State<(ConnectionTable, std::net::IpAddr, usize)>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     if req.version() != axum::http::Version::HTTP_2 {
         return next.run(req).await;
     }
-    let slot = match table.admit_stream(ip) {
-        Ok(s) => s,
-        Err(e) => return ErrorResponse(e).into_response(),
+    let (parts, body) = req.into_parts();
+    let request = SharedBody(std::sync::Arc::new(std::sync::Mutex::new(body)));
+    let req = axum::extract::Request::from_parts(parts, axum::body::Body::new(request.clone()));
+    let slot = table.admit_stream(ip);
+    let resp = match &slot {
+        Ok(_) => next.run(req).await,
+        Err(e) => ErrorResponse(e.clone()).into_response(),
     };
-    next.run(req)
-        .await
-        .map(|body| axum::body::Body::new(Held { body, _slot: slot }))
+    resp.map(|body| {
+        axum::body::Body::new(Held {
+            body,
+            _slot: slot.ok(),
+            request,
+            drain_left: body_limit,
+            drain_until: None,
+        })
+    })
 }
 
 /// What a TLS server serves with: its configuration and, from a
@@ -522,7 +601,7 @@ pub async fn serve_with(
             }
         };
         let router = router.clone().layer(axum::middleware::from_fn_with_state(
-            (table.clone(), peer.ip()),
+            (table.clone(), peer.ip(), limits.max_body_bytes),
             one_stream,
         ));
         let acceptor = acceptor.clone();

@@ -553,3 +553,55 @@ async fn one_http2_connection_holds_no_more_requests_than_the_clients_connection
     assert_eq!(version(&c).await.unwrap(), "HTTP/2.0");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A request refused before its body is read (here a role not served,
+/// whose body is still on its way) still gets its answer over HTTP/2: the
+/// server keeps the body until the answer has gone, so the stream is not
+/// cancelled under it, which curl reports as a stream error in place of
+/// the 403. Needs `curl` (as the lab tests do).
+#[tokio::test]
+async fn a_request_refused_before_its_body_arrives_gets_its_answer() {
+    let d = std::env::temp_dir().join(format!("ferry-tls-early-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    let ca = Authority::create(&d.join("ca"), "test").unwrap();
+    let agent1 = issue(&ca, &d, Role::Agent, "host1");
+    issue(&ca, &d, Role::Storage, "storage1");
+    let url = server(&agent1, &[Role::Control]).await;
+    let f = |p: &str| d.join(p).to_string_lossy().into_owned();
+    let (ca_cert, cert, key) = (
+        f("ca/ca-cert.pem"),
+        f("storage1/cert.pem"),
+        f("storage1/key.pem"),
+    );
+    let url = format!("{url}/api/v1/who");
+    let out = tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        let mut curl = std::process::Command::new("curl")
+            .args([
+                "-sS",
+                "-m",
+                "10",
+                "-o",
+                "-",
+                "-w",
+                "\n%{http_version} %{http_code}",
+            ])
+            .args(["--cacert", &ca_cert, "--cert", &cert, "--key", &key])
+            .args(["-X", "POST", "-T", "-", &url])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("this test needs curl");
+        std::thread::sleep(Duration::from_millis(300));
+        let _ = curl.stdin.take().unwrap().write_all(b"{}");
+        curl.wait_with_output().unwrap()
+    })
+    .await
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let why = String::from_utf8_lossy(&out.stderr);
+    assert!(text.ends_with("\n2 403"), "{text} {why}");
+    assert!(text.contains("storage1"), "{text}");
+    let _ = std::fs::remove_dir_all(&d);
+}
