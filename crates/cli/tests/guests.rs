@@ -153,7 +153,9 @@ fn vm_dir(host: &str, name: &str) -> PathBuf {
     found.into_iter().next().unwrap()
 }
 
-/// Runs `sh -c SCRIPT` in the guest through its guest agent.
+/// Runs `sh -c SCRIPT` in the guest through its guest agent, waiting for
+/// the agent as long as a boot may take (the first boot's 180 s: a reset
+/// or a start boots the guest again, under TCG).
 fn guest_sh(host: &str, vm: &str, script: &str) -> String {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -161,7 +163,7 @@ fn guest_sh(host: &str, vm: &str, script: &str) -> String {
         .unwrap();
     let sock = vm_dir(host, vm).join(ferry_agent::qemu::QGA_SOCK);
     rt.block_on(async {
-        let mut a = ferry_agent::qga::Qga::connect(&sock, Duration::from_secs(60))
+        let mut a = ferry_agent::qga::Qga::connect(&sock, Duration::from_secs(180))
             .await
             .unwrap_or_else(|e| panic!("guest agent of {vm} on {host}: {e}"));
         let out = a
