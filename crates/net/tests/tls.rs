@@ -10,6 +10,14 @@ use ferry_net::client::{Client, ClientAuth};
 use ferry_net::server::{require_peer, PeerAuth, PeerCert};
 use ferry_net::tls::{Authority, CertRequest, Pki, Role};
 
+/// A fresh directory for test `tag` (removed first) with a CA in `ca/`.
+fn fresh_ca(tag: &str) -> (std::path::PathBuf, Authority) {
+    let d = std::env::temp_dir().join(format!("ferry-tls-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    let ca = Authority::create(&d.join("ca"), "test").unwrap();
+    (d, ca)
+}
+
 fn issue(ca: &Authority, dir: &std::path::Path, role: Role, name: &str) -> Pki {
     let out = dir.join(name);
     ca.issue(
@@ -55,9 +63,7 @@ async fn who(url: &str, auth: ClientAuth) -> Result<String, ferry_api::ApiError>
 
 #[tokio::test]
 async fn only_certificates_of_the_cluster_with_a_served_role_get_in() {
-    let d = std::env::temp_dir().join(format!("ferry-tls-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    let ca = Authority::create(&d.join("ca"), "test").unwrap();
+    let (d, ca) = fresh_ca("roles");
     // the CA refuses to be made twice over itself
     assert!(Authority::create(&d.join("ca"), "test").is_err());
     let agent1 = issue(&ca, &d, Role::Agent, "host1");
@@ -139,9 +145,7 @@ fn unhex(s: &str) -> Vec<u8> {
 
 #[tokio::test]
 async fn a_renewed_certificate_takes_over_at_once_and_a_revoked_one_is_refused() {
-    let d = std::env::temp_dir().join(format!("ferry-tls-rotate-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    let ca = Authority::create(&d.join("ca"), "test").unwrap();
+    let (d, ca) = fresh_ca("rotate");
     let agent1 = issue(&ca, &d, Role::Agent, "host1");
     let control = issue(&ca, &d, Role::Control, "control");
     let admin = issue(&ca, &d, Role::Admin, "admin");
@@ -276,9 +280,7 @@ fn vm_client(dir: &std::path::Path) -> std::sync::Arc<rustls::ClientConfig> {
 
 #[tokio::test]
 async fn a_vms_nbd_certificate_names_the_vm_and_the_host_whose_agent_signed_it() {
-    let d = std::env::temp_dir().join(format!("ferry-tls-vm-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    let ca = Authority::create(&d.join("ca"), "test").unwrap();
+    let (d, ca) = fresh_ca("vm");
     let storage = issue(&ca, &d, Role::Storage, "storage1");
     let host1 = issue(&ca, &d, Role::Agent, "host1");
     let control = issue(&ca, &d, Role::Control, "control");
@@ -430,9 +432,7 @@ async fn version(c: &Client) -> Result<String, ferry_api::ApiError> {
 /// meantime loses the connection it had (here with no word of the change).
 #[tokio::test]
 async fn a_kept_connection_is_http2_and_a_revoked_certificate_loses_it_with_age() {
-    let d = std::env::temp_dir().join(format!("ferry-tls-age-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    let ca = Authority::create(&d.join("ca"), "test").unwrap();
+    let (d, ca) = fresh_ca("age");
     let agent1 = issue(&ca, &d, Role::Agent, "host1");
     let control = issue(&ca, &d, Role::Control, "control");
     let limits = ferry_net::server::Limits {
@@ -461,9 +461,7 @@ async fn a_kept_connection_is_http2_and_a_revoked_certificate_loses_it_with_age(
 /// connection's age; another client is served on.
 #[tokio::test]
 async fn a_revocation_ends_the_kept_connections_at_once() {
-    let d = std::env::temp_dir().join(format!("ferry-tls-crl-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    let ca = Authority::create(&d.join("ca"), "test").unwrap();
+    let (d, ca) = fresh_ca("crl");
     let agent1 = issue(&ca, &d, Role::Agent, "host1");
     let revoked = issue(&ca, &d, Role::Control, "control");
     let other = issue(&ca, &d, Role::Control, "control2");
@@ -489,9 +487,7 @@ async fn a_revocation_ends_the_kept_connections_at_once() {
 /// the limit, and the client is served again once one ends.
 #[tokio::test]
 async fn one_http2_connection_holds_no_more_requests_than_the_clients_connections_may() {
-    let d = std::env::temp_dir().join(format!("ferry-tls-streams-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    let ca = Authority::create(&d.join("ca"), "test").unwrap();
+    let (d, ca) = fresh_ca("streams");
     let agent1 = issue(&ca, &d, Role::Agent, "host1");
     let control = issue(&ca, &d, Role::Control, "control");
     let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
@@ -561,9 +557,7 @@ async fn one_http2_connection_holds_no_more_requests_than_the_clients_connection
 /// the 403. Needs `curl` (as the lab tests do).
 #[tokio::test]
 async fn a_request_refused_before_its_body_arrives_gets_its_answer() {
-    let d = std::env::temp_dir().join(format!("ferry-tls-early-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    let ca = Authority::create(&d.join("ca"), "test").unwrap();
+    let (d, ca) = fresh_ca("early");
     let agent1 = issue(&ca, &d, Role::Agent, "host1");
     issue(&ca, &d, Role::Storage, "storage1");
     let url = server(&agent1, &[Role::Control]).await;
