@@ -824,6 +824,9 @@ mod tests {
         net: BTreeSet<Msg>,
         restarts: u8,
         kills: u8,
+        /// The source gave the move up and resumed its guest; its `aborted`
+        /// is not recorded yet (`roll_back` resumes first, then records).
+        rolling_back: bool,
     }
 
     impl World {
@@ -839,6 +842,7 @@ mod tests {
                 net: BTreeSet::new(),
                 restarts: 0,
                 kills: 0,
+                rolling_back: false,
             }
         }
 
@@ -929,10 +933,20 @@ mod tests {
                 f(&mut w);
                 out.push(w);
             };
-            // the source's own decisions
-            if self.s == SourcePhase::Copying {
+            // the source's own decisions; giving up is two steps: the guest
+            // resumes, then `aborted` is recorded (and the target told)
+            if self.s == SourcePhase::Copying && !self.rolling_back {
                 push(&|w| w.source_on(SourceEvent::Ready));
-                push(&|w| w.source_on(SourceEvent::Failed));
+                push(&|w| {
+                    w.rolling_back = true;
+                    w.source_runs = w.source_qemu;
+                });
+            }
+            if self.s == SourcePhase::Copying && self.rolling_back {
+                push(&|w| {
+                    w.rolling_back = false;
+                    w.source_on(SourceEvent::Failed);
+                });
             }
             // timeouts: a lost RUN answer, the source asking, the target asking
             if self.s == SourcePhase::Committed {
@@ -960,6 +974,7 @@ mod tests {
             if self.restarts < 2 {
                 push(&|w| {
                     w.restarts += 1;
+                    w.rolling_back = false;
                     w.source_on(SourceEvent::Restarted);
                 });
                 push(&|w| {
@@ -1031,6 +1046,10 @@ mod tests {
                 continue;
             }
             match (w.s, w.t) {
+                (SourcePhase::Copying, _) if w.rolling_back => {
+                    w.rolling_back = false;
+                    w.source_on(SourceEvent::Failed);
+                }
                 (SourcePhase::Copying, _) => w.source_on(SourceEvent::Ready),
                 (SourcePhase::Committed, _) => {
                     w.net.insert(Msg::AskTarget);

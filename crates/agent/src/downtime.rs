@@ -40,9 +40,9 @@ const REMEMBERED: usize = 5;
 /// paused this long (QEMU still sending, or the target not yet loaded) is
 /// given up before the commit, and the guest resumes on the source: its
 /// downtime stays under `max_ms` even when QEMU overshoots past every
-/// figure learned. What is kept back is the time resuming takes (the
-/// abort's record, QEMU's cancel, `cont`): a tenth of the maximum, 5 to 30
-/// ms.
+/// figure learned. What is kept back is the time resuming takes (QEMU's
+/// cancel and `cont`; the abort's record is written after): a tenth of the
+/// maximum, 5 to 30 ms.
 pub fn pause_deadline(max_ms: u64) -> Duration {
     let reserve = (max_ms / 10).clamp(5, 30);
     Duration::from_millis(max_ms.saturating_sub(reserve).max(max_ms / 2))

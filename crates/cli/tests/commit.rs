@@ -310,6 +310,47 @@ fn given_up_on(out: &std::process::Output, host: &str) -> String {
         .to_string()
 }
 
+/// Writes and fsyncs the lab's file system without pause until dropped:
+/// a host whose disk is busy, where every fsync waits its turn.
+struct BusyDisk {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl BusyDisk {
+    fn start() -> BusyDisk {
+        use std::io::Write;
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let path = PathBuf::from(format!("{LAB}/busy-disk"));
+        let writer = std::thread::spawn(move || {
+            let chunk = vec![0x5au8; 1 << 20];
+            while !flag.load(Ordering::Relaxed) {
+                let mut f = std::fs::File::create(&path).expect("the busy disk's file");
+                for _ in 0..64 {
+                    f.write_all(&chunk).expect("writing the busy disk's file");
+                }
+                f.sync_all().expect("syncing the busy disk's file");
+            }
+            let _ = std::fs::remove_file(&path);
+        });
+        BusyDisk {
+            stop,
+            writer: Some(writer),
+        }
+    }
+}
+
+impl Drop for BusyDisk {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+    }
+}
+
 #[test]
 #[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn a_switch_over_past_the_maximum_is_given_up_and_the_guest_resumes_within_it() {
@@ -321,6 +362,8 @@ fn a_switch_over_past_the_maximum_is_given_up_and_the_guest_resumes_within_it() 
     let armed = Armed::at("host2", "target-at-ready=stop");
     let thaw = Thaw::of("host2");
     let _vm = VmGuard::create("cp6", "host1", "384M", "256M");
+    // and the source's disk busy: resuming the guest waits on no fsync
+    let busy = BusyDisk::start();
     let out = ferry(&[
         "vm",
         "move",
@@ -333,6 +376,7 @@ fn a_switch_over_past_the_maximum_is_given_up_and_the_guest_resumes_within_it() 
         "200ms",
         "--json",
     ]);
+    drop(busy);
     let why = given_up_on(&out, "host1");
     assert!(
         why.contains("host2 had not loaded everything") && why.contains("at most 200 ms"),

@@ -712,19 +712,19 @@ impl Agent {
                 return;
             }
         }
-        if let Err(e) = self.set_source_phase(id, SourcePhase::Aborted) {
-            // the record still says Copying: a target asking hears "copying"
-            // and waits; this agent's next start records Aborted
-            tracing::error!(error = %e, "recording the rollback");
-        }
+        // the guest first, the record after: a paused guest waits on
+        // nothing but QEMU here (no fsync, no coarse sleep), which is what
+        // `downtime::pause_deadline`'s reserve is kept for
+        let t0 = Instant::now();
         let qmp = &vm.qmp;
         let _ = qmp.migrate_cancel().await;
         // QEMU's sockets end at this agent, so cancelling never waits on a dead link
         if let Some(s) = session {
             s.close();
         }
-        // looked at often: a guest paused for the blackout waits on this
-        for _ in 0..500 {
+        // looked at often, for at most 10 s: a guest paused for the
+        // blackout waits on this
+        for _ in 0..10_000 {
             match qmp.query_migrate().await.ok().and_then(|i| i.status) {
                 Some(s)
                     if s == "active"
@@ -733,14 +733,25 @@ impl Agent {
                         || s == "setup"
                         || s == "pre-switchover" =>
                 {
-                    tokio::time::sleep(Duration::from_millis(20)).await
+                    tokio::time::sleep(Duration::from_millis(1)).await
                 }
                 _ => break,
             }
         }
-        // the guest first: the skeleton never runs without RUN, which
-        // comes only after a Committed record
+        // the skeleton never runs without RUN, which comes only after a
+        // Committed record: resuming here before recording the abort is
+        // safe, and a restart that reads Copying rolls back again
         resume_guest(vm).await;
+        tracing::info!(
+            migration = id,
+            ms = t0.elapsed().as_millis() as u64,
+            "source guest resumed after the move was given up"
+        );
+        if let Err(e) = self.set_source_phase(id, SourcePhase::Aborted) {
+            // the record still says Copying: a target asking hears "copying"
+            // and waits; this agent's next start records Aborted
+            tracing::error!(error = %e, "recording the rollback");
+        }
         if let Err(e) = target
             .delete::<serde_json::Value>(&format!("/incoming/{id}"), Duration::from_secs(5))
             .await
