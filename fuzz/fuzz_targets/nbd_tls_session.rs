@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use ferry_storage::nbd::server::{serve_tls_connection, Attachment, Catalog, Peer, Refusal};
+use ferry_storage::nbd::server::{serve_tls_connection, Attachment, Catalog, Peer, Refusal, Tls};
 use libfuzzer_sys::fuzz_target;
 use tokio::io::AsyncWriteExt;
 
@@ -61,7 +61,7 @@ fuzz_target!(|data: &[u8]| {
         let (mut client, server) = tokio::io::duplex(1 << 16);
         let peer = "127.0.0.1:1".parse().expect("addr");
         let cat: Arc<dyn Catalog> = Arc::new(Never);
-        let task = tokio::spawn(serve_tls_connection(server, peer, cat, acceptor(), Default::default()));
+        let task = tokio::spawn(serve_tls_connection(server, peer, cat, Tls { acceptor: acceptor(), pki: None }, Default::default()));
         // an odd first byte fuzzes from the client's flags on; an even one
         // sends the flags and STARTTLS first, so the rest is a TLS handshake
         if let Some((&mode, rest)) = data.split_first() {

@@ -947,6 +947,25 @@ impl Pki {
         Ok(Arc::new(c))
     }
 
+    /// Whether an NBD client's certificate chain, as its handshake presented
+    /// it, still passes [`Pki::nbd_server_config`]'s check against the CA
+    /// and revocation list in force now. A storage node asks again at each
+    /// [`Pki::changes`], so a revoked host (or a VM whose agent's
+    /// certificate was revoked) loses the disk connections it holds.
+    pub fn nbd_client_passes(&self, chain: &[CertificateDer<'_>]) -> Result<(), String> {
+        let (leaf, intermediates) = chain
+            .split_first()
+            .ok_or_else(|| "no client certificate".to_string())?;
+        VmClients(LiveClients {
+            pki: self.clone(),
+            lenient: false,
+            hints: vec![],
+        })
+        .verify_client_cert(leaf, intermediates, UnixTime::now())
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+    }
+
     /// TLS for an HTTPS server ([`component_alpn`]); `require_client_cert`: refuse clients without a
     /// certificate of this cluster (agents, storage nodes); otherwise one is
     /// verified when offered (the control service, whose users bring tokens).

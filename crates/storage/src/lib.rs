@@ -56,7 +56,10 @@ pub async fn serve(
         })
     };
     let cat: Arc<dyn nbd::server::Catalog> = Arc::new(node::NodeCatalog(node.clone()));
-    let nbd_tls = nbd_tls.map(tokio_rustls::TlsAcceptor::from);
+    let nbd_tls = nbd_tls.map(|c| nbd::server::Tls {
+        acceptor: tokio_rustls::TlsAcceptor::from(c),
+        pki: pki.cloned(),
+    });
     let nbd_task = tokio::spawn(nbd::server::serve(nbd, cat, nbd_tls, limits.1));
     let (extra, tls) = match pki {
         Some(p) => (

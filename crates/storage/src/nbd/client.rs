@@ -400,4 +400,105 @@ mod tests {
         assert!(e.contains("port"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// A client configuration from a VM's credentials directory, as QEMU
+    /// reads it (`ca-cert.pem`, `client-cert.pem` with its agent's after it,
+    /// `client-key.pem`).
+    fn vm_client(dir: &std::path::Path) -> Arc<ferry_net::tls::ClientConfig> {
+        use tokio_rustls::rustls;
+        use tokio_rustls::rustls::pki_types::pem::PemObject;
+        let chain: Vec<_> =
+            rustls::pki_types::CertificateDer::pem_file_iter(dir.join("client-cert.pem"))
+                .unwrap()
+                .map(|c| c.unwrap())
+                .collect();
+        let key =
+            rustls::pki_types::PrivateKeyDer::from_pem_file(dir.join("client-key.pem")).unwrap();
+        let roots = ferry_net::tls::load_roots(&dir.join("ca-cert.pem")).unwrap();
+        Arc::new(
+            rustls::ClientConfig::builder_with_provider(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_client_auth_cert(chain, key)
+            .unwrap(),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_revoked_agent_loses_its_and_its_vms_disk_connections_at_once_and_others_go_on() {
+        use ferry_net::tls::{Authority, CertRequest, Pki, Role};
+        let dir = std::env::temp_dir().join(format!("ferry-nbd-crl-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let ca = Authority::create(&dir.join("ca"), "test").unwrap();
+        let issue = |role, name: &str| {
+            let out = dir.join(name);
+            let req = CertRequest {
+                role,
+                name: name.into(),
+                san: vec!["127.0.0.1".into()],
+                days: 1,
+            };
+            ca.issue(&req, &out).unwrap();
+            Pki::load(&out).unwrap()
+        };
+        let storage = issue(Role::Storage, "storage1");
+        let host1 = issue(Role::Agent, "host1");
+        let host2 = issue(Role::Agent, "host2");
+        host1.vm_credentials("web1", &dir.join("web1")).unwrap();
+        let export = Arc::new(Export::create("d", &dir.join("d.img"), 8 << 20, false).unwrap());
+        let sched = Scheduler::new(crate::qos::Config::default());
+        sched.bind(1, "p", crate::qos::Params::default());
+        let cat: Arc<dyn Catalog> = Arc::new(One {
+            export: export.clone(),
+            sched,
+        });
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let uri = format!("nbd://{}/d", l.local_addr().unwrap());
+        let tls = crate::nbd::server::Tls {
+            acceptor: tokio_rustls::TlsAcceptor::from(storage.nbd_server_config().unwrap()),
+            pki: Some(storage.clone()),
+        };
+        tokio::spawn(crate::nbd::server::serve(
+            l,
+            cat,
+            Some(tls),
+            Default::default(),
+        ));
+        let open = |cfg| Client::connect(&uri, Some(cfg));
+        let mut vm = open(vm_client(&dir.join("web1"))).await.unwrap();
+        let mut h1 = open(host1.client_config().unwrap()).await.unwrap();
+        let mut h2 = open(host2.client_config().unwrap()).await.unwrap();
+        let data = vec![0x42u8; 4096];
+        for c in [&mut vm, &mut h1, &mut h2] {
+            c.write_batch(&[(0, &data)]).await.unwrap();
+            c.flush().await.unwrap();
+        }
+        // host1's certificate revoked: the node reads the new list
+        let serial = host1.serial().unwrap();
+        let serial: Vec<u8> = (0..serial.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&serial[i..i + 2], 16).unwrap())
+            .collect();
+        let crl = ca.revocation_list(1, &[serial]).unwrap();
+        storage.install_crl(&crl).unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        // host1's connection and its VM's, idle, were ended without waiting
+        // for a request (which would have been refused with EPERM)
+        for (who, c) in [("web1", &mut vm), ("host1", &mut h1)] {
+            match c.flush().await {
+                Err(ClientError::Io(_)) => {}
+                other => panic!("{who}'s connection after the revocation: {other:?}"),
+            }
+        }
+        // host2 goes on, on the connection it had
+        h2.write_batch(&[(4096, &data)]).await.unwrap();
+        h2.flush().await.unwrap();
+        // and host1 cannot come back
+        let e = open(host1.client_config().unwrap()).await.err().unwrap();
+        assert!(e.to_string().contains("CertificateRevoked"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

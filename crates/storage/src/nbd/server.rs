@@ -185,6 +185,61 @@ pub enum ConnError {
     Tls(std::io::Error),
     #[error("fenced: {0}")]
     Fenced(String),
+    #[error("the client's certificate no longer passes: {0}")]
+    Revoked(String),
+}
+
+/// TLS for the NBD server: the handshake's acceptor and, where the
+/// certificates in force can change, the PKI they come from. At each change
+/// ([`ferry_net::tls::Pki::changes`]: a revocation list, the CA, the node's
+/// certificate) every connection's client chain is checked again
+/// ([`ferry_net::tls::Pki::nbd_client_passes`]); one that no longer passes
+/// (a revoked host, or a VM whose agent was revoked) ends its connection,
+/// and the others go on undisturbed.
+#[derive(Clone)]
+pub struct Tls {
+    pub acceptor: tokio_rustls::TlsAcceptor,
+    pub pki: Option<ferry_net::tls::Pki>,
+}
+
+/// A connection's client chain, checked again at each change in force.
+struct Recheck {
+    pki: ferry_net::tls::Pki,
+    changes: tokio::sync::watch::Receiver<u64>,
+    chain: Vec<tokio_rustls::rustls::pki_types::CertificateDer<'static>>,
+}
+
+impl Recheck {
+    /// Why the chain no longer passes, if something changed since the
+    /// last look; `None` if it passes or nothing changed.
+    fn now(&mut self) -> Option<String> {
+        if !self.changes.has_changed().unwrap_or(false) {
+            return None;
+        }
+        self.changes.borrow_and_update();
+        self.pki.nbd_client_passes(&self.chain).err()
+    }
+
+    /// Waits for a change after which the chain no longer passes.
+    async fn failed(&mut self) -> String {
+        loop {
+            if self.changes.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+            if let Err(why) = self.pki.nbd_client_passes(&self.chain) {
+                return why;
+            }
+        }
+    }
+}
+
+/// Why a connection's client no longer passes, once it does not (never
+/// without a [`Recheck`]).
+async fn no_longer_passes(r: &mut Option<Recheck>) -> String {
+    match r {
+        Some(r) => r.failed().await,
+        None => std::future::pending().await,
+    }
 }
 
 fn transmission_flags(read_only: bool) -> u16 {
@@ -207,7 +262,7 @@ fn transmission_flags(read_only: bool) -> u16 {
 pub async fn serve(
     listener: TcpListener,
     catalog: Arc<dyn Catalog>,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    tls: Option<Tls>,
     limits: NbdLimits,
 ) {
     let table = ferry_net::server::ConnectionTable::new(
@@ -239,7 +294,7 @@ pub async fn serve(
         tokio::spawn(async move {
             let _slot = slot;
             let r = match tls {
-                Some(acc) => serve_tls_connection(sock, peer, cat, acc, limits).await,
+                Some(tls) => serve_tls_connection(sock, peer, cat, tls, limits).await,
                 None => serve_connection(sock, peer, cat, limits).await,
             };
             if let Err(e) = r {
@@ -279,7 +334,7 @@ where
     let Some((att, structured)) = neg else {
         return Ok(());
     };
-    transmission(rd, wr, Arc::from(att), structured, limits).await
+    transmission(rd, wr, Arc::from(att), structured, limits, None).await
 }
 
 /// Serves one client connection in TLS-required mode: greeting and
@@ -289,7 +344,7 @@ pub async fn serve_tls_connection<S>(
     mut sock: S,
     addr: SocketAddr,
     catalog: Arc<dyn Catalog>,
-    acceptor: tokio_rustls::TlsAcceptor,
+    tls: Tls,
     limits: NbdLimits,
 ) -> Result<(), ConnError>
 where
@@ -311,16 +366,24 @@ where
             (_, false) => return Ok(()),
         },
     };
-    let tls = tokio::time::timeout_at(deadline, acceptor.accept(sock))
+    // told of a change from before the handshake on: none slips between
+    let changes = tls.pki.as_ref().map(|p| (p.clone(), p.changes()));
+    let tls = tokio::time::timeout_at(deadline, tls.acceptor.accept(sock))
         .await
         .map_err(|_| ConnError::Timeout(HANDSHAKE_TIMEOUT))?
         .map_err(ConnError::Tls)?;
-    let (identity, vm_host) = tls
-        .get_ref()
-        .1
-        .peer_certificates()
+    let certs = tls.get_ref().1.peer_certificates();
+    let (identity, vm_host) = certs
         .and_then(ferry_net::tls::vm_identity)
         .map_or((None, None), |(id, host)| (Some(id), host));
+    let mut recheck = match (changes, certs) {
+        (Some((pki, changes)), Some(c)) => Some(Recheck {
+            pki,
+            changes,
+            chain: c.iter().map(|c| c.clone().into_owned()).collect(),
+        }),
+        _ => None,
+    };
     let peer = Peer {
         addr,
         identity,
@@ -338,7 +401,10 @@ where
     let Some((att, structured)) = neg else {
         return Ok(());
     };
-    transmission(rd, wr, Arc::from(att), structured, limits).await
+    if let Some(why) = recheck.as_mut().and_then(Recheck::now) {
+        return Err(ConnError::Revoked(why));
+    }
+    transmission(rd, wr, Arc::from(att), structured, limits, recheck).await
 }
 
 /// Options before TLS in TLS-required mode. `true`: STARTTLS was
@@ -613,6 +679,7 @@ async fn transmission<R, W>(
     att: Arc<dyn Attachment>,
     structured: bool,
     limits: NbdLimits,
+    mut recheck: Option<Recheck>,
 ) -> Result<(), ConnError>
 where
     R: AsyncRead + Unpin,
@@ -650,6 +717,8 @@ where
                         write_reply(&mut wr, r, structured).await?;
                         continue;
                     }
+                    // an idle connection ends too
+                    why = no_longer_passes(&mut recheck) => return Err(ConnError::Revoked(why)),
                 }
             }
             let mut h = [0u8; proto::REQUEST_LEN];
@@ -695,21 +764,28 @@ where
             } else {
                 Vec::new()
             };
-            if let Some(why) = att.fenced() {
-                // refused, and the connection closed: a fenced host's
-                // request is never carried out
+            // refused, and the connection closed: a fenced host's request,
+            // or one whose certificate no longer passes, is never carried out
+            let refused = match att.fenced() {
+                Some(why) => Some((why.clone(), ConnError::Fenced(why))),
+                None => recheck.as_mut().and_then(Recheck::now).map(|why| {
+                    let e = ConnError::Revoked(why);
+                    (e.to_string(), e)
+                }),
+            };
+            if let Some((msg, e)) = refused {
                 write_reply(
                     &mut wr,
                     Reply::Err {
                         cookie: req.cookie,
                         code: proto::EPERM,
-                        msg: why.clone(),
+                        msg,
                         read: cmd == Command::Read,
                     },
                     structured,
                 )
                 .await?;
-                return Err(ConnError::Fenced(why));
+                return Err(e);
             }
             let bytes = match cmd {
                 Command::Read | Command::Write { .. } => req.length as u64,
