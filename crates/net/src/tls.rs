@@ -484,6 +484,24 @@ pub fn load_roots(ca: &Path) -> Result<Arc<RootCertStore>, TlsError> {
     roots_of(ca, &read_certs(ca)?)
 }
 
+/// A TLS client configuration from a credentials directory laid out as
+/// QEMU's `tls-creds-x509` reads it, the one [`Pki::vm_credentials`]
+/// writes: `ca-cert.pem`, `client-cert.pem` (the chain after the leaf),
+/// `client-key.pem`. What a VM presents, for tools and tests that speak
+/// as one.
+pub fn client_config_from_dir(dir: &Path) -> Result<Arc<ClientConfig>, TlsError> {
+    let roots = load_roots(&dir.join("ca-cert.pem"))?;
+    let chain = read_certs(&dir.join("client-cert.pem"))?;
+    let key = read_key(&dir.join("client-key.pem"))?;
+    let c = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(config_err)?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .map_err(config_err)?;
+    Ok(Arc::new(c))
+}
+
 fn roots_of(ca: &Path, certs: &[CertificateDer<'static>]) -> Result<Arc<RootCertStore>, TlsError> {
     let mut roots = RootCertStore::empty();
     for c in certs {

@@ -258,24 +258,7 @@ async fn nbd_peer(
 
 /// A client config presenting the credentials `vm_credentials` wrote.
 fn vm_client(dir: &std::path::Path) -> std::sync::Arc<rustls::ClientConfig> {
-    use rustls::pki_types::pem::PemObject;
-    let chain: Vec<_> =
-        rustls::pki_types::CertificateDer::pem_file_iter(dir.join("client-cert.pem"))
-            .unwrap()
-            .map(|c| c.unwrap())
-            .collect();
-    let key = rustls::pki_types::PrivateKeyDer::from_pem_file(dir.join("client-key.pem")).unwrap();
-    let roots = ferry_net::tls::load_roots(&dir.join("ca-cert.pem")).unwrap();
-    std::sync::Arc::new(
-        rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_client_auth_cert(chain, key)
-        .unwrap(),
-    )
+    ferry_net::tls::client_config_from_dir(dir).unwrap()
 }
 
 #[tokio::test]

@@ -348,11 +348,8 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn writes_reach_ferrys_server_and_refusals_are_named() {
-        let dir = std::env::temp_dir().join(format!("ferry-nbdc-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+    /// An 8 MiB disk `d` in `dir`, and a catalog that offers it to anyone.
+    fn one_disk(dir: &std::path::Path) -> (Arc<Export>, Arc<dyn Catalog>) {
         let export = Arc::new(Export::create("d", &dir.join("d.img"), 8 << 20, false).unwrap());
         let sched = Scheduler::new(crate::qos::Config::default());
         sched.bind(1, "p", crate::qos::Params::default());
@@ -360,6 +357,15 @@ mod tests {
             export: export.clone(),
             sched,
         });
+        (export, cat)
+    }
+
+    #[tokio::test]
+    async fn writes_reach_ferrys_server_and_refusals_are_named() {
+        let dir = std::env::temp_dir().join(format!("ferry-nbdc-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (export, cat) = one_disk(&dir);
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         tokio::spawn(crate::nbd::server::serve(l, cat, None, Default::default()));
@@ -401,32 +407,6 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// A client configuration from a VM's credentials directory, as QEMU
-    /// reads it (`ca-cert.pem`, `client-cert.pem` with its agent's after it,
-    /// `client-key.pem`).
-    fn vm_client(dir: &std::path::Path) -> Arc<ferry_net::tls::ClientConfig> {
-        use tokio_rustls::rustls;
-        use tokio_rustls::rustls::pki_types::pem::PemObject;
-        let chain: Vec<_> =
-            rustls::pki_types::CertificateDer::pem_file_iter(dir.join("client-cert.pem"))
-                .unwrap()
-                .map(|c| c.unwrap())
-                .collect();
-        let key =
-            rustls::pki_types::PrivateKeyDer::from_pem_file(dir.join("client-key.pem")).unwrap();
-        let roots = ferry_net::tls::load_roots(&dir.join("ca-cert.pem")).unwrap();
-        Arc::new(
-            rustls::ClientConfig::builder_with_provider(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            ))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_client_auth_cert(chain, key)
-            .unwrap(),
-        )
-    }
-
     #[tokio::test]
     async fn a_revoked_agent_loses_its_and_its_vms_disk_connections_at_once_and_others_go_on() {
         use ferry_net::tls::{Authority, CertRequest, Pki, Role};
@@ -448,13 +428,7 @@ mod tests {
         let host1 = issue(Role::Agent, "host1");
         let host2 = issue(Role::Agent, "host2");
         host1.vm_credentials("web1", &dir.join("web1")).unwrap();
-        let export = Arc::new(Export::create("d", &dir.join("d.img"), 8 << 20, false).unwrap());
-        let sched = Scheduler::new(crate::qos::Config::default());
-        sched.bind(1, "p", crate::qos::Params::default());
-        let cat: Arc<dyn Catalog> = Arc::new(One {
-            export: export.clone(),
-            sched,
-        });
+        let (export, cat) = one_disk(&dir);
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let uri = format!("nbd://{}/d", l.local_addr().unwrap());
         let tls = crate::nbd::server::Tls {
@@ -468,7 +442,8 @@ mod tests {
             Default::default(),
         ));
         let open = |cfg| Client::connect(&uri, Some(cfg));
-        let mut vm = open(vm_client(&dir.join("web1"))).await.unwrap();
+        let vm_tls = ferry_net::tls::client_config_from_dir(&dir.join("web1")).unwrap();
+        let mut vm = open(vm_tls).await.unwrap();
         let mut h1 = open(host1.client_config().unwrap()).await.unwrap();
         let mut h2 = open(host2.client_config().unwrap()).await.unwrap();
         let data = vec![0x42u8; 4096];
@@ -496,6 +471,9 @@ mod tests {
         // host2 goes on, on the connection it had
         h2.write_batch(&[(4096, &data)]).await.unwrap();
         h2.flush().await.unwrap();
+        let mut got = vec![0u8; 4096];
+        export.read_at(&mut got, 4096).unwrap();
+        assert_eq!(got, data);
         // and host1 cannot come back
         let e = open(host1.client_config().unwrap()).await.err().unwrap();
         assert!(e.to_string().contains("CertificateRevoked"), "{e}");
