@@ -966,11 +966,14 @@ impl Pki {
     }
 
     /// Whether an NBD client's certificate chain, as its handshake presented
-    /// it, still passes [`Pki::nbd_server_config`]'s check against the CA
-    /// and revocation list in force now. A storage node asks again at each
+    /// it at `at` (Unix seconds), still passes [`Pki::nbd_server_config`]'s
+    /// check against the CA and revocation list in force now. The dates are
+    /// judged as at the handshake: a certificate that expires while its
+    /// connection is open keeps it, as in any TLS session, and a VM's QEMU
+    /// cannot renew its own. A storage node asks again at each
     /// [`Pki::changes`], so a revoked host (or a VM whose agent's
     /// certificate was revoked) loses the disk connections it holds.
-    pub fn nbd_client_passes(&self, chain: &[CertificateDer<'_>]) -> Result<(), String> {
+    pub fn nbd_client_passes(&self, chain: &[CertificateDer<'_>], at: u64) -> Result<(), String> {
         let (leaf, intermediates) = chain
             .split_first()
             .ok_or_else(|| "no client certificate".to_string())?;
@@ -979,7 +982,11 @@ impl Pki {
             lenient: false,
             hints: vec![],
         })
-        .verify_client_cert(leaf, intermediates, UnixTime::now())
+        .verify_client_cert(
+            leaf,
+            intermediates,
+            UnixTime::since_unix_epoch(Duration::from_secs(at)),
+        )
         .map(|_| ())
         .map_err(|e| e.to_string())
     }

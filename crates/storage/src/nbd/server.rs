@@ -207,6 +207,9 @@ struct Recheck {
     pki: ferry_net::tls::Pki,
     changes: tokio::sync::watch::Receiver<u64>,
     chain: Vec<tokio_rustls::rustls::pki_types::CertificateDer<'static>>,
+    /// When the handshake checked it (Unix seconds): its dates are judged
+    /// as then.
+    at: u64,
 }
 
 impl Recheck {
@@ -217,7 +220,7 @@ impl Recheck {
             return None;
         }
         self.changes.borrow_and_update();
-        self.pki.nbd_client_passes(&self.chain).err()
+        self.pki.nbd_client_passes(&self.chain, self.at).err()
     }
 
     /// Waits for a change after which the chain no longer passes.
@@ -226,7 +229,7 @@ impl Recheck {
             if self.changes.changed().await.is_err() {
                 return std::future::pending().await;
             }
-            if let Err(why) = self.pki.nbd_client_passes(&self.chain) {
+            if let Err(why) = self.pki.nbd_client_passes(&self.chain, self.at) {
                 return why;
             }
         }
@@ -381,6 +384,7 @@ where
             pki,
             changes,
             chain: c.iter().map(|c| c.clone().into_owned()).collect(),
+            at: ferry_api::util::now_ms() / 1000,
         }),
         _ => None,
     };
