@@ -54,6 +54,21 @@ pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// Hex digits (either case, two per byte) as bytes; `None` for anything
+/// else, an odd count included. The inverse of [`hex`].
+pub fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    s.as_bytes()
+        .chunks(2)
+        .map(|p| {
+            let d = |c: u8| (c as char).to_digit(16);
+            Some((d(p[0])? << 4 | d(p[1])?) as u8)
+        })
+        .collect()
+}
+
 /// Unix time now, milliseconds.
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
@@ -71,6 +86,17 @@ pub fn clock_utc(ms: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hex_and_unhex_are_inverses_and_unhex_takes_only_hex_digits() {
+        let b = [0x00, 0x1f, 0xa0, 0xff];
+        assert_eq!(unhex(&hex(&b)), Some(b.to_vec()));
+        assert_eq!(unhex("0A1b"), Some(vec![0x0a, 0x1b]));
+        assert_eq!(unhex(""), Some(vec![]));
+        for bad in ["a", "0g", "+f", "-1", " 1", "1\n"] {
+            assert_eq!(unhex(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn rates_parse_and_bad_ones_do_not() {

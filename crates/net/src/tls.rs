@@ -950,12 +950,7 @@ impl Pki {
     /// cluster, or a VM's certificate signed by an agent whose own
     /// certificate is of the cluster and not revoked ([`Pki::vm_credentials`]).
     pub fn nbd_server_config(&self) -> Result<Arc<ServerConfig>, TlsError> {
-        let verifier = Arc::new(VmClients(LiveClients {
-            pki: self.clone(),
-            lenient: false,
-            // no hint: a VM's chain starts below the CA
-            hints: vec![],
-        }));
+        let verifier = Arc::new(self.nbd_clients());
         let mut c = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(config_err)?
@@ -977,18 +972,24 @@ impl Pki {
         let (leaf, intermediates) = chain
             .split_first()
             .ok_or_else(|| "no client certificate".to_string())?;
+        self.nbd_clients()
+            .verify_client_cert(
+                leaf,
+                intermediates,
+                UnixTime::since_unix_epoch(Duration::from_secs(at)),
+            )
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
+    /// The check of an NBD client's chain, at its handshake and after.
+    fn nbd_clients(&self) -> VmClients {
         VmClients(LiveClients {
             pki: self.clone(),
             lenient: false,
+            // no hint: a VM's chain starts below the CA
             hints: vec![],
         })
-        .verify_client_cert(
-            leaf,
-            intermediates,
-            UnixTime::since_unix_epoch(Duration::from_secs(at)),
-        )
-        .map(|_| ())
-        .map_err(|e| e.to_string())
     }
 
     /// TLS for an HTTPS server ([`component_alpn`]); `require_client_cert`: refuse clients without a

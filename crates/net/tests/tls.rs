@@ -137,10 +137,7 @@ async fn served_serial(port: u16, client: std::sync::Arc<rustls::ClientConfig>) 
 }
 
 fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
+    ferry_api::util::unhex(s).unwrap()
 }
 
 #[tokio::test]

@@ -452,11 +452,7 @@ mod tests {
             c.flush().await.unwrap();
         }
         // host1's certificate revoked: the node reads the new list
-        let serial = host1.serial().unwrap();
-        let serial: Vec<u8> = (0..serial.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&serial[i..i + 2], 16).unwrap())
-            .collect();
+        let serial = ferry_api::util::unhex(&host1.serial().unwrap()).unwrap();
         let crl = ca.revocation_list(1, &[serial]).unwrap();
         storage.install_crl(&crl).unwrap();
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
