@@ -2,6 +2,7 @@
 //! the source (ready? ran?), RUN, discarding, and asking the source when
 //! nobody tells it anything (see [`crate::commit`]).
 
+use std::ops::ControlFlow::{self, Break, Continue};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -628,10 +629,27 @@ impl Agent {
         let t0 = Instant::now();
         let mut events = q.qmp.migration_events();
         loop {
+            if let Break(r) = self.ready_look(id, &q, t0, deadline).await {
+                return r;
+            }
+            next_look(&mut events, READY_POLL).await;
+        }
+    }
+
+    /// One look of READY's at the skeleton: Break with READY's answer, or
+    /// Continue while QEMU is still loading.
+    async fn ready_look(
+        &self,
+        id: &str,
+        q: &QemuVm,
+        t0: Instant,
+        deadline: Instant,
+    ) -> ControlFlow<Result<IncomingStatus, ApiError>> {
+        {
             if !q.alive().await {
-                return Err(ApiError::internal(
+                return Break(Err(ApiError::internal(
                     "the target QEMU exited before the commit",
-                ));
+                )));
             }
             let mig = q.qmp.query_migrate().await.ok().and_then(|i| i.status);
             // the guest's own state matters once QEMU says it has loaded
@@ -641,54 +659,41 @@ impl Agent {
                 _ => None,
             };
             match (mig.as_deref(), run) {
-                (Some("failed"), _) => {
-                    return Err(ApiError::internal(
-                        "the target QEMU failed to load the migration",
-                    ))
-                }
-                (_, Some(s)) if s.running => {
-                    // -S makes this impossible; say so loudly rather than commit on it
-                    return Err(ApiError::internal(
-                        "the target guest runs before the commit (QEMU started without -S?)",
-                    ));
-                }
+                (Some("failed"), _) => Break(Err(ApiError::internal(
+                    "the target QEMU failed to load the migration",
+                ))),
+                // -S makes this impossible; say so loudly rather than commit on it
+                (_, Some(s)) if s.running => Break(Err(ApiError::internal(
+                    "the target guest runs before the commit (QEMU started without -S?)",
+                ))),
                 (Some("completed"), _)
                     if crate::failpoint::hit("target-at-ready")
                         == Some(crate::failpoint::Action::KillQemu) =>
                 {
                     q.kill().await;
-                    return Err(ApiError::internal(
+                    Break(Err(ApiError::internal(
                         "the target QEMU exited before the commit",
-                    ));
+                    )))
                 }
                 (Some("completed"), Some(s)) => {
                     tracing::info!(
                         waited_ms = t0.elapsed().as_millis() as u64,
                         "READY: the skeleton has loaded everything"
                     );
-                    let cpu_ms = self.incoming_cpu(id, &q).await;
-                    return Ok(IncomingStatus {
+                    let cpu_ms = self.incoming_cpu(id, q).await;
+                    Break(Ok(IncomingStatus {
                         migration_id: id.into(),
                         qemu_status: s.status,
                         qemu_alive: true,
                         cpu_ms,
                         phase: phase_name(Some(TargetPhase::Waiting)),
-                    });
+                    }))
                 }
-                (m, _) if Instant::now() > deadline => {
-                    return Err(ApiError::internal(format!(
-                        "the target has not loaded the migration after 30 s (migration {})",
-                        m.unwrap_or("unknown")
-                    )))
-                }
-                _ => {
-                    // QEMU's MIGRATION event wakes this at once; the poll
-                    // is the fallback
-                    let woke = tokio::time::timeout(READY_POLL, events.changed()).await;
-                    if matches!(woke, Ok(Err(_))) {
-                        tokio::time::sleep(READY_POLL).await;
-                    }
-                }
+                (m, _) if Instant::now() > deadline => Break(Err(ApiError::internal(format!(
+                    "the target has not loaded the migration after 30 s (migration {})",
+                    m.unwrap_or("unknown")
+                )))),
+                _ => Continue(()),
             }
         }
     }
@@ -1196,4 +1201,90 @@ fn check_incoming(req: &IncomingRequest) -> Result<Option<[u8; 16]>, ApiError> {
             ))
         }
     })
+}
+
+/// READY's wait between two looks at the skeleton: until QEMU's next
+/// `MIGRATION` event or, if none comes, `poll`: the fallback. An event sent
+/// during a look wakes the next at once (a watch channel keeps it until it is
+/// seen), and a channel whose sender is gone (the QMP connection's reader
+/// ended) waits out `poll` rather than spin.
+async fn next_look(
+    events: &mut tokio::sync::watch::Receiver<crate::qmp::MigrationSeen>,
+    poll: Duration,
+) {
+    if let Ok(Err(_)) = tokio::time::timeout(poll, events.changed()).await {
+        tokio::time::sleep(poll).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::qmp::MigrationSeen;
+    use tokio::sync::watch;
+
+    /// READY's loop (`ready_incoming`'s) with a look that answers on its
+    /// `n`th call and, before, runs `during` (what happens while QEMU is
+    /// asked); returns the paused clock's reading at each look.
+    async fn looks(
+        events: &mut watch::Receiver<MigrationSeen>,
+        n: usize,
+        mut during: impl FnMut(usize),
+    ) -> Vec<Duration> {
+        let t0 = tokio::time::Instant::now();
+        let mut at = Vec::new();
+        loop {
+            at.push(t0.elapsed());
+            if at.len() == n {
+                return at;
+            }
+            during(at.len());
+            next_look(events, READY_POLL).await;
+        }
+    }
+
+    fn completed() -> MigrationSeen {
+        MigrationSeen {
+            count: 1,
+            status: "completed".into(),
+            sent: None,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_no_event_ready_looks_again_every_poll_and_answers() {
+        let (_tx, mut rx) = watch::channel(MigrationSeen::default());
+        let at = looks(&mut rx, 4, |_| {}).await;
+        let want: Vec<_> = (0..4).map(|i| READY_POLL * i).collect();
+        assert_eq!(at, want, "the fallback's looks, by the paused clock");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_event_wakes_the_next_look_at_once() {
+        let (tx, mut rx) = watch::channel(MigrationSeen::default());
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(7)).await;
+            tx.send(completed()).unwrap();
+            // the channel stays open past the look it woke
+            tokio::time::sleep(READY_POLL * 10).await;
+        });
+        let at = looks(&mut rx, 2, |_| {}).await;
+        assert_eq!(at, [Duration::ZERO, Duration::from_millis(7)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_event_sent_during_a_look_is_not_missed() {
+        let (tx, mut rx) = watch::channel(MigrationSeen::default());
+        // QEMU completes after the first look asked it, before the wait
+        let at = looks(&mut rx, 2, |_| tx.send(completed()).unwrap()).await;
+        assert_eq!(at, [Duration::ZERO, Duration::ZERO]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_closed_event_channel_falls_back_to_the_poll_without_spinning() {
+        let (tx, mut rx) = watch::channel(MigrationSeen::default());
+        drop(tx);
+        let at = looks(&mut rx, 3, |_| {}).await;
+        assert_eq!(at, [Duration::ZERO, READY_POLL, READY_POLL * 2]);
+    }
 }
