@@ -91,13 +91,7 @@ fn serial_hex(s: &str) -> anyhow::Result<Vec<u8>> {
         !clean.is_empty() && clean.len() <= 40,
         "--serial '{s}': not a serial number (hex, at most 20 bytes)"
     );
-    (0..clean.len())
-        .step_by(2)
-        .map(|i| {
-            u8::from_str_radix(&clean[i..i + 2], 16)
-                .map_err(|_| anyhow::anyhow!("--serial '{s}': not hex"))
-        })
-        .collect()
+    ferry_api::util::unhex(&clean).ok_or_else(|| anyhow::anyhow!("--serial '{s}': not hex"))
 }
 
 pub async fn revoke(
@@ -137,4 +131,20 @@ pub async fn revoke(
     let crl = authority.revocation_list(kept.number + 1, &all)?;
     let results: Vec<InstallResult> = c.put("/cluster/crl", &CrlInstall { crl }, T).await?;
     Ok(report(&results, "revocation list in force", json))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::serial_hex;
+
+    #[test]
+    fn serials_are_read_as_openssl_prints_them_and_anything_else_is_refused() {
+        assert_eq!(serial_hex("01:AB:cd").unwrap(), [0x01, 0xab, 0xcd]);
+        assert_eq!(serial_hex("abc").unwrap(), [0x0a, 0xbc]);
+        // a sign, a character of several bytes, nothing, too long
+        for bad in ["+f", "-1", "€a", "", ":", &"a".repeat(41)] {
+            let e = serial_hex(bad).unwrap_err().to_string();
+            assert!(e.contains("--serial"), "{bad}: {e}");
+        }
+    }
 }

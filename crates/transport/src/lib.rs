@@ -156,14 +156,7 @@ pub fn key_from_hex(s: &str) -> Option<[u8; 32]> {
 }
 
 fn bytes_from_hex<const N: usize>(s: &str) -> Option<[u8; N]> {
-    let mut out = [0u8; N];
-    if s.len() != 2 * N {
-        return None;
-    }
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(out)
+    ferry_api::util::unhex(s)?.try_into().ok()
 }
 
 #[cfg(test)]
@@ -174,7 +167,8 @@ mod tests {
     fn session_ids_round_trip_and_bad_text_is_refused() {
         let id = [0xab; 16];
         assert_eq!(session_from_hex(&session_to_hex(&id)), Some(id));
-        for bad in ["", "ab", &"z".repeat(32), &"a".repeat(33)] {
+        let signed = format!("+{}", "a".repeat(31));
+        for bad in ["", "ab", &"z".repeat(32), &"a".repeat(33), &signed] {
             assert_eq!(session_from_hex(bad), None, "{bad}");
         }
         let key = [0x5c; 32];
