@@ -1,22 +1,23 @@
 #!/usr/bin/env python3
-"""Two builds of Ferry's agents against each other on the switch-over: guest-seen downtime and its parts.
+"""Builds of Ferry's agents against each other on the switch-over: guest-seen downtime and its parts.
 
-One lab (two hosts, --nics NIC pairs shaped to --rate, CPUs split with --cpus), one idle
-workload guest moved back and forth. Per round, each build's agents are started on both hosts
-(`ferry lab restart-agent`; the guest outlives them), the order alternating, and the guest is
-moved --moves times under them. Per build: p50 / p95 / p99 / max of the report's
-`guest_downtime_ms` (the source's pause to RUN answered), the median of each of its
+One lab (two hosts, --nics NIC pairs shaped to --rate, CPUs split with --cpus), one workload
+guest (idle unless --dirty-rate) moved back and forth. Per round, each build's agents are started
+on both hosts (`ferry lab restart-agent`; the guest outlives them), the order rotating, and the
+guest is moved --moves times under them. Per build: p50 / p95 / p99 / max of the report's
+`guest_downtime_ms` (the source's pause to RUN answered), p50 / p95 / max of each of its
 `downtime_parts` (qemu, tick, ready, record, run), and the median transfer (`migrate` to the
-target running) and total times. The guest is
-checked intact at the end.
+target running) and total times. The guest is checked intact at the end.
 
     sudo python3 bench/switchover_ab.py --old OLD_BIN --new NEW_BIN [--rounds 5] [--moves 10]
-        [--rate 1gbit] [--nics 1] [--cpus split] [--memory 512M --fill 256M] [--option tcp]
-        [--compressible]
+        [--rate 1gbit] [--nics 1] [--cpus split] [--memory 512M --fill 256M] [--dirty-rate 0]
+        [--option tcp|auto|…] [--compressible]
+    sudo python3 bench/switchover_ab.py --bins BIN1,BIN2[,…] [the options above]
 
-OLD_BIN and NEW_BIN must be copies outside target/ (a running agent holds its binary).
+Builds must be copies outside target/ (a running agent holds its binary); the lab and the guest
+are made by the last one's CLI (--new's).
 """
-import argparse, json, statistics, subprocess, sys
+import argparse, json, os, statistics, subprocess, sys
 
 import labqemu
 
@@ -40,8 +41,9 @@ def where(binary, vm):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--old", required=True)
-    ap.add_argument("--new", required=True)
+    ap.add_argument("--old")
+    ap.add_argument("--new")
+    ap.add_argument("--bins", help="builds, comma-separated, instead of --old and --new")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--moves", type=int, default=10)
     ap.add_argument("--rate", default="1gbit")
@@ -49,19 +51,33 @@ def main():
     labqemu.add_cpus_option(ap, default="split")
     ap.add_argument("--memory", default="512M")
     ap.add_argument("--fill", default="256M")
-    ap.add_argument("--option", default="tcp")
+    ap.add_argument("--dirty-rate", default="0", help="the guest's --dirty-rate (default 0: idle)")
+    ap.add_argument("--option", default="tcp", help="each move's --option (auto: the cluster's choice)")
     ap.add_argument("--compressible", action="store_true",
                     help="the guest's memory compresses (~7x), as `vm create --compressible`")
     a = ap.parse_args()
-    builds = builds_of(a)
+    if a.bins:
+        builds = {os.path.basename(b): b for b in a.bins.split(",")}
+        for b in builds.values():
+            if not os.access(b, os.X_OK):
+                sys.exit(f"--bins: {b}: not an executable")
+        if len(builds) < 2:
+            sys.exit("--bins: give two builds or more, with names of their own")
+        a.new = list(builds.values())[-1]
+    elif a.old and a.new:
+        builds = builds_of(a)
+    else:
+        sys.exit("give --old and --new, or --bins")
     up = ["lab", "up", "--replace", "--hosts", "2", "--nics", a.nics, "--rate", a.rate, *labqemu.cpus_flag(a)]
     run(a.new, *up)
+    run(a.new, "vm", "rm", "sw", check=False)
     run(a.new, "vm", "create", "sw", "--host", "host1", "--memory", a.memory, "--fill", a.fill,
+        "--dirty-rate", a.dirty_rate,
         *(["--compressible"] if a.compressible else []))
     got = {b: [] for b in builds}
     names = list(builds)
     for rnd in range(a.rounds):
-        for b in names[rnd % 2:] + names[:rnd % 2]:
+        for b in names[rnd % len(names):] + names[:rnd % len(names)]:
             agents_from(builds[b])
             for i in range(a.moves):
                 to = "host2" if where(a.new, "sw") == "host1" else "host1"
@@ -79,10 +95,11 @@ def main():
     run(a.new, "vm", "rm", "sw", check=False)
     part_names = ["qemu", "tick", "ready", "record", "run"]
     print(f"\n{a.rounds} rounds x {a.moves} moves per build, {a.nics} NIC pair(s) at {a.rate}, "
-          f"--cpus {a.cpus or 'shared'}, {a.memory} guest ({a.fill} filled{', compressible' if a.compressible else ''}, idle), "
+          f"--cpus {a.cpus or 'shared'}, {a.memory} guest ({a.fill} filled{', compressible' if a.compressible else ''}, "
+          f"dirtying {a.dirty_rate}/s), "
           f"--option {a.option}; guest {intact}\n")
     print("| build | moves | guest downtime p50 / p95 / p99 / max ms | "
-          + " | ".join(f"{p} p50" for p in part_names) + " | transfer p50 s | total p50 s |")
+          + " | ".join(f"{p} p50 / p95 / max" for p in part_names) + " | transfer p50 s | total p50 s |")
     print("|---|---|---|" + "---|" * len(part_names) + "---|---|")
     for b, rs in got.items():
         g = [r["guest_downtime_ms"] for r in rs]
@@ -91,7 +108,7 @@ def main():
             for p in r.get("downtime_parts", []):
                 if p["part"] in parts:
                     parts[p["part"]].append(p["ms"])
-        cols = " | ".join(f"{statistics.median(v):.0f}" if v else "-" for v in parts.values())
+        cols = " | ".join(f"{pct(v, 50)} / {pct(v, 95)} / {max(v)}" if v else "-" for v in parts.values())
         tot = statistics.median(r["total_ms"] for r in rs) / 1000
         xfer = statistics.median(r["transfer_ms"] for r in rs) / 1000
         print(f"| {b} | {len(rs)} | {pct(g, 50)} / {pct(g, 95)} / {pct(g, 99)} / {max(g)} | {cols} | "
