@@ -427,9 +427,19 @@ impl JournalError {
 /// that a later phase can overwrite it in place ([`Journal::write`]).
 pub const RECORD_BYTES: usize = 512;
 
-/// This process's journal readers and in-place writers take turns: a read
-/// beside an overwrite of the same page could see half of each.
-static TURNS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// A record's readers and writers in this process take turns, by file: a
+/// read beside an overwrite could see half of each, and a reader sees a
+/// phase only once it is durable (a target told `committed` may run). Files
+/// share 16 locks, so one move's slow write rarely holds up another's.
+static TURNS: [std::sync::Mutex<()>; 16] = [const { std::sync::Mutex::new(()) }; 16];
+
+/// The turn of the record file at `path`.
+fn turn(path: &Path) -> std::sync::MutexGuard<'static, ()> {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    path.hash(&mut h);
+    ferry_api::util::lock(&TURNS[h.finish() as usize % TURNS.len()])
+}
 
 /// Migration records on disk, one file each, durable before a decision is
 /// acted on: `STATE_DIR/migrations/ID.{source,target}.json`.
@@ -471,7 +481,8 @@ impl Journal {
     /// written in place"). A sector is written whole or not at all, the
     /// assumption PostgreSQL makes of its 512-byte control file; were it
     /// ever torn, the record would read as unreadable, which every reader
-    /// takes for no answer, never for a phase.
+    /// takes for no answer, never for a phase. Readers in this process wait
+    /// for a write of the same record to be durable ([`turn`]).
     pub fn write(&self, rec: &Record) -> Result<(), JournalError> {
         use std::io::Write;
         let io = |path: &Path| {
@@ -489,13 +500,13 @@ impl Journal {
             body.resize(RECORD_BYTES - 1, b' ');
             body.push(b'\n');
         }
-        let _turn = ferry_api::util::lock(&TURNS);
         if !Self::overwrite(&path, &body).map_err(io(&path))? {
             std::fs::create_dir_all(&self.dir).map_err(io(&self.dir))?;
             let tmp = path.with_extension("tmp");
             let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
             f.write_all(&body).map_err(io(&tmp))?;
             f.sync_all().map_err(io(&tmp))?;
+            let _turn = turn(&path);
             std::fs::rename(&tmp, &path).map_err(io(&path))?;
             std::fs::File::open(&self.dir)
                 .and_then(|d| d.sync_all())
@@ -523,6 +534,7 @@ impl Journal {
         if f.metadata()?.len() != RECORD_BYTES as u64 {
             return Ok(false);
         }
+        let _turn = turn(path);
         f.write_all_at(body, 0)?;
         f.sync_data()?;
         Ok(true)
@@ -600,7 +612,7 @@ impl Journal {
     fn read_side(&self, id: &str, side: &Side) -> Result<Option<Record>, JournalError> {
         let path = self.path(id, side);
         let read = {
-            let _turn = ferry_api::util::lock(&TURNS);
+            let _turn = turn(&path);
             std::fs::read(&path)
         };
         match read {
@@ -624,7 +636,7 @@ impl Journal {
                 continue;
             }
             let read = {
-                let _turn = ferry_api::util::lock(&TURNS);
+                let _turn = turn(&path);
                 std::fs::read(&path)
             };
             match read {
