@@ -482,7 +482,7 @@ impl Journal {
     /// assumption PostgreSQL makes of its 512-byte control file; were it
     /// ever torn, the record would read as unreadable, which every reader
     /// takes for no answer, never for a phase. Readers in this process wait
-    /// for a write of the same record to be durable ([`turn`]).
+    /// for a write of the same record to be durable (`turn`).
     pub fn write(&self, rec: &Record) -> Result<(), JournalError> {
         use std::io::Write;
         let io = |path: &Path| {
