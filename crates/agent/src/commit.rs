@@ -429,16 +429,30 @@ pub const RECORD_BYTES: usize = 512;
 
 /// A record's readers and writers in this process take turns, by file: a
 /// read beside an overwrite could see half of each, and a reader sees a
-/// phase only once it is durable (a target told `committed` may run). Files
-/// share 16 locks, so one move's slow write rarely holds up another's.
-static TURNS: [std::sync::Mutex<()>; 16] = [const { std::sync::Mutex::new(()) }; 16];
+/// phase only once it is durable (a target told `committed` may run). Only
+/// the same file's turns wait on each other: one record's slow `fsync` holds
+/// up no other move's.
+static BUSY: std::sync::Mutex<std::collections::BTreeSet<PathBuf>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+static FREED: std::sync::Condvar = std::sync::Condvar::new();
 
-/// The turn of the record file at `path`.
-fn turn(path: &Path) -> std::sync::MutexGuard<'static, ()> {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    path.hash(&mut h);
-    ferry_api::util::lock(&TURNS[h.finish() as usize % TURNS.len()])
+/// The turn of the record file at `path`, until dropped.
+struct Turn(PathBuf);
+
+fn turn(path: &Path) -> Turn {
+    let mut busy = ferry_api::util::lock(&BUSY);
+    while busy.contains(path) {
+        busy = FREED.wait(busy).unwrap_or_else(|e| e.into_inner());
+    }
+    busy.insert(path.to_path_buf());
+    Turn(path.to_path_buf())
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        ferry_api::util::lock(&BUSY).remove(&self.0);
+        FREED.notify_all();
+    }
 }
 
 /// Migration records on disk, one file each, durable before a decision is
@@ -816,6 +830,38 @@ mod tests {
             (back.vm, back.side),
             (long, Side::Source(SourcePhase::Committed))
         );
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used)] // a panic is the failure report
+    fn a_records_turn_holds_up_its_own_readers_and_no_others() {
+        let tmp = tempfile::tempdir().unwrap();
+        let j = Journal::new(tmp.path());
+        for id in ["a", "b"] {
+            j.write(&Record {
+                migration_id: id.into(),
+                vm: "vm".into(),
+                peer: "host2".into(),
+                peer_url: "https://198.18.0.12:7800".into(),
+                side: Side::Source(SourcePhase::Copying),
+                updated: 0,
+                sealed: false,
+            })
+            .unwrap();
+        }
+        // a's write under way (its fsync, say)
+        let held = turn(&j.path("a", &Side::Source(SourcePhase::Copying)));
+        assert!(j.read("b", true).unwrap().is_some(), "b is read at once");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = j.clone();
+        std::thread::spawn(move || tx.send(reader.read("a", true).unwrap().is_some()));
+        assert!(
+            rx.recv_timeout(std::time::Duration::from_millis(200))
+                .is_err(),
+            "a's reader waits for a's write"
+        );
+        drop(held);
+        assert!(rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap());
     }
 
     #[test]

@@ -388,7 +388,8 @@ fn a_switch_over_past_the_maximum_is_given_up_and_the_guest_resumes_within_it() 
     let blackout_ms = paused_once_ms(&log);
     assert!(
         blackout_ms > 0.0 && blackout_ms <= 200.0,
-        "the guest was paused {blackout_ms:.1} ms"
+        "the guest was paused {blackout_ms:.1} ms; the source agent's last lines:\n{}",
+        agent_log_tail("host1", 30)
     );
     assert_intact_on("cp6", "host1");
     // the target thaws: it hears the move was given up and drops its

@@ -702,6 +702,7 @@ impl Agent {
         session: Option<&ferry_transport::Carriers>,
     ) {
         // never past the commit, whoever asks
+        let t0 = Instant::now();
         match self.moves.journal.read(id, true) {
             Ok(Some(Record {
                 side: Side::Source(SourcePhase::Copying),
@@ -712,10 +713,10 @@ impl Agent {
                 return;
             }
         }
+        let checked_ms = t0.elapsed().as_millis() as u64;
         // the guest first, the record after: a paused guest waits on
         // nothing but QEMU here (no fsync, no coarse sleep), which is what
         // `downtime::pause_deadline`'s reserve is kept for
-        let t0 = Instant::now();
         let qmp = &vm.qmp;
         let _ = qmp.migrate_cancel().await;
         // QEMU's sockets end at this agent, so cancelling never waits on a dead link
@@ -745,6 +746,7 @@ impl Agent {
         tracing::info!(
             migration = id,
             ms = t0.elapsed().as_millis() as u64,
+            checked_ms,
             "source guest resumed after the move was given up"
         );
         if let Err(e) = self.set_source_phase(id, SourcePhase::Aborted) {

@@ -406,12 +406,14 @@ impl Move<'_> {
     /// When the source's guest was paused for the blackout, if it was.
     fn paused_since(&self) -> Option<Instant> {
         let w = self.watch.as_ref()?;
-        w.paused_at.or_else(|| {
-            // QEMU paused and completed between two looks: its own figure
-            let info = w.info.as_ref()?;
-            let done = self.end.t_completed?;
-            done.checked_sub(Duration::from_millis(info.downtime?))
-        })
+        let downtime = w.info.as_ref().and_then(|i| i.downtime);
+        pause_start(
+            w.paused_at,
+            &w.events.borrow(),
+            self.end.t_completed,
+            downtime,
+            Instant::now(),
+        )
     }
 
     /// The switch-over would run past the maximum asked: the move is given
@@ -1133,11 +1135,88 @@ async fn stream_target(
     }
 }
 
+/// When the source's guest paused: when the agent saw QEMU's `device`
+/// state (dated by its event), or else, QEMU having paused and completed
+/// between two looks, its completion less its own `downtime` figure. The
+/// completion is dated by QEMU's `completed` event, not by when the agent
+/// got to it (`t_completed`): an agent woken late on a busy host would
+/// otherwise date the pause late by as much, and let a given-up switch-over
+/// run past its maximum by that.
+fn pause_start(
+    paused_at: Option<Instant>,
+    seen: &crate::qmp::MigrationSeen,
+    t_completed: Option<Instant>,
+    downtime_ms: Option<u64>,
+    now: Instant,
+) -> Option<Instant> {
+    paused_at.or_else(|| {
+        let mut done = t_completed?;
+        if seen.status == "completed" {
+            done = done.min(seen.sent_instant(now));
+        }
+        done.checked_sub(Duration::from_millis(downtime_ms?))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)] // tests: a panic is the failure report
     use super::*;
     use std::os::fd::AsRawFd;
+
+    #[test]
+    fn a_pause_seen_only_by_its_completion_is_dated_by_qemus_event_not_the_late_look() {
+        let now = Instant::now();
+        let ms = Duration::from_millis;
+        let completed = |ago: Duration| crate::qmp::MigrationSeen {
+            count: 2,
+            status: "completed".into(),
+            sent: Some(std::time::SystemTime::now() - ago),
+        };
+        // the agent got to QEMU's completion 60 ms after QEMU sent it; QEMU
+        // says the guest was paused 15 ms
+        let late_look = now - ms(10);
+        let start = pause_start(None, &completed(ms(70)), Some(late_look), Some(15), now).unwrap();
+        let want = now - ms(85);
+        let off = if start > want {
+            start - want
+        } else {
+            want - start
+        };
+        assert!(off < ms(5), "dated {off:?} off the event's time");
+        // the `device` state seen is kept as it was dated
+        let seen_device = now - ms(40);
+        assert_eq!(
+            pause_start(
+                Some(seen_device),
+                &completed(ms(70)),
+                Some(late_look),
+                Some(15),
+                now
+            ),
+            Some(seen_device)
+        );
+        // no completion event last (a newer one): the look's own time
+        let other = crate::qmp::MigrationSeen {
+            status: "cancelled".into(),
+            ..completed(ms(70))
+        };
+        assert_eq!(
+            pause_start(None, &other, Some(late_look), Some(15), now),
+            Some(late_look - ms(15))
+        );
+        // an event stamped after the look (a clock step) never dates it later
+        assert_eq!(
+            pause_start(
+                None,
+                &completed(Duration::ZERO),
+                Some(late_look),
+                Some(15),
+                now
+            ),
+            Some(late_look - ms(15))
+        );
+    }
 
     #[test]
     fn looks_at_qemu_thin_out_only_on_one_tcp_stream_far_from_its_end() {
