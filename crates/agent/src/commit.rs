@@ -832,22 +832,26 @@ mod tests {
         );
     }
 
+    /// A source's record of migration `id`, copying.
+    fn copying(id: &str) -> Record {
+        Record {
+            migration_id: id.into(),
+            vm: "vm".into(),
+            peer: "host2".into(),
+            peer_url: "https://198.18.0.12:7800".into(),
+            side: Side::Source(SourcePhase::Copying),
+            updated: 0,
+            sealed: false,
+        }
+    }
+
     #[test]
     #[allow(clippy::unwrap_used)] // a panic is the failure report
     fn a_records_turn_holds_up_its_own_readers_and_no_others() {
         let tmp = tempfile::tempdir().unwrap();
         let j = Journal::new(tmp.path());
         for id in ["a", "b"] {
-            j.write(&Record {
-                migration_id: id.into(),
-                vm: "vm".into(),
-                peer: "host2".into(),
-                peer_url: "https://198.18.0.12:7800".into(),
-                side: Side::Source(SourcePhase::Copying),
-                updated: 0,
-                sealed: false,
-            })
-            .unwrap();
+            j.write(&copying(id)).unwrap();
         }
         // a's write under way (its fsync, say)
         let held = turn(&j.path("a", &Side::Source(SourcePhase::Copying)));
@@ -871,16 +875,7 @@ mod tests {
         let j = Journal::new(tmp.path());
         // the two phases' names differ (`copying`, `committed`), so a read
         // of half of each is no record
-        j.write(&Record {
-            migration_id: "m".into(),
-            vm: "vm".into(),
-            peer: "host2".into(),
-            peer_url: "https://198.18.0.12:7800".into(),
-            side: Side::Source(SourcePhase::Copying),
-            updated: 0,
-            sealed: false,
-        })
-        .unwrap();
+        j.write(&copying("m")).unwrap();
         let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let reader = {
             let (j, done) = (j.clone(), done.clone());
