@@ -277,18 +277,27 @@ fn a_storage_outage_pauses_the_guest_and_loses_no_acknowledged_write() {
         (3_000..20_000).contains(&paused_ms),
         "paused for {paused_ms} ms: {p}"
     );
-    let events = ferry_json(&["events", "--limit", "50"]);
-    let kinds: Vec<&str> = events
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["subject"] == vm)
-        .filter_map(|e| e["kind"].as_str())
-        .collect();
-    assert!(
-        kinds.contains(&"storage_pause") && kinds.contains(&"storage_resume"),
-        "{events}"
-    );
+    // the event log is written at the control service's heartbeat, which
+    // may come up to a round after the agent's list says resumed
+    let logged = Instant::now();
+    loop {
+        let events = ferry_json(&["events", "--limit", "200"]);
+        let kinds: Vec<&str> = events
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["subject"] == vm)
+            .filter_map(|e| e["kind"].as_str())
+            .collect();
+        if kinds.contains(&"storage_pause") && kinds.contains(&"storage_resume") {
+            break;
+        }
+        assert!(
+            logged.elapsed() < Duration::from_secs(15),
+            "no storage_pause and storage_resume of {vm} logged: {events}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
 
     // the guest's own verifier: it writes on, and every write read back intact
     let t1 = Instant::now();
