@@ -480,6 +480,20 @@ pub struct MigrationSeen {
     pub sent: Option<std::time::SystemTime>,
 }
 
+/// Waits for QEMU's next `MIGRATION` event, or `wait` if none comes: a
+/// waiter's fallback look. An event sent since the receiver last looked
+/// ends the wait at once (a watch channel keeps it until it is seen), and a
+/// channel whose sender is gone (the QMP connection's reader ended) waits
+/// out `wait` rather than spin.
+pub async fn next_event_or(
+    events: &mut tokio::sync::watch::Receiver<MigrationSeen>,
+    wait: Duration,
+) {
+    if let Ok(Err(_)) = tokio::time::timeout(wait, events.changed()).await {
+        tokio::time::sleep(wait).await;
+    }
+}
+
 impl MigrationSeen {
     /// The moment, on this process's monotonic clock, QEMU sent the last
     /// event: `now` less the event's age by the wall clock. An age that is

@@ -632,7 +632,7 @@ impl Agent {
             if let Break(r) = self.ready_look(id, &q, t0, deadline).await {
                 return r;
             }
-            next_look(&mut events, READY_POLL).await;
+            crate::qmp::next_event_or(&mut events, READY_POLL).await;
         }
     }
 
@@ -645,56 +645,54 @@ impl Agent {
         t0: Instant,
         deadline: Instant,
     ) -> ControlFlow<Result<IncomingStatus, ApiError>> {
-        {
-            if !q.alive().await {
-                return Break(Err(ApiError::internal(
+        if !q.alive().await {
+            return Break(Err(ApiError::internal(
+                "the target QEMU exited before the commit",
+            )));
+        }
+        let mig = q.qmp.query_migrate().await.ok().and_then(|i| i.status);
+        // the guest's own state matters once QEMU says it has loaded
+        // everything (before that, started with -S, it cannot run)
+        let run = match mig.as_deref() {
+            Some("completed") => q.qmp.status().await.ok(),
+            _ => None,
+        };
+        match (mig.as_deref(), run) {
+            (Some("failed"), _) => Break(Err(ApiError::internal(
+                "the target QEMU failed to load the migration",
+            ))),
+            // -S makes this impossible; say so loudly rather than commit on it
+            (_, Some(s)) if s.running => Break(Err(ApiError::internal(
+                "the target guest runs before the commit (QEMU started without -S?)",
+            ))),
+            (Some("completed"), _)
+                if crate::failpoint::hit("target-at-ready")
+                    == Some(crate::failpoint::Action::KillQemu) =>
+            {
+                q.kill().await;
+                Break(Err(ApiError::internal(
                     "the target QEMU exited before the commit",
-                )));
+                )))
             }
-            let mig = q.qmp.query_migrate().await.ok().and_then(|i| i.status);
-            // the guest's own state matters once QEMU says it has loaded
-            // everything (before that, started with -S, it cannot run)
-            let run = match mig.as_deref() {
-                Some("completed") => q.qmp.status().await.ok(),
-                _ => None,
-            };
-            match (mig.as_deref(), run) {
-                (Some("failed"), _) => Break(Err(ApiError::internal(
-                    "the target QEMU failed to load the migration",
-                ))),
-                // -S makes this impossible; say so loudly rather than commit on it
-                (_, Some(s)) if s.running => Break(Err(ApiError::internal(
-                    "the target guest runs before the commit (QEMU started without -S?)",
-                ))),
-                (Some("completed"), _)
-                    if crate::failpoint::hit("target-at-ready")
-                        == Some(crate::failpoint::Action::KillQemu) =>
-                {
-                    q.kill().await;
-                    Break(Err(ApiError::internal(
-                        "the target QEMU exited before the commit",
-                    )))
-                }
-                (Some("completed"), Some(s)) => {
-                    tracing::info!(
-                        waited_ms = t0.elapsed().as_millis() as u64,
-                        "READY: the skeleton has loaded everything"
-                    );
-                    let cpu_ms = self.incoming_cpu(id, q).await;
-                    Break(Ok(IncomingStatus {
-                        migration_id: id.into(),
-                        qemu_status: s.status,
-                        qemu_alive: true,
-                        cpu_ms,
-                        phase: phase_name(Some(TargetPhase::Waiting)),
-                    }))
-                }
-                (m, _) if Instant::now() > deadline => Break(Err(ApiError::internal(format!(
-                    "the target has not loaded the migration after 30 s (migration {})",
-                    m.unwrap_or("unknown")
-                )))),
-                _ => Continue(()),
+            (Some("completed"), Some(s)) => {
+                tracing::info!(
+                    waited_ms = t0.elapsed().as_millis() as u64,
+                    "READY: the skeleton has loaded everything"
+                );
+                let cpu_ms = self.incoming_cpu(id, q).await;
+                Break(Ok(IncomingStatus {
+                    migration_id: id.into(),
+                    qemu_status: s.status,
+                    qemu_alive: true,
+                    cpu_ms,
+                    phase: phase_name(Some(TargetPhase::Waiting)),
+                }))
             }
+            (m, _) if Instant::now() > deadline => Break(Err(ApiError::internal(format!(
+                "the target has not loaded the migration after 30 s (migration {})",
+                m.unwrap_or("unknown")
+            )))),
+            _ => Continue(()),
         }
     }
 
@@ -1203,20 +1201,6 @@ fn check_incoming(req: &IncomingRequest) -> Result<Option<[u8; 16]>, ApiError> {
     })
 }
 
-/// READY's wait between two looks at the skeleton: until QEMU's next
-/// `MIGRATION` event or, if none comes, `poll`: the fallback. An event sent
-/// during a look wakes the next at once (a watch channel keeps it until it is
-/// seen), and a channel whose sender is gone (the QMP connection's reader
-/// ended) waits out `poll` rather than spin.
-async fn next_look(
-    events: &mut tokio::sync::watch::Receiver<crate::qmp::MigrationSeen>,
-    poll: Duration,
-) {
-    if let Ok(Err(_)) = tokio::time::timeout(poll, events.changed()).await {
-        tokio::time::sleep(poll).await;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1239,7 +1223,7 @@ mod tests {
                 return at;
             }
             during(at.len());
-            next_look(events, READY_POLL).await;
+            crate::qmp::next_event_or(events, READY_POLL).await;
         }
     }
 

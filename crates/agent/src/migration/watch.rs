@@ -479,10 +479,7 @@ impl Move<'_> {
         // one wait each: a look that is not pre-copy's sets none
         let next = std::mem::replace(&mut self.watching().next_look, POLL);
         let wait = self.pause_left().map_or(next, |left| left.min(POLL));
-        let events = &mut self.watching().events;
-        if let Ok(Err(_)) = tokio::time::timeout(wait, events.changed()).await {
-            tokio::time::sleep(wait).await;
-        }
+        crate::qmp::next_event_or(&mut self.watching().events, wait).await;
         // QEMU's event says when it paused the guest: its last pass runs
         // under QEMU's big lock, so `query-migrate` gets no answer until
         // that pass is over, however long it takes. The pause is dated by
