@@ -13,6 +13,10 @@ target running) and total times. The guest is checked intact at the end.
         [--rate 1gbit] [--nics 1] [--cpus split] [--memory 512M --fill 256M] [--dirty-rate 0]
         [--option tcp|auto|…] [--compressible]
     sudo python3 bench/switchover_ab.py --bins BIN1,BIN2[,…] [the options above]
+    sudo python3 bench/switchover_ab.py --boards full,lean [--new BIN] [the options above]
+
+With --boards, one build (--new, default target/debug/ferry) and one guest per board
+(`vm create --board`), moved in turns the same way: the boards are the contenders.
 
 Builds must be copies outside target/ (a running agent holds its binary); the lab and the guest
 are made by the last one's CLI (--new's).
@@ -55,8 +59,17 @@ def main():
     ap.add_argument("--option", default="tcp", help="each move's --option (auto: the cluster's choice)")
     ap.add_argument("--compressible", action="store_true",
                     help="the guest's memory compresses (~7x), as `vm create --compressible`")
+    ap.add_argument("--boards", help="boards as the contenders (full,lean): one guest each, one build")
     a = ap.parse_args()
-    if a.bins:
+    boards = {}
+    if a.boards:
+        a.new = a.new or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                      "target", "debug", "ferry")
+        boards = {f"board {b}": b for b in a.boards.split(",")}
+        if len(boards) < 2:
+            sys.exit("--boards: give two boards or more")
+        builds = {name: a.new for name in boards}
+    elif a.bins:
         builds = {os.path.basename(b): b for b in a.bins.split(",")}
         for b in builds.values():
             if not os.access(b, os.X_OK):
@@ -70,18 +83,24 @@ def main():
         sys.exit("give --old and --new, or --bins")
     up = ["lab", "up", "--replace", "--hosts", "2", "--nics", a.nics, "--rate", a.rate, *labqemu.cpus_flag(a)]
     run(a.new, *up)
-    run(a.new, "vm", "rm", "sw", check=False)
-    run(a.new, "vm", "create", "sw", "--host", "host1", "--memory", a.memory, "--fill", a.fill,
-        "--dirty-rate", a.dirty_rate,
-        *(["--compressible"] if a.compressible else []))
+    # one guest per board (the lab's one otherwise), each on the host it starts on
+    guests = {b: f"sw-{boards[b]}" for b in builds} if boards else {b: "sw" for b in builds}
+    for b, vm in guests.items():
+        run(a.new, "vm", "rm", vm, check=False)
+        run(a.new, "vm", "create", vm, "--host", "host1", "--memory", a.memory, "--fill", a.fill,
+            "--dirty-rate", a.dirty_rate,
+            *(["--board", boards[b]] if boards else []),
+            *(["--compressible"] if a.compressible else []))
     got = {b: [] for b in builds}
     names = list(builds)
     for rnd in range(a.rounds):
         for b in names[rnd % len(names):] + names[:rnd % len(names)]:
-            agents_from(builds[b])
+            if not boards:
+                agents_from(builds[b])
+            vm = guests[b]
             for i in range(a.moves):
-                to = "host2" if where(a.new, "sw") == "host1" else "host1"
-                out = run(a.new, "vm", "move", "sw", "--to", to, "--option", a.option, "--json",
+                to = "host2" if where(a.new, vm) == "host1" else "host1"
+                out = run(a.new, "vm", "move", vm, "--to", to, "--option", a.option, "--json",
                           check=False)
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 if r.get("event") != "completed":
@@ -90,9 +109,12 @@ def main():
                 parts = " ".join(f"{p['part']} {p['ms']}" for p in r.get("downtime_parts", []))
                 print(f"round {rnd + 1} {b} #{i + 1}: guest {r['guest_downtime_ms']} ms ({parts}), "
                       f"total {r['total_ms']} ms", file=sys.stderr, flush=True)
-    c = json.loads(run(a.new, "vm", "check", "sw", "--json", check=False).stdout or "{}")
-    intact = "intact" if c.get("intact") and c.get("advancing") else "NOT INTACT"
-    run(a.new, "vm", "rm", "sw", check=False)
+    intact = "intact"
+    for vm in sorted(set(guests.values())):
+        c = json.loads(run(a.new, "vm", "check", vm, "--json", check=False).stdout or "{}")
+        if not (c.get("intact") and c.get("advancing")):
+            intact = f"{vm} NOT INTACT"
+        run(a.new, "vm", "rm", vm, check=False)
     part_names = ["qemu", "tick", "ready", "record", "run"]
     print(f"\n{a.rounds} rounds x {a.moves} moves per build, {a.nics} NIC pair(s) at {a.rate}, "
           f"--cpus {a.cpus or 'shared'}, {a.memory} guest ({a.fill} filled{', compressible' if a.compressible else ''}, "

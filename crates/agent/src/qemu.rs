@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use ferry_api::hardware::Board;
 use ferry_api::VmSpec;
 
 use crate::qmp::{Qmp, QmpError};
@@ -568,6 +569,18 @@ fn device_args(cfg: &QemuConfig, spec: &VmSpec, dir: &Path) -> Vec<String> {
     a
 }
 
+/// `-machine`: the spec's machine type with its board's devices (see
+/// [`Board`]). A lean board keeps SATA only for a cloud-init seed's CD.
+fn machine_arg(spec: &VmSpec) -> String {
+    match spec.board.unwrap_or(Board::Full) {
+        Board::Full => spec.machine.clone(),
+        Board::Lean if spec.cloud_init.is_some() => {
+            format!("{},smbus=off,vmport=off", spec.machine)
+        }
+        Board::Lean => format!("{},smbus=off,sata=off,vmport=off", spec.machine),
+    }
+}
+
 /// The QEMU arguments for a VM; identical on source and target but for
 /// `-incoming`. QEMU starts paused (`-S`): a new VM runs once its taps are
 /// on their bridges, a skeleton on the commit's RUN.
@@ -598,7 +611,7 @@ fn args_with(
         "-name",
         &format!("guest={},debug-threads=on", spec.name),
         "-machine",
-        &spec.machine,
+        &machine_arg(spec),
         "-accel",
         &cfg.accel,
         "-cpu",
@@ -616,6 +629,11 @@ fn args_with(
     .map(|s| s.to_string())
     .collect();
     a.extend(boot_args(cfg, spec, dir));
+    if spec.board == Some(Board::Lean) {
+        // no TPR patching (a device of its own, for 32-bit guests of CPUs
+        // without TPR shadowing)
+        a.extend(["-global".to_string(), "apic-common.vapic=off".to_string()]);
+    }
     if let Some(t) = &cfg.tls_dir {
         // confined, QEMU reads its own credentials (see `give_vm`): a VM
         // certificate its agent signed, which QEMU's own check (chained to
@@ -1154,6 +1172,44 @@ mod tests {
             "{by_hand}"
         );
         assert!(!by_hand.contains("ferry-qmp"), "{by_hand}");
+    }
+
+    #[test]
+    fn a_lean_board_leaves_out_the_chipsets_extras_and_a_board_less_spec_keeps_them() {
+        let d = Path::new("/d");
+        let args = |s: &VmSpec| qemu_args(&cfg(), s, d, false).join(" ");
+        let lean = args(&spec());
+        assert!(
+            lean.contains("-machine q35,smbus=off,sata=off,vmport=off "),
+            "{lean}"
+        );
+        assert!(lean.contains("-global apic-common.vapic=off"), "{lean}");
+        // the hot-plug ports stay: disks are plugged into them while it runs
+        assert_eq!(
+            lean.matches("pcie-root-port").count(),
+            ferry_api::MAX_VM_DISKS
+        );
+        // a VM created before boards had a name keeps QEMU's full q35
+        // (a move's target must build what the source runs)
+        for board in [None, Some(Board::Full)] {
+            let full = args(&VmSpec { board, ..spec() });
+            assert!(full.contains("-machine q35 "), "{full}");
+            assert!(!full.contains("vapic") && !full.contains("sata="), "{full}");
+        }
+        // a cloud-init seed is a CD on the SATA controller
+        let mut seeded = spec();
+        seeded.cloud_init = Some(ferry_api::hardware::CloudInit {
+            user_data: "#cloud-config\n".into(),
+            meta_data: String::new(),
+            network_config: None,
+            redacted: false,
+        });
+        let seeded = args(&seeded);
+        assert!(
+            seeded.contains("-machine q35,smbus=off,vmport=off "),
+            "{seeded}"
+        );
+        assert!(seeded.contains("bus=ide.0"), "{seeded}");
     }
 
     #[test]

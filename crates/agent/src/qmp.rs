@@ -649,13 +649,16 @@ async fn follow_events(
                     .and_then(|v| v.as_str().map(str::to_string))
                     .unwrap_or_default();
                 let sent = event_time(&timestamp);
+                tracing::debug!(status = %status, ?timestamp, "QMP MIGRATION event");
                 tx.send_modify(|m| {
                     m.count += 1;
                     m.status = status;
                     m.sent = sent;
                 });
             }
-            Ok(_) => {}
+            Ok(other) => {
+                tracing::debug!(event = ?other, "QMP event");
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "QMP stream ended");
                 break;

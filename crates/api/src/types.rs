@@ -194,6 +194,11 @@ pub struct VmSpec {
     /// QEMU machine type: `q35` or a versioned `pc-q35-X.Y`.
     #[serde(default = "crate::hardware::default_machine")]
     pub machine: String,
+    /// The machine's own devices (see [`crate::hardware::Board`]); none: a
+    /// VM created before boards had a name, whose board is `full`. A VM
+    /// created without one gets `lean`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub board: Option<crate::hardware::Board>,
     /// CPU model (`qemu64`, `Skylake-Server-v4`, `host`, …): a migration's
     /// target must offer it.
     #[serde(default = "crate::hardware::default_cpu")]
@@ -329,6 +334,7 @@ impl VmSpec {
             disks: Vec::new(),
             compressible: false,
             machine: crate::hardware::default_machine(),
+            board: Some(crate::hardware::Board::Lean),
             cpu: crate::hardware::default_cpu(),
             firmware: Default::default(),
             kernel: None,
@@ -1641,6 +1647,12 @@ mod tests {
         assert!(s.is_workload());
         assert_eq!((s.machine.as_str(), s.cpu.as_str()), ("q35", "qemu64"));
         s.validate().unwrap();
+        // its board is the full one, and stays unnamed on the wire: an agent
+        // of before boards (which refuses fields it does not know) takes it
+        assert_eq!(s.board, None);
+        assert!(!serde_json::to_string(&s).unwrap().contains("board"));
+        let lean = serde_json::to_value(spec()).unwrap();
+        assert_eq!(lean["board"], "lean");
     }
 
     #[test]

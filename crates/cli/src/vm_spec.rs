@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ferry_api::hardware::{CloudInit, Drive, DriveFormat, Firmware, GuestNic, KernelBoot};
+use ferry_api::hardware::{Board, CloudInit, Drive, DriveFormat, Firmware, GuestNic, KernelBoot};
 use ferry_api::size::parse_size;
 use ferry_api::{ApiError, VmSpec};
 
@@ -22,6 +22,11 @@ pub struct HardwareArgs {
     /// Machine type (q35 or pc-q35-X.Y).
     #[arg(long)]
     pub machine: Option<String>,
+    /// The machine's own devices: lean (the default: no SMBus, VMware port
+    /// or TPR patching, and SATA only for a cloud-init seed) or full (q35
+    /// as QEMU makes it, as VMs created before boards had).
+    #[arg(long, value_enum)]
+    pub board: Option<BoardArg>,
     /// CPU model (qemu64, Skylake-Server-v4, host, max, …).
     #[arg(long)]
     pub cpu: Option<String>,
@@ -54,6 +59,12 @@ pub struct HardwareArgs {
     /// Give the guest a qemu-guest-agent channel (checked after every move).
     #[arg(long)]
     pub guest_agent: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BoardArg {
+    Lean,
+    Full,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -199,6 +210,12 @@ impl HardwareArgs {
         if let Some(m) = &self.machine {
             spec.machine = m.clone();
         }
+        if let Some(b) = self.board {
+            spec.board = Some(match b {
+                BoardArg::Lean => Board::Lean,
+                BoardArg::Full => Board::Full,
+            });
+        }
         if let Some(c) = &self.cpu {
             spec.cpu = c.clone();
         }
@@ -329,6 +346,17 @@ meta_data = "instance-id: deb1\n"
             .unwrap_err()
             .to_string();
         assert!(e.contains("memory"), "{e}");
+        let e = spec_from_toml("memory = \"1G\"\nboard = \"tiny\"\n", "a")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("tiny") && e.contains("lean"), "{e}");
+        let s = spec_from_toml("memory = \"1G\"\nboard = \"full\"\n", "a").unwrap();
+        assert_eq!(s.board, Some(Board::Full));
+        // none in the file: the control service gives a new VM `lean`
+        assert_eq!(
+            spec_from_toml("memory = \"1G\"\n", "a").unwrap().board,
+            None
+        );
         let e = spec_from_toml("name = \"x\"\nmemory = \"1G\"\n", "a")
             .unwrap_err()
             .to_string();

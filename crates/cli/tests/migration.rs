@@ -67,6 +67,62 @@ fn vm_with_1gib_filled_moves_host1_host2_three_times_intact() {
     assert!(check("big1")["sweeps"].as_u64().unwrap() >= 1);
 }
 
+/// The `-machine` argument of the QEMU running guest `vm` inside `host`.
+fn machine_of(host: &str, vm: &str) -> String {
+    for pid in qemu_pids(host) {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let args: Vec<String> = String::from_utf8_lossy(&cmdline)
+            .split('\0')
+            .map(str::to_string)
+            .collect();
+        if args.iter().any(|a| a.starts_with(&format!("guest={vm},"))) {
+            let at = args.iter().position(|a| a == "-machine").expect("-machine");
+            let vapic = args.iter().any(|a| a == "apic-common.vapic=off");
+            return format!("{}{}", args[at + 1], if vapic { " vapic=off" } else { "" });
+        }
+    }
+    panic!("no QEMU for {vm} on {host}");
+}
+
+#[test]
+#[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
+fn a_new_vm_gets_the_lean_board_and_a_full_board_vm_keeps_its_own_across_a_move() {
+    require_lab();
+    let _g = serial();
+    lab(3, 2);
+    let _lean = VmGuard::create("lean1", "host1", "256M", "64M");
+    remove_vm("full1");
+    ferry_ok(&[
+        "vm", "create", "full1", "--host", "host1", "--memory", "256M", "--fill", "64M", "--board",
+        "full",
+    ]);
+    let _full = VmGuard("full1");
+    let lean = "q35,smbus=off,sata=off,vmport=off vapic=off";
+    for (vm, board, machine) in [("lean1", "lean", lean), ("full1", "full", "q35")] {
+        let listed = ferry_json(&["vm", "list"]);
+        let spec = &listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == vm)
+            .unwrap()["spec"];
+        assert_eq!(spec["board"], board, "{listed}");
+        assert_eq!(machine_of("host1", vm), machine);
+        // the target's skeleton is built to the same board, or QEMU could
+        // not load the source's devices
+        let r = move_vm(vm, "host2", "tcp");
+        assert_eq!(r["event"], "completed", "{vm}: {r}");
+        assert_eq!(machine_of("host2", vm), machine);
+        assert_intact_on(vm, "host2");
+    }
+    let bad = ferry(&[
+        "vm", "create", "bad1", "--host", "host1", "--memory", "256M", "--board", "tiny",
+    ]);
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("tiny") && err.contains("lean"), "{err}");
+}
+
 #[test]
 #[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn a_move_goes_on_when_its_command_is_interrupted_and_anyone_follows_it() {

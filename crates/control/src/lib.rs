@@ -963,6 +963,11 @@ impl Control {
 
     async fn create_vm(&self, mut req: VmCreateRequest) -> Result<VmInfo, ApiError> {
         req.spec.validate()?;
+        // a new VM without a board gets the lean one; `None` stays for VMs
+        // created before boards had a name (see `Board`)
+        req.spec
+            .board
+            .get_or_insert(ferry_api::hardware::Board::Lean);
         if let Some(h) = &req.ha {
             h.validate()?;
         }
