@@ -16,12 +16,13 @@ target running) and total times. The guest is checked intact at the end.
     sudo python3 bench/switchover_ab.py --boards full,lean [--new BIN] [the options above]
 
 With --boards, one build (--new, default target/debug/ferry) and one guest per board
-(`vm create --board`), moved in turns the same way: the boards are the contenders.
+(`vm create --board`), moved in turns the same way: the boards are the contenders. Only the
+guest whose turn it is runs (`vm stop` and `vm start` between turns).
 
 Builds must be copies outside target/ (a running agent holds its binary); the lab and the guest
 are made by the last one's CLI (--new's).
 """
-import argparse, json, os, statistics, subprocess, sys
+import argparse, json, os, statistics, subprocess, sys, time
 
 import labqemu
 
@@ -93,11 +94,20 @@ def main():
             *(["--compressible"] if a.compressible else []))
     got = {b: [] for b in builds}
     names = list(builds)
+    intact = "intact"
     for rnd in range(a.rounds):
         for b in names[rnd % len(names):] + names[:rnd % len(names)]:
             if not boards:
                 agents_from(builds[b])
             vm = guests[b]
+            if boards:
+                # one guest runs at a time: a running one's workload would
+                # take its host's CPU from the other's moves
+                for other in guests.values():
+                    if other != vm:
+                        run(a.new, "vm", "stop", other, check=False)
+                run(a.new, "vm", "start", vm, check=False)
+                time.sleep(5)
             for i in range(a.moves):
                 to = "host2" if where(a.new, vm) == "host1" else "host1"
                 out = run(a.new, "vm", "move", vm, "--to", to, "--option", a.option, "--json",
@@ -105,15 +115,22 @@ def main():
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 if r.get("event") != "completed":
                     sys.exit(f"{b}: move failed: {r}")
+                if not (r.get("check") or {}).get("intact"):
+                    sys.exit(f"{b}: the guest's check after the move failed: {r.get('check')}")
                 got[b].append(r)
                 parts = " ".join(f"{p['part']} {p['ms']}" for p in r.get("downtime_parts", []))
                 print(f"round {rnd + 1} {b} #{i + 1}: guest {r['guest_downtime_ms']} ms ({parts}), "
                       f"total {r['total_ms']} ms", file=sys.stderr, flush=True)
-    intact = "intact"
+            if boards:
+                # checked before the next turn stops it
+                c = json.loads(run(a.new, "vm", "check", vm, "--json", check=False).stdout or "{}")
+                if not (c.get("intact") and c.get("advancing")):
+                    intact = f"{vm} NOT INTACT"
     for vm in sorted(set(guests.values())):
-        c = json.loads(run(a.new, "vm", "check", vm, "--json", check=False).stdout or "{}")
-        if not (c.get("intact") and c.get("advancing")):
-            intact = f"{vm} NOT INTACT"
+        if not boards:
+            c = json.loads(run(a.new, "vm", "check", vm, "--json", check=False).stdout or "{}")
+            if not (c.get("intact") and c.get("advancing")):
+                intact = f"{vm} NOT INTACT"
         run(a.new, "vm", "rm", vm, check=False)
     part_names = ["qemu", "tick", "ready", "record", "run"]
     print(f"\n{a.rounds} rounds x {a.moves} moves per build, {a.nics} NIC pair(s) at {a.rate}, "

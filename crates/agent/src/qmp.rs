@@ -478,6 +478,12 @@ pub struct MigrationSeen {
     /// When QEMU sent it, by QEMU's own clock (the event's `timestamp`,
     /// the host's wall clock): what a waiter woken late still dates it by.
     pub sent: Option<std::time::SystemTime>,
+    /// When QEMU last sent `STOP` (its vCPUs paused), by its clock; not an
+    /// event waiters wake for.
+    pub stopped: Option<std::time::SystemTime>,
+    /// When QEMU last sent `RESUME` (starting its vCPUs), by its clock; not
+    /// an event waiters wake for either.
+    pub resumed: Option<std::time::SystemTime>,
 }
 
 /// Waits for QEMU's next `MIGRATION` event, or `wait` if none comes: a
@@ -495,6 +501,39 @@ pub async fn next_event_or(
 }
 
 impl MigrationSeen {
+    /// The guest's pause for the blackout that QEMU's last event (a
+    /// `completed`) ended, on this process's monotonic clock, dated by
+    /// QEMU's own: the earlier of its last `STOP` and its completion less
+    /// its `downtime_ms` (whole milliseconds: one more is taken off). None
+    /// when the last event is no completion, or the dates are not
+    /// plausible: before `not_before` (the migration's start), after `now`,
+    /// or a minute old (the wall clock stepped).
+    pub fn pause_of_completion(
+        &self,
+        downtime_ms: u64,
+        not_before: Instant,
+        now: Instant,
+        wall_now: std::time::SystemTime,
+    ) -> Option<Instant> {
+        let on_our_clock = |t: std::time::SystemTime| {
+            let age = wall_now
+                .duration_since(t)
+                .ok()
+                .filter(|a| *a < Duration::from_secs(60))?;
+            now.checked_sub(age).filter(|i| *i >= not_before)
+        };
+        if self.status != "completed" {
+            return None;
+        }
+        let completed = on_our_clock(self.sent?)?;
+        let by_downtime = completed.checked_sub(Duration::from_millis(downtime_ms + 1))?;
+        let stopped = self
+            .stopped
+            .and_then(on_our_clock)
+            .filter(|s| *s <= completed);
+        Some(stopped.map_or(by_downtime, |s| s.min(by_downtime))).filter(|p| *p >= not_before)
+    }
+
     /// The moment, on this process's monotonic clock, QEMU sent the last
     /// event: `now` less the event's age by the wall clock. An age that is
     /// negative or of seconds (the wall clock stepped) counts as none.
@@ -654,6 +693,22 @@ async fn follow_events(
                     m.count += 1;
                     m.status = status;
                     m.sent = sent;
+                });
+            }
+            Ok(qapi::qmp::Event::STOP { timestamp, .. }) => {
+                tracing::debug!(?timestamp, "QMP STOP event");
+                let t = event_time(&timestamp);
+                tx.send_if_modified(|m| {
+                    m.stopped = t;
+                    false
+                });
+            }
+            Ok(qapi::qmp::Event::RESUME { timestamp, .. }) => {
+                tracing::debug!(?timestamp, "QMP RESUME event");
+                let t = event_time(&timestamp);
+                tx.send_if_modified(|m| {
+                    m.resumed = t;
+                    false
                 });
             }
             Ok(other) => {
@@ -1362,6 +1417,8 @@ mod tests {
                 count: 1,
                 status: "completed".into(),
                 sent: Some(std::time::UNIX_EPOCH + Duration::from_micros(1_000_002)),
+                stopped: None,
+                resumed: None,
             }
         );
         // the events before its reply (one unknown to this build) took
@@ -1429,6 +1486,57 @@ mod tests {
     /// A pause event read late is dated by QEMU's clock; a wall clock that
     /// stepped (an event from the future, or seconds old) dates it now.
     #[test]
+    fn a_completed_blackout_is_dated_from_qemus_stop_or_its_downtime_whichever_is_earlier() {
+        let ms = Duration::from_millis;
+        let (now, wall) = (Instant::now(), std::time::SystemTime::now());
+        let start = now - ms(3000);
+        let seen = |status: &str, sent_ago: u64, stop_ago: Option<u64>| MigrationSeen {
+            count: 5,
+            status: status.into(),
+            sent: Some(wall - ms(sent_ago)),
+            stopped: stop_ago.map(|a| wall - ms(a)),
+            resumed: None,
+        };
+        // completed 20 ms ago after 3 ms of downtime; STOP 25 ms ago: the STOP
+        assert_eq!(
+            seen("completed", 20, Some(25)).pause_of_completion(3, start, now, wall),
+            Some(now - ms(25))
+        );
+        // a STOP later than completion less downtime (QEMU stamps it once the
+        // vCPUs are out): completion less downtime, less the ms it rounds off
+        assert_eq!(
+            seen("completed", 20, Some(22)).pause_of_completion(3, start, now, wall),
+            Some(now - ms(24))
+        );
+        // no STOP seen, or one from before the migration (a paused guest)
+        for stop in [None, Some(5000)] {
+            assert_eq!(
+                seen("completed", 20, stop).pause_of_completion(3, start, now, wall),
+                Some(now - ms(24))
+            );
+        }
+        // not a completion, a completion from the future or a minute old
+        // (the wall clock stepped), or before the migration began: none
+        assert_eq!(
+            seen("device", 20, Some(25)).pause_of_completion(3, start, now, wall),
+            None
+        );
+        let future = MigrationSeen {
+            sent: Some(wall + ms(50)),
+            ..seen("completed", 0, None)
+        };
+        assert_eq!(future.pause_of_completion(3, start, now, wall), None);
+        assert_eq!(
+            seen("completed", 61_000, None).pause_of_completion(3, start, now, wall),
+            None
+        );
+        assert_eq!(
+            seen("completed", 2999, None).pause_of_completion(3, start, now, wall),
+            None
+        );
+    }
+
+    #[test]
     fn an_event_read_late_is_dated_when_qemu_sent_it() {
         let now = Instant::now();
         let wall = std::time::SystemTime::now();
@@ -1436,6 +1544,8 @@ mod tests {
             count: 1,
             status: "device".into(),
             sent,
+            stopped: None,
+            resumed: None,
         };
         let late = now - seen(Some(wall - Duration::from_millis(300))).sent_instant(now);
         assert!(

@@ -1335,6 +1335,12 @@ pub struct IncomingStatus {
     /// to run: the guest may have run here), `discarded` (never ran).
     #[serde(default)]
     pub phase: String,
+    /// RUN's answer: how long before the answer was made the guest's vCPUs
+    /// started here, µs, by this host's own clocks (its QEMU's `RESUME`
+    /// event, else the `cont` returning). The source dates the end of the
+    /// guest's downtime by it without comparing two hosts' clocks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_us_ago: Option<u64>,
 }
 
 /// A migration as its source agent recorded it (`GET /migrations/{id}`).
@@ -1484,8 +1490,9 @@ pub struct MigrationReport {
     /// blackout, its pause to its last byte), then the switch-over on the
     /// source's clock: `tick` (the source guest's last counter read),
     /// `ready` (READY answered: the target loaded everything), `record` (the
-    /// commit written and fsynced), `run` (RUN answered: the target runs
-    /// it). Empty after a post-copy, whose target ran at the commit.
+    /// commit written and fsynced), `run` (RUN sent until the target's
+    /// vCPUs started, as its answer dates that). Empty after a post-copy,
+    /// whose target ran at the commit.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub downtime_parts: Vec<DowntimePart>,
     pub bytes_transferred: u64,

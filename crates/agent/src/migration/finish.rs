@@ -28,6 +28,9 @@ pub(super) struct End {
     /// RUN's answer.
     pub ran: Option<IncomingStatus>,
     pub t_running: Option<Instant>,
+    /// When the target's vCPUs started, as its RUN answer dates it on the
+    /// source's clock (`t_running` for a target that does not say).
+    pub t_resumed: Option<Instant>,
     /// The switch-over's parts, ms.
     pub switch_parts: Vec<(&'static str, u64)>,
     /// The carriers as they were when QEMU finished (the target closes its
@@ -238,11 +241,18 @@ impl Move<'_> {
             }
         }
         let t_running = Instant::now();
+        // the target's vCPUs started before its answer came, by as long as
+        // its own clocks say (the answer's way back is not taken off)
+        let t_resumed = ran
+            .resumed_us_ago
+            .and_then(|us| t_running.checked_sub(Duration::from_micros(us)))
+            .map_or(t_running, |r| r.max(t_run));
         self.end
             .switch_parts
-            .push(("run", (t_running - t_run).as_millis() as u64));
+            .push(("run", (t_resumed - t_run).as_millis() as u64));
         tracing::info!(vm = %self.spec.name, parts = ?self.end.switch_parts, "switch-over");
         self.end.t_running = Some(t_running);
+        self.end.t_resumed = Some(t_resumed);
         self.end.ran = Some(ran);
         Ok(Outcome::Ran(answer))
     }
@@ -255,23 +265,36 @@ impl Move<'_> {
             .expect("the Copy step completed")
     }
 
-    /// The guest's blackout: from the source's pause (QEMU's completion
-    /// less its downtime, QEMU's clock started at `migrate`) until RUN was
-    /// answered; never less than QEMU's figure plus the switch-over.
-    /// Post-copy: the target ran at the commit; QEMU's figure is its pause.
+    /// The guest's blackout: from the source's pause until the target's
+    /// vCPUs started (RUN's answer less the time the target says passed
+    /// since: see `t_resumed`). The pause is dated by QEMU's events on this
+    /// host (its `STOP`, or its completion less its downtime, whichever is
+    /// earlier);
+    /// without them, by QEMU's `total_time` less its downtime counted from
+    /// the agent's `migrate` (which is earlier than QEMU's own start, so
+    /// this is an upper bound, and the events' date is never taken past
+    /// it). Never less than QEMU's figure plus the switch-over. Post-copy:
+    /// the target ran at the commit; QEMU's figure is its pause.
     fn guest_downtime_ms(&self) -> u64 {
         let info = self.qemu_info();
         let downtime_ms = info.downtime.unwrap_or(0);
         if self.committed {
             return downtime_ms;
         }
-        let t_running = self.end.t_running.expect("the Run step ran");
+        let t_running = self.end.t_resumed.expect("the Run step ran");
         let t_completed = self.end.t_completed.expect("the Tick step ran");
         let t_migrate = self.stream.as_ref().expect("the Stream step ran").t_migrate;
         let since_migrate = (t_running - t_migrate).as_millis() as u64;
         let stopped_at = info.total_time.unwrap_or(0).saturating_sub(downtime_ms);
-        since_migrate
-            .saturating_sub(stopped_at)
+        let by_total_time = since_migrate.saturating_sub(stopped_at);
+        let by_events = self.qemu_dated_pause(downtime_ms, t_migrate).map(|p| {
+            t_running
+                .saturating_duration_since(p)
+                .as_micros()
+                .div_ceil(1000) as u64
+        });
+        by_events
+            .map_or(by_total_time, |e| e.min(by_total_time))
             .max(downtime_ms + (t_running - t_completed).as_millis() as u64)
     }
 

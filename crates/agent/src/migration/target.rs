@@ -583,6 +583,7 @@ impl Agent {
             qemu_alive: false,
             cpu_ms: None,
             phase: phase_name(phase),
+            resumed_us_ago: None,
         };
         if let Some(q) = q {
             st.qemu_alive = q.alive().await;
@@ -686,6 +687,7 @@ impl Agent {
                     qemu_alive: true,
                     cpu_ms,
                     phase: phase_name(Some(TargetPhase::Waiting)),
+                    resumed_us_ago: None,
                 }))
             }
             (m, _) if Instant::now() > deadline => Break(Err(ApiError::internal(format!(
@@ -722,9 +724,12 @@ impl Agent {
                 self.end_disk_exports(&name, &q).await?;
                 let source = self.set_target_phase(id, TargetPhase::Running)?.peer;
                 let cpu_ms = self.incoming_cpu(id, &q).await;
+                let events = q.qmp.migration_events();
+                let t_cont = Instant::now();
                 q.qmp.cont().await.map_err(|e| {
                     ApiError::internal(format!("starting the guest: {}", error_chain(&e)))
                 })?;
+                let resumed = resumed_at(&events.borrow(), t_cont, Instant::now());
                 // switches learn the guest's MACs on this host's port now
                 // rather than when the guest next sends (behind the answer:
                 // the guest runs, and the source is waiting)
@@ -753,6 +758,7 @@ impl Agent {
                     qemu_alive: true,
                     cpu_ms,
                     phase: phase_name(Some(TargetPhase::Running)),
+                    resumed_us_ago: Some(resumed.elapsed().as_micros() as u64),
                 })
             }
             TargetAction::AnswerRunning => {
@@ -1201,6 +1207,24 @@ fn check_incoming(req: &IncomingRequest) -> Result<Option<[u8; 16]>, ApiError> {
     })
 }
 
+/// When the skeleton's vCPUs started, on this process's monotonic clock:
+/// QEMU's `RESUME` event (stamped as it starts them) if it came after the
+/// `cont` was sent at `t_cont`, else `cont_returned` (later than the start,
+/// so a guest's downtime dated by it is never too short).
+fn resumed_at(
+    seen: &crate::qmp::MigrationSeen,
+    t_cont: Instant,
+    cont_returned: Instant,
+) -> Instant {
+    seen.resumed
+        .and_then(|t| {
+            let age = std::time::SystemTime::now().duration_since(t).ok()?;
+            Instant::now().checked_sub(age)
+        })
+        .filter(|r| *r >= t_cont && *r <= cont_returned)
+        .unwrap_or(cont_returned)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1232,6 +1256,28 @@ mod tests {
             count: 1,
             status: "completed".into(),
             sent: None,
+            stopped: None,
+            resumed: None,
+        }
+    }
+
+    #[test]
+    fn the_guest_is_dated_running_by_qemus_resume_after_the_cont_else_by_the_cont_returning() {
+        let ms = Duration::from_millis;
+        let (now, wall) = (Instant::now(), std::time::SystemTime::now());
+        let (t_cont, returned) = (now - ms(30), now - ms(10));
+        let resumed = |ago: u64| MigrationSeen {
+            resumed: Some(wall - ms(ago)),
+            ..MigrationSeen::default()
+        };
+        let off = |a: Instant, b: Instant| if a > b { a - b } else { b - a };
+        // RESUME 25 ms ago, between the cont sent and its reply: that
+        let r = resumed_at(&resumed(25), t_cont, returned);
+        assert!(off(r, now - ms(25)) < ms(5), "{:?}", now - r);
+        // none seen yet, or one from before the cont (not this start), or
+        // after its reply (a clock that stepped): the reply's time
+        for seen in [MigrationSeen::default(), resumed(500), resumed(2)] {
+            assert_eq!(resumed_at(&seen, t_cont, returned), returned);
         }
     }
 

@@ -403,6 +403,21 @@ impl Move<'_> {
         Some(deadline.saturating_sub(since.elapsed()))
     }
 
+    /// The source's pause for the blackout that completed, dated by QEMU's
+    /// events (see [`crate::qmp::MigrationSeen::pause_of_completion`]).
+    pub(super) fn qemu_dated_pause(
+        &self,
+        downtime_ms: u64,
+        not_before: Instant,
+    ) -> Option<Instant> {
+        self.watch.as_ref()?.events.borrow().pause_of_completion(
+            downtime_ms,
+            not_before,
+            Instant::now(),
+            std::time::SystemTime::now(),
+        )
+    }
+
     /// When the source's guest was paused for the blackout, if it was.
     fn paused_since(&self) -> Option<Instant> {
         let w = self.watch.as_ref()?;
@@ -1169,6 +1184,8 @@ mod tests {
             count: 2,
             status: "completed".into(),
             sent: Some(std::time::SystemTime::now() - ago),
+            stopped: None,
+            resumed: None,
         };
         // the agent got to QEMU's completion 60 ms after QEMU sent it; QEMU
         // says the guest was paused 15 ms
