@@ -515,12 +515,9 @@ impl MigrationSeen {
         now: Instant,
         wall_now: std::time::SystemTime,
     ) -> Option<Instant> {
-        let on_our_clock = |t: std::time::SystemTime| {
-            let age = wall_now
-                .duration_since(t)
-                .ok()
-                .filter(|a| *a < Duration::from_secs(60))?;
-            now.checked_sub(age).filter(|i| *i >= not_before)
+        let on_our_clock = |t| {
+            on_monotonic_clock(t, now, wall_now, Duration::from_secs(60))
+                .filter(|i| *i >= not_before)
         };
         if self.status != "completed" {
             return None;
@@ -538,13 +535,42 @@ impl MigrationSeen {
     /// event: `now` less the event's age by the wall clock. An age that is
     /// negative or of seconds (the wall clock stepped) counts as none.
     pub fn sent_instant(&self, now: Instant) -> Instant {
-        let age = self
-            .sent
-            .and_then(|t| std::time::SystemTime::now().duration_since(t).ok())
-            .filter(|a| *a < Duration::from_secs(2))
-            .unwrap_or_default();
-        now.checked_sub(age).unwrap_or(now)
+        self.sent
+            .and_then(|t| {
+                on_monotonic_clock(t, now, std::time::SystemTime::now(), Duration::from_secs(2))
+            })
+            .unwrap_or(now)
     }
+}
+
+/// A time QEMU stamped an event with (the host's wall clock) on this
+/// process's monotonic clock: `now` less the event's age at `wall_now`.
+/// None for a time after `wall_now` or `max_age` old or more (the wall
+/// clock stepped).
+pub fn on_monotonic_clock(
+    t: std::time::SystemTime,
+    now: Instant,
+    wall_now: std::time::SystemTime,
+    max_age: Duration,
+) -> Option<Instant> {
+    let age = wall_now.duration_since(t).ok().filter(|a| *a < max_age)?;
+    now.checked_sub(age)
+}
+
+/// Notes when QEMU sent a run-state event (`STOP`, `RESUME`) with `set`,
+/// waking no waiter for `MIGRATION` events.
+fn note_run_state(
+    tx: &tokio::sync::watch::Sender<MigrationSeen>,
+    name: &str,
+    timestamp: &qapi::Timestamp,
+    set: impl FnOnce(&mut MigrationSeen, Option<std::time::SystemTime>),
+) {
+    tracing::debug!(?timestamp, "QMP {name} event");
+    let t = event_time(timestamp);
+    tx.send_if_modified(|m| {
+        set(m, t);
+        false
+    });
 }
 
 /// An event's `timestamp` (`{"seconds", "microseconds"}` since the epoch).
@@ -696,20 +722,10 @@ async fn follow_events(
                 });
             }
             Ok(qapi::qmp::Event::STOP { timestamp, .. }) => {
-                tracing::debug!(?timestamp, "QMP STOP event");
-                let t = event_time(&timestamp);
-                tx.send_if_modified(|m| {
-                    m.stopped = t;
-                    false
-                });
+                note_run_state(&tx, "STOP", &timestamp, |m, t| m.stopped = t);
             }
             Ok(qapi::qmp::Event::RESUME { timestamp, .. }) => {
-                tracing::debug!(?timestamp, "QMP RESUME event");
-                let t = event_time(&timestamp);
-                tx.send_if_modified(|m| {
-                    m.resumed = t;
-                    false
-                });
+                note_run_state(&tx, "RESUME", &timestamp, |m, t| m.resumed = t);
             }
             Ok(other) => {
                 tracing::debug!(event = ?other, "QMP event");

@@ -281,21 +281,21 @@ impl Move<'_> {
         if self.committed {
             return downtime_ms;
         }
-        let t_running = self.end.t_resumed.expect("the Run step ran");
+        let t_resumed = self.end.t_resumed.expect("the Run step ran");
         let t_completed = self.end.t_completed.expect("the Tick step ran");
         let t_migrate = self.stream.as_ref().expect("the Stream step ran").t_migrate;
-        let since_migrate = (t_running - t_migrate).as_millis() as u64;
+        let since_migrate = (t_resumed - t_migrate).as_millis() as u64;
         let stopped_at = info.total_time.unwrap_or(0).saturating_sub(downtime_ms);
         let by_total_time = since_migrate.saturating_sub(stopped_at);
         let by_events = self.qemu_dated_pause(downtime_ms, t_migrate).map(|p| {
-            t_running
+            t_resumed
                 .saturating_duration_since(p)
                 .as_micros()
                 .div_ceil(1000) as u64
         });
         by_events
             .map_or(by_total_time, |e| e.min(by_total_time))
-            .max(downtime_ms + (t_running - t_completed).as_millis() as u64)
+            .max(downtime_ms + (t_resumed - t_completed).as_millis() as u64)
     }
 
     /// The switch-over and QEMU's own overshoot of its limit are kept for

@@ -1218,8 +1218,12 @@ fn resumed_at(
 ) -> Instant {
     seen.resumed
         .and_then(|t| {
-            let age = std::time::SystemTime::now().duration_since(t).ok()?;
-            Instant::now().checked_sub(age)
+            crate::qmp::on_monotonic_clock(
+                t,
+                Instant::now(),
+                std::time::SystemTime::now(),
+                Duration::from_secs(60),
+            )
         })
         .filter(|r| *r >= t_cont && *r <= cont_returned)
         .unwrap_or(cont_returned)
