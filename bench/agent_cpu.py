@@ -2,7 +2,8 @@
 """What the two agents themselves spend on one move, per data path: CPU seconds and context
 switches of both agents' processes (every thread; not their QEMUs; CPU from the scheduler's
 per-thread clock, in ns), read from /proc just before and just after `ferry vm move`, beside the
-move's transfer time. --idle N also measures both agents over N quiet seconds (heartbeats only).
+move's transfer time. --idle N also measures both agents over N quiet seconds (heartbeats only);
+--warm measures a move that is not the agents' first since they started.
 
 A 2-host × 2-NIC lab shaped to --rate; per round, every (build, option) pair moves a fresh guest
 host1 → host2, the pairs' order rotating from round to round; before each move both hosts' agents
@@ -56,6 +57,11 @@ def main():
     ap.add_argument("--with-control", action="store_true",
                     help="restart the control service from each build too (needed when the builds' "
                          "control service and agents must match)")
+    ap.add_argument("--warm", action="store_true",
+                    help="before each measured move, one unmeasured move of a small guest (256 MiB, "
+                         "64 MiB filled) host1 → host2 by the same agents: the measured move is then "
+                         "not the first since they started (connections kept, code touched, pools "
+                         "grown), as every move of a drain but its first")
     a = ap.parse_args()
     bins = a.bins.split(",")
     for b in bins:
@@ -76,6 +82,8 @@ def main():
                 idle[(b, o)].append((sum(cpu) / a.idle * 1000, sw / a.idle))
                 print(f"round {rnd + 1} {b} idle: {idle[(b, o)][-1][0]:.2f} ms of CPU per s (both agents), "
                       f"{idle[(b, o)][-1][1]:.0f} context switches per s", flush=True)
+            if a.warm:
+                move(b, o, argparse.Namespace(**{**vars(a), "memory": "256M", "fill": "64M"}))
             r = move(b, o, a)
             runs[(b, o)].append(r)
             print(f"round {rnd + 1} {b} {o}: {r['ms']} ms ({r['path']}), agents {r['src'] + r['dst']:.3f} "

@@ -29,7 +29,9 @@ key) on every channel: with it among the contenders and Ferry's moves encrypted 
 default; --encryption off turns it off for the run), Ferry's ratio is taken against it, the
 like-for-like contender; otherwise against QEMU's zstd in clear. `ferry tcp` (not run by default
 either) is Ferry's `tcp` option, QEMU's one stream: what `auto` took over one NIC pair before it
-learned to seal on its own carriers.
+learned to seal on its own carriers. A Ferry contender may end in a maximum downtime:
+`ferry compression 300ms` moves with `--max-downtime 300ms` (QEMU by hand's limit) rather than
+`auto`'s smallest blackout, to show what that blackout costs in time.
 
 --cpus gives each lab host CPUs of its own (`ferry lab up --cpus`); the QEMUs by hand run on
 their host's too. --nics 1 measures `auto` over one NIC pair.
@@ -53,9 +55,10 @@ def console_errors(path):
     return (int(ticks[-1][1]), len(ticks)) if ticks else (None, 0)
 
 
-def ferry_move(kind, a, option="compression"):
-    """A fresh guest moved host1 → host2 by `ferry vm move --option OPTION`, checked intact;
-    with both agents' CPU seconds (source, target) and context switches over the move."""
+def ferry_move(kind, a, option="compression", max_downtime=None):
+    """A fresh guest moved host1 → host2 by `ferry vm move --option OPTION` (and
+    `--max-downtime MAX_DOWNTIME` when given), checked intact; with both agents' CPU seconds
+    (source, target) and context switches over the move."""
     subprocess.run([FERRY, "vm", "rm", "cb"], capture_output=True)
     extra = ["--compressible"] if kind == "compressible" else []
     ferry("vm", "create", "cb", "--host", "host1", "--memory", a.memory, "--fill", a.fill,
@@ -63,7 +66,8 @@ def ferry_move(kind, a, option="compression"):
     time.sleep(2)
     tx0 = lab_tx(a)
     out, agents, switches = agents_spend(lambda: subprocess.run(
-        [FERRY, "vm", "move", "cb", "--to", "host2", "--option", option, "--json"], capture_output=True, text=True))
+        [FERRY, "vm", "move", "cb", "--to", "host2", "--option", option, "--json",
+         *(["--max-downtime", max_downtime] if max_downtime else [])], capture_output=True, text=True))
     wire = lab_tx(a) - tx0
     subprocess.run([FERRY, "vm", "rm", "cb"], capture_output=True)
     try:
@@ -213,8 +217,9 @@ def main():
     a = ap.parse_args()
     contenders = a.contenders.split(",")
     for c in contenders:
-        if c not in KNOWN:
-            ap.error(f"--contenders: unknown contender {c!r} (known: {', '.join(KNOWN)})")
+        if c not in KNOWN and not re.fullmatch(r"ferry (compression|auto|tcp) \d+ms", c):
+            ap.error(f"--contenders: unknown contender {c!r} (known: {', '.join(KNOWN)}; a Ferry "
+                     f"contender may end in a maximum downtime, e.g. `ferry compression 300ms`)")
     # Ferry's like-for-like QEMU: zstd with TLS when Ferry's moves are encrypted and that
     # contender runs, zstd in clear otherwise
     base_of = "qemu zstd tls" if a.encryption == "on" and "qemu zstd tls" in contenders else "qemu zstd"
@@ -229,7 +234,7 @@ def main():
             for rnd in range(a.rounds):
                 order = contenders[rnd % len(contenders):] + contenders[:rnd % len(contenders)]
                 for c in order:
-                    r = (ferry_move(kind, a, c.split()[1]) if c.startswith("ferry ")
+                    r = (ferry_move(kind, a, *c.split()[1:]) if c.startswith("ferry ")
                          else qemu_move(kind, c, a))
                     runs[c].append(r)
                     print(f"{rate} {kind} round {rnd + 1} {c}: {r['secs']:.2f} s, {r['wire'] / 2**20:.1f} MiB "
