@@ -234,11 +234,28 @@ pub struct Estimate {
     pub samples: u32,
 }
 
+/// A probe whose ratio is more than this many times the estimate's, or
+/// less than its inverse, was made on memory of another kind (see
+/// [`Estimate::add`]).
+pub const OTHER_KIND: f64 = 2.0;
+
 impl Estimate {
     /// Averages sizes (sent ÷ raw), not ratios: a ratio of 1000 on one
     /// frame must not outweigh the frames after it that do not shrink.
+    ///
+    /// A probe on memory of another kind ([`OTHER_KIND`]) replaces the
+    /// estimate instead. A codec's speed depends on what it compresses: on
+    /// memory that does not shrink zstd gives up at 1.4 GB/s, on a guest's
+    /// kernel and tables its level 3 runs at a tenth of that. Averaged, the
+    /// figures of a long stretch of noise would still promise that speed
+    /// for the first hundreds of frames that do shrink, and the chooser
+    /// would spend more CPU on them than the link saves.
     fn add(&mut self, ratio: f64, speed: f64) {
-        if self.samples == 0 {
+        let other_kind = self.samples > 0 && {
+            let q = ratio / self.ratio;
+            !(1.0 / OTHER_KIND..=OTHER_KIND).contains(&q)
+        };
+        if self.samples == 0 || other_kind {
             (self.ratio, self.speed) = (ratio, speed);
         } else {
             let size = 1.0 / self.ratio + ALPHA * (1.0 / ratio - 1.0 / self.ratio);
@@ -907,6 +924,37 @@ mod tests {
             target_cores,
             zstd: true,
         }
+    }
+
+    #[test]
+    fn a_probe_on_memory_of_another_kind_replaces_the_estimate() {
+        // a long stretch of noise: zstd gives up fast
+        let mut e = Estimate::default();
+        for _ in 0..20 {
+            e.add(1.0, 1.4e9);
+        }
+        // the first probe on pages that shrink 5×, at a tenth of that speed
+        e.add(5.0, 170e6);
+        assert_eq!((e.ratio, e.speed), (5.0, 170e6));
+        // more of the same kind: averaged
+        e.add(4.0, 200e6);
+        assert!(e.ratio > 4.0 && e.ratio < 5.0, "{e:?}");
+        assert!(e.speed > 170e6 && e.speed < 200e6, "{e:?}");
+        // so at 1 Gbit/s with half a core spare, the chooser takes the cheap
+        // codec for them, not the level its averaged figures would promise
+        let mut est = recorded(false);
+        est[0].1 = Estimate {
+            ratio: 3.0,
+            speed: 1.5e9,
+            samples: 30,
+        };
+        est[3].1 = e;
+        let mut averaged = e;
+        averaged.speed = 1.4e9 * 0.7 + 170e6 * 0.3;
+        let c = at(125e6, 0.5, Some(1.0));
+        assert_eq!(choose(&c, &est).0, Codec::Lz4);
+        est[3].1 = averaged;
+        assert_eq!(choose(&c, &est).0, Codec::Zstd(3), "the averaged figure");
     }
 
     #[test]
