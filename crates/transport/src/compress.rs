@@ -240,8 +240,8 @@ pub struct Estimate {
 pub const OTHER_KIND: f64 = 2.0;
 
 impl Estimate {
-    /// Averages sizes (sent ÷ raw), not ratios: a ratio of 1000 on one
-    /// frame must not outweigh the frames after it that do not shrink.
+    /// Within a kind, moves the estimate [`ALPHA`] of the way to the
+    /// probe's figures, averaging sizes (sent ÷ raw), not ratios.
     ///
     /// A probe on memory of another kind ([`OTHER_KIND`]) replaces the
     /// estimate instead. A codec's speed depends on what it compresses: on
@@ -249,7 +249,11 @@ impl Estimate {
     /// kernel and tables its level 3 runs at a tenth of that. Averaged, the
     /// figures of a long stretch of noise would still promise that speed
     /// for the first hundreds of frames that do shrink, and the chooser
-    /// would spend more CPU on them than the link saves.
+    /// would spend more CPU on them than the link saves. A lone odd probe
+    /// costs at most the [`PROBE_EVERY`] − 1 frames until the next one puts
+    /// the estimate back: after a page of text among noise they are
+    /// compressed for nothing and go as they are; after noise among text
+    /// they go uncompressed.
     fn add(&mut self, ratio: f64, speed: f64) {
         let other_kind = self.samples > 0 && {
             let q = ratio / self.ratio;
