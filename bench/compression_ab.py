@@ -4,17 +4,18 @@
 For a change to the transport or the codec chooser: the rows of bench/compression.py move a
 few tens of milliseconds from run to run, so a build is judged only beside the one it
 changes, in the same lab, the same hour, the contenders alternating. Per round, QEMU zstd
-(by hand over QMP, as in bench/compression.py) and a `--option compression` move under
-each build's agents, the order rotating; before each Ferry move both hosts' agents are
+(by hand over QMP, as in bench/compression.py) and a `ferry vm move --option compression` (or
+--option's) under each build's agents, the order rotating; before each Ferry move both hosts' agents are
 killed and started again from that build (`ferry lab restart-agent`; guests outlive agents,
 and every guest is removed after its move). Prints every run and the medians.
 
     sudo python3 bench/compression_ab.py --old OLD_BIN --new NEW_BIN [--rounds 4]
-        [--rate 1gbit] [--kind random] [--encryption on|off] [the guest options of bench/compression.py]
+        [--rate 1gbit] [--kind random] [--encryption on|off] [--option compression] [the guest options of bench/compression.py]
 
 --encryption sets the cluster's `encryption` for Ferry's moves (on, the default: Ferry's frames
 sealed, QEMU's own channels in TLS); QEMU by hand matches it: multifd + zstd with its own TLS
-(`qemu zstd tls`) when on, in clear when off. Each run's CPU seconds are printed beside
+(`qemu zstd tls`) when on, in clear when off. --option picks the builds' `ferry vm move --option`
+(`compression` unless given). Each run's CPU seconds are printed beside
 its time: for Ferry both agents' and QEMUs' (the move report's), for QEMU by hand both QEMUs';
 for Ferry also both agents' own, in brackets (from /proc, over the `ferry vm move`: the relay,
 the move's control work and the CLI's requests it serves).
@@ -90,6 +91,8 @@ def main():
     ap.add_argument("--rate", default="1gbit")
     ap.add_argument("--kind", default="random", choices=["random", "compressible"])
     ap.add_argument("--encryption", choices=("on", "off"), default="on")
+    ap.add_argument("--option", default="compression",
+                    help="the `ferry vm move --option` of both builds' moves (compression, auto, tcp, ...)")
     labqemu.add_cpus_option(ap)
     a = ap.parse_args()
     builds = builds_of(a)
@@ -110,7 +113,7 @@ def main():
             else:
                 agents_from(builds[c])
                 compression.FERRY = labqemu.FERRY = builds[c]
-                r = compression.ferry_move(a.kind, a)
+                r = compression.ferry_move(a.kind, a, a.option)
                 used = sum(r["agents"])
                 agents[c].append(used)
                 relay = f" (agents {used:.3f})"

@@ -30,7 +30,8 @@
 //!           6 replayed (this Hello's nonce was already used in this session)
 //!  11  u8   features the target accepts (status 0 only; bits unknown to
 //!           the source are ignored): bit 0 ZSTD (DATA frames may be zstd
-//!           frames); other bits 0
+//!           frames); bit 1 SEALED_UNCHECKED (the target does not check the
+//!           CRC of sealed frames, so the source may leave it 0); other bits 0
 //!  12  [4]  reserved, 0
 //!  16  [16] the Hello's nonce
 //!  32  [16] the target's nonce (status 0 only: random per connection)
@@ -78,7 +79,7 @@
 //!  16  u64  offset: DATA: the payload's offset in its stream; FIN: the stream's length;
 //!           ACK and PING: the sender's spare CPU (below), 0 if not reported;
 //!           WINDOW: how many bytes of `stream` the target's local reader has taken
-//!  24  u32  CRC-32C of bytes 0..24 and the payload
+//!  24  u32  CRC-32C of bytes 0..24 and the payload (sealed: see below)
 //!  28  u32  raw_len: with LZ4 or ZSTD, the payload's length once decompressed
 //!           (1..=MAX_PAYLOAD; the receiver refuses a payload that does not
 //!           decompress to exactly this); without, 0
@@ -118,6 +119,12 @@
 //! Hello's nonce ‖ the Welcome's target nonce (both random per connection),
 //! info = "ferry-transport seal v2" ‖ direction (1 source → target, 2 target
 //! → source) ‖ carrier index.
+//! The tag is the check of a sealed frame: a receiver does not check its
+//! CRC (a frame corrupted in transit fails to open, and the carrier is
+//! closed as on a bad CRC). A target says so in its Welcome
+//! (SEALED_UNCHECKED), and a source then leaves the CRC of its frames 0
+//! rather than compute a second pass over every byte; a target still
+//! fills in the CRC of its own frames, for sources that check it.
 //! The 96-bit nonce is 4 zero bytes ‖ the u64 count of frames sealed in that
 //! direction of the connection, so no nonce repeats under a key and a frame
 //! dropped, replayed or moved inside a connection does not open. ACK and PING
@@ -171,6 +178,10 @@ pub const FLAG_SEALED: u8 = 2;
 pub const FLAG_ZSTD: u8 = 4;
 /// Welcome feature: the target decompresses zstd frames.
 pub const FEATURE_ZSTD: u8 = 1;
+/// Welcome feature: the target does not check the CRC of sealed frames
+/// (their tag authenticates everything the CRC covers), so the source may
+/// leave it 0.
+pub const FEATURE_SEALED_UNCHECKED: u8 = 2;
 /// Hello roles: a carrier of frames; one spliced stream.
 pub const ROLE_CARRIER: u8 = 1;
 pub const ROLE_SPLICED: u8 = 2;
@@ -545,10 +556,15 @@ pub fn encode_frame(h: &Header, payload: &[u8], out: &mut BytesMut) {
 /// written from where it already is.
 pub fn encode_header(h: &Header, payload: &[u8], out: &mut BytesMut) {
     let mut head = header_bytes(h, payload.len());
-    let crc = crc32c::crc32c_append(crc32c::crc32c(&head[0..24]), payload);
+    let crc = frame_crc(&head, payload);
     head[24..28].copy_from_slice(&crc.to_le_bytes());
     out.reserve(HEADER_LEN + payload.len());
     out.put_slice(&head);
+}
+
+/// The CRC-32C a frame's header carries: of its bytes 0..24, then the payload.
+pub fn frame_crc(head: &[u8; HEADER_LEN], payload: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c(&head[0..24]), payload)
 }
 
 /// A header's bytes for a payload of `len` bytes, CRC left 0.
@@ -674,7 +690,7 @@ fn zstd_decompress(payload: &[u8], cap: usize) -> std::io::Result<Vec<u8>> {
 /// Checks a frame's CRC against its header bytes and payload.
 pub fn check_crc(head: &[u8; HEADER_LEN], payload: &[u8]) -> Result<(), ProtocolError> {
     let want = u32::from_le_bytes([head[24], head[25], head[26], head[27]]);
-    if crc32c::crc32c_append(crc32c::crc32c(&head[0..24]), payload) != want {
+    if frame_crc(head, payload) != want {
         return Err(ProtocolError::BadChecksum);
     }
     Ok(())

@@ -54,6 +54,8 @@ fn nonce(count: u64) -> Nonce {
 pub struct Sealer {
     key: LessSafeKey,
     count: u64,
+    /// Whether the header's CRC is computed ([`Sealer::without_crc`]).
+    crc: bool,
 }
 
 impl Sealer {
@@ -63,24 +65,44 @@ impl Sealer {
         Sealer {
             key: key(secret, hello, answer, dir),
             count: 0,
+            crc: true,
         }
     }
 
-    /// Encodes a sealed frame: header, then `payload` encrypted, then the tag.
+    /// A sealer whose frames leave the CRC 0: for a receiver whose Welcome
+    /// said it does not check the CRC of sealed frames
+    /// ([`FEATURE_SEALED_UNCHECKED`]).
+    pub fn without_crc(mut self) -> Sealer {
+        self.crc = false;
+        self
+    }
+
+    /// Appends a sealed frame to `out`: header, then `payload` encrypted,
+    /// then the tag. The payload is copied once, into `out`, and encrypted
+    /// there.
     pub fn frame(&mut self, h: &Header, payload: &[u8], out: &mut BytesMut) {
         let mut h = *h;
         h.sealed = true;
         let sealed_len = payload.len() + TAG_LEN;
-        let aad = sealed_aad(&header_bytes(&h, sealed_len));
-        let mut body = Vec::with_capacity(sealed_len);
-        body.extend_from_slice(payload);
+        let head = header_bytes(&h, sealed_len);
+        let start = out.len();
+        out.reserve(HEADER_LEN + sealed_len);
+        out.extend_from_slice(&head);
+        out.extend_from_slice(payload);
         let tag = self
             .key
-            .seal_in_place_separate_tag(nonce(self.count), Aad::from(aad), &mut body)
+            .seal_in_place_separate_tag(
+                nonce(self.count),
+                Aad::from(sealed_aad(&head)),
+                &mut out[start + HEADER_LEN..],
+            )
             .unwrap_or_else(|_| unreachable!("payloads are far below GCM's limit"));
         self.count += 1;
-        body.extend_from_slice(tag.as_ref());
-        encode_frame(&h, &body, out);
+        out.extend_from_slice(tag.as_ref());
+        if self.crc {
+            let crc = frame_crc(&head, &out[start + HEADER_LEN..]);
+            out[start + 24..start + 28].copy_from_slice(&crc.to_le_bytes());
+        }
     }
 }
 
@@ -172,6 +194,43 @@ mod tests {
         s.frame(&Header::new(Kind::Ack, 0, 9, 0), &[], &mut out);
         let (h, head, p) = read(&out);
         assert!(o.open(&h, &head, p).unwrap().is_empty());
+    }
+
+    /// A sealer without CRC differs only in the header's CRC, left 0: the
+    /// same ciphertext and tag, opened the same way, and a byte flipped
+    /// anywhere in the payload or the header's authenticated bytes does not
+    /// open.
+    #[test]
+    fn frames_without_crc_differ_only_in_the_crc_and_still_refuse_a_flipped_byte() {
+        let dir = Direction::SourceToTarget;
+        let plain: Vec<u8> = (0..5000u32).map(|i| (i % 253) as u8).collect();
+        let h = Header::new(Kind::Data, 3, 1, 4096);
+        let (mut with, mut without) = (BytesMut::new(), BytesMut::new());
+        Sealer::new(SECRET, &hello(1), &ANSWER, dir).frame(&h, &plain, &mut with);
+        Sealer::new(SECRET, &hello(1), &ANSWER, dir)
+            .without_crc()
+            .frame(&h, &plain, &mut without);
+        assert_eq!(&without[24..28], &[0; 4]);
+        assert_ne!(&with[24..28], &[0; 4]);
+        assert_eq!(&with[..24], &without[..24]);
+        assert_eq!(&with[28..], &without[28..]);
+        let open = |frame: &[u8]| {
+            let mut head = [0u8; HEADER_LEN];
+            head.copy_from_slice(&frame[..HEADER_LEN]);
+            let hd = decode_header(&head)?;
+            Opener::new(SECRET, &hello(1), &ANSWER, dir).open(
+                &hd,
+                &head,
+                BytesMut::from(&frame[HEADER_LEN..]),
+            )
+        };
+        assert_eq!(&open(&without).unwrap()[..], &plain[..]);
+        // the stream and offset bytes of the header, the payload, the tag
+        for at in [2, 16, HEADER_LEN + 7, HEADER_LEN + 4000, without.len() - 1] {
+            let mut bad = without.to_vec();
+            bad[at] ^= 0x01;
+            assert_eq!(open(&bad), Err(ProtocolError::BadSeal), "byte {at}");
+        }
     }
 
     /// The wire is plain AES-256-GCM: this seals what another
