@@ -1229,10 +1229,14 @@ pub struct CodecReport {
     /// Raw ÷ sent.
     pub ratio: f64,
     /// Source CPU-seconds spent compressing with it (tries that did not
-    /// shrink included).
+    /// shrink included); for `none`, screening frames for noise.
     pub cpu_s: f64,
     /// Frames compressed with it that did not shrink enough and went as they were.
     pub misses: u64,
+    /// `none` only: frames a codec would have been tried on, sent as they
+    /// were without one because their bytes read as noise.
+    #[serde(default)]
+    pub screened: u64,
 }
 
 /// What QEMU's own compression did in a migration (see

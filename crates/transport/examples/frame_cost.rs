@@ -3,14 +3,17 @@
 //! its own buffer, sealed, then copied again behind the header, and the
 //! CRC computed over it), [`Sealer::frame`] now (copied once, into the
 //! carrier's buffer, sealed there) with and without the CRC, and the
-//! target's CRC check and opening. Contenders alternate in rounds; the
-//! medians are printed with every round.
+//! target's CRC check and opening; and on the same noise, what the source
+//! spends deciding not to compress it: the noise screen
+//! ([`looks_like_noise`]) against each codec a probe tries. Contenders
+//! alternate in rounds; the medians are printed with every round.
 //!
 //!     cargo run --release -p ferry-transport --example frame_cost
 
 use std::time::Instant;
 
 use bytes::BytesMut;
+use ferry_transport::compress::{looks_like_noise, Codec};
 use ferry_transport::protocol::{
     check_crc, decode_header, encode_frame, header_bytes, sealed_aad, Header, Hello, Kind,
     HEADER_LEN, MAX_PAYLOAD, ROLE_CARRIER,
@@ -67,6 +70,11 @@ fn main() {
         "seal, Sealer::frame without CRC",
         "open, CRC checked first",
         "open, no CRC check",
+        "noise screen",
+        "LZ4 on noise",
+        "zstd:-1 on noise",
+        "zstd:1 on noise",
+        "zstd:3 on noise",
     ];
     let mut runs: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
     // the frames the receivers open: sealed once, with their CRC
@@ -108,6 +116,16 @@ fn main() {
                         out.clear();
                         s.frame(&h(i), &payload, &mut out);
                         std::hint::black_box(&out);
+                    })
+                }
+                5 => per_gib(|_| {
+                    assert!(looks_like_noise(std::hint::black_box(&payload)));
+                }),
+                6..=9 => {
+                    let codec =
+                        [Codec::Lz4, Codec::Zstd(-1), Codec::Zstd(1), Codec::Zstd(3)][c - 6];
+                    per_gib(|_| {
+                        std::hint::black_box(codec.compress(&payload));
                     })
                 }
                 _ => {
