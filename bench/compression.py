@@ -84,8 +84,10 @@ def ferry_move(kind, a, option="compression", max_downtime=None):
     if r["data_path"] == "qemu-multifd":
         # the CPU was the limit: QEMU's own channels, no frames (see docs/transport.md)
         codecs = "QEMU's own multifd channels, pages as they are"
+    # the source's CPU spent on compressing and on screening for noise (the codecs' `cpu_s`)
+    codec_cpu = sum(c["cpu_s"] for c in r.get("codecs", []))
     return {"secs": r["transfer_ms"] / 1000, "wire": wire, "cpu": r["cpu"]["source_s"] + r["cpu"]["target_s"],
-            "codecs": codecs, "downtime": r["guest_downtime_ms"], "path": r["data_path"], "agents": agents,
+            "codec_cpu": codec_cpu, "codecs": codecs, "downtime": r["guest_downtime_ms"], "path": r["data_path"], "agents": agents,
             "switches": switches}
 
 

@@ -18,7 +18,8 @@ sealed, QEMU's own channels in TLS); QEMU by hand matches it: multifd + zstd wit
 (`compression` unless given). Each run's CPU seconds are printed beside
 its time: for Ferry both agents' and QEMUs' (the move report's), for QEMU by hand both QEMUs';
 for Ferry also both agents' own, in brackets (from /proc, over the `ferry vm move`: the relay,
-the move's control work and the CLI's requests it serves).
+the move's control work and the CLI's requests it serves), and the source's CPU spent compressing
+and screening frames for noise (the move report's codecs' `cpu_s`).
 
 OLD_BIN and NEW_BIN must be copies outside target/ (a running agent holds its binary).
 """
@@ -104,6 +105,7 @@ def main():
     runs = {qemu: [], "old": [], "new": []}
     cpu = {c: [] for c in runs}
     agents = {c: [] for c in runs}
+    codec_cpu = {c: [] for c in runs}
     names = list(runs)
     for rnd in range(a.rounds):
         for c in names[rnd % 3:] + names[:rnd % 3]:
@@ -116,7 +118,8 @@ def main():
                 r = compression.ferry_move(a.kind, a, a.option)
                 used = sum(r["agents"])
                 agents[c].append(used)
-                relay = f" (agents {used:.3f})"
+                codec_cpu[c].append(r["codec_cpu"])
+                relay = f" (agents {used:.3f}, compressing {r['codec_cpu']:.3f})"
             runs[c].append(r["secs"])
             cpu[c].append(r["cpu"])
             print(f"round {rnd + 1} {c}: {r['secs']:.3f} s, {r['cpu']:.2f} CPU-s{relay}, "
@@ -125,7 +128,8 @@ def main():
     base = statistics.median(runs[qemu])
     for c in names:
         m = statistics.median(runs[c])
-        relay = f" (both agents {statistics.median(agents[c]):.3f})" if agents[c] else ""
+        relay = (f" (both agents {statistics.median(agents[c]):.3f}, the source compressing "
+                 f"{statistics.median(codec_cpu[c]):.3f})" if agents[c] else "")
         print(f"{c}: median {m:.3f} s ({m / base:.3f} × {qemu}), "
               f"{statistics.median(cpu[c]):.2f} CPU-s{relay}; every run "
               + ", ".join(f"{x:.3f} s {y:.2f} CPU-s" for x, y in zip(runs[c], cpu[c])))

@@ -23,8 +23,8 @@
 //! the data as it changes. A frame that does not shrink below
 //! [`SEND_BELOW`] of its size goes as it is. A frame whose bytes read as
 //! noise ([`looks_like_noise`]: a sixteenth of them counted, at a third of
-//! LZ4's cost) goes as it is without a codec tried on it, probe or not. zstd only to a target whose
-//! Welcome says it decompresses it.
+//! LZ4's cost) goes as it is without a codec tried on it, probe or not.
+//! zstd only to a target whose Welcome says it decompresses it.
 //!
 //! `Always` compresses every frame that shrinks with the best ratio,
 //! whatever the link and CPU (for tests and measurements).
@@ -170,9 +170,9 @@ pub fn looks_like_noise(raw: &[u8]) -> bool {
     let (mut bits, mut seen) = (0.0, 0u32);
     let [a, b, c, d] = &counts;
     for (((a, b), c), d) in a.iter().zip(b).zip(c).zip(d) {
-        let c = a + b + c + d;
-        if c > 0 {
-            let p = f64::from(c) / total;
+        let count = a + b + c + d;
+        if count > 0 {
+            let p = f64::from(count) / total;
             bits -= p * p.log2();
             seen += 1;
         }
