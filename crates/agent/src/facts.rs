@@ -19,7 +19,7 @@ use ferry_transport::cpu::{cpu_ticks_of, own_cpus};
 ///
 /// The sampler reads `/proc/stat` once a second; a reader takes one more
 /// sample as it reads ([`IdleGauge::idle_now`]), so what it gets ends now
-/// and spans [`IdleGauge::WINDOW`] or a little more. (Four samples a
+/// and spans `IdleGauge::WINDOW` or a little more. (Four samples a
 /// second, each rendering `/proc/stat` with every interrupt's counters
 /// twice, were two fifths of an idle pair of agents' CPU: 3.4 → 2.0 ms
 /// per second in `bench/agent_cpu.py`.)
@@ -57,8 +57,8 @@ impl IdleGauge {
     }
 
     /// Idle share from the newest sample back to the newest one at least
-    /// [`Self::WINDOW`] older (the oldest if none is); `None` when that
-    /// spans less than [`Self::SHORTEST`] (or no tick passed).
+    /// `Self::WINDOW` older (the oldest if none is); `None` when that
+    /// spans less than `Self::SHORTEST` (or no tick passed).
     pub fn idle(&self) -> Option<f64> {
         let q = ferry_api::util::lock(&self.samples);
         let b = q.back()?;
@@ -100,7 +100,7 @@ impl IdleGauge {
         }
     }
 
-    /// Samples every [`Self::EVERY`] (on the agent's [`tick`] grid) until
+    /// Samples every `Self::EVERY` (on the agent's [`tick`] grid) until
     /// the process ends.
     pub async fn run(&self) {
         loop {

@@ -64,7 +64,7 @@ impl crate::host::Agent {
     }
 }
 
-/// What peers said at a lapse (see [`Agent::cluster_renews_without_us`]).
+/// What peers said at a lapse (see `Agent::cluster_renews_without_us`).
 #[derive(Debug, PartialEq, Eq)]
 pub enum PeersSay {
     /// One of them was renewed recently: the cluster goes on without us.

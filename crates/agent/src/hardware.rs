@@ -9,7 +9,7 @@
 //!   narrowed by the agent's `cpu_models` when the administrator keeps a
 //!   cluster to a common baseline; and the full expansion of `host` and
 //!   `max`, which a migration's two ends must agree on.
-//! - [`preflight`]: every bridge, drive path, kernel and firmware file and
+//! - `preflight`: every bridge, drive path, kernel and firmware file and
 //!   the CPU model a spec names, checked on the host that is about to start
 //!   it — at `vm create`, and on a migration's target before its skeleton.
 

@@ -2,7 +2,7 @@
 //! hosts drain"): place every VM of a host on a target with room, move them
 //! with a limit on simultaneous migrations that tunes itself, retry a failed
 //! move elsewhere, and name what cannot move. The planner and the tuner are
-//! pure and unit-tested here; [`crate::Control::drain`] runs them.
+//! pure and unit-tested here; `crate::Control::drain` runs them.
 
 use std::time::{Duration, Instant};
 

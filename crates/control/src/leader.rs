@@ -19,7 +19,7 @@
 //! A leader cut off from etcd stops within 1.5 s, before its key can pass
 //! to another (at [`LEADER_TTL_S`]), so two instances never lead at once as
 //! far as their clocks agree. A failover checks again at etcd before each
-//! boot ([`Control::still_leading`]). Every instance renews the agents'
+//! boot (`Control::still_leading`). Every instance renews the agents'
 //! leases (renewals are idempotent), so the leader's death never lapses a
 //! lease, and the next leader knows every host's last renewal.
 //!

@@ -126,7 +126,7 @@ pub enum Command {
     GetCluster,
     ControlStatus,
     SetCluster(ferry_api::ClusterSettingsUpdate),
-    /// Certificates renewed with the CA's key kept by an admin (see [`certs`]).
+    /// Certificates renewed with the CA's key kept by an admin (see `certs`).
     CertRequests,
     InstallCerts(Vec<ferry_api::certs::SignedCert>),
     /// The revocation list, kept and pushed to every component.
@@ -138,7 +138,7 @@ pub enum Command {
     RevokeToken {
         name: String,
     },
-    /// Placement rules, host groups and labels (see [`placement_run`]).
+    /// Placement rules, host groups and labels (see `placement_run`).
     GetPlacement,
     CreateRule(ferry_api::placement::Rule),
     RemoveRule {

@@ -61,7 +61,7 @@ pub enum StorageCommand {
         checkpoint: String,
     },
     /// Moves the disk to another storage node while guests use it (a
-    /// stream of its progress; see [`crate::disk_move`]).
+    /// stream of its progress; see `crate::disk_move`).
     MoveDisk {
         name: String,
         req: DiskMoveRequest,

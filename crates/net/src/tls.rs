@@ -25,7 +25,7 @@
 //! The control service's API takes users' API tokens (see `tokens`); its
 //! TLS asks for no client certificate. Agents and storage nodes require a
 //! client certificate signed by the cluster CA and then check its role
-//! ([`require_peer`]): agents serve the control service and peer agents,
+//! (`require_peer`): agents serve the control service and peer agents,
 //! storage nodes the control service and agents. A user's token is never
 //! accepted there.
 

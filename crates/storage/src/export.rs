@@ -75,7 +75,7 @@ impl Export {
 
     /// No change lands from now on. Called holding [`Tracking::freeze`],
     /// so no change is half done: each one either landed before, or sees
-    /// this once it passes the gate ([`Export::admit`]).
+    /// this once it passes the gate (`Export::admit`).
     pub fn retire(&self) {
         self.retired.store(true, Ordering::Release);
     }

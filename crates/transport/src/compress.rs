@@ -102,7 +102,7 @@ pub fn sample_ratio(sample: &[u8]) -> Option<f64> {
     Some(packed as f64 / raw as f64)
 }
 
-/// Idle share of this host's CPUs ([`cpu_times`]) over `over`.
+/// Idle share of this host's CPUs (`cpu_times`) over `over`.
 pub fn idle_share(over: Duration) -> Option<f64> {
     let a = cpu_times()?;
     std::thread::sleep(over);
@@ -290,7 +290,7 @@ pub struct Estimate {
 
 /// A probe whose ratio is more than this many times the estimate's, or
 /// less than its inverse, was made on memory of another kind (see
-/// [`Estimate::add`]).
+/// `Estimate::add`).
 pub const OTHER_KIND: f64 = 2.0;
 
 impl Estimate {

@@ -962,7 +962,7 @@ impl Agent {
     }
 
     /// Run every 2 s: skeletons whose QEMU is gone are discarded; a skeleton
-    /// older than [`ASK_AFTER`] asks its source what became of the migration
+    /// older than `ASK_AFTER` asks its source what became of the migration
     /// (it runs if the source committed, goes if the source gave up, and
     /// waits, in doubt, while the source does not answer).
     pub async fn reap_incoming(self: &Arc<Self>) {

@@ -116,8 +116,8 @@ static SPLICE_TO_NET: AtomicBool = AtomicBool::new(true);
 /// default it does). Splicing spares the agent's copy through user space,
 /// but MPTCP's send path still copies what it is handed into its own pages,
 /// so the saving is small. From the network, bytes are always copied: read
-/// in batches ([`BATCH`]) into a queue the agent holds for QEMU
-/// ([`pump::pump_from_net`]). `examples/splice_gain.rs` measures both
+/// in batches (`BATCH`) into a queue the agent holds for QEMU
+/// (`pump::pump_from_net`). `examples/splice_gain.rs` measures both
 /// (BENCHMARKS.md).
 pub fn set_splice(to_net: bool) {
     SPLICE_TO_NET.store(to_net, Ordering::Relaxed);
