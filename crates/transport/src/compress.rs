@@ -851,17 +851,7 @@ mod tests {
     }
 
     fn random() -> Bytes {
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        Bytes::from(
-            (0..65536)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    x as u8
-                })
-                .collect::<Vec<_>>(),
-        )
+        Bytes::from(noise(65536, 0))
     }
 
     /// Holds the measurements fixed (no window closes during the test).
