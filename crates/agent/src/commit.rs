@@ -533,7 +533,8 @@ impl Journal {
     }
 
     /// Overwrites the record file at `path` with `body` in place, when both
-    /// are one sector long; false when there is no such file (a first
+    /// are one sector long, at the real-time I/O class
+    /// ([`crate::io_priority`]); false when there is no such file (a first
     /// write, or a record an older agent wrote at another length).
     fn overwrite(path: &Path, body: &[u8]) -> std::io::Result<bool> {
         use std::os::unix::fs::FileExt;
@@ -549,8 +550,13 @@ impl Journal {
             return Ok(false);
         }
         let _turn = turn(path);
-        f.write_all_at(body, 0)?;
-        f.sync_data()?;
+        // in the switch-over the guest waits on this flush: ahead of the
+        // writeback of everything else on the disk
+        let (written, _) = crate::io_priority::realtime(|| {
+            f.write_all_at(body, 0)?;
+            f.sync_data()
+        });
+        written?;
         Ok(true)
     }
 

@@ -9,6 +9,7 @@
 //! - [`host`]: the host's state: VMs, reservations, NICs, the guest check.
 //! - [`migration`]: the steps, source and target side, around the commit point.
 //! - [`commit`]: the commit point: who may run the guest, decided and journaled.
+//! - [`io_priority`]: the switch-over's records flushed at the real-time I/O class.
 //! - [`guest`]: the guest check's seam (what a guest's console says).
 //! - [`recover`]: at start, the QEMUs left running and the open migrations taken back.
 //! - [`failpoint`]: faults injected on purpose at named steps (tests).
@@ -35,6 +36,7 @@ pub mod grants;
 pub mod guest;
 pub mod hardware;
 pub mod host;
+pub mod io_priority;
 pub mod lease;
 pub mod local_disk;
 pub mod migration;
