@@ -11,7 +11,7 @@ target running) and total times. The guest is checked intact at the end.
 
     sudo python3 bench/switchover_ab.py --old OLD_BIN --new NEW_BIN [--rounds 5] [--moves 10]
         [--rate 1gbit] [--nics 1] [--cpus split] [--memory 512M --fill 256M] [--dirty-rate 0]
-        [--option tcp|auto|…] [--compressible]
+        [--option tcp|auto|…] [--compressible] [--max-downtime 100ms] [--disk-writer MIB]
     sudo python3 bench/switchover_ab.py --bins BIN1,BIN2[,…] [the options above]
     sudo python3 bench/switchover_ab.py --boards full,lean [--new BIN] [the options above]
 
@@ -19,10 +19,15 @@ With --boards, one build (--new, default target/debug/ferry) and one guest per b
 (`vm create --board`), moved in turns the same way: the boards are the contenders. Only the
 guest whose turn it is runs (`vm stop` and `vm start` between turns).
 
+With --disk-writer, another process writes MIB MiB to the machine's disk and fsyncs them, in a
+loop, for the whole run (the lab hosts' journals are on that disk): the switch-over's records
+then flush behind its writeback. With --max-downtime, each move asks that maximum; a move given
+up for it (the guest resumed on its source) is counted, not a failure.
+
 Builds must be copies outside target/ (a running agent holds its binary); the lab and the guest
 are made by the last one's CLI (--new's).
 """
-import argparse, json, os, statistics, subprocess, sys, time
+import argparse, atexit, json, os, statistics, subprocess, sys, time
 
 import labqemu
 
@@ -60,6 +65,9 @@ def main():
     ap.add_argument("--option", default="tcp", help="each move's --option (auto: the cluster's choice)")
     ap.add_argument("--compressible", action="store_true",
                     help="the guest's memory compresses (~7x), as `vm create --compressible`")
+    ap.add_argument("--max-downtime", help="each move's --max-downtime, in ms (100ms; default: `auto`)")
+    ap.add_argument("--disk-writer", type=int, metavar="MIB",
+                    help="another process writes and fsyncs MIB MiB to the disk, in a loop, throughout")
     ap.add_argument("--boards", help="boards as the contenders (full,lean): one guest each, one build")
     a = ap.parse_args()
     boards = {}
@@ -93,8 +101,23 @@ def main():
             *(["--board", boards[b]] if boards else []),
             *(["--compressible"] if a.compressible else []))
     got = {b: [] for b in builds}
+    gave_up = {b: 0 for b in builds}
     names = list(builds)
     intact = "intact"
+    writer = None
+    if a.disk_writer:
+        writer = subprocess.Popen(
+            ["bash", "-c", f"while :; do dd if=/dev/zero of=/var/tmp/switchover-ab.writer bs=1M "
+                           f"count={a.disk_writer} conv=fsync status=none; done"],
+            start_new_session=True)
+
+        def stop_writer():
+            if writer.poll() is None:
+                os.killpg(writer.pid, 9)
+                writer.wait()
+            if os.path.exists("/var/tmp/switchover-ab.writer"):
+                os.remove("/var/tmp/switchover-ab.writer")
+        atexit.register(stop_writer)
     for rnd in range(a.rounds):
         for b in names[rnd % len(names):] + names[:rnd % len(names)]:
             if not boards:
@@ -111,8 +134,16 @@ def main():
             for i in range(a.moves):
                 to = "host2" if where(a.new, vm) == "host1" else "host1"
                 out = run(a.new, "vm", "move", vm, "--to", to, "--option", a.option, "--json",
+                          *(["--max-downtime", a.max_downtime] if a.max_downtime else []),
                           check=False)
                 r = json.loads(out.stdout.strip().splitlines()[-1])
+                err = r.get("error") or {}
+                if r.get("event") == "failed" and err.get("step") == "blackout" \
+                        and err.get("running_on") != to:
+                    gave_up[b] += 1
+                    print(f"round {rnd + 1} {b} #{i + 1}: given up: {err.get('reason')}",
+                          file=sys.stderr, flush=True)
+                    continue
                 if r.get("event") != "completed":
                     sys.exit(f"{b}: move failed: {r}")
                 if not (r.get("check") or {}).get("intact"):
@@ -126,6 +157,8 @@ def main():
                 c = json.loads(run(a.new, "vm", "check", vm, "--json", check=False).stdout or "{}")
                 if not (c.get("intact") and c.get("advancing")):
                     intact = f"{vm} NOT INTACT"
+    if writer:
+        stop_writer()
     for vm in sorted(set(guests.values())):
         if not boards:
             c = json.loads(run(a.new, "vm", "check", vm, "--json", check=False).stdout or "{}")
@@ -136,11 +169,19 @@ def main():
     print(f"\n{a.rounds} rounds x {a.moves} moves per build, {a.nics} NIC pair(s) at {a.rate}, "
           f"--cpus {a.cpus or 'shared'}, {a.memory} guest ({a.fill} filled{', compressible' if a.compressible else ''}, "
           f"dirtying {a.dirty_rate}/s), "
-          f"--option {a.option}; guest {intact}\n")
+          f"--option {a.option}"
+          f"{f', --max-downtime {a.max_downtime}' if a.max_downtime else ''}"
+          f"{f', a writer of {a.disk_writer} MiB per fsync' if a.disk_writer else ''}; guest {intact}\n")
     print("| build | moves | guest downtime p50 / p95 / p99 / max ms | "
-          + " | ".join(f"{p} p50 / p95 / max" for p in part_names) + " | transfer p50 s | total p50 s |")
-    print("|---|---|---|" + "---|" * len(part_names) + "---|---|")
+          + " | ".join(f"{p} p50 / p95 / max" for p in part_names)
+          + " | over the maximum | given up | transfer p50 s | total p50 s |")
+    print("|---|---|---|" + "---|" * len(part_names) + "---|---|---|---|")
+    # the maximum each move asked: --max-downtime, or `auto`'s 300 ms
+    limit = int(a.max_downtime.removesuffix("ms")) if a.max_downtime else 300
     for b, rs in got.items():
+        if not rs:
+            print(f"| {b} | 0 | – |" + " – |" * len(part_names) + f" – | {gave_up[b]} | – | – |")
+            continue
         g = [r["guest_downtime_ms"] for r in rs]
         parts = {p: [] for p in part_names}
         for r in rs:
@@ -151,7 +192,7 @@ def main():
         tot = statistics.median(r["total_ms"] for r in rs) / 1000
         xfer = statistics.median(r["transfer_ms"] for r in rs) / 1000
         print(f"| {b} | {len(rs)} | {pct(g, 50)} / {pct(g, 95)} / {pct(g, 99)} / {max(g)} | {cols} | "
-              f"{xfer:.2f} | {tot:.2f} |")
+              f"{sum(1 for x in g if x > limit)} | {gave_up[b]} | {xfer:.2f} | {tot:.2f} |")
 
 
 if __name__ == "__main__":
