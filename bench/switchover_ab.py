@@ -70,6 +70,8 @@ def main():
                     help="another process writes and fsyncs MIB MiB to the disk, in a loop, throughout")
     ap.add_argument("--boards", help="boards as the contenders (full,lean): one guest each, one build")
     a = ap.parse_args()
+    if a.max_downtime and not (a.max_downtime.endswith("ms") and a.max_downtime[:-2].isdigit()):
+        sys.exit(f"--max-downtime: {a.max_downtime!r} is not milliseconds (100ms)")
     boards = {}
     if a.boards:
         a.new = a.new or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
