@@ -319,6 +319,19 @@ pub struct VmRecord {
     /// `restart limit reached`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stopped_because: Option<String>,
+    /// An HA restart under way, written before the boot: a leader that
+    /// dies after booting the VM leaves this for the next one, which
+    /// completes the restart (its count and its event) when it finds the
+    /// VM running on `to`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restarting: Option<Restarting>,
+}
+
+/// An HA restart of a VM from a failed host, begun and not yet recorded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Restarting {
+    pub from: String,
+    pub to: String,
 }
 
 /// A leader of the control instances (etcd) that dies is replaced within

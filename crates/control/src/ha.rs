@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use ferry_api::ha::{
     Action, ActionRequest, Desired, HaPolicy, HaUpdate, Health, LeaseRenewal, LeaseState, Liveness,
-    PeerAddresses, VmRecord, LEASE_TTL_MS, RESTART_AFTER_MS, SELF_FENCE_MS, SUSPECT_MS,
+    PeerAddresses, Restarting, VmRecord, LEASE_TTL_MS, RESTART_AFTER_MS, SELF_FENCE_MS, SUSPECT_MS,
 };
 use ferry_api::{ApiError, HostEntry, VmInfo, VmSpec};
 
@@ -185,6 +185,22 @@ impl Control {
         Ok(out)
     }
 
+    /// [`Control::change_records`] with an event written in the same store
+    /// write (`kind`, `subject`, `detail`): both or neither.
+    /// Nothing is written where `f` says there is nothing to record.
+    async fn change_records_logged(
+        &self,
+        f: impl FnOnce(&mut BTreeMap<String, VmRecord>) -> bool,
+        event: (&str, &str, serde_json::Value),
+    ) -> Result<(), ApiError> {
+        let _g = self.ha.records.lock().await;
+        let mut r = self.records().await?;
+        if !f(&mut r) {
+            return Ok(());
+        }
+        self.store.put_cluster_logged(RECORDS_KEY, &r, event).await
+    }
+
     pub(crate) fn health_of(&self, host: &str) -> Health {
         lock(&self.ha.health).get(host).copied().unwrap_or_default()
     }
@@ -257,6 +273,7 @@ impl Control {
                     ha,
                     restarts: Vec::new(),
                     stopped_because: None,
+                    restarting: None,
                 },
             );
             Ok(())
@@ -290,6 +307,7 @@ impl Control {
     /// listings, settled revocations go, stale copies are stopped.
     pub(crate) async fn sync_records(&self, hosts: &[HostEntry]) {
         let mut stale = Vec::new();
+        let mut found = Vec::new();
         let r = self
             .change_records(|r| {
                 for h in hosts.iter().filter(|h| h.reachable) {
@@ -308,7 +326,19 @@ impl Control {
                             ha: HaPolicy::default(),
                             restarts: Vec::new(),
                             stopped_because: None,
+                            restarting: None,
                         });
+                        let restarted_here = e.restarting.as_ref().is_some_and(|x| x.to == h.name);
+                        if restarted_here && e.host != h.name {
+                            let from = e.restarting.as_ref().map(|x| x.from.clone());
+                            // this instance's own failover records it; one
+                            // by a leader that died before it recorded the
+                            // restart is completed below
+                            if !from.is_some_and(|f| lock(&self.ha.failing).contains(&f)) {
+                                found.push((v.name.clone(), e.clone(), h.name.clone()));
+                            }
+                            continue;
+                        }
                         if v.state == "running" || v.state == "paused" {
                             e.host = h.name.clone();
                             e.stopped_because = None;
@@ -322,6 +352,15 @@ impl Control {
             .await;
         if let Err(e) = r {
             tracing::warn!("VM records: {e}");
+        }
+        for (name, rec, to) in found {
+            let from = rec
+                .restarting
+                .as_ref()
+                .map_or(rec.host.clone(), |x| x.from.clone());
+            if let Err(e) = self.restarted(&name, &rec, &from, &to, None, true).await {
+                tracing::warn!(vm = name, "VM record: {e}");
+            }
         }
         // a pair revoked whose host lists the VM no more is settled
         {
@@ -686,7 +725,7 @@ impl Control {
             if let Some(on) = elsewhere.get(name) {
                 // booted by a leader that died before it wrote so
                 let since = lapse_ms + t0.elapsed().as_millis() as u64;
-                self.restarted(name, r, host, on, since, true).await?;
+                self.restarted(name, r, host, on, Some(since), true).await?;
                 continue;
             }
             let why = if !r.ha.enabled && alive {
@@ -780,37 +819,54 @@ impl Control {
     }
 
     /// `name` runs on `to` since a failover of `from`: its record says so
-    /// (a restart counted for its limit), and an `ha_restart` event, which
-    /// is logged even when the record cannot be written.
+    /// (a restart counted for its limit), and an `ha_restart` event, written
+    /// with the record in one store write, or alone when the record cannot
+    /// be written.
     async fn restarted(
         &self,
         name: &str,
         r: &VmRecord,
         from: &str,
         to: &str,
-        since_last_renewal_ms: u64,
+        since_last_renewal_ms: Option<u64>,
         found_running: bool,
     ) -> Result<(), ApiError> {
         let now = ferry_api::util::now_ms();
         let (n, t) = (name.to_string(), to.to_string());
-        let written = self
-            .change_records(move |recs| {
-                if let Some(x) = recs.get_mut(&n) {
-                    x.host = t;
-                    x.restarts.push(now);
-                    x.stopped_because = None;
-                }
-                Ok(())
-            })
-            .await;
         tracing::warn!(vm = name, from, to, found_running, "HA restart");
-        let mut detail = serde_json::json!({ "from": from, "to": to, "priority": r.ha.priority,
-            "since_last_renewal_ms": since_last_renewal_ms });
+        let mut detail = serde_json::json!({ "from": from, "to": to, "priority": r.ha.priority });
+        if let Some(ms) = since_last_renewal_ms {
+            detail["since_last_renewal_ms"] = ms.into();
+        }
         if found_running {
             // booted by an earlier leader that died before it wrote so
             detail["found_running"] = true.into();
         }
-        self.log("ha_restart", name, detail);
+        // the record and its event in one write: a leader killed in
+        // between would leave the VM's new host recorded and no event
+        // (the next leader finds nothing left to fail over)
+        let written = self
+            .change_records_logged(
+                move |recs| match recs.get_mut(&n) {
+                    // recorded already (by this leader's heartbeat, which
+                    // found it running there first): once is enough
+                    Some(x) if x.host == t && x.restarting.is_none() => false,
+                    Some(x) => {
+                        x.host = t;
+                        x.restarts.push(now);
+                        x.stopped_because = None;
+                        x.restarting = None;
+                        true
+                    }
+                    None => true,
+                },
+                ("ha_restart", name, detail.clone()),
+            )
+            .await;
+        if written.is_err() {
+            // the event is told even when the record cannot be written
+            self.log("ha_restart", name, detail);
+        }
         written
     }
 
@@ -903,10 +959,31 @@ impl Control {
                 tracing::warn!(vm = name, "no longer the leader: the next one restarts it");
                 return;
             }
+            // the restart written as begun first: a leader killed once the
+            // VM boots leaves it for the next one to complete
+            let (n, intent) = (
+                name.to_string(),
+                Restarting {
+                    from: from.to_string(),
+                    to: to.clone(),
+                },
+            );
+            if let Err(e) = self
+                .change_records(move |recs| {
+                    if let Some(x) = recs.get_mut(&n) {
+                        x.restarting = Some(intent);
+                    }
+                    Ok(())
+                })
+                .await
+            {
+                errors.push(format!("{to}: recording the restart: {e}"));
+                continue;
+            }
             match self.boot_on(&to, &r.spec).await {
                 Ok(_) => {
                     let since = lapse_ms + t0.elapsed().as_millis() as u64;
-                    if let Err(e) = self.restarted(name, r, from, &to, since, false).await {
+                    if let Err(e) = self.restarted(name, r, from, &to, Some(since), false).await {
                         tracing::warn!(vm = name, "VM record: {e}");
                     }
                     return;

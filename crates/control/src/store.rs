@@ -283,6 +283,55 @@ impl Store {
         }
     }
 
+    /// [`Store::put_cluster`] and [`Store::log`] as one write: the value and
+    /// its event land together or not at all (a service killed between two
+    /// writes would otherwise leave a change no event tells of).
+    pub async fn put_cluster_logged<T: serde::Serialize>(
+        &self,
+        key: &str,
+        v: &T,
+        (kind, subject, detail): (&str, &str, serde_json::Value),
+    ) -> Result<(), ApiError> {
+        let json = serde_json::to_string(v).map_err(ApiError::internal)?;
+        let at_ms = now_ms();
+        match &self.0 {
+            Backend::Sqlite(m) => {
+                let mut c = Self::sql(m);
+                let tx = c.transaction().map_err(db)?;
+                tx.execute(
+                    "INSERT INTO cluster (key, value) VALUES (?1, ?2)
+                     ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                    params![key, json],
+                )
+                .map_err(db)?;
+                tx.execute(
+                    "INSERT INTO events (at_ms, kind, subject, detail) VALUES (?1, ?2, ?3, ?4)",
+                    params![at_ms as i64, kind, subject, detail.to_string()],
+                )
+                .map_err(db)?;
+                tx.execute(
+                    "DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?1",
+                    params![MAX_EVENTS],
+                )
+                .map_err(db)?;
+                tx.commit().map_err(db)
+            }
+            Backend::Etcd(c) => {
+                use etcd_client::{Txn, TxnOp};
+                let e = serde_json::json!({ "at_ms": at_ms, "kind": kind, "subject": subject, "detail": detail });
+                let txn = Txn::new().and_then([
+                    TxnOp::put(format!("{CLUSTER}{key}"), json, None),
+                    TxnOp::put(
+                        format!("{EVENTS}{at_ms:015}-{:08x}", rand_u32()),
+                        e.to_string(),
+                        None,
+                    ),
+                ]);
+                c.clone().txn(txn).await.map(|_| ()).map_err(etcd)
+            }
+        }
+    }
+
     /// Every cluster key under `prefix` with its JSON value.
     pub async fn cluster_under(&self, prefix: &str) -> Result<Vec<(String, String)>, ApiError> {
         match &self.0 {
@@ -646,6 +695,47 @@ mod tests {
         assert_eq!(ev[0].detail["was_draining"], true);
         drop(s);
         let _ = std::fs::remove_file(&path);
+    }
+
+    #[tokio::test]
+    async fn a_value_and_its_event_land_together_or_not_at_all() {
+        let s = Store::in_memory();
+        s.put_cluster_logged(
+            "vms",
+            &serde_json::json!({"a": "host1"}),
+            ("ha_restart", "a", serde_json::json!({"to": "host1"})),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            s.cluster::<serde_json::Value>("vms").await.unwrap(),
+            Some(serde_json::json!({"a": "host1"}))
+        );
+        let ev = s.events(10).await.unwrap();
+        assert_eq!(ev.len(), 1);
+        assert_eq!(
+            (ev[0].kind.as_str(), ev[0].subject.as_str()),
+            ("ha_restart", "a")
+        );
+        assert_eq!(ev[0].detail["to"], "host1");
+        // the event cannot be written: the value is not either
+        let Backend::Sqlite(m) = &s.0 else {
+            unreachable!("an in-memory store is SQLite")
+        };
+        Store::sql(m).execute("DROP TABLE events", []).unwrap();
+        let refused = s
+            .put_cluster_logged(
+                "vms",
+                &serde_json::json!({"a": "host2"}),
+                ("ha_restart", "a", serde_json::json!({"to": "host2"})),
+            )
+            .await;
+        assert!(refused.is_err());
+        assert_eq!(
+            s.cluster::<serde_json::Value>("vms").await.unwrap(),
+            Some(serde_json::json!({"a": "host1"})),
+            "the value changed without its event"
+        );
     }
 
     #[tokio::test]
