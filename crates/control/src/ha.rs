@@ -1196,6 +1196,60 @@ mod tests {
         assert_eq!(a.get("host2"), Some(&vec!["own".to_string()]));
     }
 
+    /// A leader that booted a VM elsewhere and died before recording the
+    /// restart left it begun; the next leader's heartbeat, finding the VM
+    /// running there, records it once, with its event, and a heartbeat
+    /// after that adds nothing.
+    #[tokio::test]
+    async fn a_begun_restart_found_running_is_recorded_once_with_its_event() {
+        let c = Control::new(Vec::new(), Default::default());
+        let spec = VmSpec::workload("vm1", 256 << 20, 32 << 20, 0);
+        c.record_created(&spec, "host3", None).await.unwrap();
+        c.change_records(|r| {
+            if let Some(x) = r.get_mut("vm1") {
+                x.restarting = Some(Restarting {
+                    from: "host3".into(),
+                    to: "host1".into(),
+                });
+            }
+            Ok(())
+        })
+        .await
+        .unwrap();
+        let hosts: Vec<HostEntry> = serde_json::from_value(serde_json::json!([{
+            "name": "host1", "agent_url": "https://198.18.0.11:7800", "reachable": true,
+            "error": null,
+            "info": { "name": "host1", "agent_url": "https://198.18.0.11:7800",
+                "memory_total": 1u64 << 33, "memory_reserved": 0, "memory_free": 1u64 << 33,
+                "nics": [],
+                "vms": [{ "name": "vm1", "host": "host1", "spec": spec, "state": "running",
+                    "pid": 42 }] }
+        }]))
+        .unwrap();
+        c.sync_records(&hosts).await;
+        c.sync_records(&hosts).await;
+        let r = c.records().await.unwrap()["vm1"].clone();
+        assert_eq!(r.host, "host1");
+        assert_eq!(r.restarting, None);
+        assert_eq!(
+            r.restarts.len(),
+            1,
+            "counted against the restart limit once"
+        );
+        let ev: Vec<_> = c
+            .store
+            .events(100)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.kind == "ha_restart")
+            .collect();
+        assert_eq!(ev.len(), 1, "{ev:?}");
+        assert_eq!(ev[0].subject, "vm1");
+        assert_eq!(ev[0].detail["from"], "host3");
+        assert_eq!(ev[0].detail["found_running"], true);
+    }
+
     #[test]
     fn a_host_is_failed_only_on_a_second_signal() {
         assert!(matches!(
