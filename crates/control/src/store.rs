@@ -266,14 +266,7 @@ impl Store {
     pub async fn put_cluster<T: serde::Serialize>(&self, key: &str, v: &T) -> Result<(), ApiError> {
         let json = serde_json::to_string(v).map_err(ApiError::internal)?;
         match &self.0 {
-            Backend::Sqlite(m) => Self::sql(m)
-                .execute(
-                    "INSERT INTO cluster (key, value) VALUES (?1, ?2)
-                     ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                    params![key, json],
-                )
-                .map(|_| ())
-                .map_err(db),
+            Backend::Sqlite(m) => Self::sql_put_cluster(&Self::sql(m), key, &json).map_err(db),
             Backend::Etcd(c) => c
                 .clone()
                 .put(format!("{CLUSTER}{key}"), json, None)
@@ -298,34 +291,16 @@ impl Store {
             Backend::Sqlite(m) => {
                 let mut c = Self::sql(m);
                 let tx = c.transaction().map_err(db)?;
-                tx.execute(
-                    "INSERT INTO cluster (key, value) VALUES (?1, ?2)
-                     ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                    params![key, json],
-                )
-                .map_err(db)?;
-                tx.execute(
-                    "INSERT INTO events (at_ms, kind, subject, detail) VALUES (?1, ?2, ?3, ?4)",
-                    params![at_ms as i64, kind, subject, detail.to_string()],
-                )
-                .map_err(db)?;
-                tx.execute(
-                    "DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?1",
-                    params![MAX_EVENTS],
-                )
-                .map_err(db)?;
+                Self::sql_put_cluster(&tx, key, &json).map_err(db)?;
+                Self::sql_log(&tx, at_ms, kind, subject, &detail).map_err(db)?;
                 tx.commit().map_err(db)
             }
             Backend::Etcd(c) => {
                 use etcd_client::{Txn, TxnOp};
-                let e = serde_json::json!({ "at_ms": at_ms, "kind": kind, "subject": subject, "detail": detail });
+                let (event_key, event) = Self::etcd_event(at_ms, kind, subject, detail);
                 let txn = Txn::new().and_then([
                     TxnOp::put(format!("{CLUSTER}{key}"), json, None),
-                    TxnOp::put(
-                        format!("{EVENTS}{at_ms:015}-{:08x}", rand_u32()),
-                        e.to_string(),
-                        None,
-                    ),
+                    TxnOp::put(event_key, event, None),
                 ]);
                 c.clone().txn(txn).await.map(|_| ()).map_err(etcd)
             }
@@ -422,6 +397,49 @@ impl Store {
         }
     }
 
+    /// A cluster key's value written in SQLite (alone, or in a transaction).
+    fn sql_put_cluster(c: &Connection, key: &str, json: &str) -> rusqlite::Result<()> {
+        c.execute(
+            "INSERT INTO cluster (key, value) VALUES (?1, ?2)
+             ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+            params![key, json],
+        )
+        .map(|_| ())
+    }
+
+    /// An event appended in SQLite, the oldest past [`MAX_EVENTS`] dropped.
+    fn sql_log(
+        c: &Connection,
+        at_ms: u64,
+        kind: &str,
+        subject: &str,
+        detail: &serde_json::Value,
+    ) -> rusqlite::Result<()> {
+        c.execute(
+            "INSERT INTO events (at_ms, kind, subject, detail) VALUES (?1, ?2, ?3, ?4)",
+            params![at_ms as i64, kind, subject, detail.to_string()],
+        )?;
+        c.execute(
+            "DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?1",
+            params![MAX_EVENTS],
+        )
+        .map(|_| ())
+    }
+
+    /// An event's key and value in etcd (keys sort by time).
+    fn etcd_event(
+        at_ms: u64,
+        kind: &str,
+        subject: &str,
+        detail: serde_json::Value,
+    ) -> (String, String) {
+        let e = serde_json::json!({ "at_ms": at_ms, "kind": kind, "subject": subject, "detail": detail });
+        (
+            format!("{EVENTS}{at_ms:015}-{:08x}", rand_u32()),
+            e.to_string(),
+        )
+    }
+
     /// Appends to the event log (SQLite keeps the newest [`MAX_EVENTS`]).
     pub async fn log(
         &self,
@@ -432,24 +450,12 @@ impl Store {
         let at_ms = now_ms();
         match &self.0 {
             Backend::Sqlite(m) => {
-                let c = Self::sql(m);
-                c.execute(
-                    "INSERT INTO events (at_ms, kind, subject, detail) VALUES (?1, ?2, ?3, ?4)",
-                    params![at_ms as i64, kind, subject, detail.to_string()],
-                )
-                .map_err(db)?;
-                c.execute(
-                    "DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?1",
-                    params![MAX_EVENTS],
-                )
-                .map(|_| ())
-                .map_err(db)
+                Self::sql_log(&Self::sql(m), at_ms, kind, subject, &detail).map_err(db)
             }
             Backend::Etcd(c) => {
-                let e = serde_json::json!({ "at_ms": at_ms, "kind": kind, "subject": subject, "detail": detail });
-                let key = format!("{EVENTS}{at_ms:015}-{:08x}", rand_u32());
+                let (key, event) = Self::etcd_event(at_ms, kind, subject, detail);
                 c.clone()
-                    .put(key, e.to_string(), None)
+                    .put(key, event, None)
                     .await
                     .map(|_| ())
                     .map_err(etcd)
