@@ -328,14 +328,17 @@ impl Control {
                             stopped_because: None,
                             restarting: None,
                         });
-                        let restarted_here = e.restarting.as_ref().is_some_and(|x| x.to == h.name);
-                        if restarted_here && e.host != h.name {
-                            let from = e.restarting.as_ref().map(|x| x.from.clone());
+                        let begun_here = e
+                            .restarting
+                            .as_ref()
+                            .filter(|x| x.to == h.name && e.host != h.name)
+                            .map(|x| x.from.clone());
+                        if let Some(from) = begun_here {
                             // this instance's own failover records it; one
                             // by a leader that died before it recorded the
                             // restart is completed below
-                            if !from.is_some_and(|f| lock(&self.ha.failing).contains(&f)) {
-                                found.push((v.name.clone(), e.clone(), h.name.clone()));
+                            if !lock(&self.ha.failing).contains(&from) {
+                                found.push((v.name.clone(), e.clone(), from, h.name.clone()));
                             }
                             continue;
                         }
@@ -353,11 +356,7 @@ impl Control {
         if let Err(e) = r {
             tracing::warn!("VM records: {e}");
         }
-        for (name, rec, to) in found {
-            let from = rec
-                .restarting
-                .as_ref()
-                .map_or(rec.host.clone(), |x| x.from.clone());
+        for (name, rec, from, to) in found {
             if let Err(e) = self.restarted(&name, &rec, &from, &to, None, true).await {
                 tracing::warn!(vm = name, "VM record: {e}");
             }
