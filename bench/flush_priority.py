@@ -16,6 +16,8 @@ honour it, none does not).
 """
 import argparse, ctypes, os, random, subprocess, sys, time
 
+from downtime import pct
+
 SYS_IOPRIO_SET = 251  # x86_64
 WHO_THREAD = 1
 CLASS = {"best-effort": (2, 4), "real-time": (1, 0)}
@@ -27,15 +29,26 @@ def ioprio(cls, level):
         sys.exit(f"ioprio_set: {os.strerror(ctypes.get_errno())} (root needed for the real-time class)")
 
 
-def pct(v, p):
-    v = sorted(v)
-    return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
+def start_disk_writer(path, mib):
+    """Another process writing `mib` MiB to `path` and fsyncing them, in a loop; returns the
+    function that stops it and removes the file."""
+    writer = subprocess.Popen(
+        ["bash", "-c", f"while :; do dd if=/dev/zero of={path} bs=1M count={mib} conv=fsync status=none; done"],
+        start_new_session=True)
+
+    def stop():
+        if writer.poll() is None:
+            os.killpg(writer.pid, 9)
+            writer.wait()
+        if os.path.exists(path):
+            os.remove(path)
+    return stop
 
 
-def run(label, samples, fd, writer_cmd):
-    writer = subprocess.Popen(["bash", "-c", writer_cmd], start_new_session=True) if writer_cmd else None
+def run(label, samples, fd, writer=None):
+    stop = start_disk_writer(*writer) if writer else None
     try:
-        if writer:
+        if stop:
             time.sleep(1)
         order = list(CLASS) * (samples // 2)
         random.shuffle(order)
@@ -48,9 +61,8 @@ def run(label, samples, fd, writer_cmd):
             got[c].append((time.monotonic() - t) * 1000)
             time.sleep(0.02)
     finally:
-        if writer:
-            os.killpg(writer.pid, 9)
-            writer.wait()
+        if stop:
+            stop()
     for c, v in got.items():
         print(f"| {label} | {c} | {len(v)} | {pct(v, 50):.1f} / {pct(v, 90):.1f} / {pct(v, 99):.1f} / {max(v):.1f} |",
               flush=True)
@@ -69,14 +81,11 @@ def main():
         os.fsync(fd)
         print("| disk | class | samples | flush ms p50 / p90 / p99 / max |")
         print("|---|---|---|---|")
-        run("quiet", 40, fd, None)
-        run(f"a writer of {a.writer_mib} MiB per fsync", a.samples, fd,
-            f"while :; do dd if=/dev/zero of={big} bs=1M count={a.writer_mib} conv=fsync status=none; done")
+        run("quiet", 40, fd)
+        run(f"a writer of {a.writer_mib} MiB per fsync", a.samples, fd, (big, a.writer_mib))
     finally:
         os.close(fd)
-        for p in (rec, big):
-            if os.path.exists(p):
-                os.remove(p)
+        os.remove(rec)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import labqemu
 
 from compression_ab import agents_from, builds_of
 from downtime import pct
+from flush_priority import start_disk_writer
 
 
 def run(binary, *args, check=True):
@@ -106,19 +107,9 @@ def main():
     gave_up = {b: 0 for b in builds}
     names = list(builds)
     intact = "intact"
-    writer = None
+    stop_writer = None
     if a.disk_writer:
-        writer = subprocess.Popen(
-            ["bash", "-c", f"while :; do dd if=/dev/zero of=/var/tmp/switchover-ab.writer bs=1M "
-                           f"count={a.disk_writer} conv=fsync status=none; done"],
-            start_new_session=True)
-
-        def stop_writer():
-            if writer.poll() is None:
-                os.killpg(writer.pid, 9)
-                writer.wait()
-            if os.path.exists("/var/tmp/switchover-ab.writer"):
-                os.remove("/var/tmp/switchover-ab.writer")
+        stop_writer = start_disk_writer("/var/tmp/switchover-ab.writer", a.disk_writer)
         atexit.register(stop_writer)
     for rnd in range(a.rounds):
         for b in names[rnd % len(names):] + names[:rnd % len(names)]:
@@ -159,7 +150,7 @@ def main():
                 c = json.loads(run(a.new, "vm", "check", vm, "--json", check=False).stdout or "{}")
                 if not (c.get("intact") and c.get("advancing")):
                     intact = f"{vm} NOT INTACT"
-    if writer:
+    if stop_writer:
         stop_writer()
     for vm in sorted(set(guests.values())):
         if not boards:
