@@ -306,12 +306,7 @@ pub async fn run(cli: &Cli, cmd: &LabCmd) -> anyhow::Result<i32> {
                 HostPower::On => {
                     net::power_on(&spec, host)?;
                     let i = topology::host_index(host).unwrap_or(0);
-                    let pidfile = dir.host_dir(host).join("agent.pid");
-                    let alive = std::fs::read_to_string(&pidfile)
-                        .ok()
-                        .and_then(|p| p.trim().parse::<i32>().ok())
-                        // SAFETY: signal 0 only asks whether the pid exists.
-                        .is_some_and(|p| unsafe { libc::kill(p, 0) } == 0);
+                    let alive = pidfile_runs(&dir.host_dir(host).join("agent.pid"));
                     if !alive {
                         start_agent(&dir, &spec, i)?;
                     }
@@ -601,10 +596,7 @@ async fn control_up(cli: &Cli, instances: u32) -> anyhow::Result<i32> {
     dir.load_spec()?;
     let cd = dir.control_dir();
     let etcd_pid = cd.join("etcd.pid");
-    let etcd_runs = std::fs::read_to_string(&etcd_pid)
-        .ok()
-        .and_then(|p| p.trim().parse::<u32>().ok())
-        .is_some_and(|p| std::path::Path::new(&format!("/proc/{p}")).exists());
+    let etcd_runs = pidfile_runs(&etcd_pid);
     if !etcd_runs {
         let e = |f: &str| dir.pki_path().join("etcd").join(f).display().to_string();
         anyhow::ensure!(
@@ -787,23 +779,37 @@ fn stop_pidfile(path: &std::path::Path) {
 fn stop_pid(pid: i32) {
     // SAFETY: kill(2) with a pid and a signal has no memory effects.
     unsafe { libc::kill(pid, libc::SIGKILL) };
-    let alive = || {
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            return false;
-        };
-        let zombie = stat
-            .rsplit(')')
-            .next()
-            .unwrap_or("")
-            .trim_start()
-            .starts_with('Z');
-        let threads = std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count());
-        !zombie || threads > 1
+    let alive = || match proc_state(pid) {
+        None => false,
+        Some('Z') => std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count()) > 1,
+        Some(_) => true,
     };
     let until = std::time::Instant::now() + Duration::from_secs(10);
     while alive() && std::time::Instant::now() < until {
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// The state letter `/proc/<pid>/stat` gives (`R`, `S`, `Z`, …), or `None`
+/// when there is no such process.
+fn proc_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit(')').next()?.trim_start().chars().next()
+}
+
+/// Whether `pid` runs: it exists and is not a zombie. A daemon killed
+/// after its parent exited stays a zombie until init reaps it, which some
+/// inits do late; signal 0 and `/proc/<pid>` both still find it then.
+fn running(pid: i32) -> bool {
+    proc_state(pid).is_some_and(|s| s != 'Z')
+}
+
+/// Whether the pid a pid file names runs ([`running`]).
+fn pidfile_runs(path: &std::path::Path) -> bool {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|p| p.trim().parse::<i32>().ok())
+        .is_some_and(running)
 }
 
 /// The lab's certificates, as `ferry cluster init` and `issue-cert` make
@@ -939,7 +945,7 @@ fn status(json: bool) -> anyhow::Result<i32> {
             let pid = std::fs::read_to_string(dir.host_dir(&h).join("agent.pid"))
                 .ok()
                 .and_then(|p| p.trim().parse::<u32>().ok());
-            let alive = pid.is_some_and(|p| std::path::Path::new(&format!("/proc/{p}")).exists());
+            let alive = pid.is_some_and(|p| i32::try_from(p).is_ok_and(running));
             (h, alive, pid.and_then(ferry_lab::cpuset::allowed))
         })
         .collect();
@@ -982,4 +988,31 @@ fn status(json: bool) -> anyhow::Result<i32> {
     }
     t.print();
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_zombie_does_not_run_though_signal_zero_still_finds_it() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        // exited and not yet reaped: a zombie
+        let t0 = std::time::Instant::now();
+        while proc_state(pid) != Some('Z') {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "`true` did not exit"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // SAFETY: signal 0 only asks whether the pid exists.
+        assert_eq!(unsafe { libc::kill(pid, 0) }, 0);
+        assert!(!running(pid));
+        child.wait().unwrap();
+        assert_eq!(proc_state(pid), None);
+        assert!(!running(pid));
+        assert!(running(i32::try_from(std::process::id()).unwrap()));
+    }
 }

@@ -169,6 +169,8 @@ fn failed_hosts_have_their_ha_vms_run_elsewhere_never_twice() {
     require_lab();
     let _g = serial();
     lab(3, 2);
+    // the storage fence alone: no power-off hook left from another test
+    ferry_ok(&["cluster", "set", "--fence-hook", ""]);
     for v in ["ha1", "plain1", "ha2"] {
         remove_vm(v);
     }
