@@ -797,11 +797,12 @@ fn proc_state(pid: i32) -> Option<char> {
     stat.rsplit(')').next()?.trim_start().chars().next()
 }
 
-/// Whether `pid` runs: it exists and is not a zombie. A daemon killed
-/// after its parent exited stays a zombie until init reaps it, which some
-/// inits do late; signal 0 and `/proc/<pid>` both still find it then.
+/// Whether `pid` runs: it exists and is neither a zombie nor dead (`X`).
+/// A daemon killed after its parent exited stays a zombie until init
+/// reaps it, which some inits do late; signal 0 and `/proc/<pid>` both
+/// still find it then.
 fn running(pid: i32) -> bool {
-    proc_state(pid).is_some_and(|s| s != 'Z')
+    proc_state(pid).is_some_and(|s| !matches!(s, 'Z' | 'X'))
 }
 
 /// Whether the pid a pid file names runs ([`running`]).
