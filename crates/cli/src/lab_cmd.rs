@@ -761,10 +761,7 @@ const MONITOR_PID: &str = "team-monitor.pid";
 /// Kills the daemon a pid file names, if any, and waits (up to 10 s) until
 /// it is gone (or a zombie); removes the file.
 fn stop_pidfile(path: &std::path::Path) {
-    let Some(pid) = std::fs::read_to_string(path)
-        .ok()
-        .and_then(|p| p.trim().parse::<i32>().ok())
-    else {
+    let Some(pid) = read_pidfile(path) else {
         return;
     };
     stop_pid(pid);
@@ -794,7 +791,10 @@ fn stop_pid(pid: i32) {
 /// when there is no such process.
 fn proc_state(pid: i32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit(')').next()?.trim_start().chars().next()
+    ferry_agent::facts::stat_fields(&stat)?
+        .first()?
+        .chars()
+        .next()
 }
 
 /// Whether `pid` runs: it exists and is neither a zombie nor dead (`X`).
@@ -805,12 +805,14 @@ fn running(pid: i32) -> bool {
     proc_state(pid).is_some_and(|s| !matches!(s, 'Z' | 'X'))
 }
 
+/// The pid a pid file names, if it names one.
+fn read_pidfile(path: &std::path::Path) -> Option<i32> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
 /// Whether the pid a pid file names runs ([`running`]).
 fn pidfile_runs(path: &std::path::Path) -> bool {
-    std::fs::read_to_string(path)
-        .ok()
-        .and_then(|p| p.trim().parse::<i32>().ok())
-        .is_some_and(running)
+    read_pidfile(path).is_some_and(running)
 }
 
 /// The lab's certificates, as `ferry cluster init` and `issue-cert` make
@@ -943,11 +945,12 @@ fn status(json: bool) -> anyhow::Result<i32> {
         .host_names()
         .into_iter()
         .map(|h| {
-            let pid = std::fs::read_to_string(dir.host_dir(&h).join("agent.pid"))
-                .ok()
-                .and_then(|p| p.trim().parse::<u32>().ok());
-            let alive = pid.is_some_and(|p| i32::try_from(p).is_ok_and(running));
-            (h, alive, pid.and_then(ferry_lab::cpuset::allowed))
+            let pid = read_pidfile(&dir.host_dir(&h).join("agent.pid"));
+            let alive = pid.is_some_and(running);
+            let cpus = pid
+                .and_then(|p| u32::try_from(p).ok())
+                .and_then(ferry_lab::cpuset::allowed);
+            (h, alive, cpus)
         })
         .collect();
     if json {
