@@ -6,8 +6,9 @@ guest (idle unless --dirty-rate) moved back and forth. Per round, each build's a
 on both hosts (`ferry lab restart-agent`; the guest outlives them), the order rotating, and the
 guest is moved --moves times under them. Per build: p50 / p95 / p99 / max of the report's
 `guest_downtime_ms` (the source's pause to RUN answered), p50 / p95 / max of each of its
-`downtime_parts` (qemu, tick, ready, record, run), and the median transfer (`migrate` to the
-target running) and total times. The guest is checked intact at the end.
+`downtime_parts` (qemu, tick, ready, record, run), the hold before the switch-over (`hold_ms`,
+and how many moves' holds ran out before the target caught up), and the median transfer
+(`migrate` to the target running) and total times. The guest is checked intact at the end.
 
     sudo python3 bench/switchover_ab.py --old OLD_BIN --new NEW_BIN [--rounds 5] [--moves 10]
         [--rate 1gbit] [--nics 1] [--cpus split] [--memory 512M --fill 256M] [--dirty-rate 0]
@@ -143,7 +144,9 @@ def main():
                     sys.exit(f"{b}: the guest's check after the move failed: {r.get('check')}")
                 got[b].append(r)
                 parts = " ".join(f"{p['part']} {p['ms']}" for p in r.get("downtime_parts", []))
-                print(f"round {rnd + 1} {b} #{i + 1}: guest {r['guest_downtime_ms']} ms ({parts}), "
+                hold = (f", held {r['hold_ms']} ms{'' if r.get('hold_caught_up') else ' (not caught up)'}"
+                        if "hold_ms" in r else "")
+                print(f"round {rnd + 1} {b} #{i + 1}: guest {r['guest_downtime_ms']} ms ({parts}){hold}, "
                       f"total {r['total_ms']} ms", file=sys.stderr, flush=True)
             if boards:
                 # checked before the next turn stops it
@@ -167,13 +170,13 @@ def main():
           f"{f', a writer of {a.disk_writer} MiB per fsync' if a.disk_writer else ''}; guest {intact}\n")
     print("| build | moves | guest downtime p50 / p95 / p99 / max ms | "
           + " | ".join(f"{p} p50 / p95 / max" for p in part_names)
-          + " | over the maximum | given up | transfer p50 s | total p50 s |")
-    print("|---|---|---|" + "---|" * len(part_names) + "---|---|---|---|")
+          + " | over the maximum | given up | held p50 / p95 / max ms (not caught up) | transfer p50 s | total p50 s |")
+    print("|---|---|---|" + "---|" * len(part_names) + "---|---|---|---|---|")
     # the maximum each move asked: --max-downtime, or `auto`'s 300 ms
     limit = int(a.max_downtime.removesuffix("ms")) if a.max_downtime else 300
     for b, rs in got.items():
         if not rs:
-            print(f"| {b} | 0 | – |" + " – |" * len(part_names) + f" – | {gave_up[b]} | – | – |")
+            print(f"| {b} | 0 | – |" + " – |" * len(part_names) + f" – | {gave_up[b]} | – | – | – |")
             continue
         g = [r["guest_downtime_ms"] for r in rs]
         parts = {p: [] for p in part_names}
@@ -184,8 +187,11 @@ def main():
         cols = " | ".join(f"{pct(v, 50)} / {pct(v, 95)} / {max(v)}" if v else "-" for v in parts.values())
         tot = statistics.median(r["total_ms"] for r in rs) / 1000
         xfer = statistics.median(r["transfer_ms"] for r in rs) / 1000
+        h = [r["hold_ms"] for r in rs if "hold_ms" in r]
+        held = (f"{pct(h, 50)} / {pct(h, 95)} / {max(h)} ({sum(1 for r in rs if r.get('hold_caught_up') is False)})"
+                if h else "–")
         print(f"| {b} | {len(rs)} | {pct(g, 50)} / {pct(g, 95)} / {pct(g, 99)} / {max(g)} | {cols} | "
-              f"{sum(1 for x in g if x > limit)} | {gave_up[b]} | {xfer:.2f} | {tot:.2f} |")
+              f"{sum(1 for x in g if x > limit)} | {gave_up[b]} | {held} | {xfer:.2f} | {tot:.2f} |")
 
 
 if __name__ == "__main__":

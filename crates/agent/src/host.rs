@@ -307,6 +307,7 @@ impl Agent {
                 ferry_api::FEATURE_QEMU_ZSTD.into(),
                 ferry_api::FEATURE_STREAM_WINDOWS.into(),
                 ferry_api::FEATURE_QEMU_CHANNELS.into(),
+                ferry_api::FEATURE_SWITCHOVER_HOLD.into(),
             ],
             grants: Some(self.cfg.grants.clone()),
             certificate_expires_ms: self.pki.as_ref().and_then(|p| p.expires_ms()),

@@ -9,6 +9,7 @@
 use std::io::{ErrorKind, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use qapi::futures::{QapiService, QmpStreamTokio};
@@ -466,6 +467,9 @@ pub struct Qmp {
     svc: Service,
     events: tokio::task::JoinHandle<()>,
     migration: tokio::sync::watch::Receiver<MigrationSeen>,
+    /// QEMU's last `MIGRATION_PASS` (its dirty bitmap synced: pass 2 is the
+    /// end of the first pass over memory), since [`Qmp::passes_from_zero`].
+    passes: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 /// The last `MIGRATION` event QEMU sent (with the `events` capability on),
@@ -699,6 +703,7 @@ async fn follow_events(
         QmpStreamTokio<KnownMessages<tokio::io::ReadHalf<UnixStream>>>,
     >,
     tx: tokio::sync::watch::Sender<MigrationSeen>,
+    passes: Arc<tokio::sync::watch::Sender<u64>>,
 ) {
     use futures::StreamExt as _;
     // the service's end then ends this stream too
@@ -720,6 +725,9 @@ async fn follow_events(
                     m.status = status;
                     m.sent = sent;
                 });
+            }
+            Ok(qapi::qmp::Event::MIGRATION_PASS { data, .. }) => {
+                passes.send_replace(data.pass.max(0) as u64);
             }
             Ok(qapi::qmp::Event::STOP { timestamp, .. }) => {
                 note_run_state(&tx, "STOP", &timestamp, |m, t| m.stopped = t);
@@ -754,11 +762,13 @@ impl Qmp {
                 Ok(Ok(stream)) => {
                     let (svc, events) = stream.into_parts();
                     let (tx, migration) = tokio::sync::watch::channel(MigrationSeen::default());
-                    let events = tokio::spawn(follow_events(events, tx));
+                    let passes = Arc::new(tokio::sync::watch::channel(0).0);
+                    let events = tokio::spawn(follow_events(events, tx, passes.clone()));
                     return Ok(Qmp {
                         svc,
                         events,
                         migration,
+                        passes,
                     });
                 }
                 Ok(Err(e)) if tokio::time::Instant::now() >= deadline => {
@@ -814,6 +824,14 @@ impl Qmp {
     /// QEMU's `MIGRATION` events as they come (see [`MigrationSeen`]).
     pub fn migration_events(&self) -> tokio::sync::watch::Receiver<MigrationSeen> {
         self.migration.clone()
+    }
+
+    /// QEMU's passes over memory (`MIGRATION_PASS`, with the `events`
+    /// capability on) from now on: counted from zero again, so that a
+    /// migration's first passes are not taken for the last one's.
+    pub fn passes_from_zero(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.passes.send_replace(0);
+        self.passes.subscribe()
     }
 
     pub async fn query_migrate(&self) -> Result<MigrationInfo, QmpError> {

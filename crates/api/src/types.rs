@@ -84,7 +84,7 @@ pub struct HostInfo {
     pub paths: Vec<NicPath>,
     /// What this agent takes in a migration's request beyond the first
     /// version of it ([`FEATURE_QEMU_ZSTD`], [`FEATURE_STREAM_WINDOWS`],
-    /// [`FEATURE_QEMU_CHANNELS`]): a
+    /// [`FEATURE_QEMU_CHANNELS`], [`FEATURE_SWITCHOVER_HOLD`]): a
     /// source asks only for what its target lists, so an agent not yet
     /// upgraded still takes moves.
     #[serde(default)]
@@ -118,6 +118,9 @@ pub const FEATURE_QEMU_ZSTD: &str = "qemu-zstd";
 pub const FEATURE_STREAM_WINDOWS: &str = "stream-windows";
 /// The target's QEMU takes QEMU's own multifd channels when asked (`IncomingRequest::qemu_channels`).
 pub const FEATURE_QEMU_CHANNELS: &str = "qemu-channels";
+/// The target's QEMU acknowledges the switch-over on its return path when
+/// asked (`IncomingRequest::switchover_ack`).
+pub const FEATURE_SWITCHOVER_HOLD: &str = "switchover-hold";
 
 pub const DEFAULT_PROBE_PORT: u16 = 7801;
 
@@ -1125,6 +1128,13 @@ pub struct IncomingRequest {
     /// link, limits the move (see the agent's `migration::auto`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub qemu_channels: bool,
+    /// With `stream_windows`: the target's QEMU gets QEMU's `return-path`
+    /// and `switchover-ack` capabilities, so the source QEMU switches over
+    /// only once its acknowledgement crosses the source agent, which holds
+    /// it until the target QEMU has loaded what it was sent (the hold before
+    /// the switch-over, see the agent's `migration::watch`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub switchover_ack: bool,
 }
 
 /// One local drive a migration copies (see [`IncomingRequest::local_disks`]).
@@ -1488,6 +1498,16 @@ pub struct MigrationReport {
     pub max_downtime_ms: u64,
     #[serde(default)]
     pub downtime_limit_ms: u64,
+    /// The hold before the switch-over (a plain pre-copy over Ferry's
+    /// carriers): from the end of QEMU's first pass over memory until the
+    /// target QEMU had loaded what it was sent and the source QEMU was let
+    /// switch over. The guest runs meanwhile; it is not downtime.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_ms: Option<u64>,
+    /// Whether the target had caught up when the hold ended (false: it ran
+    /// its longest, and the target loaded the rest in the blackout).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hold_caught_up: Option<bool>,
     #[serde(default)]
     pub downtime_reason: String,
     /// The guest's downtime in its parts, in order: `qemu` (QEMU's

@@ -90,6 +90,13 @@ fn multichannel_move_spreads_over_both_nics() {
     );
     assert!(r["downtime_ms"].as_u64().unwrap() < 1000);
     assert_eq!(r["frames_resent"], 0);
+    // a plain pre-copy over the carriers: the switch-over waited for the
+    // target to load what it was sent (held by the source's carriers),
+    // within the hold's bound, and the target's load then ends in QEMU's
+    // own blackout (its completion waits for the target's return path)
+    let held = r["hold_ms"].as_u64().expect("hold_ms");
+    assert!(held <= 250, "held {held} ms: {r}");
+    assert!(r["hold_caught_up"].is_boolean(), "{r}");
     // CPU per host: both QEMUs and agents worked; per GiB is their sum ÷ GiB
     let cpu = &r["cpu"];
     let (src, dst) = (
@@ -152,6 +159,8 @@ fn multichannel_move_spreads_over_both_nics() {
         (Some("completed"), Some("qemu-tls")),
         "{r}"
     );
+    // QEMU's own stream: nothing of Ferry's to hold it
+    assert!(r.get("hold_ms").is_none(), "{r}");
     assert_intact_on("mc1", "host1");
     let r = move_vm("mc1", "host2", "multichannel");
     assert_eq!(

@@ -97,7 +97,9 @@
 //! request's `stream_windows`), that the target reports what its local
 //! reader takes: then, on every carrier, the target sends a WINDOW frame for
 //! each stream whose count grew since that carrier last reported it (and
-//! every count again on a new carrier). Counts are cumulative and never go
+//! every count again on a new carrier). The count is what the local reader
+//! has read: the bytes written to it less those still unread in its
+//! connection. Counts are cumulative and never go
 //! down; a lost or late WINDOW is superseded by the next. The source reads
 //! no more of a stream from its local end while what it has read and the
 //! target has not taken, counted expanded (each byte × what it stands for

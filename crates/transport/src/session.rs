@@ -68,6 +68,10 @@ const ACK_EVERY: u64 = 4;
 /// How long an idle carrier writer sleeps between looks at its ACKs and
 /// heartbeat when nothing wakes it.
 const WRITER_TICK: Duration = Duration::from_millis(20);
+/// Target, windows agreed, bytes in QEMU's sockets still unread: how soon a
+/// carrier's writer looks again at what QEMU has read (no event says so).
+/// The WINDOW count is what QEMU has read: written, less what is unread.
+const LOADING_LOOK: Duration = Duration::from_millis(1);
 /// The most one stream byte may stand for ([`Session::set_expansion`]).
 pub const MAX_EXPANSION: f64 = 64.0;
 /// The fewest bytes a windowed stream's read asks for.
@@ -251,6 +255,27 @@ struct StreamIn {
 }
 
 impl StreamIn {
+    /// Bytes in the local connection its reader has not read yet (the
+    /// kernel's count, which includes each buffer's overhead: never less).
+    fn unread(&self) -> u64 {
+        self.local.as_ref().map_or(0, |u| {
+            let mut n: libc::c_int = 0;
+            // SAFETY: TIOCOUTQ (SIOCOUTQ) writes one int; `u` owns the fd
+            let r = unsafe {
+                libc::ioctl(
+                    std::os::fd::AsRawFd::as_raw_fd(&**u),
+                    libc::TIOCOUTQ,
+                    &mut n,
+                )
+            };
+            if r == 0 {
+                n.max(0) as u64
+            } else {
+                0
+            }
+        })
+    }
+
     fn new() -> StreamIn {
         StreamIn {
             next: 0,
@@ -296,6 +321,12 @@ struct Inner {
     stream_window: AtomicU64,
     /// Source: each stream's bytes the target's local reader has taken.
     taken: Mutex<HashMap<u16, u64>>,
+    /// Source: each stream's bytes read from its local end (QEMU), with
+    /// windows agreed: the marks [`Session::loaded`] compares with `taken`.
+    read: Mutex<HashMap<u16, u64>>,
+    /// Source: bytes for the local ends (QEMU's return path) held, not
+    /// written, while true ([`Session::hold_local_writes`]).
+    hold: tokio::sync::watch::Sender<bool>,
     window_moved: Notify,
     /// Target: the send buffer of the connections to QEMU (0: the system's).
     local_sndbuf: AtomicUsize,
@@ -375,6 +406,8 @@ impl Session {
                 expansion: AtomicU64::new(1f64.to_bits()),
                 stream_window: AtomicU64::new(STREAM_WINDOW),
                 taken: Mutex::new(HashMap::new()),
+                read: Mutex::new(HashMap::new()),
+                hold: tokio::sync::watch::channel(false).0,
                 window_moved: Notify::new(),
                 local_sndbuf: AtomicUsize::new(0),
                 reorder_window: AtomicU64::new(REORDER_LIMIT),
@@ -506,6 +539,43 @@ impl Session {
     /// (the kernel doubles it): what waits there counts as taken.
     pub fn set_local_send_buffer(&self, bytes: usize) {
         self.inner.local_sndbuf.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Source: holds (`true`) or lets go (`false`) the bytes the target
+    /// sends back to the local ends: they wait in the session, in order,
+    /// and are written once let go. QEMU's return path carries the
+    /// switch-over's acknowledgement: held, the source QEMU keeps copying
+    /// (the guest running) until the agent lets it switch over.
+    pub fn hold_local_writes(&self, on: bool) {
+        self.inner.hold.send_replace(on);
+    }
+
+    /// Where each stream's reading from its local end stands now (windows
+    /// agreed): marks for [`Session::loaded`].
+    pub fn read_marks(&self) -> HashMap<u16, u64> {
+        lock(&self.inner.read).clone()
+    }
+
+    /// Waits until the target's local readers have taken every stream up to
+    /// `marks` (what its WINDOW frames report: bytes QEMU has read), or
+    /// until `deadline`; whether they have.
+    pub async fn loaded(&self, marks: &HashMap<u16, u64>, deadline: Instant) -> bool {
+        loop {
+            let moved = self.inner.window_moved.notified();
+            let done = {
+                let t = lock(&self.inner.taken);
+                marks
+                    .iter()
+                    .all(|(id, m)| t.get(id).copied().unwrap_or(0) >= *m)
+            };
+            if done {
+                return true;
+            }
+            tokio::select! {
+                _ = moved => {}
+                _ = tokio::time::sleep_until(deadline.into()) => return false,
+            }
+        }
     }
 
     /// Source: waits until stream `id`, `read` bytes read from its local
@@ -929,6 +999,8 @@ impl Session {
         let mut acked_sent = 0u64;
         // target, windows agreed: each stream's count as this carrier last sent it
         let mut windows_sent: HashMap<u16, u64> = HashMap::new();
+        // target, windows agreed: bytes wait unread in a QEMU socket
+        let mut loading = false;
         let mut ping = 0u64;
         let mut last_tx = Instant::now();
         let mut buf = BytesMut::with_capacity(HEADER_LEN * 2);
@@ -962,11 +1034,19 @@ impl Session {
                 last_tx = Instant::now();
             }
             if self.inner.connect_to.is_some() && self.inner.windows.load(Ordering::Relaxed) {
+                let mut waiting = false;
                 let moved: Vec<(u16, u64)> = lock(&self.inner.streams_in)
                     .iter()
-                    .map(|(id, st)| (*id, st.taken.load(Ordering::Acquire)))
+                    .map(|(id, st)| {
+                        let unread = st.unread();
+                        // a writer with bytes queued wakes this one as it
+                        // writes; an idle one's bytes are read unannounced
+                        waiting |= unread > 0 && st.buffered.load(Ordering::Acquire) == 0;
+                        (*id, st.taken.load(Ordering::Acquire).saturating_sub(unread))
+                    })
                     .filter(|(id, t)| windows_sent.get(id).is_none_or(|s| t > s))
                     .collect();
+                loading = waiting;
                 for (stream, taken) in moved {
                     buf.clear();
                     let h = Header::new(Kind::Window, stream, 0, taken);
@@ -1057,9 +1137,10 @@ impl Session {
                         }
                         last_tx = Instant::now();
                     }
+                    let tick = if loading { LOADING_LOOK } else { WRITER_TICK };
                     tokio::select! {
                         _ = wake => {}
-                        _ = tokio::time::sleep(WRITER_TICK) => {}
+                        _ = tokio::time::sleep(tick) => {}
                     }
                 }
             }
@@ -1296,13 +1377,19 @@ impl Session {
             st.buffered = buffered.clone();
             st.taken = taken.clone();
             // frames that arrived before the local end was connected
-            Self::deliver_ready(st);
+            Self::deliver_ready(st, !*self.inner.hold.borrow());
         }
         let mut closed = self.inner.closed.subscribe();
+        let mut hold = self.inner.hold.subscribe();
         let writer = async {
             while let Some(item) = rx.recv().await {
                 match item {
                     Some(b) => {
+                        while *hold.borrow_and_update() {
+                            if hold.changed().await.is_err() {
+                                break;
+                            }
+                        }
                         if write_shared(&u, &b).await.is_err() {
                             break;
                         }
@@ -1341,6 +1428,9 @@ impl Session {
                             break;
                         }
                         offset += n as u64;
+                        if self.inner.windows.load(Ordering::Relaxed) {
+                            lock(&self.inner.read).insert(id, offset);
+                        }
                     }
                 }
             }
@@ -1352,14 +1442,15 @@ impl Session {
     }
 
     /// Moves a stream's in-order frames to its local writer.
-    fn deliver_ready(st: &mut StreamIn) {
+    fn deliver_ready(st: &mut StreamIn, direct: bool) {
         let Some(to_local) = &st.to_local else { return };
         while let Some(mut b) = st.pending.remove(&st.next) {
             st.held -= b.len() as u64;
             st.next += b.len() as u64;
             // nothing queued (the writer idle): as much as the socket takes
-            // now is written here, saving the writer task a wake-up
-            if st.buffered.load(Ordering::Acquire) == 0 {
+            // now is written here, saving the writer task a wake-up (not
+            // while held: the writer waits to be let go)
+            if direct && st.buffered.load(Ordering::Acquire) == 0 {
                 if let Some(Ok(n)) = st.local.as_ref().map(|u| u.try_write(&b)) {
                     st.taken.fetch_add(n as u64, Ordering::AcqRel);
                     if n == b.len() {
@@ -1412,7 +1503,7 @@ impl Session {
                     st.held += payload.len() as u64;
                     st.pending.insert(h.offset, payload);
                 }
-                Self::deliver_ready(st);
+                Self::deliver_ready(st, !*self.inner.hold.borrow());
                 let window = self.inner.reorder_window.load(Ordering::Relaxed);
                 if st.held > window {
                     return Err(format!(
@@ -1433,7 +1524,7 @@ impl Session {
             }
             Kind::Fin => {
                 st.fin = Some(h.offset);
-                Self::deliver_ready(st);
+                Self::deliver_ready(st, !*self.inner.hold.borrow());
             }
             _ => {}
         }

@@ -561,6 +561,62 @@ async fn stream_windows_keep_each_stream_within_what_the_target_took() {
     }
 }
 
+/// The hold before a switch-over: what the target's local end sends back
+/// (QEMU's return path) waits in the source's session while held, and
+/// arrives whole and in order once let go. With windows, the source learns
+/// what the target's local reader has read, not what waits unread in its
+/// socket: `loaded` waits until the reader has read up to the source's
+/// marks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_return_bytes_wait_for_their_release_and_loaded_means_read() {
+    const LEN: usize = 256 << 10;
+    let p = pair("hold", 1, SECRET).await;
+    p.source.set_windows(true);
+    p.target.set_windows(true);
+    p.source.hold_local_writes(true);
+    wait_healthy(&p.source, 1).await;
+    let mut src = UnixStream::connect(&p.src_sock).await.unwrap();
+    src.write_all(&[7]).await.unwrap();
+    src.write_all(&pattern(7, LEN)).await.unwrap();
+    let (mut dst, _) = tokio::time::timeout(Duration::from_secs(10), p.qemu.accept())
+        .await
+        .unwrap()
+        .unwrap();
+    // the target's reader has read nothing: nothing is loaded
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let marks = p.source.read_marks();
+    assert_eq!(marks.values().sum::<u64>(), LEN as u64 + 1, "{marks:?}");
+    let soon = std::time::Instant::now() + Duration::from_millis(200);
+    assert!(
+        !p.source.loaded(&marks, soon).await,
+        "nothing read by the target's QEMU, yet loaded"
+    );
+    // it reads all, and answers on its side of the stream
+    let mut got = vec![0u8; LEN + 1];
+    dst.read_exact(&mut got).await.unwrap();
+    assert!(got[1..] == pattern(7, LEN)[..]);
+    let later = std::time::Instant::now() + Duration::from_secs(5);
+    assert!(p.source.loaded(&marks, later).await, "read, yet not loaded");
+    dst.write_all(&pattern(9, LEN)).await.unwrap();
+    let mut back = vec![0u8; LEN];
+    let early = tokio::time::timeout(Duration::from_millis(300), src.read(&mut back)).await;
+    assert!(
+        early.is_err(),
+        "held bytes reached the source's QEMU: {early:?}"
+    );
+    p.source.hold_local_writes(false);
+    tokio::time::timeout(Duration::from_secs(10), src.read_exact(&mut back))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        back == pattern(9, LEN),
+        "let go, the bytes back arrive whole and in order"
+    );
+    p.source.close();
+    p.target.close();
+}
+
 /// A source's whole handshake on `tcp` with `hello` (the test's own key):
 /// Hello, the Welcome checked, Confirm. Returns the Hello and Welcome as
 /// sent, and the target's nonce.

@@ -11,6 +11,7 @@ use ferry_api::{
 
 use super::sequence::Outcome;
 use super::source::Move;
+use super::watch::Hold;
 use super::{carrier_bytes, data_path_of, fail, in_doubt, Failure, Plan};
 use crate::commit::{source_next, SourceAction, SourceEvent, SourcePhase};
 use crate::host::error_chain;
@@ -534,6 +535,12 @@ impl Move<'_> {
             guest_downtime_ms,
             max_downtime_ms: self.chosen().conv.max_downtime_ms,
             downtime_limit_ms: stream.dplan.limit_ms,
+            hold_ms: w
+                .hold
+                .as_ref()
+                .and_then(Hold::held)
+                .map(|(d, _)| d.as_millis() as u64),
+            hold_caught_up: w.hold.as_ref().and_then(Hold::held).map(|(_, c)| c),
             downtime_parts: if self.committed {
                 Vec::new()
             } else {

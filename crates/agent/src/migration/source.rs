@@ -37,6 +37,10 @@ pub(super) struct Chosen {
     pub sample_ratio: Option<f64>,
     pub qemu_channels: bool,
     pub stream_windows: bool,
+    /// The switch-over waits for the target QEMU to load what it was sent
+    /// (QEMU's `switchover-ack`, held by the source's carriers; see
+    /// `Move::hold_release`).
+    pub switchover_hold: bool,
 }
 
 /// One move, from the source: the context its steps share.
@@ -375,6 +379,13 @@ impl<'a> Move<'a> {
         // QEMU has taken: when it loads slower than the links deliver (what
         // QEMU compressed, or a CPU-bound target) its backlog stays small
         let stream_windows = carriers && !qemu_channels && takes(ferry_api::FEATURE_STREAM_WINDOWS);
+        // plain pre-copy over Ferry's carriers: QEMU switches over once the
+        // target has loaded what it was sent (a mirrored move's switch-over
+        // already waits, paused, for its drives; post-copy commits early)
+        let switchover_hold = stream_windows
+            && !conv.postcopy
+            && copies.is_empty()
+            && takes(ferry_api::FEATURE_SWITCHOVER_HOLD);
         let disks = !copies.is_empty();
         self.chosen = Some(Chosen {
             paths,
@@ -387,6 +398,7 @@ impl<'a> Move<'a> {
             sample_ratio,
             qemu_channels,
             stream_windows,
+            switchover_hold,
         });
         Ok(Outcome::Planned { disks })
     }
@@ -496,6 +508,7 @@ impl<'a> Move<'a> {
             qemu_zstd: c.qemu_zstd,
             stream_windows: c.stream_windows,
             qemu_channels: c.qemu_channels,
+            switchover_ack: c.switchover_hold,
         };
         let reply: IncomingReply = self
             .target
@@ -691,6 +704,9 @@ impl<'a> Move<'a> {
         s.set_reorder_window(agent.cfg.reorder_window);
         s.set_compression(c.compress);
         s.set_windows(c.stream_windows);
+        // QEMU's return path, its switch-over acknowledgement first, waits
+        // here until the target has caught up (`Move::hold_release`)
+        s.hold_local_writes(c.switchover_hold);
         if c.qemu_zstd.is_some() {
             // until QEMU's own figures come in
             s.set_expansion(1.0 / c.sample_ratio.unwrap_or(1.0));

@@ -235,6 +235,20 @@ impl Agent {
                 .await
                 .map_err(qerr)?;
         }
+        if req.switchover_ack {
+            if req.postcopy {
+                return Err(ApiError::invalid(
+                    "switchover_ack",
+                    "the switch-over is held in plain pre-copy only: not with post-copy",
+                ));
+            }
+            // the acknowledgement QEMU sends on its return path as the
+            // stream opens is what the source's carriers hold
+            vm.qmp
+                .set_capabilities(&[("return-path", true), ("switchover-ack", true)])
+                .await
+                .map_err(qerr)?;
+        }
         parts.push(("capabilities", t0.elapsed().as_millis() as u64));
         let sock = dir.join("incoming.sock");
         if !handoff {
@@ -813,6 +827,13 @@ impl Agent {
             }
             // the move's TLS credentials (post-copy's recovery used them) go
             super::qemu_tls::disarm(&q.qmp, &q.dir).await;
+            // and the hold's capabilities: a later move out of this QEMU,
+            // by an agent that does not set them, must not wait for an
+            // acknowledgement its target never sends
+            let _ = q
+                .qmp
+                .set_capabilities(&[("return-path", false), ("switchover-ack", false)])
+                .await;
             let Some(t) = transport else {
                 return;
             };

@@ -4,6 +4,7 @@
 //! the carriers, and says what it sees.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_api::{IncomingStatus, MigrationEvent, MigrationProgress};
@@ -88,6 +89,91 @@ pub(super) struct Watch {
     /// The same socket once its unsent bytes are cut, kept to shut it under
     /// QEMU when a switch-over runs past its maximum ([`Move::overrun`]).
     cut: Option<std::net::TcpStream>,
+    /// The hold before the switch-over, on a plain pre-copy over Ferry's
+    /// carriers (see [`Hold`]).
+    pub hold: Option<Hold>,
+}
+
+/// The longest the switch-over is held after QEMU's first pass over memory
+/// ends: a target that has not caught up by then loads the rest during the
+/// blackout, as without a hold; a guest that dirties memory faster than
+/// the target catches up pays at most this in the move's time.
+pub(super) const HOLD_MAX: Duration = Duration::from_millis(200);
+/// The target has caught up when everything the source QEMU had handed
+/// over is loaded within this of being looked at: what remains in flight
+/// is then a round trip's worth.
+pub(super) const CAUGHT_UP_WITHIN: Duration = Duration::from_millis(3);
+
+/// The hold before the switch-over. QEMU's `switchover-ack` (on both
+/// QEMUs) keeps the source QEMU copying, the guest running, until the
+/// target QEMU's acknowledgement arrives on its return path, which the
+/// target sends as the stream opens and the source's carriers hold
+/// ([`ferry_transport::Session::hold_local_writes`]). Once QEMU's first
+/// pass ends (`MIGRATION_PASS` 2), the hold looks at what the target QEMU
+/// has read of each stream (the carriers' WINDOW frames): when all that the
+/// source QEMU had handed over is read within [`CAUGHT_UP_WITHIN`], or
+/// [`HOLD_MAX`] has passed, the acknowledgement goes, and QEMU switches
+/// over at its next iteration. So the guest is not paused while the target
+/// still loads a backlog: pages QEMU sent faster than the target's CPU
+/// takes them (fresh huge pages to clear, compressed pages to expand).
+pub(super) struct Hold {
+    task: tokio::task::JoinHandle<()>,
+    /// Set once let go: how long after the first pass, and whether the
+    /// target had caught up (or [`HOLD_MAX`] passed).
+    done: Arc<std::sync::OnceLock<(Duration, bool)>>,
+    /// When QEMU's first pass ended (the hold began to look).
+    begun: Arc<std::sync::OnceLock<Instant>>,
+}
+
+impl Hold {
+    fn start(s: ferry_transport::Session, mut passes: tokio::sync::watch::Receiver<u64>) -> Hold {
+        let done = Arc::new(std::sync::OnceLock::new());
+        let begun = Arc::new(std::sync::OnceLock::new());
+        let (d, b) = (done.clone(), begun.clone());
+        let task = tokio::spawn(async move {
+            // a QMP connection gone (QEMU's end): let go at once
+            let _ = passes.wait_for(|p| *p >= 2).await;
+            let t0 = Instant::now();
+            let _ = b.set(t0);
+            let deadline = t0 + HOLD_MAX;
+            let caught = loop {
+                let marks = s.read_marks();
+                let look = Instant::now();
+                if !s.loaded(&marks, deadline).await {
+                    break false;
+                }
+                if look.elapsed() <= CAUGHT_UP_WITHIN {
+                    break true;
+                }
+            };
+            s.hold_local_writes(false);
+            let _ = d.set((t0.elapsed(), caught));
+            tracing::debug!(
+                ms = t0.elapsed().as_millis() as u64,
+                caught,
+                "switch-over let go"
+            );
+        });
+        Hold { task, done, begun }
+    }
+
+    /// Between the first pass's end and the hold's release: QEMU iterates
+    /// for nothing then, and its rounds are not the guest's.
+    pub fn holding(&self) -> bool {
+        self.begun.get().is_some() && self.done.get().is_none()
+    }
+
+    /// How long the switch-over was held, and whether the target had
+    /// caught up; None while it holds.
+    pub fn held(&self) -> Option<(Duration, bool)> {
+        self.done.get().copied()
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 /// READY sent to the target while the source is still in its last pass:
@@ -142,6 +228,7 @@ impl Watch {
         policy: copy_loop::Policy,
         events: tokio::sync::watch::Receiver<crate::qmp::MigrationSeen>,
         dialled: Option<std::net::TcpStream>,
+        hold: Option<Hold>,
     ) -> Watch {
         let now = Instant::now();
         Watch {
@@ -174,6 +261,7 @@ impl Watch {
             early_ready: None,
             dialled,
             cut: None,
+            hold,
         }
     }
 }
@@ -222,6 +310,10 @@ impl Move<'_> {
             ("postcopy-ram", conv.postcopy),
             // shared-nothing: QEMU waits, guest paused, while the mirrors end
             ("pause-before-switchover", mirrored),
+            // the switch-over waits for the target's acknowledgement, which
+            // the carriers hold until the target has caught up (`Hold`)
+            ("return-path", self.chosen().switchover_hold),
+            ("switchover-ack", self.chosen().switchover_hold),
         ])
         .await
         .map_err(q("connection"))?;
@@ -282,6 +374,16 @@ impl Move<'_> {
             _ => None,
         };
         let handoff = handoff.or_else(|| dialled.as_ref().map(std::os::fd::AsRawFd::as_raw_fd));
+        let hold = match (self.chosen().switchover_hold, plan) {
+            (
+                true,
+                Plan::Multichannel {
+                    session: ferry_transport::Carriers::Ferry(s),
+                    ..
+                },
+            ) => Some(Hold::start(s.clone(), qmp.passes_from_zero())),
+            _ => None,
+        };
         let t_migrate = Instant::now();
         let cpu_at_start = (
             crate::host::own_cpu(),
@@ -314,6 +416,7 @@ impl Move<'_> {
             },
             qmp.migration_events(),
             dialled,
+            hold,
         ));
         self.stream = Some(Streaming {
             qemu_zstd,
@@ -640,7 +743,8 @@ impl Move<'_> {
         w.path_rate = decided.path_rate;
         w.rates = decided.rates();
         let (pausing, timeout, rates) = (w.copy.pausing(), w.timeout, w.rates.clone());
-        if status == "active" && !pausing {
+        let holding = w.hold.as_ref().is_some_and(Hold::holding);
+        if status == "active" && !pausing && !holding {
             let raised = self
                 .stream
                 .as_mut()
