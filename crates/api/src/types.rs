@@ -1504,8 +1504,9 @@ pub struct MigrationReport {
     /// switch over. The guest runs meanwhile; it is not downtime.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hold_ms: Option<u64>,
-    /// Whether the target had caught up when the hold ended (false: it ran
-    /// its longest, and the target loaded the rest in the blackout).
+    /// Whether the target had loaded what it was sent when the hold ended
+    /// (false: it ran its longest, and the target loaded the rest in the
+    /// blackout).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hold_caught_up: Option<bool>,
     #[serde(default)]

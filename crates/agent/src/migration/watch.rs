@@ -103,6 +103,13 @@ pub(super) const HOLD_MAX: Duration = Duration::from_millis(200);
 /// over is loaded within this of being looked at: what remains in flight
 /// is then a round trip's worth.
 pub(super) const CAUGHT_UP_WITHIN: Duration = Duration::from_millis(3);
+/// Looks after which the hold ends even if none was that quick: the first
+/// waits for what QEMU had handed over when its first pass ended, the
+/// second for what it handed over meanwhile (what waited in QEMU's own
+/// sockets while the windows were full). A guest that keeps dirtying keeps
+/// QEMU sending, and no look is ever quick: its later rounds are the
+/// ordinary iteration, which QEMU's limit decides.
+pub(super) const HOLD_LOOKS: u32 = 2;
 
 /// The hold before the switch-over. QEMU's `switchover-ack` (on both
 /// QEMUs) keeps the source QEMU copying, the guest running, until the
@@ -111,9 +118,9 @@ pub(super) const CAUGHT_UP_WITHIN: Duration = Duration::from_millis(3);
 /// ([`ferry_transport::Session::hold_local_writes`]). Once QEMU's first
 /// pass ends (`MIGRATION_PASS` 2), the hold looks at what the target QEMU
 /// has read of each stream (the carriers' WINDOW frames): when all that the
-/// source QEMU had handed over is read within [`CAUGHT_UP_WITHIN`], or
-/// [`HOLD_MAX`] has passed, the acknowledgement goes, and QEMU switches
-/// over at its next iteration. So the guest is not paused while the target
+/// source QEMU had handed over is read within [`CAUGHT_UP_WITHIN`], after
+/// [`HOLD_LOOKS`] such looks, or once [`HOLD_MAX`] has passed, the
+/// acknowledgement goes, and QEMU switches over at its next iteration. So the guest is not paused while the target
 /// still loads a backlog: pages QEMU sent faster than the target's CPU
 /// takes them (fresh huge pages to clear, compressed pages to expand).
 pub(super) struct Hold {
@@ -136,13 +143,15 @@ impl Hold {
             let t0 = Instant::now();
             let _ = b.set(t0);
             let deadline = t0 + HOLD_MAX;
+            let mut looks = 0;
             let caught = loop {
                 let marks = s.read_marks();
                 let look = Instant::now();
                 if !s.loaded(&marks, deadline).await {
                     break false;
                 }
-                if look.elapsed() <= CAUGHT_UP_WITHIN {
+                looks += 1;
+                if look.elapsed() <= CAUGHT_UP_WITHIN || looks >= HOLD_LOOKS {
                     break true;
                 }
             };
