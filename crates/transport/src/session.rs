@@ -68,9 +68,10 @@ const ACK_EVERY: u64 = 4;
 /// How long an idle carrier writer sleeps between looks at its ACKs and
 /// heartbeat when nothing wakes it.
 const WRITER_TICK: Duration = Duration::from_millis(20);
-/// Target, windows agreed, bytes in QEMU's sockets still unread: how soon a
-/// carrier's writer looks again at what QEMU has read (no event says so).
-/// The WINDOW count is what QEMU has read: written, less what is unread.
+/// Target, windows agreed: WINDOW frames count what QEMU has read (written,
+/// less what is unread in its socket), and no event says when it reads; so
+/// while bytes wait unread and no write wakes the carriers' writers, they
+/// look again this often.
 const LOADING_LOOK: Duration = Duration::from_millis(1);
 /// The most one stream byte may stand for ([`Session::set_expansion`]).
 pub const MAX_EXPANSION: f64 = 64.0;

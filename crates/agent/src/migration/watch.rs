@@ -120,9 +120,10 @@ pub(super) const HOLD_LOOKS: u32 = 2;
 /// has read of each stream (the carriers' WINDOW frames): when all that the
 /// source QEMU had handed over is read within [`CAUGHT_UP_WITHIN`], after
 /// [`HOLD_LOOKS`] such looks, or once [`HOLD_MAX`] has passed, the
-/// acknowledgement goes, and QEMU switches over at its next iteration. So the guest is not paused while the target
-/// still loads a backlog: pages QEMU sent faster than the target's CPU
-/// takes them (fresh huge pages to clear, compressed pages to expand).
+/// acknowledgement goes, and QEMU switches over at its next iteration. So
+/// the guest is not paused while the target still loads a backlog: pages
+/// QEMU sent faster than the target's CPU takes them (fresh huge pages to
+/// clear, compressed pages to expand).
 pub(super) struct Hold {
     task: tokio::task::JoinHandle<()>,
     /// Set once let go: how long after the first pass, and whether the
@@ -138,7 +139,7 @@ impl Hold {
         let begun = Arc::new(std::sync::OnceLock::new());
         let (d, b) = (done.clone(), begun.clone());
         let task = tokio::spawn(async move {
-            // a QMP connection gone (QEMU's end): let go at once
+            // a QMP connection gone (QEMU's end) ends the wait too
             let _ = passes.wait_for(|p| *p >= 2).await;
             let t0 = Instant::now();
             let _ = b.set(t0);
