@@ -39,7 +39,7 @@ pub(super) struct Chosen {
     pub stream_windows: bool,
     /// The switch-over waits for the target QEMU to load what it was sent
     /// (QEMU's `switchover-ack`, held by the source's carriers; see
-    /// `Move::hold_release`).
+    /// `watch::Hold`).
     pub switchover_hold: bool,
 }
 
@@ -705,7 +705,7 @@ impl<'a> Move<'a> {
         s.set_compression(c.compress);
         s.set_windows(c.stream_windows);
         // QEMU's return path, its switch-over acknowledgement first, waits
-        // here until the target has caught up (`Move::hold_release`)
+        // here until the target has caught up (`watch::Hold`)
         s.hold_local_writes(c.switchover_hold);
         if c.qemu_zstd.is_some() {
             // until QEMU's own figures come in
