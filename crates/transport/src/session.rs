@@ -1035,19 +1035,18 @@ impl Session {
                 last_tx = Instant::now();
             }
             if self.inner.connect_to.is_some() && self.inner.windows.load(Ordering::Relaxed) {
-                let mut waiting = false;
+                loading = false;
                 let moved: Vec<(u16, u64)> = lock(&self.inner.streams_in)
                     .iter()
                     .map(|(id, st)| {
                         let unread = st.unread();
                         // a writer with bytes queued wakes this one as it
                         // writes; an idle one's bytes are read unannounced
-                        waiting |= unread > 0 && st.buffered.load(Ordering::Acquire) == 0;
+                        loading |= unread > 0 && st.buffered.load(Ordering::Acquire) == 0;
                         (*id, st.taken.load(Ordering::Acquire).saturating_sub(unread))
                     })
                     .filter(|(id, t)| windows_sent.get(id).is_none_or(|s| t > s))
                     .collect();
-                loading = waiting;
                 for (stream, taken) in moved {
                     buf.clear();
                     let h = Header::new(Kind::Window, stream, 0, taken);
