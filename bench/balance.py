@@ -21,7 +21,7 @@ after, moves, bytes moved (QEMU's count from each move's report) and time.
 
     sudo python3 bench/balance.py [--rounds 3] [--warm 20]
 
-Needs the lab (root, QEMU >= 9); uses target/debug/ferry (FERRY_BIN).
+Needs the lab (root, QEMU >= 9); uses the release build (labqemu.default_ferry; FERRY_BIN).
 """
 import argparse, json, statistics, sys, time
 

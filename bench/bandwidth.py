@@ -13,13 +13,12 @@ list`, sampled each second while fio runs), drain time.
 
     sudo python3 bench/bandwidth.py [--vms 4] [--memory 512M] [--fill 384M] [--rate 300mbit]
 """
-import argparse, json, os, subprocess, sys, threading, time
+import argparse, json, subprocess, sys, threading, time
 
 from labqemu import lab_addr, lab_nic
 import labqemu  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
+FERRY = labqemu.FERRY
 
 
 def ferry(*args, check=True):

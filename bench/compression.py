@@ -21,7 +21,7 @@ Every guest is checked intact on the target (its workload's own verification: 0 
 errors).
 
     sudo python3 bench/compression.py [--memory 768M] [--fill 512M] [--rates 200mbit,1gbit,10gbit]
-        [--rounds 3] [--qemu-channels 2] [--zstd-level 1] [--nics 2] [--cpus split]
+        [--rounds 3] [--qemu-channels 2] [--zstd-level 1] [--nics 2] [--cpus split] [--settle 2]
         [--contenders "qemu tcp,qemu zstd,ferry compression,ferry auto"] [--encryption on|off]
 
 `qemu zstd tls` (not run by default) is QEMU's multifd + zstd with QEMU's own TLS (a pre-shared
@@ -34,7 +34,10 @@ learned to seal on its own carriers. A Ferry contender may end in a maximum down
 `auto`'s smallest blackout, to show what that blackout costs in time.
 
 --cpus gives each lab host CPUs of its own (`ferry lab up --cpus`); the QEMUs by hand run on
-their host's too. --nics 1 measures `auto` over one NIC pair.
+their host's too. --nics 1 measures `auto` over one NIC pair. Every contender waits, its guest up, before its
+move starts: --settle seconds (2 unless given), then until the machine has handed all freed
+memory back to its hypervisor where it does that (see settle), so every target loads into
+memory in the same state.
 """
 import argparse, json, os, re, statistics, subprocess, sys, time
 
@@ -63,7 +66,7 @@ def ferry_move(kind, a, option="compression", max_downtime=None):
     extra = ["--compressible"] if kind == "compressible" else []
     ferry("vm", "create", "cb", "--host", "host1", "--memory", a.memory, "--fill", a.fill,
           "--dirty-rate", a.dirty_rate, *extra)
-    time.sleep(2)
+    settle(a)
     tx0 = lab_tx(a)
     out, agents, switches = agents_spend(lambda: subprocess.run(
         [FERRY, "vm", "move", "cb", "--to", "host2", "--option", option, "--json",
@@ -166,6 +169,7 @@ def qemu_move(kind, contender, a):
     addr = {"transport": "socket", "type": "inet", "host": lab_addr("host2", 1), "port": "0"}
     dq.cmd("migrate-incoming", channels=[{"channel-type": "main", "addr": dict(addr)}])
     port = dq.cmd("query-migrate")["socket-address"][0]["port"]
+    settle(a)
     cpu, tx0 = Cpu(), lab_tx(a)
     t0 = time.time()
     sq.cmd("migrate", channels=[{"channel-type": "main", "addr": dict(addr, port=str(port))}])
@@ -196,8 +200,23 @@ CONTENDERS = ("qemu tcp", "qemu zstd", "ferry compression", "ferry auto")
 KNOWN = CONTENDERS + ("qemu zstd tls", "ferry tcp")
 
 
+def settle(a):
+    """Waits, every contender alike, its guest up, before its move starts (--settle seconds at
+    least, then labqemu.settle_memory).
+
+    The target's QEMU touches its guest's memory for the first time as the pages arrive. On a
+    machine that is itself a VM handing freed memory back to its hypervisor (virtio-balloon
+    free page reporting), memory freed a moment ago is touched tens of times faster than memory
+    already handed back (bench/first_touch.py), and the kernel hands it back in passes ~2 s
+    apart. Which contender's target got the memory of the guests removed just before then
+    moved a row by half. After the wait every target starts from the same state."""
+    labqemu.settle_memory(max(getattr(a, "settle", 2.0), 0.0))
+
+
 def guest_options(ap):
     """The guest and QEMU-by-hand options a compression bench takes."""
+    ap.add_argument("--settle", type=float, default=2.0,
+                    help="seconds every contender waits at least before its move (see settle)")
     ap.add_argument("--memory", default="768M")
     ap.add_argument("--fill", default="512M")
     ap.add_argument("--dirty-rate", default="1M")

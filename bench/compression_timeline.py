@@ -13,7 +13,7 @@ every --curve-ms ÷ 20 over the first --curve-ms).
     sudo python3 bench/compression_timeline.py [--rounds 3] [--rate 1gbit]
         [--kind random] [--curve-ms 400] [the guest options of bench/compression.py]
 
-Uses $FERRY_BIN (as bench/compression.py: target/debug/ferry unless set); brings the lab up
+Uses $FERRY_BIN (as bench/compression.py: labqemu.default_ferry unless set); brings the lab up
 and down.
 """
 import argparse, subprocess, threading, time

@@ -9,11 +9,10 @@ phase reached, highest vCPU throttle.
 
     sudo python3 bench/convergence.py [--rate 200mbit] [--timeout-per-gib 120]
 """
-import argparse, json, os, subprocess, sys
+import argparse, json, subprocess, sys
 import labqemu  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
+FERRY = labqemu.FERRY
 
 
 def ferry(*args):

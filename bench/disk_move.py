@@ -21,7 +21,7 @@ Ferry's rounds and the guest's pause for its final round. Medians and every
 trial, then JSON.
 
 Needs the lab (root, QEMU >= 9, iproute2), nbdcopy, and a built ferry
-(target/debug/ferry, or FERRY_BIN).
+(labqemu.default_ferry: FERRY_BIN, else the release build).
 """
 import argparse, json, os, statistics, subprocess, sys, time
 
@@ -68,7 +68,7 @@ def disk_node(disk):
 
 
 def ferry_trial(to):
-    out = subprocess.run([os.environ.get("FERRY_BIN", "target/debug/ferry"), "disk", "move", DISK,
+    out = subprocess.run([labqemu.FERRY, "disk", "move", DISK,
                           "--to", to, "--json"], capture_output=True, text=True)
     m = json.loads(out.stdout.strip().splitlines()[-1])
     if m["phase"] != "done":
@@ -122,7 +122,7 @@ def main():
                   f"{n['ratio']:.3f}", flush=True)
     finally:
         unshape()
-        subprocess.run([os.environ.get("FERRY_BIN", "target/debug/ferry"), "vm", "rm", VM], capture_output=True)
+        subprocess.run([labqemu.FERRY, "vm", "rm", VM], capture_output=True)
     for k, v in trials.items():
         print(f"{k}: throughput ÷ link rate median {statistics.median(t['ratio'] for t in v):.3f}, every trial "
               + ", ".join(f"{t['ratio']:.3f}" for t in v))

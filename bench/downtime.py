@@ -15,12 +15,11 @@ The guest is checked intact at the end of each configuration.
     sudo python3 bench/downtime.py [--rate 1gbit] [--moves 20] [--memory 256M --fill 128M]
         [--nics 1,2] [--loads 0,0.1,0.5] [--cpus split] [--contenders auto,100ms] [--option tcp]
 """
-import argparse, json, os, statistics, subprocess, sys
+import argparse, json, statistics, subprocess, sys
 
 import labqemu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
+FERRY = labqemu.FERRY
 
 
 def ferry(*args):

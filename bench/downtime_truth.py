@@ -19,8 +19,7 @@ import argparse, json, os, re, statistics, subprocess, sys
 import labqemu
 from downtime import pct
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
+FERRY = labqemu.FERRY
 # this build's line, or the one builds of before wrote for any event
 STOP = re.compile(r"(?:QMP STOP event timestamp=|event=STOP \{ data: STOP, timestamp: )"
                   r"Timestamp \{ seconds: (\d+), microseconds: (\d+)")

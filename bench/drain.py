@@ -12,11 +12,10 @@ auto chose. --options runs each limit once per option, alternating.
     sudo python3 bench/drain.py [--vms 6] [--memory 512M] [--fill 384M] [--rate 1gbit]
                                 [--limits 1,2,4,8,auto] [--options auto,mptcp]
 """
-import argparse, json, os, subprocess, sys
+import argparse, json, subprocess, sys
 import labqemu  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
+FERRY = labqemu.FERRY
 
 
 def ferry(*args, check=True):

@@ -9,12 +9,11 @@ every run. Needs root, a built ferry and `ferry lab image --debian`.
 
     sudo python3 bench/guests.py [--rate 500mbit] [--rounds 3] [--option multichannel]
 """
-import argparse, json, os, statistics, subprocess, sys, tempfile, time
+import argparse, json, statistics, subprocess, sys, tempfile, time
 
 import labqemu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
+FERRY = labqemu.FERRY
 GUEST = "198.19.250.100"
 
 CLIENT = r'''

@@ -26,14 +26,13 @@ within 90 s), and double writers:
 Then host1 is brought back (`ferry lab host host1 on`), must rejoin healthy
 and run none of them, and the guests are removed.
 
-Needs the lab (root, QEMU >= 9, iproute2); uses target/debug/ferry
+Needs the lab (root, QEMU >= 9, iproute2); uses the release build (labqemu.default_ferry)
 (FERRY_BIN to override). A trial takes about 40 s.
 """
-import argparse, json, os, subprocess, sys, time
+import argparse, json, subprocess, sys, time
 import labqemu  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
+FERRY = labqemu.FERRY
 LAB = "/run/ferry/lab"
 VICTIM = "host1"
 GUESTS = [f"hab{i}" for i in range(1, 5)]

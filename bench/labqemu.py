@@ -4,7 +4,57 @@ command line, kernel, initramfs and workload as Ferry's guests)."""
 import json, os, socket, subprocess, sys, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
+
+
+def default_ferry():
+    """The `ferry` binary a benchmark measures: $FERRY_BIN when set, else the release build
+    (`cargo build --release -p ferry-cli`: what scripts/package installs), else the test build
+    with a warning on stderr: the workspace's dev profile is `opt-level = 1`, and its relay, codecs
+    and sealing are slower than what users run."""
+    if os.environ.get("FERRY_BIN"):
+        return os.environ["FERRY_BIN"]
+    release = os.path.join(ROOT, "target", "release", "ferry")
+    if os.path.exists(release):
+        return release
+    print("bench: no target/release/ferry; measuring the opt-level 1 test build target/debug/ferry "
+          "(cargo build --release -p ferry-cli for figures users would see)", file=sys.stderr)
+    return os.path.join(ROOT, "target", "debug", "ferry")
+
+
+FERRY = default_ferry()
+
+REPORTING = "/sys/module/page_reporting/parameters"
+
+
+def reporting_passes():
+    """The kernel's count of free page reporting passes, or None where it has no such count."""
+    try:
+        return int(open(f"{REPORTING}/passes").read())
+    except (OSError, ValueError):
+        return None
+
+
+def settle_memory(min_secs, quiet=2.5, most=60.0):
+    """Waits min_secs, then, on a machine that hands free memory back to its hypervisor (virtio-balloon
+    free page reporting with a pass count), until no reporting pass has run for `quiet` seconds:
+    until the kernel has handed back what it will of the memory freed before, so every move's
+    target starts from the same state. Here a pass runs every ~2 s while there is memory to hand
+    back, so a guest removed a moment ago leaves memory that a move's target touches tens of
+    times faster than memory handed back (bench/first_touch.py). Returns the seconds waited."""
+    t0 = time.time()
+    time.sleep(min_secs)
+    last, since = reporting_passes(), time.time()
+    if last is None:
+        return time.time() - t0
+    while time.time() - since < quiet:
+        if time.time() - t0 > most:
+            print(f"bench: free page reporting still busy after {most:.0f} s; moving on", file=sys.stderr)
+            break
+        time.sleep(0.25)
+        now = reporting_passes()
+        if now != last:
+            last, since = now, time.time()
+    return time.time() - t0
 TICK = os.sysconf("SC_CLK_TCK")
 
 

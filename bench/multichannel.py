@@ -14,8 +14,7 @@ import argparse, json, os, subprocess, sys, time
 from labqemu import lab_nic
 import labqemu  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
+FERRY = labqemu.FERRY
 TICK = os.sysconf("SC_CLK_TCK")
 
 

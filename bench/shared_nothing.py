@@ -23,7 +23,7 @@ one NIC whatever the lab has: that is what one TCP stream gets. Medians and
 every trial are printed, then JSON.
 
 Needs the lab (root, QEMU >= 9, iproute2) and a built ferry
-(target/debug/ferry, or FERRY_BIN).
+(labqemu.default_ferry: FERRY_BIN, else the release build).
 """
 import argparse, json, os, statistics, subprocess, sys, time
 
@@ -62,7 +62,7 @@ def ferry_trial(disk, nics):
     ferry("vm", "create", VM, "--host", "host1", "--memory", MEMORY, "--fill", FILL, "--dirty-rate", DIRTY,
           "--drive", f"local={DRIVE},format=qcow2")
     time.sleep(2)
-    out = subprocess.run([os.environ.get("FERRY_BIN", "target/debug/ferry"), "vm", "move", VM, "--to", "host2",
+    out = subprocess.run([labqemu.FERRY, "vm", "move", VM, "--to", "host2",
                           "--option", "auto", "--json"],
                          capture_output=True, text=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])

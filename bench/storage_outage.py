@@ -20,14 +20,13 @@ Outage lengths alternate in rounds (each round takes every length once, in
 a rotated order); medians and every run are printed, then JSON. Also
 checked after each trial: the guest's writer saw no error.
 
-Needs the lab (root, QEMU >= 9, iproute2); uses target/debug/ferry
+Needs the lab (root, QEMU >= 9, iproute2); uses the release build (labqemu.default_ferry)
 (FERRY_BIN to override). About 20 s + 2 × the outage per trial.
 """
 import argparse, json, os, signal, statistics, subprocess, sys, time
 import labqemu  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FERRY = os.environ.get("FERRY_BIN", os.path.join(ROOT, "target", "debug", "ferry"))
+FERRY = labqemu.FERRY
 LAB = "/run/ferry/lab"
 VM, DISK = "so1", "outage"
 

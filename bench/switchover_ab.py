@@ -16,7 +16,7 @@ and how many moves' holds ran out before the target caught up), and the median t
     sudo python3 bench/switchover_ab.py --bins BIN1,BIN2[,…] [the options above]
     sudo python3 bench/switchover_ab.py --boards full,lean [--new BIN] [the options above]
 
-With --boards, one build (--new, default target/debug/ferry) and one guest per board
+With --boards, one build (--new, default labqemu.default_ferry's) and one guest per board
 (`vm create --board`), moved in turns the same way: the boards are the contenders. Only the
 guest whose turn it is runs (`vm stop` and `vm start` between turns).
 
@@ -76,8 +76,7 @@ def main():
         sys.exit(f"--max-downtime: {a.max_downtime!r} is not milliseconds (100ms)")
     boards = {}
     if a.boards:
-        a.new = a.new or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                      "target", "debug", "ferry")
+        a.new = a.new or labqemu.FERRY
         boards = {f"board {b}": b for b in a.boards.split(",")}
         if len(boards) < 2:
             sys.exit("--boards: give two boards or more")
