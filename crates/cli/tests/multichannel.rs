@@ -62,6 +62,36 @@ fn auto_move(vm: &str, to: &str, why: &[&str]) -> Value {
     r
 }
 
+/// Within 5 s of a move's end, the QEMU of `vm` on `host` has neither
+/// `return-path` nor `switchover-ack` on (asked on its own monitor).
+fn assert_hold_cleared(vm: &str, host: &str) {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let caps = qemu_monitor(host, vm, "query-migrate-capabilities");
+        let on: Vec<&str> = caps
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| {
+                c["state"] == true
+                    && matches!(
+                        c["capability"].as_str(),
+                        Some("return-path" | "switchover-ack")
+                    )
+            })
+            .filter_map(|c| c["capability"].as_str())
+            .collect();
+        if on.is_empty() {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "{vm} on {host} still has {on:?} 5 s after its move"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 #[test]
 #[ignore = "lab: needs root, QEMU >= 9 and iproute2; scripts/run test runs it with --include-ignored"]
 fn multichannel_move_spreads_over_both_nics() {
@@ -97,6 +127,10 @@ fn multichannel_move_spreads_over_both_nics() {
     let held = r["hold_ms"].as_u64().expect("hold_ms");
     assert!(held <= 250, "held {held} ms: {r}");
     assert!(r["hold_caught_up"].is_boolean(), "{r}");
+    // and the target clears the hold's capabilities once its QEMU has
+    // completed: a later move out of it by a build that does not set them
+    // would wait for an acknowledgement no target sends
+    assert_hold_cleared("mc1", "host2");
     // CPU per host: both QEMUs and agents worked; per GiB is their sum ÷ GiB
     let cpu = &r["cpu"];
     let (src, dst) = (

@@ -501,6 +501,58 @@ pub fn console(host: &str, name: &str) -> String {
         .unwrap_or_default()
 }
 
+/// Asks the QEMU of VM `name` on `host` one QMP `command` on its second
+/// monitor (`handoff.sock`, which the agent opens only to hand a socket
+/// over), as anyone with root on the host could: its `return`, or a panic
+/// naming the error. The newest directory of the VM whose monitor answers.
+pub fn qemu_monitor(host: &str, name: &str, command: &str) -> Value {
+    use std::io::Write;
+    let dir = Path::new(LAB).join(host).join("vms");
+    let mut dirs: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(&dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            let n = e.file_name().to_string_lossy().to_string();
+            n == name || n.starts_with(&format!("{name}."))
+        })
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    dirs.sort();
+    for (_, d) in dirs.iter().rev() {
+        let Ok(s) = std::os::unix::net::UnixStream::connect(d.join("handoff.sock")) else {
+            continue;
+        };
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut lines = BufReader::new(&s);
+        // the greeting, then each command's reply (events skipped)
+        let reply = |lines: &mut BufReader<&std::os::unix::net::UnixStream>| loop {
+            let mut line = String::new();
+            assert!(
+                lines.read_line(&mut line).unwrap() > 0,
+                "QEMU closed its monitor"
+            );
+            let v: Value = serde_json::from_str(&line).unwrap();
+            if v.get("event").is_none() {
+                return v;
+            }
+        };
+        reply(&mut lines);
+        for c in ["qmp_capabilities", command] {
+            (&s).write_all(format!("{{\"execute\":\"{c}\"}}\n").as_bytes())
+                .unwrap();
+            let v = reply(&mut lines);
+            if let Some(e) = v.get("error") {
+                panic!("{c} on {}: {e}", d.display());
+            }
+            if c == command {
+                return v["return"].clone();
+            }
+        }
+    }
+    panic!("no QEMU monitor of {name} answers under {}", dir.display())
+}
+
 /// (own seq, errors, peers as (seed, seq)).
 pub type DiskLine = (u64, u64, Vec<(u64, u64)>);
 
