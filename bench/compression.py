@@ -34,10 +34,10 @@ learned to seal on its own carriers. A Ferry contender may end in a maximum down
 `auto`'s smallest blackout, to show what that blackout costs in time.
 
 --cpus gives each lab host CPUs of its own (`ferry lab up --cpus`); the QEMUs by hand run on
-their host's too. --nics 1 measures `auto` over one NIC pair. Every contender waits, its guest up, before its
-move starts: --settle seconds (2 unless given), then until the machine has handed all freed
-memory back to its hypervisor where it does that (see settle), so every target loads into
-memory in the same state.
+their host's too. --nics 1 measures `auto` over one NIC pair. Every contender waits, its guest
+up, before its move starts: --settle seconds (2 unless given), then, where the machine hands
+freed memory back to its hypervisor, until it has stopped doing so (see settle), so every
+target loads into memory in the same state.
 """
 import argparse, json, os, re, statistics, subprocess, sys, time
 

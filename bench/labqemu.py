@@ -55,6 +55,8 @@ def settle_memory(min_secs, quiet=2.5, most=60.0):
         if now != last:
             last, since = now, time.time()
     return time.time() - t0
+
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 
