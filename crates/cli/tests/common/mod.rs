@@ -479,47 +479,40 @@ pub fn ring_missing(ring: &[Option<u64>], last: u64) -> Vec<u64> {
         .collect()
 }
 
-/// The newest console of VM `name` on `host`.
-pub fn console(host: &str, name: &str) -> String {
-    let dir = std::path::Path::new("/run/ferry/lab")
-        .join(host)
-        .join("vms");
-    let mut best: Option<(std::time::SystemTime, std::path::PathBuf)> = None;
+/// The directories of VM `name` on `host` (it, and its incoming and moved
+/// copies), newest console first.
+pub fn vm_dirs(host: &str, name: &str) -> Vec<PathBuf> {
+    let dir = Path::new(LAB).join(host).join("vms");
+    let mut found: Vec<(std::time::SystemTime, PathBuf)> = Vec::new();
     for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
         let n = e.file_name().to_string_lossy().to_string();
         if n != name && !n.starts_with(&format!("{name}.")) && !n.starts_with(&format!("{name}-")) {
             continue;
         }
-        let p = e.path().join("console.log");
-        if let Ok(m) = std::fs::metadata(&p).and_then(|m| m.modified()) {
-            if best.as_ref().is_none_or(|(t, _)| m > *t) {
-                best = Some((m, p));
-            }
+        if let Ok(m) = std::fs::metadata(e.path().join("console.log")).and_then(|m| m.modified()) {
+            found.push((m, e.path()));
         }
     }
-    best.map(|(_, p)| std::fs::read_to_string(p).unwrap_or_default())
+    found.sort();
+    found.into_iter().rev().map(|(_, p)| p).collect()
+}
+
+/// The newest console of VM `name` on `host`.
+pub fn console(host: &str, name: &str) -> String {
+    vm_dirs(host, name)
+        .first()
+        .map(|d| std::fs::read_to_string(d.join("console.log")).unwrap_or_default())
         .unwrap_or_default()
 }
 
 /// Asks the QEMU of VM `name` on `host` one QMP `command` on its second
 /// monitor (`handoff.sock`, which the agent opens only to hand a socket
 /// over), as anyone with root on the host could: its `return`, or a panic
-/// naming the error. The newest directory of the VM whose monitor answers.
+/// naming the error. The newest directory of the VM ([`vm_dirs`]) whose
+/// monitor answers.
 pub fn qemu_monitor(host: &str, name: &str, command: &str) -> Value {
     use std::io::Write;
-    let dir = Path::new(LAB).join(host).join("vms");
-    let mut dirs: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(&dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| {
-            let n = e.file_name().to_string_lossy().to_string();
-            n == name || n.starts_with(&format!("{name}."))
-        })
-        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
-        .collect();
-    dirs.sort();
-    for (_, d) in dirs.iter().rev() {
+    for d in vm_dirs(host, name) {
         let Ok(s) = std::os::unix::net::UnixStream::connect(d.join("handoff.sock")) else {
             continue;
         };
@@ -550,7 +543,7 @@ pub fn qemu_monitor(host: &str, name: &str, command: &str) -> Value {
             }
         }
     }
-    panic!("no QEMU monitor of {name} answers under {}", dir.display())
+    panic!("no QEMU monitor of {name} on {host} answers")
 }
 
 /// (own seq, errors, peers as (seed, seq)).
