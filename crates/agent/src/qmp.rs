@@ -470,7 +470,19 @@ pub struct Qmp {
     /// QEMU's last `MIGRATION_PASS` (its dirty bitmap synced: pass 2 is the
     /// end of the first pass over memory), since [`Qmp::passes_from_zero`].
     passes: Arc<tokio::sync::watch::Sender<u64>>,
+    /// QEMU's events read so far (see [`KnownMessages::events_seen`]).
+    events_seen: Arc<std::sync::atomic::AtomicU64>,
+    /// A `running` status QEMU answered: the events seen before it was
+    /// asked, and when (see [`Qmp::status_seen`]).
+    running_seen: std::sync::Mutex<Option<(u64, Instant)>>,
 }
+
+/// How long a `running` status stands for QEMU's without asking again, with
+/// no event from QEMU since it was asked. Every way out of `running` is an
+/// event (`STOP` for a pause, an I/O error, a panic, a migration's end;
+/// `SHUTDOWN`, `RESET`, `SUSPEND`), and the end of the QMP stream counts as
+/// one; this bounds what an event lost or a QEMU hung would leave shown.
+pub const RUNNING_KEPT: Duration = Duration::from_secs(5);
 
 /// The last `MIGRATION` event QEMU sent (with the `events` capability on),
 /// and how many it has sent: a waiter wakes on the next one instead of
@@ -601,6 +613,9 @@ const DEFAULT_DEADLINE: Duration = Duration::from_secs(10);
 /// greeting, replies and known events pass unchanged.
 pub struct KnownMessages<R> {
     inner: R,
+    /// Every event line seen, known or not, and the stream's end: what
+    /// [`Qmp::status_seen`] dates a status it keeps by.
+    seen: Arc<std::sync::atomic::AtomicU64>,
     /// bytes read but not yet a whole line
     partial: Vec<u8>,
     /// whole lines that passed, not yet handed on
@@ -613,6 +628,7 @@ impl<R> KnownMessages<R> {
     pub fn new(inner: R) -> Self {
         KnownMessages {
             inner,
+            seen: Arc::default(),
             partial: Vec::new(),
             out: Vec::new(),
             at: 0,
@@ -620,8 +636,19 @@ impl<R> KnownMessages<R> {
         }
     }
 
+    /// The count of QEMU's events this stream has read (and one more at
+    /// its end), shared.
+    pub fn events_seen(&self) -> Arc<std::sync::atomic::AtomicU64> {
+        self.seen.clone()
+    }
+
+    fn saw_event(&self) {
+        self.seen.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
     /// Moves the whole lines of `partial` to `out`, leaving out the events
-    /// this build does not know.
+    /// this build does not know; counts every event before any reply read
+    /// after it reaches its caller.
     fn sift(&mut self) {
         let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else {
             return;
@@ -629,6 +656,9 @@ impl<R> KnownMessages<R> {
         let rest = self.partial.split_off(end + 1);
         let lines = std::mem::replace(&mut self.partial, rest);
         for line in lines.split_inclusive(|b| *b == b'\n') {
+            if mentions_event(line) {
+                self.saw_event();
+            }
             if let Some(name) = unknown_event(line) {
                 tracing::debug!(event = %name, "QMP event this build does not know: left out");
                 continue;
@@ -638,12 +668,18 @@ impl<R> KnownMessages<R> {
     }
 }
 
+/// Whether `line` may be an event: it has an `"event"` key (a reply that
+/// merely mentions the word counts too, which only costs a look).
+fn mentions_event(line: &[u8]) -> bool {
+    line.windows(7).any(|w| w == b"\"event\"")
+}
+
 /// The name of an event `line` carries that `qapi-qmp` cannot decode; `None`
 /// for anything else (a reply, a known event, the greeting, a line that is
 /// not JSON: those are the `qapi` stream's to judge).
 fn unknown_event(line: &[u8]) -> Option<String> {
     // a reply (most lines: the watch's `query-migrate`) is not parsed twice
-    if !line.windows(7).any(|w| w == b"\"event\"") {
+    if !mentions_event(line) {
         return None;
     }
     let v: serde_json::Value = serde_json::from_slice(line).ok()?;
@@ -686,7 +722,10 @@ impl<R: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for KnownMessages<R> 
             match std::pin::Pin::new(&mut this.inner).poll_read(cx, &mut rb) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Ready(Ok(())) if rb.filled().is_empty() => this.eof = true,
+                Poll::Ready(Ok(())) if rb.filled().is_empty() => {
+                    this.eof = true;
+                    this.saw_event();
+                }
                 Poll::Ready(Ok(())) => {
                     this.partial.extend_from_slice(rb.filled());
                     this.sift();
@@ -755,11 +794,13 @@ impl Qmp {
         loop {
             let attempt = async {
                 let (r, w) = tokio::io::split(UnixStream::connect(path).await?);
-                let neg = QmpStreamTokio::open_split(KnownMessages::new(r), w).await?;
-                neg.negotiate().await
+                let known = KnownMessages::new(r);
+                let seen = known.events_seen();
+                let neg = QmpStreamTokio::open_split(known, w).await?;
+                Ok::<_, std::io::Error>((neg.negotiate().await?, seen))
             };
             match tokio::time::timeout(Duration::from_secs(5), attempt).await {
-                Ok(Ok(stream)) => {
+                Ok(Ok((stream, events_seen))) => {
                     let (svc, events) = stream.into_parts();
                     let (tx, migration) = tokio::sync::watch::channel(MigrationSeen::default());
                     let passes = Arc::new(tokio::sync::watch::channel(0).0);
@@ -769,6 +810,8 @@ impl Qmp {
                         events,
                         migration,
                         passes,
+                        events_seen,
+                        running_seen: std::sync::Mutex::new(None),
                     });
                 }
                 Ok(Err(e)) if tokio::time::Instant::now() >= deadline => {
@@ -819,6 +862,34 @@ impl Qmp {
 
     pub async fn status(&self) -> Result<StatusInfo, QmpError> {
         self.call(QueryStatus {}, DEFAULT_DEADLINE).await
+    }
+
+    /// QEMU's status for a listing or a watcher's round: a `running` it
+    /// answered stands, unasked, until QEMU sends any event or
+    /// [`RUNNING_KEPT`] passes; anything else is asked each time. A
+    /// heartbeat lists every guest once a second and the storage watcher
+    /// looks at each once a second: each look was a QMP round trip, the
+    /// agent's CPU and QEMU's main loop, for a state that changes rarely
+    /// and never without an event. A step that acts on the status (a
+    /// move, a check) asks with [`Qmp::status`].
+    pub async fn status_seen(&self) -> Result<StatusInfo, QmpError> {
+        use std::sync::atomic::Ordering;
+        // counted before asking: an event read after this makes what the
+        // answer says stale, whenever the answer comes
+        let seen = self.events_seen.load(Ordering::Acquire);
+        let kept = *ferry_api::util::lock(&self.running_seen);
+        if let Some((at_count, at)) = kept {
+            if at_count == seen && at.elapsed() < RUNNING_KEPT {
+                return Ok(StatusInfo {
+                    status: "running".into(),
+                    running: true,
+                });
+            }
+        }
+        let s = self.status().await?;
+        *ferry_api::util::lock(&self.running_seen) =
+            (s.status == "running").then(|| (seen, Instant::now()));
+        Ok(s)
     }
 
     /// QEMU's `MIGRATION` events as they come (see [`MigrationSeen`]).
@@ -1459,6 +1530,123 @@ mod tests {
         // nothing from the next command, and the session goes on
         assert!(!q.status().await.unwrap().running);
         assert!(!q.status().await.unwrap().running);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A monitor whose status is `status` (changed by the test), counting
+    /// the `query-status` it answers, writing each line `lines` sends as
+    /// it comes, and hanging up when `lines` closes.
+    async fn status_monitor(
+        path: std::path::PathBuf,
+        status: Arc<std::sync::Mutex<&'static str>>,
+        asked: Arc<std::sync::atomic::AtomicU64>,
+        mut lines: tokio::sync::mpsc::UnboundedReceiver<String>,
+    ) {
+        let l = tokio::net::UnixListener::bind(&path).unwrap();
+        let (s, _) = l.accept().await.unwrap();
+        let (r, mut w) = s.into_split();
+        let mut commands = BufReader::new(r).lines();
+        w.write_all(b"{\"QMP\": {\"version\": {\"qemu\": {\"micro\": 0, \"minor\": 0, \"major\": 10}, \"package\": \"\"}, \"capabilities\": []}}\n")
+            .await
+            .unwrap();
+        loop {
+            tokio::select! {
+                c = commands.next_line() => {
+                    let Ok(Some(c)) = c else { return };
+                    let reply = if c.contains("query-status") {
+                        asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        let st = *status.lock().unwrap();
+                        format!("{{\"return\": {{\"status\": \"{st}\", \"running\": {}}}}}\n", st == "running")
+                    } else {
+                        "{\"return\": {}}\n".to_string()
+                    };
+                    w.write_all(reply.as_bytes()).await.unwrap();
+                }
+                e = lines.recv() => match e {
+                    Some(e) => w.write_all(e.as_bytes()).await.unwrap(),
+                    None => return,
+                },
+            }
+        }
+    }
+
+    /// Waits until `q` has read an event (or the stream's end) past `from`.
+    async fn events_past(q: &Qmp, from: u64) {
+        let seen = || q.events_seen.load(std::sync::atomic::Ordering::Acquire);
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while seen() == from {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+        .await
+        .expect("the event was never read");
+    }
+
+    #[tokio::test]
+    async fn a_running_status_stands_until_any_event_its_age_or_the_end() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let dir = std::env::temp_dir().join(format!("ferry-qmp-seen-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("qmp.sock");
+        let status = Arc::new(std::sync::Mutex::new("running"));
+        let asked = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (send, lines) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(status_monitor(
+            path.clone(),
+            status.clone(),
+            asked.clone(),
+            lines,
+        ));
+        let q = Qmp::connect(&path, Duration::from_secs(5)).await.unwrap();
+        let count = || q.events_seen.load(std::sync::atomic::Ordering::Acquire);
+
+        // running: asked once, then it stands
+        for _ in 0..3 {
+            assert_eq!(q.status_seen().await.unwrap().status, "running");
+        }
+        assert_eq!(asked.load(SeqCst), 1);
+
+        // QEMU pauses: its STOP is read, and the next look asks
+        *status.lock().unwrap() = "paused";
+        let before = count();
+        send.send(
+            "{\"event\": \"STOP\", \"timestamp\": {\"seconds\": 1, \"microseconds\": 1}}\n"
+                .to_string(),
+        )
+        .unwrap();
+        events_past(&q, before).await;
+        assert_eq!(q.status_seen().await.unwrap().status, "paused");
+        assert_eq!(asked.load(SeqCst), 2);
+        // anything but running is asked every time
+        assert_eq!(q.status_seen().await.unwrap().status, "paused");
+        assert_eq!(asked.load(SeqCst), 3);
+
+        // an event this build's schema does not know ends a running's stand too
+        *status.lock().unwrap() = "running";
+        q.status_seen().await.unwrap();
+        q.status_seen().await.unwrap();
+        assert_eq!(asked.load(SeqCst), 4);
+        let before = count();
+        send.send("{\"event\": \"FERRY_TEST_NEWER_QEMU\", \"data\": {}, \"timestamp\": {\"seconds\": 1, \"microseconds\": 2}}\n".to_string())
+            .unwrap();
+        events_past(&q, before).await;
+        q.status_seen().await.unwrap();
+        assert_eq!(asked.load(SeqCst), 5);
+
+        // a running older than RUNNING_KEPT is asked again
+        *q.running_seen.lock().unwrap() = Some((count(), Instant::now() - RUNNING_KEPT));
+        q.status_seen().await.unwrap();
+        assert_eq!(asked.load(SeqCst), 6);
+        q.status_seen().await.unwrap();
+        assert_eq!(asked.load(SeqCst), 6);
+
+        // QEMU gone: the stream's end counts as an event, and the look fails
+        let before = count();
+        drop(send);
+        events_past(&q, before).await;
+        let r = q.status_seen().await;
+        assert!(r.is_err(), "a QEMU gone still shows {r:?}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -183,7 +183,7 @@ impl Agent {
                 .collect()
         };
         for (name, spec, q, pause) in vms {
-            let Ok(status) = q.qmp.status().await else {
+            let Ok(status) = q.qmp.status_seen().await else {
                 continue;
             };
             let now = now_ms();

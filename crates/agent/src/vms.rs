@@ -129,7 +129,7 @@ impl Agent {
         let state = match (role, qemu) {
             (Role::Starting, _) => "starting".to_string(),
             (Role::Incoming { .. }, _) => "incoming".to_string(),
-            (Role::Running, Some(q)) => match q.qmp.status().await {
+            (Role::Running, Some(q)) => match q.qmp.status_seen().await {
                 Ok(s) => s.status,
                 Err(_) if !q.alive().await => "exited".to_string(),
                 Err(_) => "unreachable".to_string(),
