@@ -1414,18 +1414,29 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
+    /// The first client of a monitor socket at `path`, greeted as QEMU
+    /// greets: its command lines, and the socket's writing half.
+    async fn greeted_monitor(
+        path: &std::path::Path,
+    ) -> (
+        tokio::io::Lines<BufReader<tokio::net::unix::OwnedReadHalf>>,
+        tokio::net::unix::OwnedWriteHalf,
+    ) {
+        let l = tokio::net::UnixListener::bind(path).unwrap();
+        let (s, _) = l.accept().await.unwrap();
+        let (r, mut w) = s.into_split();
+        w.write_all(b"{\"QMP\": {\"version\": {\"qemu\": {\"micro\": 0, \"minor\": 0, \"major\": 10}, \"package\": \"\"}, \"capabilities\": []}}\n")
+            .await
+            .unwrap();
+        (BufReader::new(r).lines(), w)
+    }
+
     /// A QMP server that answers every command in order: `query-status`
     /// with `running`, its first answer only after `late`; with `events`,
     /// an event unknown to `qapi-qmp` and a `MIGRATION` event before each
     /// `migrate-set-capabilities`' reply.
     async fn fake_qemu(path: std::path::PathBuf, late: Duration, running: bool, events: bool) {
-        let l = tokio::net::UnixListener::bind(&path).unwrap();
-        let (s, _) = l.accept().await.unwrap();
-        let (r, mut w) = s.into_split();
-        let mut lines = BufReader::new(r).lines();
-        w.write_all(b"{\"QMP\": {\"version\": {\"qemu\": {\"micro\": 0, \"minor\": 0, \"major\": 10}, \"package\": \"\"}, \"capabilities\": []}}\n")
-            .await
-            .unwrap();
+        let (mut lines, mut w) = greeted_monitor(&path).await;
         let mut first = true;
         while let Ok(Some(line)) = lines.next_line().await {
             if events && line.contains("migrate-set-capabilities") {
@@ -1542,13 +1553,7 @@ mod tests {
         asked: Arc<std::sync::atomic::AtomicU64>,
         mut lines: tokio::sync::mpsc::UnboundedReceiver<String>,
     ) {
-        let l = tokio::net::UnixListener::bind(&path).unwrap();
-        let (s, _) = l.accept().await.unwrap();
-        let (r, mut w) = s.into_split();
-        let mut commands = BufReader::new(r).lines();
-        w.write_all(b"{\"QMP\": {\"version\": {\"qemu\": {\"micro\": 0, \"minor\": 0, \"major\": 10}, \"package\": \"\"}, \"capabilities\": []}}\n")
-            .await
-            .unwrap();
+        let (mut commands, mut w) = greeted_monitor(&path).await;
         loop {
             tokio::select! {
                 c = commands.next_line() => {
