@@ -1414,6 +1414,15 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
+    /// An empty directory for one test's monitor socket, and the socket's path in it.
+    fn monitor_dir(test: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("ferry-qmp-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("qmp.sock");
+        (dir, path)
+    }
+
     /// The first client of a monitor socket at `path`, greeted as QEMU
     /// greets: its command lines, and the socket's writing half.
     async fn greeted_monitor(
@@ -1466,10 +1475,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_command_past_its_deadline_does_not_break_the_next() {
-        let dir = std::env::temp_dir().join(format!("ferry-qmp-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("qmp.sock");
+        let (dir, path) = monitor_dir("test");
         tokio::spawn(fake_qemu(
             path.clone(),
             Duration::from_millis(600),
@@ -1514,10 +1520,7 @@ mod tests {
 
     #[tokio::test]
     async fn migration_events_wake_their_waiters_and_replies_still_arrive() {
-        let dir = std::env::temp_dir().join(format!("ferry-qmp-ev-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("qmp.sock");
+        let (dir, path) = monitor_dir("ev");
         tokio::spawn(fake_qemu(path.clone(), Duration::ZERO, false, true));
         let q = Qmp::connect(&path, Duration::from_secs(5)).await.unwrap();
         let mut ev = q.migration_events();
@@ -1590,10 +1593,7 @@ mod tests {
     #[tokio::test]
     async fn a_running_status_stands_until_any_event_its_age_or_the_end() {
         use std::sync::atomic::Ordering::SeqCst;
-        let dir = std::env::temp_dir().join(format!("ferry-qmp-seen-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("qmp.sock");
+        let (dir, path) = monitor_dir("seen");
         let status = Arc::new(std::sync::Mutex::new("running"));
         let asked = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let (send, lines) = tokio::sync::mpsc::unbounded_channel();
