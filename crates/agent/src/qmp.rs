@@ -656,12 +656,14 @@ impl<R> KnownMessages<R> {
         let rest = self.partial.split_off(end + 1);
         let lines = std::mem::replace(&mut self.partial, rest);
         for line in lines.split_inclusive(|b| *b == b'\n') {
+            // a reply (most lines: the watch's `query-migrate`) is looked
+            // through once
             if mentions_event(line) {
                 self.saw_event();
-            }
-            if let Some(name) = unknown_event(line) {
-                tracing::debug!(event = %name, "QMP event this build does not know: left out");
-                continue;
+                if let Some(name) = unknown_event(line) {
+                    tracing::debug!(event = %name, "QMP event this build does not know: left out");
+                    continue;
+                }
             }
             self.out.extend_from_slice(line);
         }
