@@ -20,7 +20,7 @@ Prints every run and the medians per (build, option).
 first also brings the lab up. Default: $FERRY_BIN. --with-control: the control service restarts
 from each build too.
 """
-import argparse, os, statistics, subprocess, sys, time
+import argparse, os, statistics, subprocess, time
 
 import compression
 import labqemu
@@ -63,10 +63,7 @@ def main():
                          "not the first since they started (connections kept, code touched, pools "
                          "grown), as every move of a drain but its first")
     a = ap.parse_args()
-    bins = a.bins.split(",")
-    for b in bins:
-        if not os.access(b, os.X_OK):
-            sys.exit(f"--bins: {b} is not an executable")
+    bins = labqemu.builds_of(a.bins)
     subprocess.run([bins[0], "lab", "up", "--replace", "--hosts", "2", "--nics", "2", "--rate", a.rate,
                     *labqemu.cpus_flag(a)],
                    check=True, capture_output=True)

@@ -18,9 +18,18 @@ import labqemu
 GUEST = "phases"
 
 
-def agent_cpu_ms(pid):
-    """CPU milliseconds of the live threads of process `pid` so far."""
-    return sum(labqemu.thread_cpu_ns(pid).values()) / 1e6
+class AgentClocks:
+    """CPU milliseconds each of `pids` has spent so far, by sampling every thread: a thread that
+    ends (a runtime's blocking thread idle long enough) keeps what was last sampled of it, so a
+    later reading never falls below an earlier one."""
+
+    def __init__(self, pids):
+        self.threads = {p: {} for p in pids}
+
+    def read(self):
+        for p, seen in self.threads.items():
+            seen.update(labqemu.thread_cpu_ns(p))
+        return [sum(seen.values()) / 1e6 for seen in self.threads.values()]
 
 
 def ferry(*args, check=True):
@@ -31,15 +40,15 @@ def one_round(a):
     ferry("vm", "rm", GUEST, check=False)
     ferry("vm", "create", GUEST, "--host", "host1", "--memory", a.memory, "--fill", a.fill)
     time.sleep(4)  # past the boot's and the fill's own work
-    pids = labqemu.agent_pids(("host1", "host2"))
-    before = [agent_cpu_ms(p) for p in pids]
+    clocks = AgentClocks(labqemu.agent_pids(("host1", "host2")))
+    before = clocks.read()
     time.sleep(a.idle)
-    idle = [(x - y) / a.idle for x, y in zip((agent_cpu_ms(p) for p in pids), before)]
+    idle = [(x - y) / a.idle for x, y in zip(clocks.read(), before)]
     samples, stop = [], threading.Event()
 
     def sample():
         while not stop.is_set():
-            samples.append((time.monotonic(), [agent_cpu_ms(p) for p in pids]))
+            samples.append((time.monotonic(), clocks.read()))
             time.sleep(0.02)
 
     t = threading.Thread(target=sample)

@@ -10,7 +10,7 @@ build, builds alternating round by round. Prints every run and the medians.
 
     sudo python3 bench/idle_vms.py --bins OLD,NEW [--guests 4] [--rounds 4] [--seconds 20]
 """
-import argparse, os, statistics, subprocess, sys, time
+import argparse, os, statistics, subprocess, time
 
 import labqemu
 from compression_ab import agents_from
@@ -24,10 +24,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=20)
     a = ap.parse_args()
-    bins = a.bins.split(",")
-    for b in bins:
-        if not os.access(b, os.X_OK):
-            sys.exit(f"--bins: {b} is not an executable")
+    bins = labqemu.builds_of(a.bins)
     subprocess.run([bins[0], "lab", "up", "--replace", "--hosts", "2", "--nics", "1"],
                    check=True, capture_output=True)
     names = [f"idle{i}" for i in range(a.guests)]

@@ -122,6 +122,15 @@ def cpu_seconds(pid):
     return (int(f[11]) + int(f[12])) / TICK
 
 
+def builds_of(csv, option="--bins"):
+    """The Ferry builds a bench compares (`A,B,…`), each checked to be an executable."""
+    bins = csv.split(",")
+    for b in bins:
+        if not os.access(b, os.X_OK):
+            sys.exit(f"{option}: {b} is not an executable")
+    return bins
+
+
 def agent_pids(hosts):
     return [int(open(f"/run/ferry/lab/{h}/agent.pid").read().strip()) for h in hosts]
 
