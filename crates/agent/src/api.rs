@@ -14,7 +14,7 @@
 //! | GET | /vms/{name}/console | the end of its serial console (query `bytes`, default 16 KiB, at most 1 MiB) |
 //! | POST | /vms/{name}/migrate | move (body: `MigrateRequest`), NDJSON events |
 //! | POST | /incoming | *peer*: target: reserve + skeleton (body: `IncomingRequest`) |
-//! | GET/DELETE | /incoming/{id} | *peer*: target: status / discard |
+//! | GET/DELETE | /incoming/{id} | *peer*: target: status (`?qemu=alive`: QEMU not asked) / discard |
 //! | POST | /incoming/{id}/ready | *peer*: target: wait until everything has loaded, paused (before the commit) |
 //! | POST | /incoming/{id}/run | *peer*: target: RUN, the source has committed: start the guest, adopt it |
 //! | GET | /migrations/{id} | *peer*: source: its record of a migration (`SourceStatus`), asked by a waiting target |
@@ -245,13 +245,30 @@ async fn incoming(
     Ok(Json(a.prepare_incoming(req).await?))
 }
 
+/// `?qemu=alive`: only whether the target's QEMU lives, QEMU not asked.
+#[derive(serde::Deserialize)]
+struct IncomingQuery {
+    qemu: Option<String>,
+}
+
 async fn incoming_status(
     State(a): State<Arc<Agent>>,
     caller: Caller,
     Path(id): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<IncomingQuery>,
 ) -> R<ferry_api::IncomingStatus> {
     own_incoming(&a, &id, &caller).await?;
-    Ok(Json(a.incoming_status(&id).await?))
+    Ok(Json(match q.qemu.as_deref() {
+        None => a.incoming_status(&id).await?,
+        Some("alive") => a.incoming_alive(&id).await?,
+        Some(other) => {
+            return Err(ApiError::InvalidArgument {
+                field: "qemu".into(),
+                reason: format!("'{}' is not 'alive'", other.escape_debug()),
+            }
+            .into())
+        }
+    }))
 }
 
 async fn incoming_ready(

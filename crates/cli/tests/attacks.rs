@@ -552,6 +552,24 @@ fn a_peer_agent_cannot_escalate_through_another_agent() {
         Some(&incoming(&id2, "host2", w.clone(), Some(good))),
     );
     assert!(st == 403 && body.contains("already used"), "{st} {body}");
+    // 22c. its source's looks: QEMU asked, or (`?qemu=alive`) only its process
+    // seen; any other answer to `qemu` is refused by name
+    let status = |q: &str| as_peer("host2", "GET", &url(&format!("/incoming/{id}{q}")), None);
+    let (st, body) = status("");
+    assert!(
+        st == 200 && body.contains("\"qemu_alive\":true") && body.contains("\"inmigrate\""),
+        "{body}"
+    );
+    let (st, body) = status("?qemu=alive");
+    assert!(
+        st == 200 && body.contains("\"qemu_alive\":true") && body.contains("\"unasked\""),
+        "{body}"
+    );
+    let (st, body) = status("?qemu=status%27");
+    assert!(
+        st == 400 && body.contains("qemu") && body.contains("not 'alive'"),
+        "{st} {body}"
+    );
     for m in ["GET", "DELETE"] {
         let (st, body) = as_peer("host3", m, &url(&format!("/incoming/{id}")), None);
         assert!(

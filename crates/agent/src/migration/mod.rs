@@ -307,6 +307,8 @@ fn tcp_uri(
 
 /// One look at the target while the source copies (`step`): its QEMU gone
 /// fails at once, its agent silent [`TARGET_POLL_FAILURES`] times in a row.
+/// The target answers from its QEMU's process, without asking QEMU, which
+/// answers late while it loads: the look does not hold up the watch.
 async fn poll_target(
     target: &Client,
     id: &str,
@@ -314,7 +316,10 @@ async fn poll_target(
     step: &'static str,
 ) -> Result<(), Failure> {
     match target
-        .get::<IncomingStatus>(&format!("/incoming/{id}"), Duration::from_secs(2))
+        .get::<IncomingStatus>(
+            &format!("/incoming/{id}?qemu=alive"),
+            Duration::from_secs(2),
+        )
         .await
     {
         Ok(s) if !s.qemu_alive => Err(fail(step, "the target QEMU exited")),

@@ -28,6 +28,9 @@ use crate::qmp::MigrationParameters;
 /// the fallback for an event that never comes, so it is rare: each look is
 /// a QMP round trip with its task and wake-up (BENCHMARKS.md, "READY woken
 /// by QEMU's events").
+/// `qemu_status` of a look that did not ask QEMU ([`Agent::incoming_alive`]).
+pub const QEMU_UNASKED: &str = "unasked";
+
 const READY_POLL: Duration = Duration::from_millis(250);
 
 /// The send buffer of the target's connections to QEMU when QEMU compressed
@@ -584,6 +587,19 @@ impl Agent {
     /// Where incoming migration `id` stands here: a waiting skeleton, a guest
     /// that was told to run, one discarded, or `unknown`.
     pub async fn incoming_status(&self, id: &str) -> Result<IncomingStatus, ApiError> {
+        self.incoming_look(id, true).await
+    }
+
+    /// [`Agent::incoming_status`] without asking QEMU: whether its process
+    /// lives, and `qemu_status` [`QEMU_UNASKED`]. The source's look while it
+    /// copies (`GET /incoming/ID?qemu=alive`) needs no more, and a QEMU that is
+    /// loading a stream answers `query-status` only between two of its chunks,
+    /// hundreds of milliseconds later.
+    pub async fn incoming_alive(&self, id: &str) -> Result<IncomingStatus, ApiError> {
+        self.incoming_look(id, false).await
+    }
+
+    async fn incoming_look(&self, id: &str, ask_qemu: bool) -> Result<IncomingStatus, ApiError> {
         let (phase, rec) = self.target_phase(id).await?;
         let q = match phase {
             Some(TargetPhase::Waiting | TargetPhase::Running) => {
@@ -601,12 +617,15 @@ impl Agent {
         };
         if let Some(q) = q {
             st.qemu_alive = q.alive().await;
-            st.qemu_status = q
-                .qmp
-                .status()
-                .await
-                .map(|s| s.status)
-                .unwrap_or_else(|_| "unreachable".into());
+            st.qemu_status = if !ask_qemu {
+                QEMU_UNASKED.into()
+            } else {
+                q.qmp
+                    .status()
+                    .await
+                    .map(|s| s.status)
+                    .unwrap_or_else(|_| "unreachable".into())
+            };
         } else if phase == Some(TargetPhase::Waiting) {
             // the skeleton's QEMU is still starting
             st.qemu_alive = true;
