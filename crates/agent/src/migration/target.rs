@@ -29,7 +29,7 @@ use crate::qmp::MigrationParameters;
 /// a QMP round trip with its task and wake-up (BENCHMARKS.md, "READY woken
 /// by QEMU's events").
 /// `qemu_status` of a look that did not ask QEMU ([`Agent::incoming_alive`]).
-pub const QEMU_UNASKED: &str = "unasked";
+const QEMU_UNASKED: &str = "unasked";
 
 const READY_POLL: Duration = Duration::from_millis(250);
 
@@ -591,7 +591,7 @@ impl Agent {
     }
 
     /// [`Agent::incoming_status`] without asking QEMU: whether its process
-    /// lives, and `qemu_status` [`QEMU_UNASKED`]. The source's look while it
+    /// lives, and `qemu_status` `unasked`. The source's look while it
     /// copies (`GET /incoming/ID?qemu=alive`) needs no more, and a QEMU that is
     /// loading a stream answers `query-status` only between two of its chunks,
     /// hundreds of milliseconds later.
