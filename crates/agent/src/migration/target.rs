@@ -22,15 +22,15 @@ use crate::host::{error_chain, Agent, Role};
 use crate::qemu::{self, QemuVm};
 use crate::qmp::MigrationParameters;
 
+/// `qemu_status` of a look that did not ask QEMU ([`Agent::incoming_alive`]).
+const QEMU_UNASKED: &str = "unasked";
+
 /// How often READY asks the skeleton whether it has loaded everything when
 /// no `MIGRATION` event woke it first. QEMU's completion event answers READY
 /// at once (in the blackout every millisecond is downtime); this look is only
 /// the fallback for an event that never comes, so it is rare: each look is
 /// a QMP round trip with its task and wake-up (BENCHMARKS.md, "READY woken
 /// by QEMU's events").
-/// `qemu_status` of a look that did not ask QEMU ([`Agent::incoming_alive`]).
-const QEMU_UNASKED: &str = "unasked";
-
 const READY_POLL: Duration = Duration::from_millis(250);
 
 /// The send buffer of the target's connections to QEMU when QEMU compressed
