@@ -76,11 +76,7 @@ def agents_from(binary, hosts=("host1", "host2"), control=False):
 
 def builds_of(a):
     """--old and --new, each checked to be an executable."""
-    builds = {"old": a.old, "new": a.new}
-    for name, b in builds.items():
-        if not os.access(b, os.X_OK):
-            sys.exit(f"--{name} {b}: not an executable")
-    return builds
+    return {"old": labqemu.executable(a.old, "--old"), "new": labqemu.executable(a.new, "--new")}
 
 
 def main():

@@ -122,13 +122,16 @@ def cpu_seconds(pid):
     return (int(f[11]) + int(f[12])) / TICK
 
 
+def executable(path, option):
+    """`path`, given by `option`, or exit naming both when it is not an executable."""
+    if not os.access(path, os.X_OK):
+        sys.exit(f"{option}: {path} is not an executable")
+    return path
+
+
 def builds_of(csv, option="--bins"):
     """The Ferry builds a bench compares (`A,B,…`), each checked to be an executable."""
-    bins = csv.split(",")
-    for b in bins:
-        if not os.access(b, os.X_OK):
-            sys.exit(f"{option}: {b} is not an executable")
-    return bins
+    return [executable(b, option) for b in csv.split(",")]
 
 
 def agent_pids(hosts):

@@ -82,10 +82,7 @@ def main():
             sys.exit("--boards: give two boards or more")
         builds = {name: a.new for name in boards}
     elif a.bins:
-        builds = {os.path.basename(b): b for b in a.bins.split(",")}
-        for b in builds.values():
-            if not os.access(b, os.X_OK):
-                sys.exit(f"--bins: {b}: not an executable")
+        builds = {os.path.basename(b): b for b in labqemu.builds_of(a.bins)}
         if len(builds) < 2:
             sys.exit("--bins: give two builds or more, with names of their own")
         a.new = list(builds.values())[-1]
