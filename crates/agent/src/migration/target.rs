@@ -617,14 +617,14 @@ impl Agent {
         };
         if let Some(q) = q {
             st.qemu_alive = q.alive().await;
-            st.qemu_status = if !ask_qemu {
-                QEMU_UNASKED.into()
-            } else {
+            st.qemu_status = if ask_qemu {
                 q.qmp
                     .status()
                     .await
                     .map(|s| s.status)
                     .unwrap_or_else(|_| "unreachable".into())
+            } else {
+                QEMU_UNASKED.into()
             };
         } else if phase == Some(TargetPhase::Waiting) {
             // the skeleton's QEMU is still starting
