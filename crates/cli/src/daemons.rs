@@ -419,6 +419,15 @@ pub async fn agent(a: &AgentArgs) -> anyhow::Result<i32> {
         ferry_agent::confine::ensure_cgroupfs()
             .context("mounting the cgroup controllers each VM's QEMU is confined in")?;
     }
+    // the carriers' relays on a runtime of their own, a worker per core (see
+    // `runtime_for` in main.rs); it lives as long as the process
+    let relays = tokio::runtime::Builder::new_multi_thread()
+        .thread_name("ferry-relay")
+        .enable_all()
+        .build()
+        .context("starting the relays' runtime")?;
+    ferry_transport::relay::set_runtime(relays.handle().clone());
+    std::mem::forget(relays);
     let agent = ferry_agent::Agent::new(cfg, cred, pki, std::sync::Arc::new(WorkloadConsole))?;
     ferry_agent::api::serve(agent).await?;
     Ok(0)

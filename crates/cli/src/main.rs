@@ -244,7 +244,7 @@ fn main() {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
-    let rt = match tokio::runtime::Runtime::new() {
+    let rt = match runtime_for(&cli.cmd) {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the runtime: {e}");
@@ -280,5 +280,21 @@ fn main() {
             eprintln!("error: {e:#}");
             std::process::exit(1);
         }
+    }
+}
+
+/// The runtime a command runs on. An agent's control plane (its API,
+/// heartbeats, the steps of each move) runs on one thread: it wakes a few
+/// times a second, and a second worker only adds the wake-ups of handing its
+/// tasks between threads. The carriers' relays, which wake for every frame,
+/// get a runtime of their own with a worker per core
+/// (`ferry_transport::relay`, set up in `daemons::agent`). Every other
+/// command runs on the default multi-threaded runtime.
+fn runtime_for(cmd: &Cmd) -> std::io::Result<tokio::runtime::Runtime> {
+    match cmd {
+        Cmd::Agent(_) => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+        _ => tokio::runtime::Runtime::new(),
     }
 }

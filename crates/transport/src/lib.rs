@@ -11,6 +11,7 @@
 //! - [`protocol`]: the wire format, versioned and authenticated, every field checked.
 //! - [`seal`]: carriers encrypted and authenticated per frame, when the cluster asks.
 //! - [`session`]: carriers, streams, scheduling, replay and failover.
+//! - [`relay`]: the runtime a session's tasks run on.
 //! - [`mptcp`]: the other carrier kind — kernel MPTCP, one connection per
 //!   stream, spliced, its subflows managed by Ferry.
 
@@ -18,6 +19,7 @@ pub mod compress;
 pub mod cpu;
 pub mod mptcp;
 pub mod protocol;
+pub mod relay;
 pub mod seal;
 pub mod session;
 

@@ -427,15 +427,29 @@ impl Session {
         carriers: Vec<(String, std::net::IpAddr, SocketAddr)>,
     ) -> Result<Session, TransportError> {
         let s = Session::new(session, keys, None);
+        let me = s.clone();
+        crate::relay::run(async move { me.start_source(listen, carriers) })
+            .await
+            .map_err(io("the relays' runtime"))??;
+        Ok(s)
+    }
+
+    /// The source's tasks: QEMU's connections accepted on `listen`, a
+    /// carrier dialled per `(nic, local, remote)`.
+    fn start_source(
+        &self,
+        listen: PathBuf,
+        carriers: Vec<(String, std::net::IpAddr, SocketAddr)>,
+    ) -> Result<(), TransportError> {
         let _ = std::fs::remove_file(&listen);
         let ul = UnixListener::bind(&listen).map_err(io(listen.display().to_string()))?;
         for (i, (nic, local, remote)) in carriers.into_iter().enumerate() {
             let index = i as u8;
-            s.register_carrier(index, &nic);
-            let me = s.clone();
+            self.register_carrier(index, &nic);
+            let me = self.clone();
             tokio::spawn(async move { me.dial_loop(index, nic, local, remote).await });
         }
-        let me = s.clone();
+        let me = self.clone();
         tokio::spawn(async move {
             let mut closed = me.inner.closed.subscribe();
             loop {
@@ -448,7 +462,7 @@ impl Session {
                 }
             }
         });
-        Ok(s)
+        Ok(())
     }
 
     /// Target side: listen on each NIC address; streams the source opens are
@@ -461,13 +475,26 @@ impl Session {
         connect_to: PathBuf,
     ) -> Result<(Session, Vec<(String, SocketAddr)>), TransportError> {
         let s = Session::new(session, keys, Some(connect_to));
+        let me = s.clone();
+        let bound = crate::relay::run(async move { me.start_target(nics).await })
+            .await
+            .map_err(io("the relays' runtime"))??;
+        Ok((s, bound))
+    }
+
+    /// The target's tasks: a listener per `(nic, address)`, each accepting
+    /// carriers. Returns the bound `(nic, address)` per listener.
+    async fn start_target(
+        &self,
+        nics: Vec<(String, std::net::IpAddr)>,
+    ) -> Result<Vec<(String, SocketAddr)>, TransportError> {
         let mut bound = Vec::new();
         for (nic, addr) in nics {
             let l = bind_migration_port(addr)
                 .await
                 .map_err(io(format!("listening on {nic} {addr}")))?;
             bound.push((nic.clone(), l.local_addr().map_err(io(nic.clone()))?));
-            let me = s.clone();
+            let me = self.clone();
             tokio::spawn(async move {
                 let mut closed = me.inner.closed.subscribe();
                 loop {
@@ -486,7 +513,7 @@ impl Session {
                 }
             });
         }
-        Ok((s, bound))
+        Ok(bound)
     }
 
     /// Every carrier frame is sealed (encrypted and authenticated).
