@@ -4,9 +4,9 @@
 //! agent's control plane (its API, heartbeats, the steps of a move) wakes a
 //! few times a second. An agent gives the relays a runtime of their own
 //! ([`set_runtime`]) with a worker per core, and keeps its control plane on
-//! one worker, so that the control plane's wake-ups do not spread over every
-//! core and the relays' share of the cores does not depend on it. Without a
-//! runtime set (tests, the CLI), sessions run on the caller's.
+//! one thread, so that the control plane's wake-ups are not handed between
+//! cores and the relays keep every core. Without a runtime set (tests, the
+//! CLI), sessions run on the caller's.
 
 use std::future::Future;
 use std::sync::OnceLock;
