@@ -320,3 +320,46 @@ impl Agent {
 
 pub use crate::facts::*;
 pub use ferry_api::util::error_chain;
+
+#[cfg(test)]
+impl Agent {
+    /// An agent with no NIC, no QEMU started and no TLS, its journal and
+    /// lease in `state_dir`: for tests of its tables and records.
+    pub(crate) fn for_tests(state_dir: &std::path::Path) -> Arc<Agent> {
+        let cfg = AgentConfig {
+            name: "host2".into(),
+            listen: "127.0.0.1:0".parse().expect("an address"),
+            url: "http://127.0.0.1:0".into(),
+            state_dir: state_dir.into(),
+            memory: 64 << 30,
+            nic_rate: None,
+            qemu: crate::qemu::QemuConfig {
+                binary: "qemu".into(),
+                accel: "tcg".into(),
+                kernel: "/k".into(),
+                initrd: "/i".into(),
+                ovmf: Default::default(),
+                tls_dir: None,
+                storage_pause_after: crate::qemu::STORAGE_PAUSE_AFTER,
+                local_disks: state_dir.join("disks"),
+                confine: None,
+            },
+            nics: Default::default(),
+            probe_port: 0,
+            storage_nic: None,
+            cpu_models: None,
+            grants: Default::default(),
+            console_log_max: crate::guest::CONSOLE_LOG_MAX,
+            storage_pause_max: crate::resilience::STORAGE_PAUSE_MAX,
+            limits: Default::default(),
+            reorder_window: 0,
+        };
+        Agent::new(
+            cfg,
+            ferry_api::auth::Credential::generate(),
+            None,
+            Arc::new(crate::guest::NoWorkload),
+        )
+        .expect("an agent without TLS")
+    }
+}

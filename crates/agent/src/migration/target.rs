@@ -39,6 +39,16 @@ const READY_POLL: Duration = Duration::from_millis(250);
 /// loading after the source paused.
 const COMPRESSED_SNDBUF: usize = 16 << 10;
 
+/// Incoming migration `id` as one look found it ([`Agent::incoming_here`]).
+struct IncomingHere {
+    /// None: this host never heard of it.
+    phase: Option<TargetPhase>,
+    /// The journal's record, when the phase came from it.
+    rec: Option<Record>,
+    /// The waiting skeleton: its VM's name and QEMU (None while it starts).
+    skeleton: Option<(String, Option<Arc<QemuVm>>)>,
+}
+
 impl Agent {
     /// Step 3-4 on the target: reserve memory, start a skeleton VM waiting on
     /// the chosen NIC, and report where the source should send.
@@ -479,37 +489,59 @@ impl Agent {
             .map_err(|e| ApiError::internal(error_chain(&e)))
     }
 
-    /// This host's phase for incoming migration `id`: a skeleton in the
-    /// table is waiting; otherwise the journal says (None: never heard of
-    /// it). An unreadable record is an error, never "never heard of it": the
-    /// source must hear no answer rather than "never ran".
-    async fn target_phase(
-        &self,
-        id: &str,
-    ) -> Result<(Option<TargetPhase>, Option<Record>), ApiError> {
-        if self.incoming_slot(id).await.is_ok() {
-            return Ok((Some(TargetPhase::Waiting), None));
+    /// Incoming migration `id` as this host holds it, in one look: a
+    /// skeleton in the table is waiting; otherwise the journal says (phase
+    /// None: never heard of it). An unreadable record is an error, never
+    /// "never heard of it": the source must hear no answer rather than
+    /// "never ran".
+    ///
+    /// The skeleton is taken with its phase, never looked up again: RUN
+    /// writes Running before it adopts the skeleton, so a look that found
+    /// none found Running in the journal, and one that found it acts on
+    /// what it found. A second lookup could miss a skeleton adopted in
+    /// between and answer "not found", which a committed source reads as
+    /// "never ran" (and would resume its own copy).
+    async fn incoming_here(&self, id: &str) -> Result<IncomingHere, ApiError> {
+        if let Some(skeleton) = self.incoming_slot(id).await {
+            return Ok(IncomingHere {
+                phase: Some(TargetPhase::Waiting),
+                rec: None,
+                skeleton: Some(skeleton),
+            });
         }
-        match self.moves.journal.read(id, false) {
-            Ok(Some(r)) => Ok(match r.side {
+        let (phase, rec) = match self.moves.journal.read(id, false) {
+            Ok(Some(r)) => match r.side {
                 Side::Target(p) => (Some(p), Some(r)),
                 Side::Source(_) => (None, None),
-            }),
-            Ok(None) => Ok((None, None)),
+            },
+            Ok(None) => (None, None),
             Err(e) => {
                 tracing::error!(error = %e, "reading the migration journal");
-                Err(ApiError::internal(format!(
+                return Err(ApiError::internal(format!(
                     "this host's record of migration {id} cannot be read ({}); it answers nothing about it",
                     error_chain(&e)
-                )))
+                )));
             }
-        }
+        };
+        Ok(IncomingHere {
+            phase,
+            rec,
+            skeleton: None,
+        })
     }
 
     /// Drops a skeleton that never ran: its transport session, its QEMU (its
     /// log kept), its reservation; the journal then says Discarded.
+    /// A VM that is no longer a skeleton (RUN adopted it meanwhile) is
+    /// left alone.
     async fn discard(&self, name: &str) {
-        let slot = self.state.lock().await.vms.remove(name);
+        let slot = {
+            let mut st = self.state.lock().await;
+            match st.vms.get(name) {
+                Some(s) if matches!(s.role, Role::Incoming { .. }) => st.vms.remove(name),
+                _ => None,
+            }
+        };
         let Some(slot) = slot else { return };
         if let Some(t) = slot.transport {
             t.close();
@@ -551,29 +583,34 @@ impl Agent {
                 return waiting;
             }
         }
-        self.target_phase(id).await.ok()?.1.map(|r| r.peer)
+        self.incoming_here(id).await.ok()?.rec.map(|r| r.peer)
     }
 
-    async fn incoming_slot(&self, id: &str) -> Result<(String, Option<Arc<QemuVm>>), ApiError> {
+    /// The waiting skeleton of incoming migration `id`: its VM's name and
+    /// QEMU (None while it starts).
+    async fn incoming_slot(&self, id: &str) -> Option<(String, Option<Arc<QemuVm>>)> {
         let st = self.state.lock().await;
         st.vms
             .iter()
             .find(|(_, s)| matches!(&s.role, Role::Incoming { migration_id, .. } if migration_id == id))
             .map(|(n, s)| (n.clone(), s.qemu.clone()))
-            .ok_or_else(|| ApiError::not_found("incoming migration", id))
     }
 
-    /// The QEMU of incoming migration `id` in `phase`: the waiting
+    /// The QEMU of incoming migration `id` as `here` found it: the waiting
     /// skeleton's, or (running) the adopted guest's, found by its record.
+    /// A journal that says waiting with no skeleton in the table (one not
+    /// started yet, or being discarded) is "not found": it never ran.
     async fn incoming_qemu(
         &self,
         id: &str,
-        phase: Option<TargetPhase>,
-        rec: Option<&Record>,
+        here: &IncomingHere,
     ) -> Result<Option<Arc<QemuVm>>, ApiError> {
-        Ok(match (phase, rec) {
-            (Some(TargetPhase::Waiting), _) => self.incoming_slot(id).await?.1,
-            (Some(TargetPhase::Running), Some(r)) => self
+        Ok(match (here.phase, &here.skeleton, &here.rec) {
+            (Some(TargetPhase::Waiting), Some((_, q)), _) => q.clone(),
+            (Some(TargetPhase::Waiting), None, _) => {
+                return Err(ApiError::not_found("incoming migration", id))
+            }
+            (Some(TargetPhase::Running), _, Some(r)) => self
                 .state
                 .lock()
                 .await
@@ -600,13 +637,9 @@ impl Agent {
     }
 
     async fn incoming_look(&self, id: &str, ask_qemu: bool) -> Result<IncomingStatus, ApiError> {
-        let (phase, rec) = self.target_phase(id).await?;
-        let q = match phase {
-            Some(TargetPhase::Waiting | TargetPhase::Running) => {
-                self.incoming_qemu(id, phase, rec.as_ref()).await?
-            }
-            _ => None,
-        };
+        let here = self.incoming_here(id).await?;
+        let phase = here.phase;
+        let q = self.incoming_qemu(id, &here).await?;
         let mut st = IncomingStatus {
             migration_id: id.into(),
             qemu_status: "none".into(),
@@ -655,7 +688,10 @@ impl Agent {
     /// Before the commit: waits until the skeleton's QEMU has loaded every
     /// byte and device, paused (it was started with `-S` and has never run).
     pub async fn ready_incoming(&self, id: &str) -> Result<IncomingStatus, ApiError> {
-        let (_, q) = self.incoming_slot(id).await?;
+        let (_, q) = self
+            .incoming_slot(id)
+            .await
+            .ok_or_else(|| ApiError::not_found("incoming migration", id))?;
         let q = q.ok_or_else(|| ApiError::Conflict {
             reason: "skeleton QEMU is still starting".into(),
         })?;
@@ -737,13 +773,15 @@ impl Agent {
     /// RUN for a skeleton discarded earlier answers `discarded`.
     pub async fn run_incoming(&self, id: &str) -> Result<IncomingStatus, ApiError> {
         crate::failpoint::hit("target-before-run");
-        let (phase, rec) = self.target_phase(id).await?;
-        let Some(phase) = phase else {
+        let here = self.incoming_here(id).await?;
+        let Some(phase) = here.phase else {
             return self.incoming_status(id).await;
         };
         match target_next(phase, TargetEvent::Run).1 {
             TargetAction::RecordAndRun => {
-                let (name, q) = self.incoming_slot(id).await?;
+                let Some((name, q)) = here.skeleton else {
+                    return Err(ApiError::not_found("incoming migration", id));
+                };
                 let q = match q {
                     Some(q) if q.alive().await => q,
                     _ => {
@@ -796,7 +834,7 @@ impl Agent {
             }
             TargetAction::AnswerRunning => {
                 // make sure it runs (a `cont` may have been lost with a crash)
-                if let Some(r) = rec {
+                if let Some(r) = here.rec {
                     let q = self
                         .state
                         .lock()
@@ -870,7 +908,10 @@ impl Agent {
     /// (its link was down when the connection opened, or the subflow
     /// closed). Returns the NIC announced.
     pub async fn rejoin_incoming(&self, id: &str, nic: &str) -> Result<String, ApiError> {
-        let (name, _) = self.incoming_slot(id).await?;
+        let (name, _) = self
+            .incoming_slot(id)
+            .await
+            .ok_or_else(|| ApiError::not_found("incoming migration", id))?;
         let mptcp = matches!(
             self.state
                 .lock()
@@ -909,11 +950,12 @@ impl Agent {
         id: &str,
         nic: &str,
     ) -> Result<RecoverReply, ApiError> {
-        let q = match self.target_phase(id).await? {
-            (p @ Some(TargetPhase::Waiting | TargetPhase::Running), rec) => {
-                self.incoming_qemu(id, p, rec.as_ref()).await?
+        let here = self.incoming_here(id).await?;
+        let q = match here.phase {
+            Some(TargetPhase::Waiting | TargetPhase::Running) => {
+                self.incoming_qemu(id, &here).await?
             }
-            (p, _) => {
+            p => {
                 return Err(ApiError::Conflict {
                     reason: format!(
                         "incoming migration {id} is {} here: nothing to recover",
@@ -981,13 +1023,15 @@ impl Agent {
     /// The source rolled back: discard the skeleton. Refused once the guest
     /// may have run here.
     pub async fn abort_incoming(&self, id: &str) -> Result<(), ApiError> {
-        let (phase, _) = self.target_phase(id).await?;
-        let Some(phase) = phase else {
+        let here = self.incoming_here(id).await?;
+        let Some(phase) = here.phase else {
             return Err(ApiError::not_found("incoming migration", id));
         };
         match target_next(phase, TargetEvent::Abort).1 {
             TargetAction::Discard => {
-                let (name, _) = self.incoming_slot(id).await?;
+                let Some((name, _)) = here.skeleton else {
+                    return Err(ApiError::not_found("incoming migration", id));
+                };
                 self.discard(&name).await;
                 Ok(())
             }
@@ -1274,6 +1318,92 @@ mod tests {
     use super::*;
     use crate::qmp::MigrationSeen;
     use tokio::sync::watch;
+
+    /// RUN's two steps are Running written, then the skeleton adopted. A
+    /// look (`GET /incoming/ID`) that finds the skeleton while the adoption
+    /// waits for the VM table behind it must still answer from what it
+    /// found: waiting. Were it to look the skeleton up again, it would miss
+    /// it and answer "not found", which a committed source reads as "never
+    /// ran" (and resumes its own copy of the guest). The table's lock is
+    /// fair, so the adoption, queued behind the look, takes it as soon as
+    /// the look lets go; a look after the adoption answers running.
+    #[tokio::test]
+    async fn a_look_racing_runs_adoption_answers_waiting_then_running_never_not_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = Agent::for_tests(dir.path());
+        let role = Role::Incoming {
+            migration_id: "m1".into(),
+            source: "host1".into(),
+            source_url: "https://host1".into(),
+            dir: dir.path().join("vms/vm1.in-m1"),
+            since: Instant::now(),
+            agent_cpu_at_start: Duration::ZERO,
+        };
+        let spec = ferry_api::VmSpec::workload("vm1", 1 << 30, 256 << 20, 20 << 20);
+        agent
+            .state
+            .lock()
+            .await
+            .vms
+            .insert("vm1".into(), crate::host::VmSlot::new(spec, role, None));
+        let rec = Record {
+            migration_id: "m1".into(),
+            vm: "vm1".into(),
+            peer: "host1".into(),
+            peer_url: "https://host1".into(),
+            side: Side::Target(TargetPhase::Waiting),
+            updated: 0,
+            sealed: true,
+        };
+        agent.moves.journal.write(&rec).unwrap();
+        assert_eq!(agent.incoming_status("m1").await.unwrap().phase, "waiting");
+        // RUN's first step
+        agent.set_target_phase("m1", TargetPhase::Running).unwrap();
+        let table = agent.state.lock().await;
+        let look = tokio::spawn({
+            let agent = agent.clone();
+            async move { agent.incoming_status("m1").await }
+        });
+        let adoption = tokio::spawn({
+            let agent = agent.clone();
+            async move {
+                if let Some(s) = agent.state.lock().await.vms.get_mut("vm1") {
+                    s.role = Role::Running;
+                }
+            }
+        });
+        // both wait for the table, the look first
+        for _ in 0..3 {
+            tokio::task::yield_now().await;
+        }
+        drop(table);
+        let answer = look.await.unwrap();
+        adoption.await.unwrap();
+        match answer {
+            Ok(st) => assert_eq!(st.phase, "waiting"),
+            Err(e) => panic!("a look racing RUN's adoption answered {e:?}"),
+        }
+        assert!(matches!(
+            agent.state.lock().await.vms.get("vm1").map(|s| &s.role),
+            Some(Role::Running)
+        ));
+        assert_eq!(agent.incoming_status("m1").await.unwrap().phase, "running");
+    }
+
+    /// A discard that comes after RUN adopted the skeleton leaves the
+    /// guest alone: only a skeleton is ever discarded.
+    #[tokio::test]
+    async fn a_discard_after_the_adoption_leaves_the_running_guest() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = Agent::for_tests(dir.path());
+        let spec = ferry_api::VmSpec::workload("vm1", 1 << 30, 256 << 20, 20 << 20);
+        agent.state.lock().await.vms.insert(
+            "vm1".into(),
+            crate::host::VmSlot::new(spec, Role::Running, None),
+        );
+        agent.discard("vm1").await;
+        assert!(agent.state.lock().await.vms.contains_key("vm1"));
+    }
 
     /// READY's loop (`ready_incoming`'s) with a look that answers on its
     /// `n`th call and, before, runs `during` (what happens while QEMU is
