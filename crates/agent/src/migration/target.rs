@@ -533,8 +533,8 @@ impl Agent {
     /// Drops a skeleton that never ran: its transport session, its QEMU (its
     /// log kept), its reservation; the journal then says Discarded.
     /// A VM that is no longer a skeleton (RUN adopted it meanwhile) is
-    /// left alone.
-    async fn discard(&self, name: &str) {
+    /// left alone. Returns whether a skeleton was discarded.
+    async fn discard(&self, name: &str) -> bool {
         let slot = {
             let mut st = self.state.lock().await;
             match st.vms.get(name) {
@@ -542,7 +542,7 @@ impl Agent {
                 _ => None,
             }
         };
-        let Some(slot) = slot else { return };
+        let Some(slot) = slot else { return false };
         if let Some(t) = slot.transport {
             t.close();
         }
@@ -564,6 +564,7 @@ impl Agent {
             }
             tracing::info!(vm = %name, migration = %migration_id, "skeleton discarded; it never ran");
         }
+        true
     }
 
     /// The source host of incoming migration `id`, as it introduced itself
@@ -1032,8 +1033,16 @@ impl Agent {
                 let Some((name, _)) = here.skeleton else {
                     return Err(ApiError::not_found("incoming migration", id));
                 };
-                self.discard(&name).await;
-                Ok(())
+                if self.discard(&name).await {
+                    return Ok(());
+                }
+                // RUN adopted it between the look and the discard
+                Err(ApiError::Conflict {
+                    reason: format!(
+                        "migration {id} was committed while it was being discarded and the guest runs on {}; it is not discarded",
+                        self.cfg.name
+                    ),
+                })
             }
             TargetAction::RefuseAbort => Err(ApiError::Conflict {
                 reason: format!(
@@ -1319,23 +1328,15 @@ mod tests {
     use crate::qmp::MigrationSeen;
     use tokio::sync::watch;
 
-    /// RUN's two steps are Running written, then the skeleton adopted. A
-    /// look (`GET /incoming/ID`) that finds the skeleton while the adoption
-    /// waits for the VM table behind it must still answer from what it
-    /// found: waiting. Were it to look the skeleton up again, it would miss
-    /// it and answer "not found", which a committed source reads as "never
-    /// ran" (and resumes its own copy of the guest). The table's lock is
-    /// fair, so the adoption, queued behind the look, takes it as soon as
-    /// the look lets go; a look after the adoption answers running.
-    #[tokio::test]
-    async fn a_look_racing_runs_adoption_answers_waiting_then_running_never_not_found() {
-        let dir = tempfile::tempdir().unwrap();
-        let agent = Agent::for_tests(dir.path());
+    /// An agent holding a skeleton of VM `vm1` for incoming migration
+    /// `m1` (no QEMU yet), its journal at RUN's first step: Running.
+    async fn running_skeleton(dir: &std::path::Path) -> Arc<Agent> {
+        let agent = Agent::for_tests(dir);
         let role = Role::Incoming {
             migration_id: "m1".into(),
             source: "host1".into(),
             source_url: "https://host1".into(),
-            dir: dir.path().join("vms/vm1.in-m1"),
+            dir: dir.join("vms/vm1.in-m1"),
             since: Instant::now(),
             agent_cpu_at_start: Duration::ZERO,
         };
@@ -1357,13 +1358,19 @@ mod tests {
         };
         agent.moves.journal.write(&rec).unwrap();
         assert_eq!(agent.incoming_status("m1").await.unwrap().phase, "waiting");
-        // RUN's first step
         agent.set_target_phase("m1", TargetPhase::Running).unwrap();
+        agent
+    }
+
+    /// Runs `first` while RUN's adoption of `vm1` waits for the VM table
+    /// behind it: the table's lock is fair, so the adoption takes it as
+    /// soon as `first` lets go of it once. Returns `first`'s result.
+    async fn racing_the_adoption<T: Send + 'static>(
+        agent: &Arc<Agent>,
+        first: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> T {
         let table = agent.state.lock().await;
-        let look = tokio::spawn({
-            let agent = agent.clone();
-            async move { agent.incoming_status("m1").await }
-        });
+        let first = tokio::spawn(first);
         let adoption = tokio::spawn({
             let agent = agent.clone();
             async move {
@@ -1372,21 +1379,62 @@ mod tests {
                 }
             }
         });
-        // both wait for the table, the look first
+        // both wait for the table, `first` ahead
         for _ in 0..3 {
             tokio::task::yield_now().await;
         }
         drop(table);
-        let answer = look.await.unwrap();
+        let out = first.await.unwrap();
         adoption.await.unwrap();
-        match answer {
-            Ok(st) => assert_eq!(st.phase, "waiting"),
-            Err(e) => panic!("a look racing RUN's adoption answered {e:?}"),
-        }
         assert!(matches!(
             agent.state.lock().await.vms.get("vm1").map(|s| &s.role),
             Some(Role::Running)
         ));
+        out
+    }
+
+    /// RUN's two steps are Running written, then the skeleton adopted. A
+    /// look (`GET /incoming/ID`) that finds the skeleton while the adoption
+    /// waits behind it must answer from what it found: waiting. Were it to
+    /// look the skeleton up again, it would miss it and answer "not
+    /// found", which a committed source reads as "never ran" (and resumes
+    /// its own copy of the guest). A look after the adoption answers
+    /// running.
+    #[tokio::test]
+    async fn a_look_racing_runs_adoption_answers_waiting_then_running_never_not_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = running_skeleton(dir.path()).await;
+        let look = racing_the_adoption(&agent, {
+            let agent = agent.clone();
+            async move { agent.incoming_status("m1").await }
+        })
+        .await;
+        match look {
+            Ok(st) => assert_eq!(st.phase, "waiting"),
+            Err(e) => panic!("a look racing RUN's adoption answered {e:?}"),
+        }
+        assert_eq!(agent.incoming_status("m1").await.unwrap().phase, "running");
+    }
+
+    /// A discard (`DELETE /incoming/ID`) that found the skeleton, racing
+    /// RUN's adoption, refuses rather than say it discarded a guest that
+    /// runs; the guest stays.
+    #[tokio::test]
+    async fn a_discard_racing_runs_adoption_is_refused_and_the_guest_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = running_skeleton(dir.path()).await;
+        let abort = racing_the_adoption(&agent, {
+            let agent = agent.clone();
+            async move { agent.abort_incoming("m1").await }
+        })
+        .await;
+        match abort {
+            Err(ApiError::Conflict { reason }) => {
+                assert!(reason.contains("runs on host2"), "{reason}")
+            }
+            other => panic!("a discard racing RUN's adoption answered {other:?}"),
+        }
+        assert!(agent.state.lock().await.vms.contains_key("vm1"));
         assert_eq!(agent.incoming_status("m1").await.unwrap().phase, "running");
     }
 
@@ -1401,7 +1449,7 @@ mod tests {
             "vm1".into(),
             crate::host::VmSlot::new(spec, Role::Running, None),
         );
-        agent.discard("vm1").await;
+        assert!(!agent.discard("vm1").await);
         assert!(agent.state.lock().await.vms.contains_key("vm1"));
     }
 
