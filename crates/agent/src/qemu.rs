@@ -90,6 +90,23 @@ pub struct QemuConfig {
 }
 
 impl QemuConfig {
+    /// QEMU as `qemu` under TCG, no TLS and no confinement, local drives
+    /// in `local_disks`: for tests that start no QEMU.
+    #[cfg(test)]
+    pub(crate) fn for_tests(local_disks: PathBuf) -> QemuConfig {
+        QemuConfig {
+            tls_dir: None,
+            binary: "qemu".into(),
+            accel: "tcg".into(),
+            kernel: "/k".into(),
+            initrd: "/i".into(),
+            ovmf: Default::default(),
+            storage_pause_after: STORAGE_PAUSE_AFTER,
+            local_disks,
+            confine: None,
+        }
+    }
+
     /// The file of local drive `name` of VM `vm`.
     pub fn local_disk(&self, vm: &str, name: &str) -> PathBuf {
         self.local_disks.join(vm).join(name)
@@ -1135,17 +1152,7 @@ mod tests {
     }
 
     fn cfg() -> QemuConfig {
-        QemuConfig {
-            tls_dir: None,
-            binary: "qemu".into(),
-            accel: "tcg".into(),
-            kernel: "/k".into(),
-            initrd: "/i".into(),
-            ovmf: Default::default(),
-            storage_pause_after: STORAGE_PAUSE_AFTER,
-            local_disks: "/state/disks".into(),
-            confine: None,
-        }
+        QemuConfig::for_tests("/state/disks".into())
     }
 
     fn spec() -> VmSpec {
