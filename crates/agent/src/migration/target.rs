@@ -45,8 +45,18 @@ struct IncomingHere {
     phase: Option<TargetPhase>,
     /// The journal's record, when the phase came from it.
     rec: Option<Record>,
-    /// The waiting skeleton: its VM's name and QEMU (None while it starts).
-    skeleton: Option<(String, Option<Arc<QemuVm>>)>,
+    /// The waiting skeleton.
+    skeleton: Option<Skeleton>,
+}
+
+/// A waiting skeleton, as the VM table held it.
+struct Skeleton {
+    /// Its VM's name.
+    vm: String,
+    /// Its QEMU (None while it starts).
+    qemu: Option<Arc<QemuVm>>,
+    /// The source host, as it introduced itself.
+    source: String,
 }
 
 impl Agent {
@@ -570,31 +580,28 @@ impl Agent {
     /// The source host of incoming migration `id`, as it introduced itself
     /// (a waiting skeleton, or the journal's record); None: unknown here.
     pub async fn incoming_peer(&self, id: &str) -> Option<String> {
-        {
-            let st = self.state.lock().await;
-            let waiting = st.vms.values().find_map(|s| match &s.role {
-                Role::Incoming {
-                    migration_id,
-                    source,
-                    ..
-                } if migration_id == id => Some(source.clone()),
-                _ => None,
-            });
-            if waiting.is_some() {
-                return waiting;
-            }
+        let here = self.incoming_here(id).await.ok()?;
+        match here.skeleton {
+            Some(s) => Some(s.source),
+            None => here.rec.map(|r| r.peer),
         }
-        self.incoming_here(id).await.ok()?.rec.map(|r| r.peer)
     }
 
-    /// The waiting skeleton of incoming migration `id`: its VM's name and
-    /// QEMU (None while it starts).
-    async fn incoming_slot(&self, id: &str) -> Option<(String, Option<Arc<QemuVm>>)> {
+    /// The waiting skeleton of incoming migration `id`.
+    async fn incoming_slot(&self, id: &str) -> Option<Skeleton> {
         let st = self.state.lock().await;
-        st.vms
-            .iter()
-            .find(|(_, s)| matches!(&s.role, Role::Incoming { migration_id, .. } if migration_id == id))
-            .map(|(n, s)| (n.clone(), s.qemu.clone()))
+        st.vms.iter().find_map(|(n, s)| match &s.role {
+            Role::Incoming {
+                migration_id,
+                source,
+                ..
+            } if migration_id == id => Some(Skeleton {
+                vm: n.clone(),
+                qemu: s.qemu.clone(),
+                source: source.clone(),
+            }),
+            _ => None,
+        })
     }
 
     /// The QEMU of incoming migration `id` as `here` found it: the waiting
@@ -607,7 +614,7 @@ impl Agent {
         here: &IncomingHere,
     ) -> Result<Option<Arc<QemuVm>>, ApiError> {
         Ok(match (here.phase, &here.skeleton, &here.rec) {
-            (Some(TargetPhase::Waiting), Some((_, q)), _) => q.clone(),
+            (Some(TargetPhase::Waiting), Some(s), _) => s.qemu.clone(),
             (Some(TargetPhase::Waiting), None, _) => {
                 return Err(ApiError::not_found("incoming migration", id))
             }
@@ -689,10 +696,11 @@ impl Agent {
     /// Before the commit: waits until the skeleton's QEMU has loaded every
     /// byte and device, paused (it was started with `-S` and has never run).
     pub async fn ready_incoming(&self, id: &str) -> Result<IncomingStatus, ApiError> {
-        let (_, q) = self
+        let q = self
             .incoming_slot(id)
             .await
-            .ok_or_else(|| ApiError::not_found("incoming migration", id))?;
+            .ok_or_else(|| ApiError::not_found("incoming migration", id))?
+            .qemu;
         let q = q.ok_or_else(|| ApiError::Conflict {
             reason: "skeleton QEMU is still starting".into(),
         })?;
@@ -780,7 +788,10 @@ impl Agent {
         };
         match target_next(phase, TargetEvent::Run).1 {
             TargetAction::RecordAndRun => {
-                let Some((name, q)) = here.skeleton else {
+                let Some(Skeleton {
+                    vm: name, qemu: q, ..
+                }) = here.skeleton
+                else {
                     return Err(ApiError::not_found("incoming migration", id));
                 };
                 let q = match q {
@@ -909,10 +920,11 @@ impl Agent {
     /// (its link was down when the connection opened, or the subflow
     /// closed). Returns the NIC announced.
     pub async fn rejoin_incoming(&self, id: &str, nic: &str) -> Result<String, ApiError> {
-        let (name, _) = self
+        let name = self
             .incoming_slot(id)
             .await
-            .ok_or_else(|| ApiError::not_found("incoming migration", id))?;
+            .ok_or_else(|| ApiError::not_found("incoming migration", id))?
+            .vm;
         let mptcp = matches!(
             self.state
                 .lock()
@@ -1030,10 +1042,10 @@ impl Agent {
         };
         match target_next(phase, TargetEvent::Abort).1 {
             TargetAction::Discard => {
-                let Some((name, _)) = here.skeleton else {
+                let Some(skeleton) = here.skeleton else {
                     return Err(ApiError::not_found("incoming migration", id));
                 };
-                if self.discard(&name).await {
+                if self.discard(&skeleton.vm).await {
                     return Ok(());
                 }
                 // RUN adopted it between the look and the discard
